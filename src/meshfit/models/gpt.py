@@ -1,0 +1,274 @@
+"""Reference decoder-only transformer: GPT-2 and Llama shapes from one `GPTConfig`.
+
+Module layout follows torchtitan so parallel plans can address modules by name:
+
+    tok_emb, pos_emb, drop, layers["0".."L-1"], norm, lm_head
+    layers[i]: attn_norm, attn.{wq, wk, wv, wo}, mlp_norm, mlp.{w_in, w_out} | mlp.{w1, w2, w3}
+
+q/k/v are separate linears (not one fused qkv) so a tensor-parallel plan can shard each
+column-wise; attention infers the local head count from the projection width, so it runs
+unchanged when wq/wk/wv hold only a shard of the heads (Megatron-LM, Shoeybi et al. 2019).
+
+A pipeline stage is the same class with parts removed: `tok_emb`, `pos_emb`, `norm`,
+`lm_head` may be None and `layers` may miss keys. Keys keep their global index, so
+parameter names (and hence checkpoints and `init_weights` values) match the full model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfit.models.config import GPTConfig
+
+__all__ = ["GPT", "GPTConfig", "Block", "Attention", "GeluMLP", "SwiGLUMLP", "count_params"]
+
+
+def count_params(module: nn.Module) -> int:
+    """Number of unique parameter elements; a tied weight is counted once.
+
+    `Module.parameters()` already de-duplicates shared tensors by identity, which also holds
+    on the meta device where every tensor reports data_ptr 0.
+    """
+    return sum(p.numel() for p in module.parameters())
+
+
+def _norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE (Su et al. 2021) to x [B, H, T, hd] with cos/sin [T, hd/2].
+
+    Uses the "rotate half" channel pairing (channel i with i + hd/2) of the Hugging Face
+    Llama port, so HF checkpoints load without permuting wq/wk. The rotation runs in
+    float32, as in Meta's Llama reference, so bf16 activations keep position precision.
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with optional grouped-query attention (Ainslie et al. 2023).
+
+    In/out: [B, T, d_model]. wq/wo are d->d, wk/wv are d->n_kv_head*head_dim.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(d, d, bias=cfg.bias)
+        self.wk = nn.Linear(d, kv, bias=cfg.bias)
+        self.wv = nn.Linear(d, kv, bias=cfg.bias)
+        self.wo = nn.Linear(d, d, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its shard of the heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        if k.shape[1] != q.shape[1]:
+            # GQA by hand rather than sdpa(enable_gqa=True), which older torch lacks.
+            # repeat_interleave keeps query heads h*g..h*g+g-1 on kv head h, the Llama layout.
+            groups = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_drop(self.wo(y))
+
+
+class GeluMLP(nn.Module):
+    """GPT-2 MLP: w_out(gelu(w_in x)), tanh-approximate GELU as in the GPT-2 release."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.w_in = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.w_out(F.gelu(self.w_in(x), approximate="tanh")))
+
+
+class SwiGLUMLP(nn.Module):
+    """Llama MLP (Shazeer 2020, "GLU Variants"): w2(silu(w1 x) * w3 x); w1 gate, w3 up, w2 down."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = _norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = _norm(cfg)
+        self.mlp = GeluMLP(cfg) if cfg.mlp == "gelu" else SwiGLUMLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# Output projections that write into the residual stream; their init is scaled down.
+_RESIDUAL_OUT = ("wo", "w_out", "w2")
+
+
+class GPT(nn.Module):
+    """Decoder-only language model.
+
+    forward(idx [B, T] long) -> logits [B, T, vocab] float; with targets [B, T] -> mean
+    cross-entropy (scalar, ignore_index -100). As a pipeline stage: without tok_emb the input
+    is hidden states [B, T, d_model]; without lm_head the output is hidden states.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb: nn.Embedding | None = (
+            nn.Embedding(config.max_seq_len, config.d_model) if config.pos == "learned" else None
+        )
+        self.drop = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.norm: nn.Module | None = _norm(config)
+        # GPT-2 has no output bias; neither has Llama.
+        self.lm_head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            # Press & Wolf 2017: sharing input and output embeddings, as GPT-2 does.
+            self.lm_head.weight = self.tok_emb.weight
+        # Non-persistent: RoPE has no parameters, and the cache is recomputed by init_weights
+        # (it is garbage after meta-device construction + to_empty, like any buffer).
+        if config.pos == "rope":
+            self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+        if self.tok_emb.weight.device.type != "meta":
+            self.init_weights()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Deterministic init; also (re)computes the RoPE cache.
+
+        Draws one base seed from `generator` (the global CPU RNG when None), then fills each
+        parameter from its own generator seeded by (base seed, parameter name). The values of
+        a parameter therefore depend only on the seed and its name, not on which other parts
+        the module holds: a pipeline stage initialised with the same seed gets exactly the
+        full model's weights for its slice. Meta tensors are skipped.
+
+        Linears/embeddings ~ N(0, init_std); biases 0; norm weights 1. Residual output
+        projections (wo, w_out, w2) use init_std / sqrt(2 * n_layer): GPT-2 (Radford et al.
+        2019, sec. 2.3) scales residual-layer weights by 1/sqrt(N), N = number of residual
+        layers, two per block; nanoGPT does the same.
+        """
+        device = "cpu" if generator is None else generator.device
+        base = int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
+        self._init_rope()
+        cfg, seen = self.config, set()
+        for mod_name, module in self.named_modules():
+            for p_name, p in module.named_parameters(recurse=False):
+                if id(p) in seen or p.is_meta:
+                    continue
+                seen.add(id(p))
+                name = f"{mod_name}.{p_name}" if mod_name else p_name
+                if name == "lm_head.weight" and cfg.tie_embeddings:
+                    name = "tok_emb.weight"  # a stage holding only the tied head: same values
+                if p_name == "bias":
+                    p.zero_()
+                elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                    p.fill_(1.0)
+                else:
+                    std = cfg.init_std
+                    if mod_name.rsplit(".", 1)[-1] in _RESIDUAL_OUT:
+                        std /= math.sqrt(2 * cfg.n_layer)
+                    p.normal_(0.0, std, generator=_param_generator(base, name, p.device))
+
+    def _init_rope(self) -> None:
+        if self.rope_cos is None or self.rope_cos.is_meta:
+            return
+        cfg, device = self.config, self.rope_cos.device
+        inv_freq = cfg.rope_theta ** (
+            -torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim
+        )
+        angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+        self.rope_cos.copy_(angles.cos())
+        self.rope_sin.copy_(angles.sin())
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {T} exceeds GPTConfig.max_seq_len={self.config.max_seq_len}; "
+                "shorten the input or raise max_seq_len"
+            )
+        if self.tok_emb is not None:
+            h = self.tok_emb(idx)
+            # Positions go in with the tokens only: a later stage's input already has them.
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(torch.arange(T, device=idx.device))
+            h = self.drop(h)
+        else:
+            h = idx
+        # Positions come from the sequence, not from the layer index, so a stage starting
+        # at layer k rotates exactly as the full model does.
+        rope = None if self.rope_cos is None else (self.rope_cos[:T], self.rope_sin[:T])
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is None:
+            return h
+        logits = self.lm_head(h)
+        if targets is None:
+            return logits
+        # float32 cross-entropy: log-softmax over a large vocabulary is unstable in bf16.
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    # ------------------------------------------------------------------ accounting
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters held by this module (a stage counts only its slice).
+
+        `exclude_embeddings` drops tok_emb and pos_emb (and a tied head with them), matching
+        `GPTConfig.num_params(exclude_embeddings=True)` for a full model.
+        """
+        n = count_params(self)
+        if exclude_embeddings:
+            for emb in (self.tok_emb, self.pos_emb):
+                if emb is not None:
+                    n -= emb.weight.numel()
+        return n
+
+
+def _param_generator(base: int, name: str, device: torch.device) -> torch.Generator:
+    # sha256, not hash(): Python's str hash is salted per process and would break
+    # cross-process determinism.
+    digest = hashlib.sha256(f"{base}/{name}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
