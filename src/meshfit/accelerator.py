@@ -1,0 +1,267 @@
+"""`Accelerator`: a thin facade for users' own training loops.
+
+It speaks Hugging Face Accelerate's calls (``prepare``, ``backward``, ``accumulate``,
+``no_sync``, ``gather_for_metrics``, ...) so that a loop written for Accelerate runs with only
+the import changed, but it is a layer over ``torch.distributed`` itself: the layout's
+`Strategy` wraps models, `Precision` handles autocast and loss scaling, the prepared
+optimizer/scheduler/dataloader objects implement accumulation boundaries and sharding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from meshfit import distributed as mdist
+from meshfit import ops
+from meshfit.distributed import DistEnv, ParallelDims
+from meshfit.loader import PreparedDataLoader
+from meshfit.precision import Precision, check_mixed_precision
+from meshfit.prepared import GradientState, PreparedOptimizer, PreparedScheduler
+from meshfit.strategy import Strategy, choose_strategy
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        hasattr(obj, "step") and hasattr(obj, "get_last_lr") and hasattr(obj, "optimizer"))
+
+
+class Accelerator:
+    """Runs a user's training loop on one device or data parallel across processes.
+
+    Args:
+        gradient_accumulation_steps: micro-batches per optimizer step (k). Inside
+            `accumulate`, `backward` divides the loss by k and gradients are synchronised
+            only on every k-th micro-batch (or the dataloader's last one).
+        mixed_precision: ``"no"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic
+            loss scaling). Master weights and optimizer state stay fp32.
+        parallel: the layout (`ParallelDims`); default: every process a DDP replica.
+        ddp_kwargs: extra keyword arguments for DistributedDataParallel
+            (``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...).
+        env: an existing `DistEnv`; default: `meshfit.distributed.init()`.
+    """
+
+    def __init__(self, *, gradient_accumulation_steps: int = 1, mixed_precision: str = "no",
+                 parallel: ParallelDims | None = None, ddp_kwargs: dict | None = None,
+                 env: DistEnv | None = None):
+        if isinstance(gradient_accumulation_steps, bool) or not isinstance(
+                gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps!r} must "
+                             "be an integer >= 1 (1 means no accumulation)")
+        check_mixed_precision(mixed_precision)
+        if parallel is not None and not isinstance(parallel, ParallelDims):
+            raise ValueError(f"parallel={parallel!r} must be a meshfit.ParallelDims")
+        self.env = env or mdist.init()
+        self.parallel = (parallel or ParallelDims()).resolve(self.env.world_size)
+        self.strategy: Strategy = choose_strategy(self.env, self.parallel, ddp_kwargs=ddp_kwargs)
+        self.precision = Precision(mixed_precision, self.env.device)
+        self.grad_state = GradientState(num_steps=gradient_accumulation_steps)
+        self._optimizers: list[PreparedOptimizer] = []
+        self._models: list[torch.nn.Module] = []
+        self._active_loader: PreparedDataLoader | None = None
+
+    # ----------------------------------------------------------------- where we are
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    @property
+    def process_index(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def num_processes(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.env.local_rank == 0
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.precision.mode
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.grad_state.num_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on micro-batches whose backward synchronises gradients (and so on which the
+        prepared optimizer steps)."""
+        return self.grad_state.sync_gradients
+
+    @property
+    def mesh(self):
+        return self.strategy.mesh
+
+    # ----------------------------------------------------------------- prepare
+    def prepare(self, *objects: Any) -> Any:
+        """Prepare models, optimizers, dataloaders and LR schedulers, in any order; returns
+        them in the order given (a single object when one is given)."""
+        # Models first so that wrapping happens before optimizers and schedulers are wrapped;
+        # results are put back in the caller's order.
+        kinds = [self._kind(obj) for obj in objects]
+        out: list[Any] = list(objects)
+        for kind in ("model", "optimizer", "dataloader", "scheduler"):
+            for i, obj in enumerate(objects):
+                if kinds[i] == kind:
+                    out[i] = getattr(self, f"prepare_{kind}")(obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    @staticmethod
+    def _kind(obj: Any) -> str:
+        if isinstance(obj, torch.nn.Module):
+            return "model"
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if isinstance(obj, (DataLoader, PreparedDataLoader)):
+            return "dataloader"
+        if _is_scheduler(obj):
+            return "scheduler"
+        return "other"
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError("prepare(model): the model has parameters on the meta device; "
+                             "materialise it (to_empty + init_weights) before prepare")
+        model.to(self.device)
+        wrapped = self.strategy.wrap_model(model)
+        self.precision.wrap_forward(wrapped)
+        self._models.append(wrapped)
+        return wrapped
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        if isinstance(optimizer, PreparedOptimizer):
+            return optimizer
+        prepared = PreparedOptimizer(optimizer, self.grad_state, self.precision.scaler)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler) -> PreparedScheduler:
+        if isinstance(scheduler, PreparedScheduler):
+            return scheduler
+        return PreparedScheduler(scheduler, self._optimizers, self.grad_state)
+
+    def prepare_dataloader(self, loader: DataLoader) -> PreparedDataLoader:
+        if isinstance(loader, PreparedDataLoader):
+            return loader
+        return PreparedDataLoader(loader, device=self.device, num_replicas=self.strategy.dp_size,
+                                  rank=self.strategy.dp_rank, on_iter=self._set_active_loader)
+
+    def _set_active_loader(self, loader: PreparedDataLoader) -> None:
+        self._active_loader = loader
+        self.grad_state.step = 0  # an accumulation window never spans two epochs
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's original module, without the data-parallel wrapper."""
+        return self.strategy.unwrap(model)
+
+    # ----------------------------------------------------------------- training step
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward()``, divided by the accumulation steps and scaled for fp16."""
+        loss = loss / self.grad_state.num_steps
+        if self.precision.scaler is not None:
+            loss = self.precision.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module):
+        """One micro-batch of gradient accumulation: gradients sync only on the k-th one."""
+        self._advance_micro_step()
+        with contextlib.ExitStack() as stack:
+            if not self.grad_state.sync_gradients:
+                for model in models:
+                    stack.enter_context(self.strategy.no_sync(model))
+            yield
+
+    def _advance_micro_step(self) -> None:
+        state = self.grad_state
+        state.step += 1
+        loader_ends = self._active_loader is not None and \
+            self._active_loader.state.end_of_dataloader
+        state.sync_gradients = state.step % state.num_steps == 0 or loader_ends
+        if state.sync_gradients:
+            state.step = 0
+
+    def no_sync(self, model: torch.nn.Module):
+        """Skip gradient synchronisation for the enclosed forward *and* backward."""
+        return self.strategy.no_sync(model)
+
+    def autocast(self):
+        """The mixed-precision context (prepared models already run their forward in it)."""
+        return self.precision.autocast()
+
+    def unscale_gradients(self) -> None:
+        """Divide the fp16 loss scale out of the gradients (once per optimizer step)."""
+        if self.precision.scaler is None or not self.grad_state.sync_gradients:
+            return
+        for opt in self._optimizers:
+            if not opt.unscaled:
+                self.precision.scaler.unscale_(opt.optimizer)
+                opt.unscaled = True
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0
+                        ) -> torch.Tensor:
+        """Clip the (unscaled, synchronised) gradients' total norm; returns the norm."""
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    # ----------------------------------------------------------------- collectives
+    def gather(self, obj: Any) -> Any:
+        """Concatenate tensors from every data-parallel rank along dim 0."""
+        return ops.gather(obj, self.strategy.dp_group)
+
+    def gather_for_metrics(self, obj: Any) -> Any:
+        """`gather`, minus the samples that padded the dataloader's uneven last round."""
+        if not isinstance(obj, torch.Tensor) and not isinstance(obj, (list, tuple, dict)):
+            return ops.gather_object(obj, self.strategy.dp_group)
+        gathered = self.gather(obj)
+        loader = self._active_loader
+        if loader is None or not loader.state.end_of_dataloader or loader.state.remainder < 0:
+            return gathered
+        keep = loader.state.remainder
+        return ops.apply_to_tensors(lambda t: t[:keep], gathered)
+
+    def reduce(self, obj: Any, reduction: str = "sum") -> Any:
+        return ops.reduce(obj, reduction, self.strategy.dp_group)
+
+    def wait_for_everyone(self) -> None:
+        if self.env.is_distributed:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        """The main process runs the block first (e.g. to build a cache), then the others."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    def print(self, *args, **kwargs) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def end_training(self) -> None:
+        """Release the process group (call once at the end of the script)."""
+        if self.env.is_distributed and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def __repr__(self) -> str:
+        return (f"Accelerator(device={self.device}, num_processes={self.num_processes}, "
+                f"parallel={self.parallel}, mixed_precision={self.mixed_precision!r}, "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps})")

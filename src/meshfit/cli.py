@@ -1,0 +1,118 @@
+"""The ``meshfit`` command: ``launch`` (torchrun with safer defaults) and ``train``.
+
+Every argument is validated before any process is launched or any file is written; errors
+are one line naming the option, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from meshfit import launch
+
+
+def _launch_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshfit launch", allow_abbrev=False,
+        description="Start a training script on N processes per node (torch.distributed.run).")
+    launch.add_arguments(p)
+    p.add_argument("-m", "--module", action="store_true",
+                   help="run the target as a Python module (python -m)")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    return p
+
+
+def cmd_launch(argv: list[str]) -> int:
+    ns = _launch_parser().parse_args(argv)
+    cfg, env = launch.config_from_args(ns)
+    if not ns.module and not Path(ns.script).is_file():
+        raise ValueError(f"script={ns.script!r} is not a file; give the path of a Python "
+                         "script (or use -m for a module)")
+    return launch.run(cfg, [ns.script, *ns.script_args], module=ns.module, env=env)
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshfit train", allow_abbrev=False,
+        description="Train the reference GPT (default: the tiny preset on the Python standard "
+                    "library's source). Options --section.key=value override the config.")
+    launch.add_arguments(p)
+    p.add_argument("--config", default=None, help="a TOML run configuration")
+    p.add_argument("--out", default=None, help="run folder (default: runs/train-<time>)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def cmd_train(argv: list[str]) -> int:
+    from meshfit.config import load_config
+
+    ns, rest = _train_parser().parse_known_args(argv)
+    overrides = _collect_overrides(rest)
+    cfg = load_config(ns.config, overrides)
+    out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+    if ns.worker:  # started by the launcher below: one rank of the job
+        from meshfit.trainer import train
+
+        train(cfg, out)
+        from meshfit.distributed import init
+
+        import torch.distributed as dist
+        if init().is_distributed and dist.is_initialized():
+            dist.destroy_process_group()
+        return 0
+    launch_cfg, env = launch.config_from_args(ns)
+    cfg.validate_for(launch_cfg.nproc * launch_cfg.nnodes)  # before any process starts
+    if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
+        from meshfit.trainer import train
+
+        train(cfg, out)
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = out / "config.toml"
+    resolved.write_text(cfg.to_toml())
+    return launch.run(launch_cfg, ["meshfit.cli", "train", "--worker", "--config",
+                                   str(resolved), "--out", str(out)], module=True, env=env)
+
+
+def _collect_overrides(rest: list[str]) -> list[str]:
+    """``--a.b=v`` and ``--a.b v`` forms; anything else is an error naming it."""
+    out, i = [], 0
+    while i < len(rest):
+        item = rest[i]
+        if not item.startswith("--") or "." not in item.split("=")[0]:
+            raise ValueError(f"unknown argument {item!r}; options are --nproc, --config, --out "
+                             "and config overrides such as --train.steps=100")
+        if "=" not in item:
+            if i + 1 >= len(rest):
+                raise ValueError(f"override {item!r} needs a value, e.g. {item}=100")
+            item, i = f"{item}={rest[i + 1]}", i + 1
+        out.append(item)
+        i += 1
+    return out
+
+
+COMMANDS = {"launch": cmd_launch, "train": cmd_train}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        known = ", ".join(COMMANDS)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"meshfit: unknown command {argv[0]!r}; commands: {known}", file=sys.stderr)
+            return 2
+        print(f"usage: meshfit {{{known}}} ...  (meshfit COMMAND --help for each)")
+        return 0
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ValueError as err:
+        print(f"meshfit {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

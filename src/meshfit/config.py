@@ -1,0 +1,245 @@
+"""Run configuration: frozen dataclasses, read from TOML plus ``--section.key=value`` overrides.
+
+Every field has one spelling; unknown sections and keys are rejected and listed, and each value
+is checked in ``__post_init__`` with an error that names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from meshfit.distributed import AXES, ParallelDims
+from meshfit.precision import check_mixed_precision
+
+
+def _positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and (
+        value >= 0 if allow_zero else value >= 1)
+    if not ok:
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"{section}.{name}={value!r} must be an integer {bound}")
+
+
+def _number(section: str, name: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            lo <= value <= hi) or math.isnan(value):
+        raise ValueError(f"{section}.{name}={value!r} must be a number in [{lo}, {hi}]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """[model]: which reference GPT to train. Size fields left unset take the preset's."""
+
+    preset: str = "tiny"
+    """A `GPTConfig.preset` name: tiny, gpt2, llama-1b, llama-7b, llama-70b."""
+    n_layer: int | None = None
+    """Transformer blocks (None: the preset's)."""
+    n_head: int | None = None
+    """Attention heads (None: the preset's)."""
+    d_model: int | None = None
+    """Hidden size (None: the preset's)."""
+    d_ff: int | None = None
+    """MLP hidden size (None: the preset's)."""
+    dropout: float | None = None
+    """Dropout probability (None: the preset's)."""
+
+    def __post_init__(self) -> None:
+        from meshfit.models import GPTConfig
+
+        if self.preset not in GPTConfig.preset_names():
+            raise ValueError(f"model.preset={self.preset!r} is not a preset; use one of "
+                             f"{', '.join(GPTConfig.preset_names())}")
+        for name in ("n_layer", "n_head", "d_model", "d_ff"):
+            if getattr(self, name) is not None:
+                _positive("model", name, getattr(self, name))
+        if self.dropout is not None:
+            _number("model", "dropout", self.dropout, 0.0, 0.99)
+
+    def overrides(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "preset" and getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """[train]: the optimisation loop."""
+
+    steps: int = 400
+    """Optimizer steps."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one rank; accumulation fills the rest."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to biases and norm weights)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    seed: int = 0
+    """Seed for weights, data order and dropout."""
+    eval_every: int = 100
+    """Evaluate validation loss every this many steps (and at the end); 0: only at the end."""
+    eval_batches: int = 8
+    """Micro-batches per rank in each evaluation."""
+    log_every: int = 10
+    """Write a metrics line every this many steps."""
+    mixed_precision: str = "no"
+    """"no", "bf16" or "fp16"."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len",
+                     "eval_batches", "log_every"):
+            _positive("train", name, getattr(self, name))
+        for name in ("warmup_steps", "seed", "eval_every"):
+            _positive("train", name, getattr(self, name), allow_zero=True)
+        _number("train", "lr", self.lr, 1e-12, 10.0)
+        _number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _number("train", "weight_decay", self.weight_decay, 0.0, 10.0)
+        _number("train", "grad_clip", self.grad_clip, 0.0, 1e9)
+        check_mixed_precision(self.mixed_precision, "train.mixed_precision")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a "
+                             f"multiple of train.micro_batch_size={self.micro_batch_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """[data]: what to train on."""
+
+    path: str = ""
+    """A text file or folder of text files; empty: the Python standard library's source."""
+    cache_dir: str = ""
+    """Where token caches are kept; empty: ~/.cache/meshfit/tokens."""
+
+    def __post_init__(self) -> None:
+        if self.path and not Path(self.path).expanduser().exists():
+            raise ValueError(f"data.path={self.path!r} does not exist; give a text file or a "
+                             "folder of text files, or leave it empty for the built-in corpus")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """[parallel]: sizes of the mesh axes (see `meshfit.ParallelDims`)."""
+
+    pp: int = 1
+    dp_replicate: int = -1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        self.dims()  # ParallelDims validates each size
+
+    def dims(self, world_size: int | None = None) -> ParallelDims:
+        return ParallelDims(world_size=world_size, **{n: getattr(self, n) for n in AXES})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A whole `meshfit train` run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def grad_accumulation(self, world_size: int) -> int:
+        """Micro-batches per step on each rank so that the global batch is as configured."""
+        dims = self.parallel.dims().resolve(world_size)
+        per_step = self.train.micro_batch_size * dims.dp
+        if self.train.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
+                f"micro_batch_size x data-parallel ranks = {self.train.micro_batch_size} x "
+                f"{dims.dp} = {per_step}; change one of them")
+        return self.train.global_batch_size // per_step
+
+    def validate_for(self, world_size: int) -> None:
+        """Checks that need the number of processes (run before launching any)."""
+        self.parallel.dims(world_size)
+        self.grad_accumulation(world_size)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in fields(self)}
+
+    def to_toml(self) -> str:
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is not None:  # TOML has no null; unset means "the default"
+                    lines.append(f"{key} = {json.dumps(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+_SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+
+
+def _parse_value(text: str) -> Any:
+    """A TOML literal (3, 1e-3, true, "x") or, failing that, the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def build_config(data: dict[str, Any]) -> RunConfig:
+    """A validated RunConfig from nested dicts; unknown sections/keys are listed in the error."""
+    unknown_sections = sorted(set(data) - set(_SECTIONS))
+    if unknown_sections:
+        raise ValueError(f"unknown config section(s) {', '.join(unknown_sections)}; known: "
+                         f"{', '.join(_SECTIONS)}")
+    sections = {}
+    for name, factory in _SECTIONS.items():
+        values = data.get(name, {})
+        if not isinstance(values, dict):
+            raise ValueError(f"config section [{name}] must be a table of keys")
+        cls = type(factory())
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) in [{name}]: {', '.join(unknown)}; known keys: "
+                             f"{', '.join(sorted(known))}")
+        sections[name] = cls(**values)
+    return RunConfig(**sections)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML file (optional) and apply ``--section.key=value`` overrides."""
+    data: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"--config={str(path)!r} is not a file; give a TOML file")
+        with path.open("rb") as fh:
+            try:
+                data = tomllib.load(fh)
+            except tomllib.TOMLDecodeError as err:
+                raise ValueError(f"--config={str(path)!r} is not valid TOML: {err}") from None
+    for item in overrides:
+        key, sep, value = item.removeprefix("--").partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            raise ValueError(f"override {item!r} must look like --section.key=value, "
+                             "e.g. --train.steps=100")
+        data.setdefault(section, {})[name] = _parse_value(value)
+    return build_config(data)

@@ -1,0 +1,183 @@
+"""Data loaders prepared for data parallel training.
+
+Each data-parallel rank receives batches of the loader's own ``batch_size`` (Accelerate's
+default, ``split_batches=False``), so the global batch is ``batch_size x dp ranks``.
+
+Sharding is by *global batch*: the epoch's sample order (a seeded permutation, identical on
+every rank) is cut into rounds of ``batch_size x world`` samples and rank r takes the r-th
+slice of each round. Gathering the ranks' outputs in rank order therefore restores the global
+order. When the dataset does not divide evenly, the R samples of the last round are split into
+equal slices of ceil(R / world) (completed with samples from the start of the epoch); those
+duplicates sit at the end of the gathered last round, where `Accelerator.gather_for_metrics`
+drops them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+
+from meshfit.ops import apply_to_tensors
+
+_DEFAULT_SEED = 1234
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Batches of sample indices for one rank; the same seed and epoch give the same order on
+    every rank, a new epoch gives a new order."""
+
+    def __init__(self, num_samples: int, batch_size: int, *, num_replicas: int, rank: int,
+                 shuffle: bool, seed: int = _DEFAULT_SEED, drop_last: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank={rank} must be in [0, num_replicas={num_replicas})")
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.num_replicas, self.rank = num_replicas, rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def round_size(self) -> int:
+        return self.batch_size * self.num_replicas
+
+    def __len__(self) -> int:
+        rounds = self.num_samples / self.round_size
+        return math.floor(rounds) if self.drop_last else math.ceil(rounds)
+
+    @property
+    def remainder(self) -> int:
+        """Real (not padded) samples in the last round of an epoch."""
+        return min(self.num_samples - (len(self) - 1) * self.round_size, self.round_size)
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=g).tolist()
+
+    def __iter__(self):
+        order = self._order()
+        rounds = len(self)
+        for i in range(rounds):
+            start = i * self.round_size
+            chunk = order[start: start + self.round_size]
+            # An uneven last round gives every rank ceil(R / world) samples, completed with
+            # samples from the epoch's start, so ranks keep equal shapes (DDP and gather need
+            # it) and a single process sees exactly the dataset.
+            per_rank = math.ceil(len(chunk) / self.num_replicas)
+            while len(chunk) < per_rank * self.num_replicas:
+                chunk += order[: per_rank * self.num_replicas - len(chunk)]
+            yield chunk[self.rank * per_rank: (self.rank + 1) * per_rank]
+
+
+@dataclass
+class LoaderState:
+    """What the accelerator needs to know about the loader being iterated."""
+
+    end_of_dataloader: bool = False
+    remainder: int = -1  # real samples in the final round; -1: no padding to drop
+
+
+class PreparedDataLoader:
+    """A DataLoader whose batches are this rank's shard, moved to the device.
+
+    It looks one batch ahead, so the accelerator knows when the last batch is being used
+    (gradient accumulation syncs there; gather_for_metrics trims the padding there), and so
+    the next batch's host-to-device copy is issued while the current batch computes.
+    """
+
+    def __init__(self, loader: DataLoader, *, device: torch.device, num_replicas: int,
+                 rank: int, on_iter=None):
+        self.base = loader
+        self.device = device
+        self.state = LoaderState()
+        self._on_iter = on_iter
+        self._epoch = 0
+        if isinstance(loader.dataset, IterableDataset):
+            raise ValueError("prepare(dataloader): IterableDataset loaders are not supported "
+                             "yet; use a map-style Dataset (with __len__ and __getitem__)")
+        self.batch_sampler = self._make_batch_sampler(loader, num_replicas, rank)
+        self.loader = DataLoader(
+            loader.dataset,
+            batch_sampler=self.batch_sampler,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+            persistent_workers=loader.persistent_workers,
+        )
+
+    @staticmethod
+    def _make_batch_sampler(loader: DataLoader, num_replicas: int, rank: int):
+        if loader.batch_size is None or not isinstance(loader.batch_sampler, BatchSampler):
+            raise ValueError("prepare(dataloader): a custom batch_sampler is not supported yet; "
+                             "give the DataLoader a batch_size (and shuffle=True/False) instead")
+        sampler = loader.sampler
+        if not isinstance(sampler, (RandomSampler, torch.utils.data.SequentialSampler)):
+            raise ValueError(f"prepare(dataloader): sampler {type(sampler).__name__} is not "
+                             "supported yet; use shuffle=True or shuffle=False")
+        shuffle = isinstance(sampler, RandomSampler)
+        seed = _DEFAULT_SEED
+        if loader.generator is not None:
+            seed = loader.generator.initial_seed()
+        return ShardedBatchSampler(len(loader.dataset), loader.batch_size,
+                                   num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                                   seed=seed, drop_last=loader.drop_last)
+
+    @property
+    def dataset(self):
+        return self.base.dataset
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch_sampler.batch_size
+
+    @property
+    def total_batch_size(self) -> int:
+        return self.batch_sampler.round_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the shuffling of the next iteration (otherwise each iteration advances it)."""
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def _to_device(self, batch):
+        non_blocking = self.device.type == "cuda"
+        return apply_to_tensors(lambda t: t.to(self.device, non_blocking=non_blocking), batch)
+
+    def __iter__(self):
+        self.batch_sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        self.state.end_of_dataloader = False
+        self.state.remainder = -1
+        if self._on_iter is not None:
+            self._on_iter(self)
+        it = iter(self.loader)
+        try:
+            current = self._to_device(next(it))
+        except StopIteration:
+            return
+        while True:
+            try:
+                upcoming = self._to_device(next(it))
+            except StopIteration:
+                self.state.end_of_dataloader = True
+                if self.batch_sampler.remainder < self.batch_sampler.round_size:
+                    self.state.remainder = self.batch_sampler.remainder
+                yield current
+                return
+            yield current
+            current = upcoming

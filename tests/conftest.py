@@ -1,0 +1,126 @@
+"""Test helpers: a spawn helper for multi-process tests on gloo, and hygiene checks.
+
+Multi-process tests run on CPU with gloo, bound to 127.0.0.1 on a free port; every test fails
+if it leaks a process group, a child process, torchrun's environment variables or threads.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshfit.launch import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def _worker(fn, rank, world_size, port, args, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # 2 cores: one thread per rank, as torchrun sets OMP_NUM_THREADS
+    try:
+        from meshfit.distributed import init
+
+        init(backend="gloo")
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+        # Serialised by torch.save: tensors sent through the queue as shared memory would
+        # vanish with this process.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # report any failure to the parent with its traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on `world_size` spawned gloo ranks; returns each
+    rank's (picklable) result, in rank order. `fn` must be a module-level function."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors or len(results) < world_size else 30)
+            if p.is_alive():  # only our own children, by their PID
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    if len(results) < world_size:
+        raise AssertionError(f"only {len(results)} of {world_size} ranks reported back")
+    return [results[r] for r in range(world_size)]
+
+
+@pytest.fixture
+def subprocess_env(tmp_path):
+    """Environment for launching `meshfit`/torchrun in a subprocess: our package importable,
+    torchrun's temporary folders inside the test's tmp_path, one thread per rank."""
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
+    env["TMPDIR"] = str(tmp_path)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(autouse=True)
+def _hygiene():
+    """Fail a test that leaks a process group, torchrun variables, children or threads."""
+    env_before = {k: os.environ.get(k) for k in _TORCHRUN_VARS}
+    threads_before = {t.ident for t in threading.enumerate()}
+    yield
+    problems = []
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        problems.append("a process group was left initialised")
+    env_after = {k: os.environ.get(k) for k in _TORCHRUN_VARS}
+    if env_after != env_before:
+        problems.append(f"environment changed: {env_before} -> {env_after}")
+        for k, v in env_before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    children = [p for p in mp.active_children()]
+    if children:
+        problems.append(f"child processes left running: {[p.pid for p in children]}")
+    leaked = [t.name for t in threading.enumerate() if t.ident not in threads_before
+              and t.is_alive() and not t.daemon]
+    if leaked:
+        problems.append(f"threads left running: {leaked}")
+    if problems:
+        pytest.fail("; ".join(problems))
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,315 @@
+"""Accelerator under DDP (2 gloo ranks) against single-process references."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import run_distributed
+from meshfit import Accelerator, ParallelDims
+
+N_SAMPLES, IN, OUT = 64, 8, 4
+
+
+def _data(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N_SAMPLES, IN, generator=g, dtype=dtype)
+    y = torch.randn(N_SAMPLES, OUT, generator=g, dtype=dtype)
+    return x, y
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, OUT)).to(dtype)
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ---------------------------------------------------------------- accumulate(k) == big batch
+MICRO, K, STEPS = 2, 4, 3
+
+
+def _ddp_accumulate(rank, world, dtype):
+    acc = Accelerator(gradient_accumulation_steps=K)
+    x, y = _data(dtype)
+    model = _model(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(TensorDataset(x, y), batch_size=MICRO, shuffle=False)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    for i, (xb, yb) in enumerate(loader):
+        if i == STEPS * K:
+            break
+        with acc.accumulate(model):
+            acc.backward(_loss(model, xb, yb))
+            opt.step()
+            opt.zero_grad()
+    return _params(acc.unwrap_model(model))
+
+
+@pytest.mark.parametrize("dtype,tol", [
+    # fp64: only the order of the all-reduce's sums differs from the single process, so the
+    # parameters agree to a few ulps of the Adam update.
+    (torch.float64, 1e-12),
+    # fp32: the same rounding differences are ~1e-7 of the gradient; Adam divides by
+    # sqrt(v) ~ |g|, so an element's update can move by ~1e-7 relative of lr=1e-2 per step.
+    (torch.float32, 1e-6),
+])
+def test_ddp_accumulate_matches_single_process(dtype, tol):
+    ranks = run_distributed(_ddp_accumulate, 2, dtype)
+    # Reference: one process, one optimizer step per global batch of MICRO * 2 ranks * K.
+    x, y = _data(dtype)
+    model = _model(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    global_batch = MICRO * 2 * K
+    for s in range(STEPS):
+        sl = slice(s * global_batch, (s + 1) * global_batch)
+        opt.zero_grad()
+        _loss(model, x[sl], y[sl]).backward()
+        opt.step()
+    for got0, got1, want in zip(*ranks, _params(model)):
+        torch.testing.assert_close(got0, got1, rtol=0, atol=0)  # replicas stay identical
+        torch.testing.assert_close(got0, want, rtol=0, atol=tol)
+    assert not torch.equal(want, _params(_model(dtype))[-1])  # training did move the weights
+
+
+# ---------------------------------------------------------------- the seed's no_sync loop
+def _ddp_no_sync_by_hand(rank, world):
+    acc = Accelerator()
+    x, y = _data()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(x[:16], y[:16]), batch_size=MICRO)
+    ddp_model, loader, opt = acc.prepare(model, loader, opt)
+    for index, (inputs, targets) in enumerate(loader):
+        if index != len(loader) - 1:
+            with acc.no_sync(ddp_model):
+                acc.backward(_loss(ddp_model, inputs, targets))
+        else:
+            acc.backward(_loss(ddp_model, inputs, targets))
+            opt.step()
+            opt.zero_grad()
+    return _params(acc.unwrap_model(ddp_model))
+
+
+def test_no_sync_by_hand_matches_single_process():
+    ranks = run_distributed(_ddp_no_sync_by_hand, 2)
+    x, y = _data()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Each rank sums 4 micro-batch means, DDP averages over 2 ranks: 4 x the mean over 16.
+    (4 * _loss(model, x[:16], y[:16])).backward()
+    opt.step()
+    for got0, got1, want in zip(*ranks, _params(model)):
+        torch.testing.assert_close(got0, got1, rtol=0, atol=0)
+        # fp32 SGD: differences are the all-reduce's summation order, ~1e-7 relative.
+        torch.testing.assert_close(got0, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- all-reduce rounds
+def _count_allreduces(rank, world, use_accumulate):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    acc = Accelerator(gradient_accumulation_steps=K if use_accumulate else 1)
+    x, y = _data()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(TensorDataset(x, y), batch_size=MICRO)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    calls = []
+
+    def counting_hook(state, bucket):  # DDP calls this once per bucket it all-reduces
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    # Buckets per synchronised backward, measured on one plain backward.
+    _loss(model, x[:MICRO], y[:MICRO]).backward()
+    buckets = len(calls)
+    opt.zero_grad()
+    calls.clear()
+    optimizer_steps = 0
+    for i, (xb, yb) in enumerate(loader):
+        if i == STEPS * K:
+            break
+        with acc.accumulate(model):
+            acc.backward(_loss(model, xb, yb))
+            if acc.sync_gradients:
+                optimizer_steps += 1
+            opt.step()
+            opt.zero_grad()
+    return buckets, len(calls), optimizer_steps
+
+
+def test_one_allreduce_round_per_optimizer_step():
+    for buckets, calls, steps in run_distributed(_count_allreduces, 2, True):
+        assert buckets >= 1 and steps == STEPS
+        assert calls == STEPS * buckets  # one round per optimizer step, none in between
+    for buckets, calls, steps in run_distributed(_count_allreduces, 2, False):
+        assert calls == STEPS * K * buckets  # without accumulate: every micro-batch
+
+
+# ---------------------------------------------------------------- sharded data
+def _gather_epochs(rank, world, n, shuffle):
+    acc = Accelerator()
+    ds = TensorDataset(torch.arange(n))
+    loader = acc.prepare(DataLoader(ds, batch_size=3, shuffle=shuffle))
+    epochs = []
+    for _ in range(2):
+        seen, gathered = [], []
+        for (idx,) in loader:
+            seen.extend(idx.tolist())
+            gathered.append(acc.gather_for_metrics(idx))
+        epochs.append((seen, torch.cat(gathered).tolist()))
+    return epochs
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_gather_for_metrics_returns_exactly_the_dataset(shuffle):
+    n = 23  # not a multiple of 2 ranks x batch 3
+    results = run_distributed(_gather_epochs, 2, n, shuffle)
+    for epoch in range(2):
+        gathered0, gathered1 = results[0][epoch][1], results[1][epoch][1]
+        assert gathered0 == gathered1
+        assert len(gathered0) == n and sorted(gathered0) == list(range(n))
+        if not shuffle:
+            assert gathered0 == list(range(n))  # global order is kept
+    # Every rank saw the same number of samples (equal shapes for DDP and gather).
+    assert len(results[0][0][0]) == len(results[1][0][0])
+
+
+def test_shuffling_identical_across_ranks_and_new_each_epoch():
+    results = run_distributed(_gather_epochs, 2, 24, True)
+    (e0_r0, g0), (e1_r0, g1) = results[0]
+    (e0_r1, _), (e1_r1, _) = results[1]
+    # Ranks draw from one shared permutation: disjoint shards that cover the dataset.
+    assert sorted(e0_r0 + e0_r1) == list(range(24))
+    assert sorted(e1_r0 + e1_r1) == list(range(24))
+    assert g0 != list(range(24)) and g0 != g1  # shuffled, differently in each epoch
+
+
+def test_single_process_sees_each_sample_once():
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=3))
+    sizes = [idx.shape[0] for (idx,) in loader]
+    assert sizes == [3, 3, 3, 1]
+
+
+# ---------------------------------------------------------------- facade behaviour
+def test_prepare_returns_objects_in_the_given_order():
+    acc = Accelerator()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    loader = DataLoader(TensorDataset(torch.zeros(4, IN)), batch_size=2)
+    out = acc.prepare(sched, loader, opt, model)
+    assert [type(o).__name__ for o in out] == ["PreparedScheduler", "PreparedDataLoader",
+                                               "PreparedOptimizer", "Sequential"]
+
+
+def test_optimizer_and_scheduler_act_only_on_boundaries():
+    acc = Accelerator(gradient_accumulation_steps=2)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x[:8], y[:8]), batch_size=2)
+    model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
+    before = _params(model)
+    lrs, changed = [], []
+    for xb, yb in loader:
+        with acc.accumulate(model):
+            acc.backward(_loss(model, xb, yb))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        lrs.append(sched.get_last_lr()[0])
+        changed.append(not all(torch.equal(a, b) for a, b in zip(before, _params(model))))
+        before = _params(model)
+    assert changed == [False, True, False, True]
+    assert lrs == [1.0, 0.5, 0.5, 0.25]
+
+
+def test_backward_scales_loss_by_accumulation_steps():
+    acc = Accelerator(gradient_accumulation_steps=4)
+    w = torch.nn.Parameter(torch.ones(()))
+    acc.backward(w * 8.0)
+    assert w.grad.item() == 2.0
+
+
+def test_fp16_overflow_skips_step_and_halves_scale():
+    acc = Accelerator(mixed_precision="fp16")
+    model = torch.nn.Linear(4, 1)
+    opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    model = acc.prepare(model)
+    scale = acc.precision.scaler.get_scale()
+    before = _params(model)
+    x = torch.full((1, 4), 0.01)  # small enough that loss x scale stays finite in fp16
+    acc.backward(model(x).sum() * float("inf"))
+    opt.step()
+    assert opt.step_was_skipped and acc.precision.scaler.get_scale() == scale / 2
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+    opt.zero_grad()
+    acc.backward(model(x).sum())
+    opt.step()
+    assert not opt.step_was_skipped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+
+
+def test_bf16_autocast_outputs_fp32_close_to_fp32():
+    model = _model()
+    ref = copy.deepcopy(model)
+    acc = Accelerator(mixed_precision="bf16")
+    model = acc.prepare(model)
+    x, _ = _data()
+    out = model(x)
+    assert out.dtype == torch.float32
+    # bf16 keeps 8 bits of mantissa: relative error ~2^-8 per operation.
+    torch.testing.assert_close(out, ref(x), rtol=0.05, atol=0.05)
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs,match", [
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0"),
+    ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps=1.5"),
+    ({"mixed_precision": "fp8"}, "mixed_precision='fp8'.*'no', 'bf16', 'fp16'"),
+    ({"parallel": ParallelDims(dp_replicate=2)}, "product 2 but the world size is 1"),
+    ({"parallel": ParallelDims(dp_replicate=1, tp=2)}, "product 2 but the world size is 1"),
+])
+def test_bad_accelerator_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Accelerator(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"tp": 0}, r"ParallelDims.tp=0 must be >= 1"),
+    ({"dp_shard": -1}, "at most one axis"),
+    ({"pp": 2, "world_size": 3}, "multiple of 2"),
+    ({"dp_replicate": 2, "world_size": 4}, "product 2 but the world size is 4"),
+])
+def test_bad_parallel_dims(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims(**kwargs)
+
+
+def test_parallel_dims_resolve_and_not_yet_available_axes():
+    dims = ParallelDims().resolve(4)
+    assert dims.dp_replicate == 4 and dims.dp == 4
+    assert ParallelDims(tp=2).resolve(4).dp_replicate == 2
+    from meshfit.distributed import DistEnv
+    from meshfit.strategy import choose_strategy
+
+    env = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4,
+                  device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(ValueError, match=r"ParallelDims\(tp=2\): this axis is not yet available"):
+        choose_strategy(env, ParallelDims(tp=2).resolve(4))
