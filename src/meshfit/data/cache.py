@@ -1,0 +1,291 @@
+"""Tokenize a corpus once into a memory-mapped file, and reuse it on every later run.
+
+On disk, per corpus+tokenizer+split, two files in ``cache_dir``::
+
+    <slug>-<key16>.bin    train tokens, then validation tokens, raw little-endian ids
+    <slug>-<key16>.json   sidecar: source, file-list hash, tokenizer, dtype, split sizes
+
+The key hashes the sorted absolute file paths with their sizes and mtimes, the tokenizer
+name and the validation fraction, so editing, adding or removing a file, or changing the
+tokenizer, selects a new cache instead of reading a stale one.
+
+Crash and concurrency safety come from atomic renames, not locks: each writer fills a
+private temp file in the same folder and ``os.replace``s it into place (atomic on POSIX and
+Windows within one filesystem), ``.bin`` first and ``.json`` last. The sidecar is the commit
+marker: a reader trusts a ``.bin`` only if a sidecar with the same key exists and the
+``.bin`` has exactly the size the sidecar records. Several ranks building at once each do the
+work and replace identical bytes, which is wasted time but never a torn file; a rank that
+already mapped the old ``.bin`` keeps reading its inode. No ``fcntl`` lock, because locks
+are unreliable on the network filesystems clusters often put caches on, and the duplicate
+work (seconds for the standard library) is cheaper than that risk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshfit.data.corpus import Corpus, SourceFile, find_corpus, is_validation
+from meshfit.data.tokenizer import ByteTokenizer, Tokenizer, as_tokenizer, token_dtype
+
+__all__ = ["TokenSplits", "load_tokens", "DEFAULT_CACHE_DIR", "DEFAULT_VAL_FRACTION"]
+
+DEFAULT_CACHE_DIR = Path("~/.cache/meshfit/tokens")
+# 0.02 puts ~500k tokens (~40 of ~800 files) of the 3.11 standard library in validation:
+# comfortably above the ~100k needed for a loss estimate that is stable to ~0.01 nats,
+# whichever Python version supplies the corpus. 0.01 would give ~290k on 3.11 but leaves
+# less margin, since a few large files (pydoc_data/topics.py is 750 kB) dominate the count.
+DEFAULT_VAL_FRACTION = 0.02
+# Bump when the on-disk layout or the meaning of a sidecar field changes.
+_FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenSplits:
+    """Token streams ready for :class:`~meshfit.data.TokenDataset`."""
+
+    train: np.ndarray
+    """1-D read-only ``np.memmap`` of training token ids (uint8/16/32)."""
+    val: np.ndarray
+    """1-D read-only ``np.memmap`` of validation token ids; empty if ``val_fraction=0``."""
+    vocab_size: int
+    """Ids are in ``[0, vocab_size)``; size the model's embedding from this."""
+    tokenizer: Tokenizer
+    """The tokenizer that produced the ids, for decoding samples."""
+    meta: dict[str, Any]
+    """The sidecar JSON: source, file counts, split sizes, dtype, build time."""
+    path: Path
+    """The ``.bin`` file both streams are mapped from."""
+
+
+def load_tokens(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    tokenizer: Any = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+) -> TokenSplits:
+    """Tokenize ``path`` (default: the Python standard library) once, then map the cache.
+
+    ``path`` is a UTF-8 text file or a folder (every non-hidden file below it, in sorted
+    order; files that are not valid UTF-8 are skipped with a warning). ``tokenizer`` is
+    ``None`` for bytes, a :class:`Tokenizer`, or a Hugging Face tokenizer. Files go to
+    validation by a stable hash of their relative path; when that leaves one side empty
+    (a single file, a handful of files) the last ``val_fraction`` of tokens is used instead,
+    and ``meta["split"]`` says which rule applied.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(
+            f"data.val_fraction={val_fraction!r} must be in [0, 1); use e.g. 0.02, or 0 for "
+            "no validation split"
+        )
+    tok = as_tokenizer(tokenizer)
+    corpus = find_corpus(path)
+    # "" means default too: that is how an unset config string arrives.
+    folder = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    key = _cache_key(corpus, tok, val_fraction)
+    stem = folder / f"{corpus.slug}-{key[:16]}"
+    meta = _read_meta(stem, key)
+    if meta is None:
+        meta = _build(corpus, tok, val_fraction, stem, key)
+    if meta["skipped_non_utf8"]:
+        skipped = meta["skipped_non_utf8"]
+        warnings.warn(
+            f"data: skipped {len(skipped)} of {meta['n_files']} files that are "
+            f"not valid UTF-8 text (e.g. {skipped[:3]})",
+            stacklevel=2,
+        )
+    return _open(stem, meta, tok)
+
+
+def _files_hash(corpus: Corpus) -> str:
+    listing = [[str(corpus.root)]] + [[f.rel, f.size, f.mtime_ns] for f in corpus.files]
+    return hashlib.sha256(json.dumps(listing).encode("utf-8")).hexdigest()
+
+
+def _cache_key(corpus: Corpus, tok: Tokenizer, val_fraction: float) -> str:
+    parts = [_FORMAT, _files_hash(corpus), tok.name, int(tok.vocab_size), repr(val_fraction)]
+    return hashlib.sha256(json.dumps(parts).encode("utf-8")).hexdigest()
+
+
+def _paths(stem: Path) -> tuple[Path, Path]:
+    return stem.with_name(stem.name + ".bin"), stem.with_name(stem.name + ".json")
+
+
+def _read_meta(stem: Path, key: str) -> dict[str, Any] | None:
+    """The sidecar if it commits a complete ``.bin`` for ``key``; ``None`` means rebuild."""
+    bin_path, json_path = _paths(stem)
+    try:
+        meta = json.loads(json_path.read_text(encoding="utf-8"))
+        size = bin_path.stat().st_size
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("key") != key:
+        return None
+    try:
+        expected = int(meta["n_tokens"]) * np.dtype(meta["dtype"]).itemsize
+    except (KeyError, TypeError, ValueError):
+        return None
+    return meta if size == expected else None
+
+
+def _documents(corpus: Corpus, tok: Tokenizer, dtype: np.dtype, skipped: list[str]
+               ) -> Iterator[tuple[SourceFile, np.ndarray]]:
+    """Yield ``(file, token ids)`` per non-empty UTF-8 file; record the others in ``skipped``."""
+    fast = type(tok) is ByteTokenizer  # ids == UTF-8 bytes: no encode call needed
+    for f in corpus.files:
+        raw = f.path.read_bytes()
+        if len(raw) != f.size:
+            # The key recorded the listed size; caching different bytes under it would let
+            # a later run trust tokens that match neither version of the file.
+            raise ValueError(
+                f"data.path file {f.path} changed while being read ({f.size} -> {len(raw)} "
+                "bytes); run again once the data is no longer being written"
+            )
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped.append(f.rel)
+            continue
+        if not raw:
+            continue
+        if fast:
+            yield f, np.frombuffer(raw, dtype=np.uint8)
+            continue
+        ids = np.asarray(tok.encode(text))
+        if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
+            # Checked before the cast to the narrow on-disk dtype, which would wrap silently.
+            raise ValueError(
+                f"tokenizer {tok.name!r} produced ids in [{ids.min()}, {ids.max()}] for "
+                f"{f.rel}, outside tokenizer.vocab_size={tok.vocab_size}; fix vocab_size"
+            )
+        yield f, np.ascontiguousarray(ids, dtype=dtype)
+
+
+def _separator(tok: Tokenizer, dtype: np.dtype) -> np.ndarray:
+    if tok.eos_id is not None:
+        return np.asarray([tok.eos_id], dtype=dtype)
+    return np.ascontiguousarray(tok.encode("\n\n"), dtype=dtype)
+
+
+def _build(corpus: Corpus, tok: Tokenizer, val_fraction: float, stem: Path, key: str
+           ) -> dict[str, Any]:
+    """Write ``.bin`` (train then val, each document followed by the separator), then the
+    sidecar. Validation documents are held in memory (they are ``val_fraction`` of the
+    data) so the much larger training part can stream to disk without a second pass."""
+    start = time.perf_counter()
+    dtype = token_dtype(tok.vocab_size)
+    sep = _separator(tok, dtype)
+    bin_path, json_path = _paths(stem)
+    skipped: list[str] = []
+    val_docs: list[np.ndarray] = []
+    val_files: list[str] = []
+    n_train = n_train_files = 0
+
+    def write_bin(out) -> None:
+        nonlocal n_train, n_train_files
+        for f, ids in _documents(corpus, tok, dtype, skipped):
+            if is_validation(f.rel, val_fraction):
+                val_docs.extend((ids, sep))
+                val_files.append(f.rel)
+                continue
+            out.write(memoryview(ids))
+            out.write(memoryview(sep))
+            n_train += ids.size + sep.size
+            n_train_files += 1
+        for ids in val_docs:
+            out.write(memoryview(ids))
+
+    _atomic_write(bin_path, write_bin)
+    n_val = sum(a.size for a in val_docs)
+    n_tokens = n_train + n_val
+    if n_tokens == 0:
+        bin_path.unlink(missing_ok=True)
+        raise ValueError(
+            f"data.path holds no text: all {len(corpus.files)} files of {corpus.description} "
+            "are empty or not valid UTF-8; point data.path at UTF-8 text files"
+        )
+    split = "by_file"
+    if val_fraction > 0 and (n_val == 0 or n_train == 0) and n_tokens >= 2:
+        # Too few files for the by-file rule to put any on one side: fall back to the tail
+        # of the stream. The layout is one contiguous stream, so only the boundary moves.
+        split = "by_tokens"
+        n_val = min(max(1, round(n_tokens * val_fraction)), n_tokens - 1)
+        n_train = n_tokens - n_val
+    # n_files counts every listed file; n_train_files + n_val_files count the documents
+    # actually written (empty and non-UTF-8 files are listed but not written).
+    meta = {
+        "format": _FORMAT,
+        "key": key,
+        "source": corpus.description,
+        "root": str(corpus.root),
+        "files_hash": _files_hash(corpus),
+        "n_files": len(corpus.files),
+        "n_train_files": n_train_files,
+        "n_val_files": len(val_files),
+        "val_files": val_files,
+        "skipped_non_utf8": skipped,
+        "tokenizer": tok.name,
+        "vocab_size": int(tok.vocab_size),
+        "dtype": dtype.name,
+        "separator": [int(i) for i in sep],
+        "val_fraction": val_fraction,
+        "split": split,
+        "n_tokens": n_tokens,
+        "n_train": n_train,
+        "n_val": n_val,
+        "build_seconds": round(time.perf_counter() - start, 3),
+    }
+    payload = json.dumps(meta, indent=1).encode("utf-8")
+    _atomic_write(json_path, lambda out: out.write(payload))
+    return meta
+
+
+def _atomic_write(dest: Path, fill) -> None:
+    """Call ``fill(file)`` on a private temp file next to ``dest``, then rename it over
+    ``dest``. The temp name starts with a dot and ends in ``.tmp``, so it can never be taken
+    for a cache file, and it is removed if ``fill`` raises. fsync before the rename, or a
+    power loss could leave the new name pointing at data still in the page cache."""
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            fill(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _open(stem: Path, meta: dict[str, Any], tok: Tokenizer) -> TokenSplits:
+    bin_path, _ = _paths(stem)
+    dtype = np.dtype(meta["dtype"])
+    n_train, n_val = int(meta["n_train"]), int(meta["n_val"])
+    return TokenSplits(
+        train=_map(bin_path, dtype, 0, n_train),
+        val=_map(bin_path, dtype, n_train * dtype.itemsize, n_val),
+        vocab_size=int(meta["vocab_size"]),
+        tokenizer=tok,
+        meta=meta,
+        path=bin_path,
+    )
+
+
+def _map(path: Path, dtype: np.dtype, offset: int, length: int) -> np.ndarray:
+    if length == 0:  # mmap cannot map zero bytes
+        empty = np.empty(0, dtype=dtype)
+        empty.flags.writeable = False
+        return empty
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(length,))
