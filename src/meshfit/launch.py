@@ -129,11 +129,12 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     try:
         torchrun.run(parser.parse_args(torchrun_args(cfg, script, module=module)))
     except ChildFailedError as err:
-        failures = err.failures
-        first = failures[min(failures)] if failures else None
-        print(f"meshfit launch: {len(failures)} worker(s) failed"
-              + (f"; first: rank {first.global_rank} exit code {first.exitcode}" if first else ""),
-              file=sys.stderr)
+        failures = err.failures  # global rank -> ProcessFailure
+        detail = ""
+        if failures:
+            rank = min(failures)
+            detail = f"; first: rank {rank} exit code {failures[rank].exitcode}"
+        print(f"meshfit launch: {len(failures)} worker(s) failed{detail}", file=sys.stderr)
         return 1
     return 0
 
