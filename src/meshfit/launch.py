@@ -125,6 +125,9 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     import torch.distributed.run as torchrun
 
     os.environ.update(env or {})
+    # torchrun sets one thread per worker (with a warning) when this is unset; share the
+    # node's cores among the workers instead, which is the same on small machines.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     parser = torchrun.get_args_parser()
     try:
         torchrun.run(parser.parse_args(torchrun_args(cfg, script, module=module)))

@@ -122,7 +122,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
               f"{splits.train.shape[0] / 1e6:.1f}M training tokens -> {out_dir}")
     tokens_per_step = t.global_batch_size * t.seq_len
     progress = _Progress(acc.is_main_process, t.steps)
-    last: dict = {"step": 0, "val_loss": _evaluate(acc, model, val_loader)}
+    last: dict = {"step": 0, "val_loss": round(_evaluate(acc, model, val_loader), 5)}
     writer.write(last)
     batches = _batches(train_loader)
     loss_sum = torch.zeros((), device=acc.device)

@@ -1,0 +1,78 @@
+"""`meshfit train`: config handling, the run folder, and bad input before any launch."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from meshfit.config import RunConfig, load_config
+
+MESHFIT = [sys.executable, "-m", "meshfit.cli"]
+SMALL = ["--train.steps=12", "--train.eval_every=6", "--train.log_every=3",
+         "--train.global_batch_size=8", "--train.micro_batch_size=4", "--train.seq_len=64",
+         "--train.eval_batches=2", "--model.n_layer=2"]
+
+
+def test_train_two_processes_writes_metrics_and_config(tmp_path, subprocess_env):
+    out = tmp_path / "run"
+    cache = tmp_path / "cache"
+    proc = subprocess.run([*MESHFIT, "train", "--nproc", "2", "--out", str(out), *SMALL,
+                           f"--data.cache_dir={cache}"], env=subprocess_env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [l for l in lines if "loss" in l]
+    evals = [l for l in lines if "val_loss" in l]
+    assert [l["step"] for l in train_lines] == [3, 6, 9, 12]
+    assert all(l["tokens_per_s"] > 0 and l["loss"] > 0 for l in train_lines)
+    assert [l["step"] for l in evals] == [0, 6, 12]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5  # it learns
+    resolved = load_config(out / "config.toml")
+    assert resolved.train.steps == 12 and resolved.model.n_layer == 2
+    assert resolved.data.cache_dir == str(cache)
+
+
+def test_config_file_and_overrides(tmp_path):
+    cfg_file = tmp_path / "run.toml"
+    cfg_file.write_text('[model]\npreset = "tiny"\n[train]\nsteps = 7\nlr = 1e-3\n')
+    cfg = load_config(cfg_file, ["--train.steps=9", "--data.path=" + str(tmp_path)])
+    assert cfg.train.steps == 9 and cfg.train.lr == 1e-3 and cfg.data.path == str(tmp_path)
+    assert load_config(None, []) == RunConfig()
+    again = tmp_path / "again.toml"
+    again.write_text(cfg.to_toml())
+    assert load_config(again) == cfg  # the resolved config round-trips
+
+
+def test_accumulation_from_global_batch():
+    cfg = load_config(None, ["--train.global_batch_size=64", "--train.micro_batch_size=8"])
+    assert cfg.grad_accumulation(1) == 8 and cfg.grad_accumulation(2) == 4
+    with pytest.raises(ValueError, match="multiple of micro_batch_size x data-parallel ranks"):
+        cfg.grad_accumulation(16)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--train.stepz=3"], r"unknown key\(s\) in \[train\]: stepz; known keys: .*steps"),
+    (["--optim.lr=3"], r"unknown config section\(s\) optim"),
+    (["--train.steps=0"], "train.steps=0 must be an integer >= 1"),
+    (["--train.mixed_precision=fp8"], "train.mixed_precision='fp8'"),
+    (["--model.preset=gpt5"], "model.preset='gpt5' is not a preset"),
+    (["--parallel.dp_replicate=3"], "product 3 but the world size is 2"),
+    (["--train.global_batch_size=6", "--train.micro_batch_size=6"],
+     "global_batch_size=6 must be a multiple of micro_batch_size x data-parallel ranks"),
+    (["--data.path=/no/such/place"], "data.path='/no/such/place' does not exist"),
+    (["--gpus", "9"], r"--gpus names device\(s\) 9"),
+    (["steps=3"], "unknown argument 'steps=3'"),
+])
+def test_bad_train_input_fails_before_launch(args, match, tmp_path, subprocess_env):
+    out = tmp_path / "run"
+    proc = subprocess.run([*MESHFIT, "train", "--nproc", "2", "--out", str(out), *args],
+                          env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert re.search(match, lines[0]), lines[0]
+    assert not out.exists()  # nothing written, nothing launched
