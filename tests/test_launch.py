@@ -87,6 +87,28 @@ def test_failing_worker_gives_nonzero_exit(tmp_path, subprocess_env):
     assert "worker(s) failed" in proc.stderr
 
 
+def test_max_restarts_restarts_the_group_after_a_failure(tmp_path, subprocess_env):
+    """Rank 1 fails once; with --max-restarts 1 the agent restarts both workers and the
+    second attempt's process group forms and finishes (torchrun's elastic behaviour)."""
+    flaky = tmp_path / "flaky.py"
+    flaky.write_text(
+        "import os, sys, torch.distributed as dist\n"
+        f"marker = {str(tmp_path / 'failed_once')!r}\n"
+        "rank = int(os.environ['RANK'])\n"
+        "attempt = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+        "if rank == 1 and not os.path.exists(marker):\n"
+        "    open(marker, 'w').close()\n"
+        "    sys.exit(5)\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.barrier()\n"
+        f"open(os.path.join({str(tmp_path)!r}, f'done{{rank}}-{{attempt}}'), 'w').close()\n"
+        "dist.destroy_process_group()\n")
+    proc = subprocess.run([*MESHFIT, "launch", "--nproc", "2", "--max-restarts", "1", str(flaky)],
+                          env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0-1", "done1-1"]
+
+
 @pytest.mark.parametrize("args,match", [
     (["--gpus", "7", "--nproc", "1"], "--gpus names device(s) 7"),
     (["--gpus", "a,b"], "--gpus='a,b' must be a comma-separated list"),
