@@ -28,7 +28,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
 def _worker(fn, rank, world_size, port, args, queue):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), MESHFIT_CPU="1")  # gloo + CPU even beside GPUs
     torch.set_num_threads(1)  # 2 cores: one thread per rank, as torchrun sets OMP_NUM_THREADS
     try:
         from meshfit.distributed import init
@@ -84,12 +84,14 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
 @pytest.fixture
 def subprocess_env(tmp_path):
     """Environment for launching `meshfit`/torchrun in a subprocess: our package importable,
-    torchrun's temporary folders inside the test's tmp_path, one thread per rank."""
+    torchrun's temporary folders inside the test's tmp_path, one thread per rank, CPU and
+    gloo even on a machine with fewer GPUs than ranks."""
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
     env["TMPDIR"] = str(tmp_path)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    env["MESHFIT_CPU"] = "1"
     return env
 
 

@@ -40,7 +40,8 @@ def launched(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("launch")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env.update(PYTHONPATH=str(REPO / "src"), TMPDIR=str(tmp), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(REPO / "src"), TMPDIR=str(tmp), OMP_NUM_THREADS="1",
+               MESHFIT_CPU="1")
     out = tmp / "meshfit"
     out.mkdir()
     _run([*MESHFIT, "launch", "--nproc", "2", str(SCRIPT), str(out)], env)

@@ -42,12 +42,13 @@ class Accelerator:
         parallel: the layout (`ParallelDims`); default: every process a DDP replica.
         ddp_kwargs: extra keyword arguments for DistributedDataParallel
             (``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...).
+        cpu: run on the CPU (gloo) even where CUDA is available; also ``MESHFIT_CPU=1``.
         env: an existing `DistEnv`; default: `meshfit.distributed.init()`.
     """
 
     def __init__(self, *, gradient_accumulation_steps: int = 1, mixed_precision: str = "no",
                  parallel: ParallelDims | None = None, ddp_kwargs: dict | None = None,
-                 env: DistEnv | None = None):
+                 cpu: bool | None = None, env: DistEnv | None = None):
         if isinstance(gradient_accumulation_steps, bool) or not isinstance(
                 gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps!r} must "
@@ -55,7 +56,7 @@ class Accelerator:
         check_mixed_precision(mixed_precision)
         if parallel is not None and not isinstance(parallel, ParallelDims):
             raise ValueError(f"parallel={parallel!r} must be a meshfit.ParallelDims")
-        self.env = env or mdist.init()
+        self.env = env or mdist.init(cpu=cpu)
         self.parallel = (parallel or ParallelDims()).resolve(self.env.world_size)
         self.strategy: Strategy = choose_strategy(self.env, self.parallel, ddp_kwargs=ddp_kwargs)
         self.precision = Precision(mixed_precision, self.env.device)

@@ -50,26 +50,45 @@ def _env_int(name: str, default: int) -> int:
                          "launch with `meshfit launch` or torchrun, which set it") from None
 
 
-def init(backend: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
+_CPU_ENV = "MESHFIT_CPU"
+
+
+def _cpu_requested(cpu: bool | None) -> bool:
+    if cpu is not None:
+        return bool(cpu)
+    value = os.environ.get(_CPU_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"environment variable {_CPU_ENV}={value!r} must be 1/true or 0/false")
+
+
+def init(backend: str | None = None, timeout_s: float = 1800.0, *,
+         cpu: bool | None = None) -> DistEnv:
     """Join the process group that torchrun (or `meshfit launch`) described.
 
     Picks NCCL and ``cuda:LOCAL_RANK`` when CUDA is available, gloo and the CPU otherwise.
-    With no launcher (no WORLD_SIZE), returns a single-process environment without creating
-    a process group. Calling it again returns the same description.
+    ``cpu=True`` (or the environment variable ``MESHFIT_CPU=1``) keeps to the CPU and gloo
+    even where CUDA is available, as Accelerate's ``cpu=True`` does. With no launcher (no
+    WORLD_SIZE), returns a single-process environment without creating a process group.
+    Calling it again returns the same description.
     """
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not _cpu_requested(cpu)
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ValueError(f"backend={backend!r} is not supported; use 'nccl' (GPUs) or 'gloo' (CPU)")
     if backend == "nccl" and not cuda:
-        raise ValueError("backend='nccl' needs CUDA, which is not available here; use backend='gloo'")
+        raise ValueError("backend='nccl' needs CUDA, which is not available here (or cpu=True / "
+                         f"{_CPU_ENV}=1 was asked for); use backend='gloo'")
     if cuda:
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA "
-                             "devices are visible; start at most that many processes per node")
+                             "devices are visible; start at most that many processes per node, "
+                             f"or set {_CPU_ENV}=1 to run every process on the CPU")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
