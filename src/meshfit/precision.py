@@ -27,6 +27,35 @@ def check_mixed_precision(value: object, field: str = "mixed_precision") -> str:
     return value  # type: ignore[return-value]
 
 
+def set_tf32(enabled: bool) -> bool:
+    """Let fp32 matrix products and cuDNN convolutions use TF32 tensor cores (10-bit mantissa
+    inputs, fp32 accumulation; NVIDIA Ampere and newer). Returns whether the hardware has them.
+
+    The setting is process-wide, as PyTorch's own flags are; on hardware without TF32 it has no
+    effect."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"tf32={enabled!r} must be True or False")
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+
+
+def _check_autocast_runs(device_type: str, dtype: torch.dtype, mode: str) -> None:
+    """One small linear layer forward and backward under autocast; a clear error if this
+    device cannot do it (older PyTorch releases have no fp16 kernels on CPU)."""
+    device = "cuda" if device_type == "cuda" else device_type
+    layer = torch.nn.Linear(8, 8, device=device)
+    try:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            out = layer(torch.randn(2, 8, device=device))
+        out.float().sum().backward()
+    except RuntimeError as err:
+        other = "bf16" if mode == "fp16" else "'no'"
+        raise ValueError(f"mixed_precision={mode!r} does not run on {device_type} with this "
+                         f"PyTorch ({str(err).splitlines()[0][:80]}); use "
+                         f"mixed_precision={other!s}") from None
+
+
 class Precision:
     """Autocast context and (for fp16) a GradScaler for one device type."""
 
@@ -34,9 +63,11 @@ class Precision:
         self.mode = check_mixed_precision(mode)
         self.device_type = device.type
         self.dtype = _DTYPES.get(self.mode)
-        if self.dtype is not None and not torch.amp.is_autocast_available(self.device_type):
-            raise ValueError(f"mixed_precision={mode!r}: autocast is not available on "
-                             f"{self.device_type}; use mixed_precision='no'")
+        if self.dtype is not None:
+            if not torch.amp.is_autocast_available(self.device_type):
+                raise ValueError(f"mixed_precision={mode!r}: autocast is not available on "
+                                 f"{self.device_type}; use mixed_precision='no'")
+            _check_autocast_runs(self.device_type, self.dtype, self.mode)
         self.scaler = torch.amp.GradScaler(self.device_type) if self.mode == "fp16" else None
 
     def autocast(self):

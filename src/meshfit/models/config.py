@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 NormKind = Literal["layernorm", "rmsnorm"]
 MlpKind = Literal["gelu", "swiglu"]
 PosKind = Literal["learned", "rope"]
+AttentionBackend = Literal["auto", "math", "flash", "efficient", "cudnn"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,13 +55,19 @@ class GPTConfig:
     """RoPE base frequency (Su et al. 2021; 10000 in Llama-2). Ignored for learned positions."""
     init_std: float = 0.02
     """Std of the normal init of linears and embeddings (GPT-2 / nanoGPT use 0.02)."""
+    attention_backend: AttentionBackend = "auto"
+    """Kernel behind F.scaled_dot_product_attention: "auto" (PyTorch picks the fastest that
+    fits), "math" (the reference formula), "flash" (FlashAttention-2; CUDA fp16/bf16, and
+    PyTorch's CPU flash kernel), "efficient" (memory-efficient, xFormers' kernel; CUDA) or
+    "cudnn" (cuDNN attention; recent NVIDIA GPUs). Not a shape: parameter counts ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "max_seq_len"):
             _check_positive_int(name, getattr(self, name))
         if self.n_kv_head is not None:
             _check_positive_int("n_kv_head", self.n_kv_head)
-        for name, kind in (("norm", NormKind), ("mlp", MlpKind), ("pos", PosKind)):
+        for name, kind in (("norm", NormKind), ("mlp", MlpKind), ("pos", PosKind),
+                           ("attention_backend", AttentionBackend)):
             value, allowed = getattr(self, name), get_args(kind)
             if value not in allowed:
                 raise ValueError(f"GPTConfig.{name}={value!r} is not supported; use one of {allowed}")

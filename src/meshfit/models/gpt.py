@@ -16,8 +16,10 @@ parameter names (and hence checkpoints and `init_weights` values) match the full
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +27,46 @@ from torch import nn
 
 from meshfit.models.config import GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "Block", "Attention", "GeluMLP", "SwiGLUMLP", "count_params"]
+__all__ = ["GPT", "GPTConfig", "Block", "Attention", "GeluMLP", "SwiGLUMLP", "count_params",
+           "check_attention_backend"]
+
+_SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                  "cudnn": "CUDNN_ATTENTION"}
+
+
+def _sdpa_context(backend: str):
+    """A context that restricts SDPA to `backend` (a no-op for "auto")."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[backend]))
+
+
+def check_attention_backend(backend: str, device: torch.device | str, dtype: torch.dtype,
+                            head_dim: int = 64) -> None:
+    """Raise a one-line ValueError if SDPA cannot run `backend` on `device` in `dtype`.
+
+    Runs one tiny causal attention (forward and backward) under that backend, so the answer is
+    the kernel's own, not a guess from the hardware's name.
+    """
+    if backend == "auto":
+        return
+    if backend not in _SDPA_BACKENDS:
+        raise ValueError(f"attention_backend={backend!r} is not one of auto, "
+                         f"{', '.join(_SDPA_BACKENDS)}")
+    q = torch.randn(1, 2, 16, head_dim, device=device, dtype=dtype, requires_grad=True)
+    try:
+        with _sdpa_context(backend), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reasons SDPA prints before giving up
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    except RuntimeError:
+        raise ValueError(
+            f"attention_backend={backend!r} is not available on {torch.device(device)} with "
+            f"{str(dtype).removeprefix('torch.')} (head_dim={head_dim}); use 'auto' or 'math'"
+            + ("; 'efficient' and 'cudnn' need a CUDA GPU, 'flash' on CUDA needs fp16/bf16"
+               if torch.device(device).type != "cuda" or dtype == torch.float32 else "")
+        ) from None
 
 
 def count_params(module: nn.Module) -> int:
@@ -66,6 +107,7 @@ class Attention(nn.Module):
         d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
+        self.backend = cfg.attention_backend
         self.wq = nn.Linear(d, d, bias=cfg.bias)
         self.wk = nn.Linear(d, kv, bias=cfg.bias)
         self.wv = nn.Linear(d, kv, bias=cfg.bias)
@@ -86,9 +128,10 @@ class Attention(nn.Module):
             groups = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        with _sdpa_context(self.backend):
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.wo(y))
 
