@@ -118,3 +118,20 @@ def test_train_runs_on_the_gpu(tmp_path, subprocess_env):
     lines = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["val_loss"] for r in lines if "val_loss" in r]
     assert evals[-1] < evals[0] - 0.5, evals
+
+
+def test_prepared_loader_copies_ahead_from_pinned_memory():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from meshfit.loader import PreparedDataLoader
+
+    data = TensorDataset(torch.randn(64, 256), torch.arange(64))
+    loader = PreparedDataLoader(DataLoader(data, batch_size=8, pin_memory=True, num_workers=2),
+                                device=torch.device("cuda", 0), num_replicas=1, rank=0)
+    assert loader.loader.pin_memory and loader._copy_stream is not None
+    seen = []
+    for x, i in loader:
+        assert x.device.type == "cuda"
+        seen.append((x @ x.T).diagonal().cpu())  # compute on the batch as it arrives
+        torch.testing.assert_close(x.cpu(), data.tensors[0][i.cpu()])
+    assert len(seen) == 8

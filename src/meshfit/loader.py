@@ -91,7 +91,13 @@ class PreparedDataLoader:
 
     It looks one batch ahead, so the accelerator knows when the last batch is being used
     (gradient accumulation syncs there; gather_for_metrics trims the padding there), and so
-    the next batch's host-to-device copy is issued while the current batch computes.
+    the next batch's host-to-device copy is issued while the current batch computes: on CUDA
+    the copy runs on a side stream from pinned memory (``non_blocking``), and the compute
+    stream waits for it only when the batch is handed out.
+
+    The loader's ``num_workers``, ``prefetch_factor``, ``persistent_workers``,
+    ``worker_init_fn``, ``collate_fn`` and ``timeout`` are kept; ``pin_memory`` is honoured
+    where it helps (a CUDA device) and dropped elsewhere.
     """
 
     def __init__(self, loader: DataLoader, *, device: torch.device, num_replicas: int,
@@ -101,6 +107,7 @@ class PreparedDataLoader:
         self.state = LoaderState()
         self._on_iter = on_iter
         self._epoch = 0
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if isinstance(loader.dataset, IterableDataset):
             raise ValueError("prepare(dataloader): IterableDataset loaders are not supported "
                              "yet; use a map-style Dataset (with __len__ and __getitem__)")
@@ -110,7 +117,7 @@ class PreparedDataLoader:
             batch_sampler=self.batch_sampler,
             num_workers=loader.num_workers,
             collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
+            pin_memory=loader.pin_memory and device.type == "cuda",
             timeout=loader.timeout,
             worker_init_fn=loader.worker_init_fn,
             multiprocessing_context=loader.multiprocessing_context,
@@ -155,8 +162,25 @@ class PreparedDataLoader:
         return len(self.batch_sampler)
 
     def _to_device(self, batch):
-        non_blocking = self.device.type == "cuda"
-        return apply_to_tensors(lambda t: t.to(self.device, non_blocking=non_blocking), batch)
+        """Start copying `batch` to the device; `_ready` must be called before it is used."""
+        if self._copy_stream is None:
+            return apply_to_tensors(lambda t: t.to(self.device), batch)
+        with torch.cuda.stream(self._copy_stream):
+            return apply_to_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
+
+    def _ready(self, batch):
+        """Make the compute stream wait for `batch`'s copy and own its memory from now on."""
+        if self._copy_stream is None:
+            return batch
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self._copy_stream)
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "cuda":
+                t.record_stream(compute)  # the allocator must not reuse it while compute runs
+            return t
+
+        return apply_to_tensors(own, batch)
 
     def __iter__(self):
         self.batch_sampler.set_epoch(self._epoch)
@@ -177,7 +201,7 @@ class PreparedDataLoader:
                 self.state.end_of_dataloader = True
                 if self.batch_sampler.remainder < self.batch_sampler.round_size:
                     self.state.remainder = self.batch_sampler.remainder
-                yield current
+                yield self._ready(current)
                 return
-            yield current
+            yield self._ready(current)
             current = upcoming
