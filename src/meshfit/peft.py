@@ -1,0 +1,222 @@
+"""LoRA fine-tuning through the Hugging Face `peft` library (Hu et al. 2021, "LoRA").
+
+    from meshfit.peft import lora, save_adapter, load_adapter
+    model = lora(GPT(GPTConfig.preset("tiny")), r=8, alpha=16)   # base frozen, adapters trainable
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ...
+    save_adapter(model, "out/adapter")                              # adapter tensors + config only
+    model = load_adapter(GPT(GPTConfig.preset("tiny")), "out/adapter")
+
+LoRA itself is peft's: each targeted `nn.Linear` W (out x in) becomes W x + (alpha / r) B A x
+with A (r x in) and B (out x r, zero at init), so an adapted linear adds r * (in + out)
+trainable parameters and the model's output is unchanged at step 0.
+
+`lora` returns peft's `PeftModel`, which also wraps plain `nn.Module`s: its forward passes
+every argument through, so `model(idx, targets)` still returns the loss for meshfit's GPT.
+Apply LoRA first, then wrap in DDP and build the optimizer (STYLE.md 4): DDP registers only
+parameters with requires_grad, so its buckets and the optimizer state hold adapters alone.
+The functions below accept a DDP-wrapped model where they need the PeftModel inside.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import peft
+import torch
+from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from safetensors.torch import load_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from meshfit.models.gpt import GPT
+
+try:
+    from peft.utils.error import NoMatchingPeftModuleError
+except ImportError:  # older peft raises a plain ValueError when no target module matches
+    NoMatchingPeftModuleError = ValueError
+
+__all__ = [
+    "GPT_TARGET_MODULES", "lora", "trainable_parameters", "save_adapter", "load_adapter", "merge",
+]
+
+# meshfit's GPT: every linear of a block (attention q/k/v/o and the GeLU or SwiGLU MLP), as in
+# QLoRA (Dettmers et al. 2023), which finds adapting all block linears matches full fine-tuning
+# better than q/v alone. Embeddings and lm_head stay frozen. Names match as suffixes of module
+# paths, so absent ones (w1..w3 in a GeLU model) are harmless.
+GPT_TARGET_MODULES = ("wq", "wk", "wv", "wo", "w_in", "w_out", "w1", "w2", "w3")
+
+_WEIGHTS = "adapter_model.safetensors"  # the file name PeftModel.save_pretrained writes
+# Config fields that must agree for saved adapter weights to mean the same thing in a model.
+_MUST_MATCH = (
+    "r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",
+)
+
+
+def lora(
+    model: nn.Module,
+    r: int = 8,
+    alpha: float = 16,
+    target_modules: list[str] | str | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> peft.PeftModel:
+    """Freeze `model` and add LoRA adapters of rank `r` to its `target_modules`.
+
+    `target_modules`: module-name suffixes (peft matches "name" or "...name"), or one regex
+    string matched against full names, or "all-linear". None means `GPT_TARGET_MODULES` for
+    meshfit's GPT, and peft's own per-architecture default for a Hugging Face model (e.g.
+    q_proj, v_proj for Llama); any other module needs explicit names. `alpha` is peft's
+    `lora_alpha` (scale alpha / r); `dropout` is `lora_dropout`. Other keyword arguments go to
+    `peft.LoraConfig` unchanged (e.g. use_rslora, bias, modules_to_save, task_type).
+
+    The model is changed in place (its targeted linears are replaced) and wrapped; use the
+    returned model. Only adapter weights (and any `modules_to_save`) keep requires_grad.
+    """
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"lora: r={r!r} is not a positive int; pass the adapter rank, e.g. r=8")
+    if not alpha > 0:
+        raise ValueError(f"lora: alpha={alpha!r} must be > 0; pass e.g. alpha=2*r (scale alpha/r)")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora: dropout={dropout!r} must be in [0, 1); pass e.g. dropout=0.05")
+    if target_modules is None:
+        target_modules = _default_targets(model)
+    config = peft.LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=dropout, **kwargs
+    )
+    try:
+        return peft.get_peft_model(model, config)
+    except NoMatchingPeftModuleError as e:
+        # Raised before any module is replaced, so `model` is left untouched.
+        raise ValueError(
+            f"lora: target_modules={target_modules!r} matches no module of "
+            f"{type(model).__name__}; pass names of its nn.Linear modules, "
+            f"e.g. {_linear_names(model)[:8]}"
+        ) from e
+
+
+def _default_targets(model: nn.Module) -> list[str] | None:
+    if isinstance(model, GPT):
+        return list(GPT_TARGET_MODULES)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING:
+        return None  # peft fills in its default for this Hugging Face architecture
+    raise ValueError(
+        f"lora: target_modules=None has no default for {type(model).__name__}; pass names of "
+        f"its nn.Linear modules, e.g. target_modules={_linear_names(model)[:8]}"
+    )
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """Distinct last components of the model's nn.Linear names, in model order."""
+    names = [n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return list(dict.fromkeys(names))
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter elements; a tied or shared tensor counts once.
+
+    Counted from `requires_grad` directly rather than with peft's
+    `get_nb_trainable_parameters`, so it works for any module, DDP-wrapped ones included.
+    """
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def _peft_model(model: nn.Module) -> peft.PeftModel:
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if not isinstance(inner, peft.PeftModel):
+        raise TypeError(
+            f"expected the model returned by meshfit.peft.lora (a peft.PeftModel), got "
+            f"{type(inner).__name__}; apply lora(model, ...) first"
+        )
+    return inner
+
+
+def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
+    """Write the adapter alone to `directory`: adapter_model.safetensors + adapter_config.json.
+
+    Base weights are not written. The files go to a temporary sibling folder first, which then
+    replaces `directory`, so a failure part-way leaves an existing adapter there intact. Call
+    on one process (under DDP every rank holds the same adapter); a model whose parameters are
+    sharded (FSDP) must be gathered first. Returns the directory.
+    """
+    pm = _peft_model(model)
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        pm.save_pretrained(str(tmp), safe_serialization=True)
+        _replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    return target
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    # rename(2) cannot replace a non-empty directory, so move the old one aside first and put
+    # it back if the second rename fails.
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = dst.with_name(f".{dst.name}.old.{os.getpid()}")
+    os.replace(dst, old)
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_adapter(model: nn.Module, directory: str | os.PathLike) -> peft.PeftModel:
+    """Load an adapter written by `save_adapter` and return the model with it.
+
+    `model` is either the same base already passed through `lora(...)` with the same settings
+    (its adapter weights are overwritten), or a fresh base model (LoRA is applied first with
+    the saved config). Either way the result matches `lora(...)` plus the saved weights: the
+    adapter is trainable and the base frozen. The base weights must be the ones the adapter
+    was trained on; they are not stored. Mismatched settings or tensor names raise ValueError.
+    """
+    directory = Path(directory)
+    saved = peft.LoraConfig.from_pretrained(str(directory))
+    if isinstance(model, (peft.PeftModel, DistributedDataParallel)):
+        pm = _peft_model(model)
+        _check_config(pm.peft_config[pm.active_adapter], saved, directory)
+    else:
+        saved.inference_mode = False  # save_pretrained stores True, which would freeze adapters
+        pm = peft.get_peft_model(model, saved)
+    state = load_file(str(directory / _WEIGHTS))
+    expected = set(peft.get_peft_model_state_dict(pm).keys())
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(
+            f"load_adapter: {directory} does not fit this model: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}; load it into the base model it was trained on"
+        )
+    peft.set_peft_model_state_dict(pm, state)
+    return pm
+
+
+def _check_config(current: peft.PeftConfig, saved: peft.PeftConfig, directory: Path) -> None:
+    def norm(v):  # target_modules is a set in memory and a list in the JSON file
+        return sorted(v) if isinstance(v, (set, list, tuple)) else v
+
+    pairs = {f: (norm(getattr(saved, f, None)), norm(getattr(current, f, None)))
+             for f in _MUST_MATCH}
+    diff = {f: pair for f, pair in pairs.items() if pair[0] != pair[1]}
+    if diff:
+        raise ValueError(
+            f"load_adapter: {directory} was saved with different LoRA settings "
+            f"(field: (saved, model)) {diff}; build the model with the saved settings, or pass "
+            "the bare base model to load_adapter"
+        )
+
+
+def merge(model: nn.Module) -> nn.Module:
+    """Fold the adapters into the base weights (W += alpha/r B A) and return the plain base
+    model, e.g. a GPT again, for inference or export with no peft dependency."""
+    return _peft_model(model).merge_and_unload()
