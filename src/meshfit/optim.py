@@ -14,17 +14,23 @@ measures it on a live optimizer:
                                  (fastest on CPU and GPU; PITFALLS: 29 ms vs 135 for 33.5M
                                  parameters on CPU).
     adamw_8bit          ~2 B     both moments as uint8 codes with one fp32 scale per block of
-                                 256 (+4/256 B per moment) and a 256-entry fp32 lookup table
+                                 256 (+4/256 B per moment) and 256-entry fp32 lookup tables
                                  (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
-                                 Quantization"). Only tensors of >= 4096 elements (a multiple
-                                 of the block) are quantized; smaller ones (biases, norms) keep
-                                 8 B fp32 state. bitsandbytes on CUDA, torchao elsewhere.
+                                 Quantization"). Only tensors of >= 4096 elements are quantized
+                                 (torchao: also a multiple of its block_size); smaller ones
+                                 (biases, norms) keep 8 B fp32 state. bitsandbytes on CUDA
+                                 (tables shared by all parameters: 2.03 B/param on matrices),
+                                 torchao elsewhere (2 KiB of tables per matrix: 2.09 B/param on
+                                 the tiny GPT's). torchao compiles its step per parameter shape
+                                 on first use and keeps lr as a tensor, which torch's
+                                 LRScheduler fills in place.
     adafactor           ~(r+c)*4 per r x c matrix: a factored second moment, one row and one
                                  column vector, and no first moment (Shazeer & Stern 2018);
                                  4 B for vectors. torch.optim.Adafactor.
-    sgd                 4 B      the momentum buffer.
+    sgd                 4 B      the momentum buffer (none with momentum=0).
 
-Each state also holds a scalar `step` tensor (4 B per parameter tensor, not per element).
+AdamW, Adafactor and torchao also keep a scalar `step` tensor per parameter tensor (4 B, not
+per element); bitsandbytes keeps a Python int, SGD none.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ def param_groups(model: nn.Module, weight_decay: float,
     parameters (requires_grad False) are left out, so they hold no optimizer state. Empty
     groups are omitted; each group is {"params": [...], "weight_decay": float}.
     """
-    extra = tuple(no_decay or ())
+    extra = (no_decay,) if isinstance(no_decay, str) else tuple(no_decay or ())
     decay, plain, seen = [], [], set()
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
@@ -144,6 +150,8 @@ def build(name: str, model_or_params: nn.Module | Iterable[Any], *, lr: float,
     if (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
             or not (math.isfinite(weight_decay) and weight_decay >= 0)):
         raise ValueError(f"weight_decay={weight_decay!r} must be a finite number >= 0 (0 disables it)")
+    if isinstance(model_or_params, torch.Tensor):
+        model_or_params = [model_or_params]
     if isinstance(model_or_params, nn.Module):
         groups: list[Any] = param_groups(model_or_params, weight_decay, no_decay)
     else:
