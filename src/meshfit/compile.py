@@ -1,0 +1,109 @@
+"""torch.compile for training: each transformer block, or the whole model, in place.
+
+    apply_compile(model)                      # inductor, one compiled block reused L times
+    apply_compile(model, scope="model")       # one graph for the model (more graph breaks)
+    stats = compile_stats()                   # did dynamo really compile anything?
+
+Per-block compile is torchtitan's default: all blocks share one class, so dynamo traces the
+block once and reuses the graph for every layer (parameters are graph inputs), which keeps
+cold-compile time independent of depth, and the model's own Python (loss, pipeline or
+FSDP hooks around blocks) stays eager. `nn.Module.compile` compiles in place, so parameter
+names and state_dict keys do not change (no `_orig_mod.` prefix as `torch.compile(model)`
+would add).
+
+Order (torchtitan's): `apply_activation_checkpointing`, then `apply_compile` (dynamo traces
+the checkpoint as a higher-order op), then DDP / FSDP. With FSDP2, compile blocks before
+sharding: a whole-model compile of a sharded model can silently run eager (PITFALLS #3),
+which is why `compile_stats` exists: check `graphs > 0` after the first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch._dynamo
+from torch import nn
+
+from meshfit.checkpointing import find_blocks
+
+__all__ = ["apply_compile", "check_compile_args", "compile_stats", "CompileStats"]
+
+Scope = Literal["block", "model"]
+# Debug backends that torch._dynamo.list_backends() hides but that are useful in tests.
+_DEBUG_BACKENDS = ("eager", "aot_eager")
+
+
+def apply_compile(model: nn.Module, *, backend: str = "inductor", mode: str | None = None,
+                  scope: Scope = "block", fullgraph: bool = False,
+                  dynamic: bool | None = None) -> nn.Module:
+    """Compile `model` in place with torch.compile; returns `model`.
+
+    scope="block" compiles each transformer block (see `meshfit.checkpointing.find_blocks`);
+    scope="model" compiles the whole forward. `mode` is an inductor mode and needs
+    backend="inductor". `fullgraph=True` turns graph breaks into errors; `dynamic=None`
+    lets dynamo mark shapes dynamic after the first recompile.
+    """
+    _validate(backend, mode, scope)
+    options = dict(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+    modules = find_blocks(model) if scope == "block" else [model]
+    for module in modules:
+        module.compile(**options)
+    return model
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """Counts from `torch._dynamo.utils.counters`, per process. `torch._dynamo.reset()` does
+    not clear them: compare two snapshots, or call `torch._dynamo.utils.counters.clear()`."""
+
+    frames: int
+    """Python frames dynamo converted successfully."""
+    graphs: int
+    """FX graphs handed to the backend; 0 means everything ran eager."""
+    graph_breaks: int
+    """Graph breaks (each splits a frame into more graphs and falls back to Python)."""
+
+
+def compile_stats() -> CompileStats:
+    """What torch.compile did so far in this process. Read it before and after the first step
+    of a compiled model: if `graphs` did not grow, that model ran eager (later steps reuse
+    the graphs, so only the first step adds to it)."""
+    counters = torch._dynamo.utils.counters
+    return CompileStats(frames=counters["frames"]["ok"], graphs=counters["stats"]["unique_graphs"],
+                        graph_breaks=sum(counters["graph_break"].values()))
+
+
+def check_compile_args(backend: object, mode: str | None, *, prefix: str = "") -> None:
+    """One-line ValueError for a backend or mode torch.compile does not know, naming the
+    config fields `{prefix}compile_backend` / `{prefix}compile_mode` (prefix e.g. "train.")."""
+    _check_backend_mode(backend, mode, f"{prefix}compile_backend", f"{prefix}compile_mode")
+
+
+def _validate(backend: object, mode: str | None, scope: str) -> None:
+    if scope not in get_args(Scope):
+        raise ValueError(f"apply_compile: scope={scope!r} is not supported; use one of {get_args(Scope)}")
+    _check_backend_mode(backend, mode, "backend", "mode", where="apply_compile: ")
+
+
+def _check_backend_mode(backend, mode, backend_field: str, mode_field: str, where: str = "") -> None:
+    if not callable(backend):  # torch.compile also takes a backend function
+        backends = sorted(set(torch._dynamo.list_backends()) | {"inductor", *_DEBUG_BACKENDS})
+        registered = torch._dynamo.list_backends(exclude_tags=())  # with the debug ones
+        if backend not in backends and backend not in registered:
+            raise ValueError(
+                f"{where}{backend_field}={backend!r} is not a torch.compile backend; use one of {backends}"
+            )
+    if mode is None:
+        return
+    if backend != "inductor":
+        raise ValueError(
+            f"{where}{mode_field}={mode!r} applies to the inductor backend only, but "
+            f"{backend_field}={backend!r}; drop {mode_field} or use {backend_field}='inductor'"
+        )
+    from torch._inductor import list_mode_options  # heavy import: only when a mode is given
+
+    modes = list(list_mode_options())
+    if mode not in modes:
+        raise ValueError(f"{where}{mode_field}={mode!r} is not an inductor mode; use None or one of {modes}")
