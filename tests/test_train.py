@@ -38,9 +38,13 @@ def test_train_two_processes_writes_metrics_and_config(tmp_path, subprocess_env)
 
 def test_config_file_and_overrides(tmp_path):
     cfg_file = tmp_path / "run.toml"
-    cfg_file.write_text('[model]\npreset = "tiny"\n[train]\nsteps = 7\nlr = 1e-3\n')
-    cfg = load_config(cfg_file, ["--train.steps=9", "--data.path=" + str(tmp_path)])
-    assert cfg.train.steps == 9 and cfg.train.lr == 1e-3 and cfg.data.path == str(tmp_path)
+    cfg_file.write_text('[model]\npreset = "tiny"\n[train]\nsteps = 7\n[optim]\nlr = 1e-3\n'
+                        'betas = [0.8, 0.9]\n[peft]\nmethod = "lora"\ntarget_modules = ["wq"]\n')
+    cfg = load_config(cfg_file, ["--train.steps=9", "--data.path=" + str(tmp_path),
+                                 "--train.activation_checkpointing=full"])
+    assert cfg.train.steps == 9 and cfg.optim.lr == 1e-3 and cfg.data.path == str(tmp_path)
+    assert cfg.optim.betas == (0.8, 0.9) and cfg.peft.target_modules == ("wq",)
+    assert cfg.train.activation_checkpointing == "full"
     assert load_config(None, []) == RunConfig()
     again = tmp_path / "again.toml"
     again.write_text(cfg.to_toml())
@@ -56,7 +60,14 @@ def test_accumulation_from_global_batch():
 
 @pytest.mark.parametrize("args,match", [
     (["--train.stepz=3"], r"unknown key\(s\) in \[train\]: stepz; known keys: .*steps"),
-    (["--optim.lr=3"], r"unknown config section\(s\) optim"),
+    (["--optimizer.lr=3"], r"unknown config section\(s\) optimizer"),
+    (["--optim.name=adam9"], "optim.name='adam9' is not one of adamw, adamw_fused"),
+    (["--optim.betas=[0.9]"], r"optim.betas=\[0.9\] must be two numbers"),
+    (["--peft.method=lora", "--peft.target_modules=[\"nope\"]"], "target_modules"),
+    (["--train.activation_checkpointing=some"], "train.activation_checkpointing='some'"),
+    (["--train.compile=true", "--train.compile_backend=fast"], "compile_backend='fast'"),
+    (["--model.attention_backend=efficient"], "model.attention_backend='efficient' is not "
+                                              "available on cpu"),
     (["--train.steps=0"], "train.steps=0 must be an integer >= 1"),
     (["--train.mixed_precision=fp8"], "train.mixed_precision='fp8'"),
     (["--model.preset=gpt5"], "model.preset='gpt5' is not a preset"),

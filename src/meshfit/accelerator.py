@@ -20,7 +20,8 @@ from meshfit import distributed as mdist
 from meshfit import ops
 from meshfit.distributed import DistEnv, ParallelDims
 from meshfit.loader import PreparedDataLoader
-from meshfit.precision import Precision, check_mixed_precision
+from meshfit.model_options import ModelOptions
+from meshfit.precision import Precision, check_mixed_precision, empty_device_cache, set_tf32
 from meshfit.prepared import GradientState, PreparedOptimizer, PreparedScheduler
 from meshfit.strategy import Strategy, choose_strategy
 
@@ -39,6 +40,18 @@ class Accelerator:
             only on every k-th micro-batch (or the dataloader's last one).
         mixed_precision: ``"no"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic
             loss scaling). Master weights and optimizer state stay fp32.
+        tf32: let fp32 matrix products use TF32 tensor cores (NVIDIA Ampere and newer;
+            no effect elsewhere).
+        activation_checkpointing: ``"none"``, ``"full"`` (every transformer block recomputes
+            its activations in backward) or ``"selective"`` (every
+            ``activation_checkpointing_every``-th block with policy ``"block"``, or every block
+            keeping matrix-product outputs with policy ``"op"``); see
+            `meshfit.checkpointing`.
+        compile: ``torch.compile`` prepared models, per transformer block
+            (``compile_scope="block"``, the default) or whole (``"model"``), with
+            ``compile_backend`` and ``compile_mode``; see `meshfit.compile`.
+        empty_cache_steps: release the device allocator's cached blocks every this many
+            optimizer steps (0: never), as Transformers' ``torch_empty_cache_steps``.
         parallel: the layout (`ParallelDims`); default: every process a DDP replica.
         ddp_kwargs: extra keyword arguments for DistributedDataParallel
             (``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...).
@@ -47,6 +60,11 @@ class Accelerator:
     """
 
     def __init__(self, *, gradient_accumulation_steps: int = 1, mixed_precision: str = "no",
+                 tf32: bool = False, activation_checkpointing: str = "none",
+                 activation_checkpointing_every: int = 2,
+                 activation_checkpointing_policy: str = "block", compile: bool = False,
+                 compile_backend: str = "inductor", compile_mode: str | None = None,
+                 compile_scope: str = "block", empty_cache_steps: int = 0,
                  parallel: ParallelDims | None = None, ddp_kwargs: dict | None = None,
                  cpu: bool | None = None, env: DistEnv | None = None):
         if isinstance(gradient_accumulation_steps, bool) or not isinstance(
@@ -54,12 +72,29 @@ class Accelerator:
             raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps!r} must "
                              "be an integer >= 1 (1 means no accumulation)")
         check_mixed_precision(mixed_precision)
+        if isinstance(empty_cache_steps, bool) or not isinstance(empty_cache_steps, int) or \
+                empty_cache_steps < 0:
+            raise ValueError(f"empty_cache_steps={empty_cache_steps!r} must be an integer >= 0 "
+                             "(0: never)")
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile={compile!r} must be True or False")
+        # Checked here, before any process group or model work, with the modules' own rules.
+        self.model_options = ModelOptions(
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_every=activation_checkpointing_every,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            compile=compile, compile_backend=compile_backend, compile_mode=compile_mode,
+            compile_scope=compile_scope)
+        self.empty_cache_steps = empty_cache_steps
+        self._optimizer_steps = 0
         if parallel is not None and not isinstance(parallel, ParallelDims):
             raise ValueError(f"parallel={parallel!r} must be a meshfit.ParallelDims")
         self.env = env or mdist.init(cpu=cpu)
         self.parallel = (parallel or ParallelDims()).resolve(self.env.world_size)
         self.strategy: Strategy = choose_strategy(self.env, self.parallel, ddp_kwargs=ddp_kwargs)
         self.precision = Precision(mixed_precision, self.env.device)
+        self.tf32 = tf32
+        set_tf32(tf32)
         self.grad_state = GradientState(num_steps=gradient_accumulation_steps)
         self._optimizers: list[PreparedOptimizer] = []
         self._models: list[torch.nn.Module] = []
@@ -97,6 +132,14 @@ class Accelerator:
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.grad_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, k: int) -> None:
+        """Change k between optimizer steps (e.g. after a batch-size search)."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"gradient_accumulation_steps={k!r} must be an integer >= 1")
+        self.grad_state.num_steps = k
+        self.grad_state.step = 0
 
     @property
     def sync_gradients(self) -> bool:
@@ -139,6 +182,9 @@ class Accelerator:
             raise ValueError("prepare(model): the model has parameters on the meta device; "
                              "materialise it (to_empty + init_weights) before prepare")
         model.to(self.device)
+        # Order (as torchtitan): checkpoint each block, compile each (checkpointed) block, then
+        # the data-parallel wrapper, so DDP's hooks stay outside the compiled regions.
+        self.model_options.apply(model)
         wrapped = self.strategy.wrap_model(model)
         self.precision.wrap_forward(wrapped)
         self._models.append(wrapped)
@@ -147,9 +193,17 @@ class Accelerator:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
-        prepared = PreparedOptimizer(optimizer, self.grad_state, self.precision.scaler)
+        prepared = PreparedOptimizer(optimizer, self.grad_state, self.precision.scaler,
+                                     on_step=self._after_optimizer_step)
         self._optimizers.append(prepared)
         return prepared
+
+    def _after_optimizer_step(self, optimizer: PreparedOptimizer) -> None:
+        if optimizer is not self._optimizers[0]:
+            return  # count each optimizer step once when several optimizers are prepared
+        self._optimizer_steps += 1
+        if self.empty_cache_steps and self._optimizer_steps % self.empty_cache_steps == 0:
+            empty_device_cache(self.device)
 
     def prepare_scheduler(self, scheduler) -> PreparedScheduler:
         if isinstance(scheduler, PreparedScheduler):

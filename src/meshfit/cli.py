@@ -66,6 +66,10 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     launch_cfg, env = launch.config_from_args(ns)
     cfg.validate_for(launch_cfg.nproc * launch_cfg.nnodes)  # before any process starts
+    from meshfit.trainer import preflight
+
+    for warning in preflight(cfg):  # the device, kernels and libraries this machine has
+        print(f"meshfit train: warning: {warning}", file=sys.stderr)
     if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
         from meshfit.trainer import train
 

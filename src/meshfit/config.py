@@ -36,6 +36,16 @@ def _number(section: str, name: str, value: Any, lo: float, hi: float) -> None:
         raise ValueError(f"{section}.{name}={value!r} must be a number in [{lo}, {hi}]")
 
 
+def _choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{section}.{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def _bool(section: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{section}.{name}={value!r} must be true or false")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """[model]: which reference GPT to train. Size fields left unset take the preset's."""
@@ -52,6 +62,9 @@ class ModelConfig:
     """MLP hidden size (None: the preset's)."""
     dropout: float | None = None
     """Dropout probability (None: the preset's)."""
+    attention_backend: str = "auto"
+    """SDPA kernel: auto, math, flash, efficient or cudnn (checked on the device before
+    launch)."""
 
     def __post_init__(self) -> None:
         from meshfit.models import GPTConfig
@@ -64,10 +77,13 @@ class ModelConfig:
                 _positive("model", name, getattr(self, name))
         if self.dropout is not None:
             _number("model", "dropout", self.dropout, 0.0, 0.99)
+        _choice("model", "attention_backend", self.attention_backend,
+                ("auto", "math", "flash", "efficient", "cudnn"))
 
     def overrides(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "preset" and getattr(self, f.name) is not None}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name != "preset" and getattr(self, f.name) is not None}
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,14 +98,10 @@ class TrainConfig:
     """Sequences per forward/backward on one rank; accumulation fills the rest."""
     seq_len: int = 128
     """Tokens per sequence."""
-    lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay (not applied to biases and norm weights)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
     seed: int = 0
@@ -102,21 +114,115 @@ class TrainConfig:
     """Write a metrics line every this many steps."""
     mixed_precision: str = "no"
     """"no", "bf16" or "fp16"."""
+    tf32: bool = False
+    """TF32 tensor cores for fp32 matrix products (NVIDIA Ampere and newer)."""
+    activation_checkpointing: str = "none"
+    """"none", "full" (every block) or "selective" (see the two keys below)."""
+    activation_checkpointing_every: int = 2
+    """selective with policy "block": checkpoint every this many blocks."""
+    activation_checkpointing_policy: str = "block"
+    """selective: "block" (every n-th block) or "op" (keep matrix-product outputs, recompute
+    the rest)."""
+    compile: bool = False
+    """torch.compile the model."""
+    compile_backend: str = "inductor"
+    """torch.compile backend: inductor, aot_eager, eager, ..."""
+    compile_mode: str = ""
+    """inductor mode: "" (default), reduce-overhead, max-autotune, ..."""
+    compile_scope: str = "block"
+    """"block" (each transformer block) or "model" (the whole model)."""
+    empty_cache_steps: int = 0
+    """Release the device allocator's cache every this many steps (0: never)."""
+    find_batch_size: bool = False
+    """On an out-of-memory error, retry with half the micro-batch and twice the accumulation."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len",
                      "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))
-        for name in ("warmup_steps", "seed", "eval_every"):
+        for name in ("warmup_steps", "seed", "eval_every", "empty_cache_steps", "num_workers"):
             _positive("train", name, getattr(self, name), allow_zero=True)
-        _number("train", "lr", self.lr, 1e-12, 10.0)
+        _positive("train", "activation_checkpointing_every", self.activation_checkpointing_every)
         _number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _number("train", "weight_decay", self.weight_decay, 0.0, 10.0)
         _number("train", "grad_clip", self.grad_clip, 0.0, 1e9)
         check_mixed_precision(self.mixed_precision, "train.mixed_precision")
+        for name in ("tf32", "compile", "find_batch_size"):
+            _bool("train", name, getattr(self, name))
+        _choice("train", "activation_checkpointing", self.activation_checkpointing,
+                ("none", "full", "selective"))
+        _choice("train", "activation_checkpointing_policy", self.activation_checkpointing_policy,
+                ("block", "op"))
+        _choice("train", "compile_scope", self.compile_scope, ("block", "model"))
+        if self.compile:
+            from meshfit.model_options import check_compile_settings
+
+            check_compile_settings(self.compile_backend, self.compile_mode or None,
+                                   prefix="train.")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a "
                              f"multiple of train.micro_batch_size={self.micro_batch_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """[optim]: the optimizer (`meshfit.optim.build`)."""
+
+    name: str = "adamw_fused"
+    """adamw (foreach), adamw_fused, adafactor, adamw_8bit or sgd."""
+    lr: float = 3e-3
+    """Peak learning rate (warm-up, then cosine decay; see [train])."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices; none on biases and norm weights."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's moment decay rates (AdamW variants)."""
+    eps: float = 1e-8
+    """Adam's denominator epsilon."""
+    momentum: float = 0.9
+    """SGD momentum."""
+
+    def __post_init__(self) -> None:
+        _choice("optim", "name", self.name,
+                ("adamw", "adamw_fused", "adafactor", "adamw_8bit", "sgd"))
+        _number("optim", "lr", self.lr, 1e-12, 10.0)
+        _number("optim", "weight_decay", self.weight_decay, 0.0, 10.0)
+        _number("optim", "eps", self.eps, 0.0, 1.0)
+        _number("optim", "momentum", self.momentum, 0.0, 1.0)
+        betas = self.betas
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or any(
+                isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1
+                for b in betas):
+            raise ValueError(f"optim.betas={betas!r} must be two numbers in [0, 1), "
+                             "e.g. [0.9, 0.95]")
+        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeftConfig:
+    """[peft]: parameter-efficient fine-tuning (`meshfit.peft`)."""
+
+    method: str = "none"
+    """"none" or "lora"."""
+    r: int = 8
+    """LoRA rank."""
+    alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA branch's input."""
+    target_modules: tuple[str, ...] = ()
+    """Module names to adapt; empty: the attention and MLP linears."""
+
+    def __post_init__(self) -> None:
+        _choice("peft", "method", self.method, ("none", "lora"))
+        _positive("peft", "r", self.r)
+        _number("peft", "alpha", self.alpha, 1e-12, 1e6)
+        _number("peft", "dropout", self.dropout, 0.0, 0.99)
+        if isinstance(self.target_modules, str) or not all(
+                isinstance(m, str) for m in self.target_modules):
+            raise ValueError(f"peft.target_modules={self.target_modules!r} must be a list of "
+                             'module names, e.g. ["wq", "wv"]')
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +264,8 @@ class RunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 

@@ -63,16 +63,21 @@ def _gather_tensor(tensor: torch.Tensor, group) -> torch.Tensor:
     return torch.cat([out[r * biggest: r * biggest + s] for r, s in enumerate(sizes)])
 
 
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "min": "MIN", "max": "MAX"}
+
+
 def reduce(obj: Any, reduction: str = "sum", group=None) -> Any:
-    """All-reduce each tensor across `group` (``"sum"`` or ``"mean"``); returns new tensors."""
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction={reduction!r} is not supported; use 'sum' or 'mean'")
+    """All-reduce each tensor across `group` (``"sum"``, ``"mean"``, ``"min"`` or ``"max"``);
+    returns new tensors."""
+    if reduction not in _REDUCE_OPS:
+        raise ValueError(f"reduction={reduction!r} is not supported; use one of "
+                         f"{', '.join(_REDUCE_OPS)}")
     if not _active(group):
         return apply_to_tensors(lambda t: t.clone(), obj)
 
     def _reduce(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(out, op=getattr(dist.ReduceOp, _REDUCE_OPS[reduction]), group=group)
         if reduction == "mean":
             out = out / dist.get_world_size(group)
         return out

@@ -212,7 +212,10 @@ def _adamw_8bit(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
     if importlib.util.find_spec("torchao") is None:
         raise ValueError("optimizer='adamw_8bit' needs torchao (or bitsandbytes on CUDA); "
                          'pip install "meshfit[optim]"')
-    from torchao.optim import AdamW8bit  # first step compiles (~50 s cold on a CPU)
+    from meshfit._quiet import quiet_logs
+
+    with quiet_logs():
+        from torchao.optim import AdamW8bit  # first step compiles (~50 s cold on a CPU)
     return AdamW8bit(groups, **args)
 
 

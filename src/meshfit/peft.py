@@ -25,9 +25,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import peft
 import torch
-from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+from meshfit._quiet import import_quietly
+
+peft = import_quietly("peft")  # imports torchao, whose CPU-only import logs warnings
+from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING  # noqa: E402
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel

@@ -40,6 +40,17 @@ def set_tf32(enabled: bool) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
 
 
+def empty_device_cache(device: torch.device) -> None:
+    """Return the allocator's cached, unused blocks of `device` to the driver (CUDA, XPU, MPS;
+    the CPU allocator keeps no cache, so there it does nothing)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "xpu" and hasattr(torch, "xpu"):
+        torch.xpu.empty_cache()
+    elif device.type == "mps" and hasattr(torch, "mps"):
+        torch.mps.empty_cache()
+
+
 def _check_autocast_runs(device_type: str, dtype: torch.dtype, mode: str) -> None:
     """One small linear layer forward and backward under autocast; a clear error if this
     device cannot do it (older PyTorch releases have no fp16 kernels on CPU)."""

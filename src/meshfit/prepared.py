@@ -29,12 +29,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
     synchronised. With fp16 the step goes through the GradScaler (skipped on inf/NaN)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, grad_state: GradientState,
-                 scaler: torch.amp.GradScaler | None = None):
+                 scaler: torch.amp.GradScaler | None = None, on_step=None):
         # Deliberately no super().__init__: this object owns no parameters of its own, the
         # wrapped optimizer does; the subclassing keeps isinstance checks (LR schedulers) true.
         self.optimizer = optimizer
         self.grad_state = grad_state
         self.scaler = scaler
+        self.on_step = on_step  # called after each real (boundary) step
         self.step_was_skipped = False
         self.unscaled = False  # set by Accelerator.unscale_gradients, cleared by step
 
@@ -63,14 +64,17 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if not self.grad_state.sync_gradients:
             return None
         if self.scaler is None:
-            return self.optimizer.step(closure)
-        scale_before = self.scaler.get_scale()
-        out = self.scaler.step(self.optimizer, closure) if closure else \
-            self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.unscaled = False
-        # GradScaler lowers the scale exactly when it found inf/NaN and skipped the step.
-        self.step_was_skipped = self.scaler.get_scale() < scale_before
+            out = self.optimizer.step(closure)
+        else:
+            scale_before = self.scaler.get_scale()
+            out = self.scaler.step(self.optimizer, closure) if closure else \
+                self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.unscaled = False
+            # GradScaler lowers the scale exactly when it found inf/NaN and skipped the step.
+            self.step_was_skipped = self.scaler.get_scale() < scale_before
+        if self.on_step is not None:
+            self.on_step(self)
         return out
 
     def state_dict(self):
@@ -84,7 +88,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def __getattr__(self, name):
         # Only reached for attributes not found normally (e.g. an optimizer's own extras).
-        if name in ("optimizer", "grad_state", "scaler", "unscaled", "step_was_skipped"):
+        if name in ("optimizer", "grad_state", "scaler", "unscaled", "step_was_skipped",
+                    "on_step"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 

@@ -22,16 +22,63 @@ from meshfit.distributed import DistEnv, init
 from meshfit.models import GPT, GPTConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device: torch.device
-                    ) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases and normalisation weights (1-D tensors), as the
-    single-GPU guide's parameter groups do. The fused kernel is the fastest on CPU and GPU
-    (PITFALLS: 29 ms fused vs 135 foreach for 33.5M parameters on this CPU)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), fused=True)
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """The [optim] section through `meshfit.optim.build`: weight decay on matrices only (not
+    on biases and normalisation weights), only trainable parameters (LoRA: the adapters)."""
+    from meshfit import optim
+
+    o = cfg.optim
+    return optim.build(o.name, model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
+                       eps=o.eps, momentum=o.momentum)
+
+
+def build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
+    """The reference GPT of [model], with LoRA adapters when [peft] asks for them."""
+    model_cfg = GPTConfig.preset(cfg.model.preset, vocab_size=vocab_size,
+                                 max_seq_len=cfg.train.seq_len, **cfg.model.overrides())
+    model = GPT(model_cfg)
+    if cfg.peft.method == "lora":
+        from meshfit.peft import lora
+
+        p = cfg.peft
+        try:
+            model = lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout,
+                         target_modules=list(p.target_modules) or None)
+        except ValueError as err:  # name the config key the user wrote
+            raise ValueError(f"peft.{str(err).removeprefix('lora: ')}") from None
+    return model
+
+
+def preflight(cfg: RunConfig) -> list[str]:
+    """Checks that need this machine (the device the workers will use, installed libraries),
+    run before any process is launched; raises a one-line ValueError, returns warnings."""
+    from meshfit import distributed as mdist
+    from meshfit.batch_size import shape_advice
+    from meshfit.models.gpt import check_attention_backend
+    from meshfit.precision import Precision
+
+    cuda = torch.cuda.is_available() and not mdist._cpu_requested(None)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    precision = Precision(cfg.train.mixed_precision, device)
+    model_cfg = GPTConfig.preset(cfg.model.preset, max_seq_len=cfg.train.seq_len,
+                                 **cfg.model.overrides())
+    try:
+        check_attention_backend(cfg.model.attention_backend, device,
+                                precision.dtype or torch.float32, head_dim=model_cfg.head_dim)
+    except ValueError as err:
+        raise ValueError(f"model.{err}") from None
+    if cfg.optim.name == "adamw_8bit":
+        from meshfit import optim
+
+        optim.build("adamw_8bit", [torch.nn.Parameter(torch.zeros(1, device=device))], lr=1e-3)
+    if cfg.peft.method == "lora":
+        with torch.device("meta"):
+            build_model(cfg, model_cfg.vocab_size)  # checks that target_modules exist
+    if precision.dtype is None and not cfg.train.tf32:
+        return []
+    return shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
+                        d_model=model_cfg.d_model, d_ff=model_cfg.d_ff,
+                        vocab_size=model_cfg.vocab_size)
 
 
 def lr_lambda(cfg: RunConfig):
@@ -81,6 +128,36 @@ def _evaluate(acc: Accelerator, model: torch.nn.Module, loader) -> float:
     return (total[0] / total[1]).item()
 
 
+def _find_micro_batch(acc: Accelerator, model: torch.nn.Module, seq_len: int, vocab: int,
+                      micro: int, accum: int) -> tuple[int, int]:
+    """The largest micro-batch (halving from `micro`) whose forward and backward fit on every
+    rank, with the accumulation that keeps the global batch. Ranks agree through one MIN
+    all-reduce per attempt, so an out-of-memory error on one rank cannot strand the others in
+    a collective; gradients are not synchronised while probing (no_sync)."""
+    from meshfit.batch_size import find_executable_batch_size, is_out_of_memory
+
+    @find_executable_batch_size(starting_batch_size=micro, effective_batch_size=micro * accum)
+    def probe(micro_batch_size: int, gradient_accumulation_steps: int):
+        fits = torch.ones((), device=acc.device)
+        try:
+            x = torch.randint(0, vocab, (micro_batch_size, seq_len), device=acc.device)
+            with acc.no_sync(model):
+                acc.backward(model(x, x))
+        except Exception as err:  # noqa: BLE001 - only out-of-memory is tolerated
+            if not is_out_of_memory(err):
+                raise
+            fits.zero_()
+        finally:
+            model.zero_grad(set_to_none=True)
+        if acc.reduce(fits, "min").item() < 1:
+            raise torch.OutOfMemoryError(f"micro-batch {micro_batch_size} does not fit")
+        return micro_batch_size, gradient_accumulation_steps
+
+    micro, accum = probe()
+    acc.gradient_accumulation_steps = accum
+    return micro, accum
+
+
 def _batches(loader):
     """An endless stream of batches, epoch after epoch (each with its own shuffling)."""
     while True:
@@ -92,33 +169,44 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     t = cfg.train
     env = env or init()
     accum = cfg.grad_accumulation(env.world_size)
-    acc = Accelerator(gradient_accumulation_steps=accum, mixed_precision=t.mixed_precision,
-                      parallel=cfg.parallel.dims(), env=env)
+    acc = Accelerator(
+        gradient_accumulation_steps=accum, mixed_precision=t.mixed_precision, tf32=t.tf32,
+        activation_checkpointing=t.activation_checkpointing,
+        activation_checkpointing_every=t.activation_checkpointing_every,
+        activation_checkpointing_policy=t.activation_checkpointing_policy,
+        compile=t.compile, compile_backend=t.compile_backend, compile_mode=t.compile_mode or None,
+        compile_scope=t.compile_scope, empty_cache_steps=t.empty_cache_steps,
+        parallel=cfg.parallel.dims(), env=env)
     writer = _Writer(out_dir if acc.is_main_process else None, cfg)
 
     with acc.main_process_first():  # rank 0 builds the token cache, the others reuse it
         splits = load_tokens(cfg.data.path or None, cache_dir=cfg.data.cache_dir or None)
     torch.manual_seed(t.seed)
-    model_cfg = GPTConfig.preset(cfg.model.preset, vocab_size=splits.vocab_size,
-                                 max_seq_len=t.seq_len, **cfg.model.overrides())
-    model = GPT(model_cfg)
+    model = build_model(cfg, splits.vocab_size)
     n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # Parallelise first, then build the optimizer over the prepared parameters (torchtitan's
     # order: a fused optimizer checks the parameters' device when it is built).
     model = acc.prepare(model)
-    optimizer = build_optimizer(model, cfg, acc.device)
+    micro = t.micro_batch_size
+    if t.find_batch_size:
+        micro, accum = _find_micro_batch(acc, model, t.seq_len, splits.vocab_size, micro, accum)
+    optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     generator = torch.Generator().manual_seed(t.seed)
-    train_loader = DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=t.micro_batch_size,
-                              shuffle=True, generator=generator, drop_last=True)
+    workers = dict(num_workers=t.num_workers, persistent_workers=t.num_workers > 0,
+                   pin_memory=acc.device.type == "cuda")
+    train_loader = DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=micro,
+                              shuffle=True, generator=generator, drop_last=True, **workers)
     val_set = TokenDataset(splits.val, t.seq_len)
-    n_val = min(len(val_set), t.eval_batches * t.micro_batch_size * acc.strategy.dp_size)
-    val_loader = DataLoader(Subset(val_set, range(n_val)), batch_size=t.micro_batch_size)
+    n_val = min(len(val_set), t.eval_batches * micro * acc.strategy.dp_size)
+    val_loader = DataLoader(Subset(val_set, range(n_val)), batch_size=micro, **workers)
     optimizer, train_loader, val_loader, scheduler = acc.prepare(
         optimizer, train_loader, val_loader, scheduler)
 
-    acc.print(f"meshfit train: {n_params / 1e6:.2f}M parameters, {acc.num_processes} "
-              f"process(es) on {acc.device}, accumulation {accum}, "
+    trainable = "" if n_trainable == n_params else f" ({n_trainable / 1e6:.3f}M trainable)"
+    acc.print(f"meshfit train: {n_params / 1e6:.2f}M parameters{trainable}, {acc.num_processes} "
+              f"process(es) on {acc.device}, micro-batch {micro}, accumulation {accum}, "
               f"{splits.train.shape[0] / 1e6:.1f}M training tokens -> {out_dir}")
     tokens_per_step = t.global_batch_size * t.seq_len
     progress = _Progress(acc.is_main_process, t.steps)
@@ -145,7 +233,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
             mean_loss = acc.reduce(loss_sum, "mean").item() / (window_steps * accum)
             elapsed = time.perf_counter() - window_start
             last = {"step": step, "loss": round(mean_loss, 5),
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": float(scheduler.get_last_lr()[0]),  # torchao keeps lr as a tensor
                     "tokens_per_s": round(window_steps * tokens_per_step / elapsed, 1),
                     "step_time_s": round(elapsed / window_steps, 4)}
             writer.write(last)
