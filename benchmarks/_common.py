@@ -124,7 +124,9 @@ def launch_command() -> str:
     process, which is every worker's parent, so its command line is the launch command;
     fall back to the equivalent reconstruction."""
     script = " ".join(shlex.quote(a) for a in [_rel(sys.argv[0]), *sys.argv[1:]])
-    world = os.environ.get("WORLD_SIZE", "1")
+    if "WORLD_SIZE" not in os.environ:  # a single process started without a launcher
+        return f"python {script}"
+    world = os.environ["WORLD_SIZE"]
     reconstructed = f"meshfit launch --nproc {world} {script}"
     try:
         raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
