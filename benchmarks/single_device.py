@@ -121,7 +121,8 @@ def run_method(method: Method, cfg: GPTConfig, data: torch.Tensor, args, device)
                       compile_backend="inductor", empty_cache_steps=method.empty_cache_steps,
                       cpu=device.type == "cpu")
     torch.manual_seed(args.seed)
-    model = GPT(cfg)
+    with device:  # initialise on the device (fast for the GPU sizes)
+        model = GPT(cfg)
     if method.lora:
         from meshfit.peft import lora
 
