@@ -272,3 +272,31 @@ def test_few_steps_lower_loss_on_repeating_sequence(style):
         loss.backward()
         opt.step()
     assert loss.item() < 0.5 * first
+
+
+def test_attention_backend_switch_matches_auto_and_fails_clearly():
+    import dataclasses
+
+    from meshfit.models.gpt import check_attention_backend
+
+    base = GPTConfig.preset("tiny", max_seq_len=32)
+    x = torch.randint(0, base.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for backend in ("auto", "math", "flash"):  # PyTorch has a CPU flash kernel
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(base, attention_backend=backend))
+        loss = model(x, x)
+        loss.backward()
+        losses[backend] = (loss.detach(), model.layers["0"].attn.wq.weight.grad.clone())
+    for backend in ("math", "flash"):
+        # Different kernels sum in different orders: fp32 rounding only.
+        torch.testing.assert_close(losses[backend][0], losses["auto"][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(losses[backend][1], losses["auto"][1], rtol=1e-4, atol=1e-6)
+    torch.manual_seed(0)
+    cpu_only = GPT(dataclasses.replace(base, attention_backend="efficient"))
+    with pytest.raises(RuntimeError, match="attention_backend='efficient' cannot run on cpu"):
+        cpu_only(x, x)
+    with pytest.raises(ValueError, match="attention_backend='cudnn' is not available on cpu"):
+        check_attention_backend("cudnn", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="GPTConfig.attention_backend='fast'"):
+        dataclasses.replace(base, attention_backend="fast")

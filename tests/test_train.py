@@ -61,7 +61,8 @@ def test_accumulation_from_global_batch():
 @pytest.mark.parametrize("args,match", [
     (["--train.stepz=3"], r"unknown key\(s\) in \[train\]: stepz; known keys: .*steps"),
     (["--optimizer.lr=3"], r"unknown config section\(s\) optimizer"),
-    (["--optim.name=adam9"], "optim.name='adam9' is not one of adamw, adamw_fused"),
+    (["--optim.optimizer=adam9"], "optim.optimizer='adam9' is not one of adamw, adamw_fused"),
+    (["--data.prefetch_factor=0"], "data.prefetch_factor=0 must be an integer >= 1"),
     (["--optim.betas=[0.9]"], r"optim.betas=\[0.9\] must be two numbers"),
     (["--peft.method=lora", "--peft.target_modules=[\"nope\"]"], "target_modules"),
     (["--train.activation_checkpointing=some"], "train.activation_checkpointing='some'"),
@@ -87,3 +88,32 @@ def test_bad_train_input_fails_before_launch(args, match, tmp_path, subprocess_e
     assert len(lines) == 1, proc.stderr
     assert re.search(match, lines[0]), lines[0]
     assert not out.exists()  # nothing written, nothing launched
+
+
+def test_single_device_options_train_end_to_end(tmp_path, subprocess_env):
+    """Config keys reach the Accelerator and the optimizer: LoRA adapters only, Adafactor,
+    full checkpointing, compiled blocks, worker processes, the empty-cache schedule — and the
+    loss still falls."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [*MESHFIT, "train", "--nproc", "1", "--out", str(out), "--train.steps=20",
+         "--train.eval_every=0", "--train.log_every=4", "--train.seq_len=64",
+         "--train.warmup_steps=2",
+         "--train.activation_checkpointing=full", "--train.compile=true",
+         "--train.compile_backend=aot_eager", "--train.empty_cache_steps=2",
+         "--optim.optimizer=adafactor", "--optim.lr=0.05",
+         "--peft.method=lora",
+         "--peft.r=4", "--data.num_workers=1"],
+        env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # r x (in + out) per adapted linear: tiny has 4 blocks of wq, wk, wv, wo (128->128),
+    # w_in (128->512), w_out (512->128).
+    trainable = 4 * 4 * (4 * (128 + 128) + 2 * (128 + 512))
+    assert f"({trainable / 1e6:.3f}M trainable)" in proc.stdout, proc.stdout
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["val_loss"] for r in rows if "val_loss" in r]
+    # Only rank-4 adapters train (the embeddings and head stay random): a modest but clear
+    # drop over 20 steps (5.41 -> 5.08 when written).
+    assert evals[-1] < evals[0] - 0.15, evals
+    resolved = load_config(out / "config.toml")
+    assert resolved.optim.optimizer == "adafactor" and resolved.peft.r == 4

@@ -40,8 +40,9 @@ class Accelerator:
             only on every k-th micro-batch (or the dataloader's last one).
         mixed_precision: ``"no"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic
             loss scaling). Master weights and optimizer state stay fp32.
-        tf32: let fp32 matrix products use TF32 tensor cores (NVIDIA Ampere and newer;
-            no effect elsewhere).
+        tf32: True/False switch TF32 tensor cores for fp32 matrix products on or off
+            (NVIDIA Ampere and newer; no effect elsewhere); None leaves PyTorch's
+            process-wide setting as it is.
         activation_checkpointing: ``"none"``, ``"full"`` (every transformer block recomputes
             its activations in backward) or ``"selective"`` (every
             ``activation_checkpointing_every``-th block with policy ``"block"``, or every block
@@ -60,10 +61,10 @@ class Accelerator:
     """
 
     def __init__(self, *, gradient_accumulation_steps: int = 1, mixed_precision: str = "no",
-                 tf32: bool = False, activation_checkpointing: str = "none",
+                 tf32: bool | None = None, activation_checkpointing: str = "none",
                  activation_checkpointing_every: int = 2,
                  activation_checkpointing_policy: str = "block", compile: bool = False,
-                 compile_backend: str = "inductor", compile_mode: str | None = None,
+                 compile_backend: str = "inductor", compile_mode: str = "default",
                  compile_scope: str = "block", empty_cache_steps: int = 0,
                  parallel: ParallelDims | None = None, ddp_kwargs: dict | None = None,
                  cpu: bool | None = None, env: DistEnv | None = None):
@@ -78,6 +79,8 @@ class Accelerator:
                              "(0: never)")
         if not isinstance(compile, bool):
             raise ValueError(f"compile={compile!r} must be True or False")
+        if tf32 is not None and not isinstance(tf32, bool):
+            raise ValueError(f"tf32={tf32!r} must be True, False or None (leave as it is)")
         # Checked here, before any process group or model work, with the modules' own rules.
         self.model_options = ModelOptions(
             activation_checkpointing=activation_checkpointing,
@@ -94,7 +97,8 @@ class Accelerator:
         self.strategy: Strategy = choose_strategy(self.env, self.parallel, ddp_kwargs=ddp_kwargs)
         self.precision = Precision(mixed_precision, self.env.device)
         self.tf32 = tf32
-        set_tf32(tf32)
+        if tf32 is not None:
+            set_tf32(tf32)
         self.grad_state = GradientState(num_steps=gradient_accumulation_steps)
         self._optimizers: list[PreparedOptimizer] = []
         self._models: list[torch.nn.Module] = []

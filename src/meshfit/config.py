@@ -127,22 +127,21 @@ class TrainConfig:
     """torch.compile the model."""
     compile_backend: str = "inductor"
     """torch.compile backend: inductor, aot_eager, eager, ..."""
-    compile_mode: str = ""
-    """inductor mode: "" (default), reduce-overhead, max-autotune, ..."""
+    compile_mode: str = "default"
+    """inductor mode: default, reduce-overhead, max-autotune, ..."""
     compile_scope: str = "block"
     """"block" (each transformer block) or "model" (the whole model)."""
     empty_cache_steps: int = 0
     """Release the device allocator's cache every this many steps (0: never)."""
     find_batch_size: bool = False
-    """On an out-of-memory error, retry with half the micro-batch and twice the accumulation."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
+    """Before training, probe forward + backward and halve the micro-batch (doubling the
+    accumulation) until it fits on every rank."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len",
                      "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))
-        for name in ("warmup_steps", "seed", "eval_every", "empty_cache_steps", "num_workers"):
+        for name in ("warmup_steps", "seed", "eval_every", "empty_cache_steps"):
             _positive("train", name, getattr(self, name), allow_zero=True)
         _positive("train", "activation_checkpointing_every", self.activation_checkpointing_every)
         _number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
@@ -158,7 +157,8 @@ class TrainConfig:
         if self.compile:
             from meshfit.model_options import check_compile_settings
 
-            check_compile_settings(self.compile_backend, self.compile_mode or None,
+            check_compile_settings(self.compile_backend,
+                                   None if self.compile_mode == "default" else self.compile_mode,
                                    prefix="train.")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a "
@@ -169,7 +169,7 @@ class TrainConfig:
 class OptimConfig:
     """[optim]: the optimizer (`meshfit.optim.build`)."""
 
-    name: str = "adamw_fused"
+    optimizer: str = "adamw_fused"
     """adamw (foreach), adamw_fused, adafactor, adamw_8bit or sgd."""
     lr: float = 3e-3
     """Peak learning rate (warm-up, then cosine decay; see [train])."""
@@ -183,7 +183,7 @@ class OptimConfig:
     """SGD momentum."""
 
     def __post_init__(self) -> None:
-        _choice("optim", "name", self.name,
+        _choice("optim", "optimizer", self.optimizer,
                 ("adamw", "adamw_fused", "adafactor", "adamw_8bit", "sgd"))
         _number("optim", "lr", self.lr, 1e-12, 10.0)
         _number("optim", "weight_decay", self.weight_decay, 0.0, 10.0)
@@ -233,8 +233,21 @@ class DataConfig:
     """A text file or folder of text files; empty: the Python standard library's source."""
     cache_dir: str = ""
     """Where token caches are kept; empty: ~/.cache/meshfit/tokens."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    prefetch_factor: int = 2
+    """Batches each worker loads ahead (with num_workers > 0)."""
+    persistent_workers: bool = True
+    """Keep the workers alive between epochs and evaluations (with num_workers > 0)."""
+    pin_memory: bool = True
+    """Page-locked host batches, so the copy to a CUDA device runs asynchronously (ignored
+    without CUDA)."""
 
     def __post_init__(self) -> None:
+        _positive("data", "num_workers", self.num_workers, allow_zero=True)
+        _positive("data", "prefetch_factor", self.prefetch_factor)
+        for name in ("persistent_workers", "pin_memory"):
+            _bool("data", name, getattr(self, name))
         if self.path and not Path(self.path).expanduser().exists():
             raise ValueError(f"data.path={self.path!r} does not exist; give a text file or a "
                              "folder of text files, or leave it empty for the built-in corpus")

@@ -162,18 +162,24 @@ class PreparedDataLoader:
         return len(self.batch_sampler)
 
     def _to_device(self, batch):
-        """Start copying `batch` to the device; `_ready` must be called before it is used."""
+        """Start copying `batch` to the device; returns (batch, event). Pass both to `_ready`
+        before using the batch."""
         if self._copy_stream is None:
-            return apply_to_tensors(lambda t: t.to(self.device), batch)
+            return apply_to_tensors(lambda t: t.to(self.device), batch), None
         with torch.cuda.stream(self._copy_stream):
-            return apply_to_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
+            moved = apply_to_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)  # this batch's copies only, not later ones
+        return moved, done
 
-    def _ready(self, batch):
-        """Make the compute stream wait for `batch`'s copy and own its memory from now on."""
-        if self._copy_stream is None:
+    def _ready(self, pending):
+        """Make the compute stream wait for this batch's copy (and no later one), and own the
+        batch's memory from now on."""
+        batch, done = pending
+        if done is None:
             return batch
         compute = torch.cuda.current_stream(self.device)
-        compute.wait_stream(self._copy_stream)
+        compute.wait_event(done)
 
         def own(t: torch.Tensor) -> torch.Tensor:
             if t.device.type == "cuda":

@@ -25,6 +25,12 @@ def check_compile_settings(backend: str, mode: str | None, *, prefix: str = "") 
     check_compile_args(backend, mode, prefix=prefix)
 
 
+def _mode(mode: str | None) -> str | None:
+    """torch.compile's own default is mode=None; "default" is its name in meshfit's options
+    (TOML has no null), and it is accepted with any backend."""
+    return None if mode in (None, "default") else mode
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelOptions:
     """What `prepare` does to a model before the data-parallel wrapper."""
@@ -34,7 +40,7 @@ class ModelOptions:
     activation_checkpointing_policy: str = "block"
     compile: bool = False
     compile_backend: str = "inductor"
-    compile_mode: str | None = None
+    compile_mode: str = "default"
     compile_scope: str = "block"
 
     def __post_init__(self) -> None:
@@ -52,7 +58,7 @@ class ModelOptions:
             raise ValueError(f"compile_scope={self.compile_scope!r} is not one of "
                              f"{', '.join(SCOPES)}")
         if self.compile:
-            check_compile_settings(self.compile_backend, self.compile_mode or None)
+            check_compile_settings(self.compile_backend, _mode(self.compile_mode))
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Checkpoint, then compile, `model` in place (parameter names are unchanged)."""
@@ -65,6 +71,6 @@ class ModelOptions:
         if self.compile:
             from meshfit.compile import apply_compile
 
-            apply_compile(model, backend=self.compile_backend, mode=self.compile_mode or None,
+            apply_compile(model, backend=self.compile_backend, mode=_mode(self.compile_mode),
                           scope=self.compile_scope)
         return model

@@ -28,7 +28,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
     from meshfit import optim
 
     o = cfg.optim
-    return optim.build(o.name, model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
+    return optim.build(o.optimizer, model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
                        eps=o.eps, momentum=o.momentum)
 
 
@@ -60,14 +60,18 @@ def preflight(cfg: RunConfig) -> list[str]:
     cuda = torch.cuda.is_available() and not mdist._cpu_requested(None)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     precision = Precision(cfg.train.mixed_precision, device)
+    from meshfit.data import ByteTokenizer
+
+    # The corpus is byte-tokenised, so the model's vocabulary is the tokenizer's, not the
+    # preset's (gpt2's 50257 is replaced by 256).
     model_cfg = GPTConfig.preset(cfg.model.preset, max_seq_len=cfg.train.seq_len,
-                                 **cfg.model.overrides())
+                                 vocab_size=ByteTokenizer.vocab_size, **cfg.model.overrides())
     try:
         check_attention_backend(cfg.model.attention_backend, device,
                                 precision.dtype or torch.float32, head_dim=model_cfg.head_dim)
     except ValueError as err:
         raise ValueError(f"model.{err}") from None
-    if cfg.optim.name == "adamw_8bit":
+    if cfg.optim.optimizer == "adamw_8bit":
         from meshfit import optim
 
         optim.build("adamw_8bit", [torch.nn.Parameter(torch.zeros(1, device=device))], lr=1e-3)
@@ -174,7 +178,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
         activation_checkpointing=t.activation_checkpointing,
         activation_checkpointing_every=t.activation_checkpointing_every,
         activation_checkpointing_policy=t.activation_checkpointing_policy,
-        compile=t.compile, compile_backend=t.compile_backend, compile_mode=t.compile_mode or None,
+        compile=t.compile, compile_backend=t.compile_backend, compile_mode=t.compile_mode,
         compile_scope=t.compile_scope, empty_cache_steps=t.empty_cache_steps,
         parallel=cfg.parallel.dims(), env=env)
     writer = _Writer(out_dir if acc.is_main_process else None, cfg)
@@ -194,8 +198,10 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     generator = torch.Generator().manual_seed(t.seed)
-    workers = dict(num_workers=t.num_workers, persistent_workers=t.num_workers > 0,
-                   pin_memory=acc.device.type == "cuda")
+    d = cfg.data
+    workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory and acc.device.type == "cuda")
+    if d.num_workers:
+        workers.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
     train_loader = DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=micro,
                               shuffle=True, generator=generator, drop_last=True, **workers)
     val_set = TokenDataset(splits.val, t.seq_len)

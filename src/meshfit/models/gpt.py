@@ -128,10 +128,18 @@ class Attention(nn.Module):
             groups = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        with _sdpa_context(self.backend):
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-            )
+        try:
+            with _sdpa_context(self.backend):
+                y = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+                )
+        except RuntimeError as err:
+            if self.backend == "auto":
+                raise
+            raise RuntimeError(
+                f"attention_backend={self.backend!r} cannot run on {q.device} with {q.dtype} "
+                f"(head_dim={q.shape[-1]}); use 'auto' or 'math' (GPTConfig.attention_backend)"
+            ) from err
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.wo(y))
 
