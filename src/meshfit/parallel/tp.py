@@ -1,0 +1,416 @@
+"""Tensor parallel (Megatron-LM, Shoeybi et al. 2019) and sequence parallel (Korthikanti et
+al. 2022) on a 1-D DTensor mesh: `apply_tp(model, tp_mesh)` and `tp_cross_entropy`.
+
+A plan (see `meshfit.models.plans`) maps module-name patterns ("layers.*.attn.wq") to
+PyTorch parallel styles; `apply_tp` validates the model against the mesh size, then calls
+`parallelize_module`. Layouts, with T = TP degree:
+
+- column-parallel linears (q/k/v, MLP up/gate): weight sharded on the output features, input
+  replicated, output sharded on the last dim (each rank holds n_head/T heads);
+- row-parallel linears (attention out, MLP down): weight sharded on the input features, output
+  all-reduced (Replicate) or, under sequence parallel, reduce-scattered on the sequence dim;
+- vocabulary-parallel embedding and head: both shard the [vocab, d] weight on the vocabulary
+  dim (Shard(0)), so a tied embedding stays one tensor; the head's logits are gathered
+  (Replicate) or, with `loss_parallel=True`, left sharded on the vocabulary for
+  `tp_cross_entropy`;
+- everything else (norms, position tables) is replicated: a DTensor with `Replicate()`, so
+  every parameter of a TP model is a DTensor on the same mesh.
+
+Every distributed parameter is scattered/broadcast from the mesh's first rank (torch's
+`src_data_rank=0`), so the ranks agree on the weights whatever they held before.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import hashlib
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, \
+    distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, \
+    PrepareModuleOutput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module
+
+__all__ = ["apply_tp", "tp_cross_entropy", "ReplicateParallel", "SequenceParallelBroadcast",
+           "Conv1DColwiseParallel", "Conv1DRowwiseParallel", "unfuse_columns"]
+
+
+# ---------------------------------------------------------------------------- styles
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated on the mesh (broadcast from the first rank) for modules that TP
+    does not split: norms outside sequence parallel, learned position tables.
+
+    The first input is taken as `input_layouts` (a plain tensor is wrapped, not moved) and
+    replicated; the output is redistributed to `output_layouts` (e.g. Shard(0) hands each rank
+    its slice of a position table under sequence parallel) and returned as a local tensor
+    when `use_local_output`.
+    """
+
+    def __init__(self, *, input_layouts: Placement = Replicate(),
+                 output_layouts: Placement = Replicate(), use_local_output: bool = True) -> None:
+        self.input_layouts, self.output_layouts = (input_layouts,), (output_layouts,)
+        self.use_local_output = use_local_output
+
+    def _partition(self, name, module, mesh) -> None:
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(p_name, nn.Parameter(
+                distribute_tensor(p, mesh, [Replicate()], src_data_rank=self.src_data_rank),
+                requires_grad=p.requires_grad))
+
+    def _prepare_input(self, module, inputs, mesh):
+        x, *rest = inputs
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, self.input_layouts, run_check=False)
+        return (x.redistribute(placements=(Replicate(),)), *rest)
+
+    def _prepare_output(self, module, out, mesh):
+        out = out.redistribute(placements=self.output_layouts)
+        return out.to_local() if self.use_local_output else out
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition, self._prepare_input,
+                                 self._prepare_output)
+
+
+class SequenceParallelBroadcast(SequenceParallel):
+    """torch's `SequenceParallel`, except that the replicated parameters are broadcast from
+    the first rank instead of assumed equal (torch's assumes a norm's ones-init)."""
+
+    def _replicate_module_fn(self, name, module, device_mesh) -> None:
+        ReplicateParallel._partition(self, name, module, device_mesh)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    # Hugging Face's transposed linear (GPT-2); only imported when such a model exists.
+    import sys
+
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
+
+
+def _fuse_order(t: torch.Tensor, chunks: int, tp: int, dim: int, inverse: bool) -> torch.Tensor:
+    if chunks == 1:
+        return t
+    dim = dim % t.ndim
+    n = t.shape[dim] // (chunks * tp)
+    outer, inner = (chunks, tp) if not inverse else (tp, chunks)
+    shaped = t.unflatten(dim, (outer, inner, n)).transpose(dim, dim + 1)
+    return shaped.flatten(dim, dim + 2).contiguous()
+
+
+def unfuse_columns(t: torch.Tensor, chunks: int, tp: int, dim: int = -1) -> torch.Tensor:
+    """Undo the head-grouped layout of a fused projection: the global tensor of a parameter
+    split by `Conv1DColwiseParallel(fused=chunks)` on `tp` ranks holds its `dim` as
+    [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank-major); this returns [q | k | v], the layout of
+    the original model (and of its checkpoints)."""
+    return _fuse_order(t, chunks, tp, dim, inverse=True)
+
+
+class Conv1DColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(1); bias Shard(0)).
+
+    `fused=3` is for a fused q|k|v projection (GPT-2's `c_attn`): a plain column split would
+    give rank 0 all of q and half of k. The columns are first regrouped rank-major, so each
+    rank receives q, k and v of its own heads, contiguous, and the module's `split(d / T)`
+    works on the local output. The parameter's global layout is then the regrouped one; use
+    `unfuse_columns` to get the original layout back (e.g. to save an HF checkpoint).
+    """
+
+    def __init__(self, *, fused: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fused = fused
+
+    def _partition_conv1d(self, name, module, mesh) -> None:
+        tp = mesh.size()
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            dim = p.ndim - 1  # weight [in, out] -> out is dim 1; bias [out] -> dim 0
+            with torch.no_grad():
+                full = _fuse_order(p.detach(), self.fused, tp, dim, inverse=False)
+            module.register_parameter(p_name, nn.Parameter(
+                distribute_tensor(full, mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
+                requires_grad=p.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not _is_conv1d(module):
+            raise ValueError(f"Conv1DColwiseParallel needs a transformers Conv1D, got "
+                             f"{type(module).__name__}; use ColwiseParallel for nn.Linear")
+        return distribute_module(
+            module, device_mesh, self._partition_conv1d,
+            functools.partial(self._prepare_input_fn, self.input_layouts,
+                              self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts,
+                              self.use_local_output))
+
+
+class Conv1DRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(0); bias Replicate)."""
+
+    def _partition_conv1d(self, name, module, mesh) -> None:
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            placement = Shard(0) if p_name == "weight" else Replicate()
+            module.register_parameter(p_name, nn.Parameter(
+                distribute_tensor(p, mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=p.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not _is_conv1d(module):
+            raise ValueError(f"Conv1DRowwiseParallel needs a transformers Conv1D, got "
+                             f"{type(module).__name__}; use RowwiseParallel for nn.Linear")
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, self._partition_conv1d,
+            functools.partial(self._prepare_input_fn, self.input_layouts,
+                              self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts,
+                              self.use_local_output))
+
+
+_NO_PARAMS = (PrepareModuleInput, PrepareModuleOutput)
+
+
+def _planned_placement(style: ParallelStyle, module: nn.Module, p_name: str) -> Placement:
+    """The placement `style` gives parameter `p_name` of `module` (checked before applying)."""
+    weight = p_name == "weight"
+    if isinstance(style, (ReplicateParallel, SequenceParallel)):
+        return Replicate()
+    if isinstance(style, Conv1DColwiseParallel):
+        return Shard(1) if weight else Shard(0)
+    if isinstance(style, Conv1DRowwiseParallel):
+        return Shard(0) if weight else Replicate()
+    if isinstance(style, ColwiseParallel):
+        return Shard(1) if isinstance(module, nn.Embedding) else Shard(0)
+    if isinstance(style, RowwiseParallel):
+        if isinstance(module, nn.Embedding):
+            return Shard(0)
+        return Shard(1) if weight else Replicate()
+    raise ValueError(f"cannot tell how {type(style).__name__} lays out {p_name} of "
+                     f"{type(module).__name__}; tied or unplanned parameters need a known style")
+
+
+# ---------------------------------------------------------------------------- apply_tp
+def _matches(pattern: str, name: str) -> bool:
+    """Module-name match as `parallelize_module` does it: atom by atom with fnmatch."""
+    if not pattern:  # parallelize_module's "": the module itself
+        return not name
+    pat, parts = pattern.split("."), name.split(".") if name else []
+    return len(pat) == len(parts) and all(fnmatch.fnmatch(n, p) for n, p in zip(parts, pat))
+
+
+def _style_for(styles: Mapping[str, ParallelStyle], name: str) -> ParallelStyle | None:
+    found = [s for k, s in styles.items() if _matches(k, name) and not isinstance(s, _NO_PARAMS)]
+    return found[-1] if found else None  # parallelize_module applies entries in order
+
+
+def _check_params(model: nn.Module, styles: Mapping[str, ParallelStyle]) -> list[list[str]]:
+    """Raise if a parameter would stay a plain tensor or tied copies would be laid out
+    differently; return the groups of names that share one parameter (to re-tie after)."""
+    modules = dict(model.named_modules())
+    by_id: dict[int, list[str]] = {}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(full)
+    plain, tied = [], []
+    for names in by_id.values():
+        placements = set()
+        for full in names:
+            owner, _, p_name = full.rpartition(".")
+            style = _style_for(styles, owner)
+            if style is None:
+                plain.append(full)
+            elif len(names) > 1:
+                placements.add(_planned_placement(style, modules[owner], p_name))
+        if len(names) > 1:
+            if len(placements) > 1:
+                raise ValueError(
+                    f"{' and '.join(names)} are one tied tensor but the TP plan lays them out as "
+                    f"{' vs '.join(map(str, placements))}; give them the same placement (a "
+                    "vocabulary-parallel pair: RowwiseParallel on the embedding, ColwiseParallel "
+                    "on the head) or untie them explicitly before apply_tp")
+            tied.append(names)
+    if plain:
+        raise ValueError(
+            f"the TP plan leaves {len(plain)} parameters as plain tensors ({', '.join(plain[:4])}"
+            f"{', ...' if len(plain) > 4 else ''}); add their modules to the plan, e.g. "
+            "ReplicateParallel() for small modules that are not split")
+    return tied
+
+
+def _retie(model: nn.Module, tied: list[list[str]]) -> None:
+    # parallelize_module gives each module its own new Parameter; point the copies back at
+    # the first one (same placement, checked above), so the weight stays one leaf.
+    for first, *others in tied:
+        shared = model.get_parameter(first)
+        for full in others:
+            owner, _, p_name = full.rpartition(".")
+            setattr(model.get_submodule(owner), p_name, shared)
+
+
+def _check_same_rng(model: nn.Module, tp_mesh) -> None:
+    """Dropout on replicated activations must draw the same mask on every TP rank, or the
+    replicas drift apart silently (Megatron keeps one RNG stream per TP group for them)."""
+    if not any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        return
+    import torch.distributed as dist
+
+    state = torch.get_rng_state().numpy().tobytes()
+    if any(p.is_cuda for p in model.parameters()):
+        state += torch.cuda.get_rng_state().numpy().tobytes()
+    digest = hashlib.sha256(state).hexdigest()
+    states = [None] * tp_mesh.size()
+    dist.all_gather_object(states, digest, group=tp_mesh.get_group())
+    if len(set(states)) > 1:
+        raise ValueError("dropout on replicated activations needs the same RNG state on every "
+                         "TP rank; call torch.manual_seed(seed) with one seed on all ranks before "
+                         "apply_tp, or use sequence_parallel=True")
+
+
+def _seq_check_hook(tp: int, kwarg: str):
+    def hook(module, args, kwargs):
+        x = kwargs.get(kwarg, args[0] if args else None)
+        if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] % tp:
+            raise ValueError(
+                f"sequence length {x.shape[1]} does not divide by tp={tp} under sequence "
+                f"parallelism (the sequence is split across TP ranks); pad it to "
+                f"{-(-x.shape[1] // tp) * tp}")
+    return hook
+
+
+def _route_loss(model: nn.Module, plan) -> None:
+    """Under loss_parallel, turn the model's own loss argument into `tp_cross_entropy`."""
+    if plan.labels_kwarg is not None:
+        def refuse(module, args, kwargs):
+            if kwargs.get(plan.labels_kwarg) is not None:
+                raise ValueError(
+                    f"{type(module).__name__}({plan.labels_kwarg}=...) cannot compute its loss on "
+                    "vocabulary-sharded logits (loss_parallel=True); call it without "
+                    f"{plan.labels_kwarg} and use tp_cross_entropy(logits[:, :-1], "
+                    f"{plan.labels_kwarg}[:, 1:]), or apply_tp with loss_parallel=False")
+        model.register_forward_pre_hook(refuse, with_kwargs=True)
+    if plan.targets_arg is None:
+        return
+    pos, key = plan.targets_arg
+    pending: list = []  # a stack: one entry per call in flight
+
+    def take_targets(module, args, kwargs):
+        targets = kwargs.pop(key, None)
+        if targets is None and len(args) > pos:
+            targets, args = args[pos], args[:pos] + args[pos + 1:]
+        pending.append(targets)
+        return args, kwargs
+
+    def loss(module, args, kwargs, logits):
+        targets = pending.pop()
+        # Half precision is upcast to float32 as GPT.forward does; float64 stays float64
+        # (GPT.forward would round it to float32). The logits are never gathered.
+        return logits if targets is None else tp_cross_entropy(logits, targets)
+
+    model.register_forward_pre_hook(take_targets, with_kwargs=True)
+    model.register_forward_hook(loss, with_kwargs=True)
+
+
+def apply_tp(model: nn.Module, tp_mesh, *, plan=None, sequence_parallel: bool = False,
+             loss_parallel: bool = False) -> nn.Module:
+    """Split `model` across the 1-D `tp_mesh` in place and return it.
+
+    `plan`: a `meshfit.models.plans.TPPlan`, a dict {module-name pattern: ParallelStyle}, or
+    None for the built-in plan of the model's type (reference GPT, Hugging Face
+    LlamaForCausalLM and GPT2LMHeadModel). Every rank must pass the same full model (weights
+    are taken from the mesh's first rank). Checked before the model is touched: sizes that
+    must divide by the TP degree (heads, kv-heads, hidden, d_ff, vocabulary; one-line
+    ValueError naming the field and what to pad to), parameters the plan leaves plain, tied
+    weights laid out differently, and dropout RNG agreement without sequence parallel.
+
+    Layouts in and out: input ids [B, T] replicated on every TP rank (the same batch);
+    logits [B, T, V] replicated, or with `loss_parallel=True` a DTensor sharded on V, to be
+    passed to `tp_cross_entropy`; the reference GPT's `model(idx, targets)` then computes its
+    loss that way by itself, while Hugging Face `labels=` is refused with advice.
+    `sequence_parallel=True` splits the residual stream on T between the TP blocks (norms,
+    dropout), which needs T divisible by the TP degree (checked per forward).
+    Build the optimizer after this call (its parameters are new DTensor objects).
+    """
+    from meshfit.models import plans
+
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp needs a 1-D mesh, got axes {tp_mesh.mesh_dim_names}; pass "
+                         "mesh['tp']")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("apply_tp: the model already holds DTensor parameters; apply tensor "
+                         "parallel once, to the plain model, before FSDP/DDP")
+    tp = tp_mesh.size()
+    if plan is None:
+        plan = plans.plan_for(model, sequence_parallel=sequence_parallel,
+                              loss_parallel=loss_parallel)
+    elif not isinstance(plan, plans.TPPlan):
+        plan = plans.TPPlan(styles=dict(plan))
+    plan.check_divisible(tp)
+    for key in plan.styles:
+        if not any(_matches(key, n) for n, _ in model.named_modules()):
+            raise ValueError(f"TP plan key {key!r} matches no module of "
+                             f"{type(model).__name__}; check the module names")
+    tied = _check_params(model, plan.styles)
+    if not sequence_parallel:
+        _check_same_rng(model, tp_mesh)
+
+    parallelize_module(model, tp_mesh, dict(plan.styles))
+    _retie(model, tied)
+    for pattern, attrs in plan.local_attrs.items():
+        for name, module in model.named_modules():
+            if _matches(pattern, name):
+                for attr in attrs:
+                    if hasattr(module, attr):  # e.g. GPT-2's split_size, per-rank widths
+                        setattr(module, attr, getattr(module, attr) // tp)
+    if sequence_parallel:
+        model.register_forward_pre_hook(_seq_check_hook(tp, plan.input_kwarg), with_kwargs=True)
+    if loss_parallel:
+        _route_loss(model, plan)
+    return model
+
+
+# ---------------------------------------------------------------------------- loss
+class _LossParallelCE(torch.autograd.Function):
+    """Cross-entropy under `loss_parallel()`, with the backward also run under it.
+
+    torch requires `loss.backward()` inside the context (outside, nll_loss_backward fails on
+    mixed Tensor/DTensor); computing the loss on a detached leaf and replaying its gradient
+    here lifts that requirement, so the loss behaves like any other.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: DTensor, targets: torch.Tensor, ignore_index: int):
+        with torch.enable_grad(), loss_parallel():
+            leaf = logits.detach().requires_grad_()
+            loss = F.cross_entropy(leaf, targets, ignore_index=ignore_index)
+        ctx.leaf, ctx.loss = leaf, loss
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        with loss_parallel():
+            (g,) = torch.autograd.grad(ctx.loss, ctx.leaf, grad)
+        ctx.leaf = ctx.loss = None
+        return g, None, None
+
+
+def tp_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
+                     ignore_index: int = -100) -> torch.Tensor:
+    """Mean token cross-entropy of `logits` [..., V] against `targets` [...] (ignore_index
+    skipped), returned as a plain scalar tensor equal on every TP rank.
+
+    When `logits` is a DTensor sharded on the vocabulary (a model after
+    `apply_tp(..., loss_parallel=True)`), the loss runs under PyTorch's `loss_parallel`: each
+    rank works on its [N, V/T] shard and only per-token max, sum-of-exp and target logit are
+    all-reduced, so the full [N, V] logits are never gathered (Megatron's vocabulary-parallel
+    cross-entropy). `backward()` may be called anywhere. Other logits take the ordinary path.
+    Half-precision logits are upcast to float32 first, as the reference GPT does.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    flat, tgt = logits.flatten(0, -2), targets.flatten()
+    if isinstance(logits, DTensor):
+        if any(p.is_shard(logits.ndim - 1) for p in logits.placements):
+            return _LossParallelCE.apply(flat, tgt, ignore_index).to_local()
+        flat = flat.full_tensor()
+    return F.cross_entropy(flat, tgt, ignore_index=ignore_index)

@@ -1,0 +1,247 @@
+"""Tensor parallel (tp=2, gloo, CPU) against a single-process reference.
+
+Every rank builds the full model from one seed, keeps a deep copy as the single-process
+reference, applies TP to the other and trains both for 5 AdamW steps on the same batch.
+
+Tolerances: models and losses run in float64 (PITFALLS #7), except the reference GPT's own
+`model(idx, targets)` loss, which gpt.py computes in float32 on both sides. TP changes only
+the order of summation (matmuls split over ranks, then all-reduce / reduce-scatter), ~1e-16
+relative per op; Adam divides by sqrt(v), which can amplify such noise, but over 5 steps of
+a tiny model it stays far below 1e-10 (observed: losses <= 2e-15 apart, gradients <= 3e-16).
+So losses must agree to rtol 1e-9 and first-step gradients to atol 1e-10: loose enough for
+summation order, tight enough that any layout mistake (a wrong q/k/v split, a missing
+all-reduce, a doubled tied gradient) fails by orders of magnitude (a plain column split of
+GPT-2's fused c_attn gives loss gaps of 5e-3 and gradient gaps of 0.1).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from conftest import run_distributed
+from meshfit.models import GPT, GPTConfig
+from meshfit.models.plans import gpt_plan
+from meshfit.parallel.tp import apply_tp, tp_cross_entropy, unfuse_columns
+
+STEPS, B, T, VOCAB = 5, 2, 16, 256
+LOSS_RTOL, GRAD_ATOL = 1e-9, 1e-10  # fp64, summation order only (see module docstring)
+COMBOS = [(False, False), (False, True), (True, False), (True, True)]  # (sp, loss_parallel)
+
+GPT_VARIANTS = {
+    "gelu-learned-tied": dict(mlp="gelu", pos="learned", norm="layernorm", bias=True,
+                              tie_embeddings=True),
+    "swiglu-rope-gqa": dict(mlp="swiglu", pos="rope", norm="rmsnorm", bias=False,
+                            tie_embeddings=False, n_kv_head=2),
+}
+
+
+def _mesh():
+    return init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, VOCAB, (2, B, T), generator=g)
+    y[0, 3] = -100  # an ignored target: every loss path must skip it alike
+    return x, y
+
+
+def _build(kind: str, variant: str | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=64, d_ff=128,
+                        max_seq_len=32, **GPT_VARIANTS[variant])
+        return GPT(cfg).double()
+    import transformers
+
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       num_hidden_layers=2, vocab_size=VOCAB,
+                                       max_position_embeddings=32)
+        return transformers.LlamaForCausalLM(cfg).double()
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=128,
+                                  vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                  eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).double()
+
+
+def _loss(model, x, y, lp: bool):
+    if isinstance(model, GPT):
+        # The model's own loss (float32 cross-entropy); under loss_parallel apply_tp routes it
+        # to tp_cross_entropy (float64 here), so the reference uses that too.
+        tp = isinstance(model.norm.weight, DTensor)
+        return tp_cross_entropy(model(x), y) if lp and not tp else model(x, y)
+    if lp:  # HF labels= needs full logits; the vocabulary-parallel loss is called directly
+        return tp_cross_entropy(model(input_ids=x).logits, y)
+    return model(input_ids=x, labels=y).loss
+
+
+def _train(model, x, y, lp: bool):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses, grads, norm = [], None, None
+    for step in range(STEPS):
+        loss = _loss(model, x, y, lp)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+                     for n, p in model.named_parameters()}
+            # One mesh for all parameters, so torch's clip works as is (no clipping at 1e9).
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads, norm
+
+
+def _compare(rank, world_size, kind, variant, combos):
+    """Worker: for each (sp, loss_parallel), train reference and TP copies; report gaps."""
+    mesh, (x, y), out = _mesh(), _batch(), []
+    for sp, lp in combos:
+        model = _build(kind, variant)
+        ref = copy.deepcopy(model)
+        apply_tp(model, mesh, sequence_parallel=sp, loss_parallel=lp)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        extra = {}
+        if lp:  # logits stay sharded on the vocabulary: never gathered
+            with torch.no_grad():
+                logits = model(x) if kind == "gpt" else model(input_ids=x).logits
+            extra["logits"] = (logits.placements, tuple(logits.to_local().shape))
+            if kind != "gpt":
+                try:
+                    model(input_ids=x, labels=y)
+                except ValueError as err:
+                    extra["labels_error"] = str(err)
+        ref_losses, ref_grads, ref_norm = _train(ref, x, y, lp)
+        tp_losses, tp_grads, tp_norm = _train(model, x, y, lp)
+        gaps = {}
+        for name, g in tp_grads.items():
+            if kind == "gpt2" and name.rpartition(".")[0].endswith("attn.c_attn"):
+                g = unfuse_columns(g, 3, world_size)  # head-grouped layout -> HF layout
+            gaps[name] = (g - ref_grads[name]).abs().max().item()
+        out.append(dict(sp=sp, lp=lp, ref=ref_losses, tp=tp_losses, grad_gaps=gaps,
+                        n_params=len(ref_grads), tied=_tied(model), norms=(ref_norm, tp_norm),
+                        **extra))
+    return out
+
+
+def _tied(model) -> bool:
+    head = model.get_submodule("lm_head").weight
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") \
+        else model.tok_emb
+    return head is emb.weight
+
+
+def _check(results, kind: str, expect_tied: bool):
+    for r in results[0]:
+        label = f"sp={r['sp']} loss_parallel={r['lp']}"
+        assert r["tied"] is expect_tied, label
+        assert len(r["grad_gaps"]) == r["n_params"], label
+        for ref, tp in zip(r["ref"], r["tp"]):
+            assert math.isclose(ref, tp, rel_tol=LOSS_RTOL), (label, r["ref"], r["tp"])
+        worst = max(r["grad_gaps"], key=r["grad_gaps"].get)
+        assert r["grad_gaps"][worst] < GRAD_ATOL, (label, worst, r["grad_gaps"][worst])
+        assert math.isclose(*r["norms"], rel_tol=LOSS_RTOL), (label, r["norms"])
+        assert r["ref"][-1] < r["ref"][0], label  # it trained
+        if r["lp"]:
+            assert r["logits"] == ((Shard(2),), (B, T, VOCAB // 2)), label
+            if kind != "gpt":
+                assert "tp_cross_entropy(logits[:, :-1], labels[:, 1:])" in r["labels_error"]
+    # Both ranks saw the same losses.
+    assert [r["tp"] for r in results[0]] == [r["tp"] for r in results[1]]
+
+
+@pytest.mark.parametrize("variant", list(GPT_VARIANTS))
+def test_gpt_tp2_matches_single_process(variant):
+    results = run_distributed(_compare, 2, "gpt", variant, COMBOS)
+    _check(results, "gpt", expect_tied=GPT_VARIANTS[variant]["tie_embeddings"])
+
+
+def test_hf_llama_tp2_matches_single_process():
+    pytest.importorskip("transformers")
+    results = run_distributed(_compare, 2, "llama", None, [(False, False), (True, True)])
+    _check(results, "llama", expect_tied=False)
+
+
+def test_hf_gpt2_tp2_matches_single_process():
+    # Fused c_attn re-laid out head-grouped; wte/lm_head stay one tied tensor.
+    pytest.importorskip("transformers")
+    results = run_distributed(_compare, 2, "gpt2", None, [(False, True), (True, False)])
+    _check(results, "gpt2", expect_tied=True)
+
+
+# ---------------------------------------------------------------------------- bad input
+def _small(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{"n_layer": 1, "d_model": 32, "n_head": 4, "d_ff": 64, **kw}))
+
+
+def _raises(model, mesh, **kw) -> str:
+    before = dict(model.named_parameters())
+    try:
+        apply_tp(model, mesh, **kw)
+    except ValueError as err:
+        # Untouched: the same Parameter objects, none a DTensor.
+        assert all(p is before[n] for n, p in model.named_parameters())
+        return str(err)
+    return "no error"
+
+
+def _bad_inputs(rank, world_size):
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    mesh, errors = _mesh(), {}
+    errors["heads"] = _raises(_small(n_head=3, d_model=48), mesh)
+    errors["vocab"] = _raises(_small(vocab_size=257), mesh)
+    full = gpt_plan(_small()).styles
+    errors["tied"] = _raises(_small(), mesh, plan={**full, "tok_emb": ColwiseParallel()})
+    errors["typo"] = _raises(_small(), mesh, plan={**full, "layers.*.atn.wq": ColwiseParallel()})
+    errors["plain"] = _raises(_small(), mesh, plan={k: v for k, v in full.items() if k != "norm"})
+    dropout, dropout_sp = _small(dropout=0.1), _small(dropout=0.1)
+    torch.manual_seed(rank)  # a different RNG stream per rank
+    errors["rng"] = _raises(dropout, mesh)
+    apply_tp(dropout_sp, mesh, sequence_parallel=True)  # SP: dropout on shards, fine
+    dropout_sp(*_batch()).backward()
+    model = apply_tp(_small(), mesh, sequence_parallel=True)
+    try:
+        model(torch.zeros(1, 15, dtype=torch.long))
+    except ValueError as err:
+        errors["seq"] = str(err)
+    return errors
+
+
+def test_bad_input_raises_before_touching_the_model():
+    errors = run_distributed(_bad_inputs, 2)[0]
+    assert all("\n" not in e for e in errors.values()), errors
+    assert "GPTConfig.n_head=3 does not divide by tp=2" in errors["heads"]
+    assert "GPTConfig.vocab_size=257 does not divide by tp=2; pad it to 258 " \
+           "(or 320 for tensor cores)" in errors["vocab"]
+    assert "lm_head.weight and tok_emb.weight are one tied tensor" in errors["tied"] or \
+        "tok_emb.weight and lm_head.weight are one tied tensor" in errors["tied"]
+    assert "'layers.*.atn.wq' matches no module" in errors["typo"]
+    assert "leaves 2 parameters as plain tensors (norm.weight, norm.bias)" in errors["plain"]
+    assert "same RNG state on every TP rank" in errors["rng"]
+    assert "sequence length 15 does not divide by tp=2" in errors["seq"] and "16" in errors["seq"]
+
+
+def test_divisibility_advice_without_a_mesh():
+    cfg = GPTConfig.preset("gpt2")
+    plan = gpt_plan(GPT(GPTConfig.preset("tiny")))  # built on CPU: tiny is cheap
+    with pytest.raises(ValueError, match=r"GPTConfig.n_head=4 does not divide by tp=3 .*tp in "
+                                         r"\[2, 4\]"):
+        plan.check_divisible(3)
+    plan.check_divisible(2)
+    big = torch.device("meta")
+    with big:
+        gpt2 = GPT(cfg)
+    with pytest.raises(ValueError, match=r"vocab_size=50257 does not divide by tp=2; pad it to "
+                                         r"50258 \(or 50304 for tensor cores\)"):
+        gpt_plan(gpt2).check_divisible(2)
