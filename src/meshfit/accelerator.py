@@ -3,13 +3,18 @@
 It speaks Hugging Face Accelerate's calls (``prepare``, ``backward``, ``accumulate``,
 ``no_sync``, ``gather_for_metrics``, ...) so that a loop written for Accelerate runs with only
 the import changed, but it is a layer over ``torch.distributed`` itself: the layout's
-`Strategy` wraps models, `Precision` handles autocast and loss scaling, the prepared
-optimizer/scheduler/dataloader objects implement accumulation boundaries and sharding.
+`Strategy` wraps models (DDP, ZeRO-1, FSDP2 for ZeRO-2/3), `Precision` handles autocast
+and loss scaling, the prepared optimizer/scheduler/dataloader objects implement accumulation
+boundaries and sharding.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +27,11 @@ from meshfit.distributed import DistEnv, ParallelDims
 from meshfit.loader import PreparedDataLoader
 from meshfit.model_options import ModelOptions
 from meshfit.precision import Precision, check_mixed_precision, empty_device_cache, set_tf32
-from meshfit.prepared import GradientState, PreparedOptimizer, PreparedScheduler
-from meshfit.strategy import Strategy, choose_strategy
+from meshfit.prepared import (GradientState, ParameterMap, PreparedOptimizer, PreparedScheduler,
+                              rebuild_optimizer, repoint_scheduler)
+from meshfit.strategy import Strategy, check_zero_options, choose_strategy, clip_grad_norm_
+
+log = logging.getLogger("meshfit")
 
 
 def _is_scheduler(obj: Any) -> bool:
@@ -54,6 +62,27 @@ class Accelerator:
         empty_cache_steps: release the device allocator's cached blocks every this many
             optimizer steps (0: never), as Transformers' ``torch_empty_cache_steps``.
         parallel: the layout (`ParallelDims`); default: every process a DDP replica.
+            ``ParallelDims(dp_shard=N)`` shards over N ranks (ZeRO); with ``dp_replicate=M``
+            too, M groups of N (hybrid sharding, HSDP). All M x N ranks see different data.
+        zero_stage: with dp_shard > 1, what is sharded over the dp_shard ranks (ZeRO,
+            Rajbhandari et al. 2020); default 3 when dp_shard > 1, else 0.
+            0: nothing (DDP). 1: optimizer state (DDP + ZeroRedundancyOptimizer, applied in
+            `prepare_optimizer`). 2: gradients and optimizer state (FSDP2 with
+            reshard_after_forward=False; FSDP2 also keeps parameters sharded between steps,
+            see `meshfit.parallel.fsdp`). 3: parameters too, gathered per block just in time
+            (FSDP2). Under 2 and 3, mixed precision is FSDP's MixedPrecisionPolicy
+            (parameters gathered and computed in bf16/fp16, gradients reduced in fp32, fp32
+            master weights and outputs) instead of autocast.
+        offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in
+            host memory (ZeRO-Offload; zero_stage=3 only); ``"none"``.
+        sync_each_batch: under accumulation with zero_stage 2/3, False skips the
+            reduce-scatter on non-boundary micro-batches (fewer collectives; FSDP then holds
+            full unsharded gradients, Ψ·4 bytes per rank, until the boundary); True
+            reduce-scatters every micro-batch (sharded gradients accumulate: Ψ·4/N bytes);
+            ``"auto"`` picks True when the unsharded gradients would take more than a quarter
+            of the free memory (CUDA free memory, host available memory on CPU) on any rank,
+            and logs the choice once. Under DDP and ZeRO-1 gradients are full-size anyway, so
+            "auto" means False there.
         ddp_kwargs: extra keyword arguments for DistributedDataParallel
             (``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...).
         cpu: run on the CPU (gloo) even where CUDA is available; also ``MESHFIT_CPU=1``.
@@ -66,8 +95,10 @@ class Accelerator:
                  activation_checkpointing_policy: str = "block", compile: bool = False,
                  compile_backend: str = "inductor", compile_mode: str = "default",
                  compile_scope: str = "block", empty_cache_steps: int = 0,
-                 parallel: ParallelDims | None = None, ddp_kwargs: dict | None = None,
-                 cpu: bool | None = None, env: DistEnv | None = None):
+                 parallel: ParallelDims | None = None, zero_stage: int | None = None,
+                 offload: str = "none", sync_each_batch: bool | str = False,
+                 ddp_kwargs: dict | None = None, cpu: bool | None = None,
+                 env: DistEnv | None = None):
         if isinstance(gradient_accumulation_steps, bool) or not isinstance(
                 gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps!r} must "
@@ -81,6 +112,7 @@ class Accelerator:
             raise ValueError(f"compile={compile!r} must be True or False")
         if tf32 is not None and not isinstance(tf32, bool):
             raise ValueError(f"tf32={tf32!r} must be True, False or None (leave as it is)")
+        check_zero_options(zero_stage, offload, sync_each_batch)
         # Checked here, before any process group or model work, with the modules' own rules.
         self.model_options = ModelOptions(
             activation_checkpointing=activation_checkpointing,
@@ -94,8 +126,14 @@ class Accelerator:
             raise ValueError(f"parallel={parallel!r} must be a meshfit.ParallelDims")
         self.env = env or mdist.init(cpu=cpu)
         self.parallel = (parallel or ParallelDims()).resolve(self.env.world_size)
-        self.strategy: Strategy = choose_strategy(self.env, self.parallel, ddp_kwargs=ddp_kwargs)
         self.precision = Precision(mixed_precision, self.env.device)
+        self.strategy: Strategy = choose_strategy(
+            self.env, self.parallel, zero_stage=zero_stage, offload=offload,
+            param_dtype=self.precision.dtype, ddp_kwargs=ddp_kwargs)
+        # "auto" is decided when the first model is prepared (it needs the model's size).
+        self.sync_each_batch: bool | str = sync_each_batch
+        self._params = ParameterMap()  # parameters replaced by sharding, for optimizers
+        self._replaced: dict[int, tuple[Any, torch.optim.Optimizer]] = {}  # user opt -> new
         self.tf32 = tf32
         if tf32 is not None:
             set_tf32(tf32)
@@ -155,6 +193,11 @@ class Accelerator:
     def mesh(self):
         return self.strategy.mesh
 
+    @property
+    def zero_stage(self) -> int:
+        """The resolved ZeRO stage (0: DDP or a single process)."""
+        return self.strategy.zero_stage
+
     # ----------------------------------------------------------------- prepare
     def prepare(self, *objects: Any) -> Any:
         """Prepare models, optimizers, dataloaders and LR schedulers, in any order; returns
@@ -182,22 +225,52 @@ class Accelerator:
         return "other"
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Place, checkpoint/compile, then wrap (DDP) or shard (FSDP2) `model`.
+
+        The weights must be initialised before: sharding a meta-device model and
+        initialising the shards afterwards gives every rank the same random shard on CPU
+        meshes (PITFALLS #1), so a model with meta parameters is refused."""
         if any(p.is_meta for p in model.parameters()):
             raise ValueError("prepare(model): the model has parameters on the meta device; "
                              "materialise it (to_empty + init_weights) before prepare")
-        model.to(self.device)
+        before = dict(model.named_parameters())
+        model = self.strategy.place(model)
         # Order (as torchtitan): checkpoint each block, compile each (checkpointed) block, then
-        # the data-parallel wrapper, so DDP's hooks stay outside the compiled regions.
+        # the data-parallel wrapper, so DDP's and FSDP's hooks stay outside compiled regions.
         self.model_options.apply(model)
         wrapped = self.strategy.wrap_model(model)
-        self.precision.wrap_forward(wrapped)
+        self._params.record(before, dict(self.strategy.unwrap(wrapped).named_parameters()))
+        if not self.strategy.owns_mixed_precision:
+            self.precision.wrap_forward(wrapped)
+        if self.sync_each_batch == "auto":
+            self._decide_sync_each_batch(wrapped)
         self._models.append(wrapped)
         return wrapped
 
+    def _decide_sync_each_batch(self, model: torch.nn.Module) -> None:
+        choice, reason = self.strategy.auto_sync_each_batch(model)
+        self.sync_each_batch = choice
+        message = f"meshfit: sync_each_batch='auto' -> {choice}: {reason}"
+        log.info(message)
+        self.print(message)
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        """Wrap `optimizer` so that it steps on accumulation boundaries only.
+
+        Built before `prepare(model)` under zero_stage 2/3, its parameters are the unsharded
+        ones that ``fully_shard`` replaced: a new optimizer of the same class is built over
+        the sharded parameters of the same names, with the same defaults and per-group
+        hyper-parameters (it must not have stepped yet; the old one keeps the old
+        parameters alive until you drop it). Built after `prepare(model)`, it already holds
+        the sharded parameters and is used as is. Under zero_stage 1 it becomes a
+        ZeroRedundancyOptimizer of its class. Pass LR schedulers built on it to `prepare`
+        too: they are moved to the new optimizer."""
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
-        prepared = PreparedOptimizer(optimizer, self.grad_state, self.precision.scaler,
+        inner = self.strategy.prepare_optimizer(rebuild_optimizer(optimizer, self._params))
+        if inner is not optimizer:
+            self._replaced[id(optimizer)] = (weakref.ref(optimizer), inner)
+        prepared = PreparedOptimizer(inner, self.grad_state, self.precision.scaler,
                                      on_step=self._after_optimizer_step)
         self._optimizers.append(prepared)
         return prepared
@@ -212,6 +285,9 @@ class Accelerator:
     def prepare_scheduler(self, scheduler) -> PreparedScheduler:
         if isinstance(scheduler, PreparedScheduler):
             return scheduler
+        entry = self._replaced.get(id(getattr(scheduler, "optimizer", None)))
+        if entry is not None and entry[0]() is scheduler.optimizer:
+            repoint_scheduler(scheduler, entry[1])  # built on an optimizer prepare replaced
         return PreparedScheduler(scheduler, self._optimizers, self.grad_state)
 
     def prepare_dataloader(self, loader: DataLoader) -> PreparedDataLoader:
@@ -225,8 +301,34 @@ class Accelerator:
         self.grad_state.step = 0  # an accumulation window never spans two epochs
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's original module, without the data-parallel wrapper."""
+        """The user's original module, without the data-parallel wrapper (under FSDP2 the
+        module itself: its parameters stay sharded DTensors; use `get_state_dict`)."""
         return self.strategy.unwrap(model)
+
+    # ----------------------------------------------------------------- export
+    def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, on CPU, on the main process; ``{}`` on the others.
+
+        Call it on every rank: under zero_stage 2/3 it is a collective (each parameter is
+        all-gathered, `torch.distributed.checkpoint`'s get_model_state_dict with
+        full_state_dict=True, cpu_offload=True, which fills rank 0 only). Names are the
+        user's module's (no DDP/FSDP/compile prefixes), values fp32 master weights; it loads
+        into a plain single-device model with ``load_state_dict``. Like Accelerate's method
+        of that name, except that Accelerate returns the dict on every rank under DDP."""
+        return self.strategy.full_state_dict(model)
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike) -> Path:
+        """Write `get_state_dict(model)` to ``save_directory/model.safetensors`` from the main
+        process (atomically: a temporary file, then os.replace); call on every rank.
+        Tensors sharing storage (tied weights) are written as separate copies, which
+        safetensors requires; both names load back into the tied model."""
+        state = self.get_state_dict(model)
+        path = Path(save_directory) / "model.safetensors"
+        if self.is_main_process:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_safetensors(state, path)
+        self.wait_for_everyone()
+        return path
 
     # ----------------------------------------------------------------- training step
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
@@ -238,10 +340,11 @@ class Accelerator:
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module):
-        """One micro-batch of gradient accumulation: gradients sync only on the k-th one."""
+        """One micro-batch of gradient accumulation: gradients sync only on the k-th one
+        (with sync_each_batch=True, on every one: see the constructor)."""
         self._advance_micro_step()
         with contextlib.ExitStack() as stack:
-            if not self.grad_state.sync_gradients:
+            if not self.grad_state.sync_gradients and self.sync_each_batch is not True:
                 for model in models:
                     stack.enter_context(self.strategy.no_sync(model))
             yield
@@ -274,9 +377,12 @@ class Accelerator:
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0
                         ) -> torch.Tensor:
-        """Clip the (unscaled, synchronised) gradients' total norm; returns the norm."""
+        """Clip the (unscaled, synchronised) gradients' total norm; returns the norm.
+
+        Works on sharded (DTensor) gradients: the norm is completed across the shards, and
+        gradients on different meshes are combined per mesh (`meshfit.strategy.clip_grad_norm_`)."""
         self.unscale_gradients()
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     # ----------------------------------------------------------------- collectives
     def gather(self, obj: Any) -> Any:
@@ -322,5 +428,26 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return (f"Accelerator(device={self.device}, num_processes={self.num_processes}, "
-                f"parallel={self.parallel}, mixed_precision={self.mixed_precision!r}, "
+                f"parallel={self.parallel}, zero_stage={self.zero_stage}, "
+                f"mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+def _write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors refuses tensors that share storage (tied weights): the second and later
+    names of a storage get a copy. Written to a temporary file first, then renamed."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu()
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if storage in seen else tensor.contiguous()
+        seen.add(storage)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

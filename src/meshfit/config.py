@@ -255,7 +255,8 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """[parallel]: sizes of the mesh axes (see `meshfit.ParallelDims`)."""
+    """[parallel]: sizes of the mesh axes (see `meshfit.ParallelDims`) and ZeRO sharding
+    (see `meshfit.Accelerator`)."""
 
     pp: int = 1
     dp_replicate: int = -1
@@ -263,12 +264,31 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    zero_stage: int | None = None
+    """0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters) over the
+    dp_shard ranks; unset: 3 when dp_shard > 1, else 0."""
+    offload: str = "none"
+    """"cpu": sharded parameters, gradients and optimizer state in host memory (stage 3)."""
+    sync_each_batch: bool | str = False
+    """Stages 2/3 under accumulation: reduce-scatter every micro-batch (true: less memory),
+    only on the last (false: fewer collectives), or "auto" (decided from free memory)."""
 
     def __post_init__(self) -> None:
+        from meshfit.strategy import check_zero_options
+
         self.dims()  # ParallelDims validates each size
+        check_zero_options(self.zero_stage, self.offload, self.sync_each_batch,
+                           prefix="parallel.")
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         return ParallelDims(world_size=world_size, **{n: getattr(self, n) for n in AXES})
+
+    def zero_stage_for(self, world_size: int) -> int:
+        """The resolved stage for `world_size` processes (errors name the keys to change)."""
+        from meshfit.strategy import resolve_zero_stage
+
+        return resolve_zero_stage(self.zero_stage, self.offload, self.dims().resolve(world_size),
+                                  prefix="parallel.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,7 +316,13 @@ class RunConfig:
     def validate_for(self, world_size: int) -> None:
         """Checks that need the number of processes (run before launching any)."""
         self.parallel.dims(world_size)
+        stage = self.parallel.zero_stage_for(world_size)
         self.grad_accumulation(world_size)
+        if stage >= 2 and self.train.find_batch_size:
+            raise ValueError(f"train.find_batch_size=true is not supported with "
+                             f"parallel.zero_stage={stage}: FSDP's all-gathers in forward would "
+                             "leave the other ranks waiting when one runs out of memory; set "
+                             "train.find_batch_size=false")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in fields(self)}

@@ -7,6 +7,8 @@ those calls no-ops except on the k-th micro-batch, where gradients have been syn
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -127,3 +129,91 @@ class PreparedScheduler:
         if name in ("scheduler", "optimizers", "grad_state"):
             raise AttributeError(name)
         return getattr(self.scheduler, name)
+
+
+# ---------------------------------------------------------------- re-pointing by name
+class ParameterMap:
+    """Which Parameters `prepare` replaced, by name.
+
+    ``fully_shard`` swaps every Parameter of a module for a new DTensor Parameter with the
+    same name; an optimizer built before `prepare` still holds the old ones. Recorded per
+    prepared model: old parameter -> its name -> the new parameter of that name. Weak
+    references only, so a recorded model's old (full-size) parameters are freed as soon as
+    nothing else holds them."""
+
+    def __init__(self) -> None:
+        self._replaced: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+
+    def record(self, before: dict[str, torch.nn.Parameter],
+               after: dict[str, torch.nn.Parameter]) -> None:
+        """`before`/`after`: named_parameters() of the model before and after wrapping."""
+        for name, old in before.items():
+            new = after.get(name)
+            if new is None:
+                raise ValueError(f"prepare(model): parameter {name!r} disappeared when the model "
+                                 "was wrapped; parameter names must be kept")
+            if new is not old:
+                self._replaced[id(old)] = (weakref.ref(old), weakref.ref(new), name)
+
+    def replacement(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The parameter that replaced `param`, or None if it was not replaced."""
+        entry = self._replaced.get(id(param))
+        if entry is None or entry[0]() is not param:  # an id reused by another object
+            return None
+        new = entry[1]()
+        if new is None:
+            raise ValueError(f"prepare(optimizer): parameter {entry[2]!r} belongs to a "
+                             "prepared model that no longer exists")
+        return new
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, params: ParameterMap
+                      ) -> torch.optim.Optimizer:
+    """`optimizer` itself if none of its parameters was replaced by `prepare`; otherwise a
+    new optimizer of the same class over the replacements (matched by name), with the same
+    constructor defaults and, per param group, the same hyper-parameters and other keys
+    (e.g. a scheduler's ``initial_lr``). Parameters that were not replaced are kept.
+
+    The optimizer must not have stepped yet: its state belongs to the old parameters."""
+    from meshfit.parallel.zero1 import constructor_kwargs
+
+    groups = []
+    replaced = False
+    for group in optimizer.param_groups:
+        new_params = []
+        for p in group["params"]:
+            new = params.replacement(p)
+            replaced |= new is not None
+            new_params.append(p if new is None else new)
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": new_params})
+    if not replaced:
+        return optimizer
+    if optimizer.state:
+        raise ValueError(f"prepare(optimizer): the {type(optimizer).__name__} already holds "
+                         f"state for {len(optimizer.state)} parameter(s) of the unsharded "
+                         "model; prepare it before its first step, or build it after "
+                         "prepare(model)")
+    cls = type(optimizer)
+    return cls(groups, **constructor_kwargs(cls, optimizer.defaults))
+
+
+def repoint_scheduler(scheduler, optimizer: torch.optim.Optimizer) -> None:
+    """Make an LR scheduler built on a replaced optimizer drive `optimizer` instead.
+
+    The param groups were copied with their ``lr`` and ``initial_lr``, so the schedule goes
+    on unchanged. The scheduler's check that ``optimizer.step()`` runs before
+    ``scheduler.step()`` wraps the optimizer's step at construction; the same marker is put
+    on the new optimizer's step."""
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    optimizer.step = wrapper

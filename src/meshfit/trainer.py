@@ -180,7 +180,8 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
         activation_checkpointing_policy=t.activation_checkpointing_policy,
         compile=t.compile, compile_backend=t.compile_backend, compile_mode=t.compile_mode,
         compile_scope=t.compile_scope, empty_cache_steps=t.empty_cache_steps,
-        parallel=cfg.parallel.dims(), env=env)
+        parallel=cfg.parallel.dims(), zero_stage=cfg.parallel.zero_stage,
+        offload=cfg.parallel.offload, sync_each_batch=cfg.parallel.sync_each_batch, env=env)
     writer = _Writer(out_dir if acc.is_main_process else None, cfg)
 
     with acc.main_process_first():  # rank 0 builds the token cache, the others reuse it
@@ -190,7 +191,8 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # Parallelise first, then build the optimizer over the prepared parameters (torchtitan's
-    # order: a fused optimizer checks the parameters' device when it is built).
+    # order: a fused optimizer checks the parameters' device when it is built; under ZeRO-2/3
+    # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
     model = acc.prepare(model)
     micro = t.micro_batch_size
     if t.find_batch_size:
@@ -211,8 +213,9 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
         optimizer, train_loader, val_loader, scheduler)
 
     trainable = "" if n_trainable == n_params else f" ({n_trainable / 1e6:.3f}M trainable)"
+    layout = f", zero_stage {acc.zero_stage}" if acc.zero_stage else ""
     acc.print(f"meshfit train: {n_params / 1e6:.2f}M parameters{trainable}, {acc.num_processes} "
-              f"process(es) on {acc.device}, micro-batch {micro}, accumulation {accum}, "
+              f"process(es) on {acc.device}{layout}, micro-batch {micro}, accumulation {accum}, "
               f"{splits.train.shape[0] / 1e6:.1f}M training tokens -> {out_dir}")
     tokens_per_step = t.global_batch_size * t.seq_len
     progress = _Progress(acc.is_main_process, t.steps)
