@@ -236,7 +236,8 @@ class Accelerator:
         before = dict(model.named_parameters())
         model = self.strategy.place(model)
         # Order (as torchtitan): checkpoint each block, compile each (checkpointed) block, then
-        # the data-parallel wrapper, so DDP's and FSDP's hooks stay outside compiled regions.
+        # the data-parallel wrapper. Under FSDP2 this shards the compiled blocks, which keeps
+        # them compiled (PITFALLS #3: compiling the sharded model can silently run eager).
         self.model_options.apply(model)
         wrapped = self.strategy.wrap_model(model)
         self._params.record(before, dict(self.strategy.unwrap(wrapped).named_parameters()))

@@ -39,16 +39,12 @@ every rank the same shard).
 
 from __future__ import annotations
 
-import itertools
-import logging
 import os
 import warnings
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-
-log = logging.getLogger("meshfit")
 
 __all__ = ["apply_fsdp", "available_memory_bytes", "held_gradient_bytes",
            "unsharded_gradient_bytes"]
@@ -179,14 +175,19 @@ def held_gradient_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in fully_shard.state(module)._fsdp_param_groups:
+        state = fully_shard.state(module)
+        # Older torch releases keep one group per module (`_fsdp_param_group`), 2.13 a list.
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+        for group in groups:
             for fp in group.fsdp_params:
                 managed.add(id(fp.sharded_param))
                 add(fp.sharded_param.grad)
                 unsharded = getattr(fp, "_unsharded_param", None)
                 add(None if unsharded is None else unsharded.grad)
                 add(getattr(fp, "unsharded_accumulated_grad", None))
-    for p in itertools.chain(model.parameters()):
+    for p in model.parameters():
         if id(p) not in managed:
             add(p.grad)
     return total
