@@ -81,8 +81,9 @@ class Accelerator:
             reduce-scatters every micro-batch (sharded gradients accumulate: Ψ·4/N bytes);
             ``"auto"`` picks True when the unsharded gradients would take more than a quarter
             of the free memory (CUDA free memory, host available memory on CPU) on any rank,
-            and logs the choice once. Under DDP and ZeRO-1 gradients are full-size anyway, so
-            "auto" means False there.
+            and logs the choice once (when the first model is prepared; the
+            ``sync_each_batch`` attribute then holds it). Under DDP and ZeRO-1 gradients are
+            full-size anyway, so "auto" means False there.
         ddp_kwargs: extra keyword arguments for DistributedDataParallel
             (``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...).
         cpu: run on the CPU (gloo) even where CUDA is available; also ``MESHFIT_CPU=1``.
