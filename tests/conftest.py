@@ -126,3 +126,14 @@ def _hygiene():
 
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests of tiny models: two spin-waiting OpenMP threads slow them
+    several-fold when other processes share the 2 cores. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

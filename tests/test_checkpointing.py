@@ -36,14 +36,7 @@ MODES = {  # name -> apply_activation_checkpointing kwargs
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: one intra-op thread is as fast as two, and two spin-waiting OpenMP
-    # threads slow these tests several-fold when other processes share the 2 cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(batch=2, seq=64, vocab=256, seed=1):

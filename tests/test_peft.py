@@ -74,14 +74,7 @@ CASES = {
 TRAIN_CASES = ["gpt", "hf-llama"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Models this small gain nothing from intra-op threads, and on a busy 2-core runner
-    # OpenMP's spinning threads made each test several times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch() -> torch.Tensor:
