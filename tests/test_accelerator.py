@@ -311,5 +311,7 @@ def test_parallel_dims_resolve_and_not_yet_available_axes():
 
     env = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4,
                   device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(ValueError, match=r"ParallelDims\(tp=2\): this axis is not yet available"):
-        choose_strategy(env, ParallelDims(tp=2).resolve(4))
+    with pytest.raises(ValueError, match=r"ParallelDims\(cp=2\): this axis is not yet available"):
+        choose_strategy(env, ParallelDims(cp=2).resolve(4))
+    with pytest.raises(ValueError, match=r"DP\+TP\) are not yet available"):
+        choose_strategy(env, ParallelDims(tp=2).resolve(4))  # dp_replicate=2 x tp=2

@@ -236,9 +236,12 @@ class Accelerator:
                              "materialise it (to_empty + init_weights) before prepare")
         before = dict(model.named_parameters())
         model = self.strategy.place(model)
-        # Order (as torchtitan): checkpoint each block, compile each (checkpointed) block, then
-        # the data-parallel wrapper. Under FSDP2 this shards the compiled blocks, which keeps
+        # Order (as torchtitan): tensor parallel first (apply_tp needs the plain module and
+        # turns parameters into DTensors on mesh["tp"]), then checkpoint each block, compile
+        # each (checkpointed) block, then the data-parallel wrapper (FSDP2 over dp_shard, on
+        # top of TP's DTensors: 2-D). Under FSDP2 this shards the compiled blocks, which keeps
         # them compiled (PITFALLS #3: compiling the sharded model can silently run eager).
+        model = self.strategy.parallelize(model)
         self.model_options.apply(model)
         wrapped = self.strategy.wrap_model(model)
         self._params.record(before, dict(self.strategy.unwrap(wrapped).named_parameters()))

@@ -8,9 +8,18 @@ one by the layout's type and delegates to it; it never branches on a strategy na
     FSDPStrategy     stages 2 and 3: FSDP2 over ``dp_shard`` (or ``dp_replicate x dp_shard``:
                      HSDP), optionally offloading to host memory, mixed precision as FSDP's
                      policy.
+    TPStrategy       tensor parallel alone (``tp`` > 1, no data-parallel axis): `apply_tp`
+                     on ``mesh["tp"]`` and no data-parallel wrapper.
+
+Tensor parallel (``tp``) composes with ``dp_shard`` (FSDP+TP, zero_stage 2/3: the TP'd
+model is fully_shard-ed over ``mesh["dp_shard"]``, a 2-D layout). Every strategy with a
+``tp`` axis splits the model in `parallelize`, which `Accelerator.prepare` calls first.
+DP+TP (``dp_replicate`` with ``tp``) and ZeRO-1 with ``tp`` are not available yet: DDP does
+not take DTensor parameters.
 
 Data-parallel ranks are ``dp_replicate x dp_shard``: all of them see different data, so
-gathering, reducing and dataloader sharding use the flattened group of both axes.
+gathering, reducing and dataloader sharding use the flattened group of both axes. The
+``tp`` ranks of one data-parallel group see the same batch, so ``tp`` never enters them.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from meshfit.distributed import DistEnv, ParallelDims
 from meshfit.parallel import apply_ddp, apply_fsdp, apply_zero1
 
 # Axes whose strategies exist today; the others are planned (see the README's feature table).
-AVAILABLE_AXES = ("dp_replicate", "dp_shard")
+AVAILABLE_AXES = ("dp_replicate", "dp_shard", "tp")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = ("none", "cpu")
 # sync_each_batch="auto" accumulates unsharded gradients (no reduce-scatter between
@@ -76,6 +85,7 @@ class Strategy:
     """A single process: models are moved to the device and otherwise left alone."""
 
     mesh = None
+    tp_mesh = None
     zero_stage = 0
     owns_mixed_precision = False
     """True when the wrapper computes in low precision itself (FSDP's MixedPrecisionPolicy),
@@ -100,6 +110,15 @@ class Strategy:
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move the materialised model to this rank's device (before the model options)."""
         return model.to(self.env.device)
+
+    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Split the placed model across ``mesh["tp"]`` (in place), when the layout has one.
+        Runs before activation checkpointing, compile and the data-parallel wrapper."""
+        if self.tp_mesh is None:
+            return model
+        from meshfit.parallel.tp import apply_tp
+
+        return apply_tp(model, self.tp_mesh)
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
@@ -142,6 +161,8 @@ class _DataParallel(Strategy):
         self.dims = dims
         self.mesh = dims.build_mesh(env.device.type)
         self.dp_mesh = _dp_mesh(self.mesh)
+        if "tp" in self.mesh.mesh_dim_names:
+            self.tp_mesh = self.mesh["tp"]
 
     @property
     def dp_group(self):
@@ -251,11 +272,25 @@ class FSDPStrategy(_DataParallel):
         return not fits_everywhere, reason
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return _gathered_state_dict(model)
 
-        # A collective: every rank all-gathers, rank 0 keeps the CPU copy (PITFALLS #8).
-        return get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+class TPStrategy(_DataParallel):
+    """Tensor parallel alone: `apply_tp` on ``mesh["tp"]`` (see `parallelize`), no
+    data-parallel wrapper (the mesh's data-parallel axis has size 1, so every rank sees the
+    same batch). Parameters become DTensors: optimizers built before `prepare` are
+    re-pointed by the accelerator, by parameter name."""
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return _gathered_state_dict(model)
+
+
+def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # A collective: every rank all-gathers, rank 0 keeps the CPU copy (PITFALLS #8).
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 @contextlib.contextmanager
@@ -310,8 +345,21 @@ def choose_strategy(env: DistEnv, dims: ParallelDims, *, zero_stage: int | None 
     if planned:
         sizes = ", ".join(f"{n}={getattr(dims, n)}" for n in planned)
         raise ValueError(f"ParallelDims({sizes}): this axis is not yet available in meshfit; "
-                         "use the data-parallel axes (dp_replicate, dp_shard) for now")
+                         "use the data-parallel axes (dp_replicate, dp_shard) and tp for now")
     stage = resolve_zero_stage(zero_stage, offload, dims)
+    if dims.tp > 1:
+        if dims.dp_replicate > 1:
+            raise ValueError(f"ParallelDims(dp_replicate={dims.dp_replicate}, tp={dims.tp}): "
+                             "data-parallel replicas with tensor parallel (DP+TP) are not yet "
+                             "available in meshfit; use dp_shard with tp (FSDP+TP) or tp alone")
+        if stage == 1:
+            raise ValueError("zero_stage=1 with tp > 1 is not yet available in meshfit (DDP "
+                             "does not take tensor-parallel parameters); use zero_stage 2 or 3")
+        if ddp_kwargs:
+            raise ValueError(f"ddp_kwargs={ddp_kwargs!r} apply to DDP, which a layout with "
+                             "tp > 1 does not use; drop them")
+        if stage == 0:
+            return TPStrategy(env, dims)
     if not env.is_distributed:
         return Strategy(env)
     if stage == 0:
