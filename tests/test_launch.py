@@ -92,14 +92,16 @@ def test_max_restarts_restarts_the_group_after_a_failure(tmp_path, subprocess_en
     """Rank 1 fails once; with --max-restarts 1 the agent restarts both workers and the
     second attempt's process group forms and finishes (torchrun's elastic behaviour)."""
     flaky = tmp_path / "flaky.py"
+    # The first attempt forms no process group (rank 0 waits to be stopped by the agent), so
+    # the restarted group's rendezvous cannot meet a half-initialised first one.
     flaky.write_text(
-        "import os, sys, torch.distributed as dist\n"
-        f"marker = {str(tmp_path / 'failed_once')!r}\n"
+        "import os, sys, time, torch.distributed as dist\n"
         "rank = int(os.environ['RANK'])\n"
         "attempt = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
-        "if rank == 1 and not os.path.exists(marker):\n"
-        "    open(marker, 'w').close()\n"
-        "    sys.exit(5)\n"
+        "if attempt == '0':\n"
+        "    if rank == 1:\n"
+        "        sys.exit(5)\n"
+        "    time.sleep(100)\n"
         "dist.init_process_group('gloo')\n"
         "dist.barrier()\n"
         f"open(os.path.join({str(tmp_path)!r}, f'done{{rank}}-{{attempt}}'), 'w').close()\n"

@@ -7,6 +7,8 @@ runs in one test only: the 50-step training run, which also measures its state.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import importlib.util
 import math
@@ -67,12 +69,17 @@ def test_optimizer_trains_tiny_gpt_and_state_matches_closed_form(name, batches):
     model = tiny_gpt()
     opt = optim.build(name, model, lr=LR[name], weight_decay=0.1)
     losses = []
-    for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    # torchao's step is torch.compile'd: with a cold inductor cache (a fresh CI machine) the
+    # default compile worker pool leaves a thread behind, which the hygiene check rejects.
+    compile_threads = torch._inductor.config.patch(compile_threads=1) \
+        if name == "adamw_8bit" else contextlib.nullcontext()
+    with compile_threads:
+        for x, y in batches:
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
     late = sum(losses[-5:]) / 5
     # ln(256) = 5.55 at init; every optimizer reaches ~3.1-3.3 here, so 1 nat is a wide margin.
     assert math.isfinite(late) and late < losses[0] - 1.0, (losses[0], late)
