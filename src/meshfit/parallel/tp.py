@@ -138,12 +138,17 @@ class Conv1DColwiseParallel(ColwiseParallel):
         if not _is_conv1d(module):
             raise ValueError(f"Conv1DColwiseParallel needs a transformers Conv1D, got "
                              f"{type(module).__name__}; use ColwiseParallel for nn.Linear")
-        return distribute_module(
-            module, device_mesh, self._partition_conv1d,
-            functools.partial(self._prepare_input_fn, self.input_layouts,
-                              self.desired_input_layouts),
-            functools.partial(self._prepare_output_fn, self.output_layouts,
-                              self.use_local_output))
+        return _distribute_conv1d(self, module, device_mesh)
+
+
+def _distribute_conv1d(style, module: nn.Module, device_mesh) -> nn.Module:
+    """distribute_module with a Conv1D style's partition and its layout hooks."""
+    return distribute_module(
+        module, device_mesh, style._partition_conv1d,
+        functools.partial(style._prepare_input_fn, style.input_layouts,
+                          style.desired_input_layouts),
+        functools.partial(style._prepare_output_fn, style.output_layouts,
+                          style.use_local_output))
 
 
 class Conv1DRowwiseParallel(RowwiseParallel):
@@ -161,12 +166,7 @@ class Conv1DRowwiseParallel(RowwiseParallel):
             raise ValueError(f"Conv1DRowwiseParallel needs a transformers Conv1D, got "
                              f"{type(module).__name__}; use RowwiseParallel for nn.Linear")
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module, device_mesh, self._partition_conv1d,
-            functools.partial(self._prepare_input_fn, self.input_layouts,
-                              self.desired_input_layouts),
-            functools.partial(self._prepare_output_fn, self.output_layouts,
-                              self.use_local_output))
+        return _distribute_conv1d(self, module, device_mesh)
 
 
 _NO_PARAMS = (PrepareModuleInput, PrepareModuleOutput)
