@@ -1,4 +1,5 @@
-"""The ``meshfit`` command: ``launch`` (torchrun with safer defaults) and ``train``.
+"""The ``meshfit`` command: ``launch`` (torchrun with safer defaults), ``train`` and
+``pipeline-chart`` (a pipeline run's schedule as a Gantt chart, with its measured bubble).
 
 Every argument is validated before any process is launched or any file is written; errors
 are one line naming the option, the value and the fix.
@@ -99,7 +100,31 @@ def _collect_overrides(rest: list[str]) -> list[str]:
     return out
 
 
-COMMANDS = {"launch": cmd_launch, "train": cmd_train}
+def _pipeline_chart_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshfit pipeline-chart", allow_abbrev=False,
+        description="Draw a pipeline-parallel run's schedule (one row per pp rank) and print "
+                    "its measured bubble beside the theoretical one.")
+    p.add_argument("run", metavar="RUN", help="the run folder of a `meshfit train` with pp > 1")
+    p.add_argument("--out", metavar="PNG", default=None,
+                   help="the chart's path (default: RUN/pipeline_chart.png)")
+    p.add_argument("--step", metavar="N", type=int, default=None,
+                   help="the step to draw (default: the last recorded)")
+    return p
+
+
+def cmd_pipeline_chart(argv: list[str]) -> int:
+    from meshfit.pipeline_chart import describe, draw
+
+    ns = _pipeline_chart_parser().parse_args(argv)
+    png, summary = draw(ns.run, ns.out, step=ns.step)
+    for line in describe(summary):
+        print(line)
+    print(f"chart of step {summary['step']}: {png}")
+    return 0
+
+
+COMMANDS = {"launch": cmd_launch, "train": cmd_train, "pipeline-chart": cmd_pipeline_chart}
 
 
 def main(argv: list[str] | None = None) -> int:
