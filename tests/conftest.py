@@ -86,6 +86,11 @@ def subprocess_env(tmp_path):
     """Environment for launching `meshfit`/torchrun in a subprocess: our package importable,
     torchrun's temporary folders inside the test's tmp_path, one thread per rank, CPU and
     gloo even on a machine with fewer GPUs than ranks."""
+    return make_subprocess_env(tmp_path)
+
+
+def make_subprocess_env(tmp_path) -> dict:
+    """`subprocess_env` for fixtures of a wider scope."""
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
     env["TMPDIR"] = str(tmp_path)

@@ -19,7 +19,7 @@ from conftest import run_distributed
 from meshfit.cli import main
 from meshfit.models import GPT, GPTConfig
 from meshfit.parallel import pp
-from meshfit.pipeline_chart import draw, meta_of, read_run, write_run
+from meshfit.pipeline_chart import draw, read_run, write_run
 
 matplotlib_image = pytest.importorskip("matplotlib.image")
 
@@ -38,7 +38,7 @@ def _record(rank, world_size):
         pipe = pp.build_pipeline(GPT(CFG), mesh, schedule=schedule, microbatches=M)
         for _ in range(STEPS):
             pipe.step(x, y)
-        out[schedule] = (meta_of(pipe), pp.gather_timings(pipe))
+        out[schedule] = (pipe.meta(), pp.gather_timings(pipe))
     return out
 
 

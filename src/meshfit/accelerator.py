@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from meshfit.model_options import ModelOptions
 from meshfit.precision import Precision, check_mixed_precision, empty_device_cache, set_tf32
 from meshfit.prepared import (GradientState, ParameterMap, PreparedOptimizer, PreparedScheduler,
                               rebuild_optimizer, repoint_scheduler)
-from meshfit.strategy import Strategy, check_zero_options, choose_strategy, clip_grad_norm_
+from meshfit.strategy import Strategy, check_zero_options, choose_strategy, clip_grad_norm_, \
+    layout_warnings
 
 log = logging.getLogger("meshfit")
 
@@ -131,6 +133,8 @@ class Accelerator:
         self.strategy: Strategy = choose_strategy(
             self.env, self.parallel, zero_stage=zero_stage, offload=offload,
             param_dtype=self.precision.dtype, ddp_kwargs=ddp_kwargs)
+        for message in layout_warnings(self.parallel, self.strategy.zero_stage):
+            warnings.warn(f"meshfit: {message}", UserWarning, stacklevel=2)
         # "auto" is decided when the first model is prepared (it needs the model's size).
         self.sync_each_batch: bool | str = sync_each_batch
         self._params = ParameterMap()  # parameters replaced by sharding, for optimizers
@@ -231,6 +235,10 @@ class Accelerator:
         The weights must be initialised before: sharding a meta-device model and
         initialising the shards afterwards gives every rank the same random shard on CPU
         meshes (PITFALLS #1), so a model with meta parameters is refused."""
+        if self.parallel.pp > 1:
+            raise ValueError(f"prepare(model) with pp={self.parallel.pp}: a pipeline layout "
+                             "splits the model into stages; use "
+                             "accelerator.prepare_pipeline(model, schedule=..., microbatches=...)")
         if any(p.is_meta for p in model.parameters()):
             raise ValueError("prepare(model): the model has parameters on the meta device; "
                              "materialise it (to_empty + init_weights) before prepare")
@@ -251,6 +259,52 @@ class Accelerator:
             self._decide_sync_each_batch(wrapped)
         self._models.append(wrapped)
         return wrapped
+
+    def prepare_pipeline(self, model: torch.nn.Module, *, microbatches: int,
+                         schedule: str = "1f1b", virtual_stages: int | None = None,
+                         points=None, balance: str = "params", times=None, loss_fn=None,
+                         record_timings: bool = True, init_seed: int = 0):
+        """Cut `model` into pipeline stages over ``mesh["pp"]`` and prepare this rank's.
+
+        Returns a `meshfit.parallel.pp.Pipeline`: drive it with ``loss =
+        pipeline.step(inputs, targets, scale=1/k)`` inside ``accelerator.accumulate()``
+        (k = gradient_accumulation_steps), then the prepared optimizer's ``step``; evaluate
+        with ``pipeline.eval_loss``. Build the optimizer afterwards on
+        ``pipeline.parameters()`` and prepare it. Each stage module goes through what
+        `prepare(model)` does to a model — tensor parallel on ``mesh["tp"]``, activation
+        checkpointing and compile, then the data-parallel wrapper over the dp axes (DDP,
+        ZeRO-1, FSDP2) — so that DP+PP, DP+PP+TP and ZeRO+PP+TP are one call. Arguments as
+        `meshfit.parallel.pp.build_pipeline` (schedules gpipe, 1f1b, interleaved_1f1b,
+        zero_bubble; `microbatches` per pipeline step: the global batch is micro-batch x
+        microbatches x data-parallel degree x k). Every rank passes the same full model
+        (built from one seed) or a meta-device one (materialised per stage from
+        `init_seed`); with data parallel, each data-parallel rank feeds its own batch."""
+        from meshfit.parallel.pp import build_pipeline
+
+        if self.parallel.pp == 1:
+            raise ValueError("prepare_pipeline needs a pipeline axis: Accelerator(parallel="
+                             "ParallelDims(pp=P, ...)) with P > 1; use prepare(model) otherwise")
+        if self.precision.scaler is not None:
+            raise ValueError("mixed_precision='fp16' with pp > 1 is not yet available in "
+                             "meshfit (the loss scale would have to agree across stages); use "
+                             "mixed_precision='bf16'")
+
+        def stage(module: torch.nn.Module) -> torch.nn.Module:
+            # The order of prepare_model: place, tensor parallel, checkpoint, compile, wrap.
+            module = self.strategy.parallelize(self.strategy.place(module))
+            self.model_options.apply(module)
+            wrapped = self.strategy.wrap_model(module)
+            if not self.strategy.owns_mixed_precision:
+                self.precision.wrap_forward(wrapped)
+            return wrapped
+
+        pipeline = build_pipeline(
+            model, self.strategy.pp_mesh, schedule=schedule, microbatches=microbatches,
+            virtual_stages=virtual_stages, loss_fn=loss_fn, points=points, balance=balance,
+            times=times, record_timings=record_timings, init_seed=init_seed,
+            parallelize=stage)
+        self._models.extend(pipeline.wrapped_modules)
+        return pipeline
 
     def _decide_sync_each_batch(self, model: torch.nn.Module) -> None:
         choice, reason = self.strategy.auto_sync_each_batch(model)
@@ -318,8 +372,13 @@ class Accelerator:
         all-gathered, `torch.distributed.checkpoint`'s get_model_state_dict with
         full_state_dict=True, cpu_offload=True, which fills rank 0 only). Names are the
         user's module's (no DDP/FSDP/compile prefixes), values fp32 master weights; it loads
-        into a plain single-device model with ``load_state_dict``. Like Accelerate's method
+        into a plain single-device model with ``load_state_dict``. A `Pipeline` gives the
+        whole model's dict too (every stage's part, gathered to rank 0). Like Accelerate's method
         of that name, except that Accelerate returns the dict on every rank under DDP."""
+        from meshfit.parallel.pp import Pipeline
+
+        if isinstance(model, Pipeline):
+            return model.full_state_dict()
         return self.strategy.full_state_dict(model)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike) -> Path:
@@ -385,8 +444,13 @@ class Accelerator:
         """Clip the (unscaled, synchronised) gradients' total norm; returns the norm.
 
         Works on sharded (DTensor) gradients: the norm is completed across the shards, and
-        gradients on different meshes are combined per mesh (`meshfit.strategy.clip_grad_norm_`)."""
+        gradients on different meshes are combined per mesh (`meshfit.strategy.clip_grad_norm_`).
+        Pass a `Pipeline` (from `prepare_pipeline`) to clip the whole pipelined model."""
         self.unscale_gradients()
+        from meshfit.parallel.pp import Pipeline
+
+        if isinstance(parameters, Pipeline):  # every stage's part of the norm
+            return parameters.clip_grad_norm_(max_norm, norm_type=norm_type)
         return clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     # ----------------------------------------------------------------- collectives

@@ -69,7 +69,8 @@ def cmd_train(argv: list[str]) -> int:
     cfg.validate_for(launch_cfg.nproc * launch_cfg.nnodes)  # before any process starts
     from meshfit.trainer import preflight
 
-    for warning in preflight(cfg):  # the device, kernels and libraries this machine has
+    world_size = launch_cfg.nproc * launch_cfg.nnodes
+    for warning in preflight(cfg, world_size):  # this machine's device, kernels, libraries
         print(f"meshfit train: warning: {warning}", file=sys.stderr)
     if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
         from meshfit.trainer import train

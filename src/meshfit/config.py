@@ -272,13 +272,29 @@ class ParallelConfig:
     sync_each_batch: bool | str = False
     """Stages 2/3 under accumulation: reduce-scatter every micro-batch (true: less memory),
     only on the last (false: fewer collectives), or "auto" (decided from free memory)."""
+    schedule: str = "1f1b"
+    """pp > 1: "gpipe", "1f1b", "interleaved_1f1b" or "zero_bubble"."""
+    microbatches: int | None = None
+    """pp > 1: micro-batches ("chunks") per pipeline step; the global batch is
+    micro_batch_size x microbatches x data-parallel ranks x accumulation. Unset: all of the
+    accumulation, i.e. global_batch_size / (micro_batch_size x data-parallel ranks)."""
+    virtual_stages: int | None = None
+    """pp > 1: stages per rank (unset: 1, or 2 for interleaved_1f1b and zero_bubble)."""
 
     def __post_init__(self) -> None:
+        from meshfit.parallel.pp import SCHEDULES
         from meshfit.strategy import check_zero_options
 
         self.dims()  # ParallelDims validates each size
         check_zero_options(self.zero_stage, self.offload, self.sync_each_batch,
                            prefix="parallel.")
+        _choice("parallel", "schedule", self.schedule, SCHEDULES)
+        for name in ("microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"parallel.{name}={value!r} must be a positive integer (or "
+                                 "unset)")
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         return ParallelDims(world_size=world_size, **{n: getattr(self, n) for n in AXES})
@@ -303,7 +319,8 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def grad_accumulation(self, world_size: int) -> int:
-        """Micro-batches per step on each rank so that the global batch is as configured."""
+        """Micro-batches per step on each rank so that the global batch is as configured
+        (with pp > 1: pipeline steps per optimizer step, see `microbatches`)."""
         dims = self.parallel.dims().resolve(world_size)
         per_step = self.train.micro_batch_size * dims.dp
         if self.train.global_batch_size % per_step:
@@ -311,18 +328,79 @@ class RunConfig:
                 f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
                 f"micro_batch_size x data-parallel ranks = {self.train.micro_batch_size} x "
                 f"{dims.dp} = {per_step}; change one of them")
-        return self.train.global_batch_size // per_step
+        accum = self.train.global_batch_size // per_step
+        if dims.pp == 1:
+            return accum
+        m = self.microbatches(world_size)
+        if accum % m:
+            raise ValueError(
+                f"parallel.microbatches={m} does not divide the {accum} micro-batches of "
+                f"{self.train.micro_batch_size} sequences that make up each data-parallel "
+                f"rank's share of train.global_batch_size={self.train.global_batch_size}; "
+                "use a divisor of it (global batch = micro_batch_size x microbatches x "
+                "data-parallel ranks x accumulation)")
+        return accum // m
+
+    def microbatches(self, world_size: int) -> int:
+        """Micro-batches per pipeline step (1 without pp)."""
+        dims = self.parallel.dims().resolve(world_size)
+        if dims.pp == 1:
+            return 1
+        if self.parallel.microbatches is not None:
+            return self.parallel.microbatches
+        return max(1, self.train.global_batch_size // (self.train.micro_batch_size * dims.dp))
 
     def validate_for(self, world_size: int) -> None:
         """Checks that need the number of processes (run before launching any)."""
         self.parallel.dims(world_size)
         stage = self.parallel.zero_stage_for(world_size)
         self.grad_accumulation(world_size)
+        self._check_model_parallel(world_size)
         if stage >= 2 and self.train.find_batch_size:
             raise ValueError(f"train.find_batch_size=true is not supported with "
                              f"parallel.zero_stage={stage}: FSDP's all-gathers in forward would "
                              "leave the other ranks waiting when one runs out of memory; set "
                              "train.find_batch_size=false")
+
+    def _check_model_parallel(self, world_size: int) -> None:
+        """tp and pp against the model's sizes, on a meta-device model (no memory)."""
+        dims = self.parallel.dims().resolve(world_size)
+        if dims.tp == 1 and dims.pp == 1:
+            return
+        import torch
+
+        from meshfit.data import ByteTokenizer
+        from meshfit.models import GPT, GPTConfig
+
+        model_cfg = GPTConfig.preset(self.model.preset, max_seq_len=self.train.seq_len,
+                                     vocab_size=ByteTokenizer.vocab_size,
+                                     **self.model.overrides())
+        if dims.tp > 1:
+            from meshfit.models.plans import gpt_plan
+
+            with torch.device("meta"):
+                plan = gpt_plan(GPT(model_cfg))
+            try:
+                plan.check_divisible(dims.tp)
+            except ValueError as err:
+                raise ValueError(f"parallel.tp: {err}") from None
+        if dims.pp > 1:
+            from meshfit.parallel.pp import check_pipeline
+
+            if self.train.mixed_precision == "fp16":
+                raise ValueError("train.mixed_precision='fp16' with parallel.pp > 1 is not yet "
+                                 "available (the loss scale would have to agree across "
+                                 "stages); use 'bf16'")
+            if self.train.find_batch_size:
+                raise ValueError("train.find_batch_size=true is not supported with parallel.pp "
+                                 "> 1; set train.find_batch_size=false and size the micro-batch "
+                                 "yourself")
+            try:
+                check_pipeline(model_cfg.n_layer, dims.pp, schedule=self.parallel.schedule,
+                               microbatches=self.microbatches(world_size),
+                               virtual_stages=self.parallel.virtual_stages)
+            except ValueError as err:
+                raise ValueError(f"parallel.{err}") from None
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in fields(self)}

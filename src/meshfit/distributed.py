@@ -199,10 +199,11 @@ class ParallelDims:
     def build_mesh(self, device_type: str):
         """The `DeviceMesh` of this layout, built once per device type.
 
-        Axes of size 1 are dropped, except that a data-parallel axis (``dp_replicate``) of
-        size 1 is kept when no data-parallel axis is larger: a one-process job still has a
-        mesh to pass around, and a tensor-parallel-only layout has a (size-1) data-parallel
-        group for dataloader sharding and gathering.
+        Axes of size 1 are dropped, except the data-parallel ones: with ``tp`` or ``pp``
+        > 1 both ``dp_replicate`` and ``dp_shard`` are kept (the data-parallel wrapper of a
+        tensor-parallel model is FSDP2 over the 2-D ``(dp_replicate, dp_shard)`` sub-mesh,
+        replicate-only when dp_shard is 1); otherwise ``dp_replicate`` is kept when no
+        data-parallel axis is larger, so a one-process job still has a mesh to pass around.
         """
         if self.world_size is None or any(getattr(self, n) == -1 for n in AXES):
             raise ValueError("ParallelDims.build_mesh needs resolved sizes; call "
@@ -210,11 +211,10 @@ class ParallelDims:
         if device_type not in self._mesh:
             from torch.distributed.device_mesh import init_device_mesh
 
-            names = self.enabled()
-            if not any(n in ("dp_replicate", "dp_shard") for n in names):
-                names = ("dp_replicate",) + tuple(n for n in names if n != "pp")
-                if self.pp > 1:
-                    names = ("pp",) + names  # keep AXES order: pp outermost
+            keep = {"dp_replicate", "dp_shard"} if self.tp > 1 or self.pp > 1 else set()
+            if not any(n in ("dp_replicate", "dp_shard") for n in self.enabled()):
+                keep.add("dp_replicate")
+            names = tuple(n for n in AXES if getattr(self, n) > 1 or n in keep)
             shape = tuple(getattr(self, n) for n in names)
             self._mesh[device_type] = init_device_mesh(device_type, shape,
                                                        mesh_dim_names=names)

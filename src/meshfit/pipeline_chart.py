@@ -4,7 +4,7 @@ A pipeline run of `meshfit train` (``[parallel] pp > 1``) writes two files into 
 
 - ``pipeline.json``: {"schedule", "pp", "microbatches", "virtual_stages", "num_stages",
   "points" (block indices where stages 1.. begin), "placement" (stage indices held by each pp
-  rank)} (`meta_of` builds it from a `Pipeline`);
+  rank)} (`Pipeline.meta()` gives it);
 - ``pipeline_timings.jsonl``: one {"step", "rank", "stage", "microbatch", "phase", "start",
   "end"} per line, wall-clock seconds, as `meshfit.parallel.pp.Pipeline.timings` records them.
 
@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
 
-from meshfit.parallel.pp import SCHEDULES, bubble_fraction, bubble_ratio, stage_placement, \
+from meshfit.parallel.pp import SCHEDULES, bubble_fraction, bubble_ratio, \
     theoretical_bubble
 
-__all__ = ["META_FILE", "TIMINGS_FILE", "CHART_FILE", "PHASES", "meta_of", "write_run",
+__all__ = ["META_FILE", "TIMINGS_FILE", "CHART_FILE", "PHASES", "write_run",
            "read_run", "measure", "describe", "draw"]
 
 META_FILE, TIMINGS_FILE, CHART_FILE = "pipeline.json", "pipeline_timings.jsonl", \
@@ -51,18 +51,6 @@ def _shade(colour: str, chunk: int) -> tuple[float, float, float]:
 
 
 # ---------------------------------------------------------------------------- files
-def meta_of(pipeline) -> dict:
-    """`pipeline.json`'s content for a built `meshfit.parallel.pp.Pipeline` (any pp rank)."""
-    import torch.distributed as dist
-
-    pp = dist.get_world_size(pipeline.pp_group)
-    v = pipeline.num_stages // pp
-    return {"schedule": pipeline.schedule_name, "pp": pp, "microbatches": pipeline.microbatches,
-            "virtual_stages": v, "num_stages": pipeline.num_stages,
-            "points": list(pipeline.points),
-            "placement": stage_placement(pipeline.schedule_name, pp, v)}
-
-
 def write_run(out_dir, meta: dict, timings: Sequence[dict]) -> None:
     """Write `pipeline.json` and `pipeline_timings.jsonl` into `out_dir` (created if needed),
     each atomically (a temporary file, then os.replace): a reader never sees half a file."""

@@ -11,11 +11,26 @@ one by the layout's type and delegates to it; it never branches on a strategy na
     TPStrategy       tensor parallel alone (``tp`` > 1, no data-parallel axis): `apply_tp`
                      on ``mesh["tp"]`` and no data-parallel wrapper.
 
-Tensor parallel (``tp``) composes with ``dp_shard`` (FSDP+TP, zero_stage 2/3: the TP'd
-model is fully_shard-ed over ``mesh["dp_shard"]``, a 2-D layout). Every strategy with a
-``tp`` axis splits the model in `parallelize`, which `Accelerator.prepare` calls first.
-DP+TP (``dp_replicate`` with ``tp``) and ZeRO-1 with ``tp`` are not available yet: DDP does
-not take DTensor parameters.
+With a ``tp`` axis the model's parameters are DTensors, which DDP and ZeroRedundancyOptimizer
+do not take; with a ``pp`` axis torch's schedules run a backward per micro-batch, which
+DDP's bucket rebuilding miscounts (measured, torch 2.13: "rebuilt parameter indices size is
+not same as original model parameters size" on the first step). So every data-parallel
+layout with tp or pp runs on FSDP2 (the engine torch's own DTensor-aware ``replicate`` is
+built on; torchtitan does the same), over the 2-D ``(dp_replicate, dp_shard)`` sub-mesh:
+
+    stage 0 (DP+TP)    ``dp_shard`` = 1: replicate-only HSDP: each rank keeps whole (TP-local)
+                       parameters and gradients are all-reduced over ``dp_replicate``, as DDP.
+    stage 1 (ZeRO-1)   ``reshard_after_forward=False`` and gradients reduced on the last
+                       micro-batch only (sync_each_batch must stay off): during the step a
+                       rank holds what ZeRO-1 holds (whole parameters and gradients) and the
+                       optimizer state is 1/dp_shard; the all-reduce + broadcast of ZeRO-1
+                       become a reduce-scatter + all-gather of the same volume.
+    stages 2 and 3     as without ``tp``.
+
+Pipeline parallel (``pp``) cuts the model into stages (`meshfit.parallel.pp`); each stage
+module goes through the same `place` -> `parallelize` -> model options -> `wrap_model` as a
+whole model does (`Accelerator.prepare_pipeline`), so DP+PP, DP+PP+TP, ZeRO-1+PP+TP and
+FSDP+PP are this module's wrappers applied per stage.
 
 Data-parallel ranks are ``dp_replicate x dp_shard``: all of them see different data, so
 gathering, reducing and dataloader sharding use the flattened group of both axes. The
@@ -34,7 +49,7 @@ from meshfit.distributed import DistEnv, ParallelDims
 from meshfit.parallel import apply_ddp, apply_fsdp, apply_zero1
 
 # Axes whose strategies exist today; the others are planned (see the README's feature table).
-AVAILABLE_AXES = ("dp_replicate", "dp_shard", "tp")
+AVAILABLE_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = ("none", "cpu")
 # sync_each_batch="auto" accumulates unsharded gradients (no reduce-scatter between
@@ -81,11 +96,28 @@ def resolve_zero_stage(zero_stage: int | None, offload: str, dims: ParallelDims,
     return stage
 
 
+def layout_warnings(dims: ParallelDims, zero_stage: int) -> list[str]:
+    """Layouts that work but that the guide advises against, each with the reason."""
+    out = []
+    if dims.pp > 1 and zero_stage >= 2:
+        out.append(
+            f"zero_stage={zero_stage} with pp={dims.pp}: a pipeline runs a backward per "
+            "micro-batch, so sharded gradients would need a reduce-scatter per micro-batch; "
+            "torch's schedules keep whole gradients until the last micro-batch instead, so "
+            "stage 2 saves no gradient memory during the step"
+            + (" and stage 3 re-gathers every stage's parameters for each micro-batch"
+               if zero_stage == 3 else "")
+            + " (DeepSpeed refuses ZeRO-2/3 with its pipeline engine for this reason); "
+            "prefer zero_stage=1")
+    return out
+
+
 class Strategy:
     """A single process: models are moved to the device and otherwise left alone."""
 
     mesh = None
     tp_mesh = None
+    pp_mesh = None
     zero_stage = 0
     owns_mixed_precision = False
     """True when the wrapper computes in low precision itself (FSDP's MixedPrecisionPolicy),
@@ -163,6 +195,8 @@ class _DataParallel(Strategy):
         self.dp_mesh = _dp_mesh(self.mesh)
         if "tp" in self.mesh.mesh_dim_names:
             self.tp_mesh = self.mesh["tp"]
+        if "pp" in self.mesh.mesh_dim_names:
+            self.pp_mesh = self.mesh["pp"]
 
     @property
     def dp_group(self):
@@ -222,8 +256,9 @@ class ZeRO1Strategy(DDPStrategy):
 
 class FSDPStrategy(_DataParallel):
     """ZeRO stages 2 and 3 with FSDP2 over ``dp_shard`` (HSDP when dp_replicate > 1 too);
-    see `meshfit.parallel.fsdp`. Parameters become DTensors: optimizers built before
-    `prepare` are re-pointed by the accelerator, by parameter name."""
+    see `meshfit.parallel.fsdp`. Over a tensor-parallel model also stages 0 (replicate-only:
+    dp_shard = 1) and 1 (see the module docstring). Parameters become DTensors: optimizers
+    built before `prepare` are re-pointed by the accelerator, by parameter name."""
 
     owns_mixed_precision = True
 
@@ -233,9 +268,17 @@ class FSDPStrategy(_DataParallel):
         self.zero_stage = zero_stage
         self.offload = offload
         self.param_dtype = param_dtype
-        axes = tuple(n for n in _DP_AXES if n in self.mesh.mesh_dim_names)
-        # FSDP2 shards over the last dim of its mesh and replicates over the first (HSDP).
-        self.fsdp_mesh = self.mesh[axes] if len(axes) > 1 else self.mesh[axes[0]]
+        # FSDP2 shards over the last dim of its mesh and replicates over the first (HSDP);
+        # replicate-only (dp_shard = 1) keeps the size-1 shard axis, a size-1 replicate axis
+        # is dropped.
+        one_axis = dims.dp_replicate == 1 and dims.dp_shard > 1
+        self.fsdp_mesh = self.mesh["dp_shard"] if one_axis else self.mesh[_DP_AXES]
+
+    @property
+    def grads_whole_until_boundary(self) -> bool:
+        """Stages 0 and 1 keep whole gradients during accumulation (no per-micro-batch
+        reduction), which is what distinguishes them from stage 2."""
+        return self.zero_stage < 2
 
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
         # fully_shard moves each unit's parameters to the mesh's device as it shards it, so
@@ -257,6 +300,8 @@ class FSDPStrategy(_DataParallel):
         return model  # fully_shard works in place: the user's module, its parameters DTensors
 
     def auto_sync_each_batch(self, model: torch.nn.Module) -> tuple[bool, str]:
+        if self.grads_whole_until_boundary:
+            return super().auto_sync_each_batch(model)
         from meshfit.parallel.fsdp import available_memory_bytes, unsharded_gradient_bytes
 
         need = unsharded_gradient_bytes(model)
@@ -276,9 +321,9 @@ class FSDPStrategy(_DataParallel):
 
 
 class TPStrategy(_DataParallel):
-    """Tensor parallel alone: `apply_tp` on ``mesh["tp"]`` (see `parallelize`), no
-    data-parallel wrapper (the mesh's data-parallel axis has size 1, so every rank sees the
-    same batch). Parameters become DTensors: optimizers built before `prepare` are
+    """Model parallel alone (tp and/or pp, data-parallel degree 1): `apply_tp` on
+    ``mesh["tp"]`` (see `parallelize`), no data-parallel wrapper (every rank sees the same
+    batch). Parameters become DTensors under tp: optimizers built before `prepare` are
     re-pointed by the accelerator, by parameter name."""
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -304,36 +349,58 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, *, counted=None,
+                    across=None, device: torch.device | None = None) -> torch.Tensor:
     """Clip the gradients' total norm over all ranks; returns the norm (a plain tensor).
 
     Plain gradients (single process, DDP, ZeRO-1: already all-reduced) and DTensor gradients
-    (FSDP2 shards) both work. Gradients on different meshes (e.g. 2-D dp x tp) are grouped
-    by mesh, each group's norm is completed across its mesh, and the norms are combined
-    (PITFALLS #5: torch's clip_grad_norm_ fails on mixed meshes)."""
-    from torch.distributed.tensor import DTensor
-
+    (FSDP2 shards, tensor parallel) both work. Gradients on different meshes (e.g. 2-D dp x
+    tp) are grouped by mesh, each group's norm is completed across its mesh, and the norms
+    are combined (PITFALLS #5: torch's clip_grad_norm_ fails on mixed meshes).
+    `counted`: the parameters whose gradients make up the norm (default: all; a pipeline
+    leaves out second copies of tied weights); `across`: a process group holding the other
+    parts of the model (pipeline stages), over which the norm is completed — every rank of
+    it must call, `device` giving where a rank with no gradients puts its zero.
+    """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
-    if not params:
+    counted = params if counted is None else [p for p in counted if p.grad is not None]
+    if not params and across is None:
         return torch.tensor(0.0)
+    device = params[0].grad.device if params else (device or torch.device("cpu"))
+    total = _local_norm([p.grad for p in counted], norm_type, device)
+    if across is not None:  # in float64 on every rank: ranks may hold different dtypes
+        dtype, total = total.dtype, total.double()
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
+        else:
+            total = total.pow(norm_type)
+            dist.all_reduce(total, group=across)
+            total = total.pow(1.0 / norm_type)
+        total = total.to(dtype)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _local_norm(grads, norm_type: float, device: torch.device) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
     groups: dict = {}
-    for p in params:
-        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-        groups.setdefault(key, []).append(p.grad)
+    for g in grads:
+        key = g.device_mesh if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
     norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = norms[0].device
+    if not norms:
+        return torch.zeros((), device=device)
     norms = torch.stack([n.to(device) for n in norms])
     if math.isinf(norm_type):
-        total = norms.max()
-    else:
-        total = norms.pow(norm_type).sum().pow(1.0 / norm_type)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
+        return norms.max()
+    return norms.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
 def choose_strategy(env: DistEnv, dims: ParallelDims, *, zero_stage: int | None = None,
@@ -347,27 +414,23 @@ def choose_strategy(env: DistEnv, dims: ParallelDims, *, zero_stage: int | None 
         raise ValueError(f"ParallelDims({sizes}): this axis is not yet available in meshfit; "
                          "use the data-parallel axes (dp_replicate, dp_shard) and tp for now")
     stage = resolve_zero_stage(zero_stage, offload, dims)
-    if dims.tp > 1:
-        if dims.dp_replicate > 1:
-            raise ValueError(f"ParallelDims(dp_replicate={dims.dp_replicate}, tp={dims.tp}): "
-                             "data-parallel replicas with tensor parallel (DP+TP) are not yet "
-                             "available in meshfit; use dp_shard with tp (FSDP+TP) or tp alone")
-        if stage == 1:
-            raise ValueError("zero_stage=1 with tp > 1 is not yet available in meshfit (DDP "
-                             "does not take tensor-parallel parameters); use zero_stage 2 or 3")
+    if (dims.tp > 1 or dims.pp > 1) and dims.dp == 1:
         if ddp_kwargs:
-            raise ValueError(f"ddp_kwargs={ddp_kwargs!r} apply to DDP, which a layout with "
-                             "tp > 1 does not use; drop them")
-        if stage == 0:
-            return TPStrategy(env, dims)
+            raise ValueError(f"ddp_kwargs={ddp_kwargs!r} apply to DDP, which a layout without "
+                             "a data-parallel axis does not use; drop them")
+        return TPStrategy(env, dims)
     if not env.is_distributed:
         return Strategy(env)
+    if dims.tp > 1 or dims.pp > 1 or stage >= 2:
+        # DTensor parameters (tp) and pipeline stages leave FSDP2 as the data-parallel engine
+        # (stages 0/1 too: see the module docstring); stages 2/3 are FSDP2 anyway.
+        if ddp_kwargs:
+            engine = "FSDP2 under tp/pp > 1" if dims.tp > 1 or dims.pp > 1 else \
+                f"zero_stage={stage} (FSDP2)"
+            raise ValueError(f"ddp_kwargs={ddp_kwargs!r} apply to DDP, not to {engine}; "
+                             "drop them")
+        return FSDPStrategy(env, dims, zero_stage=stage, offload=offload == "cpu",
+                            param_dtype=param_dtype)
     if stage == 0:
         return DDPStrategy(env, dims, ddp_kwargs=ddp_kwargs)
-    if stage == 1:
-        return ZeRO1Strategy(env, dims, ddp_kwargs=ddp_kwargs)
-    if ddp_kwargs:
-        raise ValueError(f"ddp_kwargs={ddp_kwargs!r} apply to DDP (zero_stage 0 and 1), not to "
-                         f"zero_stage={stage} (FSDP2); drop them")
-    return FSDPStrategy(env, dims, zero_stage=stage, offload=offload == "cpu",
-                        param_dtype=param_dtype)
+    return ZeRO1Strategy(env, dims, ddp_kwargs=ddp_kwargs)

@@ -49,9 +49,10 @@ def build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
     return model
 
 
-def preflight(cfg: RunConfig) -> list[str]:
+def preflight(cfg: RunConfig, world_size: int | None = None) -> list[str]:
     """Checks that need this machine (the device the workers will use, installed libraries),
-    run before any process is launched; raises a one-line ValueError, returns warnings."""
+    run before any process is launched; raises a one-line ValueError, returns warnings
+    (with `world_size`, also on the layout: see `meshfit.strategy.layout_warnings`)."""
     from meshfit import distributed as mdist
     from meshfit.batch_size import shape_advice
     from meshfit.models.gpt import check_attention_backend
@@ -78,11 +79,17 @@ def preflight(cfg: RunConfig) -> list[str]:
     if cfg.peft.method == "lora":
         with torch.device("meta"):
             build_model(cfg, model_cfg.vocab_size)  # checks that target_modules exist
+    warnings = []
+    if world_size is not None:
+        from meshfit.strategy import layout_warnings
+
+        dims = cfg.parallel.dims().resolve(world_size)
+        warnings += layout_warnings(dims, cfg.parallel.zero_stage_for(world_size))
     if precision.dtype is None and not cfg.train.tf32:
-        return []
-    return shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
-                        d_model=model_cfg.d_model, d_ff=model_cfg.d_ff,
-                        vocab_size=model_cfg.vocab_size)
+        return warnings
+    return warnings + shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
+                                   d_model=model_cfg.d_model, d_ff=model_cfg.d_ff,
+                                   vocab_size=model_cfg.vocab_size)
 
 
 def lr_lambda(cfg: RunConfig):
@@ -120,14 +127,21 @@ class _Progress:
             self.bar.stop()
 
 
-def _evaluate(acc: Accelerator, model: torch.nn.Module, loader) -> float:
-    model.eval()
+def _evaluate(acc: Accelerator, model, loader) -> float:
+    from meshfit.parallel.pp import Pipeline
+
+    pipeline = isinstance(model, Pipeline)
+    modules = model.wrapped_modules if pipeline else [model]
+    for m in modules:
+        m.eval()
     total = torch.zeros(2, device=acc.device)
     with torch.no_grad():
         for x, y in loader:
-            total += torch.stack([model(x, y).detach().float() * x.shape[0],
+            loss = model.eval_loss(x, y) if pipeline else model(x, y)
+            total += torch.stack([loss.detach().float().to(acc.device) * x.shape[0],
                                   torch.tensor(float(x.shape[0]), device=acc.device)])
-    model.train()
+    for m in modules:
+        m.train()
     total = acc.reduce(total, "sum")
     return (total[0] / total[1]).item()
 
@@ -193,27 +207,46 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     # Parallelise first, then build the optimizer over the prepared parameters (torchtitan's
     # order: a fused optimizer checks the parameters' device when it is built; under ZeRO-2/3
     # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
-    model = acc.prepare(model)
-    micro = t.micro_batch_size
+    micro, chunks = t.micro_batch_size, cfg.microbatches(env.world_size)
+    pipeline = None
+    if acc.parallel.pp > 1:
+        # Each pipeline step takes micro x chunks sequences per data-parallel rank and cuts
+        # them into `chunks` micro-batches; the global batch is micro x chunks x dp x accum.
+        p = cfg.parallel
+        model = pipeline = acc.prepare_pipeline(
+            model, schedule=p.schedule, microbatches=chunks, virtual_stages=p.virtual_stages)
+        params = torch.nn.ModuleList(pipeline.modules)  # this rank's stages, for the groups
+    else:
+        model = acc.prepare(model)
+        params = model
     if t.find_batch_size:
         micro, accum = _find_micro_batch(acc, model, t.seq_len, splits.vocab_size, micro, accum)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(params, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     generator = torch.Generator().manual_seed(t.seed)
     d = cfg.data
     workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory and acc.device.type == "cuda")
     if d.num_workers:
         workers.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
-    train_loader = DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=micro,
+    rows = micro * chunks  # sequences per forward/backward call on one data-parallel rank
+    train_loader = DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=rows,
                               shuffle=True, generator=generator, drop_last=True, **workers)
     val_set = TokenDataset(splits.val, t.seq_len)
-    n_val = min(len(val_set), t.eval_batches * micro * acc.strategy.dp_size)
-    val_loader = DataLoader(Subset(val_set, range(n_val)), batch_size=micro, **workers)
+    n_val = min(len(val_set), t.eval_batches * rows * acc.strategy.dp_size)
+    # A pipeline cuts every batch into `chunks` micro-batches: drop a short last one.
+    val_loader = DataLoader(Subset(val_set, range(n_val)), batch_size=rows,
+                            drop_last=pipeline is not None, **workers)
     optimizer, train_loader, val_loader, scheduler = acc.prepare(
         optimizer, train_loader, val_loader, scheduler)
 
     trainable = "" if n_trainable == n_params else f" ({n_trainable / 1e6:.3f}M trainable)"
     layout = f", zero_stage {acc.zero_stage}" if acc.zero_stage else ""
+    dims = acc.parallel
+    mesh = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.enabled())
+    layout += f", mesh {mesh}" if mesh and mesh != f"dp_replicate {dims.dp_replicate}" else ""
+    if pipeline is not None:
+        layout += (f", {cfg.parallel.schedule} schedule with {chunks} micro-batches of {micro}"
+                   f" (stages begin at blocks {pipeline.points})")
     acc.print(f"meshfit train: {n_params / 1e6:.2f}M parameters{trainable}, {acc.num_processes} "
               f"process(es) on {acc.device}{layout}, micro-batch {micro}, accumulation {accum}, "
               f"{splits.train.shape[0] / 1e6:.1f}M training tokens -> {out_dir}")
@@ -227,16 +260,27 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     for step in range(1, t.steps + 1):
         for _ in range(accum):
             x, y = next(batches)
-            with acc.accumulate(model):
-                loss = model(x, y)
-                acc.backward(loss)
-                if acc.sync_gradients and t.grad_clip > 0:
-                    acc.clip_grad_norm_(model.parameters(), t.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
+            if pipeline is not None:
+                with acc.accumulate():  # the schedule synchronises on its last micro-batch
+                    loss = pipeline.step(x, y, scale=1.0 / accum)
+                    if acc.sync_gradients and t.grad_clip > 0:
+                        acc.clip_grad_norm_(pipeline, t.grad_clip)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+            else:
+                with acc.accumulate(model):
+                    loss = model(x, y)
+                    acc.backward(loss)
+                    if acc.sync_gradients and t.grad_clip > 0:
+                        acc.clip_grad_norm_(model.parameters(), t.grad_clip)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
             loss_sum += loss.detach().float()
         window_steps += 1
+        if pipeline is not None and step == min(t.steps, PIPELINE_TIMED_STEPS):
+            _save_pipeline_timings(pipeline, out_dir if acc.is_main_process else None)
         if step % t.log_every == 0 or step == t.steps:
             # One small all-reduce per logged step, not per step: metrics stay off the hot path.
             mean_loss = acc.reduce(loss_sum, "mean").item() / (window_steps * accum)
@@ -258,6 +302,23 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     acc.print(f"done: loss {last.get('loss')}, val_loss {last.get('val_loss')}")
     acc.wait_for_everyone()
     return last
+
+
+PIPELINE_TIMED_STEPS = 5
+"""Optimizer steps whose per-micro-batch timings a pipeline run records (then stops: on
+CUDA the recording synchronises the device around every forward and backward)."""
+
+
+def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:
+    """Every pp rank's timings so far into the run folder (`meshfit pipeline-chart RUN`);
+    a collective over the pp group. Recording stops afterwards."""
+    from meshfit.parallel.pp import gather_timings
+    from meshfit.pipeline_chart import write_run
+
+    timings = gather_timings(pipeline)
+    pipeline.record_timings(False)
+    if out_dir is not None:
+        write_run(out_dir, pipeline.meta(), timings)
 
 
 class _Writer:

@@ -320,13 +320,14 @@ class _TimedStage(PipelineStage):
         self._log, self._clock, self._info = log, clock, info
 
     def _timed(self, phase, mb, fn, *args, **kwargs):
-        if self._log is None:
+        if self._log is None or not self._info["record"]:
             return fn(*args, **kwargs)
         _sync(self.device)
         start = self._clock()
         out = fn(*args, **kwargs)
         _sync(self.device)
-        self._log.append(dict(self._info, stage=self.stage_index, microbatch=mb, phase=phase,
+        self._log.append(dict(step=self._info["step"], rank=self._info["rank"],
+                              stage=self.stage_index, microbatch=mb, phase=phase,
                               start=start, end=self._clock()))
         return out
 
@@ -351,14 +352,25 @@ class _TokenCrossEntropy:
     when micro-batches hold different numbers of ignored targets."""
 
     def __init__(self, ignore_index: int = -100) -> None:
-        self.ignore_index, self.count = ignore_index, None
+        self.ignore_index, self.count, self.scale = ignore_index, None, 1.0
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # as GPT.forward: log-softmax is unstable in half precision
         loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(),
                                ignore_index=self.ignore_index, reduction="sum")
-        return loss / self.count
+        loss = loss / self.count  # (an integer tensor: keeps the loss's own dtype)
+        return loss if self.scale == 1 else loss * self.scale
+
+
+class _MicrobatchMean:
+    """A user's per-micro-batch mean loss, weighted 1/microbatches (and the step's scale)."""
+
+    def __init__(self, loss_fn, microbatches: int) -> None:
+        self.loss_fn, self.microbatches, self.scale = loss_fn, microbatches, 1.0
+
+    def __call__(self, output, target):
+        return self.loss_fn(output, target) * (self.scale / self.microbatches)  # Python float
 
 
 class Pipeline:
@@ -367,17 +379,40 @@ class Pipeline:
     `timings` (list of dicts, appended to by every step when recording) and `step`."""
 
     def __init__(self, modules, stages, schedule, *, name, pp_group, pp_rank, num_stages, points,
-                 microbatches, loss_fn, last_rank, tied, timings, step_info):
+                 microbatches, loss_fn, last_rank, tied, timings, step_info, virtual_stages,
+                 placement):
         self.modules, self.stages, self.schedule = modules, stages, schedule
+        self.virtual_stages, self.placement = virtual_stages, placement
         self.schedule_name, self.pp_group, self.pp_rank = name, pp_group, pp_rank
         self.num_stages, self.points, self.microbatches = num_stages, points, microbatches
         self.stage_indices = [s.stage_index for s in stages]
         self.timings = timings
         self._loss_fn, self._last_rank, self._tied = loss_fn, last_rank, tied
         self._step_info = step_info  # shared with the stages: stamps their timings
+        self._tie_shapes: dict[int, tuple] = {}
         self.has_first = 0 in self.stage_indices
         self.has_last = num_stages - 1 in self.stage_indices
         self.device = stages[0].device
+
+    def record_timings(self, on: bool) -> None:
+        """Start or stop appending per-micro-batch timings to `timings` (built with
+        record_timings=True)."""
+        if self.timings is None and on:
+            raise ValueError("record_timings(True) needs a pipeline built with "
+                             "record_timings=True")
+        self._step_info["record"] = bool(on)
+
+    @property
+    def wrapped_modules(self) -> list[nn.Module]:
+        """The stage modules as the schedule runs them (a data-parallel wrapper, if any)."""
+        return [stage.submod for stage in self.stages]
+
+    def meta(self) -> dict:
+        """The layout, as `meshfit.pipeline_chart` reads it from a run folder."""
+        return {"schedule": self.schedule_name, "pp": len(self.placement),
+                "microbatches": self.microbatches, "virtual_stages": self.virtual_stages,
+                "num_stages": self.num_stages, "points": list(self.points),
+                "placement": [list(held) for held in self.placement]}
 
     def parameters(self):
         for _, p in self.named_parameters():
@@ -395,15 +430,73 @@ class Pipeline:
             out.update(m.state_dict())
         return out
 
-    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
-        """Forward and backward over the global batch; gradients accumulate in `.grad` as one
-        `loss.backward()` of the whole-batch mean loss would leave them (zero them yourself).
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict (every stage's part, sharded tensors gathered) on CPU
+        on global rank 0, {} elsewhere; a collective: call on every rank."""
+        from torch.distributed.tensor import DTensor
 
-        Pass the same [B, T] batch on every rank (ranks that do not need a tensor may pass
-        None), so that a batch that does not divide into micro-batches fails on every rank
-        before any communication. Returns the batch's mean loss (a detached 0-dim tensor) on
-        every rank: it is broadcast from the last stage's rank.
+        mine = {}
+        for m in self.modules:
+            for k, v in m.state_dict().items():
+                v = v.full_tensor() if isinstance(v, DTensor) else v
+                mine[k] = v.detach().cpu()
+        parts: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if dist.get_rank() != 0:
+            return {}
+        out = {}
+        for part in parts:
+            out.update(part)
+        return out
+
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, *,
+             scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward over the batch; gradients accumulate in `.grad` as one
+        `(scale * loss).backward()` of the whole-batch mean loss would leave them (zero them
+        yourself; `scale=1/k` for k pipeline steps per optimizer step).
+
+        Pass the same [B, T] batch on every rank of the pipeline (ranks that do not need a
+        tensor may pass None), so that a batch that does not divide into micro-batches fails
+        on every rank before any communication; with data parallel, each data-parallel rank
+        its own batch. Returns the batch's mean loss (a detached 0-dim tensor, unscaled) on
+        every pipeline rank: it is broadcast from the last stage's rank. Under a
+        data-parallel wrapper the stage gradients are synchronised on the last micro-batch
+        (torch's schedules drive DDP's and FSDP's hooks).
         """
+        args, target = self._inputs(inputs, targets)
+        if isinstance(self._loss_fn, _TokenCrossEntropy) and self.has_last:
+            self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
+        self._loss_fn.scale = scale
+        before = self._tied_grads_before()
+        losses: list[torch.Tensor] = []
+        try:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        finally:
+            self._loss_fn.scale = 1.0
+        self._step_info["step"] += 1
+        self._sum_tied_grads(before)
+        return self._broadcast_loss(losses) / scale
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
+                  ) -> torch.Tensor:
+        """The batch's mean loss without gradients (forward only, through the schedule's
+        `eval`), on every pipeline rank; timings are not recorded."""
+        if not hasattr(self.schedule, "eval"):
+            raise RuntimeError(f"torch {torch.__version__}'s pipeline schedules have no eval(); "
+                               "upgrade torch to evaluate a pipeline")
+        args, target = self._inputs(inputs, targets)
+        if isinstance(self._loss_fn, _TokenCrossEntropy) and self.has_last:
+            self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
+        losses: list[torch.Tensor] = []
+        recording, self._step_info["record"] = self._step_info["record"], False
+        try:
+            self.schedule.eval(*args, target=target, losses=losses)
+        finally:
+            self._step_info["record"] = recording
+        return self._broadcast_loss(losses)
+
+    def _inputs(self, inputs, targets):
         for t in (inputs, targets):
             if t is not None:
                 _check_batch(t.shape[0], self.microbatches)
@@ -414,14 +507,24 @@ class Pipeline:
                                  f"{self.stage_indices}; pass the batch's {what} on every rank")
         args = (inputs.to(self.device),) if self.has_first else ()
         target = targets.to(self.device) if self.has_last else None
-        if isinstance(self._loss_fn, _TokenCrossEntropy) and self.has_last:
-            self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
-        before = self._tied_grads_before()
-        losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        self._step_info["step"] += 1
-        self._sum_tied_grads(before)
-        return self._broadcast_loss(losses)
+        return args, target
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the whole model's gradient norm (every stage, every shard) to `max_norm`;
+        returns the norm, equal on every rank. A weight tied across stages counts once."""
+        from meshfit.strategy import clip_grad_norm_
+
+        counted = [p for n, p in self.named_parameters() if n not in self._duplicate_names]
+        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type=norm_type,
+                               counted=counted, across=self.pp_group, device=self.device)
+
+    @property
+    def _duplicate_names(self) -> set[str]:
+        # Every copy of a tied weight but the first name's (held by exactly one stage).
+        out = set()
+        for tie in self._tied:
+            out.update(tie.names[1:])
+        return out
 
     def _broadcast_loss(self, losses) -> torch.Tensor:
         wide = any(p.dtype == torch.float64 for p in self.parameters())
@@ -436,27 +539,61 @@ class Pipeline:
     def _local_copies(self, names):
         return [p for n, p in self.named_parameters() if n in names]
 
+    # Under tp/FSDP the copies are DTensors laid out alike (the plans shard embedding and
+    # head both as Shard(0)), so their local shards are summed; ranks without a copy take
+    # part in the all-reduce with zeros of the local shape, learnt once from the holders.
     def _tied_grads_before(self):
         out = []
         for tie in self._tied:
             local = self._local_copies(tie.names)
-            g0 = local[0].grad if local else None
-            out.append(None if g0 is None else g0.clone())
+            g0 = _grad_as_param(local[0]) if local else None
+            out.append(None if g0 is None else _local(g0).clone())
         return out
 
     def _sum_tied_grads(self, before) -> None:
-        for tie, g0 in zip(self._tied, before):
+        for i, (tie, g0) in enumerate(zip(self._tied, before)):
             local = self._local_copies(tie.names)
-            dtype = (local or list(self.parameters()))[0].dtype
-            added = torch.zeros(tie.shape, dtype=dtype, device=self.device)
-            for p in local:
-                if p.grad is not None:
-                    added += p.grad if g0 is None else p.grad - g0
+            if not local and not tie.cross_rank:
+                continue  # (a rank holding no copy of a tie kept within another rank)
+            grads = [g for g in map(_grad_as_param, local) if g is not None]
+            shape, dtype = self._tie_local_shape(i, tie, grads)
+            added = torch.zeros(shape, dtype=dtype, device=self.device)
+            for g in grads:
+                added += _local(g) if g0 is None else _local(g) - g0
             if tie.cross_rank:  # ranks without a copy take part with zeros
                 dist.all_reduce(added, group=self.pp_group)
             total = added if g0 is None else g0 + added
             for p in local:
-                p.grad = total.clone()
+                if p.grad is None:
+                    continue  # (a stage that received no gradient at all: nothing to add to)
+                _local(p.grad).copy_(total)
+
+    def _tie_local_shape(self, i: int, tie, grads):
+        if i not in self._tie_shapes:
+            mine = (tuple(_local(grads[0]).shape), grads[0].dtype) if grads else None
+            if tie.cross_rank:
+                everyone: list = [None] * dist.get_world_size(self.pp_group)
+                dist.all_gather_object(everyone, mine, group=self.pp_group)
+                mine = next(x for x in everyone if x is not None)
+            self._tie_shapes[i] = mine
+        return self._tie_shapes[i]
+
+
+def _grad_as_param(p: torch.Tensor) -> torch.Tensor | None:
+    """`p.grad`, laid out as `p` (a tensor-parallel embedding's gradient can come back
+    replicated while its weight is sharded); re-assigned so that writes to it land."""
+    from torch.distributed.tensor import DTensor
+
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        p.grad = g = g.redistribute(p.device_mesh, p.placements)
+    return g
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @dataclass(frozen=True)
@@ -482,7 +619,8 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                    points: Sequence[int] | None = None, balance: str = "params",
                    times: Sequence[float] | None = None,
-                   record_timings: bool = True, init_seed: int = 0) -> Pipeline:
+                   record_timings: bool = True, init_seed: int = 0,
+                   parallelize: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
     """Cut `model` into stages over the 1-D `pp_mesh` and return this rank's `Pipeline`.
 
     `model`: the full model, identical on every rank (built from one seed), or built on the
@@ -501,6 +639,10 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     `record_timings`: append per-micro-batch forward/backward times to `pipeline.timings`
     (with a device synchronisation around each on CUDA, which removes compute/communication
     overlap while on).
+    `parallelize`: applied to each stage module once it is on the device, returning the
+    module the schedule runs: tensor parallel, checkpointing/compile and a data-parallel
+    wrapper (DDP, FSDP2), as `Accelerator.prepare_pipeline` passes. torch's schedules drive
+    the wrapper's gradient synchronisation (on the last micro-batch only).
     """
     if pp_mesh.ndim != 1:
         raise ValueError(f"build_pipeline needs a 1-D mesh, got axes {pp_mesh.mesh_dim_names}; "
@@ -522,17 +664,20 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     else:
         _check_same_weights(model, group)
         modules = [m.to(device) for m in modules]
+    runs = [parallelize(m) for m in modules] if parallelize is not None else modules
+    modules = [r.module if isinstance(r, nn.parallel.DistributedDataParallel) else r
+               for r in runs]
 
     timings = [] if record_timings else None
     anchor_wall, anchor_perf = time.time(), time.perf_counter()
-    info = {"step": 0, "rank": pp_rank}
+    info = {"step": 0, "rank": pp_rank, "record": True}
     stages = [_TimedStage(m, s, num_stages, device, group=group, log=timings, info=info,
                           clock=lambda: anchor_wall + time.perf_counter() - anchor_perf)
-              for m, s in zip(modules, placement[pp_rank])]
+              for m, s in zip(runs, placement[pp_rank])]
     if loss_fn is None:
         loss = _TokenCrossEntropy()
     else:
-        loss = lambda out, tgt: loss_fn(out, tgt) / microbatches  # noqa: E731
+        loss = _MicrobatchMean(loss_fn, microbatches)
     cls = _TORCH_SCHEDULE[schedule]
     sched = cls(stages[0] if v == 1 else stages, n_microbatches=microbatches, loss_fn=loss,
                 scale_grads=False)
@@ -542,7 +687,7 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
                     num_stages=num_stages, points=points, microbatches=microbatches,
                     loss_fn=loss, last_rank=last_rank,
                     tied=_ties(model, placement, num_stages, points), timings=timings,
-                    step_info=info)
+                    step_info=info, virtual_stages=v, placement=placement)
 
 
 def _check_same_weights(model: nn.Module, group) -> None:
