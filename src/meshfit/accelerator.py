@@ -66,6 +66,9 @@ class Accelerator:
         parallel: the layout (`ParallelDims`); default: every process a DDP replica.
             ``ParallelDims(dp_shard=N)`` shards over N ranks (ZeRO); with ``dp_replicate=M``
             too, M groups of N (hybrid sharding, HSDP). All M x N ranks see different data.
+            ``tp=T`` splits every block over T ranks (Megatron-style, `apply_tp`), composed
+            with any data-parallel axes (see `meshfit.strategy`); ``pp=P`` cuts the model
+            into stages: use `prepare_pipeline` instead of ``prepare(model)``.
         zero_stage: with dp_shard > 1, what is sharded over the dp_shard ranks (ZeRO,
             Rajbhandari et al. 2020); default 3 when dp_shard > 1, else 0.
             0: nothing (DDP). 1: optimizer state (DDP + ZeroRedundancyOptimizer, applied in
@@ -86,6 +89,13 @@ class Accelerator:
             and logs the choice once (when the first model is prepared; the
             ``sync_each_batch`` attribute then holds it). Under DDP and ZeRO-1 gradients are
             full-size anyway, so "auto" means False there.
+        sequence_parallel: with tp > 1, split the residual stream on the sequence dimension
+            between the tensor-parallel blocks (norms and dropout run on T/tp positions;
+            Korthikanti et al. 2022); the sequence length must divide by tp.
+        loss_parallel: with tp > 1, the output head keeps its logits sharded on the
+            vocabulary and the reference GPT's ``model(idx, targets)`` loss is computed
+            without gathering them (`meshfit.parallel.tp.tp_cross_entropy` for other
+            losses). See `meshfit.parallel.tp.apply_tp`.
         ddp_kwargs: extra keyword arguments for DistributedDataParallel
             (``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...).
         cpu: run on the CPU (gloo) even where CUDA is available; also ``MESHFIT_CPU=1``.
@@ -100,6 +110,7 @@ class Accelerator:
                  compile_scope: str = "block", empty_cache_steps: int = 0,
                  parallel: ParallelDims | None = None, zero_stage: int | None = None,
                  offload: str = "none", sync_each_batch: bool | str = False,
+                 sequence_parallel: bool = False, loss_parallel: bool = False,
                  ddp_kwargs: dict | None = None, cpu: bool | None = None,
                  env: DistEnv | None = None):
         if isinstance(gradient_accumulation_steps, bool) or not isinstance(
@@ -133,6 +144,19 @@ class Accelerator:
         self.strategy: Strategy = choose_strategy(
             self.env, self.parallel, zero_stage=zero_stage, offload=offload,
             param_dtype=self.precision.dtype, ddp_kwargs=ddp_kwargs)
+        for name, value in (("sequence_parallel", sequence_parallel),
+                            ("loss_parallel", loss_parallel)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be True or False")
+            if value and self.parallel.tp == 1:
+                raise ValueError(f"{name}=True needs tensor parallel: set "
+                                 "parallel=ParallelDims(tp=T) with T > 1, or drop it")
+        if loss_parallel and self.parallel.pp > 1:
+            raise ValueError("loss_parallel=True with pp > 1 is not yet available in meshfit "
+                             "(the last stage would return vocabulary-sharded logits to the "
+                             "schedule); use loss_parallel=False")
+        self.strategy.tp_options = dict(sequence_parallel=sequence_parallel,
+                                        loss_parallel=loss_parallel)
         for message in layout_warnings(self.parallel, self.strategy.zero_stage):
             warnings.warn(f"meshfit: {message}", UserWarning, stacklevel=2)
         # "auto" is decided when the first model is prepared (it needs the model's size).

@@ -280,6 +280,10 @@ class ParallelConfig:
     accumulation, i.e. global_batch_size / (micro_batch_size x data-parallel ranks)."""
     virtual_stages: int | None = None
     """pp > 1: stages per rank (unset: 1, or 2 for interleaved_1f1b and zero_bubble)."""
+    sequence_parallel: bool = False
+    """tp > 1: norms and dropout on a sequence shard (train.seq_len must divide by tp)."""
+    loss_parallel: bool = False
+    """tp > 1: the loss on vocabulary-sharded logits, never gathering them (not with pp)."""
 
     def __post_init__(self) -> None:
         from meshfit.parallel.pp import SCHEDULES
@@ -289,6 +293,8 @@ class ParallelConfig:
         check_zero_options(self.zero_stage, self.offload, self.sync_each_batch,
                            prefix="parallel.")
         _choice("parallel", "schedule", self.schedule, SCHEDULES)
+        for name in ("sequence_parallel", "loss_parallel"):
+            _bool("parallel", name, getattr(self, name))
         for name in ("microbatches", "virtual_stages"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -365,6 +371,9 @@ class RunConfig:
     def _check_model_parallel(self, world_size: int) -> None:
         """tp and pp against the model's sizes, on a meta-device model (no memory)."""
         dims = self.parallel.dims().resolve(world_size)
+        if dims.tp == 1 and (self.parallel.sequence_parallel or self.parallel.loss_parallel):
+            raise ValueError("parallel.sequence_parallel / parallel.loss_parallel need "
+                             "parallel.tp > 1; set tp or drop them")
         if dims.tp == 1 and dims.pp == 1:
             return
         import torch
@@ -377,6 +386,14 @@ class RunConfig:
                                      **self.model.overrides())
         if dims.tp > 1:
             from meshfit.models.plans import gpt_plan
+
+            if self.parallel.sequence_parallel and self.train.seq_len % dims.tp:
+                raise ValueError(f"train.seq_len={self.train.seq_len} does not divide by "
+                                 f"parallel.tp={dims.tp}, which parallel.sequence_parallel="
+                                 f"true needs; use a multiple of {dims.tp}")
+            if self.parallel.loss_parallel and dims.pp > 1:
+                raise ValueError("parallel.loss_parallel=true with parallel.pp > 1 is not yet "
+                                 "available; set loss_parallel=false")
 
             with torch.device("meta"):
                 plan = gpt_plan(GPT(model_cfg))

@@ -118,6 +118,8 @@ class Strategy:
     mesh = None
     tp_mesh = None
     pp_mesh = None
+    tp_options: dict = {}
+    """Keyword arguments of `apply_tp` (sequence_parallel, loss_parallel)."""
     zero_stage = 0
     owns_mixed_precision = False
     """True when the wrapper computes in low precision itself (FSDP's MixedPrecisionPolicy),
@@ -150,7 +152,7 @@ class Strategy:
             return model
         from meshfit.parallel.tp import apply_tp
 
-        return apply_tp(model, self.tp_mesh)
+        return apply_tp(model, self.tp_mesh, **self.tp_options)
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model

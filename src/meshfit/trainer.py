@@ -195,7 +195,9 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
         compile=t.compile, compile_backend=t.compile_backend, compile_mode=t.compile_mode,
         compile_scope=t.compile_scope, empty_cache_steps=t.empty_cache_steps,
         parallel=cfg.parallel.dims(), zero_stage=cfg.parallel.zero_stage,
-        offload=cfg.parallel.offload, sync_each_batch=cfg.parallel.sync_each_batch, env=env)
+        offload=cfg.parallel.offload, sync_each_batch=cfg.parallel.sync_each_batch,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        loss_parallel=cfg.parallel.loss_parallel, env=env)
     writer = _Writer(out_dir if acc.is_main_process else None, cfg)
 
     with acc.main_process_first():  # rank 0 builds the token cache, the others reuse it

@@ -300,8 +300,11 @@ class GPT(nn.Module):
         logits = self.lm_head(h)
         if targets is None:
             return logits
-        # float32 cross-entropy: log-softmax over a large vocabulary is unstable in bf16.
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # float32 cross-entropy: log-softmax over a large vocabulary is unstable in bf16 (a
+        # float64 model keeps float64).
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     # ------------------------------------------------------------------ accounting
     def num_params(self, exclude_embeddings: bool = False) -> int:
