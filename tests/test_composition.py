@@ -150,3 +150,19 @@ def test_zero1_pp2_tp2_dp2_on_eight_ranks():
     results = run_distributed(_worker, 8, dims, dict(zero_stage=1), pipeline, timeout=400)
     assert {r["zero_stage"] for r in results} == {1}
     _check(results, 2, MICRO * 2)
+
+
+def test_layout_warnings_name_the_reason():
+    from meshfit.strategy import layout_warnings
+
+    def dims(**kw):
+        return ParallelDims(**kw).resolve(8)
+
+    assert layout_warnings(dims(pp=2, dp_shard=4), 1, 8) == []
+    assert layout_warnings(dims(tp=2, dp_shard=4), 3, 8) == []
+    (zero3,) = layout_warnings(dims(pp=2, dp_shard=4), 3, 8)
+    assert "zero_stage=3 with pp=2" in zero3 and "re-gathers" in zero3
+    (cross,) = layout_warnings(dims(tp=4, dp_replicate=2), 0, 2)  # 2 processes per node
+    assert cross.startswith("tp=4 with 2 processes per node: tensor-parallel groups cross "
+                            "nodes")
+    assert layout_warnings(dims(tp=4, dp_replicate=2), 0, None) == []  # unknown: no claim

@@ -157,7 +157,8 @@ class Accelerator:
                              "schedule); use loss_parallel=False")
         self.strategy.tp_options = dict(sequence_parallel=sequence_parallel,
                                         loss_parallel=loss_parallel)
-        for message in layout_warnings(self.parallel, self.strategy.zero_stage):
+        local = self.env.local_world_size if self.env.is_distributed else None
+        for message in layout_warnings(self.parallel, self.strategy.zero_stage, local):
             warnings.warn(f"meshfit: {message}", UserWarning, stacklevel=2)
         # "auto" is decided when the first model is prepared (it needs the model's size).
         self.sync_each_batch: bool | str = sync_each_batch

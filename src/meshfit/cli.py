@@ -70,7 +70,8 @@ def cmd_train(argv: list[str]) -> int:
     from meshfit.trainer import preflight
 
     world_size = launch_cfg.nproc * launch_cfg.nnodes
-    for warning in preflight(cfg, world_size):  # this machine's device, kernels, libraries
+    # this machine's device, kernels and libraries; layouts the guide advises against
+    for warning in preflight(cfg, world_size, launch_cfg.nproc):
         print(f"meshfit train: warning: {warning}", file=sys.stderr)
     if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
         from meshfit.trainer import train

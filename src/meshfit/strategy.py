@@ -96,9 +96,18 @@ def resolve_zero_stage(zero_stage: int | None, offload: str, dims: ParallelDims,
     return stage
 
 
-def layout_warnings(dims: ParallelDims, zero_stage: int) -> list[str]:
-    """Layouts that work but that the guide advises against, each with the reason."""
+def layout_warnings(dims: ParallelDims, zero_stage: int,
+                    local_world_size: int | None = None) -> list[str]:
+    """Layouts that work but that the guide advises against, each with the reason
+    (`local_world_size`: processes per node, to check that tp stays inside one)."""
     out = []
+    if local_world_size and dims.tp > 1 and (dims.tp > local_world_size
+                                             or local_world_size % dims.tp):
+        out.append(
+            f"tp={dims.tp} with {local_world_size} processes per node: tensor-parallel groups "
+            "cross nodes, so every block's all-reduces go over the slower inter-node link "
+            "(Megatron-LM keeps tp within a node); use a tp that divides the processes per "
+            "node and put the rest on pp or the data-parallel axes")
     if dims.pp > 1 and zero_stage >= 2:
         out.append(
             f"zero_stage={zero_stage} with pp={dims.pp}: a pipeline runs a backward per "

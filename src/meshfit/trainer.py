@@ -49,7 +49,8 @@ def build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
     return model
 
 
-def preflight(cfg: RunConfig, world_size: int | None = None) -> list[str]:
+def preflight(cfg: RunConfig, world_size: int | None = None,
+              local_world_size: int | None = None) -> list[str]:
     """Checks that need this machine (the device the workers will use, installed libraries),
     run before any process is launched; raises a one-line ValueError, returns warnings
     (with `world_size`, also on the layout: see `meshfit.strategy.layout_warnings`)."""
@@ -84,7 +85,8 @@ def preflight(cfg: RunConfig, world_size: int | None = None) -> list[str]:
         from meshfit.strategy import layout_warnings
 
         dims = cfg.parallel.dims().resolve(world_size)
-        warnings += layout_warnings(dims, cfg.parallel.zero_stage_for(world_size))
+        warnings += layout_warnings(dims, cfg.parallel.zero_stage_for(world_size),
+                                    local_world_size)
     if precision.dtype is None and not cfg.train.tf32:
         return warnings
     return warnings + shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
