@@ -20,6 +20,10 @@ built on; torchtitan does the same), over the 2-D ``(dp_replicate, dp_shard)`` s
 
     stage 0 (DP+TP)    ``dp_shard`` = 1: replicate-only HSDP: each rank keeps whole (TP-local)
                        parameters and gradients are all-reduced over ``dp_replicate``, as DDP.
+                       Cost over DDP (torch 2.13's FSDP2, read in _fsdp_param_group.py): with
+                       a shard group of one it skips the all-gather but still copies the
+                       parameters into an unsharded buffer, held from forward to the end of
+                       backward — one more parameter copy than DDP during the step.
     stage 1 (ZeRO-1)   ``reshard_after_forward=False`` and gradients reduced on the last
                        micro-batch only (sync_each_batch must stay off): during the step a
                        rank holds what ZeRO-1 holds (whole parameters and gradients) and the
