@@ -79,6 +79,11 @@ def test_tp2_train_matches_one_process(tmp_path, subprocess_env, reference):
     (2, ["--parallel.pp=2", "--parallel.tp=2"], r"world size \(2\) to be a multiple of 4"),
     (2, ["--parallel.pp=2", "--parallel.schedule=zb"], r"parallel.schedule='zb' is not one of"),
     (2, ["--parallel.pp=2", "--train.mixed_precision=fp16"], r"'fp16' with parallel.pp > 1"),
+    (2, ["--parallel.tp=2", "--train.find_batch_size=true"],
+     r"find_batch_size=true is not supported with parallel.tp > 1"),
+    (2, ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--train.seq_len=33"],
+     r"train.seq_len=33 does not divide by parallel.tp=2"),
+    (2, ["--parallel.sequence_parallel=true"], r"need parallel.tp > 1"),
 ])
 def test_bad_model_parallel_input_fails_before_launch(nproc, args, match, tmp_path,
                                                       subprocess_env):

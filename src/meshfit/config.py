@@ -391,6 +391,11 @@ class RunConfig:
                 raise ValueError(f"train.seq_len={self.train.seq_len} does not divide by "
                                  f"parallel.tp={dims.tp}, which parallel.sequence_parallel="
                                  f"true needs; use a multiple of {dims.tp}")
+            if self.train.find_batch_size:
+                raise ValueError("train.find_batch_size=true is not supported with "
+                                 "parallel.tp > 1: the tensor-parallel all-reduces in forward "
+                                 "would leave the other ranks waiting when one runs out of "
+                                 "memory; set train.find_batch_size=false")
             if self.parallel.loss_parallel and dims.pp > 1:
                 raise ValueError("parallel.loss_parallel=true with parallel.pp > 1 is not yet "
                                  "available; set loss_parallel=false")
