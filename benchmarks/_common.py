@@ -15,6 +15,7 @@ import random
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -244,3 +245,31 @@ def write_results(name: str, markdown: str, payload: dict) -> tuple[Path, Path]:
     payload = {"written": datetime.datetime.now().isoformat(timespec="seconds"), **payload}
     js.write_text(json.dumps(payload, indent=2) + "\n")
     return md, js
+
+
+# ----------------------------------------------------------------------------- machine
+def concurrency_slowdown(active: int, rank: int, repeats: int = 3) -> float:
+    """How much longer a fixed single-thread matmul loop takes when the first `active` ranks
+    run it at once than when rank 0 runs it alone (the others wait at a barrier), median of
+    `repeats`: 1.0 means independent cores; more means they share something (a VM's host,
+    memory bandwidth) or are oversubscribed. Explains compute that stretches when ranks
+    overlap."""
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(100):
+            a @ a
+        return time.perf_counter() - t0
+
+    loop()  # warm-up
+    ratios = []
+    for _ in range(repeats):
+        dist.barrier()
+        solo = loop() if rank == 0 else 0.0
+        dist.barrier()
+        together = loop() if rank < active else 0.0
+        t = torch.tensor([solo, together], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ratios.append(float(t[1] / t[0]))
+    return statistics.median(ratios)

@@ -122,34 +122,6 @@ def timed_steps(runner, x, y, n: int) -> list[float]:
     return out
 
 
-def concurrency_slowdown(active: int, rank: int, repeats: int = 3) -> float:
-    """How much longer a fixed single-thread matmul loop takes when the first `active` ranks
-    run it at once than when rank 0 runs it alone (the others wait at a barrier), median of
-    `repeats`: 1.0 means independent cores; more means they share something (a VM's host,
-    memory bandwidth) or are oversubscribed. Explains compute that stretches when ranks
-    overlap."""
-    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
-
-    def loop() -> float:
-        t0 = time.perf_counter()
-        for _ in range(100):
-            a @ a
-        return time.perf_counter() - t0
-
-    loop()  # warm-up
-    ratios = []
-    for _ in range(repeats):
-        dist.barrier()
-        solo = loop() if rank == 0 else 0.0
-        dist.barrier()
-        together = loop() if rank < active else 0.0
-        t = torch.tensor([solo, together], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        ratios.append(float(t[1] / t[0]))
-    return statistics.median(ratios)
-
-
-# ----------------------------------------------------------------------------- analysis
 def analyse(name, m, timings, steps: list[int], world: int, v: int) -> dict:
     """Bubble figures over the measured `steps` of every rank's `timings`."""
     mine = [t for t in timings if t["step"] in set(steps)]
@@ -191,7 +163,7 @@ def main(argv=None) -> None:
         raise SystemExit("pipeline.py needs 2+ processes: meshfit launch --nproc 2 "
                          "benchmarks/pipeline.py")
     info = _common.machine_info()
-    info["concurrency_slowdown"] = concurrency_slowdown(world, rank)
+    info["concurrency_slowdown"] = _common.concurrency_slowdown(world, rank)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     cfg = _common.model_config(args)
     full = _common.build_model(cfg, args.seed)  # same weights on every rank

@@ -105,34 +105,6 @@ class Variant:
         return time.perf_counter() - t0
 
 
-def concurrency_slowdown(active: int, rank: int, repeats: int = 3) -> float:
-    """How much longer a fixed single-thread matmul loop takes when the first `active` ranks
-    run it at once than when rank 0 runs it alone (the others wait at a barrier), median of
-    `repeats`: 1.0 means independent cores; more means they share something (a VM's host,
-    memory bandwidth) or are oversubscribed. Explains compute that stretches when ranks
-    overlap."""
-    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
-
-    def loop() -> float:
-        t0 = time.perf_counter()
-        for _ in range(100):
-            a @ a
-        return time.perf_counter() - t0
-
-    loop()  # warm-up
-    ratios = []
-    for _ in range(repeats):
-        dist.barrier()
-        solo = loop() if rank == 0 else 0.0
-        dist.barrier()
-        together = loop() if rank < active else 0.0
-        t = torch.tensor([solo, together], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        ratios.append(float(t[1] / t[0]))
-    return statistics.median(ratios)
-
-
-# ----------------------------------------------------------------------------- memory
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -196,7 +168,8 @@ def main(argv=None) -> None:
     degrees = [t for t in (1, 2, 4, 8, 16) if t <= world and world % t == 0]
     info = _common.machine_info()
     if dist.is_initialized():
-        info["concurrency_slowdown"] = {t: concurrency_slowdown(t, rank) for t in degrees[1:]}
+        info["concurrency_slowdown"] = {t: _common.concurrency_slowdown(t, rank)
+                                        for t in degrees[1:]}
     cfg = _common.model_config(args)
     g = torch.Generator().manual_seed(args.seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=g)

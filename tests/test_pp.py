@@ -308,5 +308,6 @@ def test_gpipe_accepts_one_microbatch_and_theory():
     assert pp.theoretical_bubble("gpipe", 4, 8) == pp.theoretical_bubble("1f1b", 4, 8) == 3 / 8
     assert pp.theoretical_bubble("interleaved_1f1b", 4, 8, 2) == 3 / 16
     assert pp.theoretical_bubble("zero_bubble", 4, 8, 2) == 0.0
+    assert pp.theoretical_bubble("interleaved_1f1b", 4, 2, 2) == 3 / 2  # m < p: no interleaving
     timings = [dict(step=0, rank=0, start=0.0, end=1.0), dict(step=0, rank=1, start=1.0, end=2.0)]
     assert pp.bubble_fraction(timings) == 0.5 and pp.bubble_ratio(timings) == 1.0

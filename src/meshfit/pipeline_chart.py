@@ -191,9 +191,10 @@ def measure(meta: dict, timings: Sequence[dict]) -> dict:
 def _formula(schedule: str, p: int, m: int, v: int) -> str:
     if schedule == "zero_bubble":
         return "0 (ZB-V, when forward, input- and weight-backward take equal time)"
-    if schedule == "interleaved_1f1b":
+    if schedule == "interleaved_1f1b" and m >= p:
         return f"(p-1)/(v m) = {p - 1}/({v}x{m}) = {Fraction(p - 1, v * m)}"
-    return f"(p-1)/m = {p - 1}/{m}{_reduced(p - 1, m)}"
+    gap = " (m < p: nothing to interleave)" if schedule == "interleaved_1f1b" else ""
+    return f"(p-1)/m = {p - 1}/{m}{_reduced(p - 1, m)}{gap}"
 
 
 def _reduced(a: int, b: int) -> str:

@@ -756,9 +756,16 @@ def theoretical_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     sec. 2.2): (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved; as a share of the whole
     step it is r/(1+r). For zero_bubble it is 0: ZB-V fills the bubble with weight-gradient
     work when forward, input-backward and weight-backward take equal time (Qi et al. 2024),
-    which real models only approach."""
+    which real models only approach.
+
+    The interleaved and zero-bubble figures assume at least as many micro-batches as ranks
+    (m >= p). With fewer, interleaving has no second micro-batch to fill a rank's gap and
+    the step is as sequential as GPipe's: (p-1)/m is returned for interleaved_1f1b
+    (measured on 2 CPU ranks at m=1: 1.05); zero_bubble's 0 is not reached either (measured
+    0.75 on 2 ranks, 2.4 on 4 at m=1; benchmarks/results/pipeline_*ranks.md)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     if schedule == "zero_bubble":
         return 0.0
-    return (p - 1) / (m * (v if schedule == "interleaved_1f1b" else 1))
+    interleaved = schedule == "interleaved_1f1b" and m >= p
+    return (p - 1) / (m * (v if interleaved else 1))
