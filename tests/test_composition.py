@@ -46,7 +46,7 @@ def _data(n: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _reference(per_step: int):
+def _reference(per_step: int, clip: float | None = None):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     x, y = _data(STEPS * per_step)
@@ -56,20 +56,23 @@ def _reference(per_step: int):
         loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
         opt.zero_grad()
         loss.backward()
+        if clip is not None:  # parameters() lists the tied weight once
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _worker(rank, world, dims: dict, options: dict, pipeline: dict | None):
+def _worker(rank, world, dims: dict, options: dict, pipeline: dict | None,
+            clip: float | None = None):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         acc = Accelerator(parallel=ParallelDims(**dims), **options)
     layout_warnings = [str(w.message) for w in caught if "meshfit:" in str(w.message)]
-    dp = acc.strategy.dp_size
+    dp, k = acc.strategy.dp_size, acc.gradient_accumulation_steps
     m = pipeline["microbatches"] if pipeline else 1
     per_rank = MICRO * m  # sequences per rank per step: micro-batch x microbatches
-    x, y = _data(STEPS * per_rank * dp)
+    x, y = _data(STEPS * per_rank * dp * k)
     # Rank-major order of the global batch: dp rank r takes rows r, r + dp, ... (the
     # prepared loader's interleaved sharding) within each step's slice.
     loader = DataLoader(TensorDataset(x, y), batch_size=per_rank, shuffle=False)
@@ -81,24 +84,31 @@ def _worker(rank, world, dims: dict, options: dict, pipeline: dict | None):
         params = model.parameters()
     opt = torch.optim.AdamW(params, lr=LR)
     opt, loader = acc.prepare(opt, loader)
-    losses = []
+    losses, norms = [], []
     for xb, yb in loader:
         with acc.accumulate():
             if pipeline:
-                loss = model.step(xb, yb)
+                loss = model.step(xb, yb, scale=1 / k)
             else:
                 loss = model(xb, yb)  # GPT's own mean cross-entropy (loss-parallel aware)
                 acc.backward(loss)
+            if acc.sync_gradients and clip is not None:
+                norms.append(acc.clip_grad_norm_(model if pipeline else model.parameters(),
+                                                 clip).item())
             opt.step()
             opt.zero_grad()
         losses.append(acc.reduce(loss.detach(), "mean").item())
-    return {"losses": losses, "state": acc.get_state_dict(model), "dp": dp,
+    # The optimizer step's loss: the mean of its k micro-steps' (equal token counts).
+    losses = [sum(losses[i:i + k]) / k for i in range(0, len(losses), k)]
+    evaluated = model.eval_loss(x[:per_rank], y[:per_rank]).item() if pipeline else None
+    return {"losses": losses, "state": acc.get_state_dict(model), "dp": dp, "norms": norms,
+            "eval": evaluated,
             "warnings": layout_warnings, "zero_stage": acc.zero_stage,
             "strategy": type(acc.strategy).__name__}
 
 
-def _check(results, dp: int, per_rank: int):
-    want_losses, want_state = _reference(per_rank * dp)
+def _check(results, dp: int, per_rank: int, k: int = 1, clip: float | None = None):
+    want_losses, want_state = _reference(per_rank * dp * k, clip)
     for res in results:
         assert res["dp"] == dp
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses),
@@ -134,7 +144,7 @@ def test_layout_matches_single_process(dims, options, pipeline, dp):
     if options.get("zero_stage") == 2:  # the guide's warning: ZeRO-2/3 with a pipeline
         for res in results:
             assert len(res["warnings"]) == 1 and "zero_stage=2 with pp=2" in res["warnings"][0]
-            assert "prefer zero_stage=1" in res["warnings"][0]
+            assert "the same as zero_stage=1 here" in res["warnings"][0]
     else:
         assert all(r["warnings"] == [] for r in results)
     if dims.get("tp", 1) > 1 and dp > 1:
@@ -142,6 +152,26 @@ def test_layout_matches_single_process(dims, options, pipeline, dp):
         assert {r["strategy"] for r in results} == {"FSDPStrategy"}
     per_rank = MICRO * (pipeline["microbatches"] if pipeline else 1)
     _check(results, dp, per_rank)
+
+
+def test_pipeline_accumulation_and_clipping_match_single_process():
+    """dp2 x pp2 with 2 pipeline steps per optimizer step (scale=1/2) and the gradient norm
+    clipped to 0.5 across both stages and data-parallel ranks (the tied embedding counted
+    once): the same as one process clipping its whole model's norm."""
+    dims, pipeline = dict(pp=2, dp_replicate=2), dict(schedule="1f1b", microbatches=2)
+    results = run_distributed(_worker, 4, dims, dict(gradient_accumulation_steps=2), pipeline,
+                              0.5, timeout=240)
+    norms = [r["norms"] for r in results]
+    assert len(norms[0]) == STEPS and all(n == norms[0] for n in norms)  # every rank agrees
+    assert min(norms[0]) > 0.5  # the clip was active on every step
+    _check(results, 2, MICRO * 2, k=2, clip=0.5)
+    # eval_loss (forward only, through the schedule) = the trained reference's loss
+    model = _model()
+    model.load_state_dict(results[0]["state"])
+    x, y = _data(MICRO * 2)
+    with torch.no_grad():
+        want = F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+    assert all(r["eval"] == pytest.approx(want, rel=LOSS_RTOL) for r in results)
 
 
 def test_zero1_pp2_tp2_dp2_on_eight_ranks():
@@ -166,3 +196,39 @@ def test_layout_warnings_name_the_reason():
     assert cross.startswith("tp=4 with 2 processes per node: tensor-parallel groups cross "
                             "nodes")
     assert layout_warnings(dims(tp=4, dp_replicate=2), 0, None) == []  # unknown: no claim
+
+
+def _pipeline_misuse_worker(rank, world):
+    acc = Accelerator(parallel=ParallelDims(pp=2))
+    model = _model()
+    early = torch.optim.AdamW(model.parameters(), lr=LR)  # on the full model: refused
+    pipe = acc.prepare_pipeline(model, schedule="gpipe", microbatches=2)
+    out = {}
+    try:
+        acc.prepare(early)
+    except ValueError as e:
+        out["early_optimizer"] = str(e)
+    x, y = _data(4)
+    pipe.step(x, y)
+    try:
+        pipe.eval_loss(x, y)
+    except RuntimeError as e:
+        out["eval_with_grads"] = str(e)
+    # A frozen tied weight (embedding and head): no gradients to sum, training goes on.
+    frozen = _model()
+    frozen.tok_emb.weight.requires_grad_(False)
+    pipe2 = acc.prepare_pipeline(frozen, schedule="1f1b", microbatches=2)
+    out["frozen_loss"] = pipe2.step(x, y).item()
+    out["frozen_grads"] = [n for n, p in pipe2.named_parameters() if p.grad is None]
+    return out
+
+
+def test_pipeline_misuse_is_refused_and_frozen_ties_train():
+    results = run_distributed(_pipeline_misuse_worker, 2)
+    for res in results:
+        assert res["early_optimizer"].startswith("prepare(optimizer): none of its parameters "
+                                                 "belong to the prepared pipeline")
+        assert "after optimizer.zero_grad(set_to_none=True)" in res["eval_with_grads"]
+        assert res["frozen_loss"] > 0
+    assert results[0]["frozen_grads"] == ["tok_emb.weight"]
+    assert results[1]["frozen_grads"] == ["lm_head.weight"]

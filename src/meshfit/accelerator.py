@@ -77,7 +77,10 @@ class Accelerator:
             see `meshfit.parallel.fsdp`). 3: parameters too, gathered per block just in time
             (FSDP2). Under 2 and 3, mixed precision is FSDP's MixedPrecisionPolicy
             (parameters gathered and computed in bf16/fp16, gradients reduced in fp32, fp32
-            master weights and outputs) instead of autocast.
+            master weights and outputs) instead of autocast. With tp or pp > 1 every
+            data-parallel stage runs on FSDP2 (0: replicate-only, 1: whole gradients until the
+            boundary, sharded optimizer state), so FSDP's mixed-precision policy applies to
+            all of them (see `meshfit.strategy`).
         offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in
             host memory (ZeRO-Offload; zero_stage=3 only); ``"none"``.
         sync_each_batch: under accumulation with zero_stage 2/3, False skips the
@@ -163,6 +166,7 @@ class Accelerator:
         # "auto" is decided when the first model is prepared (it needs the model's size).
         self.sync_each_batch: bool | str = sync_each_batch
         self._params = ParameterMap()  # parameters replaced by sharding, for optimizers
+        self._pipeline_params: set[int] = set()  # ids of prepared pipeline stages' parameters
         self._replaced: dict[int, tuple[Any, torch.optim.Optimizer]] = {}  # user opt -> new
         self.tf32 = tf32
         if tf32 is not None:
@@ -288,7 +292,7 @@ class Accelerator:
     def prepare_pipeline(self, model: torch.nn.Module, *, microbatches: int,
                          schedule: str = "1f1b", virtual_stages: int | None = None,
                          points=None, balance: str = "params", times=None, loss_fn=None,
-                         record_timings: bool = True, init_seed: int = 0):
+                         record_timings: bool = False, init_seed: int = 0):
         """Cut `model` into pipeline stages over ``mesh["pp"]`` and prepare this rank's.
 
         Returns a `meshfit.parallel.pp.Pipeline`: drive it with ``loss =
@@ -298,17 +302,25 @@ class Accelerator:
         ``pipeline.parameters()`` and prepare it. Each stage module goes through what
         `prepare(model)` does to a model — tensor parallel on ``mesh["tp"]``, activation
         checkpointing and compile, then the data-parallel wrapper over the dp axes (DDP,
-        ZeRO-1, FSDP2) — so that DP+PP, DP+PP+TP and ZeRO+PP+TP are one call. Arguments as
+        ZeRO-1, ZeRO-2/3: all FSDP2 here, see `meshfit.strategy`) — so that DP+PP, DP+PP+TP
+        and ZeRO+PP+TP are one call. Arguments as
         `meshfit.parallel.pp.build_pipeline` (schedules gpipe, 1f1b, interleaved_1f1b,
         zero_bubble; `microbatches` per pipeline step: the global batch is micro-batch x
         microbatches x data-parallel degree x k). Every rank passes the same full model
         (built from one seed) or a meta-device one (materialised per stage from
-        `init_seed`); with data parallel, each data-parallel rank feeds its own batch."""
+        `init_seed`); with data parallel, each data-parallel rank feeds its own batch.
+        `record_timings=True` keeps every step's per-micro-batch timings in
+        ``pipeline.timings`` (and synchronises CUDA around each): turn it off with
+        ``pipeline.record_timings(False)`` after the steps you want to chart."""
         from meshfit.parallel.pp import build_pipeline
 
         if self.parallel.pp == 1:
             raise ValueError("prepare_pipeline needs a pipeline axis: Accelerator(parallel="
                              "ParallelDims(pp=P, ...)) with P > 1; use prepare(model) otherwise")
+        if getattr(self.strategy, "offload", False):
+            raise ValueError("offload='cpu' with pp > 1 is not yet available in meshfit (the "
+                             "stages' tied gradients and norm are combined on the device); "
+                             "use offload='none'")
         if self.precision.scaler is not None:
             raise ValueError("mixed_precision='fp16' with pp > 1 is not yet available in "
                              "meshfit (the loss scale would have to agree across stages); use "
@@ -329,6 +341,7 @@ class Accelerator:
             times=times, record_timings=record_timings, init_seed=init_seed,
             parallelize=stage)
         self._models.extend(pipeline.wrapped_modules)
+        self._pipeline_params.update(id(p) for p in pipeline.parameters())
         return pipeline
 
     def _decide_sync_each_batch(self, model: torch.nn.Module) -> None:
@@ -351,6 +364,11 @@ class Accelerator:
         too: they are moved to the new optimizer."""
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
+        if self._pipeline_params and not any(id(p) in self._pipeline_params
+                                             for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("prepare(optimizer): none of its parameters belong to the prepared "
+                             "pipeline's stages (an optimizer built before prepare_pipeline "
+                             "holds the full model's); build it on pipeline.parameters()")
         inner = self.strategy.prepare_optimizer(rebuild_optimizer(optimizer, self._params))
         if inner is not optimizer:
             self._replaced[id(optimizer)] = (weakref.ref(optimizer), inner)

@@ -376,6 +376,11 @@ class RunConfig:
                              "parallel.tp > 1; set tp or drop them")
         if dims.tp == 1 and dims.pp == 1:
             return
+        if self.peft.method != "none":
+            raise ValueError(f"peft.method={self.peft.method!r} with parallel.tp/pp > 1 is not "
+                             "yet available (the tensor-parallel plans and pipeline stages "
+                             "are written for the plain model); use peft.method='none' or "
+                             "tp = pp = 1")
         import torch
 
         from meshfit.data import ByteTokenizer
@@ -413,6 +418,9 @@ class RunConfig:
                 raise ValueError("train.mixed_precision='fp16' with parallel.pp > 1 is not yet "
                                  "available (the loss scale would have to agree across "
                                  "stages); use 'bf16'")
+            if self.parallel.offload != "none":
+                raise ValueError(f"parallel.offload={self.parallel.offload!r} with parallel.pp "
+                                 "> 1 is not yet available; use offload='none'")
             if self.train.find_batch_size:
                 raise ValueError("train.find_batch_size=true is not supported with parallel.pp "
                                  "> 1; set train.find_batch_size=false and size the micro-batch "

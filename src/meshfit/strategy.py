@@ -113,15 +113,15 @@ def layout_warnings(dims: ParallelDims, zero_stage: int,
             "(Megatron-LM keeps tp within a node); use a tp that divides the processes per "
             "node and put the rest on pp or the data-parallel axes")
     if dims.pp > 1 and zero_stage >= 2:
-        out.append(
-            f"zero_stage={zero_stage} with pp={dims.pp}: a pipeline runs a backward per "
-            "micro-batch, so sharded gradients would need a reduce-scatter per micro-batch; "
-            "torch's schedules keep whole gradients until the last micro-batch instead, so "
-            "stage 2 saves no gradient memory during the step"
-            + (" and stage 3 re-gathers every stage's parameters for each micro-batch"
-               if zero_stage == 3 else "")
-            + " (DeepSpeed refuses ZeRO-2/3 with its pipeline engine for this reason); "
-            "prefer zero_stage=1")
+        why = (f"zero_stage={zero_stage} with pp={dims.pp}: a pipeline runs a backward per "
+               "micro-batch, so gradients sharded per micro-batch would cost a reduce-scatter "
+               "each; torch's schedules keep whole gradients until the last micro-batch "
+               "instead (DeepSpeed refuses ZeRO-2/3 with its pipeline engine for this reason)")
+        if zero_stage == 2:
+            out.append(why + ", which makes stage 2 the same as zero_stage=1 here")
+        else:
+            out.append(why + ", and stage 3 re-gathers every stage's parameters for each "
+                       "micro-batch's forward and backward; prefer zero_stage=1")
     return out
 
 

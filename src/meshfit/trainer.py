@@ -218,7 +218,8 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
         # them into `chunks` micro-batches; the global batch is micro x chunks x dp x accum.
         p = cfg.parallel
         model = pipeline = acc.prepare_pipeline(
-            model, schedule=p.schedule, microbatches=chunks, virtual_stages=p.virtual_stages)
+            model, schedule=p.schedule, microbatches=chunks, virtual_stages=p.virtual_stages,
+            record_timings=True)  # for the first PIPELINE_TIMED_STEPS steps
         params = torch.nn.ModuleList(pipeline.modules)  # this rank's stages, for the groups
     else:
         model = acc.prepare(model)
@@ -236,8 +237,17 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     train_loader = DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=rows,
                               shuffle=True, generator=generator, drop_last=True, **workers)
     val_set = TokenDataset(splits.val, t.seq_len)
-    n_val = min(len(val_set), t.eval_batches * rows * acc.strategy.dp_size)
-    # A pipeline cuts every batch into `chunks` micro-batches: drop a short last one.
+    dp = acc.strategy.dp_size
+    n_val = min(len(val_set), t.eval_batches * micro * dp)
+    if pipeline is not None:
+        # The same sequences as without pp, in whole pipeline batches (every batch is cut
+        # into `chunks` micro-batches), rounded down to whole batches per rank (at least one).
+        n_val = max(n_val // (rows * dp), 1) * rows * dp
+        if n_val > len(val_set):
+            raise ValueError(f"the validation split holds {len(val_set)} sequences of "
+                             f"{t.seq_len} tokens, fewer than one pipeline batch of "
+                             f"{rows} per data-parallel rank x {dp}; lower "
+                             "train.micro_batch_size or parallel.microbatches")
     val_loader = DataLoader(Subset(val_set, range(n_val)), batch_size=rows,
                             drop_last=pipeline is not None, **workers)
     optimizer, train_loader, val_loader, scheduler = acc.prepare(

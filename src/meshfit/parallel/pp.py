@@ -436,12 +436,17 @@ class Pipeline:
         from torch.distributed.tensor import DTensor
 
         mine = {}
-        for m in self.modules:
+        for m in self.modules:  # full_tensor: collectives inside this stage's tp/dp groups
             for k, v in m.state_dict().items():
                 v = v.full_tensor() if isinstance(v, DTensor) else v
                 mine[k] = v.detach().cpu()
-        parts: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, parts, dst=0)
+        # One copy of each stage travels: only the pipeline holding global rank 0 (its pp
+        # rank 0) gathers, over its pp group; the other tp/dp replicas keep theirs.
+        if 0 not in dist.get_process_group_ranks(self.pp_group):
+            return {}
+        parts: list = [None] * dist.get_world_size(self.pp_group) if dist.get_rank() == 0 \
+            else None
+        dist.gather_object(mine, parts, dst=0, group=self.pp_group)
         if dist.get_rank() != 0:
             return {}
         out = {}
@@ -460,8 +465,9 @@ class Pipeline:
         on every rank before any communication; with data parallel, each data-parallel rank
         its own batch. Returns the batch's mean loss (a detached 0-dim tensor, unscaled) on
         every pipeline rank: it is broadcast from the last stage's rank. Under a
-        data-parallel wrapper the stage gradients are synchronised on the last micro-batch
-        (torch's schedules drive DDP's and FSDP's hooks).
+        data-parallel wrapper the stage gradients are reduced after the last micro-batch of
+        every call (torch's schedules force it), so k calls per optimizer step reduce k
+        times: prefer more `microbatches` to more calls.
         """
         args, target = self._inputs(inputs, targets)
         if isinstance(self._loss_fn, _TokenCrossEntropy) and self.has_last:
@@ -485,6 +491,11 @@ class Pipeline:
         if not hasattr(self.schedule, "eval"):
             raise RuntimeError(f"torch {torch.__version__}'s pipeline schedules have no eval(); "
                                "upgrade torch to evaluate a pipeline")
+        if any(p.grad is not None for p in self.parameters()):
+            # Switching a torch schedule between train and eval re-runs its shape inference,
+            # which sets the gradients of FSDP-wrapped stages to None (torch 2.13).
+            raise RuntimeError("eval_loss with gradients accumulated: evaluate between "
+                               "optimizer steps, after optimizer.zero_grad(set_to_none=True)")
         args, target = self._inputs(inputs, targets)
         if isinstance(self._loss_fn, _TokenCrossEntropy) and self.has_last:
             self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
@@ -556,7 +567,10 @@ class Pipeline:
             if not local and not tie.cross_rank:
                 continue  # (a rank holding no copy of a tie kept within another rank)
             grads = [g for g in map(_grad_as_param, local) if g is not None]
-            shape, dtype = self._tie_local_shape(i, tie, grads)
+            layout = self._tie_local_shape(i, tie, grads)
+            if layout is None:
+                continue  # no copy received a gradient on any rank
+            shape, dtype = layout
             added = torch.zeros(shape, dtype=dtype, device=self.device)
             for g in grads:
                 added += _local(g) if g0 is None else _local(g) - g0
@@ -569,12 +583,15 @@ class Pipeline:
                 _local(p.grad).copy_(total)
 
     def _tie_local_shape(self, i: int, tie, grads):
+        """(local shape, dtype) of the tie's gradient, or None when no copy has one yet."""
         if i not in self._tie_shapes:
             mine = (tuple(_local(grads[0]).shape), grads[0].dtype) if grads else None
             if tie.cross_rank:
                 everyone: list = [None] * dist.get_world_size(self.pp_group)
                 dist.all_gather_object(everyone, mine, group=self.pp_group)
-                mine = next(x for x in everyone if x is not None)
+                mine = next((x for x in everyone if x is not None), None)
+            if mine is None:
+                return None  # asked again next step (every rank agrees: nothing cached)
             self._tie_shapes[i] = mine
         return self._tie_shapes[i]
 
@@ -606,6 +623,8 @@ class _Tie:
 def _ties(model, placement, num_stages, points) -> list[_Tie]:
     out = []
     for names in _tied_groups(model):
+        if not model.get_parameter(names[0]).requires_grad:
+            continue  # frozen (e.g. LoRA): no gradients to keep equal
         holders = [(r, s) for r, held in enumerate(placement) for s in held
                    for n in names if _holds(model, n, s, num_stages, points)]
         if len(holders) > 1:
@@ -641,8 +660,9 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     overlap while on).
     `parallelize`: applied to each stage module once it is on the device, returning the
     module the schedule runs: tensor parallel, checkpointing/compile and a data-parallel
-    wrapper (DDP, FSDP2), as `Accelerator.prepare_pipeline` passes. torch's schedules drive
-    the wrapper's gradient synchronisation (on the last micro-batch only).
+    wrapper (FSDP2; torch's schedules also drive DDP, which meshfit does not use here: see
+    `meshfit.strategy`), as `Accelerator.prepare_pipeline` passes. The schedule reduces the
+    wrapper's gradients once per `step`, after its last micro-batch.
     """
     if pp_mesh.ndim != 1:
         raise ValueError(f"build_pipeline needs a 1-D mesh, got axes {pp_mesh.mesh_dim_names}; "
