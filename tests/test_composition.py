@@ -100,7 +100,8 @@ def _worker(rank, world, dims: dict, options: dict, pipeline: dict | None,
         losses.append(acc.reduce(loss.detach(), "mean").item())
     # The optimizer step's loss: the mean of its k micro-steps' (equal token counts).
     losses = [sum(losses[i:i + k]) / k for i in range(0, len(losses), k)]
-    evaluated = model.eval_loss(x[:per_rank], y[:per_rank]).item() if pipeline else None
+    with torch.no_grad():  # as a training loop evaluates
+        evaluated = model.eval_loss(x[:per_rank], y[:per_rank]).item() if pipeline else None
     return {"losses": losses, "state": acc.get_state_dict(model), "dp": dp, "norms": norms,
             "eval": evaluated,
             "warnings": layout_warnings, "zero_stage": acc.zero_stage,

@@ -46,20 +46,27 @@ def reference(tmp_path_factory):
     return losses
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_pp2_train_matches_one_process_and_records_timings(tmp_path, subprocess_env,
-                                                           reference):
+                                                           reference, schedule):
     from meshfit.pipeline_chart import read_run
 
-    out, stdout, losses = _run(tmp_path, "pp2", 2, ["--parallel.pp=2"], subprocess_env)
-    assert "1f1b schedule with 4 micro-batches of 2" in stdout  # microbatches = accumulation
+    out, stdout, losses = _run(tmp_path, "pp2", 2, ["--parallel.pp=2",
+                                                    f"--parallel.schedule={schedule}",
+                                                    "--train.eval_every=4"], subprocess_env)
+    # microbatches unset = the whole accumulation
+    assert f"{schedule} schedule with 4 micro-batches of 2" in stdout
     assert len(losses) == 8 and losses[-1] < losses[0]
     for got, want in zip(losses, reference):
         assert got == pytest.approx(want, rel=RTOL)
     meta, timings = read_run(out)
-    assert (meta["schedule"], meta["pp"], meta["microbatches"]) == ("1f1b", 2, 4)
-    # 5 recorded steps x 2 ranks x 4 micro-batches x (forward, backward)
-    assert len(timings) == 5 * 2 * 4 * 2
+    assert (meta["schedule"], meta["pp"], meta["microbatches"]) == (schedule, 2, 4)
     assert {t["rank"] for t in timings} == {0, 1}
+    assert {t["step"] for t in timings} == set(range(5))  # the first 5 steps
+    if schedule == "1f1b":  # 5 steps x 2 ranks x 4 micro-batches x (forward, backward)
+        assert len(timings) == 5 * 2 * 4 * 2
+    else:  # ZB-V: 2 stages per rank, every micro-batch's forward recorded on each
+        assert sum(t["phase"] == "forward" for t in timings) == 5 * 2 * 2 * 4
 
 
 def test_tp2_train_matches_one_process(tmp_path, subprocess_env, reference):

@@ -503,7 +503,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         recording, self._step_info["record"] = self._step_info["record"], False
         try:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            with torch.enable_grad():  # (callers evaluate under no_grad)
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         finally:
             self._step_info["record"] = recording
             for p in self.parameters():
