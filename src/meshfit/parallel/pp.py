@@ -490,48 +490,33 @@ class Pipeline:
         torch 2.13's eval of the V-shaped schedule fails where a rank hands a micro-batch
         to its own second stage ("can't steal_bwd_input if this stage doesn't have
         backward"), so there a full step runs and its gradients are dropped."""
-        if self.schedule_name == "zero_bubble":
-            return self._eval_by_step(inputs, targets)
-        with torch.no_grad():
-            return self._eval(inputs, targets)
-
-    def _eval_by_step(self, inputs, targets) -> torch.Tensor:
-        self._check_no_grads()
-        args, target = self._inputs(inputs, targets)
-        if isinstance(self._loss_fn, _TokenCrossEntropy) and self.has_last:
-            self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
-        losses: list[torch.Tensor] = []
-        recording, self._step_info["record"] = self._step_info["record"], False
-        try:
-            with torch.enable_grad():  # (callers evaluate under no_grad)
-                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        finally:
-            self._step_info["record"] = recording
-            for p in self.parameters():
-                p.grad = None
-        return self._broadcast_loss(losses)
-
-    def _check_no_grads(self) -> None:
+        by_step = self.schedule_name == "zero_bubble"
+        if not by_step and not hasattr(self.schedule, "eval"):
+            raise RuntimeError(f"torch {torch.__version__}'s pipeline schedules have no eval(); "
+                               "upgrade torch to evaluate a pipeline")
         if any(p.grad is not None for p in self.parameters()):
             # Switching a torch schedule between train and eval re-runs its shape inference,
             # which sets the gradients of FSDP-wrapped stages to None (torch 2.13).
             raise RuntimeError("eval_loss with gradients accumulated: evaluate between "
                                "optimizer steps, after optimizer.zero_grad(set_to_none=True)")
-
-    def _eval(self, inputs, targets) -> torch.Tensor:
-        if not hasattr(self.schedule, "eval"):
-            raise RuntimeError(f"torch {torch.__version__}'s pipeline schedules have no eval(); "
-                               "upgrade torch to evaluate a pipeline")
-        self._check_no_grads()
         args, target = self._inputs(inputs, targets)
         if isinstance(self._loss_fn, _TokenCrossEntropy) and self.has_last:
             self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
         losses: list[torch.Tensor] = []
         recording, self._step_info["record"] = self._step_info["record"], False
         try:
-            self.schedule.eval(*args, target=target, losses=losses)
+            if by_step:
+                with torch.enable_grad():  # (callers evaluate under no_grad)
+                    self.schedule.step(*args, target=target, losses=losses,
+                                       return_outputs=False)
+            else:
+                with torch.no_grad():
+                    self.schedule.eval(*args, target=target, losses=losses)
         finally:
             self._step_info["record"] = recording
+            if by_step:
+                for p in self.parameters():
+                    p.grad = None
         return self._broadcast_loss(losses)
 
     def _inputs(self, inputs, targets):
