@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_distributed
+from conftest import run_distributed, token_batches
 from meshfit import Accelerator, ParallelDims
 from meshfit.models import GPT, GPTConfig
 
@@ -41,9 +41,7 @@ def _model() -> GPT:
 
 
 def _data(n: int):
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, CFG.vocab_size, (n, T + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return token_batches(n, T, CFG.vocab_size)
 
 
 def _reference(per_step: int, clip: float | None = None):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_distributed
+from conftest import run_distributed, token_batches
 from meshfit import Accelerator, ParallelDims
 from meshfit.models import GPT, GPTConfig
 
@@ -36,9 +36,7 @@ def _model(cfg=CFG) -> GPT:
 
 
 def _data(n: int):
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, CFG.vocab_size, (n, SEQ + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return token_batches(n, SEQ, CFG.vocab_size)
 
 
 def _loss(model, x, y):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_distributed
+from conftest import run_distributed, token_batches
 from meshfit import Accelerator, ParallelDims
 from meshfit.memory import rank_report, zero_formula
 from meshfit.models import GPT, GPTConfig
@@ -51,13 +51,11 @@ def _model(dtype=torch.float64) -> GPT:
 
 
 def _data(n: int):
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, CFG.vocab_size, (n, SEQ + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return token_batches(n, SEQ, CFG.vocab_size)
 
 
 def _loss(model, x, y):
-    # The loss in the model's dtype (GPT's own cross-entropy upcasts only to fp32).
+    # The loss on the logits as the model returns them (fp64 stays fp64).
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
