@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshfit.launch import free_port
+from meshfit.train.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

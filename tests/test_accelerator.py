@@ -307,7 +307,7 @@ def test_parallel_dims_resolve_and_not_yet_available_axes():
     assert dims.dp_replicate == 4 and dims.dp == 4
     assert ParallelDims(tp=2).resolve(4).dp_replicate == 2
     from meshfit.distributed import DistEnv
-    from meshfit.strategy import choose_strategy
+    from meshfit.accelerator.runtime import choose_strategy
 
     env = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4,
                   device=torch.device("cpu"), backend="gloo")

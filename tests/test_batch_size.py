@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshfit.batch_size import find_executable_batch_size, is_out_of_memory, shape_advice
+from meshfit.train.batch_size import find_executable_batch_size, is_out_of_memory, shape_advice
 
 
 class FakeAllocator:

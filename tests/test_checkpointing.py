@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import run_distributed
-from meshfit.checkpointing import apply_activation_checkpointing, find_blocks, is_checkpointed
+from meshfit.parallel.activation import apply_activation_checkpointing, find_blocks, is_checkpointed
 from meshfit.models import GPT, GPTConfig
 
 CFG = GPTConfig.preset("tiny", n_layer=4)

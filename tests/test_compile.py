@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import run_distributed
-from meshfit.checkpointing import apply_activation_checkpointing, find_blocks
-from meshfit.compile import apply_compile, check_compile_args, compile_stats
+from meshfit.parallel.activation import apply_activation_checkpointing, find_blocks
+from meshfit.parallel.compile import apply_compile, check_compile_args, compile_stats
 from meshfit.models import GPT, GPTConfig
 
 

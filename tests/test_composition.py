@@ -188,7 +188,7 @@ def test_dp_pp_tp_on_eight_ranks(dp_axis, zero_stage):
 
 
 def test_layout_warnings_name_the_reason():
-    from meshfit.strategy import layout_warnings
+    from meshfit.accelerator.runtime import layout_warnings
 
     def dims(**kw):
         return ParallelDims(**kw).resolve(8)

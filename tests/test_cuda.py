@@ -17,7 +17,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-MESHFIT = [sys.executable, "-m", "meshfit.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
 
 SCRIPT = '''
 import sys, torch, torch.distributed as dist
@@ -123,7 +123,7 @@ def test_train_runs_on_the_gpu(tmp_path, subprocess_env):
 def test_prepared_loader_copies_ahead_from_pinned_memory():
     from torch.utils.data import DataLoader, TensorDataset
 
-    from meshfit.loader import PreparedDataLoader
+    from meshfit.accelerator.loader import PreparedDataLoader
 
     data = TensorDataset(torch.randn(64, 256), torch.arange(64))
     loader = PreparedDataLoader(DataLoader(data, batch_size=8, pin_memory=True, num_workers=2),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from meshfit.loader import PreparedDataLoader
+from meshfit.accelerator.loader import PreparedDataLoader
 
 
 def _dataset():

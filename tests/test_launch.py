@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshfit.launch import free_port
+from meshfit.train.launch import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_steps.py"
-MESHFIT = [sys.executable, "-m", "meshfit.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
 
 
 def _run(cmd, env, timeout=120):
@@ -132,7 +132,7 @@ def test_bad_launch_arguments_fail_before_starting(args, match, tmp_path, subpro
 
 
 def test_gpu_environment_orders_devices():
-    from meshfit.launch import gpu_environment
+    from meshfit.train.launch import gpu_environment
 
     env = gpu_environment((2, 0), nproc=2, available=4)
     assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,0"}

@@ -21,7 +21,7 @@ from torch import nn
 
 from meshfit.memory import RankMemory, rank_report, zero_formula
 from meshfit.optim import state_bytes
-from meshfit.prepared import GradientState, PreparedOptimizer
+from meshfit.accelerator.prepared import GradientState, PreparedOptimizer
 from conftest import run_distributed
 
 WIDTHS = (256, 512, 256, 256)

@@ -16,10 +16,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from conftest import run_distributed
-from meshfit.cli import main
+from meshfit.train.cli import main
 from meshfit.models import GPT, GPTConfig
 from meshfit.parallel import pp
-from meshfit.pipeline_chart import draw, read_run, write_run
+from meshfit.train.pipeline_chart import draw, read_run, write_run
 
 matplotlib_image = pytest.importorskip("matplotlib.image")
 

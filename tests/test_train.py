@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from meshfit.config import RunConfig, load_config
+from meshfit.train.config import RunConfig, load_config
 
-MESHFIT = [sys.executable, "-m", "meshfit.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
 SMALL = ["--train.steps=12", "--train.eval_every=6", "--train.log_every=3",
          "--train.global_batch_size=8", "--train.micro_batch_size=4", "--train.seq_len=64",
          "--train.eval_batches=2", "--model.n_layer=2"]

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import make_subprocess_env
 
-MESHFIT = [sys.executable, "-m", "meshfit.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
 BASE = ["--train.steps=8", "--train.eval_every=0", "--train.log_every=1",
         "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.seq_len=32",
         "--train.eval_batches=1", "--model.n_layer=4", "--model.d_model=64",
@@ -49,7 +49,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_pp2_train_matches_one_process_and_records_timings(tmp_path, subprocess_env,
                                                            reference, schedule):
-    from meshfit.pipeline_chart import read_run
+    from meshfit.train.pipeline_chart import read_run
 
     out, stdout, losses = _run(tmp_path, "pp2", 2, ["--parallel.pp=2",
                                                     f"--parallel.schedule={schedule}",

@@ -150,7 +150,7 @@ STAGES = {  # name: (Accelerator keyword arguments, optimizer built before prepa
 
 
 def _stages_worker(rank, world, out_dir):
-    from meshfit.compile import compile_stats
+    from meshfit.parallel.compile import compile_stats
 
     out = {}
     for name, (kwargs, before) in STAGES.items():
@@ -446,7 +446,7 @@ def test_bad_zero_arguments(kwargs, match):
 
 
 # ---------------------------------------------------------------- meshfit train
-MESHFIT = [sys.executable, "-m", "meshfit.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
 
 
 @pytest.mark.parametrize("stage,extra", [

@@ -1,7 +1,33 @@
-"""meshfit: train PyTorch models efficiently on one device, many devices and many machines."""
+"""meshfit: train PyTorch models efficiently on one device, many devices and many machines.
 
-from meshfit.accelerator import Accelerator
-from meshfit.distributed import DistEnv, ParallelDims
+The package is layered; each layer imports only the ones below it:
+
+    distributed/   processes, devices, mesh axes, collectives          (torch only)
+    models/, data/ the reference models with their parallel plans; token data
+    parallel/      one technique per file, the `Layout` decision and `parallelize`
+    optim, memory, peft
+    accelerator/   the `Accelerator` facade for users' own loops
+    train/         `meshfit train` / `meshfit launch`: config, trainer, command line
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Accelerator", "DistEnv", "ParallelDims", "__version__"]
+
+# Public names, imported on first use so that `import meshfit.models` does not pull in the
+# whole stack.
+_EXPORTS = {"Accelerator": "meshfit.accelerator", "DistEnv": "meshfit.distributed",
+            "ParallelDims": "meshfit.distributed", "Layout": "meshfit.parallel.layout"}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'meshfit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

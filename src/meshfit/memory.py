@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshfit.optim import _bytes, _local, state_bytes
-from meshfit.prepared import PreparedOptimizer
+from meshfit.distributed.tensors import local_tensor, storage_bytes
+from meshfit.optim import state_bytes
 
 __all__ = ["RankMemory", "rank_report", "zero_formula"]
 
@@ -114,15 +114,15 @@ def rank_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 
 def _count(tensors: Iterable[torch.Tensor | None], where: dict[str, int]) -> int:
-    """Bytes of `tensors`, each storage once (`meshfit.optim._bytes` opens DTensor and
+    """Bytes of `tensors`, each storage once (`storage_bytes` opens DTensor and
     torchao subclasses), added to `where` by the device the storage lives on."""
     seen: set[tuple[str, int]] = set()
     total = 0
     for t in tensors:
-        kind = None if t is None else _local(t).device.type
+        kind = None if t is None else local_tensor(t).device.type
         if kind is None or kind == "meta":  # meta tensors hold no memory
             continue
-        nbytes = _bytes(t, seen)
+        nbytes = storage_bytes(t, seen)
         where["host" if kind == "cpu" else "device"] += nbytes
         total += nbytes
     return total
@@ -146,7 +146,9 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     same tensors as `.optim.state` for this rank's (measured on torch 2.13). `.optim` holds
     the partition's state at all times, and its param_groups only the partition's
     parameters."""
-    while isinstance(optimizer, PreparedOptimizer):
+    # A wrapper that steps on accumulation boundaries (meshfit's PreparedOptimizer) holds the
+    # real optimizer as `.optimizer`.
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     # Looked up, not imported: a ZeRO optimizer implies its module is loaded, and importing
     # it otherwise would JIT-script torch's functional optimizers for nothing.

@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from meshfit.distributed.tensors import local_tensor, storage_bytes
 
 __all__ = ["OPTIMIZERS", "StateReport", "build", "format_report", "param_groups", "state_bytes"]
 
@@ -281,38 +282,13 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> StateReport:
             if id(p) in seen_params:
                 continue
             seen_params.add(id(p))
-            numel = _local(p).numel()
-            nbytes = _bytes(optimizer.state.get(p, {}), seen_storage)
+            numel = local_tensor(p).numel()
+            nbytes = storage_bytes(optimizer.state.get(p, {}), seen_storage)
             total, n_params = total + nbytes, n_params + numel
             if p.ndim >= 2:
                 matrix, n_matrix = matrix + nbytes, n_matrix + numel
     return StateReport(total_bytes=total, num_params=n_params, matrix_bytes=matrix,
                        matrix_params=n_matrix)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # DTensor: this rank's shard
-    return to_local() if callable(to_local) else t
-
-
-def _bytes(obj: Any, seen: set[tuple[str, int]]) -> int:
-    if isinstance(obj, dict):
-        return sum(_bytes(v, seen) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_bytes(v, seen) for v in obj)
-    if not isinstance(obj, torch.Tensor):
-        return 0
-    if is_traceable_wrapper_subclass(obj):
-        # DTensor flattens to ["_local_tensor"], OptimState8bit to ["codes", "scale", "qmap"].
-        inner, _ = obj.__tensor_flatten__()
-        return sum(_bytes(getattr(obj, attr), seen) for attr in inner)
-    storage = obj.untyped_storage()
-    key = (str(obj.device), storage.data_ptr())
-    if storage.data_ptr() != 0:  # 0: meta or empty, nothing to share
-        if key in seen:
-            return 0
-        seen.add(key)
-    return storage.nbytes()
 
 
 def format_report(reports: dict[str, StateReport]) -> str:

@@ -17,7 +17,7 @@ divide by N):
              are gathered at the end of forward), not the bytes at rest. ZeRO's stage 2
              proper keeps all parameters replicated at all times.
 
-Each transformer block (``meshfit.checkpointing.find_blocks``) is one FSDP unit, so one
+Each transformer block (``meshfit.parallel.activation.find_blocks``) is one FSDP unit, so one
 block's parameters are gathered at a time; the root call takes the rest (embeddings, final
 norm, head — a tied head stays in one unit with its embedding, as FSDP2 requires). The root
 keeps its parameters gathered after forward (``reshard_after_forward=False``, FSDP2's own
@@ -90,7 +90,7 @@ def _policy(policy: MixedPrecisionPolicy | None) -> dict:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    from meshfit.checkpointing import find_blocks
+    from meshfit.parallel.activation import find_blocks
 
     try:
         return find_blocks(model)

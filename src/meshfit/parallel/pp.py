@@ -408,7 +408,7 @@ class Pipeline:
         return [stage.submod for stage in self.stages]
 
     def meta(self) -> dict:
-        """The layout, as `meshfit.pipeline_chart` reads it from a run folder."""
+        """The layout, as `meshfit.train.pipeline_chart` reads it from a run folder."""
         return {"schedule": self.schedule_name, "pp": len(self.placement),
                 "microbatches": self.microbatches, "virtual_stages": self.virtual_stages,
                 "num_stages": self.num_stages, "points": list(self.points),
@@ -535,7 +535,7 @@ class Pipeline:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the whole model's gradient norm (every stage, every shard) to `max_norm`;
         returns the norm, equal on every rank. A weight tied across stages counts once."""
-        from meshfit.strategy import clip_grad_norm_
+        from meshfit.accelerator.runtime import clip_grad_norm_
 
         counted = [p for n, p in self.named_parameters() if n not in self._duplicate_names]
         return clip_grad_norm_(list(self.parameters()), max_norm, norm_type=norm_type,
@@ -673,7 +673,7 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     `parallelize`: applied to each stage module once it is on the device, returning the
     module the schedule runs: tensor parallel, checkpointing/compile and a data-parallel
     wrapper (FSDP2; torch's schedules also drive DDP, which meshfit does not use here: see
-    `meshfit.strategy`), as `Accelerator.prepare_pipeline` passes. The schedule reduces the
+    `meshfit.accelerator.runtime`), as `Accelerator.prepare_pipeline` passes. The schedule reduces the
     wrapper's gradients once per `step`, after its last micro-batch.
     """
     if pp_mesh.ndim != 1:

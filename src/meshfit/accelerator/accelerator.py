@@ -23,14 +23,14 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from meshfit import distributed as mdist
-from meshfit import ops
+from meshfit.distributed import collectives as ops
 from meshfit.distributed import DistEnv, ParallelDims
-from meshfit.loader import PreparedDataLoader
-from meshfit.model_options import ModelOptions
-from meshfit.precision import Precision, check_mixed_precision, empty_device_cache, set_tf32
-from meshfit.prepared import (GradientState, ParameterMap, PreparedOptimizer, PreparedScheduler,
+from meshfit.accelerator.loader import PreparedDataLoader
+from meshfit.parallel.parallelize import ModelOptions
+from meshfit.accelerator.precision import Precision, check_mixed_precision, empty_device_cache, set_tf32
+from meshfit.accelerator.prepared import (GradientState, ParameterMap, PreparedOptimizer, PreparedScheduler,
                               rebuild_optimizer, repoint_scheduler)
-from meshfit.strategy import Strategy, check_zero_options, choose_strategy, clip_grad_norm_, \
+from meshfit.accelerator.runtime import Strategy, check_zero_options, choose_strategy, clip_grad_norm_, \
     layout_warnings
 
 log = logging.getLogger("meshfit")
@@ -57,17 +57,17 @@ class Accelerator:
             its activations in backward) or ``"selective"`` (every
             ``activation_checkpointing_every``-th block with policy ``"block"``, or every block
             keeping matrix-product outputs with policy ``"op"``); see
-            `meshfit.checkpointing`.
+            `meshfit.parallel.activation`.
         compile: ``torch.compile`` prepared models, per transformer block
             (``compile_scope="block"``, the default) or whole (``"model"``), with
-            ``compile_backend`` and ``compile_mode``; see `meshfit.compile`.
+            ``compile_backend`` and ``compile_mode``; see `meshfit.parallel.compile`.
         empty_cache_steps: release the device allocator's cached blocks every this many
             optimizer steps (0: never), as Transformers' ``torch_empty_cache_steps``.
         parallel: the layout (`ParallelDims`); default: every process a DDP replica.
             ``ParallelDims(dp_shard=N)`` shards over N ranks (ZeRO); with ``dp_replicate=M``
             too, M groups of N (hybrid sharding, HSDP). All M x N ranks see different data.
             ``tp=T`` splits every block over T ranks (Megatron-style, `apply_tp`), composed
-            with any data-parallel axes (see `meshfit.strategy`); ``pp=P`` cuts the model
+            with any data-parallel axes (see `meshfit.accelerator.runtime`); ``pp=P`` cuts the model
             into stages: use `prepare_pipeline` instead of ``prepare(model)``.
         zero_stage: with dp_shard > 1, what is sharded over the dp_shard ranks (ZeRO,
             Rajbhandari et al. 2020); default 3 when dp_shard > 1, else 0.
@@ -80,7 +80,7 @@ class Accelerator:
             master weights and outputs) instead of autocast. With tp or pp > 1 every
             data-parallel stage runs on FSDP2 (0: replicate-only, 1: whole gradients until the
             boundary, sharded optimizer state), so FSDP's mixed-precision policy applies to
-            all of them (see `meshfit.strategy`).
+            all of them (see `meshfit.accelerator.runtime`).
         offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in
             host memory (ZeRO-Offload; zero_stage=3 only); ``"none"``.
         sync_each_batch: under accumulation with zero_stage 2/3, False skips the
@@ -302,7 +302,7 @@ class Accelerator:
         ``pipeline.parameters()`` and prepare it. Each stage module goes through what
         `prepare(model)` does to a model — tensor parallel on ``mesh["tp"]``, activation
         checkpointing and compile, then the data-parallel wrapper over the dp axes (DDP,
-        ZeRO-1, ZeRO-2/3: all FSDP2 here, see `meshfit.strategy`) — so that DP+PP, DP+PP+TP
+        ZeRO-1, ZeRO-2/3: all FSDP2 here, see `meshfit.accelerator.runtime`) — so that DP+PP, DP+PP+TP
         and ZeRO+PP+TP are one call. Arguments as
         `meshfit.parallel.pp.build_pipeline` (schedules gpipe, 1f1b, interleaved_1f1b,
         zero_bubble; `microbatches` per pipeline step: the global batch is micro-batch x
@@ -487,7 +487,7 @@ class Accelerator:
         """Clip the (unscaled, synchronised) gradients' total norm; returns the norm.
 
         Works on sharded (DTensor) gradients: the norm is completed across the shards, and
-        gradients on different meshes are combined per mesh (`meshfit.strategy.clip_grad_norm_`).
+        gradients on different meshes are combined per mesh (`meshfit.accelerator.runtime.clip_grad_norm_`).
         Pass a `Pipeline` (from `prepare_pipeline`) to clip the whole pipelined model."""
         self.unscale_gradients()
         from meshfit.parallel.pp import Pipeline

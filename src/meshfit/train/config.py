@@ -19,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from meshfit.distributed import AXES, ParallelDims
-from meshfit.precision import check_mixed_precision
+from meshfit.accelerator.precision import check_mixed_precision
 
 
 def _positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -155,7 +155,7 @@ class TrainConfig:
                 ("block", "op"))
         _choice("train", "compile_scope", self.compile_scope, ("block", "model"))
         if self.compile:
-            from meshfit.model_options import check_compile_settings
+            from meshfit.parallel.parallelize import check_compile_settings
 
             check_compile_settings(self.compile_backend,
                                    None if self.compile_mode == "default" else self.compile_mode,
@@ -287,7 +287,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         from meshfit.parallel.pp import SCHEDULES
-        from meshfit.strategy import check_zero_options
+        from meshfit.accelerator.runtime import check_zero_options
 
         self.dims()  # ParallelDims validates each size
         check_zero_options(self.zero_stage, self.offload, self.sync_each_batch,
@@ -307,7 +307,7 @@ class ParallelConfig:
 
     def zero_stage_for(self, world_size: int) -> int:
         """The resolved stage for `world_size` processes (errors name the keys to change)."""
-        from meshfit.strategy import resolve_zero_stage
+        from meshfit.accelerator.runtime import resolve_zero_stage
 
         return resolve_zero_stage(self.zero_stage, self.offload, self.dims().resolve(world_size),
                                   prefix="parallel.")

@@ -20,7 +20,7 @@ SCOPES = ("block", "model")
 
 def check_compile_settings(backend: str, mode: str | None, *, prefix: str = "") -> None:
     """One-line ValueErrors for a backend or mode torch.compile does not know."""
-    from meshfit.compile import check_compile_args
+    from meshfit.parallel.compile import check_compile_args
 
     check_compile_args(backend, mode, prefix=prefix)
 
@@ -63,13 +63,13 @@ class ModelOptions:
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Checkpoint, then compile, `model` in place (parameter names are unchanged)."""
         if self.activation_checkpointing != "none":
-            from meshfit.checkpointing import apply_activation_checkpointing
+            from meshfit.parallel.activation import apply_activation_checkpointing
 
             apply_activation_checkpointing(model, self.activation_checkpointing,
                                            every=self.activation_checkpointing_every,
                                            policy=self.activation_checkpointing_policy)
         if self.compile:
-            from meshfit.compile import apply_compile
+            from meshfit.parallel.compile import apply_compile
 
             apply_compile(model, backend=self.compile_backend, mode=_mode(self.compile_mode),
                           scope=self.compile_scope)

@@ -14,7 +14,7 @@ from typing import Literal, get_args
 
 import torch
 
-from meshfit.ops import apply_to_tensors
+from meshfit.distributed.collectives import apply_to_tensors
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

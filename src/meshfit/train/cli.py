@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshfit import launch
+from meshfit.train import launch
 
 
 def _launch_parser() -> argparse.ArgumentParser:
@@ -49,14 +49,14 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(argv: list[str]) -> int:
-    from meshfit.config import load_config
+    from meshfit.train.config import load_config
 
     ns, rest = _train_parser().parse_known_args(argv)
     overrides = _collect_overrides(rest)
     cfg = load_config(ns.config, overrides)
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.worker:  # started by the launcher below: one rank of the job
-        from meshfit.trainer import train
+        from meshfit.train.trainer import train
 
         train(cfg, out)
         from meshfit.distributed import init
@@ -67,21 +67,21 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     launch_cfg, env = launch.config_from_args(ns)
     cfg.validate_for(launch_cfg.nproc * launch_cfg.nnodes)  # before any process starts
-    from meshfit.trainer import preflight
+    from meshfit.train.trainer import preflight
 
     world_size = launch_cfg.nproc * launch_cfg.nnodes
     # this machine's device, kernels and libraries; layouts the guide advises against
     for warning in preflight(cfg, world_size, launch_cfg.nproc):
         print(f"meshfit train: warning: {warning}", file=sys.stderr)
     if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
-        from meshfit.trainer import train
+        from meshfit.train.trainer import train
 
         train(cfg, out)
         return 0
     out.mkdir(parents=True, exist_ok=True)
     resolved = out / "config.toml"
     resolved.write_text(cfg.to_toml())
-    return launch.run(launch_cfg, ["meshfit.cli", "train", "--worker", "--config",
+    return launch.run(launch_cfg, ["meshfit.train.cli", "train", "--worker", "--config",
                                    str(resolved), "--out", str(out)], module=True, env=env)
 
 
@@ -116,7 +116,7 @@ def _pipeline_chart_parser() -> argparse.ArgumentParser:
 
 
 def cmd_pipeline_chart(argv: list[str]) -> int:
-    from meshfit.pipeline_chart import describe, draw
+    from meshfit.train.pipeline_chart import describe, draw
 
     ns = _pipeline_chart_parser().parse_args(argv)
     png, summary = draw(ns.run, ns.out, step=ns.step)

@@ -26,7 +26,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from meshfit.checkpointing import find_blocks
+from meshfit.parallel.activation import find_blocks
 
 __all__ = ["apply_compile", "check_compile_args", "compile_stats", "CompileStats"]
 
@@ -40,7 +40,7 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", mode: str | No
                   dynamic: bool | None = None) -> nn.Module:
     """Compile `model` in place with torch.compile; returns `model`.
 
-    scope="block" compiles each transformer block (see `meshfit.checkpointing.find_blocks`);
+    scope="block" compiles each transformer block (see `meshfit.parallel.activation.find_blocks`);
     scope="model" compiles the whole forward. `mode` is an inductor mode and needs
     backend="inductor". `fullgraph=True` turns graph breaks into errors; `dynamic=None`
     lets dynamo mark shapes dynamic after the first recompile.

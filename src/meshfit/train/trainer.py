@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from meshfit.accelerator import Accelerator
-from meshfit.config import RunConfig
+from meshfit.train.config import RunConfig
 from meshfit.data import TokenDataset, load_tokens
 from meshfit.distributed import DistEnv, init
 from meshfit.models import GPT, GPTConfig
@@ -53,11 +53,11 @@ def preflight(cfg: RunConfig, world_size: int | None = None,
               local_world_size: int | None = None) -> list[str]:
     """Checks that need this machine (the device the workers will use, installed libraries),
     run before any process is launched; raises a one-line ValueError, returns warnings
-    (with `world_size`, also on the layout: see `meshfit.strategy.layout_warnings`)."""
+    (with `world_size`, also on the layout: see `meshfit.accelerator.runtime.layout_warnings`)."""
     from meshfit import distributed as mdist
-    from meshfit.batch_size import shape_advice
+    from meshfit.train.batch_size import shape_advice
     from meshfit.models.gpt import check_attention_backend
-    from meshfit.precision import Precision
+    from meshfit.accelerator.precision import Precision
 
     cuda = torch.cuda.is_available() and not mdist._cpu_requested(None)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -82,7 +82,7 @@ def preflight(cfg: RunConfig, world_size: int | None = None,
             build_model(cfg, model_cfg.vocab_size)  # checks that target_modules exist
     warnings = []
     if world_size is not None:
-        from meshfit.strategy import layout_warnings
+        from meshfit.accelerator.runtime import layout_warnings
 
         dims = cfg.parallel.dims().resolve(world_size)
         warnings += layout_warnings(dims, cfg.parallel.zero_stage_for(world_size),
@@ -154,7 +154,7 @@ def _find_micro_batch(acc: Accelerator, model: torch.nn.Module, seq_len: int, vo
     rank, with the accumulation that keeps the global batch. Ranks agree through one MIN
     all-reduce per attempt, so an out-of-memory error on one rank cannot strand the others in
     a collective; gradients are not synchronised while probing (no_sync)."""
-    from meshfit.batch_size import find_executable_batch_size, is_out_of_memory
+    from meshfit.train.batch_size import find_executable_batch_size, is_out_of_memory
 
     @find_executable_batch_size(starting_batch_size=micro, effective_batch_size=micro * accum)
     def probe(micro_batch_size: int, gradient_accumulation_steps: int):
@@ -327,7 +327,7 @@ def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:
     """Every pp rank's timings so far into the run folder (`meshfit pipeline-chart RUN`);
     a collective over the pp group. Recording stops afterwards."""
     from meshfit.parallel.pp import gather_timings
-    from meshfit.pipeline_chart import write_run
+    from meshfit.train.pipeline_chart import write_run
 
     timings = gather_timings(pipeline)
     pipeline.record_timings(False)

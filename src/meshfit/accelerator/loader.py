@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
-from meshfit.ops import apply_to_tensors
+from meshfit.distributed.collectives import apply_to_tensors
 
 _DEFAULT_SEED = 1234
 

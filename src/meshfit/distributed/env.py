@@ -1,0 +1,105 @@
+"""This process's place in the job: its ranks, its device and its process group.
+
+`init()` and the launcher are the only places in meshfit that read torchrun's environment
+variables (RANK, WORLD_SIZE, LOCAL_RANK, ...). Everything else receives a `DistEnv` or a
+`DeviceMesh` explicitly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistEnv", "cpu_requested", "init"]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: its ranks, its device and the backend of its process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None: a single process with no process group
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.backend is not None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer; "
+                         "launch with `meshfit launch` or torchrun, which set it") from None
+
+
+_CPU_ENV = "MESHFIT_CPU"
+
+
+def cpu_requested(cpu: bool | None) -> bool:
+    if cpu is not None:
+        return bool(cpu)
+    value = os.environ.get(_CPU_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"environment variable {_CPU_ENV}={value!r} must be 1/true or 0/false")
+
+
+def init(backend: str | None = None, timeout_s: float = 1800.0, *,
+         cpu: bool | None = None) -> DistEnv:
+    """Join the process group that torchrun (or `meshfit launch`) described.
+
+    Picks NCCL and ``cuda:LOCAL_RANK`` when CUDA is available, gloo and the CPU otherwise.
+    ``cpu=True`` (or the environment variable ``MESHFIT_CPU=1``) keeps to the CPU and gloo
+    even where CUDA is available, as Accelerate's ``cpu=True`` does. With no launcher (no
+    WORLD_SIZE), returns a single-process environment without creating a process group.
+    Calling it again returns the same description.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    cuda = torch.cuda.is_available() and not cpu_requested(cpu)
+    if backend is not None and backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r} is not supported; use 'nccl' (GPUs) or 'gloo' (CPU)")
+    if backend == "nccl" and not cuda:
+        raise ValueError("backend='nccl' needs CUDA, which is not available here (or cpu=True / "
+                         f"{_CPU_ENV}=1 was asked for); use backend='gloo'")
+    if cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA "
+                             "devices are visible; start at most that many processes per node, "
+                             f"or set {_CPU_ENV}=1 to run every process on the CPU")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if "WORLD_SIZE" not in os.environ and not dist.is_initialized():
+        return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device,
+                       backend=None)
+    chosen = backend or ("nccl" if cuda else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=chosen,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            # device_id binds NCCL's communicator eagerly to this rank's GPU.
+            device_id=device if device.type == "cuda" else None,
+        )
+    else:
+        chosen = dist.get_backend()
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank,
+                   local_world_size=local_world_size, device=device, backend=chosen)

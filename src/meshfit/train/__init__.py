@@ -1,0 +1,9 @@
+"""`meshfit train` and `meshfit launch`: config-driven training on top of `Accelerator`.
+
+    config.py          the run's frozen, validated configuration (TOML + --section.key=value)
+    trainer.py         the training loop, read top to bottom
+    cli.py             the `meshfit` command
+    launch.py          torchrun's elastic agent with safer defaults
+    batch_size.py      the largest micro-batch that fits, tensor-core shape advice
+    pipeline_chart.py  a pipeline run's schedule as a Gantt chart
+"""
