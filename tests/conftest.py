@@ -142,12 +142,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def token_batches(n: int, seq_len: int, vocab_size: int, seed: int = 1):
-    """`n` random token sequences as (inputs [n, seq_len], next-token targets [n, seq_len]),
-    the same on every rank and in the single-process reference."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-

@@ -302,18 +302,7 @@ def test_bad_parallel_dims(kwargs, match):
         ParallelDims(**kwargs)
 
 
-def test_parallel_dims_resolve_and_not_yet_available_axes():
+def test_parallel_dims_resolve():
     dims = ParallelDims().resolve(4)
     assert dims.dp_replicate == 4 and dims.dp == 4
     assert ParallelDims(tp=2).resolve(4).dp_replicate == 2
-    from meshfit.distributed import DistEnv
-    from meshfit.accelerator.runtime import choose_strategy
-
-    env = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4,
-                  device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(ValueError, match=r"ParallelDims\(cp=2\): this axis is not yet available"):
-        choose_strategy(env, ParallelDims(cp=2).resolve(4))
-    with pytest.raises(ValueError, match=r"ddp_kwargs=\{'bucket_cap_mb': 5\} apply to DDP, "
-                                         r"not to FSDP2 under tp/pp > 1"):
-        # dp_replicate=2 x tp=2 runs on FSDP2 (replicate-only), which takes no DDP options
-        choose_strategy(env, ParallelDims(tp=2).resolve(4), ddp_kwargs={"bucket_cap_mb": 5})

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_distributed, token_batches
+from conftest import run_distributed
+from reference import token_batches
 from meshfit import Accelerator, ParallelDims
 from meshfit.models import GPT, GPTConfig
 
@@ -67,7 +68,7 @@ def _worker(rank, world, dims: dict, options: dict, pipeline: dict | None,
         warnings.simplefilter("always")
         acc = Accelerator(parallel=ParallelDims(**dims), **options)
     layout_warnings = [str(w.message) for w in caught if "meshfit:" in str(w.message)]
-    dp, k = acc.strategy.dp_size, acc.gradient_accumulation_steps
+    dp, k = acc.runtime.dp_size, acc.gradient_accumulation_steps
     m = pipeline["microbatches"] if pipeline else 1
     per_rank = MICRO * m  # sequences per rank per step: micro-batch x microbatches
     x, y = _data(STEPS * per_rank * dp * k)
@@ -103,7 +104,7 @@ def _worker(rank, world, dims: dict, options: dict, pipeline: dict | None,
     return {"losses": losses, "state": acc.get_state_dict(model), "dp": dp, "norms": norms,
             "eval": evaluated,
             "warnings": layout_warnings, "zero_stage": acc.zero_stage,
-            "strategy": type(acc.strategy).__name__}
+            "engine": acc.layout.engine.value}
 
 
 def _check(results, dp: int, per_rank: int, k: int = 1, clip: float | None = None):
@@ -156,7 +157,8 @@ def test_layout_matches_single_process(dims, options, pipeline, dp):
         assert all(r["warnings"] == [] for r in results)
     if dims.get("tp", 1) > 1 and dp > 1:
         # DTensor parameters: the data-parallel engine is FSDP2 even for stages 0 and 1.
-        assert {r["strategy"] for r in results} == {"FSDPStrategy"}
+        engine = "fsdp2" if dims.get("dp_shard", 1) > 1 else "fsdp2_replicate"
+        assert {r["engine"] for r in results} == {engine}
     per_rank = MICRO * (pipeline["microbatches"] if pipeline else 1)
     _check(results, dp, per_rank)
 
@@ -186,21 +188,6 @@ def test_dp_pp_tp_on_eight_ranks(dp_axis, zero_stage):
     assert {r["zero_stage"] for r in results} == {zero_stage}
     _check(results, 2, MICRO * 2)
 
-
-def test_layout_warnings_name_the_reason():
-    from meshfit.accelerator.runtime import layout_warnings
-
-    def dims(**kw):
-        return ParallelDims(**kw).resolve(8)
-
-    assert layout_warnings(dims(pp=2, dp_shard=4), 1, 8) == []
-    assert layout_warnings(dims(tp=2, dp_shard=4), 3, 8) == []
-    (zero3,) = layout_warnings(dims(pp=2, dp_shard=4), 3, 8)
-    assert "zero_stage=3 with pp=2" in zero3 and "re-gathers" in zero3
-    (cross,) = layout_warnings(dims(tp=4, dp_replicate=2), 0, 2)  # 2 processes per node
-    assert cross.startswith("tp=4 with 2 processes per node: tensor-parallel groups cross "
-                            "nodes")
-    assert layout_warnings(dims(tp=4, dp_replicate=2), 0, None) == []  # unknown: no claim
 
 
 def _pipeline_misuse_worker(rank, world):

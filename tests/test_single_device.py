@@ -71,7 +71,7 @@ def test_tf32_switch_sets_the_backend_flags():
 
 
 def test_empty_cache_steps_counts_optimizer_steps(monkeypatch):
-    import meshfit.accelerator as accelerator_module
+    import meshfit.accelerator.accelerator as accelerator_module
 
     calls = []
     monkeypatch.setattr(accelerator_module, "empty_device_cache", lambda d: calls.append(d))

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_distributed, token_batches
+from conftest import run_distributed
+from reference import token_batches
 from meshfit import Accelerator, ParallelDims
 from meshfit.models import GPT, GPTConfig
 
@@ -63,7 +64,7 @@ def _reference(dp: int) -> dict[str, torch.Tensor]:
 
 
 def _train(acc: Accelerator, *, build_before: bool):
-    dp = acc.strategy.dp_size
+    dp = acc.runtime.dp_size
     model = _model()
     x, y = _data(STEPS * MICRO * dp)
     loader = DataLoader(TensorDataset(x, y), batch_size=MICRO, shuffle=False)
@@ -87,7 +88,7 @@ def _train(acc: Accelerator, *, build_before: bool):
                       acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=2))])
     return {"params": params, "state_dict": acc.get_state_dict(model), "steps": len(losses),
             "mesh": p.device_mesh.mesh_dim_names, "placements": [repr(q) for q in p.placements],
-            "dp": (acc.strategy.dp_rank, acc.strategy.dp_size), "gathered": seen.tolist()}
+            "dp": (acc.runtime.dp_rank, acc.runtime.dp_size), "gathered": seen.tolist()}
 
 
 def _check(results, dp: int):

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_distributed, token_batches
+from conftest import run_distributed
+from reference import token_batches
 from meshfit import Accelerator, ParallelDims
 from meshfit.memory import rank_report, zero_formula
 from meshfit.models import GPT, GPTConfig
@@ -106,7 +107,7 @@ def _full_params(model) -> dict[str, torch.Tensor]:
 def _train(acc: Accelerator, *, build_before: bool, probe=None, after_backward=None):
     """The loop of the seed's `accumulate` example; returns (model, optimizer, report at the
     last boundary after the step, before zero_grad)."""
-    world = acc.strategy.dp_size
+    world = acc.runtime.dp_size
     model = _model()
     if probe is not None:
         probe(model)
@@ -295,7 +296,7 @@ def _hybrid_worker(rank, world):
     seen = torch.cat([acc.gather_for_metrics(idx) for (idx,) in dataset]).tolist()
     return {"params": _full_params(model), "state_dict": acc.get_state_dict(model),
             "placements": [repr(pl) for pl in p.placements], "mesh": p.device_mesh.mesh_dim_names,
-            "dp": (acc.strategy.dp_rank, acc.strategy.dp_size), "report": report,
+            "dp": (acc.runtime.dp_rank, acc.runtime.dp_size), "report": report,
             "gathered": seen}
 
 

@@ -25,7 +25,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 
 from meshfit._quiet import import_quietly
 

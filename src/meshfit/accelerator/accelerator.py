@@ -23,15 +23,17 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from meshfit import distributed as mdist
-from meshfit.distributed import collectives as ops
-from meshfit.distributed import DistEnv, ParallelDims
 from meshfit.accelerator.loader import PreparedDataLoader
-from meshfit.parallel.parallelize import ModelOptions
-from meshfit.accelerator.precision import Precision, check_mixed_precision, empty_device_cache, set_tf32
-from meshfit.accelerator.prepared import (GradientState, ParameterMap, PreparedOptimizer, PreparedScheduler,
-                              rebuild_optimizer, repoint_scheduler)
-from meshfit.accelerator.runtime import Strategy, check_zero_options, choose_strategy, clip_grad_norm_, \
-    layout_warnings
+from meshfit.accelerator.precision import Precision, empty_device_cache, set_tf32
+from meshfit.accelerator.prepared import (GradientState, ParameterMap, PreparedOptimizer,
+                                          PreparedScheduler, rebuild_optimizer,
+                                          repoint_scheduler)
+from meshfit.accelerator.runtime import Runtime, runtime_for
+from meshfit.distributed import DistEnv, ParallelDims
+from meshfit.distributed import collectives as ops
+from meshfit.parallel.clip import clip_grad_norm_
+from meshfit.parallel.layout import Layout, check_options
+from meshfit.parallel.parallelize import ModelOptions, parallelize
 
 log = logging.getLogger("meshfit")
 
@@ -114,55 +116,46 @@ class Accelerator:
                  parallel: ParallelDims | None = None, zero_stage: int | None = None,
                  offload: str = "none", sync_each_batch: bool | str = False,
                  sequence_parallel: bool = False, loss_parallel: bool = False,
-                 ddp_kwargs: dict | None = None, cpu: bool | None = None,
+                 tp_plan=None, ddp_kwargs: dict | None = None, cpu: bool | None = None,
                  env: DistEnv | None = None):
         if isinstance(gradient_accumulation_steps, bool) or not isinstance(
                 gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps!r} must "
                              "be an integer >= 1 (1 means no accumulation)")
-        check_mixed_precision(mixed_precision)
         if isinstance(empty_cache_steps, bool) or not isinstance(empty_cache_steps, int) or \
                 empty_cache_steps < 0:
             raise ValueError(f"empty_cache_steps={empty_cache_steps!r} must be an integer >= 0 "
                              "(0: never)")
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile={compile!r} must be True or False")
         if tf32 is not None and not isinstance(tf32, bool):
             raise ValueError(f"tf32={tf32!r} must be True, False or None (leave as it is)")
-        check_zero_options(zero_stage, offload, sync_each_batch)
-        # Checked here, before any process group or model work, with the modules' own rules.
+        # Checked here, before any process group or model work, with the techniques' own rules.
+        check_options(zero_stage=zero_stage, offload=offload, sync_each_batch=sync_each_batch,
+                      mixed_precision=mixed_precision, sequence_parallel=sequence_parallel,
+                      loss_parallel=loss_parallel)
         self.model_options = ModelOptions(
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_every=activation_checkpointing_every,
             activation_checkpointing_policy=activation_checkpointing_policy,
             compile=compile, compile_backend=compile_backend, compile_mode=compile_mode,
-            compile_scope=compile_scope)
-        self.empty_cache_steps = empty_cache_steps
-        self._optimizer_steps = 0
+            compile_scope=compile_scope, tp_plan=tp_plan, ddp_kwargs=dict(ddp_kwargs or {}))
         if parallel is not None and not isinstance(parallel, ParallelDims):
             raise ValueError(f"parallel={parallel!r} must be a meshfit.ParallelDims")
         self.env = env or mdist.init(cpu=cpu)
-        self.parallel = (parallel or ParallelDims()).resolve(self.env.world_size)
-        self.precision = Precision(mixed_precision, self.env.device)
-        self.strategy: Strategy = choose_strategy(
-            self.env, self.parallel, zero_stage=zero_stage, offload=offload,
-            param_dtype=self.precision.dtype, ddp_kwargs=ddp_kwargs)
-        for name, value in (("sequence_parallel", sequence_parallel),
-                            ("loss_parallel", loss_parallel)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}={value!r} must be True or False")
-            if value and self.parallel.tp == 1:
-                raise ValueError(f"{name}=True needs tensor parallel: set "
-                                 "parallel=ParallelDims(tp=T) with T > 1, or drop it")
-        if loss_parallel and self.parallel.pp > 1:
-            raise ValueError("loss_parallel=True with pp > 1 is not yet available in meshfit "
-                             "(the last stage would return vocabulary-sharded logits to the "
-                             "schedule); use loss_parallel=False")
-        self.strategy.tp_options = dict(sequence_parallel=sequence_parallel,
-                                        loss_parallel=loss_parallel)
         local = self.env.local_world_size if self.env.is_distributed else None
-        for message in layout_warnings(self.parallel, self.strategy.zero_stage, local):
+        # The one decision of how this job is laid out (every rule lives in Layout).
+        self.layout = Layout.resolve(
+            parallel, self.env.world_size, distributed=self.env.is_distributed,
+            zero_stage=zero_stage, offload=offload, mixed_precision=mixed_precision,
+            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+            ddp_kwargs=ddp_kwargs, local_world_size=local)
+        self.parallel = self.layout.dims
+        for message in self.layout.warnings:
             warnings.warn(f"meshfit: {message}", UserWarning, stacklevel=2)
+        self.precision = Precision(mixed_precision, self.env.device)
+        mesh = self.layout.build_mesh(self.env.device.type) if self.env.is_distributed else None
+        self.runtime: Runtime = runtime_for(self.layout, self.env, mesh)
+        self.empty_cache_steps = empty_cache_steps
+        self._optimizer_steps = 0
         # "auto" is decided when the first model is prepared (it needs the model's size).
         self.sync_each_batch: bool | str = sync_each_batch
         self._params = ParameterMap()  # parameters replaced by sharding, for optimizers
@@ -225,12 +218,13 @@ class Accelerator:
 
     @property
     def mesh(self):
-        return self.strategy.mesh
+        """The layout's `DeviceMesh` (None for a single process without a process group)."""
+        return self.runtime.mesh
 
     @property
     def zero_stage(self) -> int:
         """The resolved ZeRO stage (0: DDP or a single process)."""
-        return self.strategy.zero_stage
+        return self.layout.zero_stage
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, *objects: Any) -> Any:
@@ -259,11 +253,13 @@ class Accelerator:
         return "other"
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Place, checkpoint/compile, then wrap (DDP) or shard (FSDP2) `model`.
+        """Apply the layout to `model` (`meshfit.parallel.parallelize`: place, tensor
+        parallel, checkpoint, compile, then the data-parallel wrapper) and return the module
+        to train.
 
         The weights must be initialised before: sharding a meta-device model and
         initialising the shards afterwards gives every rank the same random shard on CPU
-        meshes (PITFALLS #1), so a model with meta parameters is refused."""
+        meshes, so a model with meta parameters is refused."""
         if self.parallel.pp > 1:
             raise ValueError(f"prepare(model) with pp={self.parallel.pp}: a pipeline layout "
                              "splits the model into stages; use "
@@ -272,27 +268,26 @@ class Accelerator:
             raise ValueError("prepare(model): the model has parameters on the meta device; "
                              "materialise it (to_empty + init_weights) before prepare")
         before = dict(model.named_parameters())
-        model = self.strategy.place(model)
-        # Order (as torchtitan): tensor parallel first (apply_tp needs the plain module and
-        # turns parameters into DTensors on mesh["tp"]), then checkpoint each block, compile
-        # each (checkpointed) block, then the data-parallel wrapper (FSDP2 over dp_shard, on
-        # top of TP's DTensors: 2-D). Under FSDP2 this shards the compiled blocks, which keeps
-        # them compiled (PITFALLS #3: compiling the sharded model can silently run eager).
-        model = self.strategy.parallelize(model)
-        self.model_options.apply(model)
-        wrapped = self.strategy.wrap_model(model)
-        self._params.record(before, dict(self.strategy.unwrap(wrapped).named_parameters()))
-        if not self.strategy.owns_mixed_precision:
-            self.precision.wrap_forward(wrapped)
+        wrapped = self._prepare_module(model)
+        self._params.record(before, dict(self.runtime.unwrap(wrapped).named_parameters()))
         if self.sync_each_batch == "auto":
             self._decide_sync_each_batch(wrapped)
         self._models.append(wrapped)
         return wrapped
 
+    def _prepare_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """`parallelize` one module (a whole model or a pipeline stage), then run its forward
+        under autocast unless the engine computes in low precision itself (FSDP's policy)."""
+        wrapped = parallelize(module, self.layout, self.model_options, mesh=self.mesh,
+                              device=self.device)
+        if not self.layout.owns_mixed_precision:
+            self.precision.wrap_forward(wrapped)
+        return wrapped
+
     def prepare_pipeline(self, model: torch.nn.Module, *, microbatches: int,
                          schedule: str = "1f1b", virtual_stages: int | None = None,
                          points=None, balance: str = "params", times=None, loss_fn=None,
-                         record_timings: bool = False, init_seed: int = 0):
+                         record_timings: bool = False, init_seed: int = 0, plan=None):
         """Cut `model` into pipeline stages over ``mesh["pp"]`` and prepare this rank's.
 
         Returns a `meshfit.parallel.pp.Pipeline`: drive it with ``loss =
@@ -300,52 +295,39 @@ class Accelerator:
         (k = gradient_accumulation_steps), then the prepared optimizer's ``step``; evaluate
         with ``pipeline.eval_loss``. Build the optimizer afterwards on
         ``pipeline.parameters()`` and prepare it. Each stage module goes through what
-        `prepare(model)` does to a model — tensor parallel on ``mesh["tp"]``, activation
-        checkpointing and compile, then the data-parallel wrapper over the dp axes (DDP,
-        ZeRO-1, ZeRO-2/3: all FSDP2 here, see `meshfit.accelerator.runtime`) — so that DP+PP, DP+PP+TP
-        and ZeRO+PP+TP are one call. Arguments as
+        `prepare(model)` does to a model (`meshfit.parallel.parallelize`: tensor parallel on
+        ``mesh["tp"]``, activation checkpointing and compile, then the data-parallel wrapper,
+        which is FSDP2 for every data-parallel layout with pp: see `meshfit.parallel.layout`),
+        so that DP+PP, DP+PP+TP and ZeRO+PP+TP are one call. Arguments as
         `meshfit.parallel.pp.build_pipeline` (schedules gpipe, 1f1b, interleaved_1f1b,
         zero_bubble; `microbatches` per pipeline step: the global batch is micro-batch x
-        microbatches x data-parallel degree x k). Every rank passes the same full model
-        (built from one seed) or a meta-device one (materialised per stage from
-        `init_seed`); with data parallel, each data-parallel rank feeds its own batch.
-        `record_timings=True` keeps every step's per-micro-batch timings in
-        ``pipeline.timings`` (and synchronises CUDA around each): turn it off with
-        ``pipeline.record_timings(False)`` after the steps you want to chart."""
+        microbatches x data-parallel degree x k; `plan`: where the blocks are, default the
+        built-in plan of the model's type, see `meshfit.models.plans.pipeline_plan_for`).
+        Every rank passes the same full model (built from one seed) or a meta-device one
+        (materialised per stage from `init_seed`); with data parallel, each data-parallel
+        rank feeds its own batch. `record_timings=True` keeps every step's per-micro-batch
+        timings in ``pipeline.timings`` (and synchronises CUDA around each): turn it off
+        with ``pipeline.record_timings(False)`` after the steps you want to chart."""
+        from meshfit.parallel.layout import ModelFacts
         from meshfit.parallel.pp import build_pipeline
 
         if self.parallel.pp == 1:
             raise ValueError("prepare_pipeline needs a pipeline axis: Accelerator(parallel="
                              "ParallelDims(pp=P, ...)) with P > 1; use prepare(model) otherwise")
-        if getattr(self.strategy, "offload", False):
-            raise ValueError("offload='cpu' with pp > 1 is not yet available in meshfit (the "
-                             "stages' tied gradients and norm are combined on the device); "
-                             "use offload='none'")
-        if self.precision.scaler is not None:
-            raise ValueError("mixed_precision='fp16' with pp > 1 is not yet available in "
-                             "meshfit (the loss scale would have to agree across stages); use "
-                             "mixed_precision='bf16'")
-
-        def stage(module: torch.nn.Module) -> torch.nn.Module:
-            # The order of prepare_model: place, tensor parallel, checkpoint, compile, wrap.
-            module = self.strategy.parallelize(self.strategy.place(module))
-            self.model_options.apply(module)
-            wrapped = self.strategy.wrap_model(module)
-            if not self.strategy.owns_mixed_precision:
-                self.precision.wrap_forward(wrapped)
-            return wrapped
-
+        facts = ModelFacts.of(model, pipeline_plan=plan, tp_plan=self.model_options.tp_plan)
+        self.layout.check_model(facts, schedule=schedule,
+                                microbatches=microbatches, virtual_stages=virtual_stages)
         pipeline = build_pipeline(
-            model, self.strategy.pp_mesh, schedule=schedule, microbatches=microbatches,
-            virtual_stages=virtual_stages, loss_fn=loss_fn, points=points, balance=balance,
-            times=times, record_timings=record_timings, init_seed=init_seed,
-            parallelize=stage)
+            model, self.layout.axis_mesh(self.mesh, "pp"), schedule=schedule,
+            microbatches=microbatches, virtual_stages=virtual_stages, loss_fn=loss_fn,
+            points=points, balance=balance, times=times, record_timings=record_timings,
+            init_seed=init_seed, parallelize=self._prepare_module, plan=plan)
         self._models.extend(pipeline.wrapped_modules)
         self._pipeline_params.update(id(p) for p in pipeline.parameters())
         return pipeline
 
     def _decide_sync_each_batch(self, model: torch.nn.Module) -> None:
-        choice, reason = self.strategy.auto_sync_each_batch(model)
+        choice, reason = self.runtime.auto_sync_each_batch(model)
         self.sync_each_batch = choice
         message = f"meshfit: sync_each_batch='auto' -> {choice}: {reason}"
         log.info(message)
@@ -369,7 +351,7 @@ class Accelerator:
             raise ValueError("prepare(optimizer): none of its parameters belong to the prepared "
                              "pipeline's stages (an optimizer built before prepare_pipeline "
                              "holds the full model's); build it on pipeline.parameters()")
-        inner = self.strategy.prepare_optimizer(rebuild_optimizer(optimizer, self._params))
+        inner = self.runtime.prepare_optimizer(rebuild_optimizer(optimizer, self._params))
         if inner is not optimizer:
             self._replaced[id(optimizer)] = (weakref.ref(optimizer), inner)
         prepared = PreparedOptimizer(inner, self.grad_state, self.precision.scaler,
@@ -395,8 +377,8 @@ class Accelerator:
     def prepare_dataloader(self, loader: DataLoader) -> PreparedDataLoader:
         if isinstance(loader, PreparedDataLoader):
             return loader
-        return PreparedDataLoader(loader, device=self.device, num_replicas=self.strategy.dp_size,
-                                  rank=self.strategy.dp_rank, on_iter=self._set_active_loader)
+        return PreparedDataLoader(loader, device=self.device, num_replicas=self.runtime.dp_size,
+                                  rank=self.runtime.dp_rank, on_iter=self._set_active_loader)
 
     def _set_active_loader(self, loader: PreparedDataLoader) -> None:
         self._active_loader = loader
@@ -405,7 +387,7 @@ class Accelerator:
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's original module, without the data-parallel wrapper (under FSDP2 the
         module itself: its parameters stay sharded DTensors; use `get_state_dict`)."""
-        return self.strategy.unwrap(model)
+        return self.runtime.unwrap(model)
 
     # ----------------------------------------------------------------- export
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -422,7 +404,7 @@ class Accelerator:
 
         if isinstance(model, Pipeline):
             return model.full_state_dict()
-        return self.strategy.full_state_dict(model)
+        return self.runtime.full_state_dict(model)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike) -> Path:
         """Write `get_state_dict(model)` to ``save_directory/model.safetensors`` from the main
@@ -453,7 +435,7 @@ class Accelerator:
         with contextlib.ExitStack() as stack:
             if not self.grad_state.sync_gradients and self.sync_each_batch is not True:
                 for model in models:
-                    stack.enter_context(self.strategy.no_sync(model))
+                    stack.enter_context(self.runtime.no_sync(model))
             yield
 
     def _advance_micro_step(self) -> None:
@@ -467,7 +449,7 @@ class Accelerator:
 
     def no_sync(self, model: torch.nn.Module):
         """Skip gradient synchronisation for the enclosed forward *and* backward."""
-        return self.strategy.no_sync(model)
+        return self.runtime.no_sync(model)
 
     def autocast(self):
         """The mixed-precision context (prepared models already run their forward in it)."""
@@ -499,12 +481,12 @@ class Accelerator:
     # ----------------------------------------------------------------- collectives
     def gather(self, obj: Any) -> Any:
         """Concatenate tensors from every data-parallel rank along dim 0."""
-        return ops.gather(obj, self.strategy.dp_group)
+        return ops.gather(obj, self.runtime.dp_group)
 
     def gather_for_metrics(self, obj: Any) -> Any:
         """`gather`, minus the samples that padded the dataloader's uneven last round."""
         if not isinstance(obj, torch.Tensor) and not isinstance(obj, (list, tuple, dict)):
-            return ops.gather_object(obj, self.strategy.dp_group)
+            return ops.gather_object(obj, self.runtime.dp_group)
         gathered = self.gather(obj)
         loader = self._active_loader
         if loader is None or not loader.state.end_of_dataloader or loader.state.remainder < 0:
@@ -513,7 +495,7 @@ class Accelerator:
         return ops.apply_to_tensors(lambda t: t[:keep], gathered)
 
     def reduce(self, obj: Any, reduction: str = "sum") -> Any:
-        return ops.reduce(obj, reduction, self.strategy.dp_group)
+        return ops.reduce(obj, reduction, self.runtime.dp_group)
 
     def wait_for_everyone(self) -> None:
         if self.env.is_distributed:

@@ -1,7 +1,37 @@
-"""One technique per file, each a plain ``apply_x(model, mesh, ...)`` function."""
+"""Parallel techniques, one per module, each a plain function over a model and a mesh; the
+`Layout` that decides which of them a job uses; `parallelize`, which applies them in order.
 
-from meshfit.parallel.ddp import apply_ddp
-from meshfit.parallel.fsdp import apply_fsdp
-from meshfit.parallel.zero1 import apply_zero1
+    layout.py       `Layout`: the one decision (engine, mesh axes, rules, warnings, costs)
+    parallelize.py  `parallelize(model, layout, options)`: TP -> checkpointing -> compile ->
+                    data-parallel wrapper
+    ddp.py, zero1.py, fsdp.py     data parallel: DDP, ZeRO-1, ZeRO-2/3 (FSDP2)
+    tp/, pp/        tensor (+ sequence) parallel, pipeline parallel
+    activation.py, compile.py     activation checkpointing, torch.compile
+    clip.py         gradient-norm clipping across shards, meshes and stages
 
-__all__ = ["apply_ddp", "apply_fsdp", "apply_zero1"]
+Names are imported on first use (`from meshfit.parallel import apply_tp` loads only tp/).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Layout": "layout", "Engine": "layout", "ModelFacts": "layout",
+    "ModelOptions": "parallelize", "parallelize": "parallelize",
+    "apply_ddp": "ddp", "apply_zero1": "zero1", "apply_fsdp": "fsdp",
+    "apply_tp": "tp", "tp_cross_entropy": "tp", "build_pipeline": "pp", "Pipeline": "pp",
+    "apply_activation_checkpointing": "activation", "apply_compile": "compile",
+    "clip_grad_norm_": "clip",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"meshfit.parallel.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'meshfit.parallel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -51,10 +51,11 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from meshfit.models.gpt import GPT
 
-__all__ = ["apply_activation_checkpointing", "find_blocks", "is_checkpointed", "SAVED_OPS"]
+__all__ = ["CheckpointMode", "CheckpointPolicy", "SAVED_OPS", "apply_activation_checkpointing",
+           "check_checkpointing", "find_blocks", "is_checkpointed"]
 
-Mode = Literal["none", "full", "selective"]
-Policy = Literal["block", "op"]
+CheckpointMode = Literal["none", "full", "selective"]
+CheckpointPolicy = Literal["block", "op"]
 
 _aten = torch.ops.aten
 # Outputs kept by policy="op": the matmuls and attention, whose recompute costs most FLOPs
@@ -72,15 +73,17 @@ SAVED_OPS: list[torch._ops.OpOverload] = [
 ]
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: Mode = "full", *, every: int = 2,
-                                   policy: Policy = "block") -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module, mode: CheckpointMode = "full", *,
+                                   every: int = 2, policy: CheckpointPolicy = "block"
+                                   ) -> nn.Module:
     """Checkpoint the transformer blocks of `model` in place; returns `model`.
 
     `every` and `policy` apply to mode="selective" only (see the module docstring). Call
     before `apply_compile` and before wrapping in DDP/FSDP. Calling again replaces the
     previous choice; mode="none" changes nothing.
     """
-    _validate(mode, every, policy)
+    check_checkpointing(mode, every, policy, names=("mode", "every", "policy"),
+                        where="apply_activation_checkpointing: ")
     if mode == "none":
         return model
     try:
@@ -136,14 +139,23 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 
 # --------------------------------------------------------------------------- validation
-def _validate(mode: str, every: int, policy: str) -> None:
-    where = "apply_activation_checkpointing"
-    if mode not in get_args(Mode):
-        raise ValueError(f"{where}: mode={mode!r} is not supported; use one of {get_args(Mode)}")
-    if policy not in get_args(Policy):
-        raise ValueError(f"{where}: policy={policy!r} is not supported; use one of {get_args(Policy)}")
+_FIELDS = ("activation_checkpointing", "activation_checkpointing_every",
+           "activation_checkpointing_policy")
+
+
+def check_checkpointing(mode: object, every: object, policy: object, *,
+                        names: tuple[str, str, str] = _FIELDS, where: str = "") -> None:
+    """One-line ValueError for a mode, interval or policy that checkpointing does not know;
+    `names` spell the three fields as the caller's user wrote them."""
+    if mode not in get_args(CheckpointMode):
+        raise ValueError(f"{where}{names[0]}={mode!r} is not one of "
+                         f"{', '.join(get_args(CheckpointMode))}")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"{where}: every={every!r} must be an integer >= 1 (1 checkpoints every block)")
+        raise ValueError(f"{where}{names[1]}={every!r} must be an integer >= 1 (1 "
+                         "checkpoints every block)")
+    if policy not in get_args(CheckpointPolicy):
+        raise ValueError(f"{where}{names[2]}={policy!r} is not one of "
+                         f"{', '.join(get_args(CheckpointPolicy))}")
 
 
 # --------------------------------------------------------------------------- the wrapper

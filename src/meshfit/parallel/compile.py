@@ -28,15 +28,15 @@ from torch import nn
 
 from meshfit.parallel.activation import find_blocks
 
-__all__ = ["apply_compile", "check_compile_args", "compile_stats", "CompileStats"]
+__all__ = ["CompileScope", "CompileStats", "apply_compile", "check_compile_args", "compile_stats"]
 
-Scope = Literal["block", "model"]
+CompileScope = Literal["block", "model"]
 # Debug backends that torch._dynamo.list_backends() hides but that are useful in tests.
 _DEBUG_BACKENDS = ("eager", "aot_eager")
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", mode: str | None = None,
-                  scope: Scope = "block", fullgraph: bool = False,
+                  scope: CompileScope = "block", fullgraph: bool = False,
                   dynamic: bool | None = None) -> nn.Module:
     """Compile `model` in place with torch.compile; returns `model`.
 
@@ -75,15 +75,22 @@ def compile_stats() -> CompileStats:
                         graph_breaks=sum(counters["graph_break"].values()))
 
 
-def check_compile_args(backend: object, mode: str | None, *, prefix: str = "") -> None:
-    """One-line ValueError for a backend or mode torch.compile does not know, naming the
-    config fields `{prefix}compile_backend` / `{prefix}compile_mode` (prefix e.g. "train.")."""
-    _check_backend_mode(backend, mode, f"{prefix}compile_backend", f"{prefix}compile_mode")
+def check_compile_args(backend: object, mode: str | None, *, scope: object = "block",
+                       compile: bool = True, prefix: str = "") -> None:
+    """One-line ValueError for a scope, backend or mode torch.compile does not know, naming
+    the fields `{prefix}compile_scope` / `compile_backend` / `compile_mode` (prefix e.g.
+    "train."). The backend and mode are checked only when `compile` is on."""
+    if scope not in get_args(CompileScope):
+        raise ValueError(f"{prefix}compile_scope={scope!r} is not one of "
+                         f"{', '.join(get_args(CompileScope))}")
+    if compile:
+        _check_backend_mode(backend, mode, f"{prefix}compile_backend", f"{prefix}compile_mode")
 
 
 def _validate(backend: object, mode: str | None, scope: str) -> None:
-    if scope not in get_args(Scope):
-        raise ValueError(f"apply_compile: scope={scope!r} is not supported; use one of {get_args(Scope)}")
+    if scope not in get_args(CompileScope):
+        raise ValueError(f"apply_compile: scope={scope!r} is not one of "
+                         f"{', '.join(get_args(CompileScope))}")
     _check_backend_mode(backend, mode, "backend", "mode", where="apply_compile: ")
 
 

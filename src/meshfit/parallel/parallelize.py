@@ -1,28 +1,41 @@
-"""Per-model options applied by `Accelerator.prepare`: activation checkpointing and compile.
+"""`parallelize`: apply a `Layout` to a model, every technique in one fixed order.
 
-They are validated when the `Accelerator` (or the run's config) is built — before any process
-group, model or file exists — and applied in a fixed order in `prepare`: checkpoint each
-transformer block, compile each (checkpointed) block, then wrap for data parallelism. This is
-torchtitan's order: the recomputation lives inside the compiled region, and DDP/FSDP hooks stay
-outside it.
+    model = parallelize(model, layout, options, mesh=mesh, device=device)
+
+The order is torchtitan's, and each step needs the one before it:
+
+1. **place** the model on this rank's device — except under FSDP2, which moves each unit's
+   shard as it shards it, so the whole unsharded model never has to fit on one device;
+2. **tensor parallel** on ``mesh["tp"]`` (`apply_tp` needs the plain module and turns its
+   parameters into DTensors);
+3. **activation checkpointing** of each transformer block (`apply_activation_checkpointing`),
+   so that the recomputation lives inside what is compiled next;
+4. **compile** each (checkpointed) block, or the whole model (`apply_compile`);
+5. the **data-parallel wrapper** outside everything else: DDP over the data-parallel ranks
+   (ZeRO stage 0 and 1; ZeRO-1's optimizer is built later, on the wrapped parameters), or
+   FSDP2 over ``(dp_replicate, dp_shard)`` (stages 2/3, and every data-parallel layout with
+   tp or pp). FSDP2 then shards the compiled blocks, which keeps them compiled: compiling a
+   sharded model instead can silently run eager (a graph break on FSDP's hooks skips the
+   whole frame; see `meshfit.parallel.compile`).
+
+`Accelerator.prepare` calls it on a whole model, `Accelerator.prepare_pipeline` on every
+pipeline stage; nothing else applies a technique to a model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
 
-CHECKPOINTING = ("none", "full", "selective")
-POLICIES = ("block", "op")
-SCOPES = ("block", "model")
+from meshfit.parallel.activation import CheckpointMode, CheckpointPolicy
+from meshfit.parallel.compile import CompileScope
+from meshfit.parallel.layout import Engine, Layout
 
-
-def check_compile_settings(backend: str, mode: str | None, *, prefix: str = "") -> None:
-    """One-line ValueErrors for a backend or mode torch.compile does not know."""
-    from meshfit.parallel.compile import check_compile_args
-
-    check_compile_args(backend, mode, prefix=prefix)
+__all__ = ["ModelOptions", "parallelize"]
 
 
 def _mode(mode: str | None) -> str | None:
@@ -33,44 +46,84 @@ def _mode(mode: str | None) -> str | None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelOptions:
-    """What `prepare` does to a model before the data-parallel wrapper."""
+    """What `parallelize` does to a model besides the layout: activation checkpointing,
+    compile, a tensor-parallel plan and DDP's own keywords. Validated when built, before any
+    process group, model or file exists."""
 
-    activation_checkpointing: str = "none"
+    activation_checkpointing: CheckpointMode = "none"
     activation_checkpointing_every: int = 2
-    activation_checkpointing_policy: str = "block"
+    activation_checkpointing_policy: CheckpointPolicy = "block"
     compile: bool = False
     compile_backend: str = "inductor"
     compile_mode: str = "default"
-    compile_scope: str = "block"
+    compile_scope: CompileScope = "block"
+    tp_plan: Any = None
+    """A `meshfit.models.plans.TPPlan` or {module pattern: style}; None: the model's
+    built-in plan (`meshfit.parallel.tp.apply_tp`)."""
+    ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for DistributedDataParallel (bucket_cap_mb, ...)."""
 
     def __post_init__(self) -> None:
-        if self.activation_checkpointing not in CHECKPOINTING:
-            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} is not "
-                             f"one of {', '.join(CHECKPOINTING)}")
-        if self.activation_checkpointing_policy not in POLICIES:
-            raise ValueError("activation_checkpointing_policy="
-                             f"{self.activation_checkpointing_policy!r} is not one of "
-                             f"{', '.join(POLICIES)}")
-        every = self.activation_checkpointing_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"activation_checkpointing_every={every!r} must be an integer >= 1")
-        if self.compile_scope not in SCOPES:
-            raise ValueError(f"compile_scope={self.compile_scope!r} is not one of "
-                             f"{', '.join(SCOPES)}")
-        if self.compile:
-            check_compile_settings(self.compile_backend, _mode(self.compile_mode))
+        from meshfit.parallel.activation import check_checkpointing
+        from meshfit.parallel.compile import check_compile_args
 
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Checkpoint, then compile, `model` in place (parameter names are unchanged)."""
-        if self.activation_checkpointing != "none":
-            from meshfit.parallel.activation import apply_activation_checkpointing
+        check_checkpointing(self.activation_checkpointing, self.activation_checkpointing_every,
+                            self.activation_checkpointing_policy)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r} must be True or False")
+        check_compile_args(self.compile_backend, _mode(self.compile_mode),
+                           scope=self.compile_scope, compile=self.compile)
+        if not isinstance(self.ddp_kwargs, Mapping):
+            raise ValueError(f"ddp_kwargs={self.ddp_kwargs!r} must be a dict of "
+                             "DistributedDataParallel keyword arguments")
 
-            apply_activation_checkpointing(model, self.activation_checkpointing,
-                                           every=self.activation_checkpointing_every,
-                                           policy=self.activation_checkpointing_policy)
-        if self.compile:
-            from meshfit.parallel.compile import apply_compile
 
-            apply_compile(model, backend=self.compile_backend, mode=_mode(self.compile_mode),
-                          scope=self.compile_scope)
-        return model
+def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelOptions(), *,
+                mesh=None, device: torch.device | None = None) -> nn.Module:
+    """Apply `layout` to `model` (in place where the techniques allow it) and return the
+    module to train: the model itself, or its DDP wrapper.
+
+    `mesh`: the layout's device mesh (`layout.build_mesh`), None for a single process;
+    `device`: this rank's device (default: the CPU). The weights must be initialised
+    before: sharding a meta-device model and initialising the shards afterwards gives every
+    rank the same random shard on CPU meshes (torch only warns "DTensor random operators
+    may not have complete support on cpu device mesh").
+    """
+    device = device or torch.device("cpu")
+    # 1. Place (FSDP2 places each unit's shard itself).
+    if not layout.is_fsdp:
+        model = model.to(device)
+    # 2. Tensor parallel: parameters become DTensors on mesh["tp"].
+    tp_mesh = layout.axis_mesh(mesh, "tp")
+    if tp_mesh is not None:
+        from meshfit.parallel.tp import apply_tp
+
+        apply_tp(model, tp_mesh, plan=options.tp_plan,
+                 sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel)
+    # 3. Activation checkpointing, inside what is compiled.
+    if options.activation_checkpointing != "none":
+        from meshfit.parallel.activation import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, options.activation_checkpointing,
+                                       every=options.activation_checkpointing_every,
+                                       policy=options.activation_checkpointing_policy)
+    # 4. Compile, before the data-parallel wrapper's hooks exist.
+    if options.compile:
+        from meshfit.parallel.compile import apply_compile
+
+        apply_compile(model, backend=options.compile_backend, mode=_mode(options.compile_mode),
+                      scope=options.compile_scope)
+    # 5. The data-parallel wrapper, outermost.
+    if layout.engine in (Engine.DDP, Engine.ZERO1):
+        if not any(p.requires_grad for p in model.parameters()):
+            return model  # nothing to synchronise (e.g. an evaluation-only model)
+        from meshfit.parallel.ddp import apply_ddp
+
+        return apply_ddp(model, layout.dp_mesh(mesh), device=device, **options.ddp_kwargs)
+    if layout.is_fsdp:
+        from meshfit.parallel.fsdp import apply_fsdp
+
+        return apply_fsdp(model, layout.fsdp_mesh(mesh),
+                          reshard_after_forward=layout.reshard_after_forward,
+                          param_dtype=layout.param_dtype, offload=layout.offload)
+    return model

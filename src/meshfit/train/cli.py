@@ -66,10 +66,10 @@ def cmd_train(argv: list[str]) -> int:
             dist.destroy_process_group()
         return 0
     launch_cfg, env = launch.config_from_args(ns)
-    cfg.validate_for(launch_cfg.nproc * launch_cfg.nnodes)  # before any process starts
+    world_size = launch_cfg.nproc * launch_cfg.nnodes
+    cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
     from meshfit.train.trainer import preflight
 
-    world_size = launch_cfg.nproc * launch_cfg.nnodes
     # this machine's device, kernels and libraries; layouts the guide advises against
     for warning in preflight(cfg, world_size, launch_cfg.nproc):
         print(f"meshfit train: warning: {warning}", file=sys.stderr)

@@ -18,8 +18,23 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from typing import get_args
+
 from meshfit.distributed import AXES, ParallelDims
-from meshfit.accelerator.precision import check_mixed_precision
+from meshfit.models.config import AttentionBackend
+from meshfit.optim import OPTIMIZERS
+from meshfit.parallel.activation import CheckpointMode, CheckpointPolicy
+from meshfit.parallel.compile import CompileScope, check_compile_args
+from meshfit.parallel.layout import Layout, ModelFacts, check_options
+from meshfit.parallel.pp import SCHEDULES
+
+# How `meshfit train` spells the layout's fields in its errors (see `meshfit.parallel.layout`).
+LAYOUT_NAMES = {
+    **{k: f"parallel.{k}" for k in (*AXES, "zero_stage", "offload", "sync_each_batch",
+                                     "sequence_parallel", "loss_parallel", "schedule",
+                                     "microbatches", "virtual_stages")},
+    "parallel": "parallel", "mixed_precision": "train.mixed_precision",
+    "find_batch_size": "train.find_batch_size", "seq_len": "train.seq_len"}
 
 
 def _positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -77,8 +92,7 @@ class ModelConfig:
                 _positive("model", name, getattr(self, name))
         if self.dropout is not None:
             _number("model", "dropout", self.dropout, 0.0, 0.99)
-        _choice("model", "attention_backend", self.attention_backend,
-                ("auto", "math", "flash", "efficient", "cudnn"))
+        _choice("model", "attention_backend", self.attention_backend, get_args(AttentionBackend))
 
     def overrides(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)
@@ -146,20 +160,17 @@ class TrainConfig:
         _positive("train", "activation_checkpointing_every", self.activation_checkpointing_every)
         _number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         _number("train", "grad_clip", self.grad_clip, 0.0, 1e9)
-        check_mixed_precision(self.mixed_precision, "train.mixed_precision")
+        check_options(mixed_precision=self.mixed_precision, names=LAYOUT_NAMES)
         for name in ("tf32", "compile", "find_batch_size"):
             _bool("train", name, getattr(self, name))
         _choice("train", "activation_checkpointing", self.activation_checkpointing,
-                ("none", "full", "selective"))
+                get_args(CheckpointMode))
         _choice("train", "activation_checkpointing_policy", self.activation_checkpointing_policy,
-                ("block", "op"))
-        _choice("train", "compile_scope", self.compile_scope, ("block", "model"))
-        if self.compile:
-            from meshfit.parallel.parallelize import check_compile_settings
-
-            check_compile_settings(self.compile_backend,
-                                   None if self.compile_mode == "default" else self.compile_mode,
-                                   prefix="train.")
+                get_args(CheckpointPolicy))
+        _choice("train", "compile_scope", self.compile_scope, get_args(CompileScope))
+        check_compile_args(self.compile_backend,
+                           None if self.compile_mode == "default" else self.compile_mode,
+                           scope=self.compile_scope, compile=self.compile, prefix="train.")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a "
                              f"multiple of train.micro_batch_size={self.micro_batch_size}")
@@ -183,8 +194,7 @@ class OptimConfig:
     """SGD momentum."""
 
     def __post_init__(self) -> None:
-        _choice("optim", "optimizer", self.optimizer,
-                ("adamw", "adamw_fused", "adafactor", "adamw_8bit", "sgd"))
+        _choice("optim", "optimizer", self.optimizer, OPTIMIZERS)
         _number("optim", "lr", self.lr, 1e-12, 10.0)
         _number("optim", "weight_decay", self.weight_decay, 0.0, 10.0)
         _number("optim", "eps", self.eps, 0.0, 1.0)
@@ -286,15 +296,12 @@ class ParallelConfig:
     """tp > 1: the loss on vocabulary-sharded logits, never gathering them (not with pp)."""
 
     def __post_init__(self) -> None:
-        from meshfit.parallel.pp import SCHEDULES
-        from meshfit.accelerator.runtime import check_zero_options
-
         self.dims()  # ParallelDims validates each size
-        check_zero_options(self.zero_stage, self.offload, self.sync_each_batch,
-                           prefix="parallel.")
+        check_options(zero_stage=self.zero_stage, offload=self.offload,
+                      sync_each_batch=self.sync_each_batch,
+                      sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
+                      names=LAYOUT_NAMES)
         _choice("parallel", "schedule", self.schedule, SCHEDULES)
-        for name in ("sequence_parallel", "loss_parallel"):
-            _bool("parallel", name, getattr(self, name))
         for name in ("microbatches", "virtual_stages"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -304,13 +311,6 @@ class ParallelConfig:
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         return ParallelDims(world_size=world_size, **{n: getattr(self, n) for n in AXES})
-
-    def zero_stage_for(self, world_size: int) -> int:
-        """The resolved stage for `world_size` processes (errors name the keys to change)."""
-        from meshfit.accelerator.runtime import resolve_zero_stage
-
-        return resolve_zero_stage(self.zero_stage, self.offload, self.dims().resolve(world_size),
-                                  prefix="parallel.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,81 +356,47 @@ class RunConfig:
             return self.parallel.microbatches
         return max(1, self.train.global_batch_size // (self.train.micro_batch_size * dims.dp))
 
-    def validate_for(self, world_size: int) -> None:
-        """Checks that need the number of processes (run before launching any)."""
-        self.parallel.dims(world_size)
-        stage = self.parallel.zero_stage_for(world_size)
-        self.grad_accumulation(world_size)
-        self._check_model_parallel(world_size)
-        if stage >= 2 and self.train.find_batch_size:
-            raise ValueError(f"train.find_batch_size=true is not supported with "
-                             f"parallel.zero_stage={stage}: FSDP's all-gathers in forward would "
-                             "leave the other ranks waiting when one runs out of memory; set "
-                             "train.find_batch_size=false")
+    def layout(self, world_size: int, local_world_size: int | None = None) -> Layout:
+        """The run's `Layout` on `world_size` processes (errors name the config keys)."""
+        p = self.parallel
+        return Layout.resolve(p.dims(), world_size, zero_stage=p.zero_stage, offload=p.offload,
+                              mixed_precision=self.train.mixed_precision,
+                              sequence_parallel=p.sequence_parallel,
+                              loss_parallel=p.loss_parallel, local_world_size=local_world_size,
+                              names=LAYOUT_NAMES)
 
-    def _check_model_parallel(self, world_size: int) -> None:
-        """tp and pp against the model's sizes, on a meta-device model (no memory)."""
-        dims = self.parallel.dims().resolve(world_size)
-        if dims.tp == 1 and (self.parallel.sequence_parallel or self.parallel.loss_parallel):
-            raise ValueError("parallel.sequence_parallel / parallel.loss_parallel need "
-                             "parallel.tp > 1; set tp or drop them")
-        if dims.tp == 1 and dims.pp == 1:
-            return
-        if self.peft.method != "none":
-            raise ValueError(f"peft.method={self.peft.method!r} with parallel.tp/pp > 1 is not "
-                             "yet available (the tensor-parallel plans and pipeline stages "
-                             "are written for the plain model); use peft.method='none' or "
-                             "tp = pp = 1")
-        import torch
-
+    def model_config(self):
+        """The reference GPT's config for this run: [model] over its preset, train.seq_len as
+        the context, the built-in byte-level vocabulary."""
         from meshfit.data import ByteTokenizer
-        from meshfit.models import GPT, GPTConfig
+        from meshfit.models import GPTConfig
 
-        model_cfg = GPTConfig.preset(self.model.preset, max_seq_len=self.train.seq_len,
-                                     vocab_size=ByteTokenizer.vocab_size,
-                                     **self.model.overrides())
-        if dims.tp > 1:
-            from meshfit.models.plans import gpt_plan
+        return GPTConfig.preset(self.model.preset, max_seq_len=self.train.seq_len,
+                                vocab_size=ByteTokenizer.vocab_size, **self.model.overrides())
 
-            if self.parallel.sequence_parallel and self.train.seq_len % dims.tp:
-                raise ValueError(f"train.seq_len={self.train.seq_len} does not divide by "
-                                 f"parallel.tp={dims.tp}, which parallel.sequence_parallel="
-                                 f"true needs; use a multiple of {dims.tp}")
-            if self.train.find_batch_size:
-                raise ValueError("train.find_batch_size=true is not supported with "
-                                 "parallel.tp > 1: the tensor-parallel all-reduces in forward "
-                                 "would leave the other ranks waiting when one runs out of "
-                                 "memory; set train.find_batch_size=false")
-            if self.parallel.loss_parallel and dims.pp > 1:
-                raise ValueError("parallel.loss_parallel=true with parallel.pp > 1 is not yet "
-                                 "available; set loss_parallel=false")
+    def validate_for(self, world_size: int, local_world_size: int | None = None) -> Layout:
+        """Checks that need the number of processes (run before launching any); returns the
+        run's layout."""
+        layout = self.layout(world_size, local_world_size)
+        self.grad_accumulation(world_size)
+        if self.train.find_batch_size:
+            layout.check_batch_probe(names=LAYOUT_NAMES)
+        if layout.dims.tp > 1 or layout.dims.pp > 1:
+            if self.peft.method != "none":
+                raise ValueError(f"peft.method={self.peft.method!r} with parallel.tp/pp > 1 is "
+                                 "not yet available (the tensor-parallel plans and pipeline "
+                                 "stages are written for the plain model); use "
+                                 "peft.method='none' or tp = pp = 1")
+            import torch
 
-            with torch.device("meta"):
-                plan = gpt_plan(GPT(model_cfg))
-            try:
-                plan.check_divisible(dims.tp)
-            except ValueError as err:
-                raise ValueError(f"parallel.tp: {err}") from None
-        if dims.pp > 1:
-            from meshfit.parallel.pp import check_pipeline
+            from meshfit.models import GPT
 
-            if self.train.mixed_precision == "fp16":
-                raise ValueError("train.mixed_precision='fp16' with parallel.pp > 1 is not yet "
-                                 "available (the loss scale would have to agree across "
-                                 "stages); use 'bf16'")
-            if self.parallel.offload != "none":
-                raise ValueError(f"parallel.offload={self.parallel.offload!r} with parallel.pp "
-                                 "> 1 is not yet available; use offload='none'")
-            if self.train.find_batch_size:
-                raise ValueError("train.find_batch_size=true is not supported with parallel.pp "
-                                 "> 1; set train.find_batch_size=false and size the micro-batch "
-                                 "yourself")
-            try:
-                check_pipeline(model_cfg.n_layer, dims.pp, schedule=self.parallel.schedule,
+            with torch.device("meta"):  # sizes only: no memory
+                facts = ModelFacts.of(GPT(self.model_config()))
+            layout.check_model(facts, seq_len=self.train.seq_len, schedule=self.parallel.schedule,
                                microbatches=self.microbatches(world_size),
-                               virtual_stages=self.parallel.virtual_stages)
-            except ValueError as err:
-                raise ValueError(f"parallel.{err}") from None
+                               virtual_stages=self.parallel.virtual_stages, names=LAYOUT_NAMES)
+        return layout
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in fields(self)}

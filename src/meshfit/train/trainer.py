@@ -53,21 +53,18 @@ def preflight(cfg: RunConfig, world_size: int | None = None,
               local_world_size: int | None = None) -> list[str]:
     """Checks that need this machine (the device the workers will use, installed libraries),
     run before any process is launched; raises a one-line ValueError, returns warnings
-    (with `world_size`, also on the layout: see `meshfit.accelerator.runtime.layout_warnings`)."""
+    (with `world_size`, also the layout's: `meshfit.parallel.layout.Layout.warnings`)."""
     from meshfit import distributed as mdist
-    from meshfit.train.batch_size import shape_advice
-    from meshfit.models.gpt import check_attention_backend
     from meshfit.accelerator.precision import Precision
+    from meshfit.models.gpt import check_attention_backend
+    from meshfit.train.batch_size import shape_advice
 
-    cuda = torch.cuda.is_available() and not mdist._cpu_requested(None)
+    cuda = torch.cuda.is_available() and not mdist.cpu_requested(None)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     precision = Precision(cfg.train.mixed_precision, device)
-    from meshfit.data import ByteTokenizer
-
     # The corpus is byte-tokenised, so the model's vocabulary is the tokenizer's, not the
     # preset's (gpt2's 50257 is replaced by 256).
-    model_cfg = GPTConfig.preset(cfg.model.preset, max_seq_len=cfg.train.seq_len,
-                                 vocab_size=ByteTokenizer.vocab_size, **cfg.model.overrides())
+    model_cfg = cfg.model_config()
     try:
         check_attention_backend(cfg.model.attention_backend, device,
                                 precision.dtype or torch.float32, head_dim=model_cfg.head_dim)
@@ -80,13 +77,7 @@ def preflight(cfg: RunConfig, world_size: int | None = None,
     if cfg.peft.method == "lora":
         with torch.device("meta"):
             build_model(cfg, model_cfg.vocab_size)  # checks that target_modules exist
-    warnings = []
-    if world_size is not None:
-        from meshfit.accelerator.runtime import layout_warnings
-
-        dims = cfg.parallel.dims().resolve(world_size)
-        warnings += layout_warnings(dims, cfg.parallel.zero_stage_for(world_size),
-                                    local_world_size)
+    warnings = list(cfg.layout(world_size, local_world_size).warnings) if world_size else []
     if precision.dtype is None and not cfg.train.tf32:
         return warnings
     return warnings + shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
@@ -129,20 +120,77 @@ class _Progress:
             self.bar.stop()
 
 
-def _evaluate(acc: Accelerator, model, loader) -> float:
-    from meshfit.parallel.pp import Pipeline
+class _Model:
+    """What the loop trains when there is no pipeline: a model from `Accelerator.prepare`,
+    one forward and backward per micro-batch."""
 
-    pipeline = isinstance(model, Pipeline)
-    modules = model.wrapped_modules if pipeline else [model]
-    for m in modules:
+    whole_batches = False  # any number of evaluation sequences will do
+
+    def __init__(self, acc: Accelerator, model: torch.nn.Module):
+        self.acc, self.model = acc, model
+        self.modules = [model]  # switched between train() and eval()
+        self.params = model  # what the optimizer's parameter groups are built from
+        self.description = ""
+
+    def accumulate(self):
+        return self.acc.accumulate(self.model)
+
+    def forward_backward(self, x, y, accum: int) -> torch.Tensor:
+        loss = self.model(x, y)
+        self.acc.backward(loss)  # divides by the accumulation steps itself
+        return loss
+
+    def eval_loss(self, x, y) -> torch.Tensor:
+        return self.model(x, y)
+
+    def clip(self, max_norm: float) -> None:
+        self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def after_step(self, step: int, out_dir: Path) -> None:
+        pass
+
+
+class _Pipelined:
+    """What the loop trains under pp > 1: this rank's `Pipeline`, whose `step` runs forward
+    and backward over all of a batch's micro-batches."""
+
+    whole_batches = True  # evaluation batches are cut into micro-batches too
+
+    def __init__(self, acc: Accelerator, pipeline, cfg: RunConfig, micro: int, chunks: int):
+        self.acc, self.pipeline, self.steps = acc, pipeline, cfg.train.steps
+        self.modules = pipeline.wrapped_modules
+        self.params = torch.nn.ModuleList(pipeline.modules)  # this rank's stages
+        self.description = (f", {cfg.parallel.schedule} schedule with {chunks} micro-batches "
+                            f"of {micro} (stages begin at blocks {pipeline.points})")
+
+    def accumulate(self):
+        return self.acc.accumulate()  # the schedule synchronises on its last micro-batch
+
+    def forward_backward(self, x, y, accum: int) -> torch.Tensor:
+        return self.pipeline.step(x, y, scale=1.0 / accum)
+
+    def eval_loss(self, x, y) -> torch.Tensor:
+        return self.pipeline.eval_loss(x, y)
+
+    def clip(self, max_norm: float) -> None:
+        self.acc.clip_grad_norm_(self.pipeline, max_norm)  # every stage's part of the norm
+
+    def after_step(self, step: int, out_dir: Path) -> None:
+        if step == min(self.steps, PIPELINE_TIMED_STEPS):
+            _save_pipeline_timings(self.pipeline,
+                                   out_dir if self.acc.is_main_process else None)
+
+
+def _evaluate(acc: Accelerator, trained, loader) -> float:
+    for m in trained.modules:
         m.eval()
     total = torch.zeros(2, device=acc.device)
     with torch.no_grad():
         for x, y in loader:
-            loss = model.eval_loss(x, y) if pipeline else model(x, y)
+            loss = trained.eval_loss(x, y)
             total += torch.stack([loss.detach().float().to(acc.device) * x.shape[0],
                                   torch.tensor(float(x.shape[0]), device=acc.device)])
-    for m in modules:
+    for m in trained.modules:
         m.train()
     total = acc.reduce(total, "sum")
     return (total[0] / total[1]).item()
@@ -212,21 +260,20 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     # order: a fused optimizer checks the parameters' device when it is built; under ZeRO-2/3
     # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
     micro, chunks = t.micro_batch_size, cfg.microbatches(env.world_size)
-    pipeline = None
     if acc.parallel.pp > 1:
         # Each pipeline step takes micro x chunks sequences per data-parallel rank and cuts
         # them into `chunks` micro-batches; the global batch is micro x chunks x dp x accum.
         p = cfg.parallel
-        model = pipeline = acc.prepare_pipeline(
+        pipeline = acc.prepare_pipeline(
             model, schedule=p.schedule, microbatches=chunks, virtual_stages=p.virtual_stages,
             record_timings=True)  # for the first PIPELINE_TIMED_STEPS steps
-        params = torch.nn.ModuleList(pipeline.modules)  # this rank's stages, for the groups
+        trained = _Pipelined(acc, pipeline, cfg, micro, chunks)
     else:
-        model = acc.prepare(model)
-        params = model
-    if t.find_batch_size:
-        micro, accum = _find_micro_batch(acc, model, t.seq_len, splits.vocab_size, micro, accum)
-    optimizer = build_optimizer(params, cfg)
+        trained = _Model(acc, acc.prepare(model))
+    if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
+        micro, accum = _find_micro_batch(acc, trained.model, t.seq_len, splits.vocab_size,
+                                         micro, accum)
+    optimizer = build_optimizer(trained.params, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     generator = torch.Generator().manual_seed(t.seed)
     d = cfg.data
@@ -237,9 +284,9 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     train_loader = DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=rows,
                               shuffle=True, generator=generator, drop_last=True, **workers)
     val_set = TokenDataset(splits.val, t.seq_len)
-    dp = acc.strategy.dp_size
+    dp = acc.runtime.dp_size
     n_val = min(len(val_set), t.eval_batches * micro * dp)
-    if pipeline is not None:
+    if trained.whole_batches:
         # The same sequences as without pp, in whole pipeline batches (every batch is cut
         # into `chunks` micro-batches), rounded down to whole batches per rank (at least one).
         n_val = max(n_val // (rows * dp), 1) * rows * dp
@@ -249,7 +296,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
                              f"{rows} per data-parallel rank x {dp}; lower "
                              "train.micro_batch_size or parallel.microbatches")
     val_loader = DataLoader(Subset(val_set, range(n_val)), batch_size=rows,
-                            drop_last=pipeline is not None, **workers)
+                            drop_last=trained.whole_batches, **workers)
     optimizer, train_loader, val_loader, scheduler = acc.prepare(
         optimizer, train_loader, val_loader, scheduler)
 
@@ -258,15 +305,13 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     dims = acc.parallel
     mesh = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.enabled())
     layout += f", mesh {mesh}" if mesh and mesh != f"dp_replicate {dims.dp_replicate}" else ""
-    if pipeline is not None:
-        layout += (f", {cfg.parallel.schedule} schedule with {chunks} micro-batches of {micro}"
-                   f" (stages begin at blocks {pipeline.points})")
+    layout += trained.description
     acc.print(f"meshfit train: {n_params / 1e6:.2f}M parameters{trainable}, {acc.num_processes} "
               f"process(es) on {acc.device}{layout}, micro-batch {micro}, accumulation {accum}, "
               f"{splits.train.shape[0] / 1e6:.1f}M training tokens -> {out_dir}")
     tokens_per_step = t.global_batch_size * t.seq_len
     progress = _Progress(acc.is_main_process, t.steps)
-    last: dict = {"step": 0, "val_loss": round(_evaluate(acc, model, val_loader), 5)}
+    last: dict = {"step": 0, "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
     writer.write(last)
     batches = _batches(train_loader)
     loss_sum = torch.zeros((), device=acc.device)
@@ -274,27 +319,16 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     for step in range(1, t.steps + 1):
         for _ in range(accum):
             x, y = next(batches)
-            if pipeline is not None:
-                with acc.accumulate():  # the schedule synchronises on its last micro-batch
-                    loss = pipeline.step(x, y, scale=1.0 / accum)
-                    if acc.sync_gradients and t.grad_clip > 0:
-                        acc.clip_grad_norm_(pipeline, t.grad_clip)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
-            else:
-                with acc.accumulate(model):
-                    loss = model(x, y)
-                    acc.backward(loss)
-                    if acc.sync_gradients and t.grad_clip > 0:
-                        acc.clip_grad_norm_(model.parameters(), t.grad_clip)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
+            with trained.accumulate():
+                loss = trained.forward_backward(x, y, accum)
+                if acc.sync_gradients and t.grad_clip > 0:
+                    trained.clip(t.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
             loss_sum += loss.detach().float()
         window_steps += 1
-        if pipeline is not None and step == min(t.steps, PIPELINE_TIMED_STEPS):
-            _save_pipeline_timings(pipeline, out_dir if acc.is_main_process else None)
+        trained.after_step(step, out_dir)
         if step % t.log_every == 0 or step == t.steps:
             # One small all-reduce per logged step, not per step: metrics stay off the hot path.
             mean_loss = acc.reduce(loss_sum, "mean").item() / (window_steps * accum)
@@ -308,7 +342,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
             loss_sum.zero_()
             window_start, window_steps = time.perf_counter(), 0
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-            val = {"step": step, "val_loss": round(_evaluate(acc, model, val_loader), 5)}
+            val = {"step": step, "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
             writer.write(val)
             last.update(val)
             window_start = time.perf_counter()  # evaluation time is not training throughput

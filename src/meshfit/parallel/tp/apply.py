@@ -23,172 +23,18 @@ Every distributed parameter is scattered/broadcast from the mesh's first rank (t
 from __future__ import annotations
 
 import fnmatch
-import functools
 import hashlib
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, \
-    distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, \
-    PrepareModuleOutput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
-__all__ = ["apply_tp", "tp_cross_entropy", "ReplicateParallel", "SequenceParallelBroadcast",
-           "Conv1DColwiseParallel", "Conv1DRowwiseParallel", "unfuse_columns"]
+from meshfit.parallel.tp.styles import NO_PARAMS, planned_placement, to_torch_style
 
-
-# ---------------------------------------------------------------------------- styles
-class ReplicateParallel(ParallelStyle):
-    """Parameters replicated on the mesh (broadcast from the first rank) for modules that TP
-    does not split: norms outside sequence parallel, learned position tables.
-
-    The first input is taken as `input_layouts` (a plain tensor is wrapped, not moved) and
-    replicated; the output is redistributed to `output_layouts` (e.g. Shard(0) hands each rank
-    its slice of a position table under sequence parallel) and returned as a local tensor
-    when `use_local_output`.
-    """
-
-    def __init__(self, *, input_layouts: Placement = Replicate(),
-                 output_layouts: Placement = Replicate(), use_local_output: bool = True) -> None:
-        self.input_layouts, self.output_layouts = (input_layouts,), (output_layouts,)
-        self.use_local_output = use_local_output
-
-    def _partition(self, name, module, mesh) -> None:
-        for p_name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(p_name, nn.Parameter(
-                distribute_tensor(p, mesh, [Replicate()], src_data_rank=self.src_data_rank),
-                requires_grad=p.requires_grad))
-
-    def _prepare_input(self, module, inputs, mesh):
-        x, *rest = inputs
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, self.input_layouts, run_check=False)
-        return (x.redistribute(placements=(Replicate(),)), *rest)
-
-    def _prepare_output(self, module, out, mesh):
-        out = out.redistribute(placements=self.output_layouts)
-        return out.to_local() if self.use_local_output else out
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._partition, self._prepare_input,
-                                 self._prepare_output)
-
-
-class SequenceParallelBroadcast(SequenceParallel):
-    """torch's `SequenceParallel`, except that the replicated parameters are broadcast from
-    the first rank instead of assumed equal (torch's assumes a norm's ones-init)."""
-
-    def _replicate_module_fn(self, name, module, device_mesh) -> None:
-        ReplicateParallel._partition(self, name, module, device_mesh)
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    # Hugging Face's transposed linear (GPT-2); only imported when such a model exists.
-    import sys
-
-    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
-    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
-
-
-def _fuse_order(t: torch.Tensor, chunks: int, tp: int, dim: int, inverse: bool) -> torch.Tensor:
-    if chunks == 1:
-        return t
-    dim = dim % t.ndim
-    n = t.shape[dim] // (chunks * tp)
-    outer, inner = (chunks, tp) if not inverse else (tp, chunks)
-    shaped = t.unflatten(dim, (outer, inner, n)).transpose(dim, dim + 1)
-    return shaped.flatten(dim, dim + 2).contiguous()
-
-
-def unfuse_columns(t: torch.Tensor, chunks: int, tp: int, dim: int = -1) -> torch.Tensor:
-    """Undo the head-grouped layout of a fused projection: the global tensor of a parameter
-    split by `Conv1DColwiseParallel(fused=chunks)` on `tp` ranks holds its `dim` as
-    [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank-major); this returns [q | k | v], the layout of
-    the original model (and of its checkpoints)."""
-    return _fuse_order(t, chunks, tp, dim, inverse=True)
-
-
-class Conv1DColwiseParallel(ColwiseParallel):
-    """ColwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(1); bias Shard(0)).
-
-    `fused=3` is for a fused q|k|v projection (GPT-2's `c_attn`): a plain column split would
-    give rank 0 all of q and half of k. The columns are first regrouped rank-major, so each
-    rank receives q, k and v of its own heads, contiguous, and the module's `split(d / T)`
-    works on the local output. The parameter's global layout is then the regrouped one; use
-    `unfuse_columns` to get the original layout back (e.g. to save an HF checkpoint).
-    """
-
-    def __init__(self, *, fused: int = 1, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.fused = fused
-
-    def _partition_conv1d(self, name, module, mesh) -> None:
-        tp = mesh.size()
-        for p_name, p in list(module.named_parameters(recurse=False)):
-            dim = p.ndim - 1  # weight [in, out] -> out is dim 1; bias [out] -> dim 0
-            with torch.no_grad():
-                full = _fuse_order(p.detach(), self.fused, tp, dim, inverse=False)
-            module.register_parameter(p_name, nn.Parameter(
-                distribute_tensor(full, mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
-                requires_grad=p.requires_grad))
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if not _is_conv1d(module):
-            raise ValueError(f"Conv1DColwiseParallel needs a transformers Conv1D, got "
-                             f"{type(module).__name__}; use ColwiseParallel for nn.Linear")
-        return _distribute_conv1d(self, module, device_mesh)
-
-
-def _distribute_conv1d(style, module: nn.Module, device_mesh) -> nn.Module:
-    """distribute_module with a Conv1D style's partition and its layout hooks."""
-    return distribute_module(
-        module, device_mesh, style._partition_conv1d,
-        functools.partial(style._prepare_input_fn, style.input_layouts,
-                          style.desired_input_layouts),
-        functools.partial(style._prepare_output_fn, style.output_layouts,
-                          style.use_local_output))
-
-
-class Conv1DRowwiseParallel(RowwiseParallel):
-    """RowwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(0); bias Replicate)."""
-
-    def _partition_conv1d(self, name, module, mesh) -> None:
-        for p_name, p in list(module.named_parameters(recurse=False)):
-            placement = Shard(0) if p_name == "weight" else Replicate()
-            module.register_parameter(p_name, nn.Parameter(
-                distribute_tensor(p, mesh, [placement], src_data_rank=self.src_data_rank),
-                requires_grad=p.requires_grad))
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if not _is_conv1d(module):
-            raise ValueError(f"Conv1DRowwiseParallel needs a transformers Conv1D, got "
-                             f"{type(module).__name__}; use RowwiseParallel for nn.Linear")
-        self.desired_input_layouts = (Shard(-1),)
-        return _distribute_conv1d(self, module, device_mesh)
-
-
-_NO_PARAMS = (PrepareModuleInput, PrepareModuleOutput)
-
-
-def _planned_placement(style: ParallelStyle, module: nn.Module, p_name: str) -> Placement:
-    """The placement `style` gives parameter `p_name` of `module` (checked before applying)."""
-    weight = p_name == "weight"
-    if isinstance(style, (ReplicateParallel, SequenceParallel)):
-        return Replicate()
-    if isinstance(style, Conv1DColwiseParallel):
-        return Shard(1) if weight else Shard(0)
-    if isinstance(style, Conv1DRowwiseParallel):
-        return Shard(0) if weight else Replicate()
-    if isinstance(style, ColwiseParallel):
-        return Shard(1) if isinstance(module, nn.Embedding) else Shard(0)
-    if isinstance(style, RowwiseParallel):
-        if isinstance(module, nn.Embedding):
-            return Shard(0)
-        return Shard(1) if weight else Replicate()
-    raise ValueError(f"cannot tell how {type(style).__name__} lays out {p_name} of "
-                     f"{type(module).__name__}; tied or unplanned parameters need a known style")
+__all__ = ["apply_tp", "tp_cross_entropy"]
 
 
 # ---------------------------------------------------------------------------- apply_tp
@@ -201,7 +47,7 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def _style_for(styles: Mapping[str, ParallelStyle], name: str) -> ParallelStyle | None:
-    found = [s for k, s in styles.items() if _matches(k, name) and not isinstance(s, _NO_PARAMS)]
+    found = [s for k, s in styles.items() if _matches(k, name) and not isinstance(s, NO_PARAMS)]
     return found[-1] if found else None  # parallelize_module applies entries in order
 
 
@@ -221,7 +67,7 @@ def _check_params(model: nn.Module, styles: Mapping[str, ParallelStyle]) -> list
             if style is None:
                 plain.append(full)
             elif len(names) > 1:
-                placements.add(_planned_placement(style, modules[owner], p_name))
+                placements.add(planned_placement(style, modules[owner], p_name))
         if len(names) > 1:
             if len(placements) > 1:
                 raise ValueError(
@@ -315,8 +161,8 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan=None, sequence_parallel: bool = 
              loss_parallel: bool = False) -> nn.Module:
     """Split `model` across the 1-D `tp_mesh` in place and return it.
 
-    `plan`: a `meshfit.models.plans.TPPlan`, a dict {module-name pattern: ParallelStyle}, or
-    None for the built-in plan of the model's type (reference GPT, Hugging Face
+    `plan`: a `meshfit.models.plans.TPPlan`, a dict {module-name pattern: `Style` or
+    PyTorch `ParallelStyle`}, or None for the built-in plan of the model's type (reference GPT, Hugging Face
     LlamaForCausalLM and GPT2LMHeadModel). Every rank must pass the same full model (weights
     are taken from the mesh's first rank). Checked before the model is touched: sizes that
     must divide by the TP degree (heads, kv-heads, hidden, d_ff, vocabulary; one-line
@@ -346,15 +192,16 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan=None, sequence_parallel: bool = 
     elif not isinstance(plan, plans.TPPlan):
         plan = plans.TPPlan(styles=dict(plan))
     plan.check_divisible(tp)
-    for key in plan.styles:
+    styles = {key: to_torch_style(style) for key, style in plan.styles.items()}
+    for key in styles:
         if not any(_matches(key, n) for n, _ in model.named_modules()):
             raise ValueError(f"TP plan key {key!r} matches no module of "
                              f"{type(model).__name__}; check the module names")
-    tied = _check_params(model, plan.styles)
+    tied = _check_params(model, styles)
     if not sequence_parallel:
         _check_same_rng(model, tp_mesh)
 
-    parallelize_module(model, tp_mesh, dict(plan.styles))
+    parallelize_module(model, tp_mesh, styles)
     _retie(model, tied)
     for pattern, attrs in plan.local_attrs.items():
         for name, module in model.named_modules():

@@ -1,0 +1,80 @@
+"""Parallel plans as data: how tensor parallel splits a model's modules (`TPPlan`) and where
+pipeline stages are cut (`PipelinePlan`), for meshfit's reference `GPT` and for Hugging Face
+`LlamaForCausalLM` and `GPT2LMHeadModel`.
+
+Tensor parallel follows Megatron-LM (Shoeybi et al. 2019): attention q/k/v and MLP up/gate
+column-parallel, attention output and MLP down row-parallel, so each block needs one
+all-reduce forward and one backward per sub-layer; embedding and head vocabulary-parallel.
+With sequence parallel (Korthikanti et al. 2022) the all-reduces become reduce-scatter /
+all-gather pairs and the norms and dropouts between them run on a sequence shard. A tied
+embedding and head (GPT-2) shard the one [V, d] weight alike (Shard(0)), so they keep
+sharing one parameter. Position tables and norms outside sequence parallel are replicated;
+RoPE tables are buffers used on the full sequence inside attention. Dropout modules appear
+in sequence-parallel plans only when their probability is > 0.
+
+The plans name no parallel code: `meshfit.parallel.tp.apply_tp` turns each `Style` into a
+PyTorch `ParallelStyle`, and `meshfit.parallel.pp` cuts stages from a `PipelinePlan`. A model
+of another type passes its own plans (``apply_tp(plan=...)``, ``prepare_pipeline(plan=...)``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from meshfit.models.gpt import GPT
+from meshfit.models.plans.base import (PipelinePlan, Style, TPPlan, colwise, divisibility_problem,
+                                       prepare_input, replicate, rowwise, sequence)
+from meshfit.models.plans.gpt import gpt_pipeline_plan, gpt_plan
+from meshfit.models.plans.hf import (hf_gpt2_pipeline_plan, hf_gpt2_plan, hf_llama_pipeline_plan,
+                                     hf_llama_plan)
+
+__all__ = ["PipelinePlan", "Style", "TPPlan", "colwise", "divisibility_problem",
+           "gpt_pipeline_plan", "gpt_plan", "hf_gpt2_pipeline_plan", "hf_gpt2_plan",
+           "has_builtin_plans", "hf_llama_pipeline_plan", "hf_llama_plan", "pipeline_plan_for", "plan_for",
+           "prepare_input", "replicate", "rowwise", "sequence"]
+
+_BUILT_IN = "meshfit GPT, transformers LlamaForCausalLM and GPT2LMHeadModel"
+
+
+def _family(model: nn.Module) -> str | None:
+    if isinstance(model, GPT):
+        return "gpt"
+    # transformers is only looked at when the model came from it (no import cost otherwise).
+    hf = sys.modules.get("transformers")
+    if hf is not None:
+        if isinstance(model, hf.LlamaForCausalLM):
+            return "llama"
+        if isinstance(model, hf.GPT2LMHeadModel):
+            return "gpt2"
+    return None
+
+
+def has_builtin_plans(model: nn.Module) -> bool:
+    """Whether meshfit has tensor- and pipeline-parallel plans for `model`'s type."""
+    return _family(model) is not None
+
+
+def plan_for(model: nn.Module, *, sequence_parallel: bool = False,
+             loss_parallel: bool = False) -> TPPlan:
+    """The built-in tensor-parallel plan for `model`'s type; ValueError naming the supported
+    types and how to pass a plan."""
+    build = {"gpt": gpt_plan, "llama": hf_llama_plan, "gpt2": hf_gpt2_plan}.get(_family(model))
+    if build is None:
+        raise ValueError(f"no built-in tensor-parallel plan for {type(model).__name__}; "
+                         f"built-in: {_BUILT_IN}; pass plan={{module pattern: Style or "
+                         "ParallelStyle}} to apply_tp, or Accelerator(tp_plan=...)")
+    return build(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+def pipeline_plan_for(model: nn.Module) -> PipelinePlan:
+    """The built-in pipeline plan for `model`'s type; ValueError naming the supported types
+    and how to pass a plan."""
+    build = {"gpt": gpt_pipeline_plan, "llama": hf_llama_pipeline_plan,
+             "gpt2": hf_gpt2_pipeline_plan}.get(_family(model))
+    if build is None:
+        raise ValueError(f"no built-in pipeline plan for {type(model).__name__}; built-in: "
+                         f"{_BUILT_IN}; pass plan=PipelinePlan(blocks=..., first=..., last=...)"
+                         " to prepare_pipeline / build_pipeline")
+    return build(model)

@@ -1,0 +1,78 @@
+"""Plans for meshfit's reference `GPT` (GELU or SwiGLU, learned or rotary positions, GQA,
+tied or untied head; a pipeline stage too: modules it lacks are left out)."""
+
+from __future__ import annotations
+
+from meshfit.models.gpt import GPT
+from meshfit.models.plans.base import (REPLICATE, SHARD_FIRST, SHARD_LAST, SHARD_SEQ, PipelinePlan,
+                                       Style, TPPlan, colwise, prepare_input, replicate,
+                                       rowwise, sequence)
+
+__all__ = ["gpt_pipeline_plan", "gpt_plan"]
+
+
+def head(loss_parallel: bool, **kw) -> Style:
+    """The vocabulary-parallel output head: logits sharded on V for loss_parallel (kept as a
+    DTensor for `tp_cross_entropy`), else gathered."""
+    return colwise(output=SHARD_LAST if loss_parallel else REPLICATE,
+                   local_output=not loss_parallel, **kw)
+
+
+def gpt_plan(model: GPT, *, sequence_parallel: bool = False,
+             loss_parallel: bool = False) -> TPPlan:
+    """The residual stream is a local tensor, as in torchtitan: replicated [B, T, d], or
+    [B, T/T_tp, d] under sequence parallel."""
+    cfg, sp = model.config, sequence_parallel
+    mlp = {"w_in": "col", "w_out": "row"} if cfg.mlp == "gelu" else \
+        {"w1": "col", "w3": "col", "w2": "row"}
+    drop = cfg.dropout > 0
+    seq = SHARD_SEQ if sp else REPLICATE  # the residual stream between blocks
+    styles: dict[str, Style] = {}
+    if model.tok_emb is not None:
+        styles["tok_emb"] = rowwise(input=REPLICATE, output=seq)
+    if model.pos_emb is not None:
+        # forward adds pos_emb(arange(T)) [T, d] to the embedding: under SP each rank takes
+        # its rows, which are the positions of its sequence shard.
+        styles["pos_emb"] = replicate(output=SHARD_FIRST if sp else REPLICATE)
+    if sp and drop:
+        styles["drop"] = sequence(local_output=True)
+    blocks = (("attn", {"wq": "col", "wk": "col", "wv": "col", "wo": "row"}, "resid_drop"),
+              ("mlp", mlp, "drop"))
+    for part, linears, out_drop in blocks if len(model.layers) else ():
+        styles[f"layers.*.{part}_norm"] = sequence() if sp else replicate()
+        if sp:
+            # attn(x, rope): x sequence-sharded -> all-gathered; rope tables pass through.
+            ins = (SHARD_SEQ, None) if part == "attn" else (SHARD_SEQ,)
+            outs = (REPLICATE, None) if part == "attn" else (REPLICATE,)
+            styles[f"layers.*.{part}"] = prepare_input(input=ins, desired=outs)
+        for name, kind in linears.items():
+            styles[f"layers.*.{part}.{name}"] = colwise() if kind == "col" else \
+                rowwise(output=seq)
+        if sp and drop:
+            styles[f"layers.*.{part}.{out_drop}"] = sequence(local_output=True)
+    if model.norm is not None:
+        styles["norm"] = sequence() if sp else replicate()
+    if model.lm_head is not None:
+        styles["lm_head"] = head(loss_parallel, input=seq)
+    divisible = [("GPTConfig.n_head", cfg.n_head, "heads")]
+    if cfg.kv_heads != cfg.n_head:
+        divisible.append(("GPTConfig.n_kv_head", cfg.kv_heads, "heads"))
+    divisible += [("GPTConfig.d_model", cfg.d_model, "width"),
+                  ("GPTConfig.d_ff", cfg.d_ff, "width"),
+                  ("GPTConfig.vocab_size", cfg.vocab_size, "vocab")]
+    return TPPlan(styles=styles, divisible=tuple(divisible), input_kwarg="idx",
+                  targets_arg=(1, "targets"))
+
+
+def _init_stage(stage: GPT, generator) -> None:
+    # GPT.init_weights derives each parameter from one drawn seed and the parameter's name,
+    # so a stage initialised from the same generator gets exactly its slice of the model.
+    stage.init_weights(generator)
+
+
+def gpt_pipeline_plan(model: GPT) -> PipelinePlan:
+    """Blocks in ``layers`` (a ModuleDict keyed by global index); embeddings first, final
+    norm and head last. A stage is a `GPT` whose forward skips the parts set to None: it
+    takes hidden states when it has no embedding and returns them when it has no head."""
+    return PipelinePlan(blocks="layers", first=("tok_emb", "pos_emb"),
+                        last=("norm", "lm_head"), init_weights=_init_stage)

@@ -1,0 +1,240 @@
+"""Tensor-parallel styles meshfit adds to PyTorch's, and the translation of a plan's `Style`
+data into PyTorch `ParallelStyle` objects.
+
+    ReplicateParallel           parameters replicated, broadcast from the first rank
+    SequenceParallelBroadcast   torch's SequenceParallel, parameters broadcast too
+    Conv1DColwiseParallel       column split of Hugging Face's transposed Conv1D (GPT-2),
+                                with the fused q|k|v regrouping
+    Conv1DRowwiseParallel       row split of the same
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, \
+    distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, \
+    PrepareModuleOutput, RowwiseParallel, SequenceParallel
+
+from meshfit.models.plans.base import Style
+
+__all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "ReplicateParallel",
+           "SequenceParallelBroadcast", "planned_placement", "to_torch_style", "unfuse_columns"]
+
+
+# ---------------------------------------------------------------------------- styles
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated on the mesh (broadcast from the first rank) for modules that TP
+    does not split: norms outside sequence parallel, learned position tables.
+
+    The first input is taken as `input_layouts` (a plain tensor is wrapped, not moved) and
+    replicated; the output is redistributed to `output_layouts` (e.g. Shard(0) hands each rank
+    its slice of a position table under sequence parallel) and returned as a local tensor
+    when `use_local_output`.
+    """
+
+    def __init__(self, *, input_layouts: Placement = Replicate(),
+                 output_layouts: Placement = Replicate(), use_local_output: bool = True) -> None:
+        self.input_layouts, self.output_layouts = (input_layouts,), (output_layouts,)
+        self.use_local_output = use_local_output
+
+    def _partition(self, name, module, mesh) -> None:
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(p_name, nn.Parameter(
+                distribute_tensor(p, mesh, [Replicate()], src_data_rank=self.src_data_rank),
+                requires_grad=p.requires_grad))
+
+    def _prepare_input(self, module, inputs, mesh):
+        x, *rest = inputs
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, self.input_layouts, run_check=False)
+        return (x.redistribute(placements=(Replicate(),)), *rest)
+
+    def _prepare_output(self, module, out, mesh):
+        out = out.redistribute(placements=self.output_layouts)
+        return out.to_local() if self.use_local_output else out
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition, self._prepare_input,
+                                 self._prepare_output)
+
+
+class SequenceParallelBroadcast(SequenceParallel):
+    """torch's `SequenceParallel`, except that the replicated parameters are broadcast from
+    the first rank instead of assumed equal (torch's assumes a norm's ones-init)."""
+
+    def _replicate_module_fn(self, name, module, device_mesh) -> None:
+        ReplicateParallel._partition(self, name, module, device_mesh)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    # Hugging Face's transposed linear (GPT-2); only imported when such a model exists.
+    import sys
+
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
+
+
+def _fuse_order(t: torch.Tensor, chunks: int, tp: int, dim: int, inverse: bool) -> torch.Tensor:
+    if chunks == 1:
+        return t
+    dim = dim % t.ndim
+    n = t.shape[dim] // (chunks * tp)
+    outer, inner = (chunks, tp) if not inverse else (tp, chunks)
+    shaped = t.unflatten(dim, (outer, inner, n)).transpose(dim, dim + 1)
+    return shaped.flatten(dim, dim + 2).contiguous()
+
+
+def unfuse_columns(t: torch.Tensor, chunks: int, tp: int, dim: int = -1) -> torch.Tensor:
+    """Undo the head-grouped layout of a fused projection: the global tensor of a parameter
+    split by `Conv1DColwiseParallel(fused=chunks)` on `tp` ranks holds its `dim` as
+    [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank-major); this returns [q | k | v], the layout of
+    the original model (and of its checkpoints)."""
+    return _fuse_order(t, chunks, tp, dim, inverse=True)
+
+
+class Conv1DColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(1); bias Shard(0)).
+
+    `fused=3` is for a fused q|k|v projection (GPT-2's `c_attn`): a plain column split would
+    give rank 0 all of q and half of k. The columns are first regrouped rank-major, so each
+    rank receives q, k and v of its own heads, contiguous, and the module's `split(d / T)`
+    works on the local output. The parameter's global layout is then the regrouped one; use
+    `unfuse_columns` to get the original layout back (e.g. to save an HF checkpoint).
+    """
+
+    def __init__(self, *, fused: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fused = fused
+
+    def _partition_conv1d(self, name, module, mesh) -> None:
+        tp = mesh.size()
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            dim = p.ndim - 1  # weight [in, out] -> out is dim 1; bias [out] -> dim 0
+            with torch.no_grad():
+                full = _fuse_order(p.detach(), self.fused, tp, dim, inverse=False)
+            module.register_parameter(p_name, nn.Parameter(
+                distribute_tensor(full, mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
+                requires_grad=p.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not _is_conv1d(module):
+            raise ValueError(f"Conv1DColwiseParallel needs a transformers Conv1D, got "
+                             f"{type(module).__name__}; use ColwiseParallel for nn.Linear")
+        return _distribute_conv1d(self, module, device_mesh)
+
+
+def _distribute_conv1d(style, module: nn.Module, device_mesh) -> nn.Module:
+    """distribute_module with a Conv1D style's partition and its layout hooks."""
+    return distribute_module(
+        module, device_mesh, style._partition_conv1d,
+        functools.partial(style._prepare_input_fn, style.input_layouts,
+                          style.desired_input_layouts),
+        functools.partial(style._prepare_output_fn, style.output_layouts,
+                          style.use_local_output))
+
+
+class Conv1DRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(0); bias Replicate)."""
+
+    def _partition_conv1d(self, name, module, mesh) -> None:
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            placement = Shard(0) if p_name == "weight" else Replicate()
+            module.register_parameter(p_name, nn.Parameter(
+                distribute_tensor(p, mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=p.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not _is_conv1d(module):
+            raise ValueError(f"Conv1DRowwiseParallel needs a transformers Conv1D, got "
+                             f"{type(module).__name__}; use RowwiseParallel for nn.Linear")
+        self.desired_input_layouts = (Shard(-1),)
+        return _distribute_conv1d(self, module, device_mesh)
+
+
+NO_PARAMS = (PrepareModuleInput, PrepareModuleOutput)
+
+
+def planned_placement(style: ParallelStyle, module: nn.Module, p_name: str) -> Placement:
+    """The placement `style` gives parameter `p_name` of `module` (checked before applying)."""
+    weight = p_name == "weight"
+    if isinstance(style, (ReplicateParallel, SequenceParallel)):
+        return Replicate()
+    if isinstance(style, Conv1DColwiseParallel):
+        return Shard(1) if weight else Shard(0)
+    if isinstance(style, Conv1DRowwiseParallel):
+        return Shard(0) if weight else Replicate()
+    if isinstance(style, ColwiseParallel):
+        return Shard(1) if isinstance(module, nn.Embedding) else Shard(0)
+    if isinstance(style, RowwiseParallel):
+        if isinstance(module, nn.Embedding):
+            return Shard(0)
+        return Shard(1) if weight else Replicate()
+    raise ValueError(f"cannot tell how {type(style).__name__} lays out {p_name} of "
+                     f"{type(module).__name__}; tied or unplanned parameters need a known style")
+
+
+
+# ---------------------------------------------------------------------------- plan data
+def _placement(text: str | None) -> Placement | None:
+    if text is None:
+        return None
+    if text == "replicate":
+        return Replicate()
+    if text.startswith("shard(") and text.endswith(")"):
+        return Shard(int(text[6:-1]))
+    raise ValueError(f"placement {text!r} is not 'replicate' or 'shard(<dim>)'")
+
+
+def _layouts(value):
+    if isinstance(value, tuple):
+        return tuple(_placement(v) for v in value)
+    return _placement(value)
+
+
+def _kwargs(value):
+    return None if value is None else {k: _placement(v) for k, v in value.items()}
+
+
+_SPLIT = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+          "conv1d_colwise": None, "conv1d_rowwise": None}
+
+
+def to_torch_style(style) -> ParallelStyle:
+    """The PyTorch `ParallelStyle` of a plan's `Style` (a `ParallelStyle` passes through)."""
+    if isinstance(style, ParallelStyle):
+        return style
+    if not isinstance(style, Style):
+        raise ValueError(f"a TP plan value must be a meshfit Style or a torch ParallelStyle, "
+                         f"got {type(style).__name__}")
+    kw = {}
+    if style.local_output is not None:
+        kw["use_local_output"] = style.local_output
+    if style.kind in _SPLIT:
+        if style.input is not None:
+            kw["input_layouts"] = _layouts(style.input)
+        if style.output is not None:
+            kw["output_layouts"] = _layouts(style.output)
+        if style.kind == "colwise":
+            return ColwiseParallel(**kw)
+        if style.kind == "rowwise":
+            return RowwiseParallel(**kw)
+        if style.kind == "conv1d_colwise":
+            return Conv1DColwiseParallel(fused=style.fused, **kw)
+        return Conv1DRowwiseParallel(**kw)
+    if style.kind == "replicate":
+        return ReplicateParallel(output_layouts=_placement(style.output or "replicate"),
+                                 input_layouts=_placement(style.input or "replicate"),
+                                 **({} if style.local_output is None else
+                                    {"use_local_output": style.local_output}))
+    if style.kind == "sequence":
+        return SequenceParallelBroadcast(**kw)
+    if style.kind == "prepare_input":
+        return PrepareModuleInput(input_layouts=_layouts(style.input),
+                                  desired_input_layouts=_layouts(style.desired),
+                                  input_kwarg_layouts=_kwargs(style.input_kwargs),
+                                  desired_input_kwarg_layouts=_kwargs(style.desired_kwargs))
+    raise ValueError(f"Style kind {style.kind!r} is unknown")
