@@ -125,9 +125,19 @@ def test_tp2_through_accelerator_matches_single_process():
 
 
 def _fsdp_tp_worker(rank, world):
+    import warnings
+
     acc = Accelerator(parallel=ParallelDims(dp_shard=2, tp=2))
     assert acc.zero_stage == 3
-    return _train(acc, build_before=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _train(acc, build_before=False)
+        model = acc._models[0]
+        logits = model(_data(2)[0])  # the FSDP root's output, not a loss
+    # FSDP2 warns when a unit returns a view (an in-place op on it would skip the backward
+    # all-gather); tensor parallel's gathered logits are views unless parallelize copies them.
+    views = [str(w.message) for w in caught if "returned a view" in str(w.message)]
+    return {**out, "views": views, "logits_is_view": logits._base is not None}
 
 
 def test_fsdp_tp_2x2_matches_single_process():
@@ -138,4 +148,5 @@ def test_fsdp_tp_2x2_matches_single_process():
         # wq: TP's Shard(0) on tp, then FSDP2's shard of that shard on dp_shard (2-D).
         assert res["mesh"] == ("dp_shard", "tp")
         assert res["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+        assert res["views"] == [] and not res["logits_is_view"]
     _check(results, dp=2)

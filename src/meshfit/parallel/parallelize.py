@@ -123,7 +123,21 @@ def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelO
     if layout.is_fsdp:
         from meshfit.parallel.fsdp import apply_fsdp
 
+        if tp_mesh is not None:
+            model.register_forward_hook(_fresh_outputs)  # runs before FSDP2's own hook
         return apply_fsdp(model, layout.fsdp_mesh(mesh),
                           reshard_after_forward=layout.reshard_after_forward,
                           param_dtype=layout.param_dtype, offload=layout.offload)
     return model
+
+
+def _fresh_outputs(module: nn.Module, args, output):
+    """FSDP2 starts a unit's backward from a hook on each output tensor of its forward. An
+    in-place op on an output that is a view (`logits /= t`) replaces the view's autograd
+    node, dropping that hook, and the backward all-gather is silently skipped. Tensor
+    parallel's `to_local()` returns views (the gathered logits, for one), so such an output
+    is copied once, here, before FSDP2 registers its hook."""
+    from meshfit.distributed.collectives import apply_to_tensors
+
+    return apply_to_tensors(
+        lambda t: t.clone() if t.requires_grad and t._base is not None else t, output)
