@@ -1,6 +1,7 @@
 """Gradient synchronisation under gradient accumulation: four ways to write the loop.
 
-Reproduces the timing table of the gradient-synchronisation guide (seed 001) on this machine:
+Reproduces the timing table of the gradient-synchronisation guide (Accelerate's "Gradient
+synchronization" page) on this machine:
 seconds per batch (mean ± std over the measured batches after warm-up) for
 
 * ``baseline``               -- all-reduce on every micro-batch, no sync practice at all;

@@ -1,6 +1,7 @@
 """The single-GPU guide's method table, measured: tokens/s and memory per method.
 
-The guide (../shared/seeds/002_*.txt) marks each method "yes/no" for speed and memory. This
+The single-GPU training guide (Hugging Face's "Methods and tools for efficient training on a
+single GPU") marks each method "yes/no" for speed and memory. This
 script trains the reference GPT with each method alone and with the guide's combinations
 (accumulation + checkpointing + mixed precision + Adafactor / 8-bit AdamW) and reports, next to
 the plain fp32 AdamW baseline:

@@ -5,7 +5,7 @@
     expected = zero_formula(num_params, world=2, stage=3)   # {"params": ..., "total": ...}
 
 `rank_report` counts what this rank's tensors hold, not what an allocator says (a CPU build
-has no allocator statistics, PITFALLS #10): parameters, gradients, optimizer state and
+has no allocator statistics, and tracemalloc does not see tensors): parameters, gradients, optimizer state and
 buffers, each storage once. Sharded layouts are read as they are at the moment of the call:
 
     DDP                      full parameters, full gradients, full optimizer state.

@@ -11,8 +11,8 @@ measures it on a live optimizer:
 
     adamw, adamw_fused  8 B      exp_avg + exp_avg_sq in fp32 (Loshchilov & Hutter 2019).
                                  `adamw` uses the foreach kernels, `adamw_fused` the fused one
-                                 (fastest on CPU and GPU; PITFALLS: 29 ms vs 135 for 33.5M
-                                 parameters on CPU).
+                                 (fastest on CPU and GPU; measured on CPU with torch 2.13:
+                                 29 ms per step vs 135 foreach, 189 loop, 33.5M parameters).
     adamw_8bit          ~2 B     both moments as uint8 codes with one fp32 scale per block of
                                  256 (+4/256 B per moment) and 256-entry fp32 lookup tables
                                  (Dettmers et al. 2022, "8-bit Optimizers via Block-wise

@@ -1,10 +1,11 @@
 """`Accelerator`: a thin facade for users' own training loops.
 
 It speaks Hugging Face Accelerate's calls (``prepare``, ``backward``, ``accumulate``,
-``no_sync``, ``gather_for_metrics``, ...) so that a loop written for Accelerate runs with only
-the import changed, but it is a layer over ``torch.distributed`` itself: the layout's
-`Strategy` wraps models (DDP, ZeRO-1, FSDP2 for ZeRO-2/3), `Precision` handles autocast
-and loss scaling, the prepared optimizer/scheduler/dataloader objects implement accumulation
+``no_sync``, ``gather_for_metrics``, ...), but it is a layer over ``torch.distributed``
+itself: the `Layout` (decided once, in the constructor) says how the job is laid out,
+`parallelize` applies it to each model or pipeline stage, the engine's `Runtime` answers for
+it while the loop runs (groups, ``no_sync``, export), `Precision` handles autocast and loss
+scaling, and the prepared optimizer/scheduler/dataloader objects implement accumulation
 boundaries and sharding.
 """
 
@@ -69,8 +70,9 @@ class Accelerator:
             ``ParallelDims(dp_shard=N)`` shards over N ranks (ZeRO); with ``dp_replicate=M``
             too, M groups of N (hybrid sharding, HSDP). All M x N ranks see different data.
             ``tp=T`` splits every block over T ranks (Megatron-style, `apply_tp`), composed
-            with any data-parallel axes (see `meshfit.accelerator.runtime`); ``pp=P`` cuts the model
-            into stages: use `prepare_pipeline` instead of ``prepare(model)``.
+            with any data-parallel axes (see `meshfit.parallel.layout`); ``pp=P`` cuts the
+            model into stages: use `prepare_pipeline` instead of ``prepare(model)``. The
+            layout is decided once, here (`self.layout`, a `meshfit.Layout`).
         zero_stage: with dp_shard > 1, what is sharded over the dp_shard ranks (ZeRO,
             Rajbhandari et al. 2020); default 3 when dp_shard > 1, else 0.
             0: nothing (DDP). 1: optimizer state (DDP + ZeroRedundancyOptimizer, applied in
@@ -82,7 +84,7 @@ class Accelerator:
             master weights and outputs) instead of autocast. With tp or pp > 1 every
             data-parallel stage runs on FSDP2 (0: replicate-only, 1: whole gradients until the
             boundary, sharded optimizer state), so FSDP's mixed-precision policy applies to
-            all of them (see `meshfit.accelerator.runtime`).
+            all of them (see `meshfit.parallel.layout`).
         offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in
             host memory (ZeRO-Offload; zero_stage=3 only); ``"none"``.
         sync_each_batch: under accumulation with zero_stage 2/3, False skips the
@@ -101,6 +103,9 @@ class Accelerator:
             vocabulary and the reference GPT's ``model(idx, targets)`` loss is computed
             without gathering them (`meshfit.parallel.tp.tp_cross_entropy` for other
             losses). See `meshfit.parallel.tp.apply_tp`.
+        tp_plan: with tp > 1, how to split a model that has no built-in plan: a
+            `meshfit.models.plans.TPPlan` or ``{module pattern: Style or ParallelStyle}``
+            (see `meshfit.parallel.tp.apply_tp`); None: the model type's built-in plan.
         ddp_kwargs: extra keyword arguments for DistributedDataParallel
             (``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...).
         cpu: run on the CPU (gloo) even where CUDA is available; also ``MESHFIT_CPU=1``.
@@ -469,7 +474,7 @@ class Accelerator:
         """Clip the (unscaled, synchronised) gradients' total norm; returns the norm.
 
         Works on sharded (DTensor) gradients: the norm is completed across the shards, and
-        gradients on different meshes are combined per mesh (`meshfit.accelerator.runtime.clip_grad_norm_`).
+        gradients on different meshes are combined per mesh (`meshfit.parallel.clip`).
         Pass a `Pipeline` (from `prepare_pipeline`) to clip the whole pipelined model."""
         self.unscale_gradients()
         from meshfit.parallel.pp import Pipeline

@@ -33,8 +33,9 @@ Mixed precision is FSDP's policy, not autocast: parameters are all-gathered and 
 gradients and optimizer state stay fp32. ``output_dtype=fp32`` on the root only: a block
 that returned fp32 would feed fp32 activations to the next low-precision block.
 
-Initialise weights before sharding (PITFALLS #1: random init of DTensors on a CPU mesh gives
-every rank the same shard).
+Initialise weights before sharding: a meta-device model sharded and then initialised
+(`reset_parameters` on DTensors) gives every rank the same random shard on a CPU mesh, with
+only a warning ("DTensor random operators may not have complete support on cpu device mesh").
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool,
         offload: keep the sharded parameters, gradients and optimizer state in host memory
             (ZeRO-Offload); FSDP2 copies each unit's shard to the device for the all-gather
             and the optimizer steps on the CPU. Pinned memory only where CUDA exists
-            (PITFALLS #2: the default needs an accelerator).
+            (`CPUOffloadPolicy()`'s default pins memory, which fails without an accelerator:
+            "Cannot access accelerator device when none is available").
         blocks: the FSDP units below the root; default: `find_blocks(model)` (none found:
             the whole model is one unit).
     """

@@ -7,8 +7,8 @@ P_os). Per rank: Ψ·p parameters + Ψ·g gradients + Ψ·K/N optimizer state.
 
 The partition is by *whole parameters*, greedily (largest first, each to the rank with the
 fewest elements so far), not per element as FSDP2's: the state per rank is uneven when a
-few large tensors dominate (PITFALLS: 32768 vs 9736 elements for one measured model on 2
-ranks; a GPT with a large embedding puts it whole on one rank). Stage 2/3 (FSDP2) shard
+few large tensors dominate (measured: 32768 vs 9736 elements per rank for one small model on
+2 ranks; a GPT with a large embedding puts it whole on one rank). Stage 2/3 (FSDP2) shard
 per element and are balanced.
 """
 

@@ -232,90 +232,105 @@ def _batches(loader):
         yield from loader
 
 
-def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
-    """Train the reference GPT as `cfg` says; returns the last metrics. Call on every rank."""
-    t = cfg.train
-    env = env or init()
-    accum = cfg.grad_accumulation(env.world_size)
-    acc = Accelerator(
-        gradient_accumulation_steps=accum, mixed_precision=t.mixed_precision, tf32=t.tf32,
+def build_accelerator(cfg: RunConfig, env: DistEnv) -> Accelerator:
+    """The `Accelerator` of a run: [train]'s single-device options, [parallel]'s layout."""
+    t, p = cfg.train, cfg.parallel
+    return Accelerator(
+        gradient_accumulation_steps=cfg.grad_accumulation(env.world_size),
+        mixed_precision=t.mixed_precision, tf32=t.tf32,
         activation_checkpointing=t.activation_checkpointing,
         activation_checkpointing_every=t.activation_checkpointing_every,
         activation_checkpointing_policy=t.activation_checkpointing_policy,
         compile=t.compile, compile_backend=t.compile_backend, compile_mode=t.compile_mode,
         compile_scope=t.compile_scope, empty_cache_steps=t.empty_cache_steps,
-        parallel=cfg.parallel.dims(), zero_stage=cfg.parallel.zero_stage,
-        offload=cfg.parallel.offload, sync_each_batch=cfg.parallel.sync_each_batch,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        loss_parallel=cfg.parallel.loss_parallel, env=env)
-    writer = _Writer(out_dir if acc.is_main_process else None, cfg)
+        parallel=p.dims(), zero_stage=p.zero_stage, offload=p.offload,
+        sync_each_batch=p.sync_each_batch, sequence_parallel=p.sequence_parallel,
+        loss_parallel=p.loss_parallel, env=env)
 
-    with acc.main_process_first():  # rank 0 builds the token cache, the others reuse it
-        splits = load_tokens(cfg.data.path or None, cache_dir=cfg.data.cache_dir or None)
-    torch.manual_seed(t.seed)
-    model = build_model(cfg, splits.vocab_size)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    # Parallelise first, then build the optimizer over the prepared parameters (torchtitan's
-    # order: a fused optimizer checks the parameters' device when it is built; under ZeRO-2/3
-    # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
-    micro, chunks = t.micro_batch_size, cfg.microbatches(env.world_size)
-    if acc.parallel.pp > 1:
-        # Each pipeline step takes micro x chunks sequences per data-parallel rank and cuts
-        # them into `chunks` micro-batches; the global batch is micro x chunks x dp x accum.
-        p = cfg.parallel
-        pipeline = acc.prepare_pipeline(
-            model, schedule=p.schedule, microbatches=chunks, virtual_stages=p.virtual_stages,
-            record_timings=True)  # for the first PIPELINE_TIMED_STEPS steps
-        trained = _Pipelined(acc, pipeline, cfg, micro, chunks)
-    else:
-        trained = _Model(acc, acc.prepare(model))
-    if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
-        micro, accum = _find_micro_batch(acc, trained.model, t.seq_len, splits.vocab_size,
-                                         micro, accum)
-    optimizer = build_optimizer(trained.params, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    generator = torch.Generator().manual_seed(t.seed)
-    d = cfg.data
+
+def _prepare_model(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module, chunks: int):
+    """The prepared model, or under pp > 1 this rank's pipeline: each pipeline step takes
+    micro x chunks sequences per data-parallel rank and cuts them into `chunks`
+    micro-batches (the global batch is micro x chunks x dp x accumulation)."""
+    if acc.parallel.pp == 1:
+        return _Model(acc, acc.prepare(model))
+    p = cfg.parallel
+    pipeline = acc.prepare_pipeline(model, schedule=p.schedule, microbatches=chunks,
+                                    virtual_stages=p.virtual_stages,
+                                    record_timings=True)  # for PIPELINE_TIMED_STEPS steps
+    return _Pipelined(acc, pipeline, cfg, cfg.train.micro_batch_size, chunks)
+
+
+def _loaders(acc: Accelerator, cfg: RunConfig, splits, trained, rows: int, micro: int):
+    """Training batches of `rows` sequences per data-parallel rank, shuffled from the run's
+    seed, and the validation set: eval_batches micro-batches per rank, in whole pipeline
+    batches when the model is pipelined (at least one)."""
+    t, d = cfg.train, cfg.data
     workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory and acc.device.type == "cuda")
     if d.num_workers:
         workers.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
-    rows = micro * chunks  # sequences per forward/backward call on one data-parallel rank
-    train_loader = DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=rows,
-                              shuffle=True, generator=generator, drop_last=True, **workers)
+    train = DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=rows, shuffle=True,
+                       generator=torch.Generator().manual_seed(t.seed), drop_last=True,
+                       **workers)
     val_set = TokenDataset(splits.val, t.seq_len)
     dp = acc.runtime.dp_size
     n_val = min(len(val_set), t.eval_batches * micro * dp)
     if trained.whole_batches:
-        # The same sequences as without pp, in whole pipeline batches (every batch is cut
-        # into `chunks` micro-batches), rounded down to whole batches per rank (at least one).
         n_val = max(n_val // (rows * dp), 1) * rows * dp
         if n_val > len(val_set):
             raise ValueError(f"the validation split holds {len(val_set)} sequences of "
                              f"{t.seq_len} tokens, fewer than one pipeline batch of "
                              f"{rows} per data-parallel rank x {dp}; lower "
                              "train.micro_batch_size or parallel.microbatches")
-    val_loader = DataLoader(Subset(val_set, range(n_val)), batch_size=rows,
-                            drop_last=trained.whole_batches, **workers)
-    optimizer, train_loader, val_loader, scheduler = acc.prepare(
-        optimizer, train_loader, val_loader, scheduler)
+    val = DataLoader(Subset(val_set, range(n_val)), batch_size=rows,
+                     drop_last=trained.whole_batches, **workers)
+    return train, val
 
+
+def _banner(acc: Accelerator, model: torch.nn.Module, trained, micro: int, tokens: int,
+            out_dir: Path) -> str:
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trainable = "" if n_trainable == n_params else f" ({n_trainable / 1e6:.3f}M trainable)"
     layout = f", zero_stage {acc.zero_stage}" if acc.zero_stage else ""
     dims = acc.parallel
     mesh = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.enabled())
     layout += f", mesh {mesh}" if mesh and mesh != f"dp_replicate {dims.dp_replicate}" else ""
-    layout += trained.description
-    acc.print(f"meshfit train: {n_params / 1e6:.2f}M parameters{trainable}, {acc.num_processes} "
-              f"process(es) on {acc.device}{layout}, micro-batch {micro}, accumulation {accum}, "
-              f"{splits.train.shape[0] / 1e6:.1f}M training tokens -> {out_dir}")
-    tokens_per_step = t.global_batch_size * t.seq_len
-    progress = _Progress(acc.is_main_process, t.steps)
+    return (f"meshfit train: {n_params / 1e6:.2f}M parameters{trainable}, {acc.num_processes} "
+            f"process(es) on {acc.device}{layout}{trained.description}, micro-batch {micro}, "
+            f"accumulation {acc.gradient_accumulation_steps}, {tokens / 1e6:.1f}M training "
+            f"tokens -> {out_dir}")
+
+
+def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
+    """Train the reference GPT as `cfg` says; returns the last metrics. Call on every rank."""
+    t = cfg.train
+    env = env or init()
+    acc = build_accelerator(cfg, env)
+    writer = _Writer(out_dir if acc.is_main_process else None, cfg)
+    with acc.main_process_first():  # rank 0 builds the token cache, the others reuse it
+        splits = load_tokens(cfg.data.path or None, cache_dir=cfg.data.cache_dir or None)
+    torch.manual_seed(t.seed)
+    model = build_model(cfg, splits.vocab_size)
+    # Parallelise first, then build the optimizer over the prepared parameters (torchtitan's
+    # order: a fused optimizer checks the parameters' device when it is built; under ZeRO-2/3
+    # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
+    micro, chunks = t.micro_batch_size, cfg.microbatches(env.world_size)
+    trained = _prepare_model(acc, cfg, model, chunks)
+    if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
+        micro, _ = _find_micro_batch(acc, trained.model, t.seq_len, splits.vocab_size, micro,
+                                     acc.gradient_accumulation_steps)
+    optimizer = build_optimizer(trained.params, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    train_loader, val_loader = _loaders(acc, cfg, splits, trained, micro * chunks, micro)
+    optimizer, train_loader, val_loader, scheduler = acc.prepare(
+        optimizer, train_loader, val_loader, scheduler)
+    acc.print(_banner(acc, model, trained, micro, splits.train.shape[0], out_dir))
+
+    accum, progress = acc.gradient_accumulation_steps, _Progress(acc.is_main_process, t.steps)
     last: dict = {"step": 0, "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
     writer.write(last)
-    batches = _batches(train_loader)
-    loss_sum = torch.zeros((), device=acc.device)
-    window_start, window_steps = time.perf_counter(), 0
+    batches, window = _batches(train_loader), _Window(acc, t.global_batch_size * t.seq_len)
     for step in range(1, t.steps + 1):
         for _ in range(accum):
             x, y = next(batches)
@@ -326,30 +341,50 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            loss_sum += loss.detach().float()
-        window_steps += 1
+            window.add(loss)
+        window.steps += 1
         trained.after_step(step, out_dir)
         if step % t.log_every == 0 or step == t.steps:
-            # One small all-reduce per logged step, not per step: metrics stay off the hot path.
-            mean_loss = acc.reduce(loss_sum, "mean").item() / (window_steps * accum)
-            elapsed = time.perf_counter() - window_start
-            last = {"step": step, "loss": round(mean_loss, 5),
-                    "lr": float(scheduler.get_last_lr()[0]),  # torchao keeps lr as a tensor
-                    "tokens_per_s": round(window_steps * tokens_per_step / elapsed, 1),
-                    "step_time_s": round(elapsed / window_steps, 4)}
+            last = window.close(step, accum, float(scheduler.get_last_lr()[0]))
             writer.write(last)
-            progress.update(step, f"loss {mean_loss:.3f}  {last['tokens_per_s']:.0f} tok/s")
-            loss_sum.zero_()
-            window_start, window_steps = time.perf_counter(), 0
+            progress.update(step, f"loss {last['loss']:.3f}  {last['tokens_per_s']:.0f} tok/s")
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+            began = time.perf_counter()
             val = {"step": step, "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
             writer.write(val)
             last.update(val)
-            window_start = time.perf_counter()  # evaluation time is not training throughput
+            window.start += time.perf_counter() - began  # not training throughput
     progress.close()
     acc.print(f"done: loss {last.get('loss')}, val_loss {last.get('val_loss')}")
     acc.wait_for_everyone()
     return last
+
+
+class _Window:
+    """Loss and throughput over the steps since the last logged one. One small all-reduce
+    per logged step, not per step: metrics stay off the hot path."""
+
+    def __init__(self, acc: Accelerator, tokens_per_step: int):
+        self.acc, self.tokens_per_step = acc, tokens_per_step
+        self.loss_sum = torch.zeros((), device=acc.device)
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+        self.loss_sum.zero_()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss.detach().float()
+
+    def close(self, step: int, accum: int, lr: float) -> dict:
+        """The window's metrics line; a new window begins."""
+        mean_loss = self.acc.reduce(self.loss_sum, "mean").item() / (self.steps * accum)
+        elapsed = time.perf_counter() - self.start
+        out = {"step": step, "loss": round(mean_loss, 5), "lr": lr,  # (torchao: lr a tensor)
+               "tokens_per_s": round(self.steps * self.tokens_per_step / elapsed, 1),
+               "step_time_s": round(elapsed / self.steps, 4)}
+        self.restart()
+        return out
 
 
 PIPELINE_TIMED_STEPS = 5

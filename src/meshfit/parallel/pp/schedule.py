@@ -1,14 +1,4 @@
-"""Pipeline parallel on a 1-D `pp` mesh, on `torch.distributed.pipelining`.
-
-The model's blocks are cut into contiguous stages (GPipe, Huang et al. 2019); each rank runs
-its stage(s) and a torch schedule passes activations forward and gradients backward between
-ranks, one micro-batch ("chunk" in the guide) at a time:
-
-- `split_points` chooses where to cut, balancing parameter counts or measured block times
-  (embeddings go with the first stage, final norm and head with the last);
-- `build_stage_module` prunes the full model to one stage (the reference GPT is written for
-  this: a stage is the same class with blocks and ends removed, parameter names unchanged);
-- `build_pipeline` builds this rank's stage(s) and a schedule, by name:
+"""Pipeline schedules by name, their validation, timed stages and the exact batch-mean loss.
 
   ===================  ==========================================  ============================
   name                 torch schedule                              stages per rank (placement)
@@ -23,25 +13,14 @@ ranks, one micro-batch ("chunk" in the guide) at a time:
                        weight parts that fill the bubble)
   ===================  ==========================================  ============================
 
-  `gpipe` with `microbatches=1` is the guide's naive model parallelism (one rank works at a
-  time), kept as the baseline every schedule is measured against. For `zero_bubble`, torch's
-  ScheduleInterleavedZeroBubble (ZB-H1, looped) also trains correctly here; ZB-V is chosen as
-  the variant whose ideal bubble is zero at 1F1B's activation memory.
-
-Layouts: every rank passes the same global batch `inputs` [B, T] and `targets` [B, T] to
-`Pipeline.step`; the first stage splits the inputs into `microbatches` chunks of B/m rows, the
-last stage the targets. Between stages travel hidden states [B/m, T, d_model]. The step's loss
-equals a single process's mean token cross-entropy over the whole batch and is returned on
-every rank (broadcast from the last stage's rank).
-
-A weight shared between stages (GPT-2's tied embedding and head) becomes one copy per stage;
-their gradients are summed after every step so the copies receive the same update and stay
-equal, as Megatron-LM does for its embedding group.
+`gpipe` with `microbatches=1` is the guide's naive model parallelism (one rank works at a
+time), kept as the baseline every schedule is measured against. For `zero_bubble`, torch's
+ScheduleInterleavedZeroBubble (ZB-H1, looped) also trains correctly here; ZB-V is chosen as
+the variant whose ideal bubble is zero at 1F1B's activation memory.
 
 Timings: each stage's forward, backward (zero-bubble: backward_input, backward_weight) per
 micro-batch is recorded as {step, rank, stage, microbatch, phase, start, end} (wall-clock
-seconds) in `Pipeline.timings`; `gather_timings` collects all ranks', `bubble_fraction`
-measures the idle share, `theoretical_bubble` gives the textbook figure beside it.
+seconds) in `Pipeline.timings` (see `meshfit.parallel.pp.bubble`).
 """
 
 from __future__ import annotations

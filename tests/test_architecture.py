@@ -1,0 +1,130 @@
+"""The package's shape, read from its source: layers that import downwards only, no import
+cycles, and a top-level package that imports nothing until asked.
+
+Every `import` and `from ... import` statement counts, also the ones inside functions (a
+deferred import is still a dependency). Layers, bottom to top:
+
+    0  meshfit._quiet, meshfit.distributed     processes, devices, mesh axes, collectives
+    1  meshfit.models, meshfit.data            models with their plans as data; token data
+    2  meshfit.parallel, optim, memory, peft   the techniques
+    3  meshfit.accelerator                     the facade for users' loops
+    4  meshfit.train                           config, trainer, command line
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+LAYERS = [("meshfit._quiet", 0), ("meshfit.distributed", 0), ("meshfit.models", 1),
+          ("meshfit.data", 1), ("meshfit.parallel", 2), ("meshfit.optim", 2),
+          ("meshfit.memory", 2), ("meshfit.peft", 2), ("meshfit.accelerator", 3),
+          ("meshfit.train", 4)]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in (SRC / "meshfit").rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """The meshfit modules `name` imports (a `from package import module` names the module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` names a.b.c's module
+                target = target.rpartition(".")[0]
+            if target.startswith("meshfit") and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, name, modules) for name, path in modules.items()}
+
+
+def _layer(name: str) -> int | None:
+    for prefix, layer in LAYERS:
+        if name == prefix or name.startswith(prefix + "."):
+            return layer
+    return None
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in _graph() if m != "meshfit" and _layer(m) is None] == []
+
+
+def test_layers_import_downwards_only():
+    upward = [f"{a} -> {b}" for a, deps in _graph().items() if a != "meshfit"
+              for b in deps if b != "meshfit" and (_layer(b) or 0) > (_layer(a) or 0)]
+    assert upward == []
+
+
+def test_models_name_no_parallel_code():
+    # Plans are data: models import nothing from the techniques, the facade or the trainer.
+    bad = [f"{a} -> {b}" for a, deps in _graph().items() if a.startswith("meshfit.models")
+           for b in deps if not b.startswith(("meshfit.models", "meshfit.distributed"))]
+    assert bad == []
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for dep in graph.get(node, ()):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert cycles == []
+
+
+def test_top_level_package_imports_nothing_eagerly():
+    """`import meshfit.models` runs meshfit/__init__.py first; it must not pull in the rest."""
+    tree = ast.parse((SRC / "meshfit" / "__init__.py").read_text())
+    eager = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+             and any("meshfit" in (getattr(n, "module", None) or a.name) for a in n.names)]
+    assert eager == []
+
+
+def test_the_graph_sees_deferred_imports():
+    # A function-level import is an edge too: the facade defers its pipeline import.
+    assert "meshfit.parallel.pp" in _graph()["meshfit.accelerator.accelerator"]
