@@ -39,16 +39,17 @@ import importlib.util
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
 from meshfit.distributed.tensors import local_tensor, storage_bytes
 
-__all__ = ["OPTIMIZERS", "StateReport", "build", "format_report", "param_groups", "state_bytes"]
+__all__ = ["OPTIMIZERS", "OptimizerName", "StateReport", "build", "format_report", "param_groups", "state_bytes"]
 
-OPTIMIZERS = ("adamw", "adamw_fused", "adafactor", "adamw_8bit", "sgd")
+OptimizerName = Literal["adamw", "adamw_fused", "adafactor", "adamw_8bit", "sgd"]
+OPTIMIZERS = get_args(OptimizerName)
 
 # Normalisation layers by type; modules whose class name ends in "Norm" (LlamaRMSNorm,
 # T5LayerNorm, ...) count too, as Hugging Face's ALL_LAYERNORM_LAYERS list intends.
@@ -221,7 +222,7 @@ def _adamw_8bit(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
 
 
 _BUILDERS = {"adamw": _adamw, "adamw_fused": _adamw_fused, "adafactor": _adafactor,
-             "adamw_8bit": _adamw_8bit, "sgd": _sgd}
+             "adamw_8bit": _adamw_8bit, "sgd": _sgd}  # one builder per name of OptimizerName, in its order
 
 
 # ---------------------------------------------------------------- state report

@@ -10,21 +10,11 @@ and needs no scaling.
 from __future__ import annotations
 
 import contextlib
-from typing import Literal, get_args
 
 import torch
 
 from meshfit.distributed.collectives import apply_to_tensors
-
-MixedPrecision = Literal["no", "bf16", "fp16"]
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def check_mixed_precision(value: object, field: str = "mixed_precision") -> str:
-    if value not in get_args(MixedPrecision):
-        raise ValueError(f"{field}={value!r} is not a precision meshfit knows; use one of "
-                         f"{', '.join(repr(v) for v in get_args(MixedPrecision))}")
-    return value  # type: ignore[return-value]
+from meshfit.parallel.layout import check_options, precision_dtype
 
 
 def set_tf32(enabled: bool) -> bool:
@@ -71,9 +61,10 @@ class Precision:
     """Autocast context and (for fp16) a GradScaler for one device type."""
 
     def __init__(self, mode: str, device: torch.device):
-        self.mode = check_mixed_precision(mode)
+        check_options(mixed_precision=mode)  # the one list of modes: meshfit.parallel.layout
+        self.mode = mode
         self.device_type = device.type
-        self.dtype = _DTYPES.get(self.mode)
+        self.dtype = precision_dtype(mode)
         if self.dtype is not None:
             if not torch.amp.is_autocast_available(self.device_type):
                 raise ValueError(f"mixed_precision={mode!r}: autocast is not available on "

@@ -20,16 +20,18 @@ import contextlib
 import hashlib
 import math
 import warnings
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfit.models.config import GPTConfig
+from meshfit.models.config import AttentionBackend, GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "Block", "Attention", "GeluMLP", "SwiGLUMLP", "count_params",
            "check_attention_backend"]
 
+# torch's name of each `AttentionBackend` but "auto" (which leaves SDPA free to choose).
 _SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                   "cudnn": "CUDNN_ATTENTION"}
 
@@ -52,9 +54,9 @@ def check_attention_backend(backend: str, device: torch.device | str, dtype: tor
     """
     if backend == "auto":
         return
-    if backend not in _SDPA_BACKENDS:
-        raise ValueError(f"attention_backend={backend!r} is not one of auto, "
-                         f"{', '.join(_SDPA_BACKENDS)}")
+    if backend not in get_args(AttentionBackend):
+        raise ValueError(f"attention_backend={backend!r} is not one of "
+                         f"{', '.join(get_args(AttentionBackend))}")
     q = torch.randn(1, 2, 16, head_dim, device=device, dtype=dtype, requires_grad=True)
     try:
         with _sdpa_context(backend), warnings.catch_warnings():
