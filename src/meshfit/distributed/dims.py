@@ -1,9 +1,10 @@
-"""`ParallelDims`: the size of each parallel axis, validated against the world size."""
+"""`ParallelDims`: the size of each parallel axis, validated against the world size (the mesh
+itself is built from the resolved `meshfit.parallel.layout.Layout`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["AXES", "ParallelDims"]
 
@@ -35,8 +36,6 @@ class ParallelDims:
     """Expert-parallel ranks for mixture-of-experts layers."""
     world_size: int | None = None
     """Number of processes; None: resolved from the process group by `resolve`."""
-
-    _mesh: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         auto = []
@@ -97,27 +96,3 @@ class ParallelDims:
     def enabled(self) -> tuple[str, ...]:
         """Names of the axes larger than one, outermost first."""
         return tuple(n for n in AXES if getattr(self, n) > 1)
-
-    def build_mesh(self, device_type: str):
-        """The `DeviceMesh` of this layout, built once per device type.
-
-        Axes of size 1 are dropped, except the data-parallel ones: with ``tp`` or ``pp``
-        > 1 both ``dp_replicate`` and ``dp_shard`` are kept (the data-parallel wrapper of a
-        tensor-parallel model is FSDP2 over the 2-D ``(dp_replicate, dp_shard)`` sub-mesh,
-        replicate-only when dp_shard is 1); otherwise ``dp_replicate`` is kept when no
-        data-parallel axis is larger, so a one-process job still has a mesh to pass around.
-        """
-        if self.world_size is None or any(getattr(self, n) == -1 for n in AXES):
-            raise ValueError("ParallelDims.build_mesh needs resolved sizes; call "
-                             "dims.resolve(world_size) first")
-        if device_type not in self._mesh:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            keep = {"dp_replicate", "dp_shard"} if self.tp > 1 or self.pp > 1 else set()
-            if not any(n in ("dp_replicate", "dp_shard") for n in self.enabled()):
-                keep.add("dp_replicate")
-            names = tuple(n for n in AXES if getattr(self, n) > 1 or n in keep)
-            shape = tuple(getattr(self, n) for n in names)
-            self._mesh[device_type] = init_device_mesh(device_type, shape,
-                                                       mesh_dim_names=names)
-        return self._mesh[device_type]
