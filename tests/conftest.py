@@ -134,6 +134,40 @@ def python() -> str:
 
 
 @pytest.fixture
+def cli_refusal(capsys, monkeypatch):
+    """Call ``meshfit ARGS`` in this process (`meshfit.train.cli.main`) with arguments that
+    must be refused before anything starts, and return the refusal's one stderr line.
+
+    Checks what a subprocess run would show: exit code 2 and exactly one line on stderr; and
+    what only an in-process call can check: `main` left os.environ as it found it. Starting
+    workers (`launch.run`) or training in this process (`trainer.train`) is replaced by an
+    AssertionError, so arguments that are wrongly accepted fail the test instead of training.
+    MESHFIT_CPU=1 as in `subprocess_env`: device checks see the CPU even beside GPUs.
+    The hygiene fixture checks for process groups, children and threads left behind."""
+    from meshfit.train import cli, launch, trainer
+
+    def started(*args, **kwargs):
+        raise AssertionError(f"the arguments were accepted: it would have started {args}")
+
+    monkeypatch.setattr(launch, "run", started)
+    monkeypatch.setattr(trainer, "train", started)
+    monkeypatch.setenv("MESHFIT_CPU", "1")
+
+    def call(*argv: str) -> str:
+        env = dict(os.environ)
+        capsys.readouterr()  # drop anything printed before
+        rc = cli.main(list(argv))
+        captured = capsys.readouterr()
+        assert dict(os.environ) == env, "meshfit's main() changed os.environ"
+        assert rc == 2, (rc, captured.out, captured.err)
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1, captured.err
+        return lines[0]
+
+    return call
+
+
+@pytest.fixture
 def one_thread():
     """One intra-op thread for tests of tiny models: two spin-waiting OpenMP threads slow them
     several-fold when other processes share the 2 cores. Use with

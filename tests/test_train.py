@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -79,15 +80,34 @@ def test_accumulation_from_global_batch():
     (["--gpus", "9"], r"--gpus names device\(s\) 9"),
     (["steps=3"], "unknown argument 'steps=3'"),
 ])
-def test_bad_train_input_fails_before_launch(args, match, tmp_path, subprocess_env):
+def test_bad_train_input_fails_before_launch(args, match, tmp_path, cli_refusal):
     out = tmp_path / "run"
-    proc = subprocess.run([*MESHFIT, "train", "--nproc", "2", "--out", str(out), *args],
-                          env=subprocess_env, capture_output=True, text=True, timeout=60)
+    line = cli_refusal("train", "--nproc", "2", "--out", str(out), *args)
+    assert re.search(match, line), line
+    assert not out.exists()  # nothing written, nothing launched
+
+
+# The entry points themselves, in a fresh interpreter: the installed `meshfit` command and
+# `python -m meshfit.train.cli` (every other bad input calls main() in-process, above and in
+# test_zero.py, test_train_parallel.py and test_launch.py).
+@pytest.mark.parametrize("entry", ["meshfit", "python -m meshfit.train.cli"])
+def test_entry_points_refuse_bad_input_in_one_line(entry, tmp_path, subprocess_env):
+    if entry == "meshfit":
+        script = Path(sys.executable).with_name("meshfit")
+        assert script.is_file(), f"{script} missing: install the package (pip install -e .)"
+        command = [str(script)]
+    else:
+        command = MESHFIT
+    out = tmp_path / "run"
+    proc = subprocess.run([*command, "train", "--nproc", "2", "--out", str(out),
+                           "--train.steps=0"], env=subprocess_env, capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert re.search(match, lines[0]), lines[0]
-    assert not out.exists()  # nothing written, nothing launched
+    assert re.fullmatch(r"meshfit train: error: train\.steps=0 must be an integer >= 1",
+                        lines[0]), lines[0]
+    assert not out.exists()
 
 
 def test_single_device_options_train_end_to_end(tmp_path, subprocess_env):

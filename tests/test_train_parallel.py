@@ -97,13 +97,8 @@ def test_tp2_train_matches_one_process(tmp_path, subprocess_env, reference):
      r"parallel.offload='cpu' with parallel.pp > 1 is not yet available"),
 ])
 def test_bad_model_parallel_input_fails_before_launch(nproc, args, match, tmp_path,
-                                                      subprocess_env):
+                                                      cli_refusal):
     out = tmp_path / "run"
-    proc = subprocess.run([*MESHFIT, "train", "--nproc", str(nproc), "--out", str(out), *BASE,
-                           *args], env=subprocess_env, capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert re.search(match, lines[0]), lines[0]
+    line = cli_refusal("train", "--nproc", str(nproc), "--out", str(out), *BASE, *args)
+    assert re.search(match, line), line
     assert not out.exists()  # nothing written, nothing launched
