@@ -77,6 +77,15 @@ def test_each_rule_refuses_with_one_line(kw, match):
     assert "\n" not in str(err.value)
 
 
+def test_ddp_kwargs_only_where_ddp_could_run():
+    # One process without a process group takes them (the script runs DDP on more ranks).
+    assert Layout.resolve(None, 1, distributed=False, ddp_kwargs={"bucket_cap_mb": 5})
+    assert resolve(4, ddp_kwargs={"bucket_cap_mb": 5}).engine is Engine.DDP
+    for kw in (dict(dp_shard=4, dp_replicate=1), dict(tp=4, dp_replicate=1)):
+        with pytest.raises(ValueError, match=r"ddp_kwargs apply to DDP, which"):
+            resolve(4, ddp_kwargs={"bucket_cap_mb": 5}, **kw)
+
+
 def test_errors_use_the_callers_names():
     names = {"zero_stage": "parallel.zero_stage", "dp_shard": "parallel.dp_shard"}
     with pytest.raises(ValueError, match=r"^parallel.zero_stage=1 shards over the dp_shard axis"

@@ -203,11 +203,15 @@ def _not_yet_with_pp(r: _Request, n) -> str | None:
 
 
 def _ddp_kwargs_need_ddp(r: _Request, n) -> str | None:
-    if r.ddp_kwargs and r.engine not in (Engine.DDP, Engine.ZERO1):
-        engine = {Engine.NONE: "a layout without a data-parallel axis",
-                  Engine.FSDP2: f"FSDP2 (zero_stage={r.stage}"
-                                + (", tp/pp > 1)" if r.dims.tp > 1 or r.dims.pp > 1 else ")"),
-                  Engine.FSDP2_REPLICATE: "FSDP2 (tp/pp > 1)"}[r.engine]
+    # A single process (engine NONE) accepts them: the same script runs DDP on more ranks.
+    model_parallel = r.dims.tp > 1 or r.dims.pp > 1
+    if r.ddp_kwargs and (model_parallel or r.stage >= 2):
+        if model_parallel and r.dims.dp == 1:
+            engine = "a layout without a data-parallel axis"
+        elif model_parallel:
+            engine = "FSDP2 (the data-parallel engine under tp/pp > 1)"
+        else:
+            engine = f"FSDP2 (zero_stage={r.stage})"
         return f"{n('ddp_kwargs')} apply to DDP, which {engine} does not use; drop them"
     return None
 
