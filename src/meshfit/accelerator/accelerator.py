@@ -134,17 +134,15 @@ class Accelerator:
         if tf32 is not None and not isinstance(tf32, bool):
             raise ValueError(f"tf32={tf32!r} must be True, False or None (leave as it is)")
         # Checked here, before any process group or model work, with the techniques' own rules.
-        check_options(zero_stage=zero_stage, offload=offload, sync_each_batch=sync_each_batch,
-                      mixed_precision=mixed_precision, sequence_parallel=sequence_parallel,
-                      loss_parallel=loss_parallel)
+        check_options(parallel=parallel, zero_stage=zero_stage, offload=offload,
+                      sync_each_batch=sync_each_batch, mixed_precision=mixed_precision,
+                      sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         self.model_options = ModelOptions(
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_every=activation_checkpointing_every,
             activation_checkpointing_policy=activation_checkpointing_policy,
             compile=compile, compile_backend=compile_backend, compile_mode=compile_mode,
             compile_scope=compile_scope, tp_plan=tp_plan, ddp_kwargs=dict(ddp_kwargs or {}))
-        if parallel is not None and not isinstance(parallel, ParallelDims):
-            raise ValueError(f"parallel={parallel!r} must be a meshfit.ParallelDims")
         self.env = env or mdist.init(cpu=cpu)
         local = self.env.local_world_size if self.env.is_distributed else None
         # The one decision of how this job is laid out (every rule lives in Layout).

@@ -101,8 +101,10 @@ def _namer(names: Mapping[str, str] | None):
 
 # ----------------------------------------------------------------------------- the options
 def _options_problem(*, zero_stage, offload, sync_each_batch, mixed_precision,
-                     sequence_parallel, loss_parallel, n) -> str | None:
+                     sequence_parallel, loss_parallel, n, dims=None) -> str | None:
     """Values that are wrong whatever the layout."""
+    if dims is not None and not isinstance(dims, ParallelDims):
+        return f"{n('parallel')}={dims!r} must be a meshfit.ParallelDims"
     if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
         return (f"{n('zero_stage')}={zero_stage!r} must be 0 (DDP), 1, 2 or 3 (unset: 3 when "
                 "dp_shard > 1, else 0)")
@@ -124,12 +126,12 @@ def _options_problem(*, zero_stage, offload, sync_each_batch, mixed_precision,
     return None
 
 
-def check_options(*, zero_stage=None, offload="none", sync_each_batch=False,
+def check_options(*, parallel=None, zero_stage=None, offload="none", sync_each_batch=False,
                   mixed_precision="no", sequence_parallel=False, loss_parallel=False,
                   names: Mapping[str, str] | None = None) -> None:
     """One-line ValueError for an option value that is wrong whatever the layout (usable
     before the world size is known, e.g. when a config file is read)."""
-    problem = _options_problem(zero_stage=zero_stage, offload=offload,
+    problem = _options_problem(dims=parallel, zero_stage=zero_stage, offload=offload,
                                sync_each_batch=sync_each_batch, mixed_precision=mixed_precision,
                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                                n=_namer(names))
@@ -402,14 +404,12 @@ class Layout:
                 sequence_parallel, loss_parallel, ddp_kwargs, local_world_size,
                 names) -> Layout | str:
         n = _namer(names)
-        problem = _options_problem(zero_stage=zero_stage, offload=offload,
+        problem = _options_problem(dims=dims, zero_stage=zero_stage, offload=offload,
                                    sync_each_batch=False, mixed_precision=mixed_precision,
                                    sequence_parallel=sequence_parallel,
                                    loss_parallel=loss_parallel, n=n)
         if problem:
             return problem
-        if dims is not None and not isinstance(dims, ParallelDims):
-            return f"{n('parallel')}={dims!r} must be a meshfit.ParallelDims"
         dims = (dims or ParallelDims()).resolve(world_size)  # its own size checks
         stage = zero_stage if zero_stage is not None else (3 if dims.dp_shard > 1 else 0)
         engine = _engine(dims, stage, distributed)
