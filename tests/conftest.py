@@ -81,6 +81,60 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     return [results[r] for r in range(world_size)]
 
 
+# ---------------------------------------------------------------- several cases, one spawn
+# Starting ranks costs seconds (a Python interpreter and torch's import per rank), so tests
+# that need the same world size run their cases in one spawn: `run_cases` runs each case in
+# turn on every rank and keeps a failing case's traceback as that case's result, so the
+# other cases still report; `case_result` turns it back into a failure of that case's test.
+_CASE_ERROR = "__case_error__"
+
+
+def _run_cases(rank, world_size, cases):
+    out = {}
+    for name, fn, args in cases:
+        try:
+            out[name] = fn(rank, world_size, *args)
+        except Exception:
+            # Printed at once too: if the other ranks then wait forever in a collective of
+            # this case, the spawn times out and this is where the reason shows.
+            tb = traceback.format_exc()
+            print(f"rank {rank}, case {name!r} failed:\n{tb}", file=sys.stderr, flush=True)
+            out[name] = {_CASE_ERROR: tb}
+    return out
+
+
+def run_cases(cases: dict, world_size: int, *, timeout: float = 120.0) -> dict[str, list]:
+    """Run every case of ``{name: (fn, *args)}`` as ``fn(rank, world_size, *args)`` in one
+    spawn of `world_size` gloo ranks, one case after another in the given order; returns
+    ``{name: [rank 0's result, rank 1's, ...]}``. Read a case with `case_result`. `timeout`
+    covers all the cases together."""
+    ranks = run_distributed(_run_cases, world_size,
+                            [(name, fn, tuple(args)) for name, (fn, *args) in cases.items()],
+                            timeout=timeout)
+    return {name: [r[name] for r in ranks] for name in cases}
+
+
+def case_result(results: dict[str, list], name: str) -> list:
+    """The per-rank results of case `name` from `run_cases`; fails the calling test, with
+    the rank's traceback, where the case raised."""
+    per_rank = results[name]
+    for rank, res in enumerate(per_rank):
+        if isinstance(res, dict) and _CASE_ERROR in res:
+            pytest.fail(f"case {name!r} failed on rank {rank}:\n{res[_CASE_ERROR]}",
+                        pytrace=False)
+    return per_rank
+
+
+def selected(request, argname: str, values) -> list:
+    """The `values` of parameter `argname` that this run's tests of the requesting module
+    use (after -k and node-id selection), in the given order. For module fixtures that run
+    one spawn for all cases: choosing one test starts only its case."""
+    wanted = {item.callspec.params[argname] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")
+              and argname in item.callspec.params}
+    return [v for v in values if v in wanted]
+
+
 @pytest.fixture
 def subprocess_env(tmp_path):
     """Environment for launching `meshfit`/torchrun in a subprocess: our package importable,

@@ -8,6 +8,8 @@ identical weights.
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,15 @@ def tiny_gpt(*, n_layer: int = 2, d_model: int = 64, n_head: int = 4, d_ff: int 
     model = GPT(cfg)
     model.init_weights(torch.Generator().manual_seed(seed))
     return model.to(dtype)
+
+
+def tiny_preset(*, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> GPT:
+    """The full `tiny` preset (0.86M parameters at 4 blocks; what `meshfit train` trains by
+    default), GPT's own init after ``torch.manual_seed(seed)``, fields replaced by
+    `overrides`. For tests that need activations and parameters of a realistic ratio
+    (memory, compile, optimizers) rather than `tiny_gpt`'s test size."""
+    torch.manual_seed(seed)
+    return GPT(GPTConfig.preset("tiny", **overrides)).to(dtype)
 
 
 def hf_llama(*, n_layer: int = 2, seed: int = 0, dtype: torch.dtype = torch.float64):
@@ -74,11 +85,27 @@ def token_batches(n: int, seq_len: int, vocab_size: int = VOCAB, seed: int = 1):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def step_batches(x: torch.Tensor, y: torch.Tensor, per_step: int) -> list:
+    """(inputs, targets) cut into consecutive global batches of `per_step` rows, one per
+    optimizer step: what the data-parallel ranks of one step see together."""
+    return [(x[i:i + per_step], y[i:i + per_step]) for i in range(0, len(x), per_step)]
+
+
 def reference_run(model: torch.nn.Module, batches, *, lr: float = 3e-3,
                   clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, one AdamW step per (inputs, targets) batch of the global batch: the
     losses and the final state dict that every layout must reproduce."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    return reference_train(model, batches, lambda m: torch.optim.AdamW(m.parameters(), lr=lr),
+                           clip=clip)
+
+
+def reference_train(model: torch.nn.Module, batches, make_optimizer, *, make_scheduler=None,
+                    clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`reference_run` with the optimizer built by ``make_optimizer(model)`` and, if given,
+    a scheduler ``make_scheduler(optimizer)`` stepped after every optimizer step; the
+    gradient norm clipped to `clip` over `model.parameters()` (a tied weight once)."""
+    opt = make_optimizer(model)
+    sched = make_scheduler(opt) if make_scheduler is not None else None
     losses = []
     for x, y in batches:
         loss = mean_ce(logits(model, x), y)
@@ -86,6 +113,62 @@ def reference_run(model: torch.nn.Module, batches, *, lr: float = 3e-3,
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, under the user's names: DTensors gathered (a collective, call
+    it on every rank), DDP's `module.` prefix dropped."""
+    return {name.removeprefix("module."): (p.full_tensor() if hasattr(p, "full_tensor")
+                                           else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def max_gaps(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Largest absolute difference per tensor, for every name of `want` (which `got` must
+    have): what the fp64 tolerances are compared with."""
+    assert got.keys() >= want.keys(), sorted(want.keys() - got.keys())
+    return {k: (got[k].double() - want[k].double()).abs().max().item() for k in want}
+
+
+def idle_share(timings) -> float:
+    """A pipeline's idle share, written out here rather than taken from meshfit.parallel.pp:
+    for each step, every rank that recorded work is counted over the step's whole span
+    (first start to last end on any rank) and idles for that span minus its own busy time;
+    the idle time of all ranks and steps over their total span."""
+    by_step = defaultdict(list)
+    for t in timings:
+        by_step[t["step"]].append(t)
+    idle = total = 0.0
+    for entries in by_step.values():
+        span = max(t["end"] for t in entries) - min(t["start"] for t in entries)
+        for r in {t["rank"] for t in entries}:
+            busy = sum(t["end"] - t["start"] for t in entries if t["rank"] == r)
+            idle, total = idle + span - busy, total + span
+    return idle / total
+
+
+def loss_and_grads(model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor | None,
+                   seed: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward with the model's own loss, ``model(idx, tgt)``, and backward: the loss and
+    a copy of every parameter's gradient by name. `seed` seeds the global RNG first (dropout)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    loss = model(idx, tgt)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def forward_bytes(model: torch.nn.Module, *inputs) -> int:
+    """Net bytes the CPU allocator holds after the forward pass ``model(*inputs)`` (what its
+    backward will free), from the profiler's allocations minus frees; then runs backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = model(*inputs)
+    loss.backward()
+    return sum(e.self_cpu_memory_usage for e in prof.key_averages())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_distributed
+from conftest import case_result, run_cases
 from meshfit import Accelerator, ParallelDims
 
 N_SAMPLES, IN, OUT = 64, 8, 4
@@ -39,6 +39,21 @@ def _params(model):
 MICRO, K, STEPS = 2, 4, 3
 
 
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every 2-rank worker of this file in one spawn (see conftest.run_cases)."""
+    return run_cases({
+        "accumulate-float64": (_ddp_accumulate, torch.float64),
+        "accumulate-float32": (_ddp_accumulate, torch.float32),
+        "no_sync": (_ddp_no_sync_by_hand,),
+        "allreduce-accumulate": (_count_allreduces, True),
+        "allreduce-every-batch": (_count_allreduces, False),
+        "gather-23": (_gather_epochs, 23, False),
+        "gather-23-shuffled": (_gather_epochs, 23, True),
+        "gather-24-shuffled": (_gather_epochs, 24, True),
+    }, 2)
+
+
 def _ddp_accumulate(rank, world, dtype):
     acc = Accelerator(gradient_accumulation_steps=K)
     x, y = _data(dtype)
@@ -64,8 +79,8 @@ def _ddp_accumulate(rank, world, dtype):
     # sqrt(v) ~ |g|, so an element's update can move by ~1e-7 relative of lr=1e-2 per step.
     (torch.float32, 1e-6),
 ])
-def test_ddp_accumulate_matches_single_process(dtype, tol):
-    ranks = run_distributed(_ddp_accumulate, 2, dtype)
+def test_ddp_accumulate_matches_single_process(two_ranks, dtype, tol):
+    ranks = case_result(two_ranks, f"accumulate-{str(dtype).removeprefix('torch.')}")
     # Reference: one process, one optimizer step per global batch of MICRO * 2 ranks * K.
     x, y = _data(dtype)
     model = _model(dtype)
@@ -101,8 +116,8 @@ def _ddp_no_sync_by_hand(rank, world):
     return _params(acc.unwrap_model(ddp_model))
 
 
-def test_no_sync_by_hand_matches_single_process():
-    ranks = run_distributed(_ddp_no_sync_by_hand, 2)
+def test_no_sync_by_hand_matches_single_process(two_ranks):
+    ranks = case_result(two_ranks, "no_sync")
     x, y = _data()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -150,11 +165,11 @@ def _count_allreduces(rank, world, use_accumulate):
     return buckets, len(calls), optimizer_steps
 
 
-def test_one_allreduce_round_per_optimizer_step():
-    for buckets, calls, steps in run_distributed(_count_allreduces, 2, True):
+def test_one_allreduce_round_per_optimizer_step(two_ranks):
+    for buckets, calls, steps in case_result(two_ranks, "allreduce-accumulate"):
         assert buckets >= 1 and steps == STEPS
         assert calls == STEPS * buckets  # one round per optimizer step, none in between
-    for buckets, calls, steps in run_distributed(_count_allreduces, 2, False):
+    for buckets, calls, steps in case_result(two_ranks, "allreduce-every-batch"):
         assert calls == STEPS * K * buckets  # without accumulate: every micro-batch
 
 
@@ -174,9 +189,9 @@ def _gather_epochs(rank, world, n, shuffle):
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_gather_for_metrics_returns_exactly_the_dataset(shuffle):
+def test_gather_for_metrics_returns_exactly_the_dataset(two_ranks, shuffle):
     n = 23  # not a multiple of 2 ranks x batch 3
-    results = run_distributed(_gather_epochs, 2, n, shuffle)
+    results = case_result(two_ranks, "gather-23-shuffled" if shuffle else "gather-23")
     for epoch in range(2):
         gathered0, gathered1 = results[0][epoch][1], results[1][epoch][1]
         assert gathered0 == gathered1
@@ -187,8 +202,8 @@ def test_gather_for_metrics_returns_exactly_the_dataset(shuffle):
     assert len(results[0][0][0]) == len(results[1][0][0])
 
 
-def test_shuffling_identical_across_ranks_and_new_each_epoch():
-    results = run_distributed(_gather_epochs, 2, 24, True)
+def test_shuffling_identical_across_ranks_and_new_each_epoch(two_ranks):
+    results = case_result(two_ranks, "gather-24-shuffled")
     (e0_r0, g0), (e1_r0, g1) = results[0]
     (e0_r1, _), (e1_r1, _) = results[1]
     # Ranks draw from one shared permutation: disjoint shards that cover the dataset.

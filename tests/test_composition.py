@@ -17,49 +17,35 @@ all-reduce, a batch seen twice, an unsummed tied copy) misses by more than 1e-3.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_distributed
-from reference import token_batches
+from conftest import case_result, run_cases, run_distributed, selected
+from reference import logits, mean_ce, reference_run, step_batches, tiny_gpt, token_batches
 from meshfit import Accelerator, ParallelDims
-from meshfit.models import GPT, GPTConfig
 
-CFG = dataclasses.replace(GPTConfig.preset("tiny"), n_layer=4, d_model=64, n_head=4, d_ff=128,
-                          max_seq_len=16, dropout=0.0)
 STEPS, T, MICRO, LR = 5, 16, 2, 3e-3
 LOSS_RTOL, PARAM_ATOL = 1e-10, 1e-10
 
 
-def _model() -> GPT:
-    torch.manual_seed(0)  # the same weights on every rank
-    return GPT(CFG).double()
+def _model():
+    # The reference GPT with dropout off (its default), tied embedding and head, GELU and
+    # learned positions; the same weights on every rank.
+    return tiny_gpt(n_layer=4, max_seq_len=T)
 
 
 def _data(n: int):
-    return token_batches(n, T, CFG.vocab_size)
+    return token_batches(n, T)
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(per_step: int, clip: float | None = None):
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    x, y = _data(STEPS * per_step)
-    losses = []
-    for s in range(STEPS):
-        xb, yb = x[s * per_step:(s + 1) * per_step], y[s * per_step:(s + 1) * per_step]
-        loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
-        opt.zero_grad()
-        loss.backward()
-        if clip is not None:  # parameters() lists the tied weight once
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference_run(_model(), step_batches(*_data(STEPS * per_step), per_step), lr=LR,
+                         clip=clip)
 
 
 def _worker(rank, world, dims: dict, options: dict, pipeline: dict | None,
@@ -115,7 +101,7 @@ def _check(results, dp: int, per_rank: int, k: int = 1, clip: float | None = Non
         model.load_state_dict(want_state)
         x, y = _data(per_rank)
         with torch.no_grad():
-            want = F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+            want = mean_ce(logits(model, x), y).item()
         assert all(r["eval"] == pytest.approx(want, rel=LOSS_RTOL) for r in results)
     for res in results:
         assert res["dp"] == dp
@@ -128,27 +114,54 @@ def _check(results, dp: int, per_rank: int, k: int = 1, clip: float | None = Non
         torch.testing.assert_close(state[key], value, rtol=0, atol=PARAM_ATOL)
 
 
-LAYOUTS = [
-    # id, ParallelDims kwargs, Accelerator options, pipeline kwargs, data-parallel degree
-    ("dp2xtp2", dict(dp_replicate=2, tp=2), {}, None, 2),
-    ("dp2xtp2-sp-lp", dict(dp_replicate=2, tp=2),
-     dict(sequence_parallel=True, loss_parallel=True), None, 2),
-    ("zero1-dp2xtp2", dict(dp_shard=2, tp=2), dict(zero_stage=1), None, 2),
-    ("dp2xpp2", dict(pp=2, dp_replicate=2), {}, dict(schedule="1f1b", microbatches=2), 2),
-    ("tp2xpp2", dict(pp=2, tp=2), {}, dict(schedule="gpipe", microbatches=2), 1),
-    ("tp2xpp2-sp-zero_bubble", dict(pp=2, tp=2), dict(sequence_parallel=True),
-     dict(schedule="zero_bubble", microbatches=2), 1),
-    ("zero1-dp2xpp2-interleaved", dict(pp=2, dp_shard=2), dict(zero_stage=1),
-     dict(schedule="interleaved_1f1b", microbatches=2), 2),
-    ("zero2-dp2xpp2-warns", dict(pp=2, dp_shard=2), dict(zero_stage=2),
-     dict(schedule="gpipe", microbatches=2), 2),
-]
+LAYOUTS = {
+    # id: ParallelDims kwargs, Accelerator options, pipeline kwargs, data-parallel degree
+    "dp2xtp2": (dict(dp_replicate=2, tp=2), {}, None, 2),
+    "dp2xtp2-sp-lp": (dict(dp_replicate=2, tp=2), dict(sequence_parallel=True,
+                                                       loss_parallel=True), None, 2),
+    "zero1-dp2xtp2": (dict(dp_shard=2, tp=2), dict(zero_stage=1), None, 2),
+    "dp2xpp2": (dict(pp=2, dp_replicate=2), {}, dict(schedule="1f1b", microbatches=2), 2),
+    "tp2xpp2": (dict(pp=2, tp=2), {}, dict(schedule="gpipe", microbatches=2), 1),
+    "tp2xpp2-sp-zero_bubble": (dict(pp=2, tp=2), dict(sequence_parallel=True),
+                               dict(schedule="zero_bubble", microbatches=2), 1),
+    "zero1-dp2xpp2-interleaved": (dict(pp=2, dp_shard=2), dict(zero_stage=1),
+                                  dict(schedule="interleaved_1f1b", microbatches=2), 2),
+    "zero2-dp2xpp2-warns": (dict(pp=2, dp_shard=2), dict(zero_stage=2),
+                            dict(schedule="gpipe", microbatches=2), 2),
+}
+# dp2 x pp2 with 2 pipeline steps per optimizer step (scale=1/2) and the gradient norm
+# clipped to 0.5 across both stages and data-parallel ranks.
+ACCUMULATE_CLIP = (dict(pp=2, dp_replicate=2), dict(gradient_accumulation_steps=2),
+                   dict(schedule="1f1b", microbatches=2), 0.5)
+# The guide's 3-D layouts on 8 ranks: DP + PP + TP and ZeRO-1 + PP + TP (2 x 2 x 2).
+EIGHT_RANKS = {
+    "dp2xpp2xtp2": (dict(pp=2, dp_replicate=2, tp=2), dict(zero_stage=0)),
+    "zero1-dp2xpp2xtp2": (dict(pp=2, dp_shard=2, tp=2, dp_replicate=1), dict(zero_stage=1)),
+}
+PIPELINE_1F1B = dict(schedule="1f1b", microbatches=2)
 
 
-@pytest.mark.parametrize("dims, options, pipeline, dp",
-                         [pytest.param(*layout[1:], id=layout[0]) for layout in LAYOUTS])
-def test_layout_matches_single_process(dims, options, pipeline, dp):
-    results = run_distributed(_worker, 4, dims, options, pipeline, timeout=240)
+@pytest.fixture(scope="module")
+def four_ranks(request):
+    """Every 4-rank layout trained in one spawn (see conftest.run_cases)."""
+    cases = {name: (_worker, *LAYOUTS[name][:3])
+             for name in selected(request, "layout", list(LAYOUTS))}
+    cases["accumulate-clip"] = (_worker, *ACCUMULATE_CLIP)
+    return run_cases(cases, 4, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(request):
+    cases = {name: (_worker, dims, options, PIPELINE_1F1B)
+             for name, (dims, options) in EIGHT_RANKS.items()
+             if name in selected(request, "layout", list(EIGHT_RANKS))}
+    return run_cases(cases, 8, timeout=400)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(four_ranks, layout):
+    dims, options, pipeline, dp = LAYOUTS[layout]
+    results = case_result(four_ranks, layout)
     if options.get("zero_stage") == 2:  # the guide's warning: ZeRO-2/3 with a pipeline
         for res in results:
             assert len(res["warnings"]) == 1 and "zero_stage=2 with pp=2" in res["warnings"][0]
@@ -163,31 +176,23 @@ def test_layout_matches_single_process(dims, options, pipeline, dp):
     _check(results, dp, per_rank)
 
 
-def test_pipeline_accumulation_and_clipping_match_single_process():
+def test_pipeline_accumulation_and_clipping_match_single_process(four_ranks):
     """dp2 x pp2 with 2 pipeline steps per optimizer step (scale=1/2) and the gradient norm
     clipped to 0.5 across both stages and data-parallel ranks (the tied embedding counted
     once): the same as one process clipping its whole model's norm."""
-    dims, pipeline = dict(pp=2, dp_replicate=2), dict(schedule="1f1b", microbatches=2)
-    results = run_distributed(_worker, 4, dims, dict(gradient_accumulation_steps=2), pipeline,
-                              0.5, timeout=240)
+    results = case_result(four_ranks, "accumulate-clip")
     norms = [r["norms"] for r in results]
     assert len(norms[0]) == STEPS and all(n == norms[0] for n in norms)  # every rank agrees
     assert min(norms[0]) > 0.5  # the clip was active on every step
     _check(results, 2, MICRO * 2, k=2, clip=0.5)
 
 
-@pytest.mark.parametrize("dp_axis, zero_stage", [("dp_replicate", 0), ("dp_shard", 1)],
-                         ids=["dp2xpp2xtp2", "zero1-dp2xpp2xtp2"])
-def test_dp_pp_tp_on_eight_ranks(dp_axis, zero_stage):
+@pytest.mark.parametrize("layout", list(EIGHT_RANKS))
+def test_dp_pp_tp_on_eight_ranks(eight_ranks, layout):
     """The guide's 3-D layouts on 8 ranks: DP + PP + TP and ZeRO-1 + PP + TP (2 x 2 x 2)."""
-    dims, pipeline = {"pp": 2, dp_axis: 2, "tp": 2}, dict(schedule="1f1b", microbatches=2)
-    if dp_axis == "dp_shard":
-        dims["dp_replicate"] = 1
-    results = run_distributed(_worker, 8, dims, dict(zero_stage=zero_stage), pipeline,
-                              timeout=400)
-    assert {r["zero_stage"] for r in results} == {zero_stage}
+    results = case_result(eight_ranks, layout)
+    assert {r["zero_stage"] for r in results} == {EIGHT_RANKS[layout][1]["zero_stage"]}
     _check(results, 2, MICRO * 2)
-
 
 
 def _pipeline_misuse_worker(rank, world):

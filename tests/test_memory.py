@@ -22,7 +22,7 @@ from torch import nn
 from meshfit.memory import RankMemory, rank_report, zero_formula
 from meshfit.optim import state_bytes
 from meshfit.accelerator.prepared import GradientState, PreparedOptimizer
-from conftest import run_distributed
+from conftest import case_result, run_cases
 
 WIDTHS = (256, 512, 256, 256)
 PSI = sum(i * o + o for i, o in zip(WIDTHS, WIDTHS[1:]))  # 328,704
@@ -32,7 +32,9 @@ REL = 0.02  # the formula's tolerance: it omits the 4-byte step scalars (see mod
 
 
 def _model() -> nn.Sequential:
-    torch.manual_seed(0)  # same initial weights on every rank (PITFALLS #1: init, then shard)
+    # The same initial weights on every rank: each builds the whole model from one seed
+    # before it is wrapped or sharded (ranks that start apart would train apart).
+    torch.manual_seed(0)
     layers = [nn.Linear(i, o) for i, o in zip(WIDTHS, WIDTHS[1:])]
     return nn.Sequential(*layers)
 
@@ -112,8 +114,15 @@ def _numels() -> list[int]:
     return [p.numel() for p in _model().parameters()]
 
 
-def test_ddp_holds_the_full_model_on_each_rank():
-    reports = run_distributed(_ddp_worker, WORLD)
+@pytest.fixture(scope="module")
+def measured():
+    """The three layouts' workers in one spawn (see conftest.run_cases)."""
+    return run_cases({"ddp": (_ddp_worker,), "zero1": (_zero1_worker,),
+                      "fsdp2": (_fsdp2_worker,)}, WORLD)
+
+
+def test_ddp_holds_the_full_model_on_each_rank(measured):
+    reports = case_result(measured, "ddp")
     formula = zero_formula(PSI, WORLD, 0)
     for r in reports:
         assert (r.param_bytes, r.grad_bytes, r.buffer_bytes) == (4 * PSI, 4 * PSI, 0)
@@ -125,8 +134,8 @@ def test_ddp_holds_the_full_model_on_each_rank():
         assert r.total_bytes == pytest.approx(formula["total"], rel=REL)
 
 
-def test_zero1_shards_only_the_optimizer_state():
-    results = run_distributed(_zero1_worker, WORLD)
+def test_zero1_shards_only_the_optimizer_state(measured):
+    results = case_result(measured, "zero1")
     formula = zero_formula(PSI, WORLD, 1)
     parts = _zero_greedy(_numels(), WORLD)
     # ZeRO-1's partition is whole tensors, so a rank's share is off Ψ/N by up to this much.
@@ -148,8 +157,8 @@ def test_zero1_shards_only_the_optimizer_state():
     assert sum(res["report"].optimizer_bytes for res in results) == _adamw_bytes(_numels())
 
 
-def test_fsdp2_shards_params_grads_and_state():
-    results = run_distributed(_fsdp2_worker, WORLD)
+def test_fsdp2_shards_params_grads_and_state(measured):
+    results = case_result(measured, "fsdp2")
     formula = zero_formula(PSI, WORLD, 3)
     # reshard_after_forward=False (meshfit's stage 2) holds the same at rest: see zero_formula.
     assert zero_formula(PSI, WORLD, 2, fsdp2=True) == formula

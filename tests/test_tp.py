@@ -17,6 +17,7 @@ GPT-2's fused c_attn gives loss gaps of 5e-3 and gradient gaps of 0.1).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 
 import pytest
@@ -24,7 +25,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from conftest import run_distributed
+from conftest import case_result, run_cases, selected
+from reference import MODELS, token_batches
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.plans import gpt_plan
 from meshfit.parallel.tp import apply_tp, tp_cross_entropy, unfuse_columns
@@ -46,31 +48,16 @@ def _mesh():
 
 
 def _batch():
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randint(0, VOCAB, (2, B, T), generator=g)
+    x, y = token_batches(B, T, VOCAB, seed=1)
     y[0, 3] = -100  # an ignored target: every loss path must skip it alike
     return x, y
 
 
 def _build(kind: str, variant: str | None = None) -> torch.nn.Module:
-    torch.manual_seed(0)
+    # fp64 test-size models from reference.py (2 blocks, width 64, 4 heads).
     if kind == "gpt":
-        cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=64, d_ff=128,
-                        max_seq_len=32, **GPT_VARIANTS[variant])
-        return GPT(cfg).double()
-    import transformers
-
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
-                                       num_attention_heads=4, num_key_value_heads=2,
-                                       num_hidden_layers=2, vocab_size=VOCAB,
-                                       max_position_embeddings=32)
-        return transformers.LlamaForCausalLM(cfg).double()
-    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=128,
-                                  vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                  eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg).double()
+        return MODELS["gpt"](**GPT_VARIANTS[variant])
+    return MODELS[kind]()
 
 
 def _loss(model, x, y, lp: bool):
@@ -159,27 +146,39 @@ def _check(results, kind: str, expect_tied: bool):
     assert [r["tp"] for r in results[0]] == [r["tp"] for r in results[1]]
 
 
-@pytest.mark.parametrize("variant", list(GPT_VARIANTS))
-def test_gpt_tp2_matches_single_process(variant):
-    results = run_distributed(_compare, 2, "gpt", variant, COMBOS)
-    _check(results, "gpt", expect_tied=GPT_VARIANTS[variant]["tie_embeddings"])
-
-
-def test_hf_llama_tp2_matches_single_process():
-    pytest.importorskip("transformers")
-    results = run_distributed(_compare, 2, "llama", None, [(False, False), (True, True)])
-    _check(results, "llama", expect_tied=False)
-
-
-def test_hf_gpt2_tp2_matches_single_process():
+# Every comparison on 2 ranks, in one spawn: name -> (kind, GPT variant, (sp, lp) combos,
+# tied embedding and head expected).
+CASES = {
+    **{f"gpt-{variant}": ("gpt", variant, COMBOS, kw["tie_embeddings"])
+       for variant, kw in GPT_VARIANTS.items()},
+    "llama": ("llama", None, [(False, False), (True, True)], False),
     # Fused c_attn re-laid out head-grouped; wte/lm_head stay one tied tensor.
-    pytest.importorskip("transformers")
-    results = run_distributed(_compare, 2, "gpt2", None, [(False, True), (True, False)])
-    _check(results, "gpt2", expect_tied=True)
+    "gpt2": ("gpt2", None, [(False, True), (True, False)], True),
+}
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+@pytest.fixture(scope="module")
+def tp2(request):
+    names = [n for n in selected(request, "case", list(CASES))
+             if HAS_TRANSFORMERS or CASES[n][0] == "gpt"]
+    cases = {n: (_compare, *CASES[n][:3]) for n in names}
+    cases["bad-input"] = (_bad_inputs,)  # well under a second
+    return run_cases(cases, 2, timeout=240)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_matches_single_process(tp2, case):
+    kind, _, _, tied = CASES[case]
+    if kind != "gpt":
+        pytest.importorskip("transformers")
+    _check(case_result(tp2, case), kind, expect_tied=tied)
 
 
 # ---------------------------------------------------------------------------- bad input
 def _small(**kw) -> GPT:
+    # Not reference.tiny_gpt: the refusals need shapes it fixes (vocab_size=257 among them);
+    # only the error matters here, not the weights.
     torch.manual_seed(0)
     return GPT(GPTConfig(**{"n_layer": 1, "d_model": 32, "n_head": 4, "d_ff": 64, **kw}))
 
@@ -218,8 +217,8 @@ def _bad_inputs(rank, world_size):
     return errors
 
 
-def test_bad_input_raises_before_touching_the_model():
-    errors = run_distributed(_bad_inputs, 2)[0]
+def test_bad_input_raises_before_touching_the_model(tp2):
+    errors = case_result(tp2, "bad-input")[0]
     assert all("\n" not in e for e in errors.values()), errors
     assert "GPTConfig.n_head=3 does not divide by tp=2" in errors["heads"]
     assert "GPTConfig.vocab_size=257 does not divide by tp=2; pad it to 258 " \

@@ -13,35 +13,29 @@ relative per op); after 3 AdamW steps parameters agree to far below the 1e-12 to
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import run_distributed
-from reference import token_batches
+from reference import (full_params, mean_ce, reference_train, step_batches, tiny_gpt,
+                       token_batches)
 from meshfit import Accelerator, ParallelDims
-from meshfit.models import GPT, GPTConfig
 
-CFG = dataclasses.replace(GPTConfig.preset("tiny"), n_layer=2, d_model=64, n_head=4, d_ff=128,
-                          max_seq_len=16, dropout=0.0)
 SEQ, MICRO, STEPS = 16, 2, 3
 LR, WD = 1e-2, 0.1
 TOL = 1e-12
 
 
-def _model(cfg=CFG) -> GPT:
-    torch.manual_seed(0)  # the same weights on every rank
-    return GPT(cfg).double()
+def _model(**overrides):
+    return tiny_gpt(n_layer=2, max_seq_len=SEQ, **overrides)  # fp64, dropout off
 
 
 def _data(n: int):
-    return token_batches(n, SEQ, CFG.vocab_size)
+    return token_batches(n, SEQ)
 
 
 def _loss(model, x, y):
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return mean_ce(model(x), y)  # the GPT's logits (fp64), as prepared or not
 
 
 def _optimizer(model):
@@ -51,16 +45,9 @@ def _optimizer(model):
 
 
 def _reference(dp: int) -> dict[str, torch.Tensor]:
-    model = _model()
-    opt = _optimizer(model)
     per_step = MICRO * dp
-    x, y = _data(STEPS * per_step)
-    for s in range(STEPS):
-        opt.zero_grad()
-        _loss(model, x[s * per_step:(s + 1) * per_step],
-              y[s * per_step:(s + 1) * per_step]).backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    batches = step_batches(*_data(STEPS * per_step), per_step)
+    return reference_train(_model(), batches, _optimizer)[1]
 
 
 def _train(acc: Accelerator, *, build_before: bool):
@@ -82,7 +69,7 @@ def _train(acc: Accelerator, *, build_before: bool):
             opt.step()
             opt.zero_grad()
         losses.append(loss.item())
-    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    params = full_params(model)
     p = model.layers["0"].attn.wq.weight
     seen = torch.cat([acc.gather_for_metrics(idx) for (idx,) in
                       acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=2))])
@@ -108,7 +95,7 @@ def _tp_worker(rank, world):
     acc = Accelerator(parallel=ParallelDims(tp=2))
     # Bad input first: 1 head cannot be split over tp=2; refused in prepare, before training.
     try:
-        acc.prepare(_model(dataclasses.replace(CFG, n_head=1)))
+        acc.prepare(_model(n_head=1))
         bad = None
     except ValueError as e:
         bad = str(e)

@@ -17,7 +17,6 @@ block before sharding it (aot_eager), and checks that graphs were produced (PITF
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import subprocess
@@ -25,17 +24,14 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_distributed
-from reference import token_batches
+from conftest import case_result, run_cases, run_distributed
+from reference import (full_params, mean_ce, reference_train, step_batches, tiny_gpt,
+                       token_batches)
 from meshfit import Accelerator, ParallelDims
 from meshfit.memory import rank_report, zero_formula
-from meshfit.models import GPT, GPTConfig
 
-CFG = dataclasses.replace(GPTConfig.preset("tiny"), n_layer=2, d_model=64, n_head=4, d_ff=128,
-                          max_seq_len=16)
 SEQ, MICRO, K, STEPS = 16, 2, 2, 3
 LR, WD, CLIP = 1e-2, 0.1, 0.5
 B = 8  # bytes per fp64 element
@@ -46,18 +42,19 @@ B = 8  # bytes per fp64 element
 TOL = 1e-12
 
 
-def _model(dtype=torch.float64) -> GPT:
-    torch.manual_seed(0)  # the same weights on every rank: initialised before sharding
-    return GPT(CFG).to(dtype)
+def _model(dtype=torch.float64, seed: int = 0):
+    # The same weights on every rank (initialised before sharding); every dim 0 divides by 2.
+    return tiny_gpt(n_layer=2, max_seq_len=SEQ, dtype=dtype, seed=seed)
 
 
 def _data(n: int):
-    return token_batches(n, SEQ, CFG.vocab_size)
+    return token_batches(n, SEQ)
 
 
 def _loss(model, x, y):
-    # The loss on the logits as the model returns them (fp64 stays fp64).
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    # The loss on the logits as the model returns them (fp64 stays fp64); `model` may be a
+    # DDP wrapper, which reference.logits does not recognise as a GPT.
+    return mean_ce(model(x), y)
 
 
 def _optimizer(model):
@@ -80,28 +77,10 @@ def _block_numel() -> int:
 
 def _reference(world: int) -> dict[str, torch.Tensor]:
     """One process, one optimizer step per global batch of MICRO x world x K sequences."""
-    model = _model()
-    opt = _optimizer(model)
-    sched = _scheduler(opt)
-    x, y = _data(STEPS * K * MICRO * world)
     per_step = K * MICRO * world
-    for s in range(STEPS):
-        opt.zero_grad()
-        _loss(model, x[s * per_step:(s + 1) * per_step], y[s * per_step:(s + 1) * per_step]
-              ).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _full_params(model) -> dict[str, torch.Tensor]:
-    """Every rank's view of the whole parameters (DTensors gathered: a collective)."""
-    out = {}
-    for name, p in model.named_parameters():
-        out[name.removeprefix("module.")] = (p.full_tensor() if hasattr(p, "full_tensor")
-                                             else p).detach().clone()
-    return out
+    batches = step_batches(*_data(STEPS * per_step), per_step)
+    return reference_train(_model(), batches, _optimizer, make_scheduler=_scheduler,
+                           clip=CLIP)[1]
 
 
 def _train(acc: Accelerator, *, build_before: bool, probe=None, after_backward=None):
@@ -174,7 +153,7 @@ def _stages_worker(rank, world, out_dir):
                                     probe=None if "compile" in kwargs else probe)
         inner = opt.optimizer
         out[name] = {
-            "stage": acc.zero_stage, "params": _full_params(model),
+            "stage": acc.zero_stage, "params": full_params(model),
             "state_dict": acc.get_state_dict(model), "report": report,
             "mid_param_bytes": mid.get("param_bytes"), "optimizer": type(inner).__name__,
             "local_numels": sorted(p.numel() for g in getattr(inner, "optim", inner).param_groups
@@ -196,11 +175,20 @@ def _zero_greedy(numels: list[int], world: int) -> list[list[int]]:
     return parts
 
 
-def test_zero_stages_match_single_process_and_the_formula(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both 2-rank workers (the stages; accumulation, precision and export) in one spawn."""
+    return run_cases({"stages": (_stages_worker, str(tmp_path_factory.mktemp("stages"))),
+                      "accumulation": (_accumulation_worker,
+                                       str(tmp_path_factory.mktemp("accumulation")))},
+                     2, timeout=240)
+
+
+def test_zero_stages_match_single_process_and_the_formula(two_ranks):
     from safetensors.torch import load_file
 
     world = 2
-    results = run_distributed(_stages_worker, world, str(tmp_path))
+    results = case_result(two_ranks, "stages")
     want = _reference(world)
     psi, block = _numel(), _block_numel()
     numels = [p.numel() for p in _model().parameters()]
@@ -279,7 +267,7 @@ def test_single_process_export(tmp_path):
     path = acc.save_model(model, tmp_path / "out")
     state = load_file(path)
     assert set(state) == set(_model().state_dict())  # tied: both names, separate copies
-    fresh = GPT(CFG).to(torch.float64)
+    fresh = _model(seed=1)  # other weights: the loaded ones must replace them
     fresh.load_state_dict(state)
     x, _ = _data(2)
     torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
@@ -294,7 +282,7 @@ def _hybrid_worker(rank, world):
     p = next(model.parameters())
     dataset = acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=2))
     seen = torch.cat([acc.gather_for_metrics(idx) for (idx,) in dataset]).tolist()
-    return {"params": _full_params(model), "state_dict": acc.get_state_dict(model),
+    return {"params": full_params(model), "state_dict": acc.get_state_dict(model),
             "placements": [repr(pl) for pl in p.placements], "mesh": p.device_mesh.mesh_dim_names,
             "dp": (acc.runtime.dp_rank, acc.runtime.dp_size), "report": report,
             "gathered": seen}
@@ -339,7 +327,7 @@ def _accumulation_worker(rank, world, out_dir):
                                after_backward=lambda m: peaks.append(fsdp.held_gradient_bytes(m)))
         if mode == "auto_low_memory":
             fsdp.available_memory_bytes = real
-        out[mode] = {"params": _full_params(model), "peak": max(peaks),
+        out[mode] = {"params": full_params(model), "peak": max(peaks),
                      "resolved": acc.sync_each_batch}
     # Export the last model: safetensors on rank 0; its outputs to compare after loading.
     path = acc.save_model(model, out_dir)
@@ -368,13 +356,13 @@ def _accumulation_worker(rank, world, out_dir):
     acc = Accelerator(parallel=ParallelDims(dp_shard=world), mixed_precision="fp16")
     model = acc.prepare(_model(torch.float32))
     opt = acc.prepare(_optimizer(model))
-    before = _full_params(model)
+    before = full_params(model)
     scale = acc.precision.scaler.get_scale()
     loss = model(x[:, :4]).float().mean()
     acc.backward(loss * (float("inf") if rank == 0 else 1.0))
     opt.step()
     skipped = opt.step_was_skipped
-    unchanged = all(torch.equal(before[k], v) for k, v in _full_params(model).items())
+    unchanged = all(torch.equal(before[k], v) for k, v in full_params(model).items())
     opt.zero_grad()
     acc.backward(model(x[:, :4]).float().mean() * 1e-3)
     opt.step()
@@ -391,11 +379,11 @@ def _accumulation_worker(rank, world, out_dir):
     return out
 
 
-def test_sync_each_batch_memory_precision_and_export(tmp_path):
+def test_sync_each_batch_memory_precision_and_export(two_ranks):
     from safetensors.torch import load_file
 
     world = 2
-    results = run_distributed(_accumulation_worker, world, str(tmp_path))
+    results = case_result(two_ranks, "accumulation")
     psi = _numel()
     want = _reference(world)
     for res in results:
@@ -421,7 +409,7 @@ def test_sync_each_batch_memory_precision_and_export(tmp_path):
         assert any("too small to shard" in w for w in res["warnings"])
     # Export from stage 3: a fresh single-device model loads the file and computes the same.
     state = load_file(results[0]["path"])
-    fresh = GPT(CFG).to(torch.float64)
+    fresh = _model(seed=1)  # other weights: the loaded ones must replace them
     fresh.load_state_dict(state)  # strict: every name, no FSDP prefixes
     assert fresh.lm_head.weight is fresh.tok_emb.weight  # still tied after loading
     x, _ = _data(4)
