@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections import defaultdict
 
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from conftest import run_distributed
+from reference import idle_share
 from meshfit.train.cli import main
 from meshfit.models import GPT, GPTConfig
 from meshfit.parallel import pp
@@ -47,20 +47,6 @@ def recorded():
     return run_distributed(_record, P)[0]
 
 
-def _idle_share_by_hand(timings):
-    """Idle over (ranks x span), summed over steps: written out here, not taken from pp."""
-    by_step = defaultdict(list)
-    for t in timings:
-        by_step[t["step"]].append(t)
-    idle = total = 0.0
-    for entries in by_step.values():
-        span = max(t["end"] for t in entries) - min(t["start"] for t in entries)
-        for r in {t["rank"] for t in entries}:
-            busy = sum(t["end"] - t["start"] for t in entries if t["rank"] == r)
-            idle, total = idle + span - busy, total + span
-    return idle / total
-
-
 def _check_png(path):
     data = path.read_bytes()
     assert data[:8] == PNG_MAGIC
@@ -86,7 +72,7 @@ def test_real_pipeline_chart(recorded, tmp_path, schedule, v):
     assert summary["theoretical_bubble_fraction"] == pytest.approx(theory / (1 + theory))
     later = [t for t in timings if t["step"] != 0]
     assert summary["measured_bubble_fraction"] == pytest.approx(pp.bubble_fraction(later))
-    assert summary["measured_bubble_fraction"] == pytest.approx(_idle_share_by_hand(later))
+    assert summary["measured_bubble_fraction"] == pytest.approx(idle_share(later))
     f = summary["measured_bubble_fraction"]  # the two definitions: r = f/(1-f)
     assert summary["measured_bubble_ratio"] == pytest.approx(f / (1 - f))
     png0, summary0 = draw(tmp_path, tmp_path / "sub" / "step0.png", step=0)
