@@ -1,7 +1,7 @@
 """Activation checkpointing against the plain model: same loss and gradients, less memory.
 
 Memory is counted as the bytes kept for backward by one forward pass, two ways (CPU torch has
-no allocator statistics, PITFALLS #10):
+no allocator statistics: nothing like torch.cuda.memory_allocated exists for the CPU):
 
 - `saved_bytes`: a `saved_tensors_hooks` pack hook sees every tensor autograd saves outside
   a checkpointed region, and the inputs a checkpoint keeps for its recompute (they are saved
@@ -22,13 +22,11 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import ProfilerActivity, profile
 
 from conftest import run_distributed
+from reference import forward_bytes, hf_llama, loss_and_grads, tiny_preset, token_batches
 from meshfit.parallel.activation import apply_activation_checkpointing, find_blocks, is_checkpointed
-from meshfit.models import GPT, GPTConfig
 
-CFG = GPTConfig.preset("tiny", n_layer=4)
 MODES = {  # name -> apply_activation_checkpointing kwargs
     "full": dict(mode="full"),
     "selective-block": dict(mode="selective", every=2),
@@ -39,22 +37,14 @@ MODES = {  # name -> apply_activation_checkpointing kwargs
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _batch(batch=2, seq=64, vocab=256, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(2))
+def _batch(batch=2, seq=64):
+    return token_batches(batch, seq, seed=1)
 
 
-def _gpt(dtype=torch.float64, **overrides) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig.preset("tiny", n_layer=4, **overrides)).to(dtype)
-
-
-def _loss_and_grads(model, idx, tgt, seed=None):
-    if seed is not None:
-        torch.manual_seed(seed)
-    loss = model(idx, tgt)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+def _gpt(dtype=torch.float64, **overrides):
+    # The full-width tiny preset with 4 blocks: activations large enough beside the
+    # parameters for the memory comparisons to separate the modes.
+    return tiny_preset(n_layer=4, dtype=dtype, **overrides)
 
 
 def _assert_same(a, b, atol):
@@ -89,14 +79,6 @@ def saved_bytes(model, *inputs) -> int:
     return sum(seen.values())
 
 
-def forward_bytes(model, *inputs) -> int:
-    """Net bytes the CPU allocator holds after the forward pass (what backward will free)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = model(*inputs)
-    loss.backward()
-    return sum(e.self_cpu_memory_usage for e in prof.key_averages())
-
-
 # ----------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("name", list(MODES))
 def test_same_loss_and_grads_as_plain(name):
@@ -105,7 +87,7 @@ def test_same_loss_and_grads_as_plain(name):
     model = apply_activation_checkpointing(copy.deepcopy(plain), **MODES[name])
     # The recompute replays the same kernels on the same inputs, so results are bitwise equal
     # (observed: difference 0); 1e-12 in fp64 leaves room for a summation-order change only.
-    _assert_same(_loss_and_grads(model, idx, tgt), _loss_and_grads(plain, idx, tgt), atol=1e-12)
+    _assert_same(loss_and_grads(model, idx, tgt), loss_and_grads(plain, idx, tgt), atol=1e-12)
     assert model.state_dict().keys() == plain.state_dict().keys()  # names unchanged
 
 
@@ -116,7 +98,7 @@ def test_dropout_replays_the_same_masks(name):
     idx, tgt = _batch()
     plain = _gpt(dropout=0.1)
     model = apply_activation_checkpointing(copy.deepcopy(plain), **MODES[name])
-    got, expected = _loss_and_grads(model, idx, tgt, seed=3), _loss_and_grads(plain, idx, tgt, seed=3)
+    got, expected = loss_and_grads(model, idx, tgt, seed=3), loss_and_grads(plain, idx, tgt, seed=3)
     _assert_same(got, expected, atol=1e-12)
 
 
@@ -176,12 +158,8 @@ def test_bad_input():
 
 # ----------------------------------------------------------------------------- Hugging Face
 def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                   max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(cfg).double().train()
+    pytest.importorskip("transformers")
+    return hf_llama(n_layer=3).train()  # 3 blocks: selective-block checkpoints 1 and 3
 
 
 class _HFLoss(nn.Module):
@@ -208,7 +186,7 @@ def test_hf_llama(name):
     assert [is_checkpointed(b) for b in find_blocks(model.model)] == expected
     ids, _ = _batch(seq=16)
     # Same kernels replayed, fp64: as for the meshfit GPT.
-    _assert_same(_loss_and_grads(model, ids, None), _loss_and_grads(plain, ids, None), atol=1e-12)
+    _assert_same(loss_and_grads(model, ids, None), loss_and_grads(plain, ids, None), atol=1e-12)
     if name == "full":  # HF's checkpointing really drops the saved activations
         assert saved_bytes(model, ids) <= saved_bytes(plain, ids) / 2
 
@@ -229,7 +207,7 @@ def _ddp_worker(rank, world_size):
 def test_ddp_two_ranks_match_one_process():
     idx, tgt = _batch(batch=4, seq=32)
     plain = _gpt(torch.float32)
-    _, expected = _loss_and_grads(plain, idx, tgt)
+    _, expected = loss_and_grads(plain, idx, tgt)
     for rank_grads in run_distributed(_ddp_worker, 2):
         for name, grads in rank_grads.items():
             for n, g in grads.items():

@@ -1,6 +1,7 @@
 """torch.compile per block and per model against eager: same loss and gradients, and the
-dynamo counters prove that graphs were compiled (compile can silently run eager,
-PITFALLS #3). Mostly the "aot_eager" backend, which runs dynamo and AOTAutograd but no
+dynamo counters prove that graphs were compiled (where dynamo cannot trace, torch.compile
+falls back to running the code eagerly without an error, so equal numbers alone would pass
+uncompiled). Mostly the "aot_eager" backend, which runs dynamo and AOTAutograd but no
 code generation; one small inductor test (a cold inductor compile takes 15-30 s here).
 """
 
@@ -11,12 +12,11 @@ import copy
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import ProfilerActivity, profile
 
 from conftest import run_distributed
+from reference import forward_bytes, loss_and_grads, tiny_preset, token_batches
 from meshfit.parallel.activation import apply_activation_checkpointing, find_blocks
 from meshfit.parallel.compile import apply_compile, check_compile_args, compile_stats
-from meshfit.models import GPT, GPTConfig
 
 
 @pytest.fixture(autouse=True)
@@ -32,20 +32,13 @@ def _fresh_dynamo():
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _gpt(**overrides) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig.preset("tiny", **{"n_layer": 2, **overrides}))
+def _gpt(**overrides):
+    # fp32 (the dtype compile is used with), full-width tiny preset, 2 blocks by default.
+    return tiny_preset(**{"n_layer": 2, **overrides})
 
 
 def _batch(batch=2, seq=32, vocab=256):
-    g = torch.Generator().manual_seed(1)
-    return tuple(torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(2))
-
-
-def _loss_and_grads(model, idx, tgt):
-    loss = model(idx, tgt)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return token_batches(batch, seq, vocab, seed=1)
 
 
 def _assert_close(a, b, rtol, atol):
@@ -53,14 +46,6 @@ def _assert_close(a, b, rtol, atol):
     assert a[1].keys() == b[1].keys()  # compiling in place keeps parameter names
     for name in a[1]:
         torch.testing.assert_close(a[1][name], b[1][name], rtol=rtol, atol=atol, msg=name)
-
-
-def _forward_bytes(model, *inputs) -> int:
-    """Net bytes the CPU allocator holds after the forward pass (see test_checkpointing)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = model(*inputs)
-    loss.backward()
-    return sum(e.self_cpu_memory_usage for e in prof.key_averages())
 
 
 # aot_eager runs the same aten kernels as eager; AOTAutograd may swap in decompositions for
@@ -73,11 +58,11 @@ def test_aot_eager_matches_eager(scope):
     idx, tgt = _batch()
     plain = _gpt()
     model = apply_compile(copy.deepcopy(plain), backend="aot_eager", scope=scope)
-    _assert_close(_loss_and_grads(model, idx, tgt), _loss_and_grads(plain, idx, tgt), **AOT_TOL)
+    _assert_close(loss_and_grads(model, idx, tgt), loss_and_grads(plain, idx, tgt), **AOT_TOL)
     stats = compile_stats()
     assert stats.graphs >= 1 and stats.graph_breaks == 0, stats
     # The second step reuses the graphs: no recompile, still compiled.
-    _loss_and_grads(model, idx, tgt)
+    loss_and_grads(model, idx, tgt)
     assert compile_stats() == stats
     assert model.state_dict().keys() == plain.state_dict().keys()
 
@@ -90,10 +75,10 @@ def test_inductor_small_model():
     # One compile thread: the default pool of 2 leaves non-daemon ThreadPoolExecutor threads
     # behind (the hygiene fixture fails the test), and is no faster on 2 cores.
     with torch._inductor.config.patch(compile_threads=1):
-        got = _loss_and_grads(model, idx, tgt)
+        got = loss_and_grads(model, idx, tgt)
     # Inductor fuses pointwise ops and may reorder reductions (layer norm, softmax): fp32
     # results then differ by rounding, ~1e-7 relative per op over a few dozen ops.
-    _assert_close(got, _loss_and_grads(plain, idx, tgt), rtol=1e-4, atol=1e-5)
+    _assert_close(got, loss_and_grads(plain, idx, tgt), rtol=1e-4, atol=1e-5)
     assert compile_stats().graphs >= 1
     inductor = torch._dynamo.utils.counters["inductor"]
     # Inductor compiled the graph or took it from its on-disk cache: either way, not eager.
@@ -109,10 +94,10 @@ def test_compile_after_checkpointing(mode):
     kwargs = dict(mode="full") if mode == "full" else dict(mode="selective", policy="op")
     model = apply_activation_checkpointing(copy.deepcopy(plain), **kwargs)
     apply_compile(model, backend="aot_eager")
-    _assert_close(_loss_and_grads(model, idx, tgt), _loss_and_grads(plain, idx, tgt), **AOT_TOL)
+    _assert_close(loss_and_grads(model, idx, tgt), loss_and_grads(plain, idx, tgt), **AOT_TOL)
     stats = compile_stats()
     assert stats.graphs >= 1 and stats.graph_breaks == 0, stats
-    compiled, eager = _forward_bytes(model, idx, tgt), _forward_bytes(plain, idx, tgt)
+    compiled, eager = forward_bytes(model, idx, tgt), forward_bytes(plain, idx, tgt)
     print(f"\ncompiled + {mode} checkpointing: {compiled} bytes after forward; eager, none: {eager}")
     assert compiled <= (eager / 2 if mode == "full" else eager * 0.9)
 
@@ -129,7 +114,7 @@ def _ddp_compile_worker(rank, world_size):
 
 def test_compile_under_ddp_matches_one_process():
     idx, tgt = _batch(batch=4)
-    _, expected = _loss_and_grads(_gpt(), idx, tgt)
+    _, expected = loss_and_grads(_gpt(), idx, tgt)
     for grads, graphs in run_distributed(_ddp_compile_worker, 2):
         assert graphs >= 1
         for n, g in grads.items():

@@ -1,7 +1,7 @@
 """Tests for meshfit.optim: every optimizer trains the tiny GPT, its measured state matches
 a closed form, parameter groups, input validation, and single-device references.
 
-torchao's AdamW8bit compiles its step on first use (PITFALLS: ~50 s cold on this CPU), so it
+torchao's AdamW8bit compiles its step on first use (measured: ~50 s cold on a 2-core CPU), so it
 runs in one test only: the 50-step training run, which also measures its state.
 """
 
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from conftest import run_distributed
+from reference import tiny_preset  # full width, fp32: the model `meshfit train` trains
 from meshfit import optim
 from meshfit.data import TokenDataset, load_tokens
-from meshfit.models import GPT, GPTConfig
 
 STEPS, BATCH, SEQ = 50, 8, 64
 # Learning rates that train the tiny GPT in 50 steps. Adafactor's lr caps its relative step
@@ -34,11 +34,6 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     data = TokenDataset(load_tokens().train, seq_len=SEQ)
     idx = torch.randint(0, len(data), (STEPS, BATCH), generator=torch.Generator().manual_seed(0))
     return [tuple(torch.stack(t) for t in zip(*(data[int(i)] for i in row))) for row in idx]
-
-
-def tiny_gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig.preset("tiny"))
 
 
 def expected_state_bytes(name: str, shapes: list[torch.Size]) -> int:
@@ -66,7 +61,7 @@ def expected_state_bytes(name: str, shapes: list[torch.Size]) -> int:
 def test_optimizer_trains_tiny_gpt_and_state_matches_closed_form(name, batches):
     if name == "adamw_8bit":
         pytest.importorskip("torchao")
-    model = tiny_gpt()
+    model = tiny_preset()
     opt = optim.build(name, model, lr=LR[name], weight_decay=0.1)
     losses = []
     # torchao's step is torch.compile'd: with a cold inductor cache (a fresh CI machine) the
@@ -174,7 +169,7 @@ class ScaleNorm(nn.Module):
 
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_param_groups_decay_only_weight_matrices(norm):
-    model = GPT(GPTConfig.preset("tiny", norm=norm, n_layer=2))
+    model = tiny_preset(norm=norm, n_layer=2)
     groups = optim.param_groups(model, 0.1)
     decay = {id(p) for p in groups[0]["params"]}
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
@@ -196,7 +191,7 @@ def test_param_groups_norms_by_name_and_extra_substrings():
 
 
 def test_frozen_params_get_no_state_and_empty_groups_are_dropped(batches):
-    model = tiny_gpt()
+    model = tiny_preset()
     for p in model.parameters():
         p.requires_grad_(p.ndim < 2)  # freeze every matrix: the decay group is empty
     opt = optim.build("adamw", model, lr=1e-3, weight_decay=0.1)
@@ -284,7 +279,7 @@ def _train(model, opt, batches, steps):
 
 
 def test_adamw_equals_a_hand_built_torch_adamw(batches):
-    model = tiny_gpt()
+    model = tiny_preset()
     ref = copy.deepcopy(model)
     opt = optim.build("adamw", model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     # The hand-built groups of the single-GPU guide, and torch's default (for-loop on CPU)
@@ -300,11 +295,11 @@ def test_adamw_equals_a_hand_built_torch_adamw(batches):
 
 
 def test_adamw_fused_matches_adamw(batches):
-    # fp64 (PITFALLS 7): the key bias's gradient is zero in exact arithmetic (softmax ignores
+    # fp64: the key bias's gradient is zero in exact arithmetic (softmax ignores
     # a constant added to one query's scores), so in fp32 it is rounding noise, which Adam
     # normalises into steps of up to lr whose sign differs between kernels (2e-6 apart after
     # 3 steps here). In fp64 that noise sits far below eps.
-    model = tiny_gpt().double()
+    model = tiny_preset(dtype=torch.float64)
     ref = copy.deepcopy(model)
     _train(model, optim.build("adamw_fused", model, lr=1e-3, weight_decay=0.1), batches, 3)
     _train(ref, optim.build("adamw", ref, lr=1e-3, weight_decay=0.1), batches, 3)

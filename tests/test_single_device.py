@@ -3,22 +3,18 @@ memory hygiene — each against a plain fp32 run of the same model on the same d
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from conftest import run_distributed
+from reference import tiny_preset
 from meshfit import Accelerator
-from meshfit.models import GPT, GPTConfig
 
 SEQ, BATCH = 32, 4
 
 
 def _tiny(**overrides):
-    cfg = dataclasses.replace(GPTConfig.preset("tiny"), max_seq_len=SEQ, **overrides)
-    torch.manual_seed(0)
-    return GPT(cfg)
+    return tiny_preset(max_seq_len=SEQ, **overrides)  # fp32, as trained by default
 
 
 def _tokens(steps, rank=0, world=1):
