@@ -170,6 +170,11 @@ class Accelerator:
         self.grad_state = GradientState(num_steps=gradient_accumulation_steps)
         self._optimizers: list[PreparedOptimizer] = []
         self._models: list[torch.nn.Module] = []
+        # What save_state / load_state cover, in the order prepared (Accelerate's naming).
+        self._checkpointed_models: list[Any] = []  # prepared models and pipelines
+        self._schedulers: list[PreparedScheduler] = []
+        self._loaders: list[PreparedDataLoader] = []
+        self._custom: list[Any] = []  # register_for_checkpointing
         self._active_loader: PreparedDataLoader | None = None
 
     # ----------------------------------------------------------------- where we are
@@ -276,6 +281,7 @@ class Accelerator:
         if self.sync_each_batch == "auto":
             self._decide_sync_each_batch(wrapped)
         self._models.append(wrapped)
+        self._checkpointed_models.append(wrapped)
         return wrapped
 
     def _prepare_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -326,6 +332,7 @@ class Accelerator:
             points=points, balance=balance, times=times, record_timings=record_timings,
             init_seed=init_seed, parallelize=self._prepare_module, plan=plan)
         self._models.extend(pipeline.wrapped_modules)
+        self._checkpointed_models.append(pipeline)
         self._pipeline_params.update(id(p) for p in pipeline.parameters())
         return pipeline
 
@@ -375,13 +382,18 @@ class Accelerator:
         entry = self._replaced.get(id(getattr(scheduler, "optimizer", None)))
         if entry is not None and entry[0]() is scheduler.optimizer:
             repoint_scheduler(scheduler, entry[1])  # built on an optimizer prepare replaced
-        return PreparedScheduler(scheduler, self._optimizers, self.grad_state)
+        prepared = PreparedScheduler(scheduler, self._optimizers, self.grad_state)
+        self._schedulers.append(prepared)
+        return prepared
 
     def prepare_dataloader(self, loader: DataLoader) -> PreparedDataLoader:
         if isinstance(loader, PreparedDataLoader):
             return loader
-        return PreparedDataLoader(loader, device=self.device, num_replicas=self.runtime.dp_size,
-                                  rank=self.runtime.dp_rank, on_iter=self._set_active_loader)
+        prepared = PreparedDataLoader(loader, device=self.device,
+                                      num_replicas=self.runtime.dp_size,
+                                      rank=self.runtime.dp_rank, on_iter=self._set_active_loader)
+        self._loaders.append(prepared)
+        return prepared
 
     def _set_active_loader(self, loader: PreparedDataLoader) -> None:
         self._active_loader = loader
@@ -391,6 +403,43 @@ class Accelerator:
         """The user's original module, without the data-parallel wrapper (under FSDP2 the
         module itself: its parameters stay sharded DTensors; use `get_state_dict`)."""
         return self.runtime.unwrap(model)
+
+    # ----------------------------------------------------------------- checkpoints
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and load these objects (anything with ``state_dict`` and
+        ``load_state_dict``) with `save_state` / `load_state`, in the order registered."""
+        for obj in objects:
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise ValueError(f"register_for_checkpointing: {type(obj).__name__} has no "
+                                 "state_dict() and load_state_dict(); register objects that do")
+            self._custom.append(obj)
+
+    def save_state(self, output_dir: str | os.PathLike, *, step: int | None = None) -> Path:
+        """Write everything prepared (models or pipelines, optimizers, schedulers, data
+        loaders' positions, the fp16 scaler, each rank's random generators, the step
+        counters) and everything registered into `output_dir`, as a sharded checkpoint
+        (`torch.distributed.checkpoint`: each rank writes its own shards) committed
+        atomically with a manifest. Call on every rank; see `meshfit.accelerator.state`."""
+        from meshfit.accelerator.state import save_state
+
+        return save_state(self, output_dir, step=step)
+
+    def load_state(self, input_dir: str | os.PathLike):
+        """Restore what `save_state` wrote, into the objects prepared (and registered) in the
+        same order, whatever the layout and number of processes that saved it; returns the
+        checkpoint's manifest. Call on every rank after preparing everything."""
+        from meshfit.accelerator.state import load_state
+
+        return load_state(self, input_dir)
+
+    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0):
+        """The prepared `dataloader`, whose next iteration leaves out its first `num_batches`
+        batches (of every rank). `load_state` already positions the loaders it restores."""
+        if not isinstance(dataloader, PreparedDataLoader):
+            raise ValueError("skip_first_batches takes a dataloader returned by prepare()")
+        dataloader.skip_first_batches(num_batches)
+        return dataloader
 
     # ----------------------------------------------------------------- export
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

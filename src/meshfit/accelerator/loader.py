@@ -39,6 +39,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.num_replicas, self.rank = num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
+        self.skip = 0  # rounds the next iteration leaves out (to resume inside an epoch)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -66,7 +67,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __iter__(self):
         order = self._order()
         rounds = len(self)
-        for i in range(rounds):
+        first, self.skip = min(self.skip, rounds), 0
+        for i in range(first, rounds):
             start = i * self.round_size
             chunk = order[start: start + self.round_size]
             # An uneven last round gives every rank ceil(R / world) samples, completed with
@@ -107,6 +109,7 @@ class PreparedDataLoader:
         self.state = LoaderState()
         self._on_iter = on_iter
         self._epoch = 0
+        self._position = (0, 0)  # (epoch being read, batches handed out in it)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if isinstance(loader.dataset, IterableDataset):
             raise ValueError("prepare(dataloader): IterableDataset loaders are not supported "
@@ -161,6 +164,35 @@ class PreparedDataLoader:
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
+    def skip_first_batches(self, num_batches: int) -> None:
+        """Leave out the first `num_batches` batches (rounds of all ranks) of the next
+        iteration, as a resumed run does for what it had already consumed."""
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+            raise ValueError(f"num_batches={num_batches!r} must be an integer >= 0")
+        self.batch_sampler.skip = num_batches
+
+    def state_dict(self) -> dict[str, int]:
+        """Where reading stands, by global position: the epoch being read (its shuffle) and
+        the samples of all ranks handed out in it. The order of samples is the epoch's
+        permutation cut into rounds of `total_batch_size`, so the position means the same
+        on any number of ranks."""
+        epoch, batches = self._position
+        return {"epoch": epoch, "samples": batches * self.total_batch_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at `state`'s position: the next iteration reads that epoch from the
+        sample after the last one handed out (which must fall on a batch boundary of this
+        job's global batch)."""
+        epoch, samples = int(state["epoch"]), int(state["samples"])
+        if samples % self.total_batch_size:
+            raise ValueError(f"the saved loader had handed out {samples} samples of epoch "
+                             f"{epoch}, which is not a whole number of this job's global "
+                             f"batches of {self.total_batch_size}; resume with a global batch "
+                             "that divides it")
+        self._epoch = epoch
+        self._position = (epoch, samples // self.total_batch_size)
+        self.skip_first_batches(samples // self.total_batch_size)
+
     def _to_device(self, batch):
         """Start copying `batch` to the device; returns (batch, event). Pass both to `_ready`
         before using the batch."""
@@ -190,6 +222,8 @@ class PreparedDataLoader:
 
     def __iter__(self):
         self.batch_sampler.set_epoch(self._epoch)
+        handed = self.batch_sampler.skip
+        self._position = (self._epoch, handed)
         self._epoch += 1
         self.state.end_of_dataloader = False
         self.state.remainder = -1
@@ -207,7 +241,12 @@ class PreparedDataLoader:
                 self.state.end_of_dataloader = True
                 if self.batch_sampler.remainder < self.batch_sampler.round_size:
                     self.state.remainder = self.batch_sampler.remainder
+                handed += 1
+                self._position = (self._position[0], handed)
                 yield self._ready(current)
+                self._position = (self._epoch, 0)  # the epoch is read out
                 return
+            handed += 1
+            self._position = (self._position[0], handed)
             yield self._ready(current)
             current = upcoming

@@ -1,0 +1,217 @@
+"""`Accelerator.save_state` / `load_state`: everything a loop needs to continue exactly.
+
+Saved, per prepared object, under Accelerate's names: ``model`` (``model_1``, ... for more
+models; a pipeline's stages as one model), ``optimizer`` (its state by parameter name: also
+ZeRO-1's partitions and FSDP2's shards), ``scheduler``, ``scaler`` (fp16), ``dataloader``
+(epoch and global samples handed out), ``custom_<i>`` (`register_for_checkpointing`),
+``rng`` (each rank's generators, under its rank) and ``accelerator`` (step counters).
+
+It is one DCP checkpoint (`meshfit.checkpoint.store`): each rank writes its own shards, the
+folder is committed atomically with a manifest, and loading checks the files against the
+manifest, the model's parameter names and shapes against the saved ones, then reshards to
+this job's layout (DDP, ZeRO-1/2/3, TP, PP and their combinations, any world size).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from meshfit.checkpoint import state as ckstate
+from meshfit.checkpoint.store import (CheckpointError, Manifest, commit, load_dcp, save_dcp,
+                                     saved_keys, verify)
+
+if TYPE_CHECKING:
+    from meshfit.accelerator.accelerator import Accelerator
+
+log = logging.getLogger("meshfit")
+
+
+def _key(kind: str, i: int) -> str:
+    return kind if i == 0 else f"{kind}_{i}"
+
+
+def _models(acc: Accelerator) -> list[list[torch.nn.Module]]:
+    """Each prepared model as the modules holding its parameters under their full names."""
+    return [list(entry.modules) if hasattr(entry, "stage_indices")
+            else [acc.runtime.unwrap(entry)] for entry in acc._checkpointed_models]
+
+
+def _owner(models: list[list[torch.nn.Module]], optimizer) -> list[torch.nn.Module]:
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for modules in models:
+        if any(id(p) in params for m in modules for p in m.parameters()):
+            return modules
+    raise ValueError("save_state: an optimizer's parameters belong to no prepared model; "
+                     "prepare the model it optimizes with the same Accelerator")
+
+
+def _ties(acc: Accelerator) -> list[list[str]]:
+    """Names that denote one weight (a tied embedding and head): one parameter of a whole
+    model, or one copy per pipeline stage."""
+    groups = []
+    for entry, modules in zip(acc._checkpointed_models, _models(acc)):
+        if hasattr(entry, "stage_indices"):
+            groups += [list(t.names) for t in entry._tied]
+            continue
+        by_id: dict[int, list[str]] = {}
+        for m in modules:
+            for name, p in m.named_parameters(remove_duplicate=False):
+                by_id.setdefault(id(p), []).append(name)
+        groups += [names for names in by_id.values() if len(names) > 1]
+    return groups
+
+
+def _alias(acc: Accelerator, manifest: Manifest, folder: Path, key: str):
+    """name -> the name under which the checkpoint holds that weight's optimizer state."""
+    present = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in saved_keys(folder)
+               if k.startswith(f"{key}.state.")}
+    groups = _ties(acc) + [list(g) for g in manifest.model.get("ties", [])]
+
+    def alias(name: str) -> str:
+        if name in present:
+            return name
+        for group in groups:
+            if name in group:
+                for other in group:
+                    if other in present:
+                        return other
+        return name  # missing: DCP names it in the error
+    return alias
+
+
+def _shapes(models) -> list[dict[str, list[int]]]:
+    """Each model's parameter names and global shapes, over all ranks (a pipeline rank
+    holds only its stages' part)."""
+    mine = [{k: list(v.shape) for k, v in ckstate.model_state(m).items()
+             if isinstance(v, torch.Tensor)} for m in models]
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [{k: v for part in everyone for k, v in part[i].items()} for i in range(len(mine))]
+
+
+def _rank(acc: Accelerator) -> int:
+    return acc.env.rank
+
+
+def _collect(acc: Accelerator, models) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for i, modules in enumerate(models):
+        state[_key("model", i)] = ckstate.model_state(modules)
+    for i, opt in enumerate(acc._optimizers):
+        state[_key("optimizer", i)] = ckstate.saved_form(
+            ckstate.optimizer_state(_owner(models, opt.optimizer), opt.optimizer))
+    for i, sched in enumerate(acc._schedulers):
+        state[_key("scheduler", i)] = sched.scheduler.state_dict()
+    for i, loader in enumerate(acc._loaders):
+        state[_key("dataloader", i)] = loader.state_dict()
+    for i, obj in enumerate(acc._custom):
+        state[f"custom_{i}"] = obj.state_dict()
+    if acc.precision.scaler is not None:
+        state["scaler"] = acc.precision.scaler.state_dict()
+    state["rng"] = {f"rank{_rank(acc)}": ckstate.rng_state()}
+    state["accelerator"] = {"optimizer_steps": acc._optimizer_steps,
+                            "micro_step": acc.grad_state.step}
+    return state
+
+
+def save_state(acc: Accelerator, output_dir, *, step: int | None = None) -> Path:
+    """Write the checkpoint into `output_dir` (atomically: a temporary folder beside it,
+    renamed once every rank has written and the manifest is in). Every rank calls it."""
+    from meshfit import __version__
+
+    folder = Path(output_dir)
+    models = _models(acc)
+    state = _collect(acc, models)
+    tmp = save_dcp(state, folder)
+    layout = acc.layout
+    manifest = Manifest(
+        step=acc._optimizer_steps if step is None else step, world_size=acc.num_processes,
+        layout={"dims": {a: getattr(layout.dims, a) for a in layout.dims.enabled()},
+                "engine": layout.engine.value, "zero_stage": layout.zero_stage},
+        model={"shapes": _shapes(models), "ties": _ties(acc)},
+        versions={"meshfit": __version__, "torch": torch.__version__})
+    return commit(tmp, folder, manifest)
+
+
+def load_state(acc: Accelerator, input_dir) -> Manifest:
+    """Fill every prepared and registered object from the checkpoint in `input_dir` (any
+    layout, any world size); returns its manifest. Every rank calls it."""
+    folder = Path(input_dir)
+    if not folder.is_dir():
+        raise CheckpointError(f"load_state: {folder} is not a folder; give a checkpoint "
+                              "written by save_state")
+    manifest = verify(folder)
+    models = _models(acc)
+    _check_models(folder, manifest, models)
+    load = lambda part: load_dcp(part, folder)  # noqa: E731
+    for i, modules in enumerate(models):
+        part = {_key("model", i): ckstate.model_state(modules)}
+        load(part)
+        ckstate.set_model_state(modules, part[_key("model", i)])
+    for i, opt in enumerate(acc._optimizers):
+        key = _key("optimizer", i)
+        ckstate.load_optimizer_state(_owner(models, opt.optimizer), opt.optimizer,
+                                     lambda template: load({key: template}),
+                                     alias=_alias(acc, manifest, folder, key))
+    for i, sched in enumerate(acc._schedulers):
+        part = {_key("scheduler", i): sched.scheduler.state_dict()}
+        load(part)
+        sched.scheduler.load_state_dict(part[_key("scheduler", i)])
+    for i, loader in enumerate(acc._loaders):
+        part = {_key("dataloader", i): loader.state_dict()}
+        load(part)
+        loader.load_state_dict(part[_key("dataloader", i)])
+    for i, obj in enumerate(acc._custom):
+        part = {f"custom_{i}": obj.state_dict()}
+        load(part)
+        obj.load_state_dict(part[f"custom_{i}"])
+    if acc.precision.scaler is not None:
+        part = {"scaler": acc.precision.scaler.state_dict()}
+        load(part)
+        acc.precision.scaler.load_state_dict(part["scaler"])
+    counters = {"accelerator": {"optimizer_steps": 0, "micro_step": 0}}
+    load(counters)
+    acc._optimizer_steps = int(counters["accelerator"]["optimizer_steps"])
+    acc.grad_state.step = int(counters["accelerator"]["micro_step"])
+    _load_rng(acc, manifest, load)
+    return manifest
+
+
+def _check_models(folder: Path, manifest: Manifest, models) -> None:
+    saved, mine = manifest.model.get("shapes", []), _shapes(models)
+    if len(saved) != len(mine):
+        raise CheckpointError(f"{folder}: holds {len(saved)} model(s), this job prepared "
+                              f"{len(mine)}; prepare the same models before load_state")
+    for i, (a, b) in enumerate(zip(saved, mine)):
+        for name in sorted(set(a) | set(b)):
+            if name not in a:
+                raise CheckpointError(f"{folder}: model {i} has no parameter {name!r}; it is "
+                                      "a checkpoint of another model")
+            if name not in b:
+                raise CheckpointError(f"{folder}: holds parameter {name!r}, which model {i} "
+                                      "of this job lacks; it is a checkpoint of another model")
+            if a[name] != b[name]:
+                raise CheckpointError(f"{folder}: parameter {name!r} has shape {a[name]} in "
+                                      f"the checkpoint, {b[name]} in this model")
+
+
+def _load_rng(acc: Accelerator, manifest: Manifest, load) -> None:
+    key = f"rank{_rank(acc)}"
+    if manifest.world_size != acc.num_processes:
+        # Another world size: rank r's generators did not exist. Random draws (dropout)
+        # continue from this job's own seeds; everything else resumes exactly.
+        log.info("meshfit: load_state: saved on %d processes, loading on %d; random "
+                 "generators are not restored", manifest.world_size, acc.num_processes)
+        return
+    part = {"rng": {key: ckstate.rng_state()}}
+    load(part)
+    ckstate.set_rng_state(part["rng"][key])
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,353 @@
+"""Checkpoint folders on disk: written whole or not at all, read without unpickling anything.
+
+A checkpoint is a folder of `torch.distributed.checkpoint` (DCP) files — every rank writes
+its own shards, nothing is gathered on one rank — plus ``manifest.json``:
+
+    step-<N>/
+        .metadata           DCP's index of every tensor and value (which file, which chunk)
+        __<rank>_<i>.distcp each rank's shards
+        manifest.json       step, layout, world size, every file's size and sha256, versions
+
+Atomic: all ranks write into ``step-<N>.tmp-<token>/``; once every rank has finished, rank 0
+hashes nothing itself (each rank hashes the files it wrote, in parallel), writes the
+manifest, fsyncs, and renames the folder to ``step-<N>`` (then fsyncs the parent). A process
+killed at any moment leaves either the previous checkpoints untouched plus a ``.tmp-``
+folder, which nothing ever loads, or the new complete one. `latest` only returns folders
+whose manifest matches their files.
+
+Safe: DCP reads its ``.metadata`` with `pickle.load` and its non-tensor values with
+``torch.load(weights_only=False)``, either of which runs arbitrary code from a crafted file.
+Here the metadata goes through an unpickler that only builds DCP's own metadata classes,
+torch sizes, dtypes and layouts, and values through ``torch.load(weights_only=True)``; and
+before anything is read, every file is checked against the manifest (no extra file, no
+missing one, sizes and checksums equal).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CheckpointError", "Manifest", "commit", "is_complete", "latest", "list_complete",
+           "load_dcp", "prune", "save_dcp", "saved_keys", "verify"]
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as it is (one line: what differs, and where)."""
+
+
+# ---------------------------------------------------------------------------- the manifest
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What a committed checkpoint holds; `manifest.json` in its folder."""
+
+    format: int = FORMAT
+    step: int
+    """Optimizer steps taken when it was saved."""
+    world_size: int
+    layout: dict[str, Any]
+    """The saving job's layout: mesh sizes, engine, ZeRO stage (`Layout.summary`)."""
+    model: dict[str, Any]
+    """Each model's parameter names and global shapes: a checkpoint of another model is
+    refused by name before any tensor is read."""
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """File name -> {"bytes": size, "sha256": hex digest}."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """meshfit and torch versions of the saving job."""
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        path = folder / MANIFEST
+        try:
+            data = json.loads(path.read_text())
+            return cls(**data)
+        except FileNotFoundError:
+            raise CheckpointError(f"{folder}: no {MANIFEST}; it is not a complete meshfit "
+                                  "checkpoint (a save that was interrupted leaves none)") from None
+        except (json.JSONDecodeError, TypeError) as err:
+            raise CheckpointError(f"{path}: not a readable manifest ({err})") from None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_files(folder: Path, names) -> None:
+    for name in names:
+        fd = os.open(folder / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------------- saving
+def _broadcast_token() -> str:
+    token = [uuid.uuid4().hex[:12]]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _gather(obj) -> list:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save_dcp(state: dict[str, Any], folder: Path, *, process_group=None) -> Path:
+    """Write `state` with DCP into a fresh temporary folder beside `folder`; every rank calls
+    it and gets the same temporary path. `commit` then makes it `folder`."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    tmp = folder.with_name(f"{folder.name}.tmp-{_broadcast_token()}")
+    if _rank() == 0:
+        tmp.mkdir(parents=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    distributed = dist.is_available() and dist.is_initialized()
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(tmp), process_group=process_group,
+                 no_dist=not distributed)
+    return tmp
+
+
+def commit(tmp: Path, folder: Path, manifest: Manifest) -> Path:
+    """Hash the files each rank wrote (in parallel), then on rank 0 write the manifest and
+    rename `tmp` to `folder` atomically. A collective: every rank calls it after `save_dcp`.
+    An existing `folder` (a checkpoint of the same step) is replaced only after the new one
+    is complete."""
+    rank = _rank()
+    mine = [p.name for p in sorted(tmp.iterdir()) if p.name.startswith(f"__{rank}_")]
+    if rank == 0:
+        mine.append(".metadata")
+    _fsync_files(tmp, mine)
+    hashes = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+              for name in mine}
+    everyone = _gather(hashes)
+    if rank == 0:
+        files = {k: v for part in everyone for k, v in part.items()}
+        manifest = Manifest(**{**asdict(manifest), "files": files})
+        data = json.dumps(asdict(manifest), indent=1, sort_keys=True)
+        with (tmp / MANIFEST).open("w") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        old = None
+        if folder.exists():  # same step saved again: keep the old one until the new is in
+            old = folder.with_name(f"{folder.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        _fsync_dir(folder.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return folder
+
+
+# ---------------------------------------------------------------------------- finding
+def is_complete(folder: Path) -> bool:
+    """A committed checkpoint folder: its manifest reads and lists exactly its files with
+    their sizes (checksums are checked by `verify`, before loading)."""
+    try:
+        manifest = Manifest.read(folder)
+    except CheckpointError:
+        return False
+    present = {p.name for p in folder.iterdir()} - {MANIFEST}
+    if present != set(manifest.files):
+        return False
+    return all((folder / n).stat().st_size == f["bytes"] for n, f in manifest.files.items())
+
+
+def list_complete(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete ``step-<N>`` checkpoint under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir() and is_complete(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root` (None when there is none)."""
+    found = list_complete(root)
+    return found[-1][1] if found else None
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints, and leftover temporary folders
+    of interrupted saves (rank 0 only; call between saves). Returns what was deleted."""
+    root = Path(root)
+    removed = []
+    for _, path in list_complete(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(path)
+        removed.append(path)
+    for path in root.glob("step-*.tmp-*") if root.is_dir() else ():
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------- loading
+def verify(folder: Path) -> Manifest:
+    """The folder's manifest, after checking that it holds exactly the listed files with
+    their sizes and sha256 (each rank hashes a share of the files). One-line CheckpointError
+    naming the first difference, on every rank."""
+    folder = Path(folder)
+    problem = None
+    try:
+        manifest = Manifest.read(folder)
+        if manifest.format != FORMAT:
+            raise CheckpointError(f"{folder}: manifest format {manifest.format}, this meshfit "
+                                  f"reads format {FORMAT}")
+        present = {p.name for p in folder.iterdir()} - {MANIFEST}
+        extra, missing = sorted(present - set(manifest.files)), sorted(
+            set(manifest.files) - present)
+        if extra:
+            raise CheckpointError(f"{folder}: {extra[0]} is not part of the checkpoint (not in "
+                                  "its manifest); remove it, nothing unlisted is ever read")
+        if missing:
+            raise CheckpointError(f"{folder}: {missing[0]} listed in the manifest is missing")
+    except CheckpointError as err:
+        manifest, problem = None, str(err)
+    if manifest is not None:
+        names = sorted(manifest.files)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        for name in names[_rank()::world]:
+            want, path = manifest.files[name], folder / name
+            if path.stat().st_size != want["bytes"]:
+                problem = (f"{path}: {path.stat().st_size} bytes, the manifest says "
+                           f"{want['bytes']} (truncated or overwritten)")
+                break
+            if _sha256(path) != want["sha256"]:
+                problem = f"{path}: checksum differs from the manifest (corrupted)"
+                break
+    problems = [p for p in _gather(problem) if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    return manifest
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and nothing else."""
+
+    _MODULES = ("torch.distributed.checkpoint.metadata",)
+    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+              ("torch", "Size"), ("torch.serialization", "_get_layout"),
+              ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module in self._MODULES or (module, name) in self._NAMES or dtype:
+            return super().find_class(module, name)
+        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which a DCP "
+                              "index never holds; refusing to unpickle it")
+
+
+def _safe_reader(folder: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            with open(self._get_metadata_path(rank), "rb") as fh:
+                metadata = _MetadataUnpickler(fh).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(folder))
+
+
+def _safe_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)  # primitives only, never code
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                            obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafePlanner()
+
+
+def saved_keys(folder: Path) -> set[str]:
+    """The flattened keys the checkpoint in `folder` holds (read from its DCP index)."""
+    reader = _safe_reader(folder)
+    return set(reader.read_metadata().state_dict_metadata)
+
+
+def load_dcp(state: dict[str, Any], folder: Path, *, process_group=None,
+             on_missing: Callable[[str], str] | None = None) -> None:
+    """Fill `state` in place from the DCP files in `folder` (checked with `verify` first),
+    resharding DTensors to whatever layout `state` has. Keys of `state` absent from the
+    checkpoint are an error naming the first one."""
+    import torch.distributed.checkpoint as dcp
+
+    distributed = dist.is_available() and dist.is_initialized()
+    try:
+        with warnings.catch_warnings():  # the single-process notice, as in save_dcp
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner(),
+                     process_group=process_group, no_dist=not distributed)
+    except CheckpointError:
+        raise
+    except Exception as err:  # DCP reports a missing key as a RuntimeError on every rank
+        text = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        missing = re.search(r"Missing key in checkpoint state_dict: ([^\s.]+(?:\.[^\s]+)?)", text)
+        if missing:
+            name = missing.group(1).rstrip(".")
+            hint = on_missing(name) if on_missing else ""
+            raise CheckpointError(f"{folder}: the checkpoint has no {name!r}{hint}") from None
+        raise CheckpointError(f"{folder}: cannot be loaded into this job ({text[:200]})") from None

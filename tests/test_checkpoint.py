@@ -1,0 +1,157 @@
+"""`Accelerator.save_state` / `load_state` in a user's loop: interrupted at step 3 of 6 and
+resumed, a run equals the uninterrupted one.
+
+- Same layout (fp32): bitwise — losses and every parameter — for DDP, ZeRO-1, ZeRO-2,
+  ZeRO-3, TP2 and PP2 (1f1b) on 2 ranks and dp2 x tp2 on 4. The checkpoint holds the model,
+  the optimizer's state (ZeRO-1 partitions, FSDP2 shards), the LR schedule, the data
+  loader's position (mid-epoch) and each rank's random generators.
+- Another layout or world size (fp64): saved as ZeRO-3 on 2 ranks, resumed as DDP, TP2, PP2
+  and ZeRO-1 on 2 ranks and as dp2 x tp2 on 4; saved as dp2 x tp2 on 4, resumed as ZeRO-3
+  and DDP on 2. Layouts differ in the order of sums only (~1e-16 relative per operation,
+  grown by Adam over 3 steps to ~1e-13 at most); the tolerance is 1e-9 relative, and a
+  resume that lost the optimizer state, the schedule or the data position misses by > 1e-3.
+
+Every global batch is the same 8 sequences whatever the layout: each data-parallel rank's
+loader takes 8 / dp of them.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import run_distributed
+from reference import tiny_gpt, token_batches
+
+STEPS, SAVE_AT, GLOBAL = 6, 3, 8
+LAYOUTS = {
+    "ddp": (dict(), {}),
+    "zero1": (dict(dp_shard=2, dp_replicate=1), dict(zero_stage=1)),
+    "zero2": (dict(dp_shard=2, dp_replicate=1), dict(zero_stage=2)),
+    "zero3": (dict(dp_shard=2, dp_replicate=1), dict(zero_stage=3)),
+    "tp2": (dict(tp=2, dp_replicate=1), {}),
+    "pp2": (dict(pp=2, dp_replicate=1), {}),
+    "dp2xtp2": (dict(dp_replicate=2, tp=2), {}),
+}
+RTOL = 1e-9  # fp64 across layouts: summation order only (see the module docstring)
+
+
+def _run(name: str, dtype, *, save: str | None = None, load: str | None = None) -> dict:
+    """Train LAYOUTS[name] to STEPS optimizer steps (saving at SAVE_AT into `save`, or
+    starting from the checkpoint `load`); the losses of the steps taken and the whole model."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from meshfit import Accelerator, ParallelDims
+
+    dims, options = LAYOUTS[name]
+    acc = Accelerator(parallel=ParallelDims(**dims), **options)
+    x, y = token_batches(6 * GLOBAL + 4, 16)  # one epoch, resumed in its middle
+    loader = DataLoader(TensorDataset(x, y), batch_size=GLOBAL // acc.runtime.dp_size,
+                        shuffle=True, generator=torch.Generator().manual_seed(7))
+    if acc.parallel.pp > 1:
+        model = acc.prepare_pipeline(tiny_gpt(n_layer=2, dtype=dtype), schedule="1f1b",
+                                     microbatches=2)
+        params, step = model.parameters(), model.step
+    else:
+        model = acc.prepare(tiny_gpt(n_layer=2, dtype=dtype))
+        params = model.parameters()
+
+        def step(xb, yb):
+            loss = model(xb, yb)
+            acc.backward(loss)
+            return loss
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    opt, loader, sched = acc.prepare(opt, loader, sched)
+    if load:
+        acc.load_state(load)
+    losses, done = [], acc._optimizer_steps
+    for xb, yb in loader:
+        if done == STEPS:
+            break
+        with acc.accumulate():  # the global batch's mean loss (the mean over dp ranks)
+            losses.append(acc.reduce(step(xb, yb).detach(), "mean").item())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        done += 1
+        if save and done == SAVE_AT:
+            acc.save_state(save)
+    return {"losses": losses, "state": acc.get_state_dict(model)}
+
+
+def _two_ranks(rank, world, root):
+    out = {}
+    for name in ("ddp", "zero1", "zero2", "zero3", "tp2", "pp2"):  # same layout, fp32
+        folder = f"{root}/{name}"
+        out[name] = (_run(name, torch.float32, save=folder),
+                     _run(name, torch.float32, load=folder))
+    out["fp64"] = _run("ddp", torch.float64)  # the uninterrupted reference across layouts
+    _run("zero3", torch.float64, save=f"{root}/zero3-fp64")
+    for name in ("ddp", "tp2", "pp2", "zero1"):
+        out[f"from-zero3:{name}"] = _run(name, torch.float64, load=f"{root}/zero3-fp64")
+    return out
+
+
+def _four_ranks(rank, world, root):
+    folder = f"{root}/dp2xtp2"
+    out = {"same": (_run("dp2xtp2", torch.float32, save=folder),
+                    _run("dp2xtp2", torch.float32, load=folder))}
+    _run("dp2xtp2", torch.float64, save=f"{root}/dp2xtp2-fp64")
+    out["from-zero3-on-2"] = _run("dp2xtp2", torch.float64, load=f"{root}/zero3-fp64")
+    return out
+
+
+def _resharded(rank, world, root):
+    return {name: _run(name, torch.float64, load=f"{root}/dp2xtp2-fp64")
+            for name in ("zero3", "ddp")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    two = run_distributed(_two_ranks, 2, str(root), timeout=300)[0]
+    four = run_distributed(_four_ranks, 4, str(root), timeout=300)[0]
+    back = run_distributed(_resharded, 2, str(root), timeout=300)[0]
+    yield {"two": two, "four": four, "back": back}
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _bitwise(full, resumed):
+    assert len(full["losses"]) == STEPS and len(resumed["losses"]) == STEPS - SAVE_AT
+    assert resumed["losses"] == full["losses"][SAVE_AT:]
+    assert full["state"].keys() == resumed["state"].keys()
+    for key, value in full["state"].items():
+        assert torch.equal(value, resumed["state"][key]), key
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2", "pp2"])
+def test_resume_same_layout_is_bitwise(runs, name):
+    _bitwise(*runs["two"][name])
+
+
+def test_resume_dp2xtp2_on_four_ranks_is_bitwise(runs):
+    _bitwise(*runs["four"]["same"])
+
+
+def _close(reference, resumed):
+    assert len(resumed["losses"]) == STEPS - SAVE_AT
+    torch.testing.assert_close(torch.tensor(resumed["losses"], dtype=torch.float64),
+                               torch.tensor(reference["losses"][SAVE_AT:], dtype=torch.float64),
+                               rtol=RTOL, atol=0)
+    for key, value in reference["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=RTOL, atol=1e-12,
+                                   msg=key)
+
+
+@pytest.mark.parametrize("name", ["ddp", "tp2", "pp2", "zero1"])
+def test_resume_in_another_layout(runs, name):
+    _close(runs["two"]["fp64"], runs["two"][f"from-zero3:{name}"])
+
+
+def test_resume_on_more_and_fewer_ranks(runs):
+    _close(runs["two"]["fp64"], runs["four"]["from-zero3-on-2"])  # 2 -> 4 ranks
+    for name in ("zero3", "ddp"):  # 4 -> 2 ranks
+        _close(runs["two"]["fp64"], runs["back"][name])
