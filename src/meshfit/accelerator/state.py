@@ -148,6 +148,7 @@ def load_state(acc: Accelerator, input_dir) -> Manifest:
         raise CheckpointError(f"load_state: {folder} is not a folder; give a checkpoint "
                               "written by save_state")
     manifest = verify(folder)
+    saved_keys(folder)  # reads the DCP index through the restricted unpickler, first
     models = _models(acc)
     _check_models(folder, manifest, models)
     load = lambda part: load_dcp(part, folder)  # noqa: E731

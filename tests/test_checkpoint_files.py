@@ -1,0 +1,136 @@
+"""Checkpoint folders, in one process: bad checkpoints are refused with one line before any
+tensor is read, nothing is ever unpickled, and only complete checkpoints are found."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshfit import Accelerator
+from meshfit.checkpoint import CheckpointError, latest, list_complete, prune
+from reference import tiny_gpt
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _prepared(**model):
+    acc = Accelerator()
+    net = acc.prepare(tiny_gpt(n_layer=1, dtype=torch.float32, **model))
+    opt = acc.prepare(torch.optim.AdamW(net.parameters(), lr=1e-3))
+    x = torch.randint(0, 256, (2, 8))
+    acc.backward(net(x, x))
+    opt.step()
+    return acc, net, opt
+
+
+@pytest.fixture
+def saved(tmp_path):
+    acc, net, _ = _prepared()
+    acc.save_state(tmp_path / "ckpt")
+    return tmp_path / "ckpt", {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_round_trip_and_what_is_on_disk(saved):
+    folder, weights = saved
+    names = sorted(os.listdir(folder))
+    assert names == [".metadata", "__0_0.distcp", "manifest.json"]
+    acc, net, _ = _prepared()
+    manifest = acc.load_state(folder)
+    assert manifest.step == 1 and manifest.world_size == 1
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in weights.items())
+
+
+def _refused(folder, match):
+    acc, _, _ = _prepared()
+    with pytest.raises(CheckpointError, match=match) as err:
+        acc.load_state(folder)
+    assert "\n" not in str(err.value)
+
+
+def test_truncated_shard(saved):
+    folder, _ = saved
+    shard = folder / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    _refused(folder, r"__0_0.distcp: \d+ bytes, the manifest says \d+ \(truncated")
+
+
+def test_flipped_bytes(saved):
+    folder, _ = saved
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    _refused(folder, r"checksum differs from the manifest \(corrupted\)")
+
+
+def test_missing_manifest(saved):
+    folder, _ = saved
+    (folder / "manifest.json").unlink()
+    _refused(folder, r"no manifest.json; it is not a complete meshfit checkpoint")
+
+
+def test_planted_file(saved):
+    folder, _ = saved
+    (folder / "extra.pt").write_bytes(pickle.dumps({"x": 1}))
+    _refused(folder, r"extra.pt is not part of the checkpoint")
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_metadata_is_never_unpickled_freely(saved, tmp_path):
+    folder, _ = saved
+    (folder / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    # Re-sign the manifest so that only the unpickler stands in the way.
+    import hashlib
+    import json
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    data = (folder / ".metadata").read_bytes()
+    manifest["files"][".metadata"] = {"bytes": len(data),
+                                      "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    _refused(folder, r"refers to posix.system, which a DCP index never holds")
+
+
+def test_another_models_checkpoint(saved):
+    folder, _ = saved
+    acc = Accelerator()
+    acc.prepare(tiny_gpt(n_layer=2, dtype=torch.float32))
+    with pytest.raises(CheckpointError, match=r"model 0 has no parameter 'layers.1|holds "
+                                              r"parameter|has shape"):
+        acc.load_state(folder)
+    acc = Accelerator()
+    acc.prepare(tiny_gpt(n_layer=1, d_model=32, dtype=torch.float32))
+    with pytest.raises(CheckpointError, match=r"has shape \[.*\] in the checkpoint"):
+        acc.load_state(folder)
+
+
+def test_only_complete_checkpoints_are_found_and_pruned(saved, tmp_path):
+    folder, _ = saved
+    root = tmp_path / "run"
+    root.mkdir()
+    for step in (10, 20, 30):
+        shutil.copytree(folder, root / f"step-{step}")
+    shutil.copytree(folder, root / "step-40.tmp-abc")  # an interrupted save
+    shutil.copytree(folder, root / "step-50")
+    (root / "step-50" / "manifest.json").unlink()  # never committed
+    assert latest(root) == root / "step-30"
+    assert [s for s, _ in list_complete(root)] == [10, 20, 30]
+    prune(root, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-20", "step-30", "step-50"]
+
+
+def test_bad_calls():
+    acc = Accelerator()
+    with pytest.raises(ValueError, match="register_for_checkpointing: int has no state_dict"):
+        acc.register_for_checkpointing(3)
+    with pytest.raises(CheckpointError, match="is not a folder"):
+        acc.load_state(Path("/nonexistent/ckpt"))
