@@ -44,8 +44,27 @@ def _train_parser() -> argparse.ArgumentParser:
     launch.add_arguments(p)
     p.add_argument("--config", default=None, help="a TOML run configuration")
     p.add_argument("--out", default=None, help="run folder (default: runs/train-<time>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest complete checkpoint, with "
+                        "its saved config ([parallel], [checkpoint] and --nproc may change)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _resumed_config(ns, overrides: list[str]):
+    """The saved config of the run in --out, with [parallel] / [checkpoint] overrides."""
+    from meshfit.train.config import load_config
+
+    if ns.out is None:
+        raise ValueError("--resume needs --out, the folder of the run to continue")
+    if ns.config is not None:
+        raise ValueError("--resume continues with the run's own config (OUT/config.toml); drop "
+                         "--config")
+    saved = Path(ns.out) / "config.toml"
+    if not saved.is_file():
+        raise ValueError(f"--resume: {saved} does not exist; give the --out folder of a "
+                         "meshfit train run")
+    return load_config(saved, overrides, allowed=("parallel", "checkpoint"))
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -53,12 +72,15 @@ def cmd_train(argv: list[str]) -> int:
 
     ns, rest = _train_parser().parse_known_args(argv)
     overrides = _collect_overrides(rest)
-    cfg = load_config(ns.config, overrides)
+    if ns.resume and not ns.worker:
+        cfg = _resumed_config(ns, overrides)
+    else:
+        cfg = load_config(ns.config, overrides)
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.worker:  # started by the launcher below: one rank of the job
         from meshfit.train.trainer import train
 
-        train(cfg, out)
+        train(cfg, out, resume=ns.resume)
         from meshfit.distributed import init
 
         import torch.distributed as dist
@@ -73,16 +95,23 @@ def cmd_train(argv: list[str]) -> int:
     # this machine's device, kernels and libraries; layouts the guide advises against
     for warning in preflight(cfg, world_size, launch_cfg.nproc):
         print(f"meshfit train: warning: {warning}", file=sys.stderr)
+    if ns.resume:
+        from meshfit.checkpoint import latest
+
+        if latest(out / "checkpoints") is None:
+            raise ValueError(f"--resume: {out / 'checkpoints'} holds no complete checkpoint; "
+                             "train with --checkpoint.every=N to write some")
     if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
         from meshfit.train.trainer import train
 
-        train(cfg, out)
+        train(cfg, out, resume=ns.resume)
         return 0
     out.mkdir(parents=True, exist_ok=True)
     resolved = out / "config.toml"
     resolved.write_text(cfg.to_toml())
     return launch.run(launch_cfg, ["meshfit.train.cli", "train", "--worker", "--config",
-                                   str(resolved), "--out", str(out)], module=True, env=env)
+                                   str(resolved), "--out", str(out),
+                                   *(["--resume"] if ns.resume else [])], module=True, env=env)
 
 
 def _collect_overrides(rest: list[str]) -> list[str]:
@@ -91,8 +120,8 @@ def _collect_overrides(rest: list[str]) -> list[str]:
     while i < len(rest):
         item = rest[i]
         if not item.startswith("--") or "." not in item.split("=")[0]:
-            raise ValueError(f"unknown argument {item!r}; options are --nproc, --config, --out "
-                             "and config overrides such as --train.steps=100")
+            raise ValueError(f"unknown argument {item!r}; options are --nproc, --config, --out, "
+                             "--resume and config overrides such as --train.steps=100")
         if "=" not in item:
             if i + 1 >= len(rest):
                 raise ValueError(f"override {item!r} needs a value, e.g. {item}=100")

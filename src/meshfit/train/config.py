@@ -314,6 +314,30 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """[checkpoint]: sharded checkpoints of the whole training state in OUT/checkpoints/step-N/
+    (`Accelerator.save_state`), for `meshfit train --out OUT --resume`."""
+
+    every: int = 0
+    """Save every this many optimizer steps, and at the last step (0: no checkpoints)."""
+    keep: int = 3
+    """Complete checkpoints kept: older ones are deleted once a newer one is committed."""
+    async_save: bool = field(default=False, metadata={"toml": "async"})
+    """(TOML key `async`) Write in the background while training goes on: the state is
+    copied to host memory, files are written by a thread, and the checkpoint is committed
+    (manifest, rename) at the next save or at the end."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", "every", self.every, allow_zero=True)
+        _positive("checkpoint", "keep", self.keep)
+        _bool("checkpoint", "async", self.async_save)
+
+
+def _toml_name(f) -> str:
+    return f.metadata.get("toml", f.name)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """A whole `meshfit train` run."""
 
@@ -323,6 +347,7 @@ class RunConfig:
     peft: PeftConfig = field(default_factory=PeftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per step on each rank so that the global batch is as configured
@@ -399,7 +424,9 @@ class RunConfig:
         return layout
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in fields(self)}
+        """Sections and keys as the TOML file spells them."""
+        return {s.name: {_toml_name(f): dataclasses.asdict(getattr(self, s.name))[f.name]
+                         for f in fields(getattr(self, s.name))} for s in fields(self)}
 
     def to_toml(self) -> str:
         lines = []
@@ -435,17 +462,19 @@ def build_config(data: dict[str, Any]) -> RunConfig:
         if not isinstance(values, dict):
             raise ValueError(f"config section [{name}] must be a table of keys")
         cls = type(factory())
-        known = {f.name for f in fields(cls) if f.init}
-        unknown = sorted(set(values) - known)
+        known = {_toml_name(f): f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"unknown key(s) in [{name}]: {', '.join(unknown)}; known keys: "
                              f"{', '.join(sorted(known))}")
-        sections[name] = cls(**values)
+        sections[name] = cls(**{known[k]: v for k, v in values.items()})
     return RunConfig(**sections)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Read a TOML file (optional) and apply ``--section.key=value`` overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *,
+                allowed: tuple[str, ...] | None = None) -> RunConfig:
+    """Read a TOML file (optional) and apply ``--section.key=value`` overrides (only of the
+    sections in `allowed`, when given)."""
     data: dict[str, dict[str, Any]] = {}
     if path is not None:
         path = Path(path)
@@ -462,5 +491,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if not sep or not dot or not name:
             raise ValueError(f"override {item!r} must look like --section.key=value, "
                              "e.g. --train.steps=100")
+        if allowed is not None and section not in allowed:
+            raise ValueError(f"override {item!r}: a resumed run keeps its saved config except "
+                             f"[{'], ['.join(allowed)}]; start a new run to change {key}")
         data.setdefault(section, {})[name] = _parse_value(value)
     return build_config(data)

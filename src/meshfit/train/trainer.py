@@ -302,12 +302,16 @@ def _banner(acc: Accelerator, model: torch.nn.Module, trained, micro: int, token
             f"tokens -> {out_dir}")
 
 
-def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
-    """Train the reference GPT as `cfg` says; returns the last metrics. Call on every rank."""
+def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
+          resume: bool = False) -> dict:
+    """Train the reference GPT as `cfg` says; returns the last metrics. Call on every rank.
+    `resume`: continue from the newest complete checkpoint in ``out_dir/checkpoints``."""
     t = cfg.train
     env = env or init()
     acc = build_accelerator(cfg, env)
-    writer = _Writer(out_dir if acc.is_main_process else None, cfg)
+    checkpoints = _Checkpoints(acc, cfg, out_dir / "checkpoints")
+    if resume:
+        checkpoints.find()  # before anything is built: a missing checkpoint fails fast
     with acc.main_process_first():  # rank 0 builds the token cache, the others reuse it
         splits = load_tokens(cfg.data.path or None, cache_dir=cfg.data.cache_dir or None)
     torch.manual_seed(t.seed)
@@ -326,12 +330,16 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
     optimizer, train_loader, val_loader, scheduler = acc.prepare(
         optimizer, train_loader, val_loader, scheduler)
     acc.print(_banner(acc, model, trained, micro, splits.train.shape[0], out_dir))
+    start = checkpoints.resume() if resume else 0
+    writer = _Writer(out_dir if acc.is_main_process else None, cfg, after_step=start)
 
     accum, progress = acc.gradient_accumulation_steps, _Progress(acc.is_main_process, t.steps)
-    last: dict = {"step": 0, "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
-    writer.write(last)
+    last: dict = {"step": start}
+    if start == 0:
+        last["val_loss"] = round(_evaluate(acc, trained, val_loader), 5)
+        writer.write(last)
     batches, window = _batches(train_loader), _Window(acc, t.global_batch_size * t.seq_len)
-    for step in range(1, t.steps + 1):
+    for step in range(start + 1, t.steps + 1):
         for _ in range(accum):
             x, y = next(batches)
             with trained.accumulate():
@@ -354,6 +362,11 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None) -> dict:
             writer.write(val)
             last.update(val)
             window.start += time.perf_counter() - began  # not training throughput
+        if checkpoints.due(step):
+            began = time.perf_counter()
+            checkpoints.save(step)
+            window.start += time.perf_counter() - began
+    checkpoints.finish()
     progress.close()
     acc.print(f"done: loss {last.get('loss')}, val_loss {last.get('val_loss')}")
     acc.wait_for_everyone()
@@ -404,17 +417,66 @@ def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:
         write_run(out_dir, pipeline.meta(), timings)
 
 
-class _Writer:
-    """metrics.jsonl and config.toml in the run folder (main process only)."""
+class _Checkpoints:
+    """The run's checkpoints, ``OUT/checkpoints/step-<N>/`` ([checkpoint] every, keep)."""
 
-    def __init__(self, out_dir: Path | None, cfg: RunConfig):
+    def __init__(self, acc: Accelerator, cfg: RunConfig, root: Path):
+        self.acc, self.cfg, self.root = acc, cfg.checkpoint, root
+        self.steps = cfg.train.steps
+
+    def due(self, step: int) -> bool:
+        return bool(self.cfg.every) and (step % self.cfg.every == 0 or step == self.steps)
+
+    def save(self, step: int) -> None:
+        from meshfit.checkpoint import prune
+
+        self.acc.save_state(self.root / f"step-{step}", step=step)
+        if self.acc.is_main_process:
+            prune(self.root, self.cfg.keep)
+
+    def finish(self) -> None:
+        pass
+
+    def find(self) -> Path:
+        from meshfit.checkpoint import latest
+
+        folder = latest(self.root)
+        if folder is None:
+            raise ValueError(f"--resume: {self.root} holds no complete checkpoint; train with "
+                             "--checkpoint.every=N to write some")
+        return folder
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint; returns its step."""
+        folder = self.find()
+        manifest = self.acc.load_state(folder)
+        self.acc.print(f"meshfit train: resuming from {folder} (step {manifest.step} of "
+                       f"{self.steps}, saved by {manifest.world_size} process(es))")
+        return manifest.step
+
+
+class _Writer:
+    """metrics.jsonl and config.toml in the run folder (main process only). Resuming after
+    step N keeps the lines of steps up to N and appends after them."""
+
+    def __init__(self, out_dir: Path | None, cfg: RunConfig, *, after_step: int = 0):
         self.path = None
         if out_dir is None:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.toml").write_text(cfg.to_toml())
         self.path = out_dir / "metrics.jsonl"
-        self.path.write_text("")
+        kept = []
+        if after_step and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= after_step:
+                        kept.append(line + "\n")
+                except json.JSONDecodeError:
+                    continue  # a line cut short by the interruption
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
 
     def write(self, record: dict) -> None:
         if self.path is not None:
