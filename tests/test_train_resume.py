@@ -96,3 +96,57 @@ def test_resume_refuses_what_it_cannot_do(args, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err
     assert not (out / "checkpoints").exists()
+
+
+PREEMPT = ["--train.steps=40", "--train.log_every=1", "--train.eval_every=0",
+           "--train.eval_batches=1", "--train.global_batch_size=8", "--train.micro_batch_size=4",
+           "--train.seq_len=32", "--model.n_layer=1"]
+
+
+def _wait_for_step(metrics, step: int, proc, timeout: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(line).get("step", 0) >= step
+                                    for line in metrics.read_text().splitlines()[-3:]
+                                    if line.endswith("}")):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run did not reach step {step} (exit code {proc.poll()})")
+
+
+def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(tmp_path, subprocess_env):
+    """SIGTERM to the launcher after step 3 of 40: the workers finish their step, write a
+    checkpoint and exit 143 with one line; --resume then gives every step's loss exactly as
+    the run that was never stopped (same layout: bitwise)."""
+    import signal
+
+    cache = f"--data.cache_dir={tmp_path / 'cache'}"
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    base = [*MESHFIT, "train", "--nproc", "2"]
+    done = subprocess.run([*base, "--out", str(whole), *PREEMPT, cache], env=subprocess_env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    proc = subprocess.Popen([*base, "--out", str(cut), *PREEMPT, cache], env=subprocess_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(cut / "metrics.jsonl", 3, proc)
+        proc.send_signal(signal.SIGTERM)  # our own child, by its PID
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    ours = [line for line in err.splitlines() if line.startswith("meshfit train:")]
+    assert len(ours) == 1 and "stopped by SIGTERM after step" in ours[0], err
+    step = int(ours[0].split("after step ")[1].split(";")[0])
+    assert 3 <= step < 40 and (cut / "checkpoints" / f"step-{step}").is_dir()
+    resumed = subprocess.run([*base, "--out", str(cut), "--resume"], env=subprocess_env,
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+
+    def losses(folder):
+        return [(m["step"], m.get("loss"), m.get("val_loss")) for m in _metrics(folder)]
+    assert losses(cut) == losses(whole)

@@ -78,9 +78,12 @@ def cmd_train(argv: list[str]) -> int:
         cfg = load_config(ns.config, overrides)
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.worker:  # started by the launcher below: one rank of the job
-        from meshfit.train.trainer import train
+        from meshfit.train.trainer import Preempted, train
 
-        train(cfg, out, resume=ns.resume)
+        try:
+            train(cfg, out, resume=ns.resume)
+        except Preempted as stopped:
+            return _stopped(stopped)
         from meshfit.distributed import init
 
         import torch.distributed as dist
@@ -102,9 +105,12 @@ def cmd_train(argv: list[str]) -> int:
             raise ValueError(f"--resume: {out / 'checkpoints'} holds no complete checkpoint; "
                              "train with --checkpoint.every=N to write some")
     if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
-        from meshfit.train.trainer import train
+        from meshfit.train.trainer import Preempted, train
 
-        train(cfg, out, resume=ns.resume)
+        try:
+            train(cfg, out, resume=ns.resume)
+        except Preempted as stopped:
+            return _stopped(stopped)
         return 0
     out.mkdir(parents=True, exist_ok=True)
     resolved = out / "config.toml"
@@ -112,6 +118,17 @@ def cmd_train(argv: list[str]) -> int:
     return launch.run(launch_cfg, ["meshfit.train.cli", "train", "--worker", "--config",
                                    str(resolved), "--out", str(out),
                                    *(["--resume"] if ns.resume else [])], module=True, env=env)
+
+
+def _stopped(stopped) -> int:
+    """One line from the main process; exit code 128 + the signal, as a killed process's."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"meshfit train: {stopped}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 128 + stopped.signum
 
 
 def _collect_overrides(rest: list[str]) -> list[str]:

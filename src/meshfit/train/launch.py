@@ -121,8 +121,9 @@ def torchrun_args(cfg: LaunchConfig, script: list[str], *, module: bool = False)
 def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
         env: dict[str, str] | None = None) -> int:
     """Start the job through torch.distributed.run and wait; returns the exit code."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.update(env or {})
     # torchrun sets one thread per worker (with a warning) when this is unset; share the
@@ -131,6 +132,8 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     parser = torchrun.get_args_parser()
     try:
         torchrun.run(parser.parse_args(torchrun_args(cfg, script, module=module)))
+    except SignalException as err:  # the agent passed the signal on to the workers
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
         failures = err.failures  # global rank -> ProcessFailure
         detail = ""

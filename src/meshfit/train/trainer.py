@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -339,6 +342,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
         last["val_loss"] = round(_evaluate(acc, trained, val_loader), 5)
         writer.write(last)
     batches, window = _batches(train_loader), _Window(acc, t.global_batch_size * t.seq_len)
+    stop = _StopOnSignal()
     for step in range(start + 1, t.steps + 1):
         for _ in range(accum):
             x, y = next(batches)
@@ -366,6 +370,14 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
             began = time.perf_counter()
             checkpoints.save(step)
             window.start += time.perf_counter() - began
+        signum = stop.requested(acc)
+        if signum:  # every rank got here after the same step
+            progress.close()
+            folder = checkpoints.save(step) if not checkpoints.due(step) else \
+                checkpoints.folder(step)
+            stop.restore()
+            raise Preempted(signum, step, folder, out_dir)
+    stop.restore()
     checkpoints.finish()
     progress.close()
     acc.print(f"done: loss {last.get('loss')}, val_loss {last.get('val_loss')}")
@@ -417,6 +429,50 @@ def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:
         write_run(out_dir, pipeline.meta(), timings)
 
 
+class Preempted(Exception):
+    """Training stopped on a signal after a whole optimizer step, with a checkpoint."""
+
+    def __init__(self, signum: int, step: int, folder: Path, out_dir: Path):
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} after step {step}; checkpoint {folder}; continue "
+                         f"with: meshfit train --out {out_dir} --resume")
+        self.signum, self.step, self.folder = signum, step, folder
+
+
+class _StopOnSignal:
+    """SIGTERM or SIGINT (a cluster preempting the job, Ctrl-C): the ranks finish the current
+    optimizer step, write a checkpoint and stop; a second signal ends the process at once.
+    Ranks may get the signal at different moments, so after each step they agree on it (one
+    tiny all-reduce of the signal number, MAX)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # handlers live there
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:  # the second one: the default action, now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
+    def requested(self, acc: Accelerator) -> int:
+        if not acc.env.is_distributed:
+            return self.signum
+        flag = torch.tensor([self.signum], device=acc.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+
 class _Checkpoints:
     """The run's checkpoints, ``OUT/checkpoints/step-<N>/`` ([checkpoint] every, keep)."""
 
@@ -427,12 +483,16 @@ class _Checkpoints:
     def due(self, step: int) -> bool:
         return bool(self.cfg.every) and (step % self.cfg.every == 0 or step == self.steps)
 
-    def save(self, step: int) -> None:
+    def folder(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def save(self, step: int) -> Path:
         from meshfit.checkpoint import prune
 
-        self.acc.save_state(self.root / f"step-{step}", step=step)
+        self.acc.save_state(self.folder(step), step=step)
         if self.acc.is_main_process:
             prune(self.root, self.cfg.keep)
+        return self.folder(step)
 
     def finish(self) -> None:
         pass
