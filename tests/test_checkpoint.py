@@ -1,6 +1,8 @@
 """`Accelerator.save_state` / `load_state` in a user's loop: interrupted at step 3 of 6 and
 resumed, a run equals the uninterrupted one.
 
+- Asynchronous saves (DDP, ZeRO-3) hold the state of the step they were taken at, though
+  training went on while they were written.
 - Same layout (fp32): bitwise — losses and every parameter — for DDP, ZeRO-1, ZeRO-2,
   ZeRO-3, TP2 and PP2 (1f1b) on 2 ranks and dp2 x tp2 on 4. The checkpoint holds the model,
   the optimizer's state (ZeRO-1 partitions, FSDP2 shards), the LR schedule, the data
@@ -38,7 +40,8 @@ LAYOUTS = {
 RTOL = 1e-9  # fp64 across layouts: summation order only (see the module docstring)
 
 
-def _run(name: str, dtype, *, save: str | None = None, load: str | None = None) -> dict:
+def _run(name: str, dtype, *, save: str | None = None, load: str | None = None,
+         async_save: bool = False) -> dict:
     """Train LAYOUTS[name] to STEPS optimizer steps (saving at SAVE_AT into `save`, or
     starting from the checkpoint `load`); the losses of the steps taken and the whole model."""
     from torch.utils.data import DataLoader, TensorDataset
@@ -77,8 +80,9 @@ def _run(name: str, dtype, *, save: str | None = None, load: str | None = None) 
             sched.step()
             opt.zero_grad()
         done += 1
-        if save and done == SAVE_AT:
-            acc.save_state(save)
+        if save and done == SAVE_AT:  # async: written while steps 4.. run, committed after
+            acc.save_state(save, async_save=async_save)
+    acc.wait_for_checkpoint()
     return {"losses": losses, "state": acc.get_state_dict(model)}
 
 
@@ -88,6 +92,10 @@ def _two_ranks(rank, world, root):
         folder = f"{root}/{name}"
         out[name] = (_run(name, torch.float32, save=folder),
                      _run(name, torch.float32, load=folder))
+    for name in ("ddp", "zero3"):  # the state copied at step 3, written in the background
+        folder = f"{root}/{name}-async"
+        out[f"{name}-async"] = (_run(name, torch.float32, save=folder, async_save=True),
+                                _run(name, torch.float32, load=folder))
     out["fp64"] = _run("ddp", torch.float64)  # the uninterrupted reference across layouts
     _run("zero3", torch.float64, save=f"{root}/zero3-fp64")
     for name in ("ddp", "tp2", "pp2", "zero1"):
@@ -130,6 +138,11 @@ def _bitwise(full, resumed):
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2", "pp2"])
 def test_resume_same_layout_is_bitwise(runs, name):
     _bitwise(*runs["two"][name])
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_asynchronous_save_holds_the_state_of_its_step(runs, name):
+    _bitwise(*runs["two"][f"{name}-async"])
 
 
 def test_resume_dp2xtp2_on_four_ranks_is_bitwise(runs):

@@ -175,6 +175,8 @@ class Accelerator:
         self._schedulers: list[PreparedScheduler] = []
         self._loaders: list[PreparedDataLoader] = []
         self._custom: list[Any] = []  # register_for_checkpointing
+        self._pending_save = None  # an asynchronous save not yet committed
+        self._save_group = None  # the process group asynchronous saves write with
         self._active_loader: PreparedDataLoader | None = None
 
     # ----------------------------------------------------------------- where we are
@@ -415,15 +417,31 @@ class Accelerator:
                                  "state_dict() and load_state_dict(); register objects that do")
             self._custom.append(obj)
 
-    def save_state(self, output_dir: str | os.PathLike, *, step: int | None = None) -> Path:
+    def save_state(self, output_dir: str | os.PathLike, *, step: int | None = None,
+                   async_save: bool = False) -> Path:
         """Write everything prepared (models or pipelines, optimizers, schedulers, data
         loaders' positions, the fp16 scaler, each rank's random generators, the step
         counters) and everything registered into `output_dir`, as a sharded checkpoint
         (`torch.distributed.checkpoint`: each rank writes its own shards) committed
-        atomically with a manifest. Call on every rank; see `meshfit.accelerator.state`."""
+        atomically with a manifest. `async_save=True` copies the state to host memory and
+        writes it in the background while training goes on; it is committed by
+        `wait_for_checkpoint` (or the next save, `load_state`, `end_training`). Call on
+        every rank; see `meshfit.accelerator.state`."""
         from meshfit.accelerator.state import save_state
 
-        return save_state(self, output_dir, step=step)
+        return save_state(self, output_dir, step=step, async_save=async_save)
+
+    @property
+    def checkpoint_in_flight(self) -> Path | None:
+        """The temporary folder an asynchronous `save_state` is writing (None: none)."""
+        return None if self._pending_save is None else self._pending_save[0]
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Commit an asynchronous `save_state` once its files are written (a collective);
+        returns its folder (None when no save was in flight)."""
+        from meshfit.accelerator.state import finish_save
+
+        return finish_save(self)
 
     def load_state(self, input_dir: str | os.PathLike):
         """Restore what `save_state` wrote, into the objects prepared (and registered) in the
@@ -567,7 +585,9 @@ class Accelerator:
             print(*args, **kwargs)
 
     def end_training(self) -> None:
-        """Release the process group (call once at the end of the script)."""
+        """Commit a checkpoint still being written, then release the process group (call
+        once at the end of the script)."""
+        self.wait_for_checkpoint()
         if self.env.is_distributed and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

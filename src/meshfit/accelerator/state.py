@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from meshfit.checkpoint import state as ckstate
 from meshfit.checkpoint.store import (CheckpointError, Manifest, commit, load_dcp, save_dcp,
-                                     saved_keys, verify)
+                                     save_dcp_async, saved_keys, verify)
 
 if TYPE_CHECKING:
     from meshfit.accelerator.accelerator import Accelerator
@@ -121,15 +121,19 @@ def _collect(acc: Accelerator, models) -> dict[str, Any]:
     return state
 
 
-def save_state(acc: Accelerator, output_dir, *, step: int | None = None) -> Path:
+def save_state(acc: Accelerator, output_dir, *, step: int | None = None,
+               async_save: bool = False) -> Path:
     """Write the checkpoint into `output_dir` (atomically: a temporary folder beside it,
-    renamed once every rank has written and the manifest is in). Every rank calls it."""
+    renamed once every rank has written and the manifest is in). Every rank calls it.
+    `async_save`: copy the state to host memory, write it in the background and return; the
+    checkpoint is committed by `finish_save` (called by the next save_state and by
+    load_state / end_training)."""
     from meshfit import __version__
 
+    finish_save(acc)  # one save in flight at a time
     folder = Path(output_dir)
     models = _models(acc)
     state = _collect(acc, models)
-    tmp = save_dcp(state, folder)
     layout = acc.layout
     manifest = Manifest(
         step=acc._optimizer_steps if step is None else step, world_size=acc.num_processes,
@@ -137,12 +141,30 @@ def save_state(acc: Accelerator, output_dir, *, step: int | None = None) -> Path
                 "engine": layout.engine.value, "zero_stage": layout.zero_stage},
         model={"shapes": _shapes(models), "ties": _ties(acc)},
         versions={"meshfit": __version__, "torch": torch.__version__})
+    if async_save:
+        if acc._save_group is None and dist.is_available() and dist.is_initialized():
+            acc._save_group = dist.new_group(backend="gloo")  # the writer thread's own group
+        tmp, future = save_dcp_async(state, folder, process_group=acc._save_group)
+        acc._pending_save = (tmp, folder, manifest, future)
+        return folder
+    return commit(save_dcp(state, folder), folder, manifest)
+
+
+def finish_save(acc: Accelerator) -> Path | None:
+    """Wait for an asynchronous save's files and commit it (a collective); returns its
+    folder, None when none was in flight."""
+    pending, acc._pending_save = acc._pending_save, None
+    if pending is None:
+        return None
+    tmp, folder, manifest, future = pending
+    future.result()
     return commit(tmp, folder, manifest)
 
 
 def load_state(acc: Accelerator, input_dir) -> Manifest:
     """Fill every prepared and registered object from the checkpoint in `input_dir` (any
     layout, any world size); returns its manifest. Every rank calls it."""
+    finish_save(acc)
     folder = Path(input_dir)
     if not folder.is_dir():
         raise CheckpointError(f"load_state: {folder} is not a folder; give a checkpoint "

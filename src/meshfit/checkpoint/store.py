@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CheckpointError", "Manifest", "commit", "is_complete", "latest", "list_complete",
-           "load_dcp", "prune", "save_dcp", "saved_keys", "verify"]
+           "load_dcp", "prune", "save_dcp", "save_dcp_async", "saved_keys", "verify"]
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -150,6 +150,27 @@ def save_dcp(state: dict[str, Any], folder: Path, *, process_group=None) -> Path
     return tmp
 
 
+def save_dcp_async(state: dict[str, Any], folder: Path, *, process_group):
+    """`save_dcp` in the background: the state is copied to host memory now, the files are
+    written by a thread; returns (temporary folder, future). `process_group` must be a group
+    of its own (gloo), so that the thread's collectives never interleave with training's.
+    Wait for the future before `commit`."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    tmp = folder.with_name(f"{folder.name}.tmp-{_broadcast_token()}")
+    if _rank() == 0:
+        tmp.mkdir(parents=True)
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=process_group,
+                                no_dist=not distributed)
+    return tmp, future
+
+
 def commit(tmp: Path, folder: Path, manifest: Manifest) -> Path:
     """Hash the files each rank wrote (in parallel), then on rank 0 write the manifest and
     rename `tmp` to `folder` atomically. A collective: every rank calls it after `save_dcp`.
@@ -218,15 +239,18 @@ def latest(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def prune(root: Path, keep: int) -> list[Path]:
+def prune(root: Path, keep: int, *, writing: Path | None = None) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints, and leftover temporary folders
-    of interrupted saves (rank 0 only; call between saves). Returns what was deleted."""
+    of interrupted saves except `writing` (a save in flight). Rank 0 only. Returns what was
+    deleted."""
     root = Path(root)
     removed = []
     for _, path in list_complete(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(path)
         removed.append(path)
     for path in root.glob("step-*.tmp-*") if root.is_dir() else ():
+        if writing is not None and path.resolve() == Path(writing).resolve():
+            continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed

@@ -373,8 +373,9 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
         signum = stop.requested(acc)
         if signum:  # every rank got here after the same step
             progress.close()
-            folder = checkpoints.save(step) if not checkpoints.due(step) else \
-                checkpoints.folder(step)
+            checkpoints.finish()
+            folder = checkpoints.folder(step) if checkpoints.due(step) else \
+                checkpoints.save(step, wait=True)
             stop.restore()
             raise Preempted(signum, step, folder, out_dir)
     stop.restore()
@@ -486,16 +487,25 @@ class _Checkpoints:
     def folder(self, step: int) -> Path:
         return self.root / f"step-{step}"
 
-    def save(self, step: int) -> Path:
-        from meshfit.checkpoint import prune
-
-        self.acc.save_state(self.folder(step), step=step)
-        if self.acc.is_main_process:
-            prune(self.root, self.cfg.keep)
+    def save(self, step: int, *, wait: bool = False) -> Path:
+        """Save (in the background with [checkpoint] async, unless `wait`), then prune."""
+        background = self.cfg.async_save and not wait
+        self.acc.save_state(self.folder(step), step=step, async_save=background)
+        if not background:
+            self.acc.wait_for_checkpoint()
+        self._prune()
         return self.folder(step)
 
+    def _prune(self) -> None:
+        from meshfit.checkpoint import prune
+
+        if self.acc.is_main_process:
+            prune(self.root, self.cfg.keep, writing=self.acc.checkpoint_in_flight)
+
     def finish(self) -> None:
-        pass
+        """Commit a checkpoint still being written."""
+        if self.acc.wait_for_checkpoint() is not None:
+            self._prune()
 
     def find(self) -> Path:
         from meshfit.checkpoint import latest
