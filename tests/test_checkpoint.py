@@ -70,7 +70,7 @@ def _run(name: str, dtype, *, save: str | None = None, load: str | None = None,
     opt, loader, sched = acc.prepare(opt, loader, sched)
     if load:
         acc.load_state(load)
-    losses, done = [], acc._optimizer_steps
+    losses, done, at_save = [], acc._optimizer_steps, None
     for xb, yb in loader:
         if done == STEPS:
             break
@@ -82,8 +82,9 @@ def _run(name: str, dtype, *, save: str | None = None, load: str | None = None,
         done += 1
         if save and done == SAVE_AT:  # async: written while steps 4.. run, committed after
             acc.save_state(save, async_save=async_save)
+            at_save = acc.get_state_dict(model)
     acc.wait_for_checkpoint()
-    return {"losses": losses, "state": acc.get_state_dict(model)}
+    return {"losses": losses, "state": acc.get_state_dict(model), "at_save": at_save}
 
 
 def _two_ranks(rank, world, root):
@@ -97,7 +98,7 @@ def _two_ranks(rank, world, root):
         out[f"{name}-async"] = (_run(name, torch.float32, save=folder, async_save=True),
                                 _run(name, torch.float32, load=folder))
     out["fp64"] = _run("ddp", torch.float64)  # the uninterrupted reference across layouts
-    _run("zero3", torch.float64, save=f"{root}/zero3-fp64")
+    out["zero3-fp64"] = _run("zero3", torch.float64, save=f"{root}/zero3-fp64")
     for name in ("ddp", "tp2", "pp2", "zero1"):
         out[f"from-zero3:{name}"] = _run(name, torch.float64, load=f"{root}/zero3-fp64")
     return out
@@ -123,7 +124,7 @@ def runs(tmp_path_factory):
     two = run_distributed(_two_ranks, 2, str(root), timeout=300)[0]
     four = run_distributed(_four_ranks, 4, str(root), timeout=300)[0]
     back = run_distributed(_resharded, 2, str(root), timeout=300)[0]
-    yield {"two": two, "four": four, "back": back}
+    yield {"two": two, "four": four, "back": back, "root": root}
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -168,3 +169,23 @@ def test_resume_on_more_and_fewer_ranks(runs):
     _close(runs["two"]["fp64"], runs["four"]["from-zero3-on-2"])  # 2 -> 4 ranks
     for name in ("zero3", "ddp"):  # 4 -> 2 ranks
         _close(runs["two"]["fp64"], runs["back"][name])
+
+
+def test_export_reads_a_sharded_checkpoint_in_one_process(runs, tmp_path):
+    """The ZeRO-3 checkpoint of 2 ranks, read whole here, without a process group: exactly
+    the weights the ranks held at that step; its safetensors loads into a plain model."""
+    from safetensors.torch import load_file
+
+    from meshfit.checkpoint.export import export, read_model
+
+    folder = runs["root"] / "zero3-fp64"
+    state, manifest = read_model(folder)
+    assert manifest.world_size == 2 and manifest.layout["engine"] == "fsdp2"
+    expected = runs["two"]["zero3-fp64"]["at_save"]
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    path = export(folder, "safetensors", tmp_path / "out")
+    model = tiny_gpt(n_layer=2, dtype=torch.float64)
+    model.load_state_dict(load_file(str(path)), strict=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())

@@ -134,3 +134,34 @@ def test_bad_calls():
         acc.register_for_checkpointing(3)
     with pytest.raises(CheckpointError, match="is not a folder"):
         acc.load_state(Path("/nonexistent/ckpt"))
+
+
+def test_export_a_transformers_model_for_from_pretrained(tmp_path):
+    import transformers
+
+    from meshfit.train.cli import main
+    from reference import hf_llama
+
+    acc = Accelerator()
+    model = acc.prepare(hf_llama(n_layer=1, dtype=torch.float32))
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randint(0, 256, (2, 8))
+    acc.backward(model(input_ids=x, labels=x).loss)
+    opt.step()
+    acc.save_state(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, model(input_ids=x).logits,
+                                   rtol=0, atol=0)
+
+
+def test_export_refuses_hf_for_other_models(saved, tmp_path, capsys):
+    from meshfit.train.cli import main
+
+    folder, _ = saved
+    assert main(["export", str(folder), str(tmp_path / "hf"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--to hf needs a checkpoint of a transformers model" in err[0]
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
+    assert "neither a checkpoint" in capsys.readouterr().err

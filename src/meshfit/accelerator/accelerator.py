@@ -31,6 +31,7 @@ from meshfit.accelerator.prepared import (GradientState, ParameterMap, PreparedO
                                           repoint_scheduler)
 from meshfit.accelerator.runtime import Runtime, runtime_for
 from meshfit.distributed import DistEnv, ParallelDims
+from meshfit.checkpoint.export import write_safetensors
 from meshfit.distributed import collectives as ops
 from meshfit.parallel.clip import clip_grad_norm_
 from meshfit.parallel.layout import Layout, check_options
@@ -485,7 +486,7 @@ class Accelerator:
         path = Path(save_directory) / "model.safetensors"
         if self.is_main_process:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_safetensors(state, path)
+            write_safetensors(state, path)
         self.wait_for_everyone()
         return path
 
@@ -597,23 +598,3 @@ class Accelerator:
                 f"parallel={self.parallel}, zero_stage={self.zero_stage}, "
                 f"mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
-
-
-def _write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors refuses tensors that share storage (tied weights): the second and later
-    names of a storage get a copy. Written to a temporary file first, then renamed."""
-    from safetensors.torch import save_file
-
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in state.items():
-        tensor = tensor.detach().cpu()
-        storage = tensor.untyped_storage().data_ptr()
-        tensors[name] = tensor.clone() if storage in seen else tensor.contiguous()
-        seen.add(storage)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

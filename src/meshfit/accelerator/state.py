@@ -84,6 +84,31 @@ def _alias(acc: Accelerator, manifest: Manifest, folder: Path, key: str):
     return alias
 
 
+def _hf_configs(models) -> list[dict | None]:
+    """Each model's transformers config (for `meshfit export --to hf`), None for others."""
+    import json
+    import sys
+
+    out = []
+    for modules in models:
+        hf = sys.modules.get("transformers")
+        model = modules[0]
+        if hf is not None and isinstance(model, hf.PreTrainedModel):
+            config = json.loads(model.config.to_json_string())
+            config["architectures"] = [type(model).__name__]
+            out.append(config)
+        else:
+            out.append(None)
+    return out
+
+
+def _regrouped(models) -> int:
+    """The TP degree a fused q|k|v projection was regrouped for (GPT-2's c_attn under tp;
+    1: none): such weights are stored head-grouped for that degree."""
+    return max([getattr(m, "_meshfit_regrouped_for_tp", 1) for ms in models for root in ms
+                for m in root.modules()] or [1])
+
+
 def _shapes(models) -> list[dict[str, list[int]]]:
     """Each model's parameter names and global shapes, over all ranks (a pipeline rank
     holds only its stages' part)."""
@@ -139,7 +164,8 @@ def save_state(acc: Accelerator, output_dir, *, step: int | None = None,
         step=acc._optimizer_steps if step is None else step, world_size=acc.num_processes,
         layout={"dims": {a: getattr(layout.dims, a) for a in layout.dims.enabled()},
                 "engine": layout.engine.value, "zero_stage": layout.zero_stage},
-        model={"shapes": _shapes(models), "ties": _ties(acc)},
+        model={"shapes": _shapes(models), "ties": _ties(acc), "hf_config": _hf_configs(models),
+               "regrouped_for_tp": _regrouped(models)},
         versions={"meshfit": __version__, "torch": torch.__version__})
     if async_save:
         if acc._save_group is None and dist.is_available() and dist.is_initialized():
@@ -173,6 +199,11 @@ def load_state(acc: Accelerator, input_dir) -> Manifest:
     saved_keys(folder)  # reads the DCP index through the restricted unpickler, first
     models = _models(acc)
     _check_models(folder, manifest, models)
+    saved_tp, mine = manifest.model.get("regrouped_for_tp", 1), _regrouped(models)
+    if saved_tp != mine:
+        raise CheckpointError(f"{folder}: its fused q|k|v weights (GPT-2's c_attn) are stored "
+                              f"head-grouped for tp={saved_tp}, this job groups them for "
+                              f"tp={mine}; resume with tp={saved_tp}")
     load = lambda part: load_dcp(part, folder)  # noqa: E731
     for i, modules in enumerate(models):
         part = {_key("model", i): ckstate.model_state(modules)}

@@ -1,5 +1,6 @@
-"""The ``meshfit`` command: ``launch`` (torchrun with safer defaults), ``train`` and
-``pipeline-chart`` (a pipeline run's schedule as a Gantt chart, with its measured bubble).
+"""The ``meshfit`` command: ``launch`` (torchrun with safer defaults), ``train``, ``export``
+(a checkpoint as safetensors, offline) and ``pipeline-chart`` (a pipeline run's schedule as
+a Gantt chart, with its measured bubble).
 
 Every argument is validated before any process is launched or any file is written; errors
 are one line naming the option, the value and the fix.
@@ -172,7 +173,32 @@ def cmd_pipeline_chart(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"launch": cmd_launch, "train": cmd_train, "pipeline-chart": cmd_pipeline_chart}
+def _export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshfit export", allow_abbrev=False,
+        description="Write a checkpoint's model as one safetensors file (or a Hugging Face "
+                    "folder), offline, in one process, whatever layout and number of "
+                    "processes saved it.")
+    p.add_argument("source", metavar="CKPT_OR_RUN",
+                   help="a checkpoint folder, or a run folder (its newest complete checkpoint)")
+    p.add_argument("out", metavar="OUTDIR", help="where model.safetensors (and config.json) go")
+    p.add_argument("--to", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: model.safetensors; hf: also config.json, for "
+                        "transformers' from_pretrained (transformers models only)")
+    return p
+
+
+def cmd_export(argv: list[str]) -> int:
+    from meshfit.checkpoint.export import export
+
+    ns = _export_parser().parse_args(argv)
+    path = export(ns.source, ns.to, ns.out)
+    print(f"meshfit export: wrote {path}")
+    return 0
+
+
+COMMANDS = {"launch": cmd_launch, "train": cmd_train, "export": cmd_export,
+            "pipeline-chart": cmd_pipeline_chart}
 
 
 def main(argv: list[str] | None = None) -> int:

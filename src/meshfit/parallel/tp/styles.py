@@ -119,6 +119,8 @@ class Conv1DColwiseParallel(ColwiseParallel):
             module.register_parameter(p_name, nn.Parameter(
                 distribute_tensor(full, mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
                 requires_grad=p.requires_grad))
+        if self.fused > 1:  # the parameters' global layout now depends on the TP degree
+            module._meshfit_regrouped_for_tp = tp
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not _is_conv1d(module):

@@ -1,0 +1,120 @@
+"""Offline export: a checkpoint of any layout and world size, read whole in one process.
+
+    meshfit export CKPT_OR_RUN --to safetensors OUT   # OUT/model.safetensors
+    meshfit export CKPT_OR_RUN --to hf OUT            # + config.json: transformers loads it
+
+No process group is needed: DCP's index says where every shard of every tensor lies, and
+the tensors are rebuilt whole from it (`torch.distributed.checkpoint`'s empty-state-dict
+planner), with the same checks and the same refusal to unpickle as `load_state`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from meshfit.checkpoint.store import (CheckpointError, Manifest, _safe_reader, latest,
+                                      verify)
+
+__all__ = ["export", "read_model", "resolve", "write_safetensors"]
+
+
+def resolve(path) -> Path:
+    """A checkpoint folder, or the newest complete one of a `meshfit train` run folder."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    found = latest(path / "checkpoints") if path.is_dir() else None
+    if found is None:
+        raise CheckpointError(f"{path} is neither a checkpoint (no manifest.json) nor a run "
+                              "folder with a complete checkpoint in checkpoints/")
+    return found
+
+
+def _planner(key: str):
+    import io
+
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    class SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+
+    return SafeEmptyPlanner(keys={key})
+
+
+def read_model(folder, index: int = 0) -> tuple[dict[str, torch.Tensor], Manifest]:
+    """The whole state dict of model `index` of the checkpoint in `folder` (on CPU)."""
+    import warnings
+
+    # (the private loader, as torch's own dcp_to_torch_save: the public `load` only fills
+    # keys the caller already has, and here there are none until the index is read)
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    folder = Path(folder)
+    manifest = verify(folder)
+    key = "model" if index == 0 else f"model_{index}"
+    state: dict = {}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        _load_state_dict(state, storage_reader=_safe_reader(folder), planner=_planner(key),
+                         no_dist=True)
+    if key not in state:
+        raise CheckpointError(f"{folder}: holds no {key!r}")
+    return dict(state[key]), manifest
+
+
+def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
+    """Write `state` as safetensors, atomically (a temporary file, fsync, rename). Tensors
+    sharing storage (tied weights) are written as separate copies, which safetensors
+    requires; both names load back into the tied model."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu()
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if storage in seen else tensor.contiguous()
+        seen.add(storage)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def export(source, to: str, out_dir) -> Path:
+    """Write model 0 of a checkpoint (or of a run's newest one) into `out_dir`:
+    ``model.safetensors``, and with ``to="hf"`` the transformers ``config.json`` beside it."""
+    if to not in ("safetensors", "hf"):
+        raise ValueError(f"--to={to!r} is not one of safetensors, hf")
+    folder = resolve(source)
+    hf = None
+    if to == "hf":
+        hf = (Manifest.read(folder).model.get("hf_config") or [None])[0]
+        if hf is None:
+            raise CheckpointError(f"{folder}: --to hf needs a checkpoint of a transformers model;"
+                                  " this one holds another model (use --to safetensors)")
+    regrouped = Manifest.read(folder).model.get("regrouped_for_tp", 1)
+    if regrouped != 1:
+        raise CheckpointError(f"{folder}: its fused q|k|v weights (GPT-2's c_attn) are stored "
+                              f"head-grouped for tp={regrouped}, which no plain model reads; "
+                              "exporting them is not available yet")
+    state, _ = read_model(folder)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = write_safetensors(state, out_dir / "model.safetensors")
+    if hf is not None:
+        (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+    return path
