@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,9 @@ from meshfit.checkpoint import state as ckstate
 from meshfit.checkpoint.store import (CheckpointError, Manifest, commit, load_dcp, save_dcp,
                                      save_dcp_async, saved_keys, verify)
 
-if TYPE_CHECKING:
-    from meshfit.accelerator.accelerator import Accelerator
+# Functions here take the `Accelerator` ("acc") whose prepared objects they save; they are
+# its implementation, not a layer of their own (not imported here: it imports this module).
+Accelerator = Any
 
 log = logging.getLogger("meshfit")
 
