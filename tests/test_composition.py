@@ -7,12 +7,15 @@ whole model's state dict (`get_state_dict`, gathered to rank 0). The parent trai
 process on the global batch of every step (micro-batch x microbatches x data-parallel
 ranks) and compares.
 
-Tolerances: float64 throughout (PITFALLS #7). The layouts change only the order of sums
-(micro-batch accumulation, the tensor-parallel all-reduces, the data-parallel average, the
-tied copies' gradients added across stages), ~1e-16 relative per operation, which AdamW's
-division by sqrt(v) amplifies to ~1e-14 on the parameters after 5 steps; so losses agree to
-rtol 1e-10 and parameters to atol 1e-10, while a layout mistake (a missing gradient
-all-reduce, a batch seen twice, an unsummed tied copy) misses by more than 1e-3.
+Tolerances: float64 throughout (in fp32, Adam would turn rounding noise of 1e-8 into 1e-4
+parameter differences). The layouts change only the order of sums (micro-batch accumulation,
+the tensor-parallel all-reduces, the data-parallel average, the tied copies' gradients added
+across stages), ~1e-16 relative per operation, which AdamW (lr 3e-3, eps 1e-8, 5 steps) can
+amplify to at most ~1.5e-10 on a parameter whose gradient is near eps (the bound is derived
+in tests/reference.py). Measured over 5 seeds: losses <= 6.4e-16 relative, parameters
+<= 5.7e-13 apart (layouts with tp; <= 6.5e-14 without). So losses agree to rtol 1e-10 and
+parameters to atol 1e-10 (~175x the largest measured), while a layout mistake (a missing
+gradient all-reduce, a batch seen twice, an unsummed tied copy) misses by more than 1e-3.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import case_result, run_cases, run_distributed, selected
 from reference import logits, mean_ce, reference_run, step_batches, tiny_gpt, token_batches
 from meshfit import Accelerator, ParallelDims
+
+# The parent's one-process references are tiny models: one intra-op thread (see conftest).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 STEPS, T, MICRO, LR = 5, 16, 2, 3e-3
 LOSS_RTOL, PARAM_ATOL = 1e-10, 1e-10
