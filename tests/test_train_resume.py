@@ -150,3 +150,20 @@ def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(tmp_path, s
     def losses(folder):
         return [(m["step"], m.get("loss"), m.get("val_loss")) for m in _metrics(folder)]
     assert losses(cut) == losses(whole)
+
+
+def test_a_diverging_run_stops_with_the_step_and_the_rank(tmp_path, capsys, one_thread):
+    from meshfit.train.cli import main
+
+    args = ["train", "--out", str(tmp_path / "run"), f"--data.cache_dir={tmp_path / 'cache'}",
+            "--train.steps=30", "--train.log_every=2", "--train.eval_every=0",
+            "--train.eval_batches=1", "--train.global_batch_size=4", "--train.micro_batch_size=4",
+            "--train.seq_len=16", "--model.n_layer=1", "--optim.optimizer=sgd",
+            "--optim.lr=10", "--train.grad_clip=0", "--train.warmup_steps=0"]
+    assert main(args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "the loss is not finite" in err[0], err
+    assert "on data-parallel rank 0; lower optim.lr" in err[0]
+    step = int(err[0].split("by step ")[1].split(" ")[0])
+    logged = _metrics(tmp_path / "run")
+    assert step < 30 and all(m["step"] < step for m in logged)  # nothing logged after it

@@ -79,12 +79,14 @@ def cmd_train(argv: list[str]) -> int:
         cfg = load_config(ns.config, overrides)
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.worker:  # started by the launcher below: one rank of the job
-        from meshfit.train.trainer import Preempted, train
+        from meshfit.train.trainer import Diverged, Preempted, train
 
         try:
             train(cfg, out, resume=ns.resume)
         except Preempted as stopped:
             return _stopped(stopped)
+        except Diverged as err:  # every rank knows; the main one says it
+            return _stopped(err, code=1)
         from meshfit.distributed import init
 
         import torch.distributed as dist
@@ -121,15 +123,17 @@ def cmd_train(argv: list[str]) -> int:
                                    *(["--resume"] if ns.resume else [])], module=True, env=env)
 
 
-def _stopped(stopped) -> int:
-    """One line from the main process; exit code 128 + the signal, as a killed process's."""
+def _stopped(stopped, code: int | None = None) -> int:
+    """One line from the main process; exit code 128 + the signal (as a killed process's),
+    or `code`."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"meshfit train: {stopped}", file=sys.stderr, flush=True)
+        error = "" if code is None else "error: "
+        print(f"meshfit train: {error}{stopped}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 128 + stopped.signum
+    return 128 + stopped.signum if code is None else code
 
 
 def _collect_overrides(rest: list[str]) -> list[str]:

@@ -150,11 +150,16 @@ class TrainConfig:
     find_batch_size: bool = False
     """Before training, probe forward + backward and halve the micro-batch (doubling the
     accumulation) until it fits on every rank."""
+    timeout_s: int = 300
+    """Seconds a collective may wait for the other ranks before the run fails with the
+    operation's name (instead of hanging); raise it for steps or checkpoints slower than
+    that."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len",
                      "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))
+        _positive("train", "timeout_s", self.timeout_s)
         for name in ("warmup_steps", "seed", "eval_every", "empty_cache_steps"):
             _positive("train", name, getattr(self, name), allow_zero=True)
         _positive("train", "activation_checkpointing_every", self.activation_checkpointing_every)

@@ -310,7 +310,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     """Train the reference GPT as `cfg` says; returns the last metrics. Call on every rank.
     `resume`: continue from the newest complete checkpoint in ``out_dir/checkpoints``."""
     t = cfg.train
-    env = env or init()
+    env = env or init(timeout_s=t.timeout_s)
     acc = build_accelerator(cfg, env)
     checkpoints = _Checkpoints(acc, cfg, out_dir / "checkpoints")
     if resume:
@@ -403,7 +403,15 @@ class _Window:
         self.loss_sum += loss.detach().float()
 
     def close(self, step: int, accum: int, lr: float) -> dict:
-        """The window's metrics line; a new window begins."""
+        """The window's metrics line; a new window begins. A loss that is not finite on some
+        rank stops the run here, naming the rank."""
+        everyone = self.acc.gather(self.loss_sum.detach().reshape(1))  # one per dp rank
+        bad = (~torch.isfinite(everyone)).nonzero()
+        if len(bad):
+            rank = int(bad[0])
+            raise Diverged(f"the loss is not finite ({everyone[rank].item()}) by step {step} on "
+                           f"data-parallel rank {rank}; lower optim.lr, keep train.grad_clip "
+                           "> 0, or train in bf16 rather than fp16")
         mean_loss = self.acc.reduce(self.loss_sum, "mean").item() / (self.steps * accum)
         elapsed = time.perf_counter() - self.start
         out = {"step": step, "loss": round(mean_loss, 5), "lr": lr,  # (torchao: lr a tensor)
@@ -428,6 +436,10 @@ def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:
     pipeline.record_timings(False)
     if out_dir is not None:
         write_run(out_dir, pipeline.meta(), timings)
+
+
+class Diverged(ValueError):
+    """The training loss became infinite or NaN (a one-line error for the command)."""
 
 
 class Preempted(Exception):
