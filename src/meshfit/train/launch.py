@@ -16,6 +16,8 @@ unchanged under `meshfit launch` and the other way round.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ipaddress
 import os
 import socket
 import sys
@@ -118,6 +120,61 @@ def torchrun_args(cfg: LaunchConfig, script: list[str], *, module: bool = False)
     return args + script
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def loopback_stores():
+    """Make every TCPStore server the launcher starts for a loopback address listen on
+    that address only.
+
+    PyTorch's TCPStore server listens on every interface whatever address it is given
+    (measured with torch 2.13: ``*:PORT`` for host "127.0.0.1"), so a single-node job's
+    rendezvous — which holds the job's keys and barriers — would be reachable from the
+    network. torch accepts an already listening socket instead (``master_listen_fd``); the
+    launcher's stores (static rendezvous, c10d rendezvous backend, the workers' shared store)
+    are given one bound to the loopback address. The workers only connect to the agent's
+    store (torchrun's ``TORCHELASTIC_USE_AGENT_STORE``), they start no server of their own."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, \
+        static_tcp_rendezvous
+
+    real = dist.TCPStore
+
+    class LoopbackTCPStore(real):
+        def __init__(self, host_name, port, world_size=None, is_master=False, *args, **kwargs):
+            if not (is_master and kwargs.get("master_listen_fd") is None
+                    and _is_loopback(host_name)):
+                super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
+                return
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((socket.gethostbyname(host_name), int(port)))
+                sock.listen(1024)
+                kwargs["master_listen_fd"] = sock.fileno()
+                super().__init__(host_name, sock.getsockname()[1], world_size, is_master,
+                                 *args, **kwargs)
+            except BaseException:
+                sock.close()
+                raise
+            sock.detach()  # the store owns the descriptor now, and closes it
+
+    patched = [(dist, "TCPStore"), (static_tcp_rendezvous, "TCPStore"),
+               (c10d_rendezvous_backend, "TCPStore")]
+    for module, name in patched:
+        setattr(module, name, LoopbackTCPStore)
+    try:
+        yield
+    finally:
+        for module, name in patched:
+            setattr(module, name, real)
+
+
 def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
         env: dict[str, str] | None = None) -> int:
     """Start the job through torch.distributed.run and wait; returns the exit code."""
@@ -130,8 +187,16 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     # node's cores among the workers instead, which is the same on small machines.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     parser = torchrun.get_args_parser()
+    args = torchrun_args(cfg, script, module=module)
+    if cfg.nnodes > 1:  # reachable from other machines by design: say where
+        port = next(a.split("=", 1)[1] for a in args
+                    if a.startswith(("--master-port=", "--rdzv-endpoint=")))
+        where = port if ":" in port else f"{cfg.master_addr}:{port}"
+        print(f"meshfit launch: node {cfg.node_rank} of {cfg.nnodes}; the rendezvous store "
+              f"is on {where} (node 0 listens there on every interface)", file=sys.stderr)
     try:
-        torchrun.run(parser.parse_args(torchrun_args(cfg, script, module=module)))
+        with loopback_stores():
+            torchrun.run(parser.parse_args(args))
     except SignalException as err:  # the agent passed the signal on to the workers
         return 128 + int(err.sigval)
     except ChildFailedError as err:
