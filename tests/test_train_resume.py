@@ -24,7 +24,8 @@ import pytest
 MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
 RUN = ["--train.steps=6", "--train.log_every=1", "--train.eval_every=0",
        "--train.eval_batches=1", "--train.global_batch_size=8", "--train.micro_batch_size=4",
-       "--train.seq_len=32", "--model.n_layer=2", "--checkpoint.every=2", "--checkpoint.keep=2"]
+       "--train.seq_len=32", "--model.n_layer=2", "--checkpoint.every=2", "--checkpoint.keep=2",
+       "--checkpoint.async=true"]  # written in the background: the same checkpoints
 
 
 def _metrics(folder):
