@@ -152,13 +152,6 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def max_gaps(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Largest absolute difference per tensor, for every name of `want` (which `got` must
-    have): what the fp64 tolerances are compared with."""
-    assert got.keys() >= want.keys(), sorted(want.keys() - got.keys())
-    return {k: (got[k].double() - want[k].double()).abs().max().item() for k in want}
-
-
 def idle_share(timings) -> float:
     """A pipeline's idle share, written out here rather than taken from meshfit.parallel.pp:
     for each step, every rank that recorded work is counted over the step's whole span
