@@ -2,6 +2,7 @@
 
     config.py          the run's frozen, validated configuration (TOML + --section.key=value)
     trainer.py         the training loop, read top to bottom
+    run.py             the run folder: metrics, checkpoints and resume, preemption
     cli.py             the `meshfit` command
     launch.py          torchrun's elastic agent with safer defaults
     batch_size.py      the largest micro-batch that fits, tensor-core shape advice

@@ -79,7 +79,8 @@ def cmd_train(argv: list[str]) -> int:
         cfg = load_config(ns.config, overrides)
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.worker:  # started by the launcher below: one rank of the job
-        from meshfit.train.trainer import Diverged, Preempted, train
+        from meshfit.train.run import Diverged, Preempted
+        from meshfit.train.trainer import train
 
         try:
             train(cfg, out, resume=ns.resume)
@@ -108,7 +109,8 @@ def cmd_train(argv: list[str]) -> int:
             raise ValueError(f"--resume: {out / 'checkpoints'} holds no complete checkpoint; "
                              "train with --checkpoint.every=N to write some")
     if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
-        from meshfit.train.trainer import Preempted, train
+        from meshfit.train.run import Preempted
+        from meshfit.train.trainer import train
 
         try:
             train(cfg, out, resume=ns.resume)
