@@ -29,6 +29,11 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     return obj
 
 
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older releases have
+# only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _active(group) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
@@ -57,7 +62,7 @@ def _gather_tensor(tensor: torch.Tensor, group) -> torch.Tensor:
         pad = tensor.new_zeros((biggest - tensor.shape[0], *tensor.shape[1:]))
         tensor = torch.cat([tensor, pad])
     out = tensor.new_empty((world * biggest, *tensor.shape[1:]))
-    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    _all_gather_single(out, tensor.contiguous(), group=group)
     if all(s == biggest for s in sizes):
         return out
     return torch.cat([out[r * biggest: r * biggest + s] for r, s in enumerate(sizes)])
