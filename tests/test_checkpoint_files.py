@@ -165,3 +165,36 @@ def test_export_refuses_hf_for_other_models(saved, tmp_path, capsys):
     assert len(err) == 1 and "--to hf needs a checkpoint of a transformers model" in err[0]
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
     assert "neither a checkpoint" in capsys.readouterr().err
+
+
+def test_sigkill_at_any_moment_of_saving_leaves_complete_checkpoints_loadable(tmp_path):
+    """20 processes each saving checkpoint after checkpoint (and pruning), killed with SIGKILL
+    at a random moment: every checkpoint `list_complete` finds still verifies and loads, the
+    newest one included, and half-written folders are never among them."""
+    import random
+    import signal
+    import time
+
+    acc, net, _ = _prepared()
+    root = tmp_path / "ckpts"
+    rng = random.Random(0)
+    interrupted = 0
+    for trial in range(20):
+        pid = os.fork()  # a copy of this process, with the prepared objects, saving
+        if pid == 0:
+            try:
+                step = 100 * trial
+                while True:
+                    step += 1
+                    acc.save_state(root / f"step-{step}", step=step)
+                    prune(root, keep=2)
+            finally:
+                os._exit(0)
+        time.sleep(rng.uniform(0.0, 0.25))
+        os.kill(pid, signal.SIGKILL)  # our own child, by its PID
+        os.waitpid(pid, 0)
+        interrupted += any(root.glob("step-*.tmp-*"))
+        for _, folder in list_complete(root):
+            fresh, _, _ = _prepared()
+            assert fresh.load_state(folder).step == int(folder.name.split("-")[1])
+    assert latest(root) is not None and interrupted >= 5  # saves were cut in the middle
