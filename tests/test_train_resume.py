@@ -99,7 +99,7 @@ def test_resume_refuses_what_it_cannot_do(args, message, tmp_path, capsys):
     assert not (out / "checkpoints").exists()
 
 
-PREEMPT = ["--train.steps=40", "--train.log_every=1", "--train.eval_every=0",
+PREEMPT = ["--train.steps=80", "--train.log_every=1", "--train.eval_every=0",
            "--train.eval_batches=1", "--train.global_batch_size=8", "--train.micro_batch_size=4",
            "--train.seq_len=32", "--model.n_layer=1"]
 
@@ -118,7 +118,7 @@ def _wait_for_step(metrics, step: int, proc, timeout: float = 120.0) -> None:
 
 
 def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(tmp_path, subprocess_env):
-    """SIGTERM to the launcher after step 3 of 40: the workers finish their step, write a
+    """SIGTERM to the launcher after step 3 of 80: the workers finish their step, write a
     checkpoint and exit 143 with one line; --resume then gives every step's loss exactly as
     the run that was never stopped (same layout: bitwise)."""
     import signal
@@ -143,7 +143,7 @@ def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(tmp_path, s
     ours = [line for line in err.splitlines() if line.startswith("meshfit train:")]
     assert len(ours) == 1 and "stopped by SIGTERM after step" in ours[0], err
     step = int(ours[0].split("after step ")[1].split(";")[0])
-    assert 3 <= step < 40 and (cut / "checkpoints" / f"step-{step}").is_dir()
+    assert 3 <= step < 80 and (cut / "checkpoints" / f"step-{step}").is_dir()
     resumed = subprocess.run([*base, "--out", str(cut), "--resume"], env=subprocess_env,
                              capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
