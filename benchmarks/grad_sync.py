@@ -33,7 +33,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -213,7 +213,7 @@ def load_state(acc: Accelerator, input_dir) -> Manifest:
     for i, opt in enumerate(acc._optimizers):
         key = _key("optimizer", i)
         ckstate.load_optimizer_state(_owner(models, opt.optimizer), opt.optimizer,
-                                     lambda template: load({key: template}),
+                                     lambda template, key=key: load({key: template}),
                                      alias=_alias(acc, manifest, folder, key))
     for i, sched in enumerate(acc._schedulers):
         part = {_key("scheduler", i): sched.scheduler.state_dict()}
