@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
@@ -117,20 +118,38 @@ def _wait_for_step(metrics, step: int, proc, timeout: float = 120.0) -> None:
     raise AssertionError(f"the run did not reach step {step} (exit code {proc.poll()})")
 
 
-def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(tmp_path, subprocess_env):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """An 80-step 2-process run that nothing stops: what the interrupted runs must equal."""
+    from conftest import make_subprocess_env
+
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    env = make_subprocess_env(tmp)
+    cache = f"--data.cache_dir={tmp / 'cache'}"
+    done = subprocess.run([*MESHFIT, "train", "--nproc", "2", "--out", str(tmp / "whole"),
+                           *PREEMPT, cache], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr
+    yield {"folder": tmp / "whole", "cache": cache}
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _losses(folder):
+    return [(m["step"], m.get("loss"), m.get("val_loss")) for m in _metrics(folder)]
+
+
+def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path,
+                                                                    subprocess_env):
     """SIGTERM to the launcher after step 3 of 80: the workers finish their step, write a
     checkpoint and exit 143 with one line; --resume then gives every step's loss exactly as
     the run that was never stopped (same layout: bitwise)."""
     import signal
 
-    cache = f"--data.cache_dir={tmp_path / 'cache'}"
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    cut = tmp_path / "cut"
     base = [*MESHFIT, "train", "--nproc", "2"]
-    done = subprocess.run([*base, "--out", str(whole), *PREEMPT, cache], env=subprocess_env,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr
-    proc = subprocess.Popen([*base, "--out", str(cut), *PREEMPT, cache], env=subprocess_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*base, "--out", str(cut), *PREEMPT, uninterrupted["cache"]],
+                            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         _wait_for_step(cut / "metrics.jsonl", 3, proc)
         proc.send_signal(signal.SIGTERM)  # our own child, by its PID
@@ -147,10 +166,33 @@ def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(tmp_path, s
     resumed = subprocess.run([*base, "--out", str(cut), "--resume"], env=subprocess_env,
                              capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
+    assert _losses(cut) == _losses(uninterrupted["folder"])
 
-    def losses(folder):
-        return [(m["step"], m.get("loss"), m.get("val_loss")) for m in _metrics(folder)]
-    assert losses(cut) == losses(whole)
+
+def test_a_killed_worker_is_restarted_and_the_run_equals_the_uninterrupted_one(
+        uninterrupted, tmp_path, subprocess_env):
+    """--max-restarts 1 and a checkpoint every 5 steps: rank 1 killed with SIGKILL after step
+    12; the agent restarts both workers, they continue from the newest checkpoint (step 10),
+    and every logged loss equals the uninterrupted run's, none written twice."""
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([*MESHFIT, "train", "--nproc", "2", "--max-restarts", "1", "--out",
+                             str(cut), *PREEMPT, "--checkpoint.every=5", uninterrupted["cache"]],
+                            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_for_step(cut / "metrics.jsonl", 12, proc)
+        workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                   if "--worker" in c.cmdline() and c.environ().get("RANK") == "1"]
+        assert len(workers) == 1
+        workers[0].kill()  # a child of our own child, found by its PID
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "restart 1 of the workers" in out and "resuming from" in out, out
+    assert _losses(cut) == _losses(uninterrupted["folder"])
 
 
 def test_a_diverging_run_stops_with_the_step_and_the_rank(tmp_path, capsys, one_thread):

@@ -27,6 +27,9 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     backend: str | None  # None: a single process with no process group
+    restart: int = 0
+    """How often the launcher's agent has restarted this job's workers (torchrun's
+    TORCHELASTIC_RESTART_COUNT; 0 on the first attempt)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -91,15 +94,35 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, *,
         return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device,
                        backend=None)
     chosen = backend or ("nccl" if cuda else "gloo")
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
-            backend=chosen,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=chosen, timeout=timeout,
             # device_id binds NCCL's communicator eagerly to this rank's GPU.
             device_id=device if device.type == "cuda" else None,
-        )
+            **_attempt_store(rank, world_size, restart, timeout))
     else:
         chosen = dist.get_backend()
         world_size, rank = dist.get_world_size(), dist.get_rank()
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank,
-                   local_world_size=local_world_size, device=device, backend=chosen)
+                   local_world_size=local_world_size, device=device, backend=chosen,
+                   restart=restart)
+
+
+def _attempt_store(rank: int, world_size: int, restart: int,
+                   timeout: datetime.timedelta) -> dict:
+    """Keyword arguments of `init_process_group` that keep each restart's keys apart.
+
+    Under torchrun's agent the workers use the agent's store (TORCHELASTIC_USE_AGENT_STORE),
+    and that store outlives a restart: torch's own `env://` path adds no per-attempt prefix,
+    so the restarted ranks read the addresses the dead attempt published and fail with gloo
+    "connectFullMesh ... Connection refused" (measured with torch 2.13: 3 of 3 restarts after
+    a worker was killed). Every key of this attempt (default group and sub-groups alike) goes
+    under ``meshfit/attempt_<restart>/`` instead. Without the agent store: torch's own path."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    store = dist.TCPStore(host_name=os.environ["MASTER_ADDR"], port=_env_int("MASTER_PORT", 0),
+                          world_size=world_size, is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"meshfit/attempt_{restart}", store), "rank": rank,
+            "world_size": world_size}

@@ -135,10 +135,13 @@ class Checkpoints:
         if self.acc.wait_for_checkpoint() is not None:
             self._prune()
 
-    def find(self) -> Path:
+    def newest(self) -> Path | None:
         from meshfit.checkpoint import latest
 
-        folder = latest(self.root)
+        return latest(self.root)
+
+    def find(self) -> Path:
+        folder = self.newest()
         if folder is None:
             raise ValueError(f"--resume: {self.root} holds no complete checkpoint; train with "
                              "--checkpoint.every=N to write some")

@@ -313,6 +313,11 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     checkpoints = Checkpoints(acc, cfg, out_dir / "checkpoints")
     if resume:
         checkpoints.find()  # before anything is built: a missing checkpoint fails fast
+    elif env.restart and checkpoints.newest() is not None:
+        # Restarted by the launcher after a worker failed (--max-restarts): go on from the
+        # newest complete checkpoint rather than from the start.
+        acc.print(f"meshfit train: restart {env.restart} of the workers")
+        resume = True
     with acc.main_process_first():  # rank 0 builds the token cache, the others reuse it
         splits = load_tokens(cfg.data.path or None, cache_dir=cfg.data.cache_dir or None)
     torch.manual_seed(t.seed)
