@@ -210,3 +210,35 @@ def test_a_diverging_run_stops_with_the_step_and_the_rank(tmp_path, capsys, one_
     step = int(err[0].split("by step ")[1].split(" ")[0])
     logged = _metrics(tmp_path / "run")
     assert step < 30 and all(m["step"] < step for m in logged)  # nothing logged after it
+
+
+def _stall(rank, world_size):
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from meshfit.train.run import Stalled, collective_deadline
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(6)  # a rank that hangs past the deadline
+        return None
+    try:
+        with collective_deadline(rank, 2, lambda: "step 7"):
+            dist.all_reduce(torch.ones(1), group=group)
+    except Stalled as err:
+        return str(err)
+    return None
+
+
+def test_a_hung_rank_is_named_not_waited_for():
+    """A collective waiting past the process group's timeout becomes one line naming the rank,
+    the step and the operation (gloo's timeout, real, on 2 ranks)."""
+    from conftest import run_distributed
+
+    message, _ = run_distributed(_stall, 2, timeout=60)
+    assert message is not None and "\n" not in message
+    assert message.startswith("rank 0 waited more than 2 s for the other ranks during step 7 (")
+    assert "Timed out waiting" in message and "raise train.timeout_s" in message

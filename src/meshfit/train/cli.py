@@ -79,7 +79,7 @@ def cmd_train(argv: list[str]) -> int:
         cfg = load_config(ns.config, overrides)
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.worker:  # started by the launcher below: one rank of the job
-        from meshfit.train.run import Diverged, Preempted
+        from meshfit.train.run import Diverged, Preempted, Stalled
         from meshfit.train.trainer import train
 
         try:
@@ -88,6 +88,9 @@ def cmd_train(argv: list[str]) -> int:
             return _stopped(stopped)
         except Diverged as err:  # every rank knows; the main one says it
             return _stopped(err, code=1)
+        except Stalled as err:  # only the ranks that waited know: each says it
+            print(f"meshfit train: error: {err}", file=sys.stderr, flush=True)
+            return 1
         from meshfit.distributed import init
 
         import torch.distributed as dist

@@ -4,6 +4,7 @@ ends early (`Preempted`, `Diverged`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,8 @@ import torch
 from meshfit.accelerator import Accelerator
 from meshfit.train.config import RunConfig
 
-__all__ = ["Checkpoints", "Diverged", "MetricsWriter", "Preempted", "StopOnSignal", "Window"]
+__all__ = ["Checkpoints", "Diverged", "MetricsWriter", "Preempted", "Stalled", "StopOnSignal",
+           "Window", "collective_deadline"]
 
 
 class Window:
@@ -56,6 +58,28 @@ class Window:
 
 class Diverged(ValueError):
     """The training loss became infinite or NaN (a one-line error for the command)."""
+
+
+class Stalled(ValueError):
+    """A collective waited longer than [train] timeout_s for the other ranks."""
+
+
+@contextlib.contextmanager
+def collective_deadline(rank: int, timeout_s: float, what: str):
+    """Turn the process group's timeout inside the block into one line naming this rank,
+    what it was doing and torch's own account of the operation (gloo: "Timed out waiting
+    300000ms for recv operation to complete"; NCCL's watchdog ends the process itself)."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err).strip()
+        if "timed out" not in text.lower():
+            raise
+        detail = text.splitlines()[0].split("] ", 1)[-1][:160]
+        doing = what() if callable(what) else what
+        raise Stalled(f"rank {rank} waited more than {timeout_s:g} s for the other ranks during "
+                      f"{doing} ({detail}); another rank has hung or died (see its log), or the "
+                      "work really takes that long: raise train.timeout_s") from None
 
 
 class Preempted(Exception):

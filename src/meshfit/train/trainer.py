@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, Subset
 
 from meshfit.accelerator import Accelerator
 from meshfit.train.config import RunConfig
-from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, StopOnSignal,
-                               Window)
+from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, StopOnSignal, Window,
+                               collective_deadline)
 from meshfit.data import TokenDataset, load_tokens
 from meshfit.distributed import DistEnv, init
 from meshfit.models import GPT, GPTConfig
@@ -346,41 +346,43 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
         writer.write(last)
     batches, window = _batches(train_loader), Window(acc, t.global_batch_size * t.seq_len)
     stop = StopOnSignal()
-    for step in range(start + 1, t.steps + 1):
-        for _ in range(accum):
-            x, y = next(batches)
-            with trained.accumulate():
-                loss = trained.forward_backward(x, y, accum)
-                if acc.sync_gradients and t.grad_clip > 0:
-                    trained.clip(t.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            window.add(loss)
-        window.steps += 1
-        trained.after_step(step, out_dir)
-        if step % t.log_every == 0 or step == t.steps:
-            last = window.close(step, accum, float(scheduler.get_last_lr()[0]))
-            writer.write(last)
-            progress.update(step, f"loss {last['loss']:.3f}  {last['tokens_per_s']:.0f} tok/s")
-        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-            began = time.perf_counter()
-            val = {"step": step, "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
-            writer.write(val)
-            last.update(val)
-            window.start += time.perf_counter() - began  # not training throughput
-        if checkpoints.due(step):
-            began = time.perf_counter()
-            checkpoints.save(step)
-            window.start += time.perf_counter() - began
-        signum = stop.requested(acc)
-        if signum:  # every rank got here after the same step
-            progress.close()
-            checkpoints.finish()
-            folder = checkpoints.folder(step) if checkpoints.due(step) else \
-                checkpoints.save(step, wait=True)
-            stop.restore()
-            raise Preempted(signum, step, folder, out_dir)
+    step = start + 1  # the step in progress, for a timeout's message
+    with collective_deadline(acc.process_index, t.timeout_s, lambda: f"step {step}"):
+        for step in range(start + 1, t.steps + 1):
+            for _ in range(accum):
+                x, y = next(batches)
+                with trained.accumulate():
+                    loss = trained.forward_backward(x, y, accum)
+                    if acc.sync_gradients and t.grad_clip > 0:
+                        trained.clip(t.grad_clip)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                window.add(loss)
+            window.steps += 1
+            trained.after_step(step, out_dir)
+            if step % t.log_every == 0 or step == t.steps:
+                last = window.close(step, accum, float(scheduler.get_last_lr()[0]))
+                writer.write(last)
+                progress.update(step, f"loss {last['loss']:.3f}  {last['tokens_per_s']:.0f} tok/s")
+            if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+                began = time.perf_counter()
+                val = {"step": step, "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
+                writer.write(val)
+                last.update(val)
+                window.start += time.perf_counter() - began  # not training throughput
+            if checkpoints.due(step):
+                began = time.perf_counter()
+                checkpoints.save(step)
+                window.start += time.perf_counter() - began
+            signum = stop.requested(acc)
+            if signum:  # every rank got here after the same step
+                progress.close()
+                checkpoints.finish()
+                folder = checkpoints.folder(step) if checkpoints.due(step) else \
+                    checkpoints.save(step, wait=True)
+                stop.restore()
+                raise Preempted(signum, step, folder, out_dir)
     stop.restore()
     checkpoints.finish()
     progress.close()
