@@ -242,3 +242,25 @@ def test_a_hung_rank_is_named_not_waited_for():
     assert message is not None and "\n" not in message
     assert message.startswith("rank 0 waited more than 2 s for the other ranks during step 7 (")
     assert "Timed out waiting" in message and "raise train.timeout_s" in message
+
+
+def test_a_second_signal_ends_the_run_at_once(monkeypatch):
+    """The first signal only asks for a stop after the step (with a checkpoint); the second
+    restores the signal's default action and sends it again, ending the process at once.
+    (Checked on the handler: two signals sent back to back reach a process as one.)"""
+    import signal
+
+    from meshfit.train import run
+
+    sent = []
+    monkeypatch.setattr(run.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    stop = run.StopOnSignal()
+    try:
+        stop._handle(signal.SIGTERM, None)
+        assert stop.signum == signal.SIGTERM and sent == []  # asked, not yet acted on
+        stop._handle(signal.SIGTERM, None)
+        assert sent == [(run.os.getpid(), signal.SIGTERM)]
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) != stop._handle  # the handlers are put back
