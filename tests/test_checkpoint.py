@@ -9,7 +9,7 @@ resumed, a run equals the uninterrupted one.
   loader's position (mid-epoch) and each rank's random generators.
 - Another layout or world size (fp64): saved as ZeRO-3 on 2 ranks, resumed as DDP, TP2, PP2
   and ZeRO-1 on 2 ranks and as dp2 x tp2 on 4; saved as dp2 x tp2 on 4, resumed as ZeRO-3
-  and DDP on 2. Layouts differ in the order of sums only (~1e-16 relative per operation,
+  and DDP on 2; saved as ZeRO-3 on 4, resumed as DDP on 2. Layouts differ in the order of sums only (~1e-16 relative per operation,
   grown by Adam over 3 steps to ~1e-13 at most); the tolerance is 1e-9 relative, and a
   resume that lost the optimizer state, the schedule or the data position misses by > 1e-3.
 
@@ -36,6 +36,7 @@ LAYOUTS = {
     "tp2": (dict(tp=2, dp_replicate=1), {}),
     "pp2": (dict(pp=2, dp_replicate=1), {}),
     "dp2xtp2": (dict(dp_replicate=2, tp=2), {}),
+    "zero3x4": (dict(dp_shard=4, dp_replicate=1), dict(zero_stage=3)),
 }
 RTOL = 1e-9  # fp64 across layouts: summation order only (see the module docstring)
 
@@ -109,13 +110,16 @@ def _four_ranks(rank, world, root):
     out = {"same": (_run("dp2xtp2", torch.float32, save=folder),
                     _run("dp2xtp2", torch.float32, load=folder))}
     _run("dp2xtp2", torch.float64, save=f"{root}/dp2xtp2-fp64")
+    _run("zero3x4", torch.float64, save=f"{root}/zero3x4-fp64")
     out["from-zero3-on-2"] = _run("dp2xtp2", torch.float64, load=f"{root}/zero3-fp64")
     return out
 
 
 def _resharded(rank, world, root):
-    return {name: _run(name, torch.float64, load=f"{root}/dp2xtp2-fp64")
-            for name in ("zero3", "ddp")}
+    out = {name: _run(name, torch.float64, load=f"{root}/dp2xtp2-fp64")
+           for name in ("zero3", "ddp")}
+    out["zero3x4:ddp"] = _run("ddp", torch.float64, load=f"{root}/zero3x4-fp64")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +171,7 @@ def test_resume_in_another_layout(runs, name):
 
 def test_resume_on_more_and_fewer_ranks(runs):
     _close(runs["two"]["fp64"], runs["four"]["from-zero3-on-2"])  # 2 -> 4 ranks
-    for name in ("zero3", "ddp"):  # 4 -> 2 ranks
+    for name in ("zero3", "ddp", "zero3x4:ddp"):  # 4 -> 2 ranks (dp2 x tp2, ZeRO-3)
         _close(runs["two"]["fp64"], runs["back"][name])
 
 

@@ -4,7 +4,7 @@ run from its newest complete checkpoint, also in another layout.
 A 2-process run of 6 steps saves at steps 2, 4 and 6 and keeps the newest two. Its folder is
 then cut back to how it was during step 5 (the step-6 checkpoint gone, step 5's metric line
 written) and resumed as ZeRO-2: the metrics must continue after step 4 with no step written
-twice. The resumed steps agree with the uninterrupted run's to 1e-4 relative: fp32, and the
+twice; the same checkpoint is also resumed as pp=2. The resumed steps agree with the uninterrupted run's to 1e-4 relative: fp32, and the
 layouts differ in the order of sums only (~1e-7 relative per operation; the logged values
 are rounded to 5 decimals); a resume that lost the optimizer state, the learning-rate
 schedule or the data position misses by more than 1e-2.
@@ -50,11 +50,17 @@ def runs(tmp_path_factory):
     lines = [line for line in (cut / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["step"] <= 5]  # step 5 was logged, then the run died
     (cut / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    as_pp = tmp / "as_pp"
+    shutil.copytree(cut, as_pp)  # the same cut run, resumed a second time below, as pp=2
     resumed = subprocess.run([*MESHFIT, "train", "--nproc", "2", "--out", str(cut), "--resume",
                               "--parallel.dp_shard=2", "--parallel.dp_replicate=1",
                               "--parallel.zero_stage=2"], env=env, capture_output=True,
                              text=True, timeout=240)
-    yield {"full": full, "cut": cut, "listed": listed, "resumed": resumed, "env": env}
+    piped = subprocess.run([*MESHFIT, "train", "--nproc", "2", "--out", str(as_pp), "--resume",
+                            "--parallel.pp=2", "--parallel.dp_replicate=1"], env=env,
+                           capture_output=True, text=True, timeout=240)
+    yield {"full": full, "cut": cut, "listed": listed, "resumed": resumed, "env": env,
+           "as_pp": as_pp, "piped": piped}
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -65,18 +71,21 @@ def test_checkpoints_are_written_and_pruned(runs):
     assert manifest["layout"]["engine"] == "ddp"
 
 
-def test_resume_continues_the_run_in_another_layout(runs):
-    proc = runs["resumed"]
+@pytest.mark.parametrize("layout", ["zero2", "pp2"])
+def test_resume_continues_the_run_in_another_layout(runs, layout):
+    proc, folder = (runs["resumed"], runs["cut"]) if layout == "zero2" else \
+        (runs["piped"], runs["as_pp"])
     assert proc.returncode == 0, proc.stderr
     assert "(step 4 of 6, saved by 2 process(es))" in proc.stdout
-    full, cut = _metrics(runs["full"]), _metrics(runs["cut"])
+    full, cut = _metrics(runs["full"]), _metrics(folder)
     assert [m["step"] for m in cut] == [m["step"] for m in full]  # nothing twice, nothing lost
     assert cut[:5] == full[:5]  # the lines up to the checkpoint are kept as they were
     for a, b in zip(full[5:], cut[5:]):
         key = "loss" if "loss" in a else "val_loss"
         assert math.isclose(a[key], b[key], rel_tol=1e-4), (a, b)
-    config = (runs["cut"] / "config.toml").read_text()
-    assert "zero_stage = 2" in config  # the layout override is the run's config from now on
+    config = (folder / "config.toml").read_text()
+    # the layout override is the run's config from now on
+    assert ("zero_stage = 2" if layout == "zero2" else "pp = 2") in config
 
 
 @pytest.mark.parametrize("args, message", [
