@@ -158,10 +158,15 @@ def runtime_for(layout: Layout, env: DistEnv, mesh=None) -> Runtime:
 def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from meshfit.parallel.tp import canonical_state, regrouped_params
+
     # A collective: every rank all-gathers; with cpu_offload=True torch fills the result on
-    # rank 0 only and returns an empty dict elsewhere.
-    return get_model_state_dict(
+    # rank 0 only and returns an empty dict elsewhere. Fused q|k|v weights split head-grouped
+    # by tensor parallel (GPT-2's c_attn) are put back in the model's own layout: the dict
+    # loads into a plain single-device model.
+    state = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return canonical_state(state, regrouped_params(model))
 
 
 @contextlib.contextmanager

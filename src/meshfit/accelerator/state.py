@@ -110,6 +110,26 @@ def _regrouped(models) -> int:
                 for m in root.modules()] or [1])
 
 
+def _regrouped_names(models) -> list[dict[str, list[int]]]:
+    """Each model's head-grouped parameters by full-model name: ``[chunks, tp, dim]`` (see
+    `meshfit.parallel.tp.regrouped_params`), over all ranks; what `meshfit export` needs
+    to write them in the model's own layout."""
+    from meshfit.parallel.tp import regrouped_params
+
+    mine = []
+    for modules in models:
+        found: dict[str, list[int]] = {}
+        for root in modules:
+            root = getattr(root, "module", root)  # (DDP never holds TP layers; FSDP2 is in place)
+            found.update({k: list(v) for k, v in regrouped_params(root).items()})
+        mine.append(found)
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [{k: v for part in everyone for k, v in part[i].items()} for i in range(len(mine))]
+
+
 def _shapes(models) -> list[dict[str, list[int]]]:
     """Each model's parameter names and global shapes, over all ranks (a pipeline rank
     holds only its stages' part)."""
@@ -166,7 +186,7 @@ def save_state(acc: Accelerator, output_dir, *, step: int | None = None,
         layout={"dims": {a: getattr(layout.dims, a) for a in layout.dims.enabled()},
                 "engine": layout.engine.value, "zero_stage": layout.zero_stage},
         model={"shapes": _shapes(models), "ties": _ties(acc), "hf_config": _hf_configs(models),
-               "regrouped_for_tp": _regrouped(models)},
+               "regrouped_for_tp": _regrouped(models), "regrouped": _regrouped_names(models)},
         versions={"meshfit": __version__, "torch": torch.__version__})
     if async_save:
         if acc._save_group is None and dist.is_available() and dist.is_initialized():

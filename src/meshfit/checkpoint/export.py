@@ -66,7 +66,22 @@ def read_model(folder, index: int = 0) -> tuple[dict[str, torch.Tensor], Manifes
                          no_dist=True)
     if key not in state:
         raise CheckpointError(f"{folder}: holds no {key!r}")
-    return dict(state[key]), manifest
+    return canonical(dict(state[key]), manifest, index, folder), manifest
+
+
+def canonical(state: dict[str, torch.Tensor], manifest: Manifest, index: int,
+              folder: Path) -> dict[str, torch.Tensor]:
+    """The model's own layout: fused q|k|v weights that tensor parallel stored head-grouped
+    (GPT-2's c_attn; the manifest lists them) are put back as the plain model has them."""
+    from meshfit.parallel.tp import canonical_state
+
+    tp = manifest.model.get("regrouped_for_tp", 1)
+    names = (manifest.model.get("regrouped") or [{}] * (index + 1))[index]
+    if tp != 1 and not names:  # written before the manifest listed them
+        raise CheckpointError(f"{folder}: its fused q|k|v weights are stored head-grouped for "
+                              f"tp={tp} and the manifest does not say which; resume it with "
+                              f"tp={tp} and save again to export it")
+    return canonical_state(state, {k: tuple(v) for k, v in names.items()})
 
 
 def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
@@ -106,11 +121,6 @@ def export(source, to: str, out_dir) -> Path:
         if hf is None:
             raise CheckpointError(f"{folder}: --to hf needs a checkpoint of a transformers model;"
                                   " this one holds another model (use --to safetensors)")
-    regrouped = Manifest.read(folder).model.get("regrouped_for_tp", 1)
-    if regrouped != 1:
-        raise CheckpointError(f"{folder}: its fused q|k|v weights (GPT-2's c_attn) are stored "
-                              f"head-grouped for tp={regrouped}, which no plain model reads; "
-                              "exporting them is not available yet")
     state, _ = read_model(folder)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

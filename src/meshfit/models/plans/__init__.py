@@ -1,6 +1,7 @@
 """Parallel plans as data: how tensor parallel splits a model's modules (`TPPlan`) and where
 pipeline stages are cut (`PipelinePlan`), for meshfit's reference `GPT` and for Hugging Face
-`LlamaForCausalLM` and `GPT2LMHeadModel`.
+`LlamaForCausalLM` (and the decoders with its layout, `Qwen2ForCausalLM` and
+`MistralForCausalLM`) and `GPT2LMHeadModel`.
 
 Tensor parallel follows Megatron-LM (Shoeybi et al. 2019): attention q/k/v and MLP up/gate
 column-parallel, attention output and MLP down row-parallel, so each block needs one
@@ -35,7 +36,9 @@ __all__ = ["PipelinePlan", "Style", "TPPlan", "colwise", "divisibility_problem",
            "has_builtin_plans", "hf_llama_pipeline_plan", "hf_llama_plan", "pipeline_plan_for", "plan_for",
            "prepare_input", "replicate", "rowwise", "sequence"]
 
-_BUILT_IN = "meshfit GPT, transformers LlamaForCausalLM and GPT2LMHeadModel"
+_BUILT_IN = ("meshfit GPT, transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM "
+             "and GPT2LMHeadModel")
+_LLAMA_LIKE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 def _family(model: nn.Module) -> str | None:
@@ -44,7 +47,10 @@ def _family(model: nn.Module) -> str | None:
     # transformers is only looked at when the model came from it (no import cost otherwise).
     hf = sys.modules.get("transformers")
     if hf is not None:
-        if isinstance(model, hf.LlamaForCausalLM):
+        # Qwen2 and Mistral decoders have Llama's module names and shapes (Qwen2 adds
+        # biases to q/k/v, which split with their columns), so Llama's plans fit them.
+        llama_like = tuple(getattr(hf, n) for n in _LLAMA_LIKE if hasattr(hf, n))
+        if isinstance(model, llama_like):
             return "llama"
         if isinstance(model, hf.GPT2LMHeadModel):
             return "gpt2"

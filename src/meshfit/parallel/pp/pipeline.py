@@ -85,11 +85,13 @@ class Pipeline:
         on global rank 0, {} elsewhere; a collective: call on every rank."""
         from torch.distributed.tensor import DTensor
 
+        from meshfit.parallel.tp import canonical_state, regrouped_params
+
         mine = {}
         for m in self.modules:  # full_tensor: collectives inside this stage's tp/dp groups
-            for k, v in m.state_dict().items():
-                v = v.full_tensor() if isinstance(v, DTensor) else v
-                mine[k] = v.detach().cpu()
+            whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                     for k, v in m.state_dict().items()}
+            mine.update(canonical_state(whole, regrouped_params(m)))  # GPT-2's c_attn
         # One copy of each stage travels: only the pipeline holding global rank 0 (its pp
         # rank 0) gathers, over its pp group; the other tp/dp replicas keep theirs.
         if 0 not in dist.get_process_group_ranks(self.pp_group):

@@ -7,8 +7,9 @@
 from meshfit.parallel.tp.apply import apply_tp, tp_cross_entropy
 from meshfit.parallel.tp.styles import (Conv1DColwiseParallel, Conv1DRowwiseParallel,
                                         ReplicateParallel, SequenceParallelBroadcast,
-                                        to_torch_style, unfuse_columns)
+                                        canonical_state, regrouped_params, to_torch_style,
+                                        unfuse_columns)
 
 __all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "ReplicateParallel",
-           "SequenceParallelBroadcast", "apply_tp", "to_torch_style", "tp_cross_entropy",
-           "unfuse_columns"]
+           "SequenceParallelBroadcast", "apply_tp", "canonical_state", "regrouped_params",
+           "to_torch_style", "tp_cross_entropy", "unfuse_columns"]

@@ -22,7 +22,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from meshfit.models.plans.base import Style
 
 __all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "ReplicateParallel",
-           "SequenceParallelBroadcast", "planned_placement", "to_torch_style", "unfuse_columns"]
+           "SequenceParallelBroadcast", "canonical_state", "planned_placement", "regrouped_params",
+           "to_torch_style", "unfuse_columns"]
 
 
 # ---------------------------------------------------------------------------- styles
@@ -96,6 +97,32 @@ def unfuse_columns(t: torch.Tensor, chunks: int, tp: int, dim: int = -1) -> torc
     return _fuse_order(t, chunks, tp, dim, inverse=True)
 
 
+def regrouped_params(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Every parameter of `model` whose global layout is head-grouped (a fused projection
+    split by `Conv1DColwiseParallel(fused=...)`), by state-dict name: ``(chunks, tp, dim)``
+    for `unfuse_columns`. Empty for a model without such layers."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        tp = getattr(module, "_meshfit_regrouped_for_tp", 1)
+        if tp == 1:
+            continue
+        for p_name, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            out[name] = (module._meshfit_fused, tp, p.ndim - 1)
+    return out
+
+
+def canonical_state(state: dict, regrouped: dict[str, tuple[int, int, int]]) -> dict:
+    """`state` (whole tensors, e.g. a gathered state dict) with the head-grouped entries
+    listed by `regrouped_params` put back in the original model's layout: what a plain
+    single-device model of the same class loads. Other entries are returned as they are."""
+    out = dict(state)
+    for name, (chunks, tp, dim) in regrouped.items():
+        if name in out:
+            out[name] = unfuse_columns(out[name], chunks, tp, dim)
+    return out
+
+
 class Conv1DColwiseParallel(ColwiseParallel):
     """ColwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(1); bias Shard(0)).
 
@@ -121,6 +148,7 @@ class Conv1DColwiseParallel(ColwiseParallel):
                 requires_grad=p.requires_grad))
         if self.fused > 1:  # the parameters' global layout now depends on the TP degree
             module._meshfit_regrouped_for_tp = tp
+            module._meshfit_fused = self.fused
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not _is_conv1d(module):
