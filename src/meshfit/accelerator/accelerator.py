@@ -275,16 +275,46 @@ class Accelerator:
             raise ValueError(f"prepare(model) with pp={self.parallel.pp}: a pipeline layout "
                              "splits the model into stages; use "
                              "accelerator.prepare_pipeline(model, schedule=..., microbatches=...)")
-        if any(p.is_meta for p in model.parameters()):
+        from meshfit.models.pretrained import pretrained_folder
+
+        folder = pretrained_folder(model)
+        if folder is None and any(p.is_meta for p in model.parameters()):
             raise ValueError("prepare(model): the model has parameters on the meta device; "
-                             "materialise it (to_empty + init_weights) before prepare")
+                             "materialise it (to_empty + init_weights) before prepare, or "
+                             "build it with meshfit.models.pretrained.meta_model(folder) to "
+                             "load a saved model into each rank's shards")
         before = dict(model.named_parameters())
-        wrapped = self._prepare_module(model)
+        wrapped = self._prepare_module(model) if folder is None else \
+            self._prepare_pretrained(model, folder)
         self._params.record(before, dict(self.runtime.unwrap(wrapped).named_parameters()))
         if self.sync_each_batch == "auto":
             self._decide_sync_each_batch(wrapped)
         self._models.append(wrapped)
         self._checkpointed_models.append(wrapped)
+        return wrapped
+
+    def _prepare_pretrained(self, model: torch.nn.Module, folder: str) -> torch.nn.Module:
+        """A meta-device model marked by `meshfit.models.pretrained.meta_model`: under FSDP2
+        (ZeRO-2/3, and every layout with tensor parallel) it is laid out on the meta device
+        and each rank then reads only its shard of every tensor; under the layouts that keep
+        whole parameters on every rank (one process, DDP, ZeRO-1) each rank reads them
+        whole, then the model is laid out as usual."""
+        from meshfit.models.pretrained import load_into, to_empty
+
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
+        if not self.layout.is_fsdp:
+            to_empty(model, self.device)
+            load_into(model, folder, buffers=buffers)
+            return self._prepare_module(model)
+        wrapped = self._prepare_module(model)
+        inner = self.runtime.unwrap(wrapped)
+        to_empty(inner, "cpu" if self.layout.offload else self.device)
+        load_into(inner, folder, buffers=buffers)
+        if self.layout.offload:  # sharded parameters stay in host memory; buffers go to the device
+            for module in inner.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = buf.to(self.device)
         return wrapped
 
     def _prepare_module(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -242,9 +242,20 @@ def _set(model: nn.Module, path: str, value) -> None:
 
 
 def materialize(stages: list[nn.Module], plan: PipelinePlan, device: torch.device,
-                seed: int) -> None:
+                seed: int, *, pretrained: str | None = None,
+                aliases: dict[str, str] | None = None) -> None:
     """Meta stages -> real ones holding exactly the values of the full model, through the
-    plan's `init_weights` with ``torch.Generator().manual_seed(seed)``."""
+    plan's `init_weights` with ``torch.Generator().manual_seed(seed)``, or read from the
+    `pretrained` model folder (each stage only its own tensors; `aliases`: the full model's
+    tied names, see `meshfit.models.pretrained.load_into`)."""
+    if pretrained is not None:
+        from meshfit.models.pretrained import load_into, to_empty
+
+        for s in stages:
+            buffers = {n: b.detach().clone() for n, b in s.named_buffers() if not b.is_meta}
+            to_empty(s, device)
+            load_into(s, pretrained, buffers=buffers, aliases=aliases)
+        return
     if plan.init_weights is None:
         raise ValueError("the model is on the meta device and its pipeline plan has no "
                          "init_weights to fill each stage with the full model's values; "

@@ -1,0 +1,161 @@
+"""A trained model as a folder: what `meshfit train` writes to ``OUT/model/`` and what
+`meshfit generate` / `meshfit eval` read.
+
+    model.safetensors   every weight, whole (gathered from the layout's shards), fp32
+    config.json         Hugging Face models: their own config (``from_pretrained`` loads the
+                        folder); the reference GPT: ``{"model_type": "meshfit-gpt", ...}`` with
+                        every `GPTConfig` field; a user's model: ``{"model_type":
+                        "meshfit-factory", "factory": "module:function", "kwargs": {...}}``
+    tokenizer files     the run's tokenizer (`meshfit.data.load_tokenizer` reads them back)
+
+    save_model_folder(folder, state, model, tokenizer=tok)
+    model, tokenizer = load_model_folder(folder)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "load_model_folder", "save_model_folder"]
+
+GPT_TYPE = "meshfit-gpt"
+FACTORY_TYPE = "meshfit-factory"
+
+
+def _is_hf(model: nn.Module) -> bool:
+    import sys
+
+    hf = sys.modules.get("transformers")
+    return hf is not None and isinstance(model, hf.PreTrainedModel)
+
+
+def describe_model(model: nn.Module, factory: str | None = None,
+                   factory_kwargs: dict | None = None) -> dict[str, Any]:
+    """The config.json of `model`: a transformers model's own, the reference GPT's fields, or
+    the factory that builds a user's model (`factory` = "module:function")."""
+    from meshfit.models import GPT
+
+    if _is_hf(model):
+        config = json.loads(model.config.to_json_string())
+        config["architectures"] = [type(model).__name__]
+        return config
+    if isinstance(model, GPT):
+        return {"model_type": GPT_TYPE, "architectures": ["GPT"],
+                **dataclasses.asdict(model.config)}
+    if factory is None:
+        raise ValueError(f"{type(model).__name__} is neither a transformers model nor meshfit's "
+                         "GPT; give the factory that builds it (module:function) so the folder "
+                         "says how to rebuild it")
+    return {"model_type": FACTORY_TYPE, "factory": factory, "kwargs": dict(factory_kwargs or {})}
+
+
+def save_model_folder(folder, state: dict[str, torch.Tensor], model: nn.Module, *,
+                      tokenizer=None, factory: str | None = None,
+                      factory_kwargs: dict | None = None) -> Path:
+    """Write `state` (a whole state dict, e.g. `Accelerator.get_state_dict`) with the config
+    of `model` (any instance of the same architecture: the trained one, or one on the meta
+    device) and `tokenizer` (an object with ``save(folder)``) into `folder`, atomically: a
+    temporary sibling folder first, renamed into place, so a failure never leaves a half
+    written model where a complete one was. Call on one process."""
+    from meshfit.checkpoint.export import write_safetensors
+    from meshfit.peft import _replace_dir
+
+    config = describe_model(model, factory, factory_kwargs)
+    target = Path(folder)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write_safetensors(state, tmp / "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if _is_hf(model) and getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        for path in tmp.iterdir():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+        _replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _import(spec: str, field: str):
+    import importlib
+
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{field}={spec!r} must look like module:attribute, e.g. "
+                         "mymodels:build_model")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as err:
+        raise ValueError(f"{field}={spec!r}: cannot import {module!r} ({err}); put it on "
+                         "PYTHONPATH or in the current folder") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{field}={spec!r}: module {module!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_from_config(config: dict[str, Any], *, device="cpu") -> nn.Module:
+    """An untrained model of the architecture a folder's config.json describes."""
+    from meshfit.models import GPT, GPTConfig
+
+    kind = config.get("model_type")
+    with torch.device(device):
+        if kind == GPT_TYPE:
+            fields = {f.name for f in dataclasses.fields(GPTConfig)}
+            return GPT(GPTConfig(**{k: v for k, v in config.items() if k in fields}))
+        if kind == FACTORY_TYPE:
+            return _import(config["factory"], "config.json factory")(**config.get("kwargs", {}))
+        import transformers
+
+        hf_config = transformers.AutoConfig.for_model(**config)
+        return transformers.AutoModelForCausalLM.from_config(hf_config)
+
+
+def load_model_folder(folder, *, device="cpu", dtype: torch.dtype | None = None
+                      ) -> tuple[nn.Module, Any]:
+    """The model of a folder written by `save_model_folder` (weights loaded strictly, in
+    eval mode; transformers models through their own ``from_pretrained``) and its
+    tokenizer (None when the folder holds none)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config_path, weights = folder / "config.json", folder / "model.safetensors"
+    if not config_path.is_file() or not weights.is_file():
+        raise ValueError(f"{folder} holds no model: config.json and model.safetensors are "
+                         "expected (a meshfit train run writes them to OUT/model/)")
+    config = json.loads(config_path.read_text())
+    if config.get("model_type") in (GPT_TYPE, FACTORY_TYPE):
+        model = build_from_config(config)
+        state = load_file(str(weights))
+        problems = model.load_state_dict(state, strict=False)
+        if problems.missing_keys or problems.unexpected_keys:
+            raise ValueError(f"{weights} does not fit its config.json: missing "
+                             f"{problems.missing_keys[:3]}, unexpected "
+                             f"{problems.unexpected_keys[:3]}")
+    else:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype or torch.float32)
+    model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
+    tokenizer = None
+    if any((folder / name).is_file() for name in
+           ("tokenizer.json", "tokenizer_config.json", "meshfit_tokenizer.json")):
+        from meshfit.data import load_tokenizer
+
+        tokenizer = load_tokenizer(str(folder))
+    return model.eval(), tokenizer
