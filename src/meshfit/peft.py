@@ -142,16 +142,26 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Write the adapter alone to `directory`: adapter_model.safetensors + adapter_config.json.
 
     Base weights are not written. The files go to a temporary sibling folder first, which then
-    replaces `directory`, so a failure part-way leaves an existing adapter there intact. Call
-    on one process (under DDP every rank holds the same adapter); a model whose parameters are
-    sharded (FSDP) must be gathered first. Returns the directory.
+    replaces `directory`, so a failure part-way leaves an existing adapter there intact.
+    Replicated adapters (one process, DDP, ZeRO-1): call on one process. Sharded ones (ZeRO-2/3
+    or tensor parallel: DTensor parameters): call on every rank — the adapter's tensors alone
+    are gathered (a collective) and the first rank writes them. Returns the directory.
     """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
     pm = _peft_model(model)
+    state = None
+    if any(isinstance(p, DTensor) for p in pm.parameters()):
+        state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                 for k, v in pm.state_dict().items() if "lora_" in k}
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return Path(directory)
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        pm.save_pretrained(str(tmp), safe_serialization=True)
+        pm.save_pretrained(str(tmp), safe_serialization=True, state_dict=state)
         _replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename

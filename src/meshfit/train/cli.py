@@ -78,6 +78,9 @@ def cmd_train(argv: list[str]) -> int:
     else:
         cfg = load_config(ns.config, overrides)
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+    if not ns.worker and not ns.resume and (out / "metrics.jsonl").exists():
+        raise ValueError(f"--out={str(out)!r} already holds a run (metrics.jsonl); continue it "
+                         "with --resume, or give another --out (nothing was overwritten)")
     if ns.worker:  # started by the launcher below: one rank of the job
         from meshfit.train.run import Diverged, Preempted, Stalled
         from meshfit.train.trainer import train

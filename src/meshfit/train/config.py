@@ -63,10 +63,32 @@ def _bool(section: str, name: str, value: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """[model]: which reference GPT to train. Size fields left unset take the preset's."""
+    """[model]: what to train. One source: a reference GPT `preset` (size fields left unset
+    take the preset's), a Hugging Face `hf_config` (random weights from the seed) or
+    `hf_model` (its weights), or the user's own `factory`."""
 
     preset: str = "tiny"
-    """A `GPTConfig.preset` name: tiny, gpt2, llama-1b, llama-7b, llama-70b."""
+    """A `GPTConfig.preset` name: tiny, gpt2, llama-1b, llama-7b, llama-70b (used when none of
+    hf_config, hf_model and factory is given)."""
+    hf_config: str = ""
+    """A Hugging Face config.json (or a folder holding one): that causal LM, built with
+    random weights (transformers' init, from train.seed). No download."""
+    hf_model: str = ""
+    """A local Hugging Face model folder (config.json + safetensors, as save_pretrained
+    writes it): built on the meta device, each rank reading only the slices its layout
+    needs."""
+    factory: str = ""
+    """"module:function" returning your own nn.Module (module importable from the current
+    folder or PYTHONPATH); called with the keyword arguments it declares among vocab_size and
+    max_seq_len. Its forward takes token ids [B, T] and returns logits [B, T, V] (or an
+    object with .logits)."""
+    tp_plan: str = ""
+    """"module:PLAN" — the tensor-parallel plan of a model without a built-in one: a
+    `meshfit.models.plans.TPPlan`, a {module pattern: style} dict, or a function of the model
+    returning either (built-in: the reference GPT, Llama, Qwen2, Mistral, GPT-2)."""
+    pipeline_plan: str = ""
+    """"module:PLAN" — where pipeline stages are cut for a model without a built-in plan: a
+    `meshfit.models.plans.PipelinePlan` or a function of the model returning one."""
     n_layer: int | None = None
     """Transformer blocks (None: the preset's)."""
     n_head: int | None = None
@@ -79,7 +101,7 @@ class ModelConfig:
     """Dropout probability (None: the preset's)."""
     attention_backend: str = "auto"
     """SDPA kernel: auto, math, flash, efficient or cudnn (checked on the device before
-    launch)."""
+    launch; the reference GPT only)."""
 
     def __post_init__(self) -> None:
         from meshfit.models import GPTConfig
@@ -93,11 +115,44 @@ class ModelConfig:
         if self.dropout is not None:
             _number("model", "dropout", self.dropout, 0.0, 0.99)
         _choice("model", "attention_backend", self.attention_backend, get_args(AttentionBackend))
+        for name in ("hf_config", "hf_model", "factory", "tp_plan", "pipeline_plan"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} must be a string")
+        given = [n for n in ("hf_config", "hf_model", "factory") if getattr(self, n)]
+        if len(given) > 1:
+            raise ValueError(f"model.{given[0]} and model.{given[1]} are both set; give one "
+                             "source of the model")
+        sized = [n for n in ("n_layer", "n_head", "d_model", "d_ff", "dropout")
+                 if getattr(self, n) is not None]
+        if given and sized:
+            raise ValueError(f"model.{sized[0]}={getattr(self, sized[0])!r} sizes the reference "
+                             f"GPT, but the model comes from model.{given[0]}; change the size "
+                             "in that model's config instead")
+        if self.hf_config:
+            path = Path(self.hf_config).expanduser()
+            if not (path.is_file() or (path / "config.json").is_file()):
+                raise ValueError(f"model.hf_config={self.hf_config!r} is neither a config.json "
+                                 "file nor a folder holding one")
+        if self.hf_model:
+            from meshfit.models.pretrained import check_folder
+
+            check_folder(self.hf_model, "model.hf_model")
+        for name in ("factory", "tp_plan", "pipeline_plan"):
+            spec = getattr(self, name)
+            module, sep, attr = spec.partition(":")
+            if spec and not (sep and module and attr):
+                raise ValueError(f"model.{name}={spec!r} must look like module:attribute, e.g. "
+                                 "mymodels:build_model")
+
+    @property
+    def source(self) -> str:
+        """Which field gives the model: preset, hf_config, hf_model or factory."""
+        return next((n for n in ("hf_config", "hf_model", "factory") if getattr(self, n)),
+                    "preset")
 
     def overrides(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name != "preset" and getattr(self, f.name) is not None}
-        return out
+        keep = ("n_layer", "n_head", "d_model", "d_ff", "dropout", "attention_backend")
+        return {name: getattr(self, name) for name in keep if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,9 +282,13 @@ class PeftConfig:
     """Dropout on the LoRA branch's input."""
     target_modules: tuple[str, ...] = ()
     """Module names to adapt; empty: the attention and MLP linears."""
+    merge: bool = False
+    """At the end, also write the model with the adapters folded into its weights
+    (OUT/model/) beside the adapter (OUT/adapter/)."""
 
     def __post_init__(self) -> None:
         _choice("peft", "method", self.method, ("none", "lora"))
+        _bool("peft", "merge", self.merge)
         _positive("peft", "r", self.r)
         _number("peft", "alpha", self.alpha, 1e-12, 1e6)
         _number("peft", "dropout", self.dropout, 0.0, 0.99)
@@ -397,8 +456,7 @@ class RunConfig:
 
     def model_config(self):
         """The reference GPT's config for this run: [model] over its preset, train.seq_len as
-        the context, the built-in byte-level vocabulary."""
-        from meshfit.data import ByteTokenizer
+        the context, the tokenizer's vocabulary."""
         from meshfit.models import GPTConfig
 
         return GPTConfig.preset(self.model.preset, max_seq_len=self.train.seq_len,
@@ -414,15 +472,33 @@ class RunConfig:
         if layout.dims.tp > 1 or layout.dims.pp > 1:
             if self.peft.method != "none":
                 raise ValueError(f"peft.method={self.peft.method!r} with parallel.tp/pp > 1 is "
-                                 "not yet available (the tensor-parallel plans and pipeline "
-                                 "stages are written for the plain model); use "
-                                 "peft.method='none' or tp = pp = 1")
-            import torch
+                                 "not yet available: LoRA wraps each adapted linear in a "
+                                 "peft LoraLayer (its weight moves to base_layer), which the "
+                                 "tensor-parallel plans and pipeline stages do not name; use "
+                                 "peft.method='none' or tp = pp = 1 (data parallel and ZeRO "
+                                 "work with LoRA)")
+            from meshfit.train.models import check_model_source, plans, resolve_plan
 
-            from meshfit.models import GPT
+            model = check_model_source(self, self.vocab_size())  # on the meta device
+            from meshfit.models.plans import has_builtin_plans
 
-            with torch.device("meta"):  # sizes only: no memory
-                facts = ModelFacts.of(GPT(self.model_config()))
+            tp_plan, pp_plan = (resolve_plan(p, model) for p in plans(self))
+            builtin, name = has_builtin_plans(model), type(model).__name__
+            if layout.dims.tp > 1 and tp_plan is None and not builtin:
+                raise ValueError(f"parallel.tp={layout.dims.tp}: {name} has no built-in "
+                                 "tensor-parallel plan; give one as model.tp_plan = "
+                                 "\"module:PLAN\" (a TPPlan or {module pattern: style}; in "
+                                 "your own loop: Accelerator(tp_plan=PLAN))")
+            if layout.dims.pp > 1 and pp_plan is None and not builtin:
+                raise ValueError(f"parallel.pp={layout.dims.pp}: {name} has no built-in "
+                                 "pipeline plan; give one as model.pipeline_plan = "
+                                 "\"module:PLAN\" (a PipelinePlan; in your own loop: "
+                                 "accelerator.prepare_pipeline(model, plan=PLAN, ...))")
+            if layout.dims.pp == 1 and pp_plan is None and not builtin:
+                facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible",
+                                                                       ())))
+            else:
+                facts = ModelFacts.of(model, pipeline_plan=pp_plan, tp_plan=tp_plan)
             layout.check_model(facts, seq_len=self.train.seq_len, schedule=self.parallel.schedule,
                                microbatches=self.microbatches(world_size),
                                virtual_stages=self.parallel.virtual_stages, names=LAYOUT_NAMES)

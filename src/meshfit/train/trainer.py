@@ -7,6 +7,7 @@ Rank 0 writes ``metrics.jsonl`` (one JSON object per logged step, evaluation lin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -18,9 +19,10 @@ from meshfit.accelerator import Accelerator
 from meshfit.train.config import RunConfig
 from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, StopOnSignal, Window,
                                collective_deadline)
-from meshfit.data import TokenDataset, load_tokens
+from meshfit.data import TokenDataset
 from meshfit.distributed import DistEnv, init
-from meshfit.models import GPT, GPTConfig
+from meshfit.train.models import (build_model, loss_function, plans, resolve_plan,
+                                  write_final_model)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -33,23 +35,6 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
                        eps=o.eps, momentum=o.momentum)
 
 
-def build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
-    """The reference GPT of [model], with LoRA adapters when [peft] asks for them."""
-    model_cfg = GPTConfig.preset(cfg.model.preset, vocab_size=vocab_size,
-                                 max_seq_len=cfg.train.seq_len, **cfg.model.overrides())
-    model = GPT(model_cfg)
-    if cfg.peft.method == "lora":
-        from meshfit.peft import lora
-
-        p = cfg.peft
-        try:
-            model = lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout,
-                         target_modules=list(p.target_modules) or None)
-        except ValueError as err:  # name the config key the user wrote
-            raise ValueError(f"peft.{str(err).removeprefix('lora: ')}") from None
-    return model
-
-
 def preflight(cfg: RunConfig, world_size: int | None = None,
               local_world_size: int | None = None) -> list[str]:
     """Checks that need this machine (the device the workers will use, installed libraries),
@@ -59,31 +44,39 @@ def preflight(cfg: RunConfig, world_size: int | None = None,
     from meshfit.accelerator.precision import Precision
     from meshfit.models.gpt import check_attention_backend
     from meshfit.train.batch_size import shape_advice
+    from meshfit.train.models import check_model_source
 
     cuda = torch.cuda.is_available() and not mdist.cpu_requested(None)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     precision = Precision(cfg.train.mixed_precision, device)
-    # The corpus is byte-tokenised, so the model's vocabulary is the tokenizer's, not the
-    # preset's (gpt2's 50257 is replaced by 256).
-    model_cfg = cfg.model_config()
-    try:
-        check_attention_backend(cfg.model.attention_backend, device,
-                                precision.dtype or torch.float32, head_dim=model_cfg.head_dim)
-    except ValueError as err:
-        raise ValueError(f"model.{err}") from None
+    # The model's vocabulary is the tokenizer's for the reference GPT (the gpt2 preset's
+    # 50257 becomes 256 on bytes); other models must hold the tokenizer's ids.
+    vocab_size = cfg.vocab_size()
+    model = check_model_source(cfg, vocab_size)
+    shape = None
+    if cfg.model.source == "preset":
+        model_cfg = cfg.model_config()
+        try:
+            check_attention_backend(cfg.model.attention_backend, device,
+                                    precision.dtype or torch.float32, head_dim=model_cfg.head_dim)
+        except ValueError as err:
+            raise ValueError(f"model.{err}") from None
+        shape = (model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size)
+    else:
+        c = getattr(model, "config", None)
+        width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
+        ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
+        if width and ff:
+            shape = (width, ff, getattr(c, "vocab_size", vocab_size))
     if cfg.optim.optimizer == "adamw_8bit":
         from meshfit import optim
 
         optim.build("adamw_8bit", [torch.nn.Parameter(torch.zeros(1, device=device))], lr=1e-3)
-    if cfg.peft.method == "lora":
-        with torch.device("meta"):
-            build_model(cfg, model_cfg.vocab_size)  # checks that target_modules exist
     warnings = list(cfg.layout(world_size, local_world_size).warnings) if world_size else []
-    if precision.dtype is None and not cfg.train.tf32:
+    if (precision.dtype is None and not cfg.train.tf32) or shape is None:
         return warnings
     return warnings + shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
-                                   d_model=model_cfg.d_model, d_ff=model_cfg.d_ff,
-                                   vocab_size=model_cfg.vocab_size)
+                                   d_model=shape[0], d_ff=shape[1], vocab_size=shape[2])
 
 
 def lr_lambda(cfg: RunConfig):
@@ -127,22 +120,23 @@ class _Model:
 
     whole_batches = False  # any number of evaluation sequences will do
 
-    def __init__(self, acc: Accelerator, model: torch.nn.Module):
-        self.acc, self.model = acc, model
+    def __init__(self, acc: Accelerator, model: torch.nn.Module, loss):
+        self.acc, self.model, self.loss = acc, model, loss
         self.modules = [model]  # switched between train() and eval()
         self.params = model  # what the optimizer's parameter groups are built from
         self.description = ""
+        self.exported = model  # what the final weights are gathered from
 
     def accumulate(self):
         return self.acc.accumulate(self.model)
 
     def forward_backward(self, x, y, accum: int) -> torch.Tensor:
-        loss = self.model(x, y)
+        loss = self.loss(self.model, x, y)
         self.acc.backward(loss)  # divides by the accumulation steps itself
         return loss
 
     def eval_loss(self, x, y) -> torch.Tensor:
-        return self.model(x, y)
+        return self.loss(self.model, x, y)
 
     def clip(self, max_norm: float) -> None:
         self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -161,6 +155,7 @@ class _Pipelined:
         self.acc, self.pipeline, self.steps = acc, pipeline, cfg.train.steps
         self.modules = pipeline.wrapped_modules
         self.params = torch.nn.ModuleList(pipeline.modules)  # this rank's stages
+        self.exported = pipeline
         self.description = (f", {cfg.parallel.schedule} schedule with {chunks} micro-batches "
                             f"of {micro} (stages begin at blocks {pipeline.points})")
 
@@ -197,7 +192,7 @@ def _evaluate(acc: Accelerator, trained, loader) -> float:
     return (total[0] / total[1]).item()
 
 
-def _find_micro_batch(acc: Accelerator, model: torch.nn.Module, seq_len: int, vocab: int,
+def _find_micro_batch(acc: Accelerator, trained: _Model, seq_len: int, vocab: int,
                       micro: int, accum: int) -> tuple[int, int]:
     """The largest micro-batch (halving from `micro`) whose forward and backward fit on every
     rank, with the accumulation that keeps the global batch. Ranks agree through one MIN
@@ -205,13 +200,15 @@ def _find_micro_batch(acc: Accelerator, model: torch.nn.Module, seq_len: int, vo
     a collective; gradients are not synchronised while probing (no_sync)."""
     from meshfit.train.batch_size import find_executable_batch_size, is_out_of_memory
 
+    model = trained.model
+
     @find_executable_batch_size(starting_batch_size=micro, effective_batch_size=micro * accum)
     def probe(micro_batch_size: int, gradient_accumulation_steps: int):
         fits = torch.ones((), device=acc.device)
         try:
             x = torch.randint(0, vocab, (micro_batch_size, seq_len), device=acc.device)
             with acc.no_sync(model):
-                acc.backward(model(x, x))
+                acc.backward(trained.loss(model, x, x))
         except Exception as err:  # noqa: BLE001 - only out-of-memory is tolerated
             if not is_out_of_memory(err):
                 raise
@@ -233,8 +230,9 @@ def _batches(loader):
         yield from loader
 
 
-def build_accelerator(cfg: RunConfig, env: DistEnv) -> Accelerator:
-    """The `Accelerator` of a run: [train]'s single-device options, [parallel]'s layout."""
+def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator:
+    """The `Accelerator` of a run: [train]'s single-device options, [parallel]'s layout,
+    [model]'s tensor-parallel plan (None: the model's built-in one)."""
     t, p = cfg.train, cfg.parallel
     return Accelerator(
         gradient_accumulation_steps=cfg.grad_accumulation(env.world_size),
@@ -246,7 +244,7 @@ def build_accelerator(cfg: RunConfig, env: DistEnv) -> Accelerator:
         compile_scope=t.compile_scope, empty_cache_steps=t.empty_cache_steps,
         parallel=p.dims(), zero_stage=p.zero_stage, offload=p.offload,
         sync_each_batch=p.sync_each_batch, sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel, env=env)
+        loss_parallel=p.loss_parallel, tp_plan=tp_plan, env=env)
 
 
 def _prepare_model(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module, chunks: int):
@@ -254,10 +252,12 @@ def _prepare_model(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module, chu
     micro x chunks sequences per data-parallel rank and cuts them into `chunks`
     micro-batches (the global batch is micro x chunks x dp x accumulation)."""
     if acc.parallel.pp == 1:
-        return _Model(acc, acc.prepare(model))
+        return _Model(acc, acc.prepare(model), loss_function(model))
     p = cfg.parallel
     pipeline = acc.prepare_pipeline(model, schedule=p.schedule, microbatches=chunks,
                                     virtual_stages=p.virtual_stages,
+                                    plan=resolve_plan(plans(cfg)[1], model),
+                                    init_seed=cfg.train.seed,
                                     record_timings=True)  # for PIPELINE_TIMED_STEPS steps
     return _Pipelined(acc, pipeline, cfg, cfg.train.micro_batch_size, chunks)
 
@@ -305,7 +305,8 @@ def _banner(acc: Accelerator, model: torch.nn.Module, trained, micro: int, token
 
 def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
           resume: bool = False) -> dict:
-    """Train the reference GPT as `cfg` says; returns the last metrics. Call on every rank.
+    """Train the model of [model] as `cfg` says, then write its weights to ``out_dir/model``
+    (or the LoRA adapter to ``out_dir/adapter``); returns the last metrics. Call on every rank.
     `resume`: continue from the newest complete checkpoint in ``out_dir/checkpoints``."""
     t = cfg.train
     env = env or init(timeout_s=t.timeout_s)
@@ -319,16 +320,19 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
         acc.print(f"meshfit train: restart {env.restart} of the workers")
         resume = True
     with acc.main_process_first():  # rank 0 builds the token cache, the others reuse it
-        splits = load_tokens(cfg.data.path or None, cache_dir=cfg.data.cache_dir or None)
+        splits = cfg.load_tokens()
     torch.manual_seed(t.seed)
     model = build_model(cfg, splits.vocab_size)
+    tp_plan = resolve_plan(plans(cfg)[0], model)
+    if tp_plan is not None:
+        acc.model_options = dataclasses.replace(acc.model_options, tp_plan=tp_plan)
     # Parallelise first, then build the optimizer over the prepared parameters (torchtitan's
     # order: a fused optimizer checks the parameters' device when it is built; under ZeRO-2/3
     # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
     micro, chunks = t.micro_batch_size, cfg.microbatches(env.world_size)
     trained = _prepare_model(acc, cfg, model, chunks)
     if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
-        micro, _ = _find_micro_batch(acc, trained.model, t.seq_len, splits.vocab_size, micro,
+        micro, _ = _find_micro_batch(acc, trained, t.seq_len, splits.vocab_size, micro,
                                      acc.gradient_accumulation_steps)
     optimizer = build_optimizer(trained.params, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -386,6 +390,12 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     stop.restore()
     checkpoints.finish()
     progress.close()
+    with collective_deadline(acc.process_index, t.timeout_s, "writing the final model"):
+        written = write_final_model(acc, trained.exported, model, cfg,
+                                    getattr(splits, "tokenizer", None), out_dir,
+                                    splits.vocab_size)
+    for folder in written:
+        acc.print(f"meshfit train: wrote {folder}")
     acc.print(f"done: loss {last.get('loss')}, val_loss {last.get('val_loss')}")
     acc.wait_for_everyone()
     return last

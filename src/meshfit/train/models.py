@@ -1,0 +1,234 @@
+"""The model of a `meshfit train` run, from its [model] section: the reference GPT, a Hugging
+Face causal LM from a config (random weights) or a local folder (its weights, loaded into
+each rank's shards), or the user's own module from a factory; its loss on (x, y) windows;
+its parallel plans; and the final weights written to ``OUT/model/`` (and ``OUT/adapter/``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from meshfit.models import GPT, GPTConfig
+from meshfit.train.config import RunConfig
+
+__all__ = ["build_model", "check_model_source", "import_object", "loss_function", "plans",
+           "write_final_model"]
+
+
+def import_object(spec: str, field: str) -> Any:
+    """``module:attribute`` imported (the current folder is on the path, as for ``python
+    -m``); one line naming `field` when it cannot be."""
+    import importlib
+    import os
+    import sys
+
+    module, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as err:
+        raise ValueError(f"{field}={spec!r}: cannot import {module!r} ({err}); run from the "
+                         "folder holding it or add it to PYTHONPATH") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{field}={spec!r}: module {module!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _hf_config(cfg: RunConfig):
+    import transformers
+
+    path = Path(cfg.model.hf_config or cfg.model.hf_model).expanduser()
+    return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def _factory_kwargs(factory: Callable, cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
+    offered = {"vocab_size": vocab_size, "max_seq_len": cfg.train.seq_len}
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return offered
+    return {k: v for k, v in offered.items() if k in params}
+
+
+def build_model(cfg: RunConfig, vocab_size: int, *, meta: bool = False) -> nn.Module:
+    """The [model] of `cfg` for a tokenizer of `vocab_size` ids, with LoRA adapters when
+    [peft] asks for them. `meta`: structure only, on the meta device (sizes and plans,
+    before launch). A `hf_model` is always built on the meta device and marked with its
+    folder: `Accelerator.prepare` fills each rank's shards from the files."""
+    m = cfg.model
+    with torch.device("meta") if meta else _nothing():
+        if m.source == "preset":
+            model = GPT(GPTConfig.preset(m.preset, vocab_size=vocab_size,
+                                         max_seq_len=cfg.train.seq_len, **m.overrides()))
+        elif m.source == "hf_config":
+            import transformers
+
+            model = transformers.AutoModelForCausalLM.from_config(_hf_config(cfg))
+        elif m.source == "hf_model":
+            from meshfit.models.pretrained import meta_model
+
+            model = meta_model(m.hf_model)
+        else:
+            factory = import_object(m.factory, "model.factory")
+            model = factory(**_factory_kwargs(factory, cfg, vocab_size))
+            if not isinstance(model, nn.Module):
+                raise ValueError(f"model.factory={m.factory!r} returned "
+                                 f"{type(model).__name__}, not an nn.Module")
+    if cfg.peft.method == "lora":
+        from meshfit.peft import lora
+
+        p = cfg.peft
+        try:
+            model = lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout,
+                         target_modules=list(p.target_modules) or None)
+        except ValueError as err:  # name the config key the user wrote
+            raise ValueError(f"peft.{str(err).removeprefix('lora: ')}") from None
+    return model
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _vocab_of(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "vocab_size", None)
+
+
+def check_model_source(cfg: RunConfig, vocab_size: int) -> nn.Module:
+    """Before launch: the model builds (on the meta device), holds the tokenizer's ids and
+    the sequence length, and has plans for the layout's tensor/pipeline axes; returns it."""
+    model = build_model(cfg, vocab_size, meta=True)
+    m = cfg.model
+    vocab = _vocab_of(model)
+    field = f"model.{m.source}"
+    if vocab is not None and vocab < vocab_size:
+        raise ValueError(f"{field}: the model's vocabulary holds {vocab} ids but the tokenizer "
+                         f"(data.tokenizer={getattr(cfg.data, 'tokenizer', 'bytes')!r}) gives up "
+                         f"to {vocab_size}; use "
+                         "the model's own tokenizer or a model with a larger vocab_size")
+    config = getattr(model, "config", None)
+    longest = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None)
+    if m.source != "preset" and longest is not None and cfg.train.seq_len > longest:
+        raise ValueError(f"train.seq_len={cfg.train.seq_len} is longer than the "
+                         f"{longest} positions of {field}; lower train.seq_len")
+    return model
+
+
+def plans(cfg: RunConfig) -> tuple[Any, Any]:
+    """The [model] tp_plan and pipeline_plan objects (None: the model's built-in ones)."""
+    m = cfg.model
+    tp = import_object(m.tp_plan, "model.tp_plan") if m.tp_plan else None
+    pp = import_object(m.pipeline_plan, "model.pipeline_plan") if m.pipeline_plan else None
+    return tp, pp
+
+
+def resolve_plan(plan: Any, model: nn.Module) -> Any:
+    """A plan given as a function of the model, called; other plans as they are."""
+    from meshfit.models.plans import PipelinePlan, TPPlan
+
+    if plan is None or isinstance(plan, (TPPlan, PipelinePlan, dict)):
+        return plan
+    if callable(plan):
+        return plan(model)
+    return plan
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def loss_function(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.Tensor],
+                                                 torch.Tensor]:
+    """``loss(prepared_model, x, y)``: mean next-token cross-entropy (ignore_index -100).
+    The reference GPT computes it itself (vocabulary-parallel under loss_parallel); other
+    models give logits ([B, T, V], or an output with ``.logits``), and the loss is taken
+    here — through `tp_cross_entropy`, so that vocabulary-sharded logits are never
+    gathered."""
+    from meshfit.parallel.tp import tp_cross_entropy
+
+    if isinstance(_base(model), GPT):
+        return lambda m, x, y: m(x, y)
+    if _is_hf(model):
+        return lambda m, x, y: tp_cross_entropy(_logits(m(input_ids=x, use_cache=False)), y)
+    return lambda m, x, y: tp_cross_entropy(_logits(m(x)), y)
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The model under LoRA adapters (a peft.PeftModel), or `model`."""
+    import sys
+
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.get_base_model()
+    return model
+
+
+def _is_hf(model: nn.Module) -> bool:
+    import sys
+
+    hf = sys.modules.get("transformers")
+    return hf is not None and isinstance(_base(model), hf.PreTrainedModel)
+
+
+# ---------------------------------------------------------------------------- weights out
+def write_final_model(acc, trained_module, model: nn.Module, cfg: RunConfig, tokenizer,
+                      out_dir: Path, vocab_size: int) -> list[Path]:
+    """The run's final weights, gathered from the layout's shards (a collective: call on
+    every rank): ``OUT/model/`` (safetensors + config.json + tokenizer; a transformers
+    model's folder loads with ``from_pretrained``), or with LoRA ``OUT/adapter/`` (a PEFT
+    folder ``PeftModel.from_pretrained`` loads) and, with ``peft.merge``, ``OUT/model/``
+    with the adapters folded in. Returns the folders written (on the main process)."""
+    from meshfit.models.saved import save_model_folder
+
+    state = acc.get_state_dict(trained_module)
+    written: list[Path] = []
+    if acc.is_main_process:
+        factory = cfg.model.factory or None
+        kwargs = None
+        if factory:
+            kwargs = _factory_kwargs(import_object(factory, "model.factory"), cfg, vocab_size)
+        if cfg.peft.method == "lora":
+            written += _write_lora(cfg, state, vocab_size, tokenizer, out_dir, factory, kwargs)
+        else:
+            written.append(save_model_folder(out_dir / "model", state, model,
+                                             tokenizer=tokenizer, factory=factory,
+                                             factory_kwargs=kwargs))
+    acc.wait_for_everyone()
+    return written
+
+
+def _write_lora(cfg: RunConfig, state: dict, vocab_size: int, tokenizer, out_dir: Path,
+                factory, kwargs) -> list[Path]:
+    """A CPU copy of the LoRA model holding the gathered weights: its adapter as a PEFT
+    folder, and with peft.merge the merged model."""
+    from meshfit.models.saved import save_model_folder
+    from meshfit.peft import merge, save_adapter
+
+    with torch.device("meta"):
+        copy = build_model(cfg, vocab_size, meta=True)
+    copy.load_state_dict(state, strict=True, assign=True)
+    folders = [save_adapter(copy, out_dir / "adapter")]
+    if tokenizer is not None:
+        tokenizer.save(out_dir / "adapter")
+    if cfg.peft.merge:
+        merged = merge(copy)
+        folders.append(save_model_folder(out_dir / "model", merged.state_dict(), merged,
+                                         tokenizer=tokenizer, factory=factory,
+                                         factory_kwargs=kwargs))
+    return folders

@@ -1,0 +1,285 @@
+"""`meshfit train` on a Hugging Face model folder, a config, and the user's own module, with a
+real tokenizer on local text; the final weights it writes (OUT/model/, OUT/adapter/).
+
+Each 2-process layout run is compared with the same run on one process: the same seed, data
+order and global batch (the data-parallel ranks of a step together read the 8 sequences one
+process reads in its 4 accumulated micro-batches). fp32 (the trainer's dtype), dropout off:
+the layouts sum in other orders only (~1e-7 relative per operation), and over 4 AdamW steps
+the logged losses stay within 1e-4 relative (as tests/test_train_parallel.py measures),
+while a layout that loads the wrong slice of a weight, drops a micro-batch or mis-scales
+the loss differs from the first step by > 1e-2.
+
+The written model is checked against the run itself: loaded into a fresh model, its mean
+loss on the run's validation sequences must equal the run's last logged val_loss (rounded
+to 5 decimals by the log: 1e-4 relative leaves room for that and the summation order).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import run_distributed
+
+STEPS = 4
+BASE = {"train": {"steps": STEPS, "eval_every": 0, "log_every": 1, "eval_batches": 1,
+                  "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 32,
+                  "warmup_steps": 1}}
+RTOL = 1e-4
+
+FACTORY = textwrap.dedent('''
+    """A small language model of the user's own: embedding, a ReLU MLP, a head."""
+    import torch
+    from torch import nn
+
+    from meshfit.models.plans import colwise, replicate, rowwise
+
+
+    class TinyLM(nn.Module):
+        def __init__(self, vocab_size, max_seq_len, width=32):
+            super().__init__()
+            self.emb = nn.Embedding(vocab_size, width)
+            self.up = nn.Linear(width, 4 * width)
+            self.down = nn.Linear(4 * width, width)
+            self.head = nn.Linear(width, vocab_size, bias=False)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            h = h + self.down(torch.relu(self.up(h)))
+            return self.head(h)
+
+
+    def build(vocab_size, max_seq_len):
+        return TinyLM(vocab_size, max_seq_len)
+
+
+    PLAN = {"emb": replicate(), "up": colwise(), "down": rowwise(), "head": replicate()}
+''')
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A BPE tokenizer trained here (with an EOS token), two text documents, a tiny Llama
+    saved as a model folder and a GPT-2 config, and a factory module."""
+    import sys
+    import sysconfig
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tmp = tmp_path_factory.mktemp("sources")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    texts = [open(f"{stdlib}/{name}").read()[:40_000] for name in ("os.py", "textwrap.py")]
+    (tmp / "text").mkdir()
+    for i, text in enumerate(texts):
+        (tmp / "text" / f"{i}.txt").write_text(text)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400,
+                                                       special_tokens=["<unk>", "</s>"]))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(tmp / "tok")
+    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
+                                     max_position_embeddings=64)
+    torch.manual_seed(7)
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp / "llama")
+    transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_inner=64, vocab_size=512,
+                            n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0).save_pretrained(tmp / "gpt2")
+    (tmp / "mymodels.py").write_text(FACTORY)
+    sys.path.insert(0, str(tmp))
+    return tmp
+
+
+def _config(files, case: str, nproc: int):
+    from meshfit.train.config import build_config
+
+    data = {"path": str(files / "text"), "tokenizer": str(files / "tok"),
+            "cache_dir": str(files / "cache")}
+    model, parallel, peft = {}, {}, {}
+    if case == "hf_model_zero3":
+        model = {"hf_model": str(files / "llama")}
+        parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} if nproc == 2 else {}
+    elif case == "hf_model_pp":
+        model = {"hf_model": str(files / "llama")}
+        parallel = {"pp": 2, "dp_replicate": 1} if nproc == 2 else {}
+    elif case == "factory_tp":
+        model = {"factory": "mymodels:build", "tp_plan": "mymodels:PLAN"}
+        parallel = {"tp": 2, "dp_replicate": 1} if nproc == 2 else {}
+    elif case == "lora_gpt2_zero3":
+        model = {"hf_config": str(files / "gpt2")}
+        peft = {"method": "lora", "r": 4, "target_modules": ["c_attn", "c_fc"], "merge": True}
+        parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} if nproc == 2 else {}
+    return build_config({**BASE, "model": model, "data": data, "parallel": parallel,
+                         "peft": peft, "optim": {"optimizer": "adamw", "lr": 1e-2}})
+
+
+CASES = ("hf_model_zero3", "hf_model_pp", "factory_tp", "lora_gpt2_zero3")
+
+
+def _train_cases(rank, world_size, files):
+    import sys
+
+    from meshfit.distributed import init
+    from meshfit.train.trainer import train
+
+    sys.path.insert(0, str(files))
+    env = init()
+    for case in CASES:
+        train(_config(files, case, world_size), files / f"{case}-2", env)
+    return None
+
+
+@pytest.fixture(scope="module")
+def runs(files):
+    from meshfit.distributed import init
+    from meshfit.train.trainer import train
+
+    run_distributed(_train_cases, 2, files, timeout=400)
+    for case in CASES:
+        train(_config(files, case, 1), files / f"{case}-1", init())
+    return files
+
+
+def _losses(folder):
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [x["loss"] for x in lines if "loss" in x], [x["val_loss"] for x in lines
+                                                        if "val_loss" in x]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_processes_match_one(runs, case):
+    one, _ = _losses(runs / f"{case}-1")
+    two, _ = _losses(runs / f"{case}-2")
+    assert len(one) == len(two) == STEPS
+    for a, b in zip(one, two):
+        assert math.isclose(a, b, rel_tol=RTOL), (one, two)
+    assert two[-1] < two[0]  # it trained
+
+
+def _val_loss(model, cfg, n: int, *, hf: bool) -> float:
+    from meshfit.data import TokenDataset
+
+    val = TokenDataset(cfg.load_tokens().val, cfg.train.seq_len)
+    x = torch.stack([val[i][0] for i in range(n)])
+    y = torch.stack([val[i][1] for i in range(n)])
+    with torch.no_grad():
+        out = model(input_ids=x).logits if hf else model(x)
+    return F.cross_entropy(out.flatten(0, 1), y.flatten()).item()
+
+
+def test_hf_model_is_loaded_then_written_as_a_from_pretrained_folder(runs):
+    """The first evaluation is the saved model's own loss (its weights were loaded, not drawn
+    at random); the written folder loads with from_pretrained and gives the last val_loss."""
+    import transformers
+
+    cfg = _config(runs, "hf_model_zero3", 2)
+    original = transformers.LlamaForCausalLM.from_pretrained(runs / "llama")
+    _, vals = _losses(runs / "hf_model_zero3-2")
+    # ZeRO-3 over 2 ranks: eval_batches x micro_batch_size x dp = 4 sequences
+    assert vals[0] == pytest.approx(_val_loss(original, cfg, 4, hf=True), rel=RTOL)
+    for case, n in (("hf_model_zero3-2", 4), ("hf_model_pp-2", 8), ("hf_model_zero3-1", 2)):
+        folder = runs / case / "model"
+        trained = transformers.LlamaForCausalLM.from_pretrained(folder)
+        _, vals = _losses(runs / case)
+        assert vals[-1] == pytest.approx(_val_loss(trained, cfg, n, hf=True), rel=RTOL), case
+        assert transformers.AutoTokenizer.from_pretrained(folder).eos_token == "</s>"
+
+
+def test_factory_model_written_with_its_factory(runs):
+    from meshfit.models.saved import load_model_folder
+
+    cfg = _config(runs, "factory_tp", 2)
+    folder = runs / "factory_tp-2" / "model"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["factory"] == "mymodels:build"
+    assert config["kwargs"] == {"vocab_size": cfg.vocab_size(), "max_seq_len": 32}
+    model, tokenizer = load_model_folder(folder)
+    _, vals = _losses(runs / "factory_tp-2")
+    assert vals[-1] == pytest.approx(_val_loss(model, cfg, 2, hf=False), rel=RTOL)
+    assert tokenizer is not None and tokenizer.vocab_size == cfg.vocab_size()
+
+
+def test_lora_under_zero3_writes_a_peft_adapter_and_the_merged_model(runs):
+    """The adapter (gathered from ZeRO-3 shards) loads with PeftModel.from_pretrained onto
+    the base the run started from (transformers' init after the run's seed); that model and
+    the merged folder both give the run's last val_loss."""
+    import peft
+    import transformers
+
+    cfg = _config(runs, "lora_gpt2_zero3", 2)
+    _, vals = _losses(runs / "lora_gpt2_zero3-2")
+    torch.manual_seed(cfg.train.seed)
+    base = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(runs / "gpt2"))
+    adapted = peft.PeftModel.from_pretrained(base, runs / "lora_gpt2_zero3-2" / "adapter")
+    assert vals[-1] == pytest.approx(_val_loss(adapted, cfg, 4, hf=True), rel=RTOL)
+    merged = transformers.GPT2LMHeadModel.from_pretrained(runs / "lora_gpt2_zero3-2" / "model")
+    assert vals[-1] == pytest.approx(_val_loss(merged, cfg, 4, hf=True), rel=RTOL)
+    assert not any("lora" in k for k in merged.state_dict())
+
+
+# ---------------------------------------------------------------------------- refusals
+@pytest.fixture
+def source_files(tmp_path):
+    import transformers
+
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=2, vocab_size=100,
+                             max_position_embeddings=16).save_pretrained(tmp_path / "small")
+    (tmp_path / "nomodel").mkdir()
+    (tmp_path / "nomodel" / "config.json").write_text("{}")
+    (tmp_path / "plainmodels.py").write_text(
+        "import torch\n\ndef build(vocab_size):\n    return torch.nn.Embedding(vocab_size, 8)\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--model.hf_config={t}/missing.json"], "model.hf_config='{t}/missing.json' is neither"),
+    (["--model.hf_model={t}/nomodel"], "holds no model.safetensors"),
+    (["--model.factory=nocolon"], "model.factory='nocolon' must look like module:attribute"),
+    (["--model.hf_config={t}/small", "--model.factory=a:b"], "are both set"),
+    (["--model.hf_config={t}/small", "--model.n_layer=3"], "sizes the reference GPT"),
+    (["--model.hf_config={t}/small"], "vocabulary holds 100 ids but the tokenizer"),
+    (["--model.factory=plainmodels:build", "--parallel.tp=2", "--parallel.dp_replicate=1"],
+     "Accelerator(tp_plan=PLAN)"),
+    (["--model.factory=nomodule:build", "--parallel.tp=2", "--parallel.dp_replicate=1"],
+     "cannot import 'nomodule'"),
+])
+def test_bad_model_sources_are_refused_before_launch(cli_refusal, source_files, monkeypatch,
+                                                     args, match):
+    monkeypatch.chdir(source_files)
+    argv = [a.format(t=source_files) for a in args]
+    line = cli_refusal("train", "--nproc", "2", "--out", str(source_files / "run"), *argv)
+    assert match.format(t=source_files) in line
+    assert not (source_files / "run").exists()
+
+
+def test_seq_len_beyond_the_models_positions_is_refused(cli_refusal, source_files, tmp_path):
+    line = cli_refusal("train", "--out", str(tmp_path / "run"),
+                       f"--model.hf_config={source_files}/small", "--train.seq_len=32",
+                       f"--data.tokenizer={source_files}/tok-missing")
+    assert "data.tokenizer" in line  # the tokenizer is checked first; then the positions:
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "</s>": 1, "<unk>": 2}, unk_token="<unk>"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(
+        tmp_path / "tok")
+    line = cli_refusal("train", "--out", str(tmp_path / "run"),
+                       f"--model.hf_config={source_files}/small", "--train.seq_len=32",
+                       f"--data.tokenizer={tmp_path}/tok")
+    assert "train.seq_len=32 is longer than the 16 positions" in line
+
+
+def test_an_out_folder_with_a_run_is_not_overwritten(cli_refusal, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    line = cli_refusal("train", "--out", str(tmp_path))
+    assert "already holds a run" in line and "--resume" in line
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'
