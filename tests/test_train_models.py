@@ -283,3 +283,16 @@ def test_an_out_folder_with_a_run_is_not_overwritten(cli_refusal, tmp_path):
     line = cli_refusal("train", "--out", str(tmp_path))
     assert "already holds a run" in line and "--resume" in line
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_tensor_parallel_on_a_lora_model_is_refused_with_the_reason():
+    from reference import tiny_gpt
+
+    from meshfit.models.plans import pipeline_plan_for, plan_for
+    from meshfit.peft import lora
+
+    model = lora(tiny_gpt(), r=2)
+    with pytest.raises(ValueError, match="tensor parallel of a LoRA model .* LoraLayer"):
+        plan_for(model)
+    with pytest.raises(ValueError, match="pipeline parallel of a LoRA model"):
+        pipeline_plan_for(model)

@@ -62,10 +62,21 @@ def has_builtin_plans(model: nn.Module) -> bool:
     return _family(model) is not None
 
 
+def _refuse_peft(model: nn.Module, what: str) -> None:
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        raise ValueError(f"{what} of a LoRA model (peft.PeftModel) is not yet available: LoRA "
+                         "wraps each adapted linear in a LoraLayer (its weight moves to "
+                         "base_layer, beside lora_A/lora_B), which the built-in plans do not "
+                         "name; use data parallel or ZeRO with LoRA, or tensor/pipeline "
+                         "parallel without it")
+
+
 def plan_for(model: nn.Module, *, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> TPPlan:
     """The built-in tensor-parallel plan for `model`'s type; ValueError naming the supported
     types and how to pass a plan."""
+    _refuse_peft(model, "tensor parallel")
     build = {"gpt": gpt_plan, "llama": hf_llama_plan, "gpt2": hf_gpt2_plan}.get(_family(model))
     if build is None:
         raise ValueError(f"no built-in tensor-parallel plan for {type(model).__name__}; "
@@ -77,6 +88,7 @@ def plan_for(model: nn.Module, *, sequence_parallel: bool = False,
 def pipeline_plan_for(model: nn.Module) -> PipelinePlan:
     """The built-in pipeline plan for `model`'s type; ValueError naming the supported types
     and how to pass a plan."""
+    _refuse_peft(model, "pipeline parallel")
     build = {"gpt": gpt_pipeline_plan, "llama": hf_llama_pipeline_plan,
              "gpt2": hf_gpt2_pipeline_plan}.get(_family(model))
     if build is None:
