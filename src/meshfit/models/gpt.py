@@ -12,6 +12,10 @@ unchanged when wq/wk/wv hold only a shard of the heads (Megatron-LM, Shoeybi et 
 A pipeline stage is the same class with parts removed: `tok_emb`, `pos_emb`, `norm`,
 `lm_head` may be None and `layers` may miss keys. Keys keep their global index, so
 parameter names (and hence checkpoints and `init_weights` values) match the full model.
+
+Incremental decoding (`GPT.new_cache` + `GPT.forward_cached`) keeps each layer's keys and
+values in a `KVCache`, so each new token costs one position's work instead of a forward over
+the whole sequence. It is a separate path: `forward` (training) is not touched by it.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from torch import nn
 
 from meshfit.models.config import AttentionBackend, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "Block", "Attention", "GeluMLP", "SwiGLUMLP", "count_params",
-           "check_attention_backend"]
+__all__ = ["GPT", "GPTConfig", "Block", "Attention", "GeluMLP", "SwiGLUMLP", "KVCache",
+           "count_params", "check_attention_backend"]
 
 # torch's name of each `AttentionBackend` but "auto" (which leaves SDPA free to choose).
 _SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
@@ -98,6 +102,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.type_as(x)
 
 
+class KVCache:
+    """Keys and values of the positions decoded so far, per layer, for `GPT.forward_cached`.
+
+    ``k[name]`` / ``v[name]``: [B, n_kv_head, max_len, head_dim], preallocated; keys are
+    stored after RoPE and before grouped-query heads are repeated. ``length`` positions are
+    filled; the next tokens sit at positions ``length, length + 1, ...``. Make one with
+    `GPT.new_cache`.
+    """
+
+    def __init__(self, layers: list[str], batch_size: int, kv_heads: int, head_dim: int,
+                 max_len: int, *, device: torch.device | str, dtype: torch.dtype) -> None:
+        shape = (batch_size, kv_heads, max_len, head_dim)
+        self.k = {n: torch.zeros(shape, device=device, dtype=dtype) for n in layers}
+        self.v = {n: torch.zeros(shape, device=device, dtype=dtype) for n in layers}
+        self.batch_size, self.max_len, self.length = batch_size, max_len, 0
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are kept and overwritten)."""
+        self.length = 0
+
+
 class Attention(nn.Module):
     """Causal self-attention with optional grouped-query attention (Ainslie et al. 2023).
 
@@ -145,6 +170,32 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.wo(y))
 
+    def forward_cached(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                       cache: KVCache, name: str) -> torch.Tensor:
+        """`forward` for T new positions after the cache's `length`: appends their keys and
+        values to layer `name` of `cache` and attends over all cached ones. `rope` holds the
+        rows of the new positions. Does not advance `cache.length` (the model does)."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        start, end = cache.length, cache.length + T
+        cache.k[name][:B, :, start:end] = k
+        cache.v[name][:B, :, start:end] = v
+        k, v = cache.k[name][:B, :, :end], cache.v[name][:B, :, :end]
+        if k.shape[1] != q.shape[1]:
+            groups = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        # New query i sits at position start + i and sees keys 0..start + i. One query sees
+        # every cached key, so it needs no mask.
+        mask = None if T == 1 else torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_drop(self.wo(y))
+
 
 class GeluMLP(nn.Module):
     """GPT-2 MLP: w_out(gelu(w_in x)), tanh-approximate GELU as in the GPT-2 release."""
@@ -185,6 +236,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_cached(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                       cache: KVCache, name: str) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.attn_norm(x), rope, cache, name)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -307,6 +363,52 @@ class GPT(nn.Module):
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    # ------------------------------------------------------------------ incremental decoding
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None, *,
+                  device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> KVCache:
+        """An empty `KVCache` for `forward_cached`: up to `max_len` positions (default and at
+        most `max_seq_len`), on the model's device and in its dtype unless given."""
+        if self.tok_emb is None or self.lm_head is None or len(self.layers) != self.config.n_layer:
+            raise ValueError("incremental decoding needs the whole model (tok_emb, every "
+                             "layer, lm_head), not a pipeline stage")
+        max_len = self.config.max_seq_len if max_len is None else max_len
+        if not 1 <= max_len <= self.config.max_seq_len:
+            raise ValueError(f"KVCache max_len={max_len} must be in 1..GPTConfig.max_seq_len="
+                             f"{self.config.max_seq_len}")
+        weight = self.tok_emb.weight
+        wk = next(iter(self.layers.values())).attn.wk
+        head_dim = self.config.head_dim
+        return KVCache(list(self.layers), batch_size, wk.out_features // head_dim, head_dim,
+                       max_len, device=device or weight.device, dtype=dtype or weight.dtype)
+
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits [B, T, vocab] of tokens idx [B, T] placed after the `cache.length`
+        positions already in `cache`, whose keys and values it appends (advancing
+        `cache.length` by T). With an empty cache this equals ``forward(idx)``; feeding a
+        sequence in pieces gives the logits of one forward over it. Call in eval mode
+        (dropout would make the pieces differ) and under ``torch.no_grad()``."""
+        B, T = idx.shape
+        start = cache.length
+        if start + T > cache.max_len:
+            raise ValueError(f"{T} new token(s) after {start} cached exceed the cache's "
+                             f"max_len={cache.max_len} (max_seq_len={self.config.max_seq_len}); "
+                             "start a new cache from the last tokens")
+        if B > cache.batch_size:
+            raise ValueError(f"batch of {B} exceeds the cache's batch_size={cache.batch_size}")
+        h = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(torch.arange(start, start + T, device=idx.device))
+        h = self.drop(h)
+        rope = (None if self.rope_cos is None
+                else (self.rope_cos[start:start + T], self.rope_sin[start:start + T]))
+        for name, layer in self.layers.items():
+            h = layer.forward_cached(h, rope, cache, name)
+        cache.length = start + T
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h)
 
     # ------------------------------------------------------------------ accounting
     def num_params(self, exclude_embeddings: bool = False) -> int:

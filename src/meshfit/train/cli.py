@@ -1,6 +1,8 @@
 """The ``meshfit`` command: ``launch`` (torchrun with safer defaults), ``train``, ``export``
-(a checkpoint as safetensors, offline) and ``pipeline-chart`` (a pipeline run's schedule as
-a Gantt chart, with its measured bubble).
+(a checkpoint as safetensors, offline), ``pipeline-chart`` (a pipeline run's schedule as
+a Gantt chart, with its measured bubble), ``generate`` (sample text from a trained model) and
+``eval`` (its loss and perplexity on held-out text); the last two live in
+`meshfit.train.generate`.
 
 Every argument is validated before any process is launched or any file is written; errors
 are one line naming the option, the value and the fix.
@@ -209,8 +211,20 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
+def cmd_generate(argv: list[str]) -> int:
+    from meshfit.train.generate import cmd_generate as run
+
+    return run(argv)
+
+
+def cmd_eval(argv: list[str]) -> int:
+    from meshfit.train.generate import cmd_eval as run
+
+    return run(argv)
+
+
 COMMANDS = {"launch": cmd_launch, "train": cmd_train, "export": cmd_export,
-            "pipeline-chart": cmd_pipeline_chart}
+            "pipeline-chart": cmd_pipeline_chart, "generate": cmd_generate, "eval": cmd_eval}
 
 
 def main(argv: list[str] | None = None) -> int:

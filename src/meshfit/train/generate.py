@@ -1,0 +1,407 @@
+"""Use a trained model: sample text from it (``meshfit generate``) and measure its loss on
+held-out text (``meshfit eval``).
+
+    model, tok = load_model_folder("runs/x/model")
+    print(generate(model, tok, "def main(", max_new_tokens=200, temperature=0.8, seed=0))
+
+The reference GPT decodes through its key/value cache (`GPT.forward_cached`); a transformers
+model through its own ``generate``; any other model by a full forward per new token.
+Sampling: temperature 0 is greedy (argmax); otherwise the logits are divided by the
+temperature, cut to the `top_k` most likely tokens when `top_k` is set (0 or None: no cut),
+and one token is drawn from a generator seeded with `seed`, so the same seed gives the same
+text. Decoding stops after `max_new_tokens` or at the tokenizer's end-of-sequence token
+(when it has one; the byte tokenizer has none). Past the reference GPT's context
+(`max_seq_len`) the window slides: the cache is rebuilt from the last half-context tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["generate", "generate_ids", "evaluate_loss", "resolve_model", "cmd_generate",
+           "cmd_eval"]
+
+
+# ---------------------------------------------------------------------------- helpers
+def _is_hf(model: nn.Module) -> bool:
+    hf = sys.modules.get("transformers")
+    return hf is not None and isinstance(model, hf.PreTrainedModel)
+
+
+def _is_gpt(model: nn.Module) -> bool:
+    from meshfit.models import GPT
+
+    return isinstance(model, GPT)
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The longest sequence the model takes: GPT's max_seq_len, a transformers config's
+    max_position_embeddings / n_positions; None when unknown."""
+    if _is_gpt(model):
+        return model.config.max_seq_len
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    out = model(idx) if not _is_hf(model) else model(input_ids=idx)
+    return getattr(out, "logits", out)
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={max_new_tokens!r} must be an integer >= 0")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and temperature >= 0):
+        raise ValueError(f"--temperature={temperature!r} must be a number >= 0 (0: greedy)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"--top-k={top_k!r} must be an integer >= 0 (0: no top-k cut)")
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
+          gen: torch.Generator) -> torch.Tensor:
+    """One token id per row of logits [B, V]: argmax at temperature 0, else a draw from the
+    temperature-scaled, top-k-cut softmax."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------- generation
+@torch.no_grad()
+def generate_ids(model: nn.Module, prompt_ids, *, max_new_tokens: int = 200,
+                 temperature: float = 0.8, top_k: int | None = None, seed: int = 0,
+                 eos_id: int | None = None) -> torch.Tensor:
+    """The new token ids (1-D int64, at most `max_new_tokens`, without the EOS token) that
+    `model` appends to `prompt_ids` (1-D, at least one id). See the module docstring."""
+    _check_sampling(max_new_tokens, temperature, top_k)
+    device = _device(model)
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(device)
+    if prompt.numel() == 0:
+        raise ValueError("the prompt encodes to no tokens; give at least one character")
+    if max_new_tokens == 0:
+        return prompt.new_empty(0)
+    was_training = model.training
+    model.eval()
+    try:
+        if _is_hf(model):
+            return _generate_hf(model, prompt, max_new_tokens, temperature, top_k, seed, eos_id)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        if _is_gpt(model):
+            return _generate_gpt(model, prompt, max_new_tokens, temperature, top_k, gen, eos_id)
+        return _generate_plain(model, prompt, max_new_tokens, temperature, top_k, gen, eos_id)
+    finally:
+        model.train(was_training)
+
+
+def _generate_gpt(model, prompt, max_new, temperature, top_k, gen, eos_id) -> torch.Tensor:
+    ctx = model.config.max_seq_len
+    tokens = prompt.tolist()
+    cache = model.new_cache(1)
+    logits = model.forward_cached(prompt[-ctx:].view(1, -1), cache)[:, -1]
+    new: list[int] = []
+    while True:
+        token = int(_pick(logits, temperature, top_k, gen)[0])
+        if token == eos_id:
+            break
+        new.append(token)
+        tokens.append(token)
+        if len(new) == max_new:
+            break
+        if cache.length < ctx:
+            step = torch.tensor([[token]], device=prompt.device)
+        else:  # the context is full: slide the window, rebuilding the cache from its end
+            cache.reset()
+            step = torch.tensor([tokens[-max(ctx // 2, 1):]], device=prompt.device)
+        logits = model.forward_cached(step, cache)[:, -1]
+    return torch.tensor(new, dtype=torch.long)
+
+
+def _generate_plain(model, prompt, max_new, temperature, top_k, gen, eos_id) -> torch.Tensor:
+    """Any model whose forward maps ids [B, T] to logits: one full forward per token."""
+    ctx = context_length(model)
+    seq, new = prompt.clone(), []
+    for _ in range(max_new):
+        window = seq if ctx is None else seq[-ctx:]
+        token = int(_pick(_logits(model, window.view(1, -1))[:, -1], temperature, top_k, gen)[0])
+        if token == eos_id:
+            break
+        new.append(token)
+        seq = torch.cat([seq, seq.new_tensor([token])])
+    return torch.tensor(new, dtype=torch.long)
+
+
+def _generate_hf(model, prompt, max_new, temperature, top_k, seed, eos_id) -> torch.Tensor:
+    """transformers' own generate, with our stopping rule: the model's saved generation
+    config may name an EOS id of another tokenizer (Llama's default 2 is a byte here), so
+    EOS is the tokenizer's or none; top_p is 1, so only temperature and top_k shape the
+    distribution, as for the reference GPT."""
+    ctx = context_length(model)
+    ids = (prompt if ctx is None else prompt[-ctx:]).view(1, -1)
+    saved = model.generation_config
+    config = saved.__class__.from_dict(saved.to_dict())
+    config.eos_token_id = eos_id
+    if config.pad_token_id is None or eos_id is not None:
+        config.pad_token_id = eos_id if eos_id is not None else 0
+    if temperature == 0:
+        sampling: dict[str, Any] = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+    else:
+        sampling = dict(do_sample=True, temperature=float(temperature), top_k=top_k or 0,
+                        top_p=1.0)
+    for key, value in sampling.items():
+        setattr(config, key, value)
+    devices = [ids.device] if ids.device.type == "cuda" else []
+    model.generation_config = config
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_new, min_new_tokens=0)
+    finally:
+        model.generation_config = saved
+    new = out[0, ids.shape[1]:].cpu()
+    if eos_id is not None:
+        hits = (new == eos_id).nonzero()
+        if len(hits):
+            new = new[: int(hits[0])]
+    return new.long()
+
+
+def _eos(tokenizer) -> int | None:
+    eos = getattr(tokenizer, "eos_id", None)
+    return None if eos is None else int(eos)
+
+
+def generate(model: nn.Module, tokenizer, prompt: str, *, max_new_tokens: int = 200,
+             temperature: float = 0.8, top_k: int | None = None, seed: int = 0) -> str:
+    """The text `model` writes after `prompt` (the continuation only). `tokenizer`: an
+    object with ``encode(text)`` and ``decode(ids)`` (and ``eos_id`` to stop at)."""
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"--prompt={prompt!r} is empty; give the text to continue, e.g. "
+                         "--prompt 'def main('")
+    prompt_ids = torch.as_tensor(tokenizer.encode(prompt), dtype=torch.long)
+    new = generate_ids(model, prompt_ids, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_k=top_k, seed=seed,
+                       eos_id=_eos(tokenizer))
+    # Decoded together with the prompt, so a token that merges with the prompt's end (a
+    # sentencepiece space) comes out as the tokenizer writes it; the byte tokenizer turns
+    # invalid UTF-8 (a cut multi-byte character) into U+FFFD instead of raising.
+    head = tokenizer.decode(prompt_ids.tolist())
+    full = tokenizer.decode(prompt_ids.tolist() + new.tolist())
+    return full[len(head):] if full.startswith(head) else tokenizer.decode(new.tolist())
+
+
+# ---------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate_loss(model: nn.Module, tokens, seq_len: int, *, batches: int = 8,
+                  batch_size: int = 8) -> tuple[float, int]:
+    """(mean next-token cross-entropy in nats, number of predicted tokens) over the first
+    ``batches * batch_size`` windows of `seq_len` (`meshfit.data.TokenDataset`, as
+    training's validation); batches=0: every window."""
+    from meshfit.data import TokenDataset
+
+    data = TokenDataset(tokens, seq_len)
+    n = len(data) if batches == 0 else min(len(data), batches * batch_size)
+    device = _device(model)
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    try:
+        for first in range(0, n, batch_size):
+            pairs = [data[i] for i in range(first, min(first + batch_size, n))]
+            x = torch.stack([p[0] for p in pairs]).to(device)
+            y = torch.stack([p[1] for p in pairs]).to(device)
+            logits = _logits(model, x)
+            if logits.dtype in (torch.float16, torch.bfloat16):
+                logits = logits.float()
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+            total += loss.double().cpu()
+            count += y.numel()
+    finally:
+        model.train(was_training)
+    return (total / count).item(), count
+
+
+# ---------------------------------------------------------------------------- the CLI
+def resolve_model(path: str) -> tuple[Path, Path | None]:
+    """(model folder, run folder or None) for RUN_OR_MODEL: a run folder (its model/), a
+    model folder, or a run's model/ folder (its run is the parent)."""
+    p = Path(path).expanduser()
+    fix = ("give a meshfit train run folder (its model/ is used) or a model folder written "
+           "by save_model_folder")
+    if not p.is_dir():
+        raise ValueError(f"RUN_OR_MODEL={path!r} is not a folder; {fix}")
+    if (p / "config.json").is_file():
+        run = p.parent if p.name == "model" and (p.parent / "config.toml").is_file() else None
+        return p, run
+    if (p / "model").is_dir():
+        return p / "model", p
+    if (p / "config.toml").is_file():
+        raise ValueError(f"RUN_OR_MODEL={path!r} is a run folder without model/: a run writes "
+                         "its model there when training ends; let it finish, or give a "
+                         "model folder")
+    raise ValueError(f"RUN_OR_MODEL={path!r} holds no model (no config.json, no model/); {fix}")
+
+
+def _default_device() -> str:
+    if os.environ.get("MESHFIT_CPU", "") not in ("", "0") or not torch.cuda.is_available():
+        return "cpu"
+    return "cuda"
+
+
+def _load(path: str, device: str | None):
+    """(model, tokenizer, model folder, run folder) for RUN_OR_MODEL."""
+    from meshfit.models.saved import load_model_folder
+
+    folder, run = resolve_model(path)
+    try:
+        device = torch.device(device or _default_device())
+    except RuntimeError:
+        raise ValueError(f"--device={device!r} is not a device; use cpu, cuda or cuda:N") from None
+    model, tokenizer = load_model_folder(folder, device=device)
+    if tokenizer is None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab != 256:
+            raise ValueError(f"RUN_OR_MODEL={path!r}: {folder} holds no tokenizer files and "
+                             f"the model's vocabulary ({vocab}) is not bytes; save the model "
+                             "with save_model_folder(..., tokenizer=...)")
+        from meshfit.data import ByteTokenizer
+
+        tokenizer = ByteTokenizer()  # a 256-token model without tokenizer files: bytes
+    return model, tokenizer, folder, run
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="RUN_OR_MODEL",
+                   help="a meshfit train run folder (uses RUN/model/) or a model folder")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available, unless MESHFIT_CPU=1)")
+
+
+def _generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshfit generate", allow_abbrev=False,
+        description="Print a prompt and the model's continuation of it.")
+    _common(p)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                   help="tokens to add at most (default 200; fewer if the model writes EOS)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                   help="sampling temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample among the K most likely tokens only; 0 = all (default)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="the sampling seed: same seed, same text (default 0)")
+    return p
+
+
+def cmd_generate(argv: list[str]) -> int:
+    ns = _generate_parser().parse_args(argv)
+    if not ns.prompt:
+        raise ValueError("--prompt='' is empty; give the text to continue, e.g. "
+                         "--prompt 'def main('")
+    _check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
+    model, tokenizer, _, _ = _load(ns.source, ns.device)
+    text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
+                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)
+    print(ns.prompt + text)
+    return 0
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshfit eval", allow_abbrev=False,
+        description="Print the model's loss and perplexity on held-out text: by default the "
+                    "validation split of the run's own data (the built-in corpus's for a "
+                    "model folder outside a run).")
+    _common(p)
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="a text file or folder to evaluate on instead, all of it, tokenized "
+                        "with the model folder's tokenizer")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help="window length (default: the run's train.seq_len; for a model folder "
+                        "the model's context, at most 1024)")
+    p.add_argument("--batches", type=int, default=8, metavar="N",
+                   help="batches to evaluate (default 8); 0 = every window of the data")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B",
+                   help="windows per batch (default 8)")
+    return p
+
+
+def cmd_eval(argv: list[str]) -> int:
+    from meshfit.data import load_tokens
+
+    ns = _eval_parser().parse_args(argv)
+    if ns.seq_len is not None and ns.seq_len < 1:
+        raise ValueError(f"--seq-len={ns.seq_len} must be >= 1")
+    if ns.batches < 0:
+        raise ValueError(f"--batches={ns.batches} must be >= 0 (0: every window)")
+    if ns.batch_size < 1:
+        raise ValueError(f"--batch-size={ns.batch_size} must be >= 1")
+    if ns.data is not None and not Path(ns.data).expanduser().exists():
+        raise ValueError(f"--data={ns.data!r} does not exist; give a text file or a folder of "
+                         "text files")
+    folder, run = resolve_model(ns.source)  # fail on a bad folder before loading anything
+    cfg = None
+    if run is not None:
+        from meshfit.train.config import load_config
+
+        try:
+            cfg = load_config(run / "config.toml")
+        except ValueError as err:
+            if ns.data is None:
+                raise ValueError(f"{run / 'config.toml'}: {err}; or give --data PATH") from None
+    model, tokenizer, folder, run = _load(ns.source, ns.device)
+    ctx = context_length(model)
+    seq_len = ns.seq_len
+    if seq_len is None:
+        seq_len = cfg.train.seq_len if cfg is not None else min(ctx or 1024, 1024)
+    if ctx is not None and seq_len > ctx:
+        raise ValueError(f"--seq-len={seq_len} exceeds the model's context of {ctx} tokens; "
+                         f"use --seq-len {ctx} or less")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise ValueError(f"RUN_OR_MODEL={ns.source!r}: the tokenizer has {tokenizer.vocab_size} "
+                         f"ids but the model only {vocab}; save the model with its own tokenizer")
+    cache_dir = (cfg.data.cache_dir or None) if cfg is not None else None
+    if ns.data is not None:  # all of the given text
+        tokens = load_tokens(ns.data, tokenizer=tokenizer, cache_dir=cache_dir,
+                             val_fraction=0.0).train
+        where = f"--data={ns.data!r} holds"
+    elif cfg is not None and callable(getattr(cfg, "load_tokens", None)):
+        tokens = cfg.load_tokens().val  # the run's own split: its source, tokenizer, fraction
+    else:  # the validation split of the run's data (the built-in corpus outside a run)
+        path = (cfg.data.path or None) if cfg is not None else None
+        tokens = load_tokens(path, tokenizer=tokenizer, cache_dir=cache_dir).val
+        where = "the validation split holds"
+    if tokens.size < seq_len + 1:
+        raise ValueError(f"--seq-len={seq_len}: {where} only {tokens.size} tokens, fewer than "
+                         "one window of seq_len + 1; lower --seq-len or give more --data")
+    loss, n = evaluate_loss(model, tokens, seq_len, batches=ns.batches,
+                            batch_size=ns.batch_size)
+    print(f"loss {loss:.6f} perplexity {math.exp(min(loss, 700.0)):.4f} on {n} tokens")
+    return 0
