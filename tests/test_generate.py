@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from reference import VOCAB, hf_llama, tiny_gpt
 
 from meshfit.data import ByteTokenizer, document_separator, load_tokens
-from meshfit.models.saved import save_model_folder
+from meshfit.checkpoint.saved import save_model_folder
 from meshfit.train.cli import main
 from meshfit.train.config import build_config
 from meshfit.train.generate import evaluate_loss, generate, generate_ids

@@ -193,7 +193,7 @@ def test_hf_model_is_loaded_then_written_as_a_from_pretrained_folder(runs):
 
 
 def test_factory_model_written_with_its_factory(runs):
-    from meshfit.models.saved import load_model_folder
+    from meshfit.checkpoint.saved import load_model_folder
 
     cfg = _config(runs, "factory_tp", 2)
     folder = runs / "factory_tp-2" / "model"

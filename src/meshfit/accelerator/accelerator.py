@@ -275,13 +275,13 @@ class Accelerator:
             raise ValueError(f"prepare(model) with pp={self.parallel.pp}: a pipeline layout "
                              "splits the model into stages; use "
                              "accelerator.prepare_pipeline(model, schedule=..., microbatches=...)")
-        from meshfit.models.pretrained import pretrained_folder
+        from meshfit.checkpoint.pretrained import pretrained_folder
 
         folder = pretrained_folder(model)
         if folder is None and any(p.is_meta for p in model.parameters()):
             raise ValueError("prepare(model): the model has parameters on the meta device; "
                              "materialise it (to_empty + init_weights) before prepare, or "
-                             "build it with meshfit.models.pretrained.meta_model(folder) to "
+                             "build it with meshfit.checkpoint.pretrained.meta_model(folder) to "
                              "load a saved model into each rank's shards")
         before = dict(model.named_parameters())
         wrapped = self._prepare_module(model) if folder is None else \
@@ -294,12 +294,12 @@ class Accelerator:
         return wrapped
 
     def _prepare_pretrained(self, model: torch.nn.Module, folder: str) -> torch.nn.Module:
-        """A meta-device model marked by `meshfit.models.pretrained.meta_model`: under FSDP2
+        """A meta-device model marked by `meshfit.checkpoint.pretrained.meta_model`: under FSDP2
         (ZeRO-2/3, and every layout with tensor parallel) it is laid out on the meta device
         and each rank then reads only its shard of every tensor; under the layouts that keep
         whole parameters on every rank (one process, DDP, ZeRO-1) each rank reads them
         whole, then the model is laid out as usual."""
-        from meshfit.models.pretrained import load_into, to_empty
+        from meshfit.checkpoint.pretrained import load_into, to_empty
 
         buffers = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
         if not self.layout.is_fsdp:

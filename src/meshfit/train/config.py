@@ -134,7 +134,7 @@ class ModelConfig:
                 raise ValueError(f"model.hf_config={self.hf_config!r} is neither a config.json "
                                  "file nor a folder holding one")
         if self.hf_model:
-            from meshfit.models.pretrained import check_folder
+            from meshfit.checkpoint.pretrained import check_folder
 
             check_folder(self.hf_model, "model.hf_model")
         for name in ("factory", "tp_plan", "pipeline_plan"):
@@ -460,7 +460,34 @@ class RunConfig:
         from meshfit.models import GPTConfig
 
         return GPTConfig.preset(self.model.preset, max_seq_len=self.train.seq_len,
-                                vocab_size=ByteTokenizer.vocab_size, **self.model.overrides())
+                                vocab_size=self.vocab_size(), **self.model.overrides())
+
+    def tokenizer(self):
+        """The run's tokenizer ([data] tokenizer: bytes, or a Hugging Face tokenizer)."""
+        from meshfit.data import ByteTokenizer
+
+        spec = getattr(self.data, "tokenizer", "bytes")
+        if spec in ("", "bytes"):
+            return ByteTokenizer()
+        from meshfit.data import load_tokenizer
+
+        return load_tokenizer(spec)
+
+    def vocab_size(self) -> int:
+        """Token ids the run's tokenizer gives (the reference GPT's vocabulary)."""
+        return int(self.tokenizer().vocab_size)
+
+    def load_tokens(self):
+        """The run's token splits ([data]: text files, a datasets dataset or the built-in
+        corpus, through the run's tokenizer; cached)."""
+        from meshfit.data import load_tokens
+
+        d = self.data
+        extra = {}
+        if hasattr(d, "hf_dataset"):
+            extra = dict(tokenizer=self.tokenizer(), hf_dataset=d.hf_dataset or None,
+                         text_column=d.text_column)
+        return load_tokens(d.path or None, cache_dir=d.cache_dir or None, **extra)
 
     def validate_for(self, world_size: int, local_world_size: int | None = None) -> Layout:
         """Checks that need the number of processes (run before launching any); returns the

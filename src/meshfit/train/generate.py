@@ -275,7 +275,7 @@ def _default_device() -> str:
 
 def _load(path: str, device: str | None):
     """(model, tokenizer, model folder, run folder) for RUN_OR_MODEL."""
-    from meshfit.models.saved import load_model_folder
+    from meshfit.checkpoint.saved import load_model_folder
 
     folder, run = resolve_model(path)
     try:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from meshfit.models import GPT, GPTConfig
-from meshfit.train.config import RunConfig
+
 
 __all__ = ["build_model", "check_model_source", "import_object", "loss_function", "plans",
            "write_final_model"]
@@ -42,14 +42,14 @@ def import_object(spec: str, field: str) -> Any:
     return obj
 
 
-def _hf_config(cfg: RunConfig):
+def _hf_config(cfg):
     import transformers
 
     path = Path(cfg.model.hf_config or cfg.model.hf_model).expanduser()
     return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def _factory_kwargs(factory: Callable, cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
+def _factory_kwargs(factory: Callable, cfg, vocab_size: int) -> dict[str, Any]:
     offered = {"vocab_size": vocab_size, "max_seq_len": cfg.train.seq_len}
     try:
         params = inspect.signature(factory).parameters
@@ -60,7 +60,7 @@ def _factory_kwargs(factory: Callable, cfg: RunConfig, vocab_size: int) -> dict[
     return {k: v for k, v in offered.items() if k in params}
 
 
-def build_model(cfg: RunConfig, vocab_size: int, *, meta: bool = False) -> nn.Module:
+def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
     """The [model] of `cfg` for a tokenizer of `vocab_size` ids, with LoRA adapters when
     [peft] asks for them. `meta`: structure only, on the meta device (sizes and plans,
     before launch). A `hf_model` is always built on the meta device and marked with its
@@ -75,7 +75,7 @@ def build_model(cfg: RunConfig, vocab_size: int, *, meta: bool = False) -> nn.Mo
 
             model = transformers.AutoModelForCausalLM.from_config(_hf_config(cfg))
         elif m.source == "hf_model":
-            from meshfit.models.pretrained import meta_model
+            from meshfit.checkpoint.pretrained import meta_model
 
             model = meta_model(m.hf_model)
         else:
@@ -109,7 +109,7 @@ def _vocab_of(model: nn.Module) -> int | None:
     return getattr(config, "vocab_size", None)
 
 
-def check_model_source(cfg: RunConfig, vocab_size: int) -> nn.Module:
+def check_model_source(cfg, vocab_size: int) -> nn.Module:
     """Before launch: the model builds (on the meta device), holds the tokenizer's ids and
     the sequence length, and has plans for the layout's tensor/pipeline axes; returns it."""
     model = build_model(cfg, vocab_size, meta=True)
@@ -130,7 +130,7 @@ def check_model_source(cfg: RunConfig, vocab_size: int) -> nn.Module:
     return model
 
 
-def plans(cfg: RunConfig) -> tuple[Any, Any]:
+def plans(cfg) -> tuple[Any, Any]:
     """The [model] tp_plan and pipeline_plan objects (None: the model's built-in ones)."""
     m = cfg.model
     tp = import_object(m.tp_plan, "model.tp_plan") if m.tp_plan else None
@@ -187,14 +187,14 @@ def _is_hf(model: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------- weights out
-def write_final_model(acc, trained_module, model: nn.Module, cfg: RunConfig, tokenizer,
+def write_final_model(acc, trained_module, model: nn.Module, cfg, tokenizer,
                       out_dir: Path, vocab_size: int) -> list[Path]:
     """The run's final weights, gathered from the layout's shards (a collective: call on
     every rank): ``OUT/model/`` (safetensors + config.json + tokenizer; a transformers
     model's folder loads with ``from_pretrained``), or with LoRA ``OUT/adapter/`` (a PEFT
     folder ``PeftModel.from_pretrained`` loads) and, with ``peft.merge``, ``OUT/model/``
     with the adapters folded in. Returns the folders written (on the main process)."""
-    from meshfit.models.saved import save_model_folder
+    from meshfit.checkpoint.saved import save_model_folder
 
     state = acc.get_state_dict(trained_module)
     written: list[Path] = []
@@ -213,11 +213,11 @@ def write_final_model(acc, trained_module, model: nn.Module, cfg: RunConfig, tok
     return written
 
 
-def _write_lora(cfg: RunConfig, state: dict, vocab_size: int, tokenizer, out_dir: Path,
+def _write_lora(cfg, state: dict, vocab_size: int, tokenizer, out_dir: Path,
                 factory, kwargs) -> list[Path]:
     """A CPU copy of the LoRA model holding the gathered weights: its adapter as a PEFT
     folder, and with peft.merge the merged model."""
-    from meshfit.models.saved import save_model_folder
+    from meshfit.checkpoint.saved import save_model_folder
     from meshfit.peft import merge, save_adapter
 
     with torch.device("meta"):

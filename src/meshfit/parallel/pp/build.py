@@ -71,7 +71,7 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     modules = [build_stage_module(model, s, num_stages, points, plan=plan)
                for s in placement[pp_rank]]
     if any(p.is_meta for m in modules for p in m.parameters()):
-        from meshfit.models.pretrained import pretrained_folder, tied_names
+        from meshfit.checkpoint.pretrained import pretrained_folder, tied_names
 
         materialize(modules, plan, device, init_seed, pretrained=pretrained_folder(model),
                     aliases=tied_names(model))

@@ -247,9 +247,9 @@ def materialize(stages: list[nn.Module], plan: PipelinePlan, device: torch.devic
     """Meta stages -> real ones holding exactly the values of the full model, through the
     plan's `init_weights` with ``torch.Generator().manual_seed(seed)``, or read from the
     `pretrained` model folder (each stage only its own tensors; `aliases`: the full model's
-    tied names, see `meshfit.models.pretrained.load_into`)."""
+    tied names, see `meshfit.checkpoint.pretrained.load_into`)."""
     if pretrained is not None:
-        from meshfit.models.pretrained import load_into, to_empty
+        from meshfit.checkpoint.pretrained import load_into, to_empty
 
         for s in stages:
             buffers = {n: b.detach().clone() for n, b in s.named_buffers() if not b.is_meta}
