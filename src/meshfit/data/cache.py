@@ -1,12 +1,22 @@
 """Tokenize a corpus once into a memory-mapped file, and reuse it on every later run.
 
-On disk, per corpus+tokenizer+split, two files in ``cache_dir``::
+The text comes from files (the built-in corpus, a user's file or folder: ``corpus.py``) or
+from a Hugging Face ``datasets`` dataset on disk (``hf.py``). Either way it is a sequence of
+*documents* (a file, a dataset row), and documents are *packed*: each is tokenized and
+followed by the separator (the tokenizer's EOS token; a blank line for the byte tokenizer,
+see ``tokenizer.document_separator``), and the results are concatenated into one stream, so
+a ``TokenDataset`` window may span the end of one document and the start of the next, with
+the separator between them telling the model where one ended. Nothing is padded.
+
+On disk, per source+tokenizer+split, two files in ``cache_dir``::
 
     <slug>-<key16>.bin    train tokens, then validation tokens, raw little-endian ids
     <slug>-<key16>.json   sidecar: source, file-list hash, tokenizer, dtype, split sizes
 
-The key hashes the sorted absolute file paths with their sizes and mtimes, the tokenizer
-name and the validation fraction, so editing, adding or removing a file, or changing the
+The key hashes the sorted file paths with their sizes and mtimes (for a dataset: its
+fingerprints and text column), the tokenizer's name (which for a Hugging Face tokenizer
+hashes its whole ``tokenizer.json``, so a retrained tokenizer never reuses a stale cache)
+and the validation fraction, so editing, adding or removing a file, or changing the
 tokenizer, selects a new cache instead of reading a stale one.
 
 Crash and concurrency safety come from atomic renames, not locks: each writer fills a
@@ -36,7 +46,15 @@ from typing import Any
 import numpy as np
 
 from meshfit.data.corpus import Corpus, SourceFile, find_corpus, is_validation
-from meshfit.data.tokenizer import ByteTokenizer, Tokenizer, as_tokenizer, token_dtype
+from meshfit.data.hf import HFSource, open_hf_dataset
+from meshfit.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    as_tokenizer,
+    document_separator,
+    token_dtype,
+)
 
 __all__ = ["TokenSplits", "load_tokens", "DEFAULT_CACHE_DIR", "DEFAULT_VAL_FRACTION"]
 
@@ -61,7 +79,8 @@ class TokenSplits:
     vocab_size: int
     """Ids are in ``[0, vocab_size)``; size the model's embedding from this."""
     tokenizer: Tokenizer
-    """The tokenizer that produced the ids, for decoding samples."""
+    """The tokenizer that produced the ids: decode samples with it, and ``save(folder)``
+    it (a tokenizer from ``load_tokenizer``) next to a trained model."""
     meta: dict[str, Any]
     """The sidecar JSON: source, file counts, split sizes, dtype, build time."""
     path: Path
@@ -74,31 +93,49 @@ def load_tokens(
     tokenizer: Any = None,
     cache_dir: str | os.PathLike[str] | None = None,
     val_fraction: float = DEFAULT_VAL_FRACTION,
+    hf_dataset: str | os.PathLike[str] | None = None,
+    text_column: str = "text",
 ) -> TokenSplits:
-    """Tokenize ``path`` (default: the Python standard library) once, then map the cache.
+    """Tokenize ``path`` (default: the Python standard library) or ``hf_dataset`` once,
+    pack its documents into one stream (each followed by the EOS separator; see the module
+    docstring), and map the cache.
 
     ``path`` is a UTF-8 text file or a folder (every non-hidden file below it, in sorted
-    order; files that are not valid UTF-8 are skipped with a warning). ``tokenizer`` is
-    ``None`` for bytes, a :class:`Tokenizer`, or a Hugging Face tokenizer. Files go to
-    validation by a stable hash of their relative path; when that leaves one side empty
-    (a single file, a handful of files) the last ``val_fraction`` of tokens is used instead,
-    and ``meta["split"]`` says which rule applied.
+    order; files that are not valid UTF-8 are skipped with a warning); each file is one
+    document. ``hf_dataset`` (instead of ``path``) is a ``datasets`` dataset on local disk
+    (see ``meshfit.data.hf``): each row's ``text_column`` is one document, its ``train``
+    split is trained on and its ``validation``/``test`` split (if any) validates.
+    ``tokenizer`` is ``None`` or ``"bytes"`` for bytes, a path to a Hugging Face tokenizer
+    folder or ``tokenizer.json`` (see ``load_tokenizer``), a :class:`Tokenizer`, or a
+    Hugging Face tokenizer object. Documents go to validation by a stable hash of their
+    relative path (row index); when that leaves one side empty (a single file, a handful
+    of files) the last ``val_fraction`` of tokens is used instead, and ``meta["split"]``
+    says which rule applied. ``val_fraction=0``: no validation at all.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(
             f"data.val_fraction={val_fraction!r} must be in [0, 1); use e.g. 0.02, or 0 for "
             "no validation split"
         )
+    if hf_dataset is not None and str(hf_dataset) != "" and path is not None \
+            and str(path) != "":
+        raise ValueError(f"data.path={str(path)!r} and data.hf_dataset={str(hf_dataset)!r} "
+                         "are mutually exclusive; set only one of them")
     tok = as_tokenizer(tokenizer)
-    corpus = find_corpus(path)
+    document_separator(tok)  # refuse a tokenizer without a separator before any work
     # "" means default too: that is how an unset config string arrives.
     folder = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
-    key = _cache_key(corpus, tok, val_fraction)
-    stem = folder / f"{corpus.slug}-{key[:16]}"
+    source: Corpus | HFSource
+    if hf_dataset is not None and str(hf_dataset) != "":
+        source = open_hf_dataset(hf_dataset, text_column, cache_dir=folder / "hf-datasets")
+    else:
+        source = find_corpus(path)
+    key = _cache_key(source, tok, val_fraction)
+    stem = folder / f"{source.slug}-{key[:16]}"
     meta = _read_meta(stem, key)
     if meta is None:
-        meta = _build(corpus, tok, val_fraction, stem, key)
+        meta = _build(source, tok, val_fraction, stem, key)
     if meta["skipped_non_utf8"]:
         skipped = meta["skipped_non_utf8"]
         warnings.warn(
@@ -109,13 +146,17 @@ def load_tokens(
     return _open(stem, meta, tok)
 
 
-def _files_hash(corpus: Corpus) -> str:
-    listing = [[str(corpus.root)]] + [[f.rel, f.size, f.mtime_ns] for f in corpus.files]
+def _files_hash(source: Corpus | HFSource) -> str:
+    if isinstance(source, HFSource):
+        return source.identity
+    listing = [[str(source.root)]] + [[f.rel, f.size, f.mtime_ns] for f in source.files]
     return hashlib.sha256(json.dumps(listing).encode("utf-8")).hexdigest()
 
 
-def _cache_key(corpus: Corpus, tok: Tokenizer, val_fraction: float) -> str:
-    parts = [_FORMAT, _files_hash(corpus), tok.name, int(tok.vocab_size), repr(val_fraction)]
+def _cache_key(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float) -> str:
+    # tok.name identifies the mapping text -> ids and the EOS id (HFTokenizer hashes its
+    # whole tokenizer.json into it); see the Tokenizer protocol.
+    parts = [_FORMAT, _files_hash(source), tok.name, int(tok.vocab_size), repr(val_fraction)]
     return hashlib.sha256(json.dumps(parts).encode("utf-8")).hexdigest()
 
 
@@ -140,9 +181,23 @@ def _read_meta(stem: Path, key: str) -> dict[str, Any] | None:
     return meta if size == expected else None
 
 
-def _documents(corpus: Corpus, tok: Tokenizer, dtype: np.dtype, skipped: list[str]
-               ) -> Iterator[tuple[SourceFile, np.ndarray]]:
-    """Yield ``(file, token ids)`` per non-empty UTF-8 file; record the others in ``skipped``."""
+@dataclass(frozen=True)
+class _Row:
+    """One dataset row as a document: ``rel`` names it for the by-hash split, ``split`` is
+    ``"train"``/``"validation"`` when the dataset's own split decides, else None."""
+
+    rel: str
+    split: str | None
+
+
+def _documents(source: Corpus | HFSource, tok: Tokenizer, dtype: np.dtype,
+               skipped: list[str]) -> Iterator[tuple[SourceFile | _Row, np.ndarray]]:
+    """Yield ``(document, token ids)`` per non-empty UTF-8 file or dataset row; record the
+    files that are not UTF-8 in ``skipped``."""
+    if isinstance(source, HFSource):
+        yield from _row_documents(source, tok, dtype)
+        return
+    corpus = source
     fast = type(tok) is ByteTokenizer  # ids == UTF-8 bytes: no encode call needed
     for f in corpus.files:
         raw = f.path.read_bytes()
@@ -163,24 +218,50 @@ def _documents(corpus: Corpus, tok: Tokenizer, dtype: np.dtype, skipped: list[st
         if fast:
             yield f, np.frombuffer(raw, dtype=np.uint8)
             continue
-        ids = np.asarray(tok.encode(text))
-        if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
-            # Checked before the cast to the narrow on-disk dtype, which would wrap silently.
-            raise ValueError(
-                f"tokenizer {tok.name!r} produced ids in [{ids.min()}, {ids.max()}] for "
-                f"{f.rel}, outside tokenizer.vocab_size={tok.vocab_size}; fix vocab_size"
-            )
-        yield f, np.ascontiguousarray(ids, dtype=dtype)
+        yield f, _checked(np.asarray(tok.encode(text)), tok, dtype, f.rel)
+
+
+def _checked(ids: np.ndarray, tok: Tokenizer, dtype: np.dtype, where: str) -> np.ndarray:
+    if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
+        # Checked before the cast to the narrow on-disk dtype, which would wrap silently.
+        raise ValueError(
+            f"tokenizer {tok.name!r} produced ids in [{ids.min()}, {ids.max()}] for "
+            f"{where}, outside tokenizer.vocab_size={tok.vocab_size}; fix vocab_size"
+        )
+    return np.ascontiguousarray(ids, dtype=dtype)
+
+
+def _row_documents(source: HFSource, tok: Tokenizer, dtype: np.dtype
+                   ) -> Iterator[tuple[_Row, np.ndarray]]:
+    """Rows in order, train split then validation split; empty and null texts are skipped
+    (as empty files are). Fast tokenizers encode a batch of rows at once."""
+    batched = getattr(tok, "encode_batch", None) if isinstance(tok, HFTokenizer) else None
+    for split in ("train", "validation"):
+        fixed = None if source.validation is None else split
+        for start, values in source.rows(split):
+            keep = [(start + i, v) for i, v in enumerate(values) if v]
+            if not keep:
+                continue
+            texts = [v for _, v in keep]
+            encoded = batched(texts) if batched else [tok.encode(t) for t in texts]
+            for (index, _), ids in zip(keep, encoded):
+                rel = f"{split}/{index}"
+                yield _Row(rel, fixed), _checked(np.asarray(ids), tok, dtype, f"row {rel}")
 
 
 def _separator(tok: Tokenizer, dtype: np.dtype) -> np.ndarray:
-    if tok.eos_id is not None:
-        return np.asarray([tok.eos_id], dtype=dtype)
-    return np.ascontiguousarray(tok.encode("\n\n"), dtype=dtype)
+    return np.asarray(document_separator(tok), dtype=dtype)
 
 
-def _build(corpus: Corpus, tok: Tokenizer, val_fraction: float, stem: Path, key: str
-           ) -> dict[str, Any]:
+def _goes_to_validation(doc: SourceFile | _Row, val_fraction: float) -> bool:
+    split = getattr(doc, "split", None)
+    if split is not None:
+        return split == "validation"
+    return is_validation(doc.rel, val_fraction)
+
+
+def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem: Path,
+           key: str) -> dict[str, Any]:
     """Write ``.bin`` (train then val, each document followed by the separator), then the
     sidecar. Validation documents are held in memory (they are ``val_fraction`` of the
     data) so the much larger training part can stream to disk without a second pass."""
@@ -195,8 +276,10 @@ def _build(corpus: Corpus, tok: Tokenizer, val_fraction: float, stem: Path, key:
 
     def write_bin(out) -> None:
         nonlocal n_train, n_train_files
-        for f, ids in _documents(corpus, tok, dtype, skipped):
-            if is_validation(f.rel, val_fraction):
+        for f, ids in _documents(source, tok, dtype, skipped):
+            if _goes_to_validation(f, val_fraction):
+                if val_fraction == 0:  # 0 means no validation, whatever the dataset has
+                    continue
                 val_docs.extend((ids, sep))
                 val_files.append(f.rel)
                 continue
@@ -212,8 +295,14 @@ def _build(corpus: Corpus, tok: Tokenizer, val_fraction: float, stem: Path, key:
     n_tokens = n_train + n_val
     if n_tokens == 0:
         bin_path.unlink(missing_ok=True)
+        if isinstance(source, HFSource):
+            raise ValueError(
+                f"data.hf_dataset={str(source.path)!r} holds no text: column "
+                f"data.text_column={source.text_column!r} is empty in all {source.n_rows} "
+                "rows; choose the column that holds the text"
+            )
         raise ValueError(
-            f"data.path holds no text: all {len(corpus.files)} files of {corpus.description} "
+            f"data.path holds no text: all {len(source.files)} files of {source.description} "
             "are empty or not valid UTF-8; point data.path at UTF-8 text files"
         )
     split = "by_file"
@@ -225,16 +314,18 @@ def _build(corpus: Corpus, tok: Tokenizer, val_fraction: float, stem: Path, key:
         n_train = n_tokens - n_val
     # n_files counts every listed file; n_train_files + n_val_files count the documents
     # actually written (empty and non-UTF-8 files are listed but not written).
+    # For a dataset, "files" are rows; their names (split/index) are not listed.
+    hf = isinstance(source, HFSource)
     meta = {
         "format": _FORMAT,
         "key": key,
-        "source": corpus.description,
-        "root": str(corpus.root),
-        "files_hash": _files_hash(corpus),
-        "n_files": len(corpus.files),
+        "source": source.description,
+        "root": str(source.path if hf else source.root),
+        "files_hash": _files_hash(source),
+        "n_files": source.n_rows if hf else len(source.files),
         "n_train_files": n_train_files,
         "n_val_files": len(val_files),
-        "val_files": val_files,
+        "val_files": [] if hf else val_files,
         "skipped_non_utf8": skipped,
         "tokenizer": tok.name,
         "vocab_size": int(tok.vocab_size),

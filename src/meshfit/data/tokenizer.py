@@ -1,34 +1,53 @@
-"""Tokenizers: the small protocol the data pipeline needs, and a byte-level default.
+"""Tokenizers: the small protocol the data pipeline needs, a byte-level default, Hugging Face
+tokenizers, and loading/saving a tokenizer by name or path.
 
 The cache (``cache.py``) only needs four things from a tokenizer: a stable ``name`` (part of
 the cache key, so two tokenizers never share a cache), ``vocab_size`` (picks the on-disk
-dtype), ``encode`` and ``decode``. ``eos_id`` says how documents are separated: a tokenizer
-with an end-of-sequence token uses it, one without (the byte tokenizer) uses the encoding
-of a blank line, so that a byte stream stays plain UTF-8 text end to end.
+dtype), ``encode`` and ``decode``. ``eos_id`` says how documents are separated (see
+:func:`document_separator`): a tokenizer with an end-of-sequence token uses it, the byte
+tokenizer (no EOS) uses the encoding of a blank line, so that a byte stream stays plain
+UTF-8 text end to end. A Hugging Face tokenizer without an EOS token is refused rather than
+given a made-up separator.
 
 Hugging Face tokenizers (a ``tokenizers.Tokenizer`` or a ``transformers``
 ``PreTrainedTokenizer[Fast]``) can be passed in directly; :func:`as_tokenizer` wraps them.
-Neither library is a dependency: the wrapper only calls methods on the object it is given.
+:func:`load_tokenizer` reads one from disk: ``"bytes"``, a folder written by
+``save_pretrained`` (read with ``AutoTokenizer``, local files only), a ``tokenizer.json``
+file (read with ``tokenizers``), or a folder written by :meth:`ByteTokenizer.save` /
+:meth:`HFTokenizer.save`. The ``tokenizers``/``transformers`` libraries are imported only
+when such a tokenizer is loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "as_tokenizer", "token_dtype"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "as_tokenizer", "load_tokenizer",
+           "document_separator", "token_dtype", "MESHFIT_TOKENIZER_FILE"]
+
+MESHFIT_TOKENIZER_FILE = "meshfit_tokenizer.json"
+"""Written by ``save`` for tokenizers that have no Hugging Face folder format of their own
+(bytes; a bare ``tokenizers`` tokenizer and its EOS token)."""
+
+# Special tokens taken as the end-of-sequence token of a bare tokenizer.json that does not
+# say which one it is (tokenizers.Tokenizer has no eos concept), in this order.
+_EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<EOS>")
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
     """What ``load_tokens`` needs from a tokenizer.
 
-    ``name`` must change whenever the mapping text -> ids changes (it keys the cache);
-    ``eos_id`` is the id put between documents, or ``None`` to use ``encode("\\n\\n")``.
+    ``name`` must change whenever the mapping text -> ids (or ``eos_id``) changes: it keys
+    the cache. ``eos_id`` is the id put between documents, or ``None`` to use
+    ``encode("\\n\\n")``.
     """
 
     name: str
@@ -60,6 +79,11 @@ class ByteTokenizer:
         # at either end; that must not make decoding a training sample raise.
         return bytes(np.asarray(ids, dtype=np.uint8)).decode("utf-8", errors="replace")
 
+    def save(self, folder: str | os.PathLike[str]) -> Path:
+        """Write ``meshfit_tokenizer.json`` ``{"kind": "bytes"}`` into ``folder``, which
+        :func:`load_tokenizer` reads back."""
+        return _write_marker(folder, {"kind": "bytes"})
+
     def __repr__(self) -> str:
         return "ByteTokenizer()"
 
@@ -67,54 +91,211 @@ class ByteTokenizer:
 class HFTokenizer:
     """Adapter for a Hugging Face ``tokenizers.Tokenizer`` or ``transformers`` tokenizer.
 
-    The ``name`` embeds a hash of the full vocabulary, so retraining or swapping a tokenizer
-    under the same checkpoint name can never reuse a stale cache.
+    ``eos_id``: a ``transformers`` tokenizer's ``eos_token_id``; for a bare ``tokenizers``
+    tokenizer, the id of ``eos_token`` when given, else the first special token named like
+    an EOS token (``</s>``, ``<|endoftext|>``, ...), else ``None`` (refused by
+    ``load_tokens`` and ``TokenStream``: documents need a separator).
+
+    The ``name`` embeds a hash of the tokenizer's full serialization (``tokenizer.json``:
+    vocabulary, merges, normalizer, pre-tokenizer, added tokens; the vocabulary for a slow
+    ``transformers`` tokenizer) and of ``eos_id``, so retraining or swapping a tokenizer
+    under the same folder name can never reuse a stale cache, while the same tokenizer
+    copied to another folder still finds its cache.
     """
 
-    def __init__(self, hf: Any) -> None:
+    def __init__(self, hf: Any, *, eos_token: str | None = None) -> None:
         self._hf = hf
         # tokenizers.Tokenizer has get_vocab_size(); transformers tokenizers have __len__
         # (len() counts added special tokens, which vocab_size does not).
         self._is_raw = hasattr(hf, "get_vocab_size")
         if self._is_raw:
             self.vocab_size = int(hf.get_vocab_size(with_added_tokens=True))
-            label = "tokenizers"
+            self.label = "tokenizers"
+            self.eos_token = eos_token if eos_token is not None else _guess_eos(hf)
+            eos = None if self.eos_token is None else hf.token_to_id(self.eos_token)
+            if self.eos_token is not None and eos is None:
+                raise ValueError(f"tokenizer eos_token={self.eos_token!r} is not in the "
+                                 "tokenizer's vocabulary; name one of its special tokens")
         else:
             self.vocab_size = int(len(hf))
-            label = str(getattr(hf, "name_or_path", "") or type(hf).__name__)
-        eos = None if self._is_raw else getattr(hf, "eos_token_id", None)
+            self.label = str(getattr(hf, "name_or_path", "") or type(hf).__name__)
+            eos = getattr(hf, "eos_token_id", None)
+            self.eos_token = getattr(hf, "eos_token", None)
         self.eos_id = None if eos is None else int(eos)
-        vocab = sorted(hf.get_vocab().items())
-        digest = hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest()[:12]
-        self.name = f"hf:{label}:{self.vocab_size}:{digest}"
+        # The fast path: a tokenizers.Tokenizer (bare, or the backend of a fast transformers
+        # tokenizer) encodes whole batches in parallel and never warns about model lengths.
+        backend = hf if self._is_raw else getattr(hf, "backend_tokenizer", None)
+        self._backend = backend if hasattr(backend, "encode_batch") else None
+        digest = hashlib.sha256()
+        if self._backend is not None:
+            digest.update(self._backend.to_str().encode("utf-8"))
+        else:
+            digest.update(json.dumps(sorted(hf.get_vocab().items())).encode("utf-8"))
+        digest.update(f"|eos={self.eos_id}".encode())
+        kind = "tokenizers" if self._is_raw else type(hf).__name__
+        self.name = f"hf:{kind}:{self.vocab_size}:{digest.hexdigest()[:16]}"
+
+    @property
+    def hf(self) -> Any:
+        """The wrapped Hugging Face tokenizer."""
+        return self._hf
 
     def encode(self, text: str) -> np.ndarray:
-        if self._is_raw:
-            ids = self._hf.encode(text, add_special_tokens=False).ids
+        if self._backend is not None:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
         else:
             ids = self._hf.encode(text, add_special_tokens=False)
         return np.asarray(ids, dtype=token_dtype(self.vocab_size))
 
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """``[encode(t) for t in texts]``, in parallel threads where the library can."""
+        dtype = token_dtype(self.vocab_size)
+        if self._backend is not None:
+            out = self._backend.encode_batch(list(texts), add_special_tokens=False)
+            return [np.asarray(e.ids, dtype=dtype) for e in out]
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._hf.decode([int(i) for i in np.asarray(ids).ravel()])
 
+    def save(self, folder: str | os.PathLike[str]) -> Path:
+        """Write the tokenizer into ``folder`` so :func:`load_tokenizer` reads it back:
+        ``save_pretrained`` for a ``transformers`` tokenizer; ``tokenizer.json`` plus
+        ``meshfit_tokenizer.json`` (which records the EOS token) for a bare one."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        if self._is_raw:
+            self._hf.save(str(out / "tokenizer.json"))
+            return _write_marker(out, {"kind": "tokenizers", "eos_token": self.eos_token})
+        self._hf.save_pretrained(str(out))
+        return out
+
     def __repr__(self) -> str:
-        return f"HFTokenizer(name={self.name!r})"
+        return f"HFTokenizer(name={self.name!r}, source={self.label!r})"
+
+
+def _guess_eos(raw: Any) -> str | None:
+    specials = {t.content for t in raw.get_added_tokens_decoder().values()
+                if getattr(t, "special", True)}
+    return next((name for name in _EOS_NAMES if name in specials), None)
+
+
+def _write_marker(folder: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MESHFIT_TOKENIZER_FILE).write_text(json.dumps(payload) + "\n", encoding="utf-8")
+    return out
+
+
+def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer ``spec`` names: ``"bytes"`` (or ``""``); a folder with ``meshfit_tokenizer.json``
+    (written by ``save``); a Hugging Face tokenizer folder (``AutoTokenizer``, local files
+    only, never a download); or a ``tokenizer.json`` file (``tokenizers.Tokenizer``, with
+    the EOS token from a ``tokenizer_config.json`` beside it, else guessed from its special
+    tokens). Errors name ``data.tokenizer``, the field this comes from in a run config."""
+    text = os.fspath(spec)
+    if text in ("", "bytes"):  # "": an unset config string means the default
+        return ByteTokenizer()
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise ValueError(f'data.tokenizer={text!r} does not exist; give "bytes", a Hugging '
+                         "Face tokenizer folder or a tokenizer.json file")
+    if path.is_dir() and (path / MESHFIT_TOKENIZER_FILE).is_file():
+        return _from_marker(path, text)
+    if path.is_file():
+        return _from_tokenizer_json(path, text, _sibling_eos(path.parent))
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        if (path / "tokenizer.json").is_file():  # tokenizers alone can still read it
+            return _from_tokenizer_json(path / "tokenizer.json", text, _sibling_eos(path))
+        raise ValueError(f"data.tokenizer={text!r} is a Hugging Face tokenizer folder, which "
+                         'needs transformers; pip install "meshfit[data]"') from None
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure here means "not a tokenizer"
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"data.tokenizer={text!r} could not be read as a Hugging Face "
+                         f"tokenizer folder ({first}); give a folder written by "
+                         "save_pretrained or a tokenizer.json file") from None
+    return HFTokenizer(hf)
+
+
+def _from_marker(folder: Path, text: str) -> ByteTokenizer | HFTokenizer:
+    marker = folder / MESHFIT_TOKENIZER_FILE
+    try:
+        info = json.loads(marker.read_text(encoding="utf-8"))
+        kind = info["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"data.tokenizer={text!r}: {marker.name} is not valid; write it "
+                         "again with the tokenizer's save(folder)") from None
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == "tokenizers":
+        return _from_tokenizer_json(folder / "tokenizer.json", text, info.get("eos_token"))
+    raise ValueError(f"data.tokenizer={text!r}: {marker.name} has kind={kind!r}, which this "
+                     'meshfit does not know; expected "bytes" or "tokenizers"')
+
+
+def _sibling_eos(folder: Path) -> str | None:
+    """``eos_token`` from a ``tokenizer_config.json`` next to a ``tokenizer.json``."""
+    try:
+        eos = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        eos = eos.get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):  # older transformers write AddedToken dicts
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
+
+
+def _from_tokenizer_json(path: Path, text: str, eos_token: str | None) -> HFTokenizer:
+    try:
+        from tokenizers import Tokenizer as RawTokenizer
+    except ImportError:
+        raise ValueError(f"data.tokenizer={text!r} is a tokenizer.json, which needs the "
+                         'tokenizers library; pip install "meshfit[data]"') from None
+    try:
+        raw = RawTokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - a parse error of the user's file
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"data.tokenizer={text!r}: {path.name} is not a tokenizers "
+                         f"tokenizer.json ({first})") from None
+    return HFTokenizer(raw, eos_token=eos_token)
 
 
 def as_tokenizer(tokenizer: Any = None) -> Tokenizer:
-    """Return a :class:`Tokenizer`: the byte tokenizer for ``None``, the object itself when
-    it already follows the protocol, or an :class:`HFTokenizer` around a Hugging Face one."""
+    """Return a :class:`Tokenizer`: the byte tokenizer for ``None``, :func:`load_tokenizer`
+    for a string or path, the object itself when it already follows the protocol, or an
+    :class:`HFTokenizer` around a Hugging Face one."""
     if tokenizer is None:
         return ByteTokenizer()
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return load_tokenizer(tokenizer)
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
     if hasattr(tokenizer, "get_vocab") and hasattr(tokenizer, "encode"):
         return HFTokenizer(tokenizer)
     raise ValueError(
-        f"tokenizer={tokenizer!r} is not supported; pass None for bytes, an object with "
-        "name, vocab_size, eos_id, encode and decode, or a Hugging Face tokenizer"
+        f"tokenizer={tokenizer!r} is not supported; pass None or \"bytes\" for bytes, a path "
+        "to a Hugging Face tokenizer folder or tokenizer.json, an object with name, "
+        "vocab_size, eos_id, encode and decode, or a Hugging Face tokenizer"
     )
+
+
+def document_separator(tok: Tokenizer) -> list[int]:
+    """The ids put after every document when documents are packed into one stream:
+    ``[eos_id]``; for a tokenizer without one, ``encode("\\n\\n")`` (the byte tokenizer),
+    except a Hugging Face tokenizer, which is refused: it has special tokens, and a blank
+    line would not tell the model where a document ends."""
+    if tok.eos_id is not None:
+        return [int(tok.eos_id)]
+    if isinstance(tok, HFTokenizer):
+        raise ValueError(
+            f"tokenizer {tok.label!r} ({tok.name}) has no EOS token to separate documents; "
+            "set one (tokenizer.eos_token = '</s>' then save_pretrained, an eos_token in "
+            "tokenizer_config.json, or HFTokenizer(tok, eos_token=...))")
+    return [int(i) for i in np.asarray(tok.encode("\n\n")).ravel()]
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

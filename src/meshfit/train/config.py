@@ -307,6 +307,14 @@ class DataConfig:
     """A text file or folder of text files; empty: the Python standard library's source."""
     cache_dir: str = ""
     """Where token caches are kept; empty: ~/.cache/meshfit/tokens."""
+    tokenizer: str = "bytes"
+    """"bytes" (UTF-8 bytes, vocab 256; empty means the same), or a path to a Hugging Face
+    tokenizer folder or a tokenizer.json file; documents are separated by its EOS token."""
+    hf_dataset: str = ""
+    """A `datasets` dataset on local disk (save_to_disk folder, or a data folder/file that
+    datasets.load_dataset reads offline) to train on instead of data.path."""
+    text_column: str = "text"
+    """The data.hf_dataset column holding each document's text."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: load in the training process)."""
     prefetch_factor: int = 2
@@ -325,6 +333,25 @@ class DataConfig:
         if self.path and not Path(self.path).expanduser().exists():
             raise ValueError(f"data.path={self.path!r} does not exist; give a text file or a "
                              "folder of text files, or leave it empty for the built-in corpus")
+        if not isinstance(self.tokenizer, str):
+            raise ValueError(f'data.tokenizer={self.tokenizer!r} must be "bytes" or a path to a '
+                             "Hugging Face tokenizer folder or tokenizer.json file")
+        if self.tokenizer not in ("", "bytes") and \
+                not Path(self.tokenizer).expanduser().exists():
+            raise ValueError(f"data.tokenizer={self.tokenizer!r} does not exist; give \"bytes\", "
+                             "a Hugging Face tokenizer folder or a tokenizer.json file")
+        if not isinstance(self.hf_dataset, str):
+            raise ValueError(f"data.hf_dataset={self.hf_dataset!r} must be a path (a string); "
+                             "leave it empty to train on data.path")
+        if self.hf_dataset and self.path:
+            raise ValueError(f"data.path={self.path!r} and data.hf_dataset={self.hf_dataset!r} "
+                             "are mutually exclusive; set only one of them")
+        if self.hf_dataset and not Path(self.hf_dataset).expanduser().exists():
+            raise ValueError(f"data.hf_dataset={self.hf_dataset!r} does not exist; give a "
+                             "folder written by save_to_disk or a local data folder/file")
+        if not isinstance(self.text_column, str) or not self.text_column:
+            raise ValueError(f"data.text_column={self.text_column!r} must be a column name, "
+                             'e.g. "text"')
 
 
 @dataclass(frozen=True, kw_only=True)
