@@ -87,6 +87,20 @@ def hf_gpt2(*, n_layer: int = 2, seed: int = 0, dtype: torch.dtype = torch.float
     return transformers.GPT2LMHeadModel(cfg).to(dtype)
 
 
+def hf_qwen2(*, n_layer: int = 2, seed: int = 0, dtype: torch.dtype = torch.float64):
+    """Hugging Face `Qwen2ForCausalLM` at test size (as `hf_llama`: GQA with 4 heads and 2
+    key/value heads; Qwen2 adds biases to q/k/v). Not in `MODELS`: tests that iterate it
+    cover Llama's layout already; tests/test_export_matrix.py uses it by name."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=n_layer, vocab_size=VOCAB,
+                                   max_position_embeddings=32)
+    return transformers.Qwen2ForCausalLM(cfg).to(dtype)
+
+
 MODELS = {"gpt": tiny_gpt, "llama": hf_llama, "gpt2": hf_gpt2}
 
 
