@@ -133,7 +133,22 @@ def _train_cases(rank, world_size, files):
     env = init()
     for case in CASES:
         train(_config(files, case, world_size), files / f"{case}-2", env)
+    _save_adapter_under_zero3(files / "zero3-adapter")
     return None
+
+
+def _save_adapter_under_zero3(folder):
+    """`meshfit.peft.save_adapter` on a model whose parameters are ZeRO-3 shards, called
+    on every rank (it gathers the adapter alone)."""
+    from reference import tiny_gpt
+
+    from meshfit import Accelerator, ParallelDims
+    from meshfit.peft import lora, save_adapter
+
+    acc = Accelerator(parallel=ParallelDims(dp_shard=2, dp_replicate=1), zero_stage=3)
+    torch.manual_seed(5)
+    model = acc.prepare(lora(tiny_gpt(), r=2))
+    save_adapter(model, folder)
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +311,21 @@ def test_tensor_parallel_on_a_lora_model_is_refused_with_the_reason():
         plan_for(model)
     with pytest.raises(ValueError, match="pipeline parallel of a LoRA model"):
         pipeline_plan_for(model)
+
+
+def test_save_adapter_gathers_zero3_shards(runs):
+    """The adapter written from ZeRO-3 shards equals the one the same seed gives in one
+    process (LoRA's A is drawn at random, B is zero)."""
+    from reference import tiny_gpt
+    from safetensors.torch import load_file
+
+    from meshfit.peft import lora
+
+    torch.manual_seed(5)
+    expected = {k: v for k, v in lora(tiny_gpt(), r=2).state_dict().items() if "lora_" in k}
+    saved = load_file(runs / "zero3-adapter" / "adapter_model.safetensors")
+    assert len(saved) == len(expected) > 0
+    for name, value in saved.items():
+        match = [k for k in expected if k.replace(".default", "") == name]
+        assert len(match) == 1, name
+        torch.testing.assert_close(value, expected[match[0]], rtol=0, atol=0)
