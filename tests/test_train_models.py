@@ -329,3 +329,24 @@ def test_save_adapter_gathers_zero3_shards(runs):
         match = [k for k in expected if k.replace(".default", "") == name]
         assert len(match) == 1, name
         torch.testing.assert_close(value, expected[match[0]], rtol=0, atol=0)
+
+
+def test_the_main_job_needs_no_optional_library(tmp_path, subprocess_env):
+    """The quick start installs meshfit without extras: a run and its final model must not
+    import peft, transformers or datasets (blocked here as if not installed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "for name in ('peft', 'transformers', 'datasets'):\n"
+            "    sys.modules[name] = None  # import fails as if not installed\n"
+            "from meshfit.train.cli import main\n"
+            f"sys.exit(main(['train', '--out', {str(tmp_path / 'run')!r}, '--train.steps=2', "
+            "'--train.eval_every=0', '--train.global_batch_size=4', '--train.micro_batch_size=4', "
+            "'--train.seq_len=32', '--model.n_layer=1', '--train.eval_batches=1', "
+            f"'--data.cache_dir={tmp_path / 'cache'}']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "run" / "model").iterdir()) == [
+        "config.json", "meshfit_tokenizer.json", "model.safetensors"]

@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from meshfit.checkpoint.saved import replace_dir as _replace_dir
 from meshfit.models.gpt import GPT
 
 try:
@@ -166,22 +167,6 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
     return target
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    # rename(2) cannot replace a non-empty directory, so move the old one aside first and put
-    # it back if the second rename fails.
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    old = dst.with_name(f".{dst.name}.old.{os.getpid()}")
-    os.replace(dst, old)
-    try:
-        os.replace(src, dst)
-    except BaseException:
-        os.replace(old, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_adapter(model: nn.Module, directory: str | os.PathLike) -> peft.PeftModel:

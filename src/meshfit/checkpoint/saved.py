@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "load_model_folder", "save_model_folder"]
+__all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "load_model_folder", "replace_dir",
+           "save_model_folder"]
 
 GPT_TYPE = "meshfit-gpt"
 FACTORY_TYPE = "meshfit-factory"
@@ -67,7 +68,6 @@ def save_model_folder(folder, state: dict[str, torch.Tensor], model: nn.Module, 
     temporary sibling folder first, renamed into place, so a failure never leaves a half
     written model where a complete one was. Call on one process."""
     from meshfit.checkpoint.export import write_safetensors
-    from meshfit.peft import _replace_dir
 
     config = describe_model(model, factory, factory_kwargs)
     target = Path(folder)
@@ -83,10 +83,27 @@ def save_model_folder(folder, state: dict[str, torch.Tensor], model: nn.Module, 
         for path in tmp.iterdir():
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
-        _replace_dir(tmp, target)
+        replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Put the folder `src` in place of `dst` (an existing `dst` is kept if that fails)."""
+    # rename(2) cannot replace a non-empty directory, so move the old one aside first and put
+    # it back if the second rename fails.
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = dst.with_name(f".{dst.name}.old.{os.getpid()}")
+    os.replace(dst, old)
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _import(spec: str, field: str):
