@@ -1,8 +1,9 @@
 """The ``meshfit`` command: ``launch`` (torchrun with safer defaults), ``train``, ``export``
 (a checkpoint as safetensors, offline), ``pipeline-chart`` (a pipeline run's schedule as
 a Gantt chart, with its measured bubble), ``generate`` (sample text from a trained model) and
-``eval`` (its loss and perplexity on held-out text); the last two live in
-`meshfit.train.generate`.
+``eval`` (its loss and perplexity on held-out text; both in `meshfit.train.generate`),
+``estimate`` and ``plan`` (per-rank memory of a layout, the best layouts of a cluster;
+`meshfit.train.plan_cli`) and ``calibrate`` (this machine measured; `meshfit.plan.calibrate`).
 
 Every argument is validated before any process is launched or any file is written; errors
 are one line naming the option, the value and the fix.
@@ -217,6 +218,24 @@ def cmd_generate(argv: list[str]) -> int:
     return run(argv)
 
 
+def cmd_estimate(argv: list[str]) -> int:
+    from meshfit.train.plan_cli import cmd_estimate as run
+
+    return run(argv)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from meshfit.train.plan_cli import cmd_plan as run
+
+    return run(argv)
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    from meshfit.plan.calibrate import cmd_calibrate as run
+
+    return run(argv)
+
+
 def cmd_eval(argv: list[str]) -> int:
     from meshfit.train.generate import cmd_eval as run
 
@@ -224,7 +243,8 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 COMMANDS = {"launch": cmd_launch, "train": cmd_train, "export": cmd_export,
-            "pipeline-chart": cmd_pipeline_chart, "generate": cmd_generate, "eval": cmd_eval}
+            "pipeline-chart": cmd_pipeline_chart, "generate": cmd_generate, "eval": cmd_eval,
+            "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate}
 
 
 def main(argv: list[str] | None = None) -> int:

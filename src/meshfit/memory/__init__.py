@@ -1,0 +1,17 @@
+"""Per-rank memory: measured on live tensors (`rank_report`), and estimated before anything
+runs (`estimate`, `model_state_bytes`, `ModelShape`).
+
+    report = rank_report(model, optimizer)                  # after a step
+    shape = ModelShape.of("llama-7b")                       # preset, config.json or module:factory
+    est = estimate(shape, LayoutSpec(dp_shard=8), micro_batch_size=1, seq_len=4096,
+                   dtype="bf16")                             # per-rank bytes, by part
+    model_state_bytes(7.5e9, dp=64, zero_stage=3)            # the ZeRO paper's formula
+"""
+
+from meshfit.memory.estimate import (ActivationBytes, Estimate, LayoutSpec, activation_bytes,
+                                     estimate, model_state_bytes)
+from meshfit.memory.report import RankMemory, rank_report, zero_formula
+from meshfit.memory.shape import ModelShape
+
+__all__ = ["ActivationBytes", "Estimate", "LayoutSpec", "ModelShape", "RankMemory",
+           "activation_bytes", "estimate", "model_state_bytes", "rank_report", "zero_formula"]

@@ -1,0 +1,321 @@
+"""Per-rank memory of a training step, estimated before anything runs.
+
+    est = estimate(ModelShape.of("llama-7b"), LayoutSpec(dp_shard=8, zero_stage=3),
+                   micro_batch_size=1, seq_len=4096, dtype="bf16", optimizer="adamw")
+    est.per_rank_bytes      # {"params", "grads", "optimizer", "activations", "buffers", "total"}
+
+**Model states** (what `meshfit.memory.rank_report` measures): parameters and gradients in
+fp32 (meshfit keeps fp32 master weights; bf16/fp16 is autocast, or FSDP2's parameter dtype
+for the gathered copies), optimizer state per parameter: AdamW 8 B, 8-bit AdamW 2 B, SGD
+(momentum) 4 B, Adafactor ~0 (factored row/column statistics: (rows + cols) x 4 B per
+matrix, counted exactly from the shape). A rank holds: tensor parallel's share
+(`ModelShape.tp_split` split t ways, the rest whole), the worst pipeline stage's blocks
+(ceil(L/p) blocks, plus the embedding on the first or the final norm and head on the last,
+whichever is larger), then the data-parallel engine's share (`meshfit.parallel.layout.
+LayoutCosts`: parameters / dp_shard under FSDP2, gradients / dp_shard from stage 2,
+optimizer state / dp_shard from stage 1; nothing on the device with CPU offload).
+
+**Activations**: the closed form of Korthikanti et al. (2022, "Reducing Activation
+Recomputation in Large Transformer Models", eq. 1-4), written per saved tensor so that it
+covers the model at hand. Per block and token, in elements (x the activation dtype's bytes,
+b x s tokens):
+
+    norms           2h                    (the inputs of the two norms)
+    attention       h + (h + 2·kv) + h    (q/k/v input, q, k, v, the attention output)
+                    + a·s scores          only for the math kernel (flash/efficient save
+                                          4 B x a of log-sum-exp instead)
+    MLP             h + 2f (GELU)  or  h + 4f (SwiGLU: gate, its SiLU, up, product)
+    dropout masks   2h bytes (+ a·s with the math kernel) when dropout > 0
+
+For GPT-2's shape (f = 4h, kv = h, dropout, math attention, 2-byte activations) this is
+the paper's 34·s·b·h + 5·a·s²·b bytes. Tensor parallel t divides everything but the norm
+inputs, the two linear inputs and the dropout masks (the paper's 10·s·b·h replicated) by t;
+sequence parallel divides those too. Full checkpointing keeps each block's input (h) and
+recomputes one block at a time in backward (one block's activations more at the peak);
+"selective" (meshfit's default policy: every 2nd block) keeps the inputs of half the blocks.
+Outside the blocks: the embedding output (h) and the logits with the loss's log-softmax (2V
+fp32 elements per token, / t under loss_parallel).
+
+Pipelines hold several micro-batches at once on their first stage (Narayanan et al. 2021):
+GPipe all m of them, 1F1B min(m, p), interleaved 1F1B p·(1 + (p-1)/(p·v)) stage-chunks,
+zero-bubble (ZB-V) min(m, p).
+
+**Buffers**: FSDP2's gathered parameters (stage 3: two blocks in the parameter dtype — the
+current one and the prefetched next; stage 2 and replicate-only FSDP2: every block, held
+from forward to backward) and the reduce-scatter output of one block's gradients; DDP's
+buckets alias the gradients (`gradient_as_bucket_view`), so they cost nothing more.
+
+Known misses (measured in `tests/test_estimate.py` and `benchmarks/planner.py`): allocator
+caching and fragmentation on CUDA, temporaries inside one op (a matmul's output before it
+is saved), and kernel workspaces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from meshfit.memory.shape import ModelShape
+
+__all__ = ["ActivationBytes", "Estimate", "LayoutSpec", "activation_bytes", "estimate",
+           "model_state_bytes"]
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_fused": 8.0, "adamw_8bit": 2.0, "sgd": 4.0,
+                   "adafactor": 0.0}
+Checkpointing = Literal["none", "selective", "full"]
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+def model_state_bytes(n_params: float, dp: int = 1, zero_stage: int = 0, *,
+                      optimizer: str = "adamw", precision: str = "mixed") -> dict[str, float]:
+    """The ZeRO paper's per-rank model states (Rajbhandari et al. 2020, Fig. 1): Ψ =
+    `n_params` on `dp` data-parallel ranks, stage 0 (DDP) to 3.
+
+    precision="mixed": fp16/bf16 parameters and gradients (2 B each) and an fp32 master
+    copy counted with the optimizer state (K = 12 for Adam: master, momentum, variance) —
+    the paper's accounting: Ψ = 7.5e9, dp = 64 gives 120, 31.4, 16.6 and 1.9 GB.
+    precision="fp32": 4 B parameters and gradients, the parameters their own master (K = 8
+    for Adam). `optimizer`: adamw (K as above), adamw_8bit (2 B of state per parameter),
+    sgd (4 B momentum), adafactor (0: its factored statistics are O(rows + cols)).
+    Returns {"params", "grads", "optimizer", "total"} in bytes."""
+    if precision not in ("mixed", "fp32"):
+        raise ValueError(f"precision={precision!r} must be 'mixed' or 'fp32'")
+    if optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZER_BYTES)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp={dp!r} must be an integer >= 1")
+    p = g = 2.0 if precision == "mixed" else 4.0
+    k = OPTIMIZER_BYTES[optimizer] + (4.0 if precision == "mixed" else 0.0)
+    out = {"params": n_params * p / (dp if zero_stage == 3 else 1),
+           "grads": n_params * g / (dp if zero_stage >= 2 else 1),
+           "optimizer": n_params * k / (dp if zero_stage >= 1 else 1)}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutSpec:
+    """A layout as the estimate and the planner describe it (the JSON's ``layout``)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    offload: bool = False
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    activation_checkpointing: Checkpointing = "none"
+    micro_batch_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def to_json(self) -> dict:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
+                "pp": self.pp, "zero_stage": self.zero_stage, "offload": self.offload,
+                "sequence_parallel": self.sequence_parallel,
+                "schedule": self.schedule if self.pp > 1 else None,
+                "microbatches": self.microbatches if self.pp > 1 else None,
+                "activation_checkpointing": self.activation_checkpointing,
+                "micro_batch_size": self.micro_batch_size}
+
+    def describe(self) -> str:
+        parts = [f"{k} {getattr(self, k)}" for k in ("pp", "dp_replicate", "dp_shard", "tp")
+                 if getattr(self, k) > 1]
+        text = " x ".join(parts) or "one process"
+        if self.zero_stage:
+            text += f", ZeRO-{self.zero_stage}" + (" + CPU offload" if self.offload else "")
+        if self.sequence_parallel:
+            text += ", SP"
+        if self.pp > 1:
+            text += f", {self.schedule} m={self.microbatches}"
+            if self.virtual_stages > 1:
+                text += f" v={self.virtual_stages}"
+        if self.activation_checkpointing != "none":
+            text += f", {self.activation_checkpointing} checkpointing"
+        return text + f", micro-batch {self.micro_batch_size}"
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Saved activations of one micro-batch on one rank, by part (bytes)."""
+
+    per_block: float
+    blocks: float
+    outside: float
+    recompute_peak: float
+
+    @property
+    def total(self) -> float:
+        return self.blocks + self.outside + self.recompute_peak
+
+
+def _block_elements(shape: ModelShape, seq_len: int, attention: str) -> tuple[float, float,
+                                                                            float]:
+    """(replicated-under-TP, split-under-TP, bytes-not-elements) saved per token of one
+    block: element counts in the activation dtype, plus raw bytes (masks, log-sum-exp)."""
+    h, f, kv, a = shape.d_model, shape.d_ff, shape.kv_dim, shape.n_head
+    replicated = 2 * h + h + h  # norm inputs, attention input, MLP input
+    split = (h + 2 * kv) + h + (4 * f if shape.gated_mlp else 2 * f)
+    raw = 0.0
+    if attention == "math":
+        split += a * seq_len
+    else:
+        raw += 4 * a  # flash / efficient: fp32 log-sum-exp per head
+    if shape.dropout:
+        raw += 2 * h + (a * seq_len if attention == "math" else 0)
+    return replicated, split, raw
+
+
+def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
+                     dtype: str = "fp32", attention: str = "flash",
+                     blocks_on_rank: int | None = None) -> ActivationBytes:
+    """Saved activations of one micro-batch of `layout.micro_batch_size` sequences on one
+    rank (see the module docstring for the closed form). `attention`: "flash" (or
+    "efficient", "cudnn": no score matrix saved) or "math"."""
+    act = DTYPE_BYTES[dtype]
+    t, sp = layout.tp, layout.sequence_parallel
+    tokens = layout.micro_batch_size * seq_len
+    replicated, split, raw = _block_elements(shape, seq_len, attention)
+    per_token = (replicated / (t if sp else 1) + split / t) * act + raw / (t if sp else 1)
+    per_block = per_token * tokens
+    n = blocks_on_rank if blocks_on_rank is not None else math.ceil(shape.n_layer / layout.pp)
+    block_input = shape.d_model * act * tokens / (t if sp else 1)
+    mode = layout.activation_checkpointing
+    if mode == "full":
+        blocks, recompute = n * block_input, per_block
+    elif mode == "selective":
+        kept = n - n // 2  # every 2nd block checkpointed
+        blocks, recompute = kept * per_block + (n // 2) * block_input, per_block if n > 1 else 0
+    else:
+        blocks, recompute = n * per_block, 0.0
+    outside = shape.d_model * act * tokens / (t if sp else 1)  # embedding output
+    last_stage_logits = 2 * shape.vocab_size * 4 * tokens / (t if layout.loss_parallel else 1)
+    outside += last_stage_logits if layout.pp == 1 else 0.0
+    return ActivationBytes(per_block=per_block, blocks=blocks, outside=outside,
+                           recompute_peak=recompute)
+
+
+def in_flight(layout: LayoutSpec) -> float:
+    """Micro-batches (in units of one stage's activations) the first pipeline stage holds."""
+    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "interleaved_1f1b":
+        return min(m, p) * (1 + (p - 1) / (p * v))
+    return float(min(m, p))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """The estimate of one layout: bytes per rank, by part (the worst rank)."""
+
+    layout: LayoutSpec
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    host: float = 0.0
+    """Bytes moved to host memory per rank (CPU offload)."""
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def per_rank_bytes(self) -> dict[str, int]:
+        return {"params": round(self.params), "grads": round(self.grads),
+                "optimizer": round(self.optimizer), "activations": round(self.activations),
+                "buffers": round(self.buffers), "total": round(self.total)}
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout.to_json(), "per_rank_bytes": self.per_rank_bytes}
+
+
+def _stage_params(shape: ModelShape, layout: LayoutSpec) -> tuple[float, int]:
+    """Parameters on the worst pipeline rank (before TP/DP division), and its blocks."""
+    p, v = layout.pp, max(layout.virtual_stages, 1)
+    blocks = math.ceil(shape.n_layer / p)
+    if p == 1:
+        return float(shape.params), shape.n_layer
+    chunk = math.ceil(shape.n_layer / (p * v))
+    blocks = chunk * v
+    ends = max(shape.first_params, shape.last_params)
+    return float(blocks * shape.block_params + ends), blocks
+
+
+def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype: str = "fp32",
+             optimizer: str = "adamw", attention: str = "flash") -> Estimate:
+    """Per-rank bytes of `layout` training `shape` (a `ModelShape` or what
+    `ModelShape.of` takes) on sequences of `seq_len` tokens with activations in `dtype`
+    ("fp32", or "bf16"/"fp16" autocast) and `optimizer`. The model states follow meshfit's
+    engines (`meshfit.parallel.layout`); see the module docstring for every term."""
+    if isinstance(shape, str):
+        shape = ModelShape.of(shape)
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZER_BYTES)}")
+    resolved = resolve_layout(layout, dtype)
+    costs, t = resolved.costs, layout.tp
+    stage_params, blocks = _stage_params(shape, layout)
+    local = stage_params * (shape.tp_split / t + (1 - shape.tp_split))
+    block_local = shape.block_params * (shape.tp_split / t + (1 - shape.tp_split))
+    params = local * 4 / costs.param_shards
+    grads = local * 4 / costs.grad_shards
+    optimizer_bytes = local * OPTIMIZER_BYTES[optimizer] / costs.optimizer_shards
+    if optimizer == "adafactor":  # factored statistics: (rows + cols) x 4 B per matrix
+        optimizer_bytes = local * 4 * 2 / shape.d_model / costs.optimizer_shards
+    host = 0.0
+    if costs.host_offload:
+        host = params + grads + optimizer_bytes
+        params = grads = optimizer_bytes = 0.0
+    gathered_dtype = DTYPE_BYTES[dtype] if resolved.param_dtype is not None else 4
+    buffers = 0.0
+    if costs.gathered_params == "one_block":  # the current block and the prefetched next
+        buffers += 2 * block_local * gathered_dtype + block_local * 4  # + reduce-scatter out
+    elif costs.gathered_params == "all_blocks" or costs.extra_param_copies:
+        buffers += blocks * block_local * gathered_dtype + block_local * 4
+    acts = activation_bytes(shape, layout, seq_len=seq_len, dtype=dtype, attention=attention,
+                            blocks_on_rank=blocks)
+    activations = acts.blocks * in_flight(layout) + acts.outside + acts.recompute_peak
+    if layout.pp > 1:  # the last stage's logits, when it is the worst rank in activations
+        logits = 2 * shape.vocab_size * 4 * layout.micro_batch_size * seq_len / (
+            t if layout.loss_parallel else 1)
+        activations = max(activations, acts.blocks + acts.recompute_peak + logits)
+    return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
+                    activations=activations, buffers=buffers, host=host,
+                    detail={"blocks_on_rank": blocks, "per_block_activation": acts.per_block,
+                            "in_flight": in_flight(layout), "engine": resolved.engine.value})
+
+
+def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):
+    """The `meshfit.parallel.layout.Layout` of `layout` (its rules; a one-line ValueError
+    for a layout meshfit refuses)."""
+    from meshfit.distributed import ParallelDims
+    from meshfit.parallel.layout import Layout
+
+    dims = ParallelDims(pp=layout.pp, dp_replicate=layout.dp_replicate,
+                        dp_shard=layout.dp_shard, tp=layout.tp)
+    return Layout.resolve(dims, layout.world_size, distributed=layout.world_size > 1,
+                          zero_stage=layout.zero_stage, offload="cpu" if layout.offload
+                          else "none", mixed_precision="no" if dtype == "fp32" else dtype,
+                          sequence_parallel=layout.sequence_parallel,
+                          loss_parallel=layout.loss_parallel)

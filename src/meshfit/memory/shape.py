@@ -1,0 +1,246 @@
+"""`ModelShape`: what the memory estimate and the layout planner need to know of a model,
+read from the model itself built on the meta device (no memory, no weights, no download).
+
+    ModelShape.of("gpt2")                     # a reference GPT preset (vocabulary kept)
+    ModelShape.of("configs/llama.json")       # a transformers config.json (or its folder)
+    ModelShape.of("mymodels:build")           # your nn.Module, from a factory
+    ModelShape.from_module(model)             # any model on the meta device
+
+Parameter counts are exact (each tensor once, a tied head once); the block structure, the
+parts only the first and last pipeline stages hold and the share tensor parallel splits come
+from the model's own pipeline and tensor-parallel plans (`meshfit.models.plans`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["ModelShape"]
+
+
+def _count(module: nn.Module | None, seen: set[int]) -> int:
+    if module is None:
+        return 0
+    total = 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that decide its memory and its cost."""
+
+    name: str
+    params: int
+    """Unique parameters (a tied embedding/head once)."""
+    block_params: int
+    """Parameters of one transformer block (the largest, if they differ)."""
+    n_layer: int
+    first_params: int
+    """Parameters only the first pipeline stage holds (token/position embeddings)."""
+    last_params: int
+    """Parameters only the last stage holds (final norm, head); a tied head counts here too,
+    because with pp > 1 the last stage keeps its own copy."""
+    tied: bool
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    d_ff: int
+    vocab_size: int
+    max_seq_len: int | None
+    gated_mlp: bool
+    """SwiGLU-style MLP (gate and up projections) rather than one up projection."""
+    dropout: bool
+    """Whether dropout layers are active (their masks are saved for backward)."""
+    tp_split: float
+    """Share of the parameters that tensor parallel splits (linear weights, column-parallel
+    biases, the vocabulary-parallel embedding and head); the rest is replicated."""
+    divisible: tuple[tuple[str, int, str], ...] = ()
+    """Sizes the tensor-parallel degree must divide (the TP plan's: heads, widths, vocab)."""
+    active_params: int | None = None
+    """Parameters used per token when they differ from `params` (mixture of experts)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_head * self.head_dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): PaLM's 6N + 12·L·d·T, N the
+        parameters used in matmuls (every parameter but the embedding lookups)."""
+        matmul = (self.active_params or self.params) - self.first_params
+        if self.tied:
+            matmul += self.vocab_size * self.d_model  # the head's matmul uses the embedding
+        return 6.0 * matmul + 12.0 * self.n_layer * self.d_model * seq_len
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def of(cls, spec: str, *, vocab_size: int | None = None) -> ModelShape:
+        """From a preset name, a transformers config.json (or a folder holding one), or a
+        ``module:function`` factory (called with no arguments, or with `vocab_size`)."""
+        from meshfit.models import GPT, GPTConfig
+
+        if not isinstance(spec, str) or not spec:
+            raise ValueError(f"MODEL={spec!r} must be a preset name, a config.json path or "
+                             "module:function")
+        if spec in GPTConfig.preset_names():
+            overrides = {"vocab_size": vocab_size} if vocab_size else {}
+            with torch.device("meta"):
+                return cls.from_module(GPT(GPTConfig.preset(spec, **overrides)), name=spec)
+        path = Path(spec).expanduser()
+        if path.suffix == ".json" or path.is_dir() or path.exists():
+            config = path / "config.json" if path.is_dir() else path
+            if not config.is_file():
+                raise ValueError(f"MODEL={spec!r} is not a file nor a folder holding "
+                                 "config.json; give a preset "
+                                 f"({', '.join(GPTConfig.preset_names())}), a config.json or "
+                                 "module:function")
+            import transformers
+
+            hf_config = transformers.AutoConfig.from_pretrained(str(config))
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(hf_config)
+            return cls.from_module(model, name=str(spec))
+        if ":" in spec:
+            import importlib
+            import inspect
+            import os
+            import sys
+
+            module, _, attr = spec.partition(":")
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            try:
+                factory = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as err:
+                raise ValueError(f"MODEL={spec!r}: cannot load it ({err})") from None
+            kwargs = {}
+            if vocab_size and "vocab_size" in inspect.signature(factory).parameters:
+                kwargs["vocab_size"] = vocab_size
+            with torch.device("meta"):
+                return cls.from_module(factory(**kwargs), name=spec)
+        raise ValueError(f"MODEL={spec!r} is not a preset ({', '.join(GPTConfig.preset_names())}"
+                         "), an existing config.json or folder, nor module:function")
+
+    @classmethod
+    def from_module(cls, model: nn.Module, name: str | None = None) -> ModelShape:
+        """From a model (on the meta device is enough) with a decoder-block structure: the
+        built-in plans' (reference GPT, Llama, Qwen2, Mistral, GPT-2) or, for another model,
+        its largest ModuleList of blocks and a config with the usual size names."""
+        from meshfit.models import GPT
+        from meshfit.models.plans import has_builtin_plans, pipeline_plan_for, plan_for
+
+        name = name or type(model).__name__
+        params = _count(model, set())
+        if has_builtin_plans(model):
+            pp_plan = pipeline_plan_for(model)
+            blocks = list(_children(pp_plan.blocks_of(model)))
+            first = sum(_count(_get(model, n), set()) for n in pp_plan.first)
+            last_seen: set[int] = set()
+            last = sum(_count(_get(model, n), last_seen) for n in pp_plan.last)
+            tp_plan = plan_for(model)
+            tp_styles, divisible = tp_plan.styles, tuple(tp_plan.divisible)
+        else:
+            blocks = _largest_module_list(model)
+            if not blocks:
+                raise ValueError(f"{name}: found no ModuleList of blocks; the estimate needs a "
+                                 "decoder-block model")
+            first = last = 0
+            tp_styles, divisible = {}, ()
+        block = max(_count(b, set()) for b in blocks)
+        tied = _is_tied(model)
+        sizes = _sizes(model)
+        tp_split = _tp_split(model, tp_styles, params) if tp_styles else 0.0
+        dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+        gated = isinstance(model, GPT) and model.config.mlp == "swiglu" or _has_gate(blocks[0])
+        return cls(name=name, params=params, block_params=block, n_layer=len(blocks),
+                   first_params=first, last_params=last, tied=tied, gated_mlp=gated,
+                   dropout=dropout, tp_split=tp_split, divisible=divisible, **sizes)
+
+
+def _children(container: nn.Module):
+    return container.values() if isinstance(container, nn.ModuleDict) else iter(container)
+
+
+def _get(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _largest_module_list(model: nn.Module) -> list[nn.Module]:
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            items = list(_children(module))
+            if len(items) > len(best):
+                best = items
+    return best
+
+
+def _is_tied(model: nn.Module) -> bool:
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return any(n > 1 for n in seen.values())
+
+
+def _has_gate(block: nn.Module) -> bool:
+    return any(n.endswith(("gate_proj", "w1", "w3")) for n, _ in block.named_modules())
+
+
+def _sizes(model: nn.Module) -> dict:
+    from meshfit.models import GPT
+
+    if isinstance(model, GPT):
+        c = model.config
+        return dict(d_model=c.d_model, n_head=c.n_head, n_kv_head=c.kv_heads, d_ff=c.d_ff,
+                    vocab_size=c.vocab_size, max_seq_len=c.max_seq_len)
+    c = getattr(model, "config", None)
+
+    def first(*names, default=None):
+        for n in names:
+            value = getattr(c, n, None)
+            if value is not None:
+                return value
+        return default
+
+    d = first("hidden_size", "n_embd", "d_model")
+    heads = first("num_attention_heads", "n_head")
+    if d is None or heads is None:
+        raise ValueError(f"{type(model).__name__}: its config names no hidden size and head "
+                         "count (hidden_size / num_attention_heads)")
+    return dict(d_model=d, n_head=heads,
+                n_kv_head=first("num_key_value_heads", default=heads),
+                d_ff=first("intermediate_size", "n_inner", default=4 * d),
+                vocab_size=first("vocab_size", default=0),
+                max_seq_len=first("max_position_embeddings", "n_positions"))
+
+
+def _tp_split(model: nn.Module, styles: dict, params: int) -> float:
+    """Share of the parameters in modules a TP style splits (rowwise biases replicated)."""
+    split, seen = 0, set()
+    for name, module in model.named_modules():
+        style = next((s for pattern, s in styles.items() if fnmatch.fnmatchcase(name, pattern)),
+                     None)
+        kind = getattr(style, "kind", "")
+        if kind not in ("colwise", "rowwise", "conv1d_colwise", "conv1d_rowwise"):
+            continue
+        for p_name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or (p_name == "bias" and "rowwise" in kind):
+                continue
+            seen.add(id(p))
+            split += p.numel()
+    return split / params if params else 0.0

@@ -1,0 +1,17 @@
+"""Choosing a layout: the multi-GPU guide's first step made executable.
+
+    from meshfit.plan import Cluster, search, DEVICES
+    result = search("llama-7b", Cluster(gpus_per_node=8, nodes=2, device=DEVICES["h100"]),
+                    seq_len=4096, global_batch_size=256)
+    best = result.plans[0]       # .layout, .estimate.per_rank_bytes, .step_time_s, .mfu, .why
+
+    devices.py    what a device, an interconnect and a network are assumed to do
+    search.py     enumeration (meshfit's `Layout.candidates`), memory fit, cost model, ranking
+    calibrate.py  `meshfit calibrate`: this machine's measured throughput and collectives
+"""
+
+from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, Link, parse_bytes
+from meshfit.plan.search import Cluster, Plan, SearchResult, predict, search
+
+__all__ = ["DEVICES", "INTERCONNECTS", "NETWORKS", "Cluster", "Device", "Link", "Plan",
+           "SearchResult", "parse_bytes", "predict", "search"]

@@ -1,0 +1,338 @@
+"""The layout planner: every legal layout of a cluster (`Layout.candidates`, meshfit's own
+rules), those that fit in memory (`meshfit.memory.estimate` with a safety margin), ranked
+by a cost model, each with the multi-GPU guide's reason.
+
+    result = search("llama-7b", gpus_per_node=8, nodes=2, gpu="h100", seq_len=4096,
+                    global_batch_size=256)
+    result.plans[0].layout, result.plans[0].step_time_s, result.plans[0].why
+
+Cost model of one optimizer step (seconds), per rank:
+
+    compute   = 6N+12LdT FLOPs per token x tokens / (ranks x peak x efficiency)
+                x 4/3 with full checkpointing (the forward again), 7/6 with selective
+    bubble    = compute x (p-1)/m (GPipe, 1F1B), (p-1)/(v m) (interleaved), (p-1)/(3 v m)
+                (zero-bubble: a third of interleaved's, ZB-H1's ratio; ZB-V reaches ~0 only
+                when the weight-gradient work fills every gap)
+    tp        = per micro-batch and block, 4 all-reduces of b·s·d activations (6 with full
+                checkpointing) over the TP group's link, not overlapped
+    pp        = per micro-batch, a send and a receive of b·s·d activations
+    dp        = DDP/ZeRO-1: an all-reduce of the fp32 gradients (ZeRO-1: + the parameters'
+                all-gather); FSDP2: parameter all-gathers per micro-batch (twice at stage 3)
+                + a gradient reduce-scatter (+ all-reduce across replicas); overlapped with
+                compute up to 80% of it, the overlapped part still charged 10%
+    offload   = the sharded states over the host link, twice, + the optimizer step on the CPU
+
+Each collective: latency + factor x bytes / bus bandwidth (all-reduce 2(n-1)/n, all-gather
+and reduce-scatter (n-1)/n, send 1), on the link the group crosses: the node's
+interconnect when all its ranks share a node (mesh order pp, dp_replicate, dp_shard, tp:
+tp innermost), the network otherwise. A `meshfit calibrate` profile replaces the device's
+throughput and the collectives' figures with measured ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from meshfit.memory.estimate import (DTYPE_BYTES, Estimate, LayoutSpec, estimate,
+                                     resolve_layout)
+from meshfit.memory.shape import ModelShape
+from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, GiB, Link
+
+__all__ = ["Cluster", "Plan", "SearchResult", "predict", "search"]
+
+FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+          "reduce_scatter": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """The machines a plan is for."""
+
+    gpus_per_node: int
+    nodes: int = 1
+    device: Device = DEVICES["h100"]
+    interconnect: Link = INTERCONNECTS["nvlink"]
+    network: Link = NETWORKS["infiniband"]
+    interconnect_name: str = "nvlink"
+    network_name: str = "infiniband"
+    calibration: object | None = None
+    """A `meshfit.plan.calibrate.Calibration`: measured throughput and collectives."""
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def flops(self, dtype: str) -> float:
+        if self.calibration is not None:
+            return self.calibration.matmul_flops[dtype]  # measured: achieved, not peak
+        return self.device.flops[dtype] * self.device.efficiency
+
+    def collective(self, kind: str, nbytes: float, n: int, span: int) -> float:
+        """Seconds of one collective of `kind` over `n` ranks whose group spans `span`
+        consecutive ranks (inside one node when span <= gpus_per_node)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if self.calibration is not None:
+            return self.calibration.collective_time(kind, nbytes, n)
+        link = self.interconnect if span <= self.gpus_per_node else self.network
+        return link.latency + FACTOR[kind](n) * nbytes / link.bandwidth
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One ranked layout."""
+
+    estimate: Estimate
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    why: str
+    breakdown: dict = field(default_factory=dict)
+
+    @property
+    def layout(self) -> LayoutSpec:
+        return self.estimate.layout
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout.to_json(), "per_rank_bytes": self.estimate.per_rank_bytes,
+                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu, "why": self.why}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    model: ModelShape
+    cluster: Cluster
+    plans: list[Plan]
+    """The layouts that fit, best (shortest predicted step) first."""
+    considered: int
+    """Layouts and settings estimated (legal ones)."""
+    refused: int
+    """Layouts meshfit's rules refuse for this model and world size."""
+    too_big: int
+    """Legal layouts that did not fit in memory."""
+    scenario: str
+
+    def to_json(self) -> dict:
+        return {"model": self.model.name, "params": self.model.params,
+                "scenario": self.scenario, "plans": [p.to_json() for p in self.plans]}
+
+
+# ---------------------------------------------------------------------------- the cost model
+def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len: int,
+            global_batch_size: int, dtype: str = "bf16",
+            est: Estimate | None = None) -> tuple[float, dict]:
+    """Predicted seconds per optimizer step of `layout`, and the terms (see the module
+    docstring)."""
+    T, S, R, P = layout.tp, layout.dp_shard, layout.dp_replicate, layout.pp
+    act = DTYPE_BYTES[dtype]
+    tokens = global_batch_size * seq_len
+    flops = shape.flops_per_token(seq_len) * tokens
+    recompute = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}[layout.activation_checkpointing]
+    compute = flops * recompute / (cluster.world_size * cluster.flops(dtype))
+    m = layout.microbatches if P > 1 else 1
+    v = layout.virtual_stages
+    bubble = 0.0
+    if P > 1:
+        bubble = {"gpipe": (P - 1) / m, "1f1b": (P - 1) / m,
+                  "interleaved_1f1b": (P - 1) / (v * m),
+                  "zero_bubble": (P - 1) / (3 * v * m)}[layout.schedule]
+    per_dp = global_batch_size // layout.dp
+    micro = per_dp // layout.micro_batch_size  # micro-batches per rank per step
+    blocks = math.ceil(shape.n_layer / P)
+    activation_msg = layout.micro_batch_size * seq_len * shape.d_model * act
+    tp_calls = 6 if layout.activation_checkpointing == "full" else 4
+    tp = micro * blocks * tp_calls * cluster.collective("all_reduce", activation_msg, T, T)
+    pp = micro * 2 * cluster.collective("send_recv", activation_msg / (T if
+                                        layout.sequence_parallel else 1), 2,
+                                        cluster.world_size) if P > 1 else 0.0
+    stage_params = (blocks * shape.block_params + max(shape.first_params, shape.last_params)
+                    if P > 1 else shape.params)
+    local = stage_params * (shape.tp_split / T + 1 - shape.tp_split)
+    resolved = resolve_layout(layout, dtype)
+    engine = resolved.engine.value
+    dp_span, shard_span = T * S * R, T * S
+    dp = 0.0
+    if engine in ("ddp", "zero1"):
+        dp = cluster.collective("all_reduce", local * 4, R * S, dp_span)
+        if engine == "zero1":
+            dp += cluster.collective("all_gather", local * 4, S, shard_span)
+    elif engine.startswith("fsdp2"):
+        gathered = act if resolved.param_dtype is not None else 4
+        gathers = 2 if layout.zero_stage == 3 else 1
+        passes = micro if P == 1 else 1  # a pipeline gathers once per schedule step
+        dp = passes * gathers * cluster.collective("all_gather", local * gathered, S,
+                                                   shard_span)
+        dp += cluster.collective("reduce_scatter", local * 4, S, shard_span)
+        if R > 1:
+            dp += cluster.collective("all_reduce", local * 4 / S, R, dp_span)
+    offload = 0.0
+    if layout.offload:
+        est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)
+        offload = 2 * est.host / cluster.device.host_link + est.host / 20e9
+    exposed_dp = max(0.0, dp - 0.8 * compute)
+    # Overlapped collectives still take memory bandwidth and SMs from the compute: 10% of
+    # their time is charged (so that, all else equal, less traffic ranks first).
+    step = compute * (1 + bubble) + tp + pp + exposed_dp + 0.1 * (dp - exposed_dp) + offload
+    return step, {"compute": compute, "bubble": compute * bubble, "tp": tp, "pp": pp,
+                  "dp": dp, "dp_exposed": exposed_dp, "offload": offload}
+
+
+# ---------------------------------------------------------------------------- the guide
+def scenario(shape: ModelShape, cluster: Cluster, *, seq_len: int, dtype: str,
+             optimizer: str, budget: float) -> tuple[str, dict]:
+    """The guide's decision tree: one GPU / one node / many nodes; the model fits one GPU /
+    does not / its largest layer does not; fast or slow links."""
+    one = estimate(shape, LayoutSpec(), seq_len=seq_len, dtype=dtype, optimizer=optimizer)
+    fits_one = one.total <= budget
+    layer = shape.block_params * (DTYPE_BYTES[dtype] + 4)  # one block gathered + its grads
+    layer_fits = layer <= budget
+    facts = {"fits_one_gpu": fits_one, "largest_layer_fits": layer_fits,
+             "one_gpu_bytes": one.total}
+    if cluster.world_size == 1:
+        text = ("one GPU: the model fits" if fits_one else
+                "one GPU and the model does not fit: only checkpointing, smaller batches and "
+                "CPU offload can help")
+    elif cluster.nodes == 1:
+        fast = cluster.interconnect_name == "nvlink"
+        if fits_one:
+            text = "one node, the model fits one GPU: data parallel (DDP; ZeRO may or may not be faster)"
+        elif not layer_fits:
+            text = "one node, the largest layer does not fit one GPU: tensor parallel is needed"
+        elif fast:
+            text = ("one node, the model does not fit one GPU, NVLink: ZeRO-3/FSDP, pipeline "
+                    "or tensor parallel are about equal")
+        else:
+            text = ("one node, the model does not fit one GPU, no NVLink: pipeline parallel "
+                    "is preferred over tensor parallel and ZeRO")
+    else:
+        fast = cluster.network_name == "infiniband"
+        if fast:
+            text = ("many nodes, fast network: ZeRO-3/FSDP needs no model changes; or "
+                    "PP + TP + DP, with TP inside a node")
+        else:
+            text = ("many nodes, slow network: TP inside the node, PP across nodes, DP with "
+                    "ZeRO-1 at most (ZeRO-3's traffic would cross the slow network)")
+        if not fits_one:
+            text += "; the model does not fit one GPU"
+    return text, facts
+
+
+def _why(layout: LayoutSpec, scene: str, est: Estimate, terms: dict) -> str:
+    biggest = max(("compute", "bubble", "tp", "pp", "dp_exposed", "offload"),
+                  key=lambda k: terms[k])
+    states = (est.params + est.grads + est.optimizer) / GiB
+    return (f"{scene}. This layout: {layout.describe()}; {states:.1f} GiB of model states and "
+            f"{est.activations / GiB:.1f} GiB of activations per rank; its time goes mostly "
+            f"to {biggest.replace('_exposed', ' (not overlapped)')}")
+
+
+# ---------------------------------------------------------------------------- the search
+def _micro_batches(per_dp: int, limit: int = 64) -> list[int]:
+    return [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(per_dp, limit) and per_dp % b == 0]
+
+
+def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_batch_size: int,
+           dtype: str = "bf16", optimizer: str = "adamw", margin: float = 0.1,
+           checkpointing: tuple[str, ...] = ("none", "selective", "full"),
+           attention: str = "flash", top: int | None = None) -> SearchResult:
+    """Rank every legal layout of `cluster` for `model` that fits in memory with `margin`
+    (a share of the device's memory kept free: allocator caching, workspaces)."""
+    from meshfit.parallel.layout import Layout, ModelFacts
+    from meshfit.parallel.pp import SCHEDULES
+
+    shape = ModelShape.of(model) if isinstance(model, str) else model
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin={margin!r} must be in [0, 1)")
+    if seq_len < 1 or global_batch_size < 1:
+        raise ValueError("seq_len and global_batch_size must be >= 1")
+    if shape.max_seq_len is not None and seq_len > shape.max_seq_len:
+        raise ValueError(f"--seq-len={seq_len} is longer than the model's "
+                         f"{shape.max_seq_len} positions")
+    budget = cluster.device.memory * (1 - margin)
+    world = cluster.world_size
+    scene, facts = scenario(shape, cluster, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                            budget=budget)
+    model_facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible)
+    plans: list[Plan] = []
+    considered = refused = too_big = 0
+    precision = "no" if dtype == "fp32" else dtype
+    for cand in Layout.candidates(world, model_facts, mixed_precision=precision,
+                                  local_world_size=cluster.gpus_per_node, seq_len=seq_len):
+        d = cand.dims
+        if cand.layout is None or d.tp > cluster.gpus_per_node or \
+                cluster.gpus_per_node % d.tp:
+            refused += 1
+            continue
+        dp = d.dp_replicate * d.dp_shard
+        if global_batch_size % dp:
+            refused += 1
+            continue
+        per_dp = global_batch_size // dp
+        for mbs in _micro_batches(per_dp):
+            m = per_dp // mbs
+            schedules = [("1f1b", 1)] if d.pp == 1 else [
+                (s, 2 if s in ("interleaved_1f1b", "zero_bubble") else 1) for s in SCHEDULES]
+            for schedule, v in schedules:
+                if d.pp > 1:
+                    try:
+                        cand.layout.check_model(model_facts, seq_len=seq_len, schedule=schedule,
+                                                microbatches=m, virtual_stages=v)
+                    except ValueError:
+                        continue
+                for ckpt in checkpointing:
+                    spec = LayoutSpec(
+                        dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp,
+                        zero_stage=cand.options["zero_stage"],
+                        offload=cand.options["offload"] == "cpu",
+                        sequence_parallel=cand.options["sequence_parallel"],
+                        schedule=schedule, microbatches=m if d.pp > 1 else 1,
+                        virtual_stages=v, activation_checkpointing=ckpt,
+                        micro_batch_size=mbs)
+                    considered += 1
+                    est = estimate(shape, spec, seq_len=seq_len, dtype=dtype,
+                                   optimizer=optimizer, attention=attention)
+                    if est.total > budget:
+                        too_big += 1
+                        continue
+                    step, terms = predict(shape, spec, cluster, seq_len=seq_len,
+                                          global_batch_size=global_batch_size, dtype=dtype,
+                                          est=est)
+                    tokens = global_batch_size * seq_len / step
+                    peak = cluster.device.flops[dtype] * world
+                    mfu = shape.flops_per_token(seq_len) * tokens / peak
+                    plans.append(Plan(estimate=est, step_time_s=step, tokens_per_s=tokens,
+                                      mfu=mfu, why=_why(spec, scene, est, terms),
+                                      breakdown=terms))
+    plans.sort(key=lambda p: (p.step_time_s, p.estimate.total))
+    if not plans:
+        raise ValueError(_impossible(shape, cluster, budget, seq_len=seq_len, dtype=dtype,
+                                     optimizer=optimizer))
+    return SearchResult(model=shape, cluster=cluster, plans=plans[:top] if top else plans,
+                        considered=considered, refused=refused, too_big=too_big,
+                        scenario=scene)
+
+
+def _impossible(shape: ModelShape, cluster: Cluster, budget: float, *, seq_len: int,
+                dtype: str, optimizer: str) -> str:
+    """What would make a request possible: the GPUs ZeRO-3 with full checkpointing and
+    micro-batch 1 needs, or CPU offload's host memory."""
+    per_gpu = budget / GiB
+    smallest = estimate(shape, LayoutSpec(activation_checkpointing="full"), seq_len=seq_len,
+                        dtype=dtype, optimizer=optimizer)
+    states = smallest.params + smallest.grads + smallest.optimizer
+    rest = smallest.activations + smallest.buffers
+    if rest >= budget:
+        return (f"no layout fits {cluster.world_size} GPU(s) of {cluster.device.memory / GiB:.0f}"
+                f" GiB: even one sequence of {seq_len} tokens needs "
+                f"{rest / GiB:.1f} GiB of activations on one rank with full checkpointing; "
+                "lower --seq-len or use tensor parallel with sequence parallel on more GPUs")
+    need = math.ceil(states / (budget - rest))
+    need = math.ceil(need / cluster.gpus_per_node) * cluster.gpus_per_node
+    host = states / cluster.world_size / GiB
+    return (f"no layout fits {cluster.world_size} GPU(s) of {cluster.device.memory / GiB:.0f} "
+            f"GiB ({per_gpu:.0f} GiB usable): the model states alone are "
+            f"{states / GiB:.0f} GiB; it needs at least {need} GPUs of that size (ZeRO-3, full "
+            f"checkpointing, micro-batch 1), or ZeRO-3 with CPU offload (~{host:.0f} GiB of host "
+            "memory per rank)")

@@ -1,0 +1,311 @@
+"""`meshfit estimate` (per-rank memory of a layout) and `meshfit plan` (the best layouts of a
+cluster), on `meshfit.memory.estimate` and `meshfit.plan.search`.
+
+    meshfit estimate llama-7b --world-size 8 --dtype bf16 --seq-len 4096
+    meshfit estimate configs/llama.json --layout dp_shard=4,tp=2 --json
+    meshfit plan llama-70b --gpus-per-node 8 --nodes 4 --gpu h100 --seq-len 4096 \\
+        --global-batch-size 512 --out plan.toml
+
+Every argument is checked before anything is estimated; errors are one line naming the
+option, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["cmd_estimate", "cmd_plan", "parse_layout"]
+
+GiB = 2**30
+_LAYOUT_KEYS = {"dp_replicate": int, "dp_shard": int, "tp": int, "pp": int, "zero_stage": int,
+                "offload": bool, "sequence_parallel": bool, "loss_parallel": bool,
+                "schedule": str, "microbatches": int, "virtual_stages": int}
+
+
+def parse_layout(text: str):
+    """``dp_shard=4,tp=2,zero_stage=3`` -> `LayoutSpec` fields (unnamed axes: 1)."""
+    out: dict = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _LAYOUT_KEYS:
+            raise ValueError(f"--layout item {item!r} must be key=value with key one of "
+                             f"{', '.join(_LAYOUT_KEYS)}")
+        kind = _LAYOUT_KEYS[key]
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false", "1", "0", "cpu", "none"):
+                    raise ValueError
+                out[key] = value.lower() in ("true", "1", "cpu")
+            else:
+                out[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"--layout {key}={value!r} is not a valid {kind.__name__}") from None
+        if kind is int and out[key] < (0 if key == "zero_stage" else 1):
+            raise ValueError(f"--layout {key}={value} must be >= "
+                             f"{0 if key == 'zero_stage' else 1}")
+    return out
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="a preset (tiny, gpt2, llama-1b, llama-7b, llama-70b), a Hugging Face "
+                        "config.json (or its folder), or module:function")
+    p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"),
+                   help="activation / compute dtype (parameters stay fp32 masters)")
+    p.add_argument("--optimizer", default="adamw",
+                   choices=("adamw", "adamw_8bit", "adafactor", "sgd"))
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default: the model's context, at most 4096)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="for presets: the tokenizer's vocabulary (default: the preset's)")
+    p.add_argument("--attention", default="flash", choices=("flash", "math"),
+                   help="flash/efficient kernels save no score matrix; math saves it")
+    p.add_argument("--json", action="store_true", help="print JSON (schema in the README)")
+
+
+def _shape(ns):
+    from meshfit.memory import ModelShape
+
+    shape = ModelShape.of(ns.model, vocab_size=ns.vocab_size)
+    if ns.seq_len is None:
+        ns.seq_len = min(shape.max_seq_len or 4096, 4096)
+    if ns.seq_len < 1:
+        raise ValueError(f"--seq-len={ns.seq_len} must be >= 1")
+    if shape.max_seq_len is not None and ns.seq_len > shape.max_seq_len:
+        raise ValueError(f"--seq-len={ns.seq_len} is longer than the {shape.max_seq_len} "
+                         f"positions of {ns.model}; lower --seq-len")
+    return shape
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+
+
+# ---------------------------------------------------------------------------- estimate
+def _estimate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshfit estimate", allow_abbrev=False,
+        description="Per-rank bytes of parameters, gradients, optimizer state, activations and "
+                    "buffers of a training step, for one layout or one of each family.")
+    _common(p)
+    p.add_argument("--world-size", type=int, default=1, help="processes (GPUs) in all")
+    p.add_argument("--layout", default=None,
+                   help="e.g. dp_shard=4,tp=2,zero_stage=3 (axes not named: 1; default: one "
+                        "row per layout family of --world-size)")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--activation-checkpointing", default="none",
+                   choices=("none", "selective", "full"))
+    return p
+
+
+def _families(world: int, shape, ns) -> list:
+    """One layout per family for `world` processes: DDP, ZeRO-1/2/3 (+ offload), TP, PP,
+    and dp x tp, pp x dp when they divide."""
+    from meshfit.memory import LayoutSpec
+
+    base = dict(micro_batch_size=ns.micro_batch_size,
+                activation_checkpointing=ns.activation_checkpointing)
+    if world == 1:
+        return [("one process", LayoutSpec(**base))]
+    out = [("DDP", LayoutSpec(dp_replicate=world, **base))]
+    for stage in (1, 2, 3):
+        out.append((f"ZeRO-{stage}", LayoutSpec(dp_shard=world, zero_stage=stage, **base)))
+    out.append(("ZeRO-3 + offload", LayoutSpec(dp_shard=world, zero_stage=3, offload=True,
+                                                **base)))
+    out.append((f"TP {world} + SP", LayoutSpec(tp=world, sequence_parallel=True, **base)))
+    m = max(world, 2 * world)
+    out.append((f"PP {world} (1f1b, {m} micro-batches)",
+                LayoutSpec(pp=world, microbatches=m, **base)))
+    if world % 2 == 0 and world >= 4:
+        half = world // 2
+        out.append((f"ZeRO-3 {half} x TP 2", LayoutSpec(dp_shard=half, tp=2, zero_stage=3,
+                                                         **base)))
+        out.append((f"PP 2 x ZeRO-1 {half}", LayoutSpec(pp=2, dp_shard=half, zero_stage=1,
+                                                         microbatches=4, **base)))
+    return out
+
+
+def cmd_estimate(argv: list[str]) -> int:
+    from meshfit.memory import LayoutSpec, estimate
+    from meshfit.memory.estimate import resolve_layout
+
+    ns = _estimate_parser().parse_args(argv)
+    for name in ("--world-size", "--micro-batch-size", "--vocab-size"):
+        _positive(name, getattr(ns, name.lstrip("-").replace("-", "_")))
+    fields = parse_layout(ns.layout) if ns.layout else None
+    if fields is not None and "zero_stage" not in fields and fields.get("dp_shard", 1) > 1:
+        fields["zero_stage"] = 3  # as meshfit train: dp_shard > 1 shards with ZeRO-3
+    shape = _shape(ns)
+    rows = []
+    if fields is not None:
+        spec = LayoutSpec(micro_batch_size=ns.micro_batch_size,
+                          activation_checkpointing=ns.activation_checkpointing, **fields)
+        if ns.world_size not in (1, spec.world_size):
+            raise ValueError(f"--layout {ns.layout} uses {spec.world_size} processes but "
+                             f"--world-size={ns.world_size}; make them agree")
+        rows.append((spec.describe(), spec))
+    else:
+        rows = _families(ns.world_size, shape, ns)
+    results, refused = [], []
+    for label, spec in rows:
+        try:
+            resolve_layout(spec, ns.dtype)
+            _check_model(shape, spec, ns.seq_len)
+        except ValueError as err:
+            if fields is not None:
+                raise
+            refused.append((label, str(err)))
+            continue
+        results.append((label, estimate(shape, spec, seq_len=ns.seq_len, dtype=ns.dtype,
+                                        optimizer=ns.optimizer, attention=ns.attention)))
+    if ns.json:
+        print(json.dumps({"model": shape.name, "params": shape.params,
+                          "layouts": [e.to_json() for _, e in results]}, indent=2))
+        return 0
+    print(f"{shape.name}: {shape.params:,} parameters ({shape.n_layer} blocks of "
+          f"{shape.block_params:,}); seq_len {ns.seq_len}, {ns.dtype} activations, "
+          f"{ns.optimizer}; GiB per rank")
+    print(f"{'layout':34} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} "
+          f"{'total':>8}")
+    for label, e in results:
+        b = e.per_rank_bytes
+        print(f"{label[:34]:34} " + " ".join(f"{b[k] / GiB:8.2f}" for k in (
+            "params", "grads", "optimizer", "activations", "buffers", "total")))
+    for label, reason in refused:
+        print(f"{label[:34]:34} refused: {reason}")
+    return 0
+
+
+def _check_model(shape, spec, seq_len: int) -> None:
+    from meshfit.memory.estimate import resolve_layout
+    from meshfit.parallel.layout import ModelFacts
+
+    facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible)
+    resolve_layout(spec).check_model(
+        facts, seq_len=seq_len, schedule=spec.schedule,
+        microbatches=spec.microbatches if spec.pp > 1 else None,
+        virtual_stages=spec.virtual_stages if spec.pp > 1 and spec.virtual_stages > 1 else None)
+
+
+# ---------------------------------------------------------------------------- plan
+def _plan_parser() -> argparse.ArgumentParser:
+    from meshfit.plan import DEVICES, INTERCONNECTS, NETWORKS
+
+    p = argparse.ArgumentParser(
+        prog="meshfit plan", allow_abbrev=False,
+        description="Rank the layouts of a cluster that fit in memory by predicted step time, "
+                    "with the multi-GPU guide's reason; --out writes a config for meshfit "
+                    "train.")
+    _common(p)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu", default="h100", choices=tuple(DEVICES))
+    p.add_argument("--gpu-memory", default=None,
+                   help="memory per GPU, e.g. 80GiB (default: the --gpu's)")
+    p.add_argument("--interconnect", default="nvlink", choices=tuple(INTERCONNECTS))
+    p.add_argument("--network", default="infiniband", choices=tuple(NETWORKS))
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="sequences per optimizer step (default: 8 per GPU)")
+    p.add_argument("--margin", type=float, default=0.1,
+                   help="share of each GPU's memory kept free (default 0.1)")
+    p.add_argument("--profile", default=None,
+                   help="a calibration.json from meshfit calibrate (measured throughput and "
+                        "collectives instead of the device table)")
+    p.add_argument("--top", type=int, default=5, help="layouts printed (default 5)")
+    p.add_argument("--out", default=None, help="write the best layout as a meshfit train TOML")
+    return p
+
+
+def cmd_plan(argv: list[str]) -> int:
+    import dataclasses
+
+    from meshfit.plan import DEVICES, INTERCONNECTS, NETWORKS, Cluster, parse_bytes, search
+
+    ns = _plan_parser().parse_args(argv)
+    for name in ("--gpus-per-node", "--nodes", "--global-batch-size", "--top", "--vocab-size"):
+        _positive(name, getattr(ns, name.lstrip("-").replace("-", "_")))
+    if not 0 <= ns.margin < 1:
+        raise ValueError(f"--margin={ns.margin} must be in [0, 1), e.g. 0.1")
+    device = DEVICES[ns.gpu]
+    if ns.gpu_memory is not None:
+        device = dataclasses.replace(device, memory=parse_bytes(ns.gpu_memory))
+    if ns.out is not None and not Path(ns.out).parent.exists():
+        raise ValueError(f"--out={ns.out!r}: its folder does not exist")
+    calibration = None
+    if ns.profile is not None:
+        from meshfit.plan.calibrate import load_calibration
+
+        calibration = load_calibration(ns.profile)
+    cluster = Cluster(gpus_per_node=ns.gpus_per_node, nodes=ns.nodes, device=device,
+                      interconnect=INTERCONNECTS[ns.interconnect],
+                      interconnect_name=ns.interconnect, network=NETWORKS[ns.network],
+                      network_name=ns.network, calibration=calibration)
+    shape = _shape(ns)
+    batch = ns.global_batch_size or 8 * cluster.world_size
+    result = search(shape, cluster, seq_len=ns.seq_len, global_batch_size=batch, dtype=ns.dtype,
+                    optimizer=ns.optimizer, margin=ns.margin, attention=ns.attention)
+    plans = result.plans[:ns.top]
+    if ns.out is not None:
+        Path(ns.out).write_text(plan_toml(ns, plans[0], batch))
+    if ns.json:
+        out = result.to_json()
+        out["plans"] = out["plans"][:ns.top]
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{shape.name}: {shape.params:,} parameters on {ns.nodes} x {ns.gpus_per_node} "
+          f"{ns.gpu} ({device.memory / GiB:.0f} GiB, {ns.interconnect}, {ns.network}); "
+          f"global batch {batch} x {ns.seq_len} tokens, {ns.dtype}")
+    print(f"{result.scenario}.")
+    print(f"{result.considered} settings of legal layouts estimated, {result.too_big} did not "
+          f"fit; {result.refused} layouts refused by meshfit's rules")
+    for i, p in enumerate(plans, 1):
+        b = p.estimate.per_rank_bytes
+        print(f"{i}. {p.layout.describe()}")
+        print(f"   {b['total'] / GiB:.1f} GiB per rank (states "
+              f"{(b['params'] + b['grads'] + b['optimizer']) / GiB:.1f}, activations "
+              f"{b['activations'] / GiB:.1f}, buffers {b['buffers'] / GiB:.1f}); step "
+              f"{p.step_time_s:.3g} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}")
+    if ns.out is not None:
+        print(f"wrote {ns.out}: meshfit train --nproc {ns.gpus_per_node} --nnodes {ns.nodes} "
+              f"--config {ns.out}")
+    return 0
+
+
+def plan_toml(ns, plan, global_batch_size: int) -> str:
+    """A `meshfit train` config running `plan`'s layout for MODEL."""
+    from meshfit.models import GPTConfig
+
+    lay = plan.layout
+    if ns.model in GPTConfig.preset_names():
+        model = {"preset": ns.model}
+    elif ":" in ns.model and not Path(ns.model).exists():
+        model = {"factory": ns.model}
+    else:
+        model = {"hf_config": str(Path(ns.model).resolve())}
+    parallel = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+                "tp": lay.tp, "zero_stage": lay.zero_stage,
+                "offload": "cpu" if lay.offload else "none",
+                "sequence_parallel": lay.sequence_parallel}
+    if lay.pp > 1:
+        parallel.update(schedule=lay.schedule, microbatches=lay.microbatches,
+                        virtual_stages=lay.virtual_stages)
+    sections = {
+        "model": model,
+        "train": {"global_batch_size": global_batch_size,
+                  "micro_batch_size": lay.micro_batch_size, "seq_len": ns.seq_len,
+                  "mixed_precision": "no" if ns.dtype == "fp32" else ns.dtype,
+                  "activation_checkpointing": lay.activation_checkpointing},
+        "optim": {"optimizer": ns.optimizer if ns.optimizer != "adamw" else "adamw_fused"},
+        "parallel": parallel}
+    lines = [f"# meshfit plan {' '.join(sys.argv[2:]) if len(sys.argv) > 2 else ns.model}",
+             f"# {plan.why}"]
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
