@@ -1,0 +1,567 @@
+"""`meshfit calibrate`: measure this machine's compute, memory and collective speeds.
+
+``meshfit calibrate [--nproc N] [--out calibration.json] [--sizes S ...] [--cpu]`` starts
+itself on N processes (through meshfit's launcher; N=1 runs in this process), measures while
+all of them run at once, and rank 0 writes one JSON file that the layout planner reads with
+`load_calibration`. Device and backend are chosen as `meshfit.distributed.init` does: CUDA and
+NCCL where CUDA is available, the CPU and gloo otherwise or with ``--cpu`` / ``MESHFIT_CPU=1``.
+
+The file (schema 1)::
+
+    {"schema": 1,
+     "device": "cpu" | "cuda:<name>",     # torch.cuda.get_device_name on CUDA
+     "backend": "gloo" | "nccl",          # the backend N > 1 processes use here
+     "world_size": N,                     # processes that ran at once
+     "torch": "<version>",
+     "time": "<ISO 8601, UTC>",
+     "matmul_flops": {"fp32": F, "bf16": F, "fp16": F},
+     "memory_bandwidth": B,
+     "collectives": {"all_reduce": {"bus_bandwidth": B, "latency": s},
+                     "all_gather": {...}, "reduce_scatter": {...},
+                     "all_to_all": {...}, "send_recv": {...}},
+     "raw": {...}}
+
+* ``matmul_flops``: achieved FLOP/s (2·n³ per n×n matmul) of one process while all N run
+  matmuls at once, at the largest size that ran (sizes double until one matmul would take
+  more than about 0.5 s, or a cap is reached); the median of repeats, of the slowest rank.
+  fp32 runs at torch's current precision setting (``raw.matmul.fp32_precision``: TF32 is off
+  by default). null where the dtype cannot run here.
+* ``memory_bandwidth``: bytes/s of one process copying a large tensor (bytes read plus
+  bytes written), all N copying at once; median of repeats, slowest rank.
+* ``collectives``: per kind, ``time(S) = latency + factor · S / bus_bandwidth`` (seconds,
+  bytes/s) with ``factor`` = 2(n−1)/n for all_reduce (S: the tensor), (n−1)/n for
+  all_gather and reduce_scatter (S: the full, gathered tensor) and all_to_all (S: each
+  rank's whole input, of which (n−1)/n leaves the rank), 1 for send_recv (S: the message;
+  ranks 0→1, 2→3, ... send at once, one direction). The bus bandwidth is the figure that
+  does not depend on n, so `Calibration.collective_time` applies it to any group size.
+  Fitted by least squares on the per-size medians (slowest rank), each size weighted by
+  1/time² so that small sizes (latency) count as much as large ones (bandwidth); a fit
+  with a negative latency is redone through the origin. With N=1 nothing is measured:
+  both figures are null.
+* ``raw``: the per-size timings every figure came from, and each fit's R² (on the times)
+  and largest relative error under ``raw.collectives.<kind>.r2`` / ``.max_relative_error``.
+
+`load_calibration(path)` reads the file into a `Calibration`; the planner imports both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+DTYPES = ("fp32", "bf16", "fp16")
+_MATMUL_SECONDS = 0.5  # no matmul size whose single product would take longer than this
+_CPU_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB ... 64 MiB
+_GPU_SIZES = tuple(16384 * 4**i for i in range(9))  # 16 KiB ... 1 GiB
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """The bytes a collective of `kind` moves over the busiest link, per byte of S."""
+    if kind not in KINDS:
+        raise ValueError(f"collective kind={kind!r} is unknown; use one of {', '.join(KINDS)}")
+    if kind == "send_recv":
+        return 1.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n
+    return (n - 1) / n
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """``time(S) = latency + factor · S / bus_bandwidth``; None where nothing was measured."""
+
+    bus_bandwidth: float | None
+    """bytes/s"""
+    latency: float | None
+    """seconds"""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A `meshfit calibrate` file (see the module docstring for each field's meaning)."""
+
+    schema: int
+    device: str
+    backend: str
+    world_size: int
+    torch: str
+    time: str
+    matmul_flops: dict[str, float | None]
+    memory_bandwidth: float
+    collectives: dict[str, CollectiveFit]
+    raw: dict[str, Any]
+
+    def collective_time(self, kind: str, nbytes: float, n: int) -> float:
+        """Seconds one collective of `kind` on `nbytes` takes in a group of `n` processes
+        (S as in the module docstring; send_recv: one message between two ranks)."""
+        factor = bus_factor(kind, max(n, 1))
+        if n < 1:
+            raise ValueError(f"group size n={n} must be >= 1")
+        if nbytes < 0:
+            raise ValueError(f"nbytes={nbytes} must be >= 0")
+        if n == 1:
+            return 0.0
+        fit = self.collectives[kind]
+        if fit.bus_bandwidth is None or fit.latency is None:
+            raise ValueError(f"this calibration ran on {self.world_size} process(es) and has no "
+                             f"{kind} figures; run `meshfit calibrate --nproc 2` (or more)")
+        return fit.latency + factor * nbytes / fit.bus_bandwidth
+
+
+def _number(value: Any, *, null: bool = False) -> bool:
+    if value is None:
+        return null
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def load_calibration(path: str | os.PathLike) -> Calibration:
+    """Read a `meshfit calibrate` file; raises ValueError (one line) if it is missing, of
+    another schema or incomplete."""
+    path = Path(path)
+    fix = f"run `meshfit calibrate --out {path}` on the machine to plan for"
+    if not path.is_file():
+        raise ValueError(f"calibration file {path} does not exist; {fix}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"calibration file {path} is not readable JSON "
+                         f"({str(err).splitlines()[0]}); {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"calibration file {path} holds no JSON object; {fix}")
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"calibration file {path} has schema {data.get('schema')!r}, this meshfit "
+                         f"reads schema {SCHEMA}; {fix}")
+    missing = [k for k in ("device", "backend", "world_size", "torch", "time", "matmul_flops",
+                           "memory_bandwidth", "collectives", "raw") if k not in data]
+    flops, colls = data.get("matmul_flops"), data.get("collectives")
+    if isinstance(flops, dict):
+        missing += [f"matmul_flops.{d}" for d in DTYPES if d not in flops]
+    if isinstance(colls, dict):
+        for kind in KINDS:
+            entry = colls.get(kind)
+            missing += [f"collectives.{kind}.{f}" for f in ("bus_bandwidth", "latency")
+                        if not isinstance(entry, dict) or f not in entry]
+    if missing:
+        raise ValueError(f"calibration file {path} lacks {', '.join(missing)}; {fix}")
+    bad = [k for k in ("device", "backend", "torch", "time") if not isinstance(data[k], str)]
+    if not (isinstance(data["world_size"], int) and data["world_size"] >= 1):
+        bad.append("world_size")
+    if not _number(data["memory_bandwidth"]):
+        bad.append("memory_bandwidth")
+    if not isinstance(flops, dict):
+        bad.append("matmul_flops")
+    else:
+        bad += [f"matmul_flops.{d}" for d in DTYPES if not _number(flops[d], null=True)]
+    if not isinstance(colls, dict):
+        bad.append("collectives")
+    else:
+        bad += [f"collectives.{kind}.{f}" for kind in KINDS for f in ("bus_bandwidth", "latency")
+                if not _number(colls[kind][f], null=True)]
+    if not isinstance(data["raw"], dict):
+        bad.append("raw")
+    if bad:
+        raise ValueError(f"calibration file {path} has invalid {', '.join(bad)}; {fix}")
+    return Calibration(
+        schema=SCHEMA, device=data["device"], backend=data["backend"],
+        world_size=data["world_size"], torch=data["torch"], time=data["time"],
+        matmul_flops={d: None if flops[d] is None else float(flops[d]) for d in DTYPES},
+        memory_bandwidth=float(data["memory_bandwidth"]),
+        collectives={k: CollectiveFit(
+            bus_bandwidth=None if colls[k]["bus_bandwidth"] is None
+            else float(colls[k]["bus_bandwidth"]),
+            latency=None if colls[k]["latency"] is None else float(colls[k]["latency"]))
+            for k in KINDS},
+        raw=data["raw"])
+
+
+def fit_latency_bandwidth(nbytes, seconds, factor: float = 1.0) -> dict[str, Any]:
+    """Least-squares fit of ``seconds = latency + factor · nbytes / bus_bandwidth``.
+
+    Each point is weighted by 1/seconds² (relative errors count). A fit whose latency comes
+    out negative (or whose slope is not positive) is redone with latency 0. Returns
+    ``{"latency", "bus_bandwidth", "r2", "max_relative_error", "method"}``; r2 is on the
+    times themselves."""
+    x = [factor * float(s) for s in nbytes]
+    t = [float(v) for v in seconds]
+    if len(x) != len(t) or not x or min(t) <= 0 or min(x) <= 0:
+        raise ValueError("fit_latency_bandwidth needs as many positive sizes as positive times")
+    w = [1.0 / v**2 for v in t]
+    sw = sum(w)
+    mx = sum(wi * xi for wi, xi in zip(w, x)) / sw
+    mt = sum(wi * ti for wi, ti in zip(w, t)) / sw
+    sxx = sum(wi * (xi - mx) ** 2 for wi, xi in zip(w, x))
+    sxt = sum(wi * (xi - mx) * (ti - mt) for wi, xi, ti in zip(w, x, t))
+    slope = sxt / sxx if sxx > 0 else 0.0
+    latency = mt - slope * mx
+    method = "weighted least squares"
+    if slope <= 0 or latency < 0:
+        slope = sum(wi * xi * ti for wi, xi, ti in zip(w, x, t)) / sum(
+            wi * xi * xi for wi, xi in zip(w, x))
+        latency = 0.0
+        method = "weighted least squares through the origin"
+    mean = sum(t) / len(t)
+    ss_res = sum((latency + slope * xi - ti) ** 2 for xi, ti in zip(x, t))
+    ss_tot = sum((ti - mean) ** 2 for ti in t)
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    worst = max(abs(latency + slope * xi - ti) / ti for xi, ti in zip(x, t))
+    return {"latency": latency, "bus_bandwidth": 1.0 / slope, "r2": r2,
+            "max_relative_error": worst, "method": method}
+
+
+# ---------------------------------------------------------------------------------------
+# command line
+
+
+_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2,
+          "MIB": 1024**2, "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
+
+
+def parse_sizes(items: list[str]) -> tuple[int, ...]:
+    """``["4K,64K", "1M"]`` -> sorted distinct byte counts (K/M/G are binary: KiB, MiB, GiB)."""
+    fix = "give at least two byte sizes, e.g. --sizes 4K 64K 1M 16M"
+    out = set()
+    for text in (p for item in items for p in item.split(",")):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"--sizes value {text!r} is not a byte size; {fix}")
+        size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        if size < 4:
+            raise ValueError(f"--sizes value {text!r} is under 4 bytes (one fp32 element); {fix}")
+        out.add(size)
+    if len(out) < 2:
+        raise ValueError(f"--sizes={' '.join(items)!r} names {len(out)} distinct size(s); a fit "
+                         f"needs two or more: {fix}")
+    return tuple(sorted(out))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshfit calibrate", allow_abbrev=False,
+        description="Measure matmul FLOP/s, memory bandwidth and collective bandwidth and "
+                    "latency on N processes of this machine; write them as JSON for the "
+                    "layout planner.")
+    p.add_argument("--nproc", default="1", help="processes to run at once (default 1; "
+                   "collectives need 2 or more)")
+    p.add_argument("--out", default="calibration.json", help="the JSON file to write")
+    p.add_argument("--sizes", nargs="+", default=None,
+                   help="collective sizes in bytes, e.g. 4K 64K 1M (default 4K..64M by 4x on "
+                        "the CPU, 16K..1G on GPUs)")
+    p.add_argument("--cpu", action="store_true",
+                   help="measure the CPU with gloo even where CUDA is available "
+                        "(also MESHFIT_CPU=1)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _validate(ns) -> tuple[int, Path, tuple[int, ...] | None, bool]:
+    import torch
+    import torch.distributed as dist
+
+    from meshfit.distributed import cpu_requested
+
+    try:
+        nproc = int(ns.nproc)
+    except ValueError:
+        raise ValueError(f"--nproc={ns.nproc!r} is not an integer; e.g. --nproc 2") from None
+    if nproc < 1:
+        raise ValueError(f"--nproc={nproc} must be >= 1 (the processes to run at once)")
+    cpu = cpu_requested(True if ns.cpu else None)
+    cuda = torch.cuda.is_available() and not cpu
+    if nproc > 1:
+        if not dist.is_available():
+            raise ValueError(f"--nproc={nproc} needs torch.distributed, which this torch build "
+                             "lacks; use --nproc 1")
+        if cuda:
+            count = torch.cuda.device_count()
+            if nproc > count:
+                raise ValueError(f"--nproc={nproc} is more than the {count} visible CUDA "
+                                 f"device(s); use --nproc {count} or less (one per GPU), or "
+                                 "--cpu to measure the CPU")
+            if not dist.is_nccl_available():
+                raise ValueError(f"--nproc={nproc} on CUDA needs NCCL, which this torch build "
+                                 "lacks; use --nproc 1 or --cpu")
+        elif not dist.is_gloo_available():
+            raise ValueError(f"--nproc={nproc} on the CPU needs gloo, which this torch build "
+                             "lacks; use --nproc 1")
+    out = Path(ns.out).absolute()
+    if out.is_dir():
+        raise ValueError(f"--out={ns.out!r} is a folder; give a file name, e.g. "
+                         f"{Path(ns.out) / 'calibration.json'}")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out={ns.out!r}: folder {out.parent} does not exist; create it or "
+                         "give another --out")
+    sizes = parse_sizes(ns.sizes) if ns.sizes is not None else None
+    return nproc, out, sizes, cpu
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    """`meshfit calibrate`: check the arguments, then measure on --nproc processes."""
+    ns = _parser().parse_args(argv)
+    nproc, out, sizes, cpu = _validate(ns)  # before any process starts
+    if ns.worker:
+        return _worker(out, sizes, cpu)
+    if nproc == 1:
+        return _worker(out, sizes, cpu)
+    from meshfit.train import launch  # the launcher only; deferred
+
+    cfg = launch.LaunchConfig(nproc=nproc)
+    # No --nproc here: torchrun's parser would take it for an abbreviation of its own
+    # --nproc-per-node. The workers learn the world size from their environment.
+    script = ["meshfit.plan.calibrate", "--worker", "--out", str(out)]
+    if sizes is not None:
+        script += ["--sizes", *map(str, sizes)]
+    if cpu:
+        script.append("--cpu")
+    return launch.run(cfg, script, module=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return cmd_calibrate(list(sys.argv[1:] if argv is None else argv))
+    except ValueError as err:
+        print(f"meshfit calibrate: error: {err}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------------------------------
+# measuring (every rank runs the same steps, so sizes and repeat counts must agree)
+
+
+class _Ranks:
+    def __init__(self, env):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist, self.env = torch, dist, env
+        self.device = env.device
+        self.group = env.is_distributed and dist.is_initialized()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        self.sync()
+        if self.group:
+            self.dist.barrier()
+
+    def max(self, values: list[float]) -> list[float]:
+        """Elementwise maximum over the ranks."""
+        if not self.group:
+            return list(values)
+        t = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def time(self, op, *, target: float, repeats: int = 5, warmup: int = 1) -> tuple[float, int]:
+        """Median seconds per call of `op` on the slowest rank, and the calls per timing."""
+        for _ in range(warmup):
+            op()
+        self.barrier()
+        t0 = time.perf_counter()
+        op()
+        self.sync()
+        once = self.max([time.perf_counter() - t0])[0]
+        iters = max(1, min(200, int(target / max(once, 1e-7))))
+        samples = []
+        for _ in range(repeats):
+            self.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                op()
+            self.sync()
+            samples.append((time.perf_counter() - t0) / iters)
+        return self.max([statistics.median(samples)])[0], iters
+
+
+def _matmul_once(r: _Ranks, n: int, dtype) -> dict[str, Any] | None:
+    """One n×n product of `dtype` timed on every rank; None on every rank if any failed."""
+    torch = r.torch
+    a = b = None
+    try:
+        a = torch.randn(n, n, device=r.device).to(dtype)
+        b = torch.randn(n, n, device=r.device).to(dtype)
+        torch.mm(a, b)  # warm-up
+        r.sync()
+        failed = 0.0
+    except (RuntimeError, NotImplementedError):  # no kernel for the dtype, or out of memory
+        failed = 1.0
+    if r.max([failed])[0] > 0:
+        return None
+    # `r.time` runs one more untimed product to choose its loop length
+    seconds, iters = r.time(lambda: torch.mm(a, b), target=0.02, repeats=3, warmup=0)
+    return {"n": n, "seconds": seconds, "iters": iters, "flops": 2.0 * n**3 / seconds}
+
+
+def _matmul(r: _Ranks) -> tuple[dict[str, float | None], dict[str, Any]]:
+    torch = r.torch
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    cuda = r.device.type == "cuda"
+    sizes = [2**k for k in (range(10, 15) if cuda else range(7, 13))]  # GPU 1K..16K, CPU 128..4K
+    flops, raw = {}, {"fp32_precision": torch.get_float32_matmul_precision()}
+    for name, dtype in dtypes.items():
+        rows = []
+        for n in sizes:
+            row = _matmul_once(r, n, dtype)
+            if row is None:
+                break
+            rows.append(row)
+            if row["seconds"] * 8 > _MATMUL_SECONDS:  # the next size (8x the work): too slow
+                break
+        raw[name] = rows
+        flops[name] = rows[-1]["flops"] if rows else None
+    return flops, raw
+
+
+def _memory(r: _Ranks) -> tuple[float, dict[str, Any]]:
+    torch = r.torch
+    nbytes = (1 << 30) if r.device.type == "cuda" else (256 << 20)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=r.device).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds, iters = r.time(lambda: dst.copy_(src), target=0.1, repeats=5)
+    return 2.0 * nbytes / seconds, {"bytes": nbytes, "seconds": seconds, "iters": iters,
+                                    "counted": "2 x bytes (read + write)"}
+
+
+def _collective_op(r: _Ranks, kind: str, size: int):
+    """The callable for one collective of about `size` bytes, and S as it really is."""
+    torch, dist = r.torch, r.dist
+    n, rank = r.env.world_size, r.env.rank
+    per_rank = max(1, size // (4 * n))  # fp32 elements in one rank's chunk
+
+    def new(numel: int):
+        return torch.ones(numel, dtype=torch.float32, device=r.device)
+
+    if kind == "all_reduce":
+        t = new(max(1, size // 4))
+        return (lambda: dist.all_reduce(t)), t.numel() * 4
+    if kind == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        inp, out = new(per_rank), new(per_rank * n)
+        return (lambda: gather(out, inp)), out.numel() * 4
+    if kind == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        inp, out = new(per_rank * n), new(per_rank)
+        return (lambda: scatter(out, inp)), inp.numel() * 4
+    if kind == "all_to_all":
+        inp, out = new(per_rank * n), new(per_rank * n)
+        return (lambda: dist.all_to_all_single(out, inp)), inp.numel() * 4
+    t = new(max(1, size // 4))  # send_recv: 0->1, 2->3, ...; an odd last rank waits
+    if rank % 2 == 0 and rank + 1 < n:
+        return (lambda: dist.send(t, rank + 1)), t.numel() * 4
+    if rank % 2 == 1:
+        return (lambda: dist.recv(t, rank - 1)), t.numel() * 4
+    return (lambda: None), t.numel() * 4
+
+
+def _collectives(r: _Ranks, sizes: tuple[int, ...]) -> tuple[dict, dict]:
+    n = r.env.world_size
+    if not r.group or n < 2:
+        return ({k: {"bus_bandwidth": None, "latency": None} for k in KINDS},
+                {"note": "one process: no collectives measured"})
+    target = 0.01 if r.device.type == "cuda" else 0.02
+    fits, raw = {}, {}
+    for kind in KINDS:
+        nbytes, seconds, iters = [], [], []
+        for size in sizes:
+            op, s_bytes = _collective_op(r, kind, size)
+            sec, it = r.time(op, target=target, repeats=5, warmup=1)
+            nbytes.append(s_bytes)
+            seconds.append(sec)
+            iters.append(it)
+            del op
+        factor = bus_factor(kind, n)
+        fit = fit_latency_bandwidth(nbytes, seconds, factor)
+        fits[kind] = {"bus_bandwidth": fit["bus_bandwidth"], "latency": fit["latency"]}
+        raw[kind] = {"nbytes": nbytes, "seconds": seconds, "iters": iters, "factor": factor,
+                     "r2": fit["r2"], "max_relative_error": fit["max_relative_error"],
+                     "fit": fit["method"]}
+    return fits, raw
+
+
+def _worker(out: Path, sizes: tuple[int, ...] | None, cpu: bool) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from meshfit.distributed import init
+
+    env = init(cpu=cpu or None)
+    try:
+        r = _Ranks(env)
+        cuda = env.device.type == "cuda"
+        sizes = sizes or (_GPU_SIZES if cuda else _CPU_SIZES)
+        started = time.perf_counter()
+        flops, raw_mm = _matmul(r)
+        bandwidth, raw_mem = _memory(r)
+        colls, raw_coll = _collectives(r, sizes)
+        if env.rank == 0:
+            result = {
+                "schema": SCHEMA,
+                "device": f"cuda:{torch.cuda.get_device_name(env.device)}" if cuda else "cpu",
+                "backend": env.backend or ("nccl" if cuda else "gloo"),
+                "world_size": env.world_size,
+                "torch": torch.__version__,
+                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"),
+                "matmul_flops": flops,
+                "memory_bandwidth": bandwidth,
+                "collectives": colls,
+                "raw": {"matmul": raw_mm, "memory": raw_mem, "collectives": raw_coll,
+                        "threads": torch.get_num_threads(),
+                        "seconds": time.perf_counter() - started},
+            }
+            tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(result, indent=1) + "\n")
+            os.replace(tmp, out)
+            print(_table(result, out), flush=True)
+        if r.group:
+            dist.barrier()
+    finally:
+        if env.is_distributed and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _si(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""),
+                          (1e-3, "m"), (1e-6, "µ")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value * 1e9:.3g} n{unit}"
+
+
+def _table(result: dict, out: Path) -> str:
+    raw = result["raw"]
+    lines = [(f"meshfit calibrate: {result['world_size']} process(es) on {result['device']}, "
+              f"{result['backend']}, torch {result['torch']} -> {out}")]
+    for d in DTYPES:
+        rows = raw["matmul"][d]
+        size = f"(n={rows[-1]['n']})" if rows else ""
+        lines.append(f"  matmul {d:<5} {_si(result['matmul_flops'][d], 'FLOP/s'):>14} {size}")
+    lines.append(f"  memory copy  {_si(result['memory_bandwidth'], 'B/s'):>14}")
+    lines.append(f"  {'collective':<15}{'bus bandwidth':>14}{'latency':>12}{'R²':>8}")
+    for kind in KINDS:
+        fit = result["collectives"][kind]
+        r2 = raw["collectives"].get(kind, {}).get("r2")
+        lines.append(f"  {kind:<15}{_si(fit['bus_bandwidth'], 'B/s'):>14}"
+                     f"{_si(fit['latency'], 's'):>12}"
+                     f"{'-' if r2 is None else f'{r2:.4f}':>8}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

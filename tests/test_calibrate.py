@@ -1,0 +1,185 @@
+"""`meshfit calibrate`: the collective model, the file's loader, the fit, one real run on two
+gloo ranks, and refusals of bad arguments before any process starts."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from meshfit.plan import calibrate as cal
+from meshfit.plan.calibrate import (
+    KINDS,
+    Calibration,
+    CollectiveFit,
+    cmd_calibrate,
+    fit_latency_bandwidth,
+    load_calibration,
+    parse_sizes,
+)
+
+_FITS = {"all_reduce": (1e9, 50e-6), "all_gather": (2e9, 40e-6), "reduce_scatter": (3e9, 30e-6),
+         "all_to_all": (4e9, 20e-6), "send_recv": (5e9, 10e-6)}
+
+
+def _calibration(fits=_FITS, world_size=8) -> Calibration:
+    return Calibration(
+        schema=1, device="cpu", backend="gloo", world_size=world_size, torch="2.13",
+        time="2025-01-01T00:00:00+00:00", matmul_flops={"fp32": 1e11, "bf16": 2e11, "fp16": None},
+        memory_bandwidth=1e10,
+        collectives={k: CollectiveFit(bus_bandwidth=b, latency=a) for k, (b, a) in fits.items()},
+        raw={})
+
+
+def _file_dict() -> dict:
+    return {"schema": 1, "device": "cpu", "backend": "gloo", "world_size": 2, "torch": "2.13",
+            "time": "2025-01-01T00:00:00+00:00",
+            "matmul_flops": {"fp32": 1e11, "bf16": 2e11, "fp16": 3e9},
+            "memory_bandwidth": 1e10,
+            "collectives": {k: {"bus_bandwidth": b, "latency": a} for k, (b, a) in _FITS.items()},
+            "raw": {}}
+
+
+def test_collective_time_applies_the_model():
+    c = _calibration()
+    S = 64 << 20
+    for n in (2, 4, 8):
+        factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
+                   "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n, "send_recv": 1.0}
+        for kind, (bw, lat) in _FITS.items():
+            assert c.collective_time(kind, S, n) == pytest.approx(lat + factors[kind] * S / bw,
+                                                                  rel=1e-12)
+    assert all(c.collective_time(k, S, 1) == 0.0 for k in KINDS)
+    with pytest.raises(ValueError, match="kind='broadcast'"):
+        c.collective_time("broadcast", S, 2)
+    with pytest.raises(ValueError, match="n=0"):
+        c.collective_time("all_reduce", S, 0)
+    # one process measured no collectives: asking for a group says how to measure them
+    single = _calibration({k: (None, None) for k in KINDS}, world_size=1)
+    assert single.collective_time("all_reduce", S, 1) == 0.0
+    with pytest.raises(ValueError, match="--nproc 2"):
+        single.collective_time("all_reduce", S, 2)
+
+
+def _refusal(path, match: str) -> str:
+    with pytest.raises(ValueError, match=match) as info:
+        load_calibration(path)
+    msg = str(info.value)
+    assert "\n" not in msg and "meshfit calibrate" in msg
+    return msg
+
+
+def test_load_calibration_reads_and_refuses(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_file_dict()))
+    c = load_calibration(path)
+    assert c.world_size == 2 and c.collectives["send_recv"] == CollectiveFit(5e9, 10e-6)
+    assert c.collective_time("all_reduce", 1e9, 2) == pytest.approx(50e-6 + 1.0)
+
+    _refusal(tmp_path / "nowhere.json", "does not exist")
+    path.write_text("{not json")
+    _refusal(path, "not readable JSON")
+    path.write_text(json.dumps({**_file_dict(), "schema": 2}))
+    _refusal(path, "schema 2, this meshfit reads schema 1")
+    d = _file_dict()
+    del d["memory_bandwidth"], d["collectives"]["all_gather"]["latency"], d["matmul_flops"]["bf16"]
+    path.write_text(json.dumps(d))
+    msg = _refusal(path, "lacks")
+    for key in ("memory_bandwidth", "collectives.all_gather.latency", "matmul_flops.bf16"):
+        assert key in msg
+    d = _file_dict()
+    d["collectives"]["all_to_all"]["bus_bandwidth"] = "fast"
+    path.write_text(json.dumps(d))
+    _refusal(path, "invalid collectives.all_to_all.bus_bandwidth")
+
+
+def test_fit_recovers_latency_and_bandwidth_exactly():
+    sizes = [4096 * 4**i for i in range(8)]
+    for factor in (1.0, 0.5, 1.5, 7 / 8):
+        lat, bw = 37e-6, 3.3e9
+        times = [lat + factor * s / bw for s in sizes]
+        fit = fit_latency_bandwidth(sizes, times, factor)
+        assert fit["latency"] == pytest.approx(lat, rel=1e-9)
+        assert fit["bus_bandwidth"] == pytest.approx(bw, rel=1e-9)
+        assert fit["r2"] == pytest.approx(1.0, abs=1e-12)
+        assert fit["max_relative_error"] < 1e-9
+    # times that would fit a negative latency: refitted through the origin, still positive
+    fit = fit_latency_bandwidth([1000, 2000], [1e-6, 3e-6])
+    assert fit["latency"] == 0.0 and 0 < fit["bus_bandwidth"] < math.inf
+
+
+def test_parse_sizes():
+    assert parse_sizes(["4K,64k", "1M", "1MiB", "512"]) == (512, 4096, 65536, 1 << 20)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--nproc", "0"], "--nproc=0 must be >= 1"),
+    (["--nproc", "two"], "--nproc='two' is not an integer"),
+    (["--out", "{tmp}/missing/cal.json"], "--out=.*does not exist"),
+    (["--out", "{tmp}"], "--out=.*is a folder"),
+    (["--sizes", "4K"], "--sizes=.*1 distinct size"),
+    (["--sizes", "4K", "4096"], "--sizes=.*1 distinct size"),
+    (["--sizes", "4K", "lots"], "--sizes value 'lots' is not a byte size"),
+    (["--sizes", "0", "4K"], "--sizes value '0' is under 4 bytes"),
+])
+def test_bad_arguments_are_refused_before_any_process_starts(args, match, tmp_path,
+                                                             monkeypatch):
+    from meshfit.train import launch
+
+    def started(*a, **k):
+        raise AssertionError("a process or a measurement was started")
+
+    monkeypatch.setattr(launch, "run", started)
+    monkeypatch.setattr(cal, "_worker", started)
+    monkeypatch.setenv("MESHFIT_CPU", "1")  # the CPU's checks even beside GPUs
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "cal.json")]
+    with pytest.raises(ValueError, match=match) as info:
+        cmd_calibrate(["--nproc", "2", *args] if "--nproc" not in args else args)
+    assert "\n" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # no --out written
+
+
+def test_more_processes_than_gpus_is_refused(tmp_path, monkeypatch):
+    import torch
+
+    from meshfit.train import launch
+
+    monkeypatch.delenv("MESHFIT_CPU", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("launched"))
+    out = tmp_path / "cal.json"
+    with pytest.raises(ValueError, match="--nproc=2 is more than the 1 visible CUDA.*--cpu"):
+        cmd_calibrate(["--nproc", "2", "--out", str(out)])
+    assert not out.exists()
+
+
+def test_two_gloo_ranks_write_a_calibration(tmp_path, subprocess_env):
+    out = tmp_path / "cal.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshfit.plan.calibrate", "--nproc", "2", "--cpu", "--out",
+         str(out), "--sizes", "4K", "64K", "1M"],
+        env=subprocess_env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "all_reduce" in proc.stdout and str(out) in proc.stdout
+    c = load_calibration(out)
+    assert (c.device, c.backend, c.world_size) == ("cpu", "gloo", 2)
+
+    def good(x):
+        return isinstance(x, float) and 0 < x < math.inf
+
+    assert all(good(c.matmul_flops[d]) for d in ("fp32", "bf16", "fp16"))
+    assert good(c.memory_bandwidth)
+    assert set(c.collectives) == set(KINDS)
+    for kind in KINDS:
+        fit = c.collectives[kind]
+        assert good(fit.bus_bandwidth) and fit.latency >= 0 and math.isfinite(fit.latency)
+        raw = c.raw["collectives"][kind]
+        assert len(raw["nbytes"]) == len(raw["seconds"]) == 3 and "r2" in raw
+        assert good(c.collective_time(kind, 1 << 20, 2))
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
