@@ -23,9 +23,10 @@ b x s tokens):
     norms           2h                    (the inputs of the two norms)
     attention       h + (h + 2·kv) + h    (q/k/v input, q, k, v, the attention output)
                     + a·s scores          only for the math kernel (flash/efficient save
-                                          4 B x a of log-sum-exp instead)
+                                          4 B x a of log-sum-exp instead; with dropout,
+                                          its output a·s and mask a·s bytes too)
     MLP             h + 2f (GELU)  or  h + 4f (SwiGLU: gate, its SiLU, up, product)
-    dropout masks   2h bytes (+ a·s with the math kernel) when dropout > 0
+    dropout masks   2h bytes (the two residual dropouts) when dropout > 0
 
 For GPT-2's shape (f = 4h, kv = h, dropout, math attention, 2-byte activations) this is
 the paper's 34·s·b·h + 5·a·s²·b bytes. Tensor parallel t divides everything but the norm
@@ -163,21 +164,24 @@ class ActivationBytes:
         return self.blocks + self.outside + self.recompute_peak
 
 
-def _block_elements(shape: ModelShape, seq_len: int, attention: str) -> tuple[float, float,
-                                                                            float]:
-    """(replicated-under-TP, split-under-TP, bytes-not-elements) saved per token of one
-    block: element counts in the activation dtype, plus raw bytes (masks, log-sum-exp)."""
+def _block_elements(shape: ModelShape, seq_len: int, attention: str) -> dict[str, float]:
+    """What one block saves per token: elements in the activation dtype that tensor
+    parallel keeps whole ("replicated") or splits ("split"), and raw bytes of masks and
+    log-sum-exp likewise ("replicated_bytes", "split_bytes")."""
     h, f, kv, a = shape.d_model, shape.d_ff, shape.kv_dim, shape.n_head
-    replicated = 2 * h + h + h  # norm inputs, attention input, MLP input
-    split = (h + 2 * kv) + h + (4 * f if shape.gated_mlp else 2 * f)
-    raw = 0.0
+    out = {"replicated": 2 * h + h + h,  # norm inputs, attention input, MLP input
+           "split": (h + 2 * kv) + h + (4 * f if shape.gated_mlp else 2 * f),
+           "replicated_bytes": 0.0, "split_bytes": 0.0}
     if attention == "math":
-        split += a * seq_len
+        out["split"] += a * seq_len  # softmax output
+        if shape.dropout:
+            out["split"] += a * seq_len  # dropout output
+            out["split_bytes"] += a * seq_len  # its mask
     else:
-        raw += 4 * a  # flash / efficient: fp32 log-sum-exp per head
+        out["split_bytes"] += 4 * a  # flash / efficient: fp32 log-sum-exp per head
     if shape.dropout:
-        raw += 2 * h + (a * seq_len if attention == "math" else 0)
-    return replicated, split, raw
+        out["replicated_bytes"] += 2 * h  # masks of the two residual dropouts
+    return out
 
 
 def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
@@ -189,8 +193,9 @@ def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
     act = DTYPE_BYTES[dtype]
     t, sp = layout.tp, layout.sequence_parallel
     tokens = layout.micro_batch_size * seq_len
-    replicated, split, raw = _block_elements(shape, seq_len, attention)
-    per_token = (replicated / (t if sp else 1) + split / t) * act + raw / (t if sp else 1)
+    e = _block_elements(shape, seq_len, attention)
+    per_token = ((e["replicated"] * act + e["replicated_bytes"]) / (t if sp else 1)
+                 + (e["split"] * act + e["split_bytes"]) / t)
     per_block = per_token * tokens
     n = blocks_on_rank if blocks_on_rank is not None else math.ceil(shape.n_layer / layout.pp)
     block_input = shape.d_model * act * tokens / (t if sp else 1)

@@ -214,7 +214,9 @@ def scenario(shape: ModelShape, cluster: Cluster, *, seq_len: int, dtype: str,
         else:
             text = ("many nodes, slow network: TP inside the node, PP across nodes, DP with "
                     "ZeRO-1 at most (ZeRO-3's traffic would cross the slow network)")
-        if not fits_one:
+        if not layer_fits:
+            text += "; its largest layer does not fit one GPU: tensor parallel is needed"
+        elif not fits_one:
             text += "; the model does not fit one GPU"
     return text, facts
 

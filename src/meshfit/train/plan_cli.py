@@ -98,6 +98,8 @@ def _estimate_parser() -> argparse.ArgumentParser:
                    help="e.g. dp_shard=4,tp=2,zero_stage=3 (axes not named: 1; default: one "
                         "row per layout family of --world-size)")
     p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="refuse a --layout whose tp does not divide it (TP groups across nodes)")
     p.add_argument("--activation-checkpointing", default="none",
                    choices=("none", "selective", "full"))
     return p
@@ -135,7 +137,7 @@ def cmd_estimate(argv: list[str]) -> int:
     from meshfit.memory.estimate import resolve_layout
 
     ns = _estimate_parser().parse_args(argv)
-    for name in ("--world-size", "--micro-batch-size", "--vocab-size"):
+    for name in ("--world-size", "--micro-batch-size", "--vocab-size", "--gpus-per-node"):
         _positive(name, getattr(ns, name.lstrip("-").replace("-", "_")))
     fields = parse_layout(ns.layout) if ns.layout else None
     if fields is not None and "zero_stage" not in fields and fields.get("dp_shard", 1) > 1:
@@ -145,6 +147,10 @@ def cmd_estimate(argv: list[str]) -> int:
     if fields is not None:
         spec = LayoutSpec(micro_batch_size=ns.micro_batch_size,
                           activation_checkpointing=ns.activation_checkpointing, **fields)
+        if ns.gpus_per_node is not None and ns.gpus_per_node % spec.tp:
+            raise ValueError(f"--layout tp={spec.tp} does not divide --gpus-per-node="
+                             f"{ns.gpus_per_node}: tensor-parallel groups would cross nodes; "
+                             "use a tp that divides the GPUs of a node")
         if ns.world_size not in (1, spec.world_size):
             raise ValueError(f"--layout {ns.layout} uses {spec.world_size} processes but "
                              f"--world-size={ns.world_size}; make them agree")
