@@ -162,7 +162,7 @@ def test_more_processes_than_gpus_is_refused(tmp_path, monkeypatch):
 def test_two_gloo_ranks_write_a_calibration(tmp_path, subprocess_env):
     out = tmp_path / "cal.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "meshfit.plan.calibrate", "--nproc", "2", "--cpu", "--out",
+        [sys.executable, "-m", "meshfit.train.cli", "calibrate", "--nproc", "2", "--cpu", "--out",
          str(out), "--sizes", "4K", "64K", "1M"],
         env=subprocess_env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -306,17 +306,17 @@ def _validate(ns) -> tuple[int, Path, tuple[int, ...] | None, bool]:
     return nproc, out, sizes, cpu
 
 
-def cmd_calibrate(argv: list[str]) -> int:
-    """`meshfit calibrate`: check the arguments, then measure on --nproc processes."""
+def cmd_calibrate(argv: list[str], *, launch=None) -> int:
+    """`meshfit calibrate`: check the arguments, then measure here (one process, or as one
+    of the workers) or start --nproc workers through `launch(nproc, module_args)` (the
+    command layer passes meshfit's launcher: `meshfit.train.plan_cli.cmd_calibrate`)."""
     ns = _parser().parse_args(argv)
     nproc, out, sizes, cpu = _validate(ns)  # before any process starts
-    if ns.worker:
+    if ns.worker or nproc == 1:
         return _worker(out, sizes, cpu)
-    if nproc == 1:
-        return _worker(out, sizes, cpu)
-    from meshfit.train import launch  # the launcher only; deferred
-
-    cfg = launch.LaunchConfig(nproc=nproc)
+    if launch is None:
+        raise ValueError(f"--nproc={nproc} starts worker processes: run it as "
+                         f"`meshfit calibrate --nproc {nproc}`")
     # No --nproc here: torchrun's parser would take it for an abbreviation of its own
     # --nproc-per-node. The workers learn the world size from their environment.
     script = ["meshfit.plan.calibrate", "--worker", "--out", str(out)]
@@ -324,7 +324,7 @@ def cmd_calibrate(argv: list[str]) -> int:
         script += ["--sizes", *map(str, sizes)]
     if cpu:
         script.append("--cpu")
-    return launch.run(cfg, script, module=True)
+    return launch(nproc, script)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -231,7 +231,7 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_calibrate(argv: list[str]) -> int:
-    from meshfit.plan.calibrate import cmd_calibrate as run
+    from meshfit.train.plan_cli import cmd_calibrate as run
 
     return run(argv)
 

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["cmd_estimate", "cmd_plan", "parse_layout"]
+__all__ = ["cmd_calibrate", "cmd_estimate", "cmd_plan", "parse_layout"]
 
 GiB = 2**30
 _LAYOUT_KEYS = {"dp_replicate": int, "dp_shard": int, "tp": int, "pp": int, "zero_stage": int,
@@ -315,3 +315,15 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- calibrate
+def cmd_calibrate(argv: list[str]) -> int:
+    """`meshfit calibrate`: `meshfit.plan.calibrate` measures; this starts its workers."""
+    from meshfit.plan.calibrate import cmd_calibrate as calibrate
+    from meshfit.train import launch
+
+    def start(nproc: int, module_args: list[str]) -> int:
+        return launch.run(launch.LaunchConfig(nproc=nproc), module_args, module=True)
+
+    return calibrate(argv, launch=start)

@@ -1,0 +1,248 @@
+"""The memory estimate's closed forms and the layout planner, in one process (no spawn).
+
+Against independent references: the published parameter counts of GPT-2 and Llama-2 (from
+the reference presets and from transformers configs), the ZeRO paper's worked example
+(Rajbhandari et al. 2020: Ψ = 7.5B, N_d = 64 -> 120, 31.4, 16.6, 1.9 GB), Korthikanti et
+al. (2022)'s activation formula per transformer layer (eq. 2-4) for GPT's shape, and the
+multi-GPU guide's decision tree (one scenario per branch). Measured bytes on live layouts
+are in tests/test_estimate_measured.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from meshfit.memory import LayoutSpec, ModelShape, activation_bytes, estimate, model_state_bytes
+from meshfit.plan import DEVICES, INTERCONNECTS, NETWORKS, Cluster, search
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("preset, expected", [("gpt2", 124_439_808),
+                                              ("llama-7b", 6_738_415_616),
+                                              ("llama-70b", 68_976_648_192)])
+def test_exact_parameter_counts_of_presets(preset, expected):
+    assert ModelShape.of(preset).params == expected
+
+
+def test_exact_parameter_counts_of_transformers_configs(tmp_path):
+    import transformers
+
+    transformers.GPT2Config().save_pretrained(tmp_path / "gpt2")
+    transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                             num_attention_heads=32, vocab_size=32000).save_pretrained(
+        tmp_path / "llama")
+    assert ModelShape.of(str(tmp_path / "gpt2" / "config.json")).params == 124_439_808
+    shape = ModelShape.of(str(tmp_path / "llama"))
+    assert shape.params == 6_738_415_616
+    assert (shape.n_layer, shape.d_model, shape.gated_mlp, shape.tied) == (32, 4096, True, False)
+
+
+def test_zero_paper_example_within_one_percent():
+    paper = [120, 31.4, 16.6, 1.9]  # GB per GPU, Figure 1
+    for stage, gb in enumerate(paper):
+        got = model_state_bytes(7.5e9, dp=64, zero_stage=stage)["total"] / 1e9
+        assert round(got, 1) == gb, (stage, got)  # the paper rounds to 0.1 GB (1.875 -> 1.9)
+
+
+def _gpt_shape(**changes) -> ModelShape:
+    return dataclasses.replace(ModelShape.of("gpt2"), **changes)
+
+
+@pytest.mark.parametrize("t, sp", [(1, False), (2, False), (4, False), (4, True)])
+def test_activations_follow_korthikanti_for_gpt_shape(t, sp):
+    """Per layer, 2-byte activations, dropout on, the score matrix saved: s·b·h·(34 +
+    5as/h) without tensor parallel, s·b·h·(10 + 24/t + 5as/(h t)) with it, and
+    s·b·h/t·(34 + 5as/h) with sequence parallel (eq. 2, 3 and 4)."""
+    shape = _gpt_shape(dropout=True)
+    s, b, h, a = 1024, 4, shape.d_model, shape.n_head
+    layout = LayoutSpec(tp=t, sequence_parallel=sp, micro_batch_size=b)
+    got = activation_bytes(shape, layout, seq_len=s, dtype="bf16", attention="math").per_block
+    if sp:
+        want = s * b * h / t * (34 + 5 * a * s / h)
+    else:
+        want = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_checkpointing_keeps_block_inputs_and_pipelines_hold_micro_batches():
+    shape = _gpt_shape()
+    s = 512
+    full = estimate(shape, LayoutSpec(activation_checkpointing="full"), seq_len=s,
+                    dtype="bf16")
+    none = estimate(shape, LayoutSpec(), seq_len=s, dtype="bf16")
+    per_block = none.detail["per_block_activation"]
+    inputs = shape.n_layer * s * shape.d_model * 2
+    logits_and_embedding = 2 * shape.vocab_size * 4 * s + s * shape.d_model * 2
+    assert full.activations == pytest.approx(inputs + per_block + logits_and_embedding)
+    assert none.activations == pytest.approx(shape.n_layer * per_block + logits_and_embedding)
+    gpipe = estimate(shape, LayoutSpec(pp=4, schedule="gpipe", microbatches=8), seq_len=s)
+    one_f = estimate(shape, LayoutSpec(pp=4, schedule="1f1b", microbatches=8), seq_len=s)
+    assert (gpipe.detail["in_flight"], one_f.detail["in_flight"]) == (8, 4)
+    assert gpipe.activations > one_f.activations
+
+
+def test_model_states_follow_the_layout_engine():
+    """ZeRO stages through meshfit's engines: fp32 AdamW states of the whole model on one
+    rank, divided as the Layout's costs say."""
+    shape = ModelShape.of("gpt2")
+    p = shape.params
+    one = estimate(shape, LayoutSpec(), seq_len=128)
+    assert (one.params, one.grads, one.optimizer) == (4 * p, 4 * p, 8 * p)
+    z1 = estimate(shape, LayoutSpec(dp_shard=4, zero_stage=1), seq_len=128)
+    assert (z1.params, z1.grads, z1.optimizer) == (4 * p, 4 * p, 2 * p)
+    z3 = estimate(shape, LayoutSpec(dp_shard=4, zero_stage=3), seq_len=128)
+    assert (z3.params, z3.grads, z3.optimizer) == (p, p, 2 * p)
+    off = estimate(shape, LayoutSpec(dp_shard=4, zero_stage=3, offload=True), seq_len=128)
+    assert off.params + off.grads + off.optimizer == 0 and off.host == 4 * p
+    tp = estimate(shape, LayoutSpec(tp=4), seq_len=128)
+    replicated = p * (1 - shape.tp_split)
+    assert tp.params == pytest.approx(4 * (replicated + (p - replicated) / 4))
+
+
+# ---------------------------------------------------------------------------- the guide
+def _cluster(gpus: int, nodes: int = 1, *, interconnect="nvlink", network="infiniband",
+             memory_gib: float | None = None) -> Cluster:
+    device = DEVICES["h100"]
+    if memory_gib is not None:
+        device = dataclasses.replace(device, memory=memory_gib * GiB)
+    return Cluster(gpus_per_node=gpus, nodes=nodes, device=device,
+                   interconnect=INTERCONNECTS[interconnect], interconnect_name=interconnect,
+                   network=NETWORKS[network], network_name=network)
+
+
+def _best(model, cluster, *, seq_len=1024, batch=64):
+    result = search(model, cluster, seq_len=seq_len, global_batch_size=batch)
+    return result, result.plans[0].layout
+
+
+def test_guide_one_gpu_model_fits():
+    result, best = _best("gpt2", _cluster(1))
+    assert result.scenario.startswith("one GPU: the model fits")
+    assert best.world_size == 1
+
+
+def test_guide_one_node_model_fits_data_parallel():
+    result, best = _best("gpt2", _cluster(8))
+    assert "fits one GPU: data parallel" in result.scenario
+    assert (best.tp, best.pp) == (1, 1)  # DDP or ZeRO: data parallel either way
+
+
+def test_guide_one_node_no_nvlink_prefers_pipeline():
+    result, best = _best("llama-7b", _cluster(8, interconnect="pcie"), seq_len=4096)
+    assert "no NVLink: pipeline parallel is preferred" in result.scenario
+    assert best.pp > 1 and best.tp == 1
+
+
+def test_guide_largest_layer_does_not_fit_needs_tensor_parallel():
+    from meshfit.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        wide = ModelShape.from_module(GPT(GPTConfig(
+            vocab_size=32000, n_layer=4, n_head=64, d_model=16384, d_ff=65536,
+            max_seq_len=2048, bias=False, tie_embeddings=False)), name="wide")
+    result = search(wide, _cluster(8, 2, memory_gib=16), seq_len=1024, global_batch_size=32)
+    assert "largest layer does not fit one GPU: tensor parallel is needed" in result.scenario
+    assert all(p.layout.tp > 1 for p in result.plans)
+
+
+def test_guide_many_nodes_slow_network_keeps_tp_inside_and_pp_across():
+    result, best = _best("llama-70b", _cluster(8, 16, network="ethernet"), seq_len=4096,
+                         batch=512)
+    assert "slow network: TP inside the node, PP across nodes" in result.scenario
+    assert best.pp > 1 and 8 % best.tp == 0
+    assert best.tp * best.dp_shard <= 8  # any ZeRO shard group stays inside a node
+
+
+def test_guide_many_nodes_fast_network():
+    result, best = _best("llama-70b", _cluster(8, 16), seq_len=4096, batch=512)
+    assert "fast network: ZeRO-3/FSDP" in result.scenario
+    assert best.zero_stage == 3 or (best.pp > 1 and best.tp > 1)
+
+
+def test_impossible_request_says_what_would_make_it_possible():
+    with pytest.raises(ValueError, match=r"needs at least \d+ GPUs of that size .* CPU offload"):
+        search("llama-70b", _cluster(1), seq_len=4096, global_batch_size=8)
+
+
+def test_plans_fit_with_the_margin_and_are_ranked():
+    result = search("llama-7b", _cluster(8), seq_len=4096, global_batch_size=64)
+    budget = 80 * GiB * 0.9
+    assert all(p.estimate.total <= budget for p in result.plans)
+    times = [p.step_time_s for p in result.plans]
+    assert times == sorted(times)
+    best = result.plans[0]
+    tokens = 64 * 4096
+    assert best.tokens_per_s == pytest.approx(tokens / best.step_time_s)
+    peak = DEVICES["h100"].flops["bf16"] * 8
+    assert best.mfu == pytest.approx(ModelShape.of("llama-7b").flops_per_token(4096) *
+                                     best.tokens_per_s / peak)
+    assert 0 < best.mfu <= DEVICES["h100"].efficiency
+
+
+# ---------------------------------------------------------------------------- commands
+def test_estimate_json_schema(capsys):
+    from meshfit.train.cli import main
+
+    assert main(["estimate", "gpt2", "--world-size", "4", "--seq-len", "1024", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "gpt2" and out["params"] == 124_439_808
+    assert len(out["layouts"]) >= 6
+    for row in out["layouts"]:
+        assert set(row["layout"]) >= {"dp_replicate", "dp_shard", "tp", "pp", "zero_stage",
+                                      "offload", "schedule", "microbatches",
+                                      "activation_checkpointing", "micro_batch_size"}
+        b = row["per_rank_bytes"]
+        assert set(b) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+        assert b["total"] == pytest.approx(sum(b[k] for k in b if k != "total"), abs=5)
+
+
+def test_plan_json_and_out_config_that_meshfit_train_accepts(capsys, tmp_path):
+    from meshfit.train.cli import main
+    from meshfit.train.config import load_config
+
+    out = tmp_path / "plan.toml"
+    assert main(["plan", "gpt2", "--gpus-per-node", "4", "--gpu", "a100", "--gpu-memory",
+                 "40GiB", "--seq-len", "1024", "--global-batch-size", "32", "--json",
+                 "--out", str(out)]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and all({"layout", "per_rank_bytes", "step_time_s", "tokens_per_s", "mfu",
+                          "why"} <= set(p) for p in plans)
+    assert [p["step_time_s"] for p in plans] == sorted(p["step_time_s"] for p in plans)
+    cfg = load_config(out)
+    layout = cfg.validate_for(4)  # meshfit train's own checks, before any launch
+    best = plans[0]["layout"]
+    assert (layout.dims.dp_shard, layout.dims.tp, layout.dims.pp) == (
+        best["dp_shard"], best["tp"], best["pp"])
+    assert cfg.train.global_batch_size == 32 and cfg.train.seq_len == 1024
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["estimate", "nosuch"], "MODEL='nosuch' is not a preset"),
+    (["plan", "gpt2", "--gpus-per-node", "8", "--gpu-memory", "80XB"],
+     "--gpu-memory='80XB' is not a memory size"),
+    (["estimate", "gpt2", "--layout", "tp=5", "--seq-len", "128"], "12"),
+    (["estimate", "gpt2", "--layout", "tp=4", "--gpus-per-node", "6", "--seq-len", "128"],
+     "tp=4 does not divide --gpus-per-node=6"),
+    (["estimate", "gpt2", "--layout", "tpp=2"], "--layout item 'tpp=2'"),
+    (["plan", "llama-70b", "--gpus-per-node", "1", "--seq-len", "4096"],
+     "needs at least"),
+    (["plan", "gpt2", "--gpus-per-node", "0"], "--gpus-per-node=0 must be >= 1"),
+    (["estimate", "gpt2", "--seq-len", "4096"], "--seq-len=4096 is longer than the 1024"),
+])
+def test_bad_input_is_one_line(cli_refusal, argv, match):
+    assert match in cli_refusal(*argv)
+
+
+def test_flops_per_token_matches_the_reference_gpt():
+    from meshfit.models import GPTConfig
+
+    for preset in ("gpt2", "llama-7b"):
+        cfg = GPTConfig.preset(preset)
+        assert ModelShape.of(preset).flops_per_token(2048) == cfg.flops_per_token(2048)
+    assert math.isfinite(ModelShape.of("tiny").flops_per_token(128))
