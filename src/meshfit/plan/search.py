@@ -64,8 +64,12 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
     def flops(self, dtype: str) -> float:
-        if self.calibration is not None:
-            return self.calibration.matmul_flops[dtype]  # measured: achieved, not peak
+        if self.calibration is not None:  # measured: achieved, not peak
+            measured = self.calibration.matmul_flops.get(dtype)
+            if not measured:
+                raise ValueError(f"the calibration has no {dtype} matmul figure (this device "
+                                 "could not run it); use another --dtype")
+            return measured
         return self.device.flops[dtype] * self.device.efficiency
 
     def collective(self, kind: str, nbytes: float, n: int, span: int) -> float:
