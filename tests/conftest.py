@@ -175,8 +175,11 @@ def _hygiene():
     children = [p for p in mp.active_children()]
     if children:
         problems.append(f"child processes left running: {[p.pid for p in children]}")
-    leaked = [t.name for t in threading.enumerate() if t.ident not in threads_before
-              and t.is_alive() and not t.daemon]
+    new_threads = [t for t in threading.enumerate() if t.ident not in threads_before
+                   and t.is_alive() and not t.daemon]
+    for t in new_threads:  # a pool's worker may still be returning from its shutdown
+        t.join(timeout=5)  # (transformers' from_pretrained loads with a thread pool)
+    leaked = [t.name for t in new_threads if t.is_alive()]
     if leaked:
         problems.append(f"threads left running: {leaked}")
     if problems:
