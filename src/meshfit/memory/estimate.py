@@ -30,10 +30,16 @@ b x s tokens):
 
 For GPT-2's shape (f = 4h, kv = h, dropout, math attention, 2-byte activations) this is
 the paper's 34·s·b·h + 5·a·s²·b bytes. Tensor parallel t divides everything but the norm
-inputs, the two linear inputs and the dropout masks (the paper's 10·s·b·h replicated) by t;
-sequence parallel divides those too. Full checkpointing keeps each block's input (h) and
-recomputes one block at a time in backward (one block's activations more at the peak);
-"selective" (meshfit's default policy: every 2nd block) keeps the inputs of half the blocks.
+inputs, the two linear inputs and the dropout masks (the paper's 10·s·b·h replicated) by t.
+Sequence parallel divides the norm inputs and the masks too, but in `estimate` not the two
+linear inputs: torch's SequenceParallel (what meshfit runs) all-gathers a block's
+sequence-sharded input before the column-parallel linears and autograd saves the gathered
+tensor (measured in tests/test_estimate_measured.py); the paper's eq. 4 assumes Megatron-LM,
+which saves the shard and gathers again in backward (`activation_bytes`'s default,
+``gathered_linear_inputs=False``, gives that form). Full checkpointing keeps each block's
+input (h) and recomputes one block at a time in backward (one block's activations more at
+the peak); "selective" (meshfit's default policy: every 2nd block) keeps the inputs of half
+the blocks.
 Outside the blocks: the embedding output (h) and the logits with the loss's log-softmax (2V
 fp32 elements per token, / t under loss_parallel).
 
@@ -46,9 +52,17 @@ current one and the prefetched next; stage 2 and replicate-only FSDP2: every blo
 from forward to backward) and the reduce-scatter output of one block's gradients; DDP's
 buckets alias the gradients (`gradient_as_bucket_view`), so they cost nothing more.
 
-Known misses (measured in `tests/test_estimate.py` and `benchmarks/planner.py`): allocator
-caching and fragmentation on CUDA, temporaries inside one op (a matmul's output before it
-is saved), and kernel workspaces.
+Known misses (measured in `tests/test_estimate_measured.py` and `benchmarks/planner.py`):
+allocator caching and fragmentation on CUDA, temporaries inside one op (a matmul's output
+before it is saved) and kernel workspaces; the loss's backward, where one more V-sized fp32
+tensor is live (the log-softmax output, its gradient and the logits' gradient: 3V, not 2V);
+FSDP2 under a pipeline, which accumulates the stage's gradients unsharded until the last
+micro-batch (+ the stage's local parameters x 4 B); autocast (bf16/fp16 over fp32 master
+weights), under which the norm inputs stay fp32, the normed input is cast once per
+projection and the low-precision copies of the matmul weights live from forward to
+backward; and what one implementation saves beyond the closed form (norm statistics,
+RMSNorm's normalized input, K/V repeated for grouped-query attention before the kernel,
+transformers' GPT-2 GELU written out), itemized in tests/test_estimate_measured.py.
 """
 
 from __future__ import annotations
@@ -166,10 +180,11 @@ class ActivationBytes:
 
 def _block_elements(shape: ModelShape, seq_len: int, attention: str) -> dict[str, float]:
     """What one block saves per token: elements in the activation dtype that tensor
-    parallel keeps whole ("replicated") or splits ("split"), and raw bytes of masks and
-    log-sum-exp likewise ("replicated_bytes", "split_bytes")."""
+    parallel keeps whole ("replicated": the norm inputs, "linear_inputs") or splits
+    ("split"), and raw bytes of masks and log-sum-exp likewise ("replicated_bytes",
+    "split_bytes")."""
     h, f, kv, a = shape.d_model, shape.d_ff, shape.kv_dim, shape.n_head
-    out = {"replicated": 2 * h + h + h,  # norm inputs, attention input, MLP input
+    out = {"replicated": 2 * h, "linear_inputs": h + h,  # norm inputs; attention, MLP input
            "split": (h + 2 * kv) + h + (4 * f if shape.gated_mlp else 2 * f),
            "replicated_bytes": 0.0, "split_bytes": 0.0}
     if attention == "math":
@@ -186,15 +201,20 @@ def _block_elements(shape: ModelShape, seq_len: int, attention: str) -> dict[str
 
 def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
                      dtype: str = "fp32", attention: str = "flash",
-                     blocks_on_rank: int | None = None) -> ActivationBytes:
+                     blocks_on_rank: int | None = None,
+                     gathered_linear_inputs: bool = False) -> ActivationBytes:
     """Saved activations of one micro-batch of `layout.micro_batch_size` sequences on one
     rank (see the module docstring for the closed form). `attention`: "flash" (or
-    "efficient", "cudnn": no score matrix saved) or "math"."""
+    "efficient", "cudnn": no score matrix saved) or "math". `gathered_linear_inputs`: under
+    sequence parallel, the attention and MLP inputs are saved all-gathered (torch's
+    SequenceParallel, what meshfit runs; `estimate` passes True), not sharded (Megatron-LM,
+    the paper's eq. 4: the default)."""
     act = DTYPE_BYTES[dtype]
     t, sp = layout.tp, layout.sequence_parallel
     tokens = layout.micro_batch_size * seq_len
     e = _block_elements(shape, seq_len, attention)
     per_token = ((e["replicated"] * act + e["replicated_bytes"]) / (t if sp else 1)
+                 + e["linear_inputs"] * act / (t if sp and not gathered_linear_inputs else 1)
                  + (e["split"] * act + e["split_bytes"]) / t)
     per_block = per_token * tokens
     n = blocks_on_rank if blocks_on_rank is not None else math.ceil(shape.n_layer / layout.pp)
@@ -299,7 +319,7 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype
     elif costs.gathered_params == "all_blocks" or costs.extra_param_copies:
         buffers += blocks * block_local * gathered_dtype + block_local * 4
     acts = activation_bytes(shape, layout, seq_len=seq_len, dtype=dtype, attention=attention,
-                            blocks_on_rank=blocks)
+                            blocks_on_rank=blocks, gathered_linear_inputs=True)
     activations = acts.blocks * in_flight(layout) + acts.outside + acts.recompute_peak
     if layout.pp > 1:  # the last stage's logits, when it is the worst rank in activations
         logits = 2 * shape.vocab_size * 4 * layout.micro_batch_size * seq_len / (
