@@ -312,3 +312,29 @@ def test_block_activations_against_saved_tensors(name):
                                  if isinstance(m, nn.Linear))
     else:
         assert copies == 0
+
+
+# ---------------------------------------------------------------------------- plan --validate
+def test_validate_runs_the_plans_that_fit_this_machine():
+    """`meshfit.train.plan_validate.validate` on the planner's top 3 plans for 2 processes
+    (the tiny preset, the "cpu" device table) and one plan of 4 processes, which cannot run
+    here: measured bytes as the test above measures them, within the same 10%."""
+    from meshfit.plan import DEVICES, Cluster, search
+    from meshfit.train.plan_validate import validate
+
+    kwargs = dict(seq_len=128, global_batch_size=8, dtype="fp32")
+    plans = search("tiny", Cluster(gpus_per_node=2, device=DEVICES["cpu"]),
+                   checkpointing=("none",), **kwargs).plans[:3]
+    four = search("tiny", Cluster(gpus_per_node=4, device=DEVICES["cpu"]),
+                  checkpointing=("none",), **kwargs).plans[0]
+    rows = validate([*plans, four], model="tiny", steps=2, nproc=2, **kwargs)
+    assert [r["layout"] for r in rows] == [p.layout.describe() for p in [*plans, four]]
+    for plan, row in zip(plans, rows):
+        assert row["skipped"] is None
+        assert row["predicted_bytes"] == plan.estimate.total + plan.estimate.host
+        assert row["predicted_step_s"] == plan.step_time_s and row["measured_step_s"] > 0
+        assert abs(row["bytes_error"]) < PEAK_REL, row
+        assert row["time_error"] == pytest.approx(
+            (row["predicted_step_s"] - row["measured_step_s"]) / row["measured_step_s"])
+    assert rows[3]["skipped"].startswith("world size 4 != 2 processes")
+    assert rows[3]["measured_bytes"] is None and rows[3]["time_error"] is None

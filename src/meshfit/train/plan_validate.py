@@ -1,0 +1,308 @@
+"""`meshfit plan --validate K`: run the top K plans' layouts here and set what they measure
+beside what the planner predicted.
+
+    rows = validate(result.plans[:K], model="tiny", seq_len=256, global_batch_size=16,
+                    dtype="fp32", steps=3, nproc=4)
+    # [{"layout", "predicted_bytes", "measured_bytes", "predicted_step_s",
+    #   "measured_step_s", "bytes_error", "time_error", "skipped"}, ...]
+
+All plans that can run (those whose world size is `nproc`) run in ONE start of `nproc` local
+processes (a process group on 127.0.0.1, the backend and device `meshfit.distributed.init`
+picks: NCCL and one GPU per process where CUDA is, gloo and the CPU otherwise or with
+MESHFIT_CPU=1), one plan after another, each through `Accelerator` as `meshfit train` runs
+it (`prepare` or `prepare_pipeline` with the plan's schedule and micro-batches, the plan's
+micro-batch size, gradient accumulation to the global batch, activation checkpointing,
+mixed precision) on random tokens, with `optimizer` (AdamW by default). The model is built
+from MODEL as `meshfit plan` reads it (a preset, a transformers config.json or folder, or
+module:function), the same weights on every rank (seed 0).
+
+What is measured, per plan:
+
+- ``measured_step_s``: seconds per optimizer step, every rank waiting for the others at
+  both ends (a barrier), the median of the steps after the first (the first builds the
+  optimizer state and, under DDP, its buckets); `steps` >= 2.
+- ``measured_bytes``: the peak on the worst rank of what the estimate models: on CUDA,
+  `torch.cuda.max_memory_allocated` over the last step (the allocator's figure: it also
+  counts temporaries and the cached-but-live blocks of one op); on the CPU, the model
+  states `meshfit.memory.rank_report` counts (parameters, gradients, optimizer state,
+  buffers, after a step, gradients kept) plus the largest net allocation during one more
+  forward and backward, from the profiler's allocation and free events in time order
+  (tests/test_estimate_measured.py measures the same way and states its tolerances).
+  ``predicted_bytes`` is the plan's per-rank total; on the CPU, plus its offloaded bytes
+  (host and device memory are one there).
+- ``bytes_error`` and ``time_error``: (predicted - measured) / measured.
+
+A plan whose world size is not `nproc` is returned with ``skipped`` set to the reason and
+the measured fields None (a plan for 8 GPUs cannot run on 4 processes).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import statistics
+import time
+import traceback
+
+__all__ = ["validate"]
+
+
+def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: str,
+             steps: int = 3, nproc: int, optimizer: str = "adamw",
+             timeout_s: float = 1800.0) -> list[dict]:
+    """Run each of `plans` (`meshfit.plan.Plan`s, e.g. ``search(...).plans[:K]``) whose
+    world size is `nproc` for `steps` optimizer steps on `nproc` local processes and return
+    one row per plan, in order (see the module docstring). `dtype`: "fp32", "bf16" or
+    "fp16" (autocast over fp32 master weights, as the planner assumed)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"steps={steps!r} must be an integer >= 2 (the first step is not "
+                         "timed)")
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r} must be an integer >= 1")
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"dtype={dtype!r} must be 'fp32', 'bf16' or 'fp16'")
+    rows, jobs = [], []
+    for i, plan in enumerate(plans):
+        lay = plan.layout
+        row = {"layout": lay.describe(), "predicted_bytes": float(plan.estimate.total),
+               "measured_bytes": None, "predicted_step_s": float(plan.step_time_s),
+               "measured_step_s": None, "bytes_error": None, "time_error": None,
+               "skipped": None, "_host": float(plan.estimate.host)}
+        if lay.world_size != nproc:
+            row["skipped"] = (f"world size {lay.world_size} != {nproc} processes here; only "
+                              f"layouts of {nproc} can run")
+        elif global_batch_size % lay.dp or (global_batch_size // lay.dp) % (
+                lay.micro_batch_size * (lay.microbatches if lay.pp > 1 else 1)):
+            row["skipped"] = (f"global batch {global_batch_size} does not divide into "
+                              f"{lay.dp} data-parallel ranks x micro-batches of "
+                              f"{lay.micro_batch_size}")
+        else:
+            jobs.append((i, lay.to_json() | {"virtual_stages": lay.virtual_stages,
+                                             "loss_parallel": lay.loss_parallel}))
+        rows.append(row)
+    if jobs:
+        results = _spawn(nproc, (jobs, model, seq_len, global_batch_size, dtype, steps,
+                                 optimizer), timeout_s)
+        for i, _ in jobs:
+            per_rank = [r[i] for r in results]
+            row = rows[i]
+            cpu = per_rank[0]["device"] == "cpu"
+            if cpu:
+                row["predicted_bytes"] += row["_host"]
+            row["measured_bytes"] = float(max(r["peak_bytes"] for r in per_rank))
+            row["measured_step_s"] = float(max(r["step_s"] for r in per_rank))
+            row["bytes_error"] = (row["predicted_bytes"] - row["measured_bytes"]) / \
+                row["measured_bytes"]
+            row["time_error"] = (row["predicted_step_s"] - row["measured_step_s"]) / \
+                row["measured_step_s"]
+    for row in rows:
+        del row["_host"]
+    return rows
+
+
+# ---------------------------------------------------------------------------- the processes
+def _spawn(nproc: int, args: tuple, timeout_s: float) -> list:
+    """`_run_plans(*args)` on `nproc` spawned ranks (or in this process for one); each
+    rank's result, in rank order."""
+    import torch
+
+    if nproc == 1:
+        return [_run_plans(0, *args)]
+    from meshfit.train.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, args, queue))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    error = None
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(results) < nproc and error is None:
+            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                error = f"rank {rank}: {payload}"
+    finally:
+        for p in procs:
+            p.join(timeout=30 if error is None else 5)
+            if p.is_alive():  # our own children only, by their handle
+                p.kill()
+                p.join()
+    if error is not None:
+        raise RuntimeError(f"plan validation failed on {error}")
+    return [results[r] for r in range(nproc)]
+
+
+def _rank_main(rank: int, world: int, port: int, args: tuple, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: one intra-op thread per rank
+        torch.set_num_threads(1)
+    try:
+        from meshfit.distributed import init
+
+        init()
+        out = _run_plans(rank, *args)
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _build(model: str, seed: int = 0):
+    """MODEL as `meshfit plan` reads it, materialised with the same weights on every rank."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from meshfit.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    if model in GPTConfig.preset_names():
+        return GPT(GPTConfig.preset(model))
+    path = Path(model).expanduser()
+    if path.suffix == ".json" or path.is_dir():
+        import transformers
+
+        config = path / "config.json" if path.is_dir() else path
+        return transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(str(config)))
+    module, _, attr = model.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return getattr(importlib.import_module(module), attr)()
+
+
+def _loss(model, x, y):
+    import torch.nn.functional as F
+
+    from meshfit.models import GPT
+
+    if isinstance(getattr(model, "module", model), GPT):
+        return model(x, y)
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def _peak_bytes(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def _run_plans(rank, jobs, model_spec, seq_len, global_batch_size, dtype, steps, optimizer):
+    out = {}
+    for i, layout in jobs:
+        out[i] = _run_one(rank, layout, model_spec, seq_len, global_batch_size, dtype, steps,
+                          optimizer)
+    return out
+
+
+def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, optimizer):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from meshfit import Accelerator, ParallelDims, optim
+    from meshfit.memory import rank_report
+
+    pp = lay["pp"]
+    dp = lay["dp_replicate"] * lay["dp_shard"]
+    m = lay["microbatches"] if pp > 1 else 1
+    mbs = lay["micro_batch_size"]
+    accum = global_batch_size // dp // (mbs * m)
+    dims = ParallelDims(pp=pp, dp_replicate=lay["dp_replicate"], dp_shard=lay["dp_shard"],
+                        tp=lay["tp"])
+    acc = Accelerator(parallel=dims, zero_stage=lay["zero_stage"],
+                      offload="cpu" if lay["offload"] else "none",
+                      sequence_parallel=lay["sequence_parallel"],
+                      loss_parallel=lay["loss_parallel"],
+                      mixed_precision="no" if dtype == "fp32" else dtype,
+                      activation_checkpointing=lay["activation_checkpointing"],
+                      gradient_accumulation_steps=accum)
+    model = _build(model_spec)
+    vocab = model.config.vocab_size  # GPTConfig and transformers configs alike
+    if pp > 1:
+        prepared = acc.prepare_pipeline(
+            model, schedule=lay["schedule"], microbatches=m,
+            virtual_stages=lay["virtual_stages"] if lay["virtual_stages"] > 1 else None)
+        measured = nn.ModuleList(prepared.wrapped_modules)
+    else:
+        prepared = measured = acc.prepare(model)
+    opt = acc.prepare(optim.build(optimizer, measured, lr=1e-4))
+    g = torch.Generator().manual_seed(1000 + acc.runtime.dp_rank)
+    rows = mbs * m
+    batches = []
+    for _ in range(accum):
+        tokens = torch.randint(0, vocab, (rows, seq_len + 1), generator=g).to(acc.device)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+
+    def micro_step(x, y):
+        with acc.accumulate():
+            if pp > 1:
+                prepared.step(x, y, scale=1 / accum)
+            else:
+                acc.backward(_loss(prepared, x, y))
+            opt.step()
+            opt.zero_grad()
+
+    cuda = acc.device.type == "cuda"
+    times = []
+    for step in range(steps):
+        if cuda and step == steps - 1:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(acc.device)
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        for x, y in batches:
+            micro_step(x, y)
+        if cuda:
+            torch.cuda.synchronize()
+        if dist.is_initialized():
+            dist.barrier()
+        times.append(time.perf_counter() - start)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(acc.device)
+    else:
+        # Model states with the gradients present (one more forward and backward, not
+        # stepped), then the largest net allocation of another, as the estimate counts.
+        x, y = batches[0]
+
+        def forward_backward():
+            with acc.accumulate():
+                if pp > 1:
+                    prepared.step(x, y, scale=1 / accum)
+                else:
+                    acc.backward(_loss(prepared, x, y))
+
+        forward_backward()
+        states = rank_report(measured, opt).total_bytes
+        peak = states + _peak_bytes(forward_backward)
+        opt.zero_grad()
+    return {"device": acc.device.type, "step_s": statistics.median(times[1:]),
+            "peak_bytes": peak, "rank": rank}
