@@ -224,6 +224,11 @@ def _plan_parser() -> argparse.ArgumentParser:
                         "collectives instead of the device table)")
     p.add_argument("--top", type=int, default=5, help="layouts printed (default 5)")
     p.add_argument("--out", default=None, help="write the best layout as a meshfit train TOML")
+    p.add_argument("--validate", type=int, default=0, metavar="K",
+                   help="run the top K layouts here for a few steps and print predicted vs "
+                        "measured per-rank bytes and step time (layouts of --gpus-per-node x "
+                        "--nodes processes, all on this machine)")
+    p.add_argument("--validate-steps", type=int, default=3, help=argparse.SUPPRESS)
     return p
 
 
@@ -235,6 +240,8 @@ def cmd_plan(argv: list[str]) -> int:
     ns = _plan_parser().parse_args(argv)
     for name in ("--gpus-per-node", "--nodes", "--global-batch-size", "--top", "--vocab-size"):
         _positive(name, getattr(ns, name.lstrip("-").replace("-", "_")))
+    if ns.validate < 0:
+        raise ValueError(f"--validate={ns.validate} must be >= 0 (the layouts to run)")
     if not 0 <= ns.margin < 1:
         raise ValueError(f"--margin={ns.margin} must be in [0, 1), e.g. 0.1")
     device = DEVICES[ns.gpu]
@@ -258,9 +265,18 @@ def cmd_plan(argv: list[str]) -> int:
     plans = result.plans[:ns.top]
     if ns.out is not None:
         Path(ns.out).write_text(plan_toml(ns, plans[0], batch))
+    rows = []
+    if ns.validate:
+        from meshfit.train.plan_validate import validate
+
+        rows = validate(result.plans[:ns.validate], model=ns.model, seq_len=ns.seq_len,
+                        global_batch_size=batch, dtype=ns.dtype, steps=ns.validate_steps,
+                        nproc=cluster.world_size, optimizer=ns.optimizer)
     if ns.json:
         out = result.to_json()
         out["plans"] = out["plans"][:ns.top]
+        if rows:
+            out["validation"] = rows
         print(json.dumps(out, indent=2))
         return 0
     print(f"{shape.name}: {shape.params:,} parameters on {ns.nodes} x {ns.gpus_per_node} "
@@ -271,11 +287,22 @@ def cmd_plan(argv: list[str]) -> int:
           f"fit; {result.refused} layouts refused by meshfit's rules")
     for i, p in enumerate(plans, 1):
         b = p.estimate.per_rank_bytes
+        unit, scale = ("GiB", GiB) if b["total"] >= GiB else ("MiB", 2**20)
         print(f"{i}. {p.layout.describe()}")
-        print(f"   {b['total'] / GiB:.1f} GiB per rank (states "
-              f"{(b['params'] + b['grads'] + b['optimizer']) / GiB:.1f}, activations "
-              f"{b['activations'] / GiB:.1f}, buffers {b['buffers'] / GiB:.1f}); step "
+        print(f"   {b['total'] / scale:.1f} {unit} per rank (states "
+              f"{(b['params'] + b['grads'] + b['optimizer']) / scale:.1f}, activations "
+              f"{b['activations'] / scale:.1f}, buffers {b['buffers'] / scale:.1f}); step "
               f"{p.step_time_s:.3g} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}")
+    if rows:
+        print("validation (this machine): predicted vs measured per-rank bytes and step time")
+        for row in rows:
+            if row.get("skipped"):
+                print(f"   {row['layout']}: skipped ({row['skipped']})")
+                continue
+            print(f"   {row['layout']}: {row['predicted_bytes'] / GiB:.3f} vs "
+                  f"{row['measured_bytes'] / GiB:.3f} GiB ({row['bytes_error']:+.0%}), "
+                  f"{row['predicted_step_s']:.3g} vs {row['measured_step_s']:.3g} s "
+                  f"({row['time_error']:+.0%})")
     if ns.out is not None:
         print(f"wrote {ns.out}: meshfit train --nproc {ns.gpus_per_node} --nnodes {ns.nodes} "
               f"--config {ns.out}")
