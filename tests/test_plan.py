@@ -246,3 +246,26 @@ def test_flops_per_token_matches_the_reference_gpt():
         cfg = GPTConfig.preset(preset)
         assert ModelShape.of(preset).flops_per_token(2048) == cfg.flops_per_token(2048)
     assert math.isfinite(ModelShape.of("tiny").flops_per_token(128))
+
+
+def test_plan_validate_prints_predicted_beside_measured(capsys, monkeypatch):
+    """The flag's wiring (the measuring itself: tests/test_estimate_measured.py)."""
+    from meshfit.train import plan_validate
+    from meshfit.train.cli import main
+
+    seen = {}
+
+    def fake(plans, **kwargs):
+        seen.update(kwargs, n=len(plans))
+        return [{"layout": plans[0].layout.describe(), "predicted_bytes": 2.0 * GiB,
+                 "measured_bytes": 2.5 * GiB, "predicted_step_s": 1.0, "measured_step_s": 0.8,
+                 "bytes_error": -0.2, "time_error": 0.25, "skipped": None},
+                {"layout": "pp 2", "skipped": "world size 4, not 2"}]
+
+    monkeypatch.setattr(plan_validate, "validate", fake)
+    assert main(["plan", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--seq-len", "128",
+                 "--global-batch-size", "8", "--dtype", "fp32", "--validate", "2"]) == 0
+    out = capsys.readouterr().out
+    assert seen["nproc"] == 2 and seen["n"] == 2 and seen["dtype"] == "fp32"
+    assert "2.000 vs 2.500 GiB (-20%), 1 vs 0.8 s (+25%)" in out
+    assert "pp 2: skipped (world size 4, not 2)" in out
