@@ -14,7 +14,7 @@ if the peak were taken there), keeping its gradients, then:
   objects) against the estimate's params, grads and optimizer, within 2% on every rank (for
   pipelines, the estimate's worst rank against the largest rank). The estimate omits
   AdamW's 4-byte `step` per tensor (~300 B here) and ZeRO-1's whole-tensor partition; on
-  this model both stay far below 2% (measured: <= 0.01%).
+  this model both stay far below 2% (measured: <= 0.02%).
 - **peak**: what the estimate claims to model is every byte held by live tensors at the
   step's peak: model states + saved activations + gathered parameters and gradient buffers.
   Measured: the rank's model states (`rank_report`, all present: gradients are kept) plus
@@ -25,8 +25,10 @@ if the peak were taken there), keeping its gradients, then:
   can see a buffer or two more: up to 2 MiB here). The estimate within 10% of the largest
   rank's measured peak: it leaves out temporaries (a gradient being computed next to the
   activations it frees, the f-sized ones of the MLP's backward), the loss's third V-sized
-  tensor, pipeline stages' send/receive buffers, FSDP2's whole gradients under pp (each
-  measured below 10% of the peak here; see src/meshfit/memory/estimate.py's known misses).
+  tensor and pipeline stages' send/receive buffers (measured: -0.7% to -8%; see
+  src/meshfit/memory/estimate.py's known misses). One miss decides a layout's 10% and is
+  added to the estimate here by name (`KNOWN_MISSES`, each checked to be missing): FSDP2's
+  whole unsharded gradients under a pipeline (pp 2 x dp_replicate 2: -10.1% without it).
 
 **Activations per block** (no spawn): one block's forward in fp32 under
 `torch.autograd.graph.saved_tensors_hooks`, each storage counted once, parameters and
