@@ -40,8 +40,8 @@ which saves the shard and gathers again in backward (`activation_bytes`'s defaul
 input (h) and recomputes one block at a time in backward (one block's activations more at
 the peak); "selective" (meshfit's default policy: every 2nd block) keeps the inputs of half
 the blocks.
-Outside the blocks: the embedding output (h) and the logits with the loss's log-softmax (2V
-fp32 elements per token, / t under loss_parallel).
+Outside the blocks, on the last stage: the final norm's and the head's inputs (2h) and the
+loss (3V fp32 elements per token, / t under loss_parallel; below).
 
 Pipelines hold several micro-batches at once on their first stage (Narayanan et al. 2021):
 GPipe all m of them, 1F1B min(m, p), interleaved 1F1B p·(1 + (p-1)/(p·v)) stage-chunks,
@@ -52,17 +52,22 @@ current one and the prefetched next; stage 2 and replicate-only FSDP2: every blo
 from forward to backward) and the reduce-scatter output of one block's gradients; DDP's
 buckets alias the gradients (`gradient_as_bucket_view`), so they cost nothing more.
 
-Known misses (measured in `tests/test_estimate_measured.py` and `benchmarks/planner.py`):
-allocator caching and fragmentation on CUDA, temporaries inside one op (a matmul's output
-before it is saved) and kernel workspaces; the loss's backward, where one more V-sized fp32
-tensor is live (the log-softmax output, its gradient and the logits' gradient: 3V, not 2V);
-FSDP2 under a pipeline, which accumulates the stage's gradients unsharded until the last
-micro-batch (+ the stage's local parameters x 4 B); autocast (bf16/fp16 over fp32 master
-weights), under which the norm inputs stay fp32, the normed input is cast once per
-projection and the low-precision copies of the matmul weights live from forward to
-backward; and what one implementation saves beyond the closed form (norm statistics,
+Also counted, found by measuring (tests/test_estimate_measured.py): the loss's backward holds
+3V fp32 per token (log-softmax output, its gradient and the logits' gradient); FSDP2 under a
+pipeline accumulates the stage's gradients unsharded until the last micro-batch (+ the
+stage's local parameters x 4 B of buffers); autocast (bf16/fp16 over fp32 masters) keeps the
+residual stream, the norm inputs and a checkpointed block's input in fp32, casts the normed
+input once per projection (q, k, v; SwiGLU's gate and up), and keeps low-precision copies of
+the weights from forward to backward when FSDP2 does not gather them in low precision.
+
+Known misses (measured there and in `benchmarks/planner.py`): allocator caching and
+fragmentation on CUDA, temporaries inside one op (a matmul's output before it is saved) and
+kernel workspaces; what one implementation saves beyond the closed form (norm statistics,
 RMSNorm's normalized input, K/V repeated for grouped-query attention before the kernel,
-transformers' GPT-2 GELU written out), itemized in tests/test_estimate_measured.py.
+transformers' GPT-2 GELU written out; a fused q|k|v projection casts its input once, not
+three times), itemized in the test; zero-bubble pipelines' deferred weight-gradient inputs
+(the estimate holds min(m, p) micro-batches: 27-35% low in the benchmark); FSDP2's padding
+of dim 0 to a multiple of the shard count (+13% for GPT-2's states at 512 ranks).
 """
 
 from __future__ import annotations
@@ -202,23 +207,33 @@ def _block_elements(shape: ModelShape, seq_len: int, attention: str) -> dict[str
 def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
                      dtype: str = "fp32", attention: str = "flash",
                      blocks_on_rank: int | None = None,
-                     gathered_linear_inputs: bool = False) -> ActivationBytes:
+                     gathered_linear_inputs: bool = False,
+                     autocast: bool = False) -> ActivationBytes:
     """Saved activations of one micro-batch of `layout.micro_batch_size` sequences on one
     rank (see the module docstring for the closed form). `attention`: "flash" (or
     "efficient", "cudnn": no score matrix saved) or "math". `gathered_linear_inputs`: under
     sequence parallel, the attention and MLP inputs are saved all-gathered (torch's
     SequenceParallel, what meshfit runs; `estimate` passes True), not sharded (Megatron-LM,
-    the paper's eq. 4: the default)."""
+    the paper's eq. 4: the default). `autocast`: bf16/fp16 by autocast over fp32 (what
+    meshfit runs; `estimate` passes it): the residual stream, and so the norm inputs and a
+    checkpointed block's input, stay fp32, and each of the separate q/k/v (and SwiGLU's gate
+    and up) projections saves its own low-precision copy of its input; off, every activation
+    is in `dtype` as in the paper."""
     act = DTYPE_BYTES[dtype]
+    residual = 4 if autocast and act < 4 else act
     t, sp = layout.tp, layout.sequence_parallel
     tokens = layout.micro_batch_size * seq_len
     e = _block_elements(shape, seq_len, attention)
+    if autocast and act < 4:
+        h = shape.d_model
+        e["replicated_bytes"] += 2 * h * (residual - act)  # norm inputs in fp32
+        e["linear_inputs"] += 2 * h + (h if shape.gated_mlp else 0)  # per-projection casts
     per_token = ((e["replicated"] * act + e["replicated_bytes"]) / (t if sp else 1)
                  + e["linear_inputs"] * act / (t if sp and not gathered_linear_inputs else 1)
                  + (e["split"] * act + e["split_bytes"]) / t)
     per_block = per_token * tokens
     n = blocks_on_rank if blocks_on_rank is not None else math.ceil(shape.n_layer / layout.pp)
-    block_input = shape.d_model * act * tokens / (t if sp else 1)
+    block_input = shape.d_model * residual * tokens / (t if sp else 1)
     mode = layout.activation_checkpointing
     if mode == "full":
         blocks, recompute = n * block_input, per_block
@@ -227,11 +242,20 @@ def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
         blocks, recompute = kept * per_block + (n // 2) * block_input, per_block if n > 1 else 0
     else:
         blocks, recompute = n * per_block, 0.0
-    outside = shape.d_model * act * tokens / (t if sp else 1)  # embedding output
-    last_stage_logits = 2 * shape.vocab_size * 4 * tokens / (t if layout.loss_parallel else 1)
-    outside += last_stage_logits if layout.pp == 1 else 0.0
+    outside = _head_bytes(shape, layout, tokens, act, residual) if layout.pp == 1 else 0.0
     return ActivationBytes(per_block=per_block, blocks=blocks, outside=outside,
                            recompute_peak=recompute)
+
+
+def _head_bytes(shape: ModelShape, layout: LayoutSpec, tokens: int, act: int,
+                residual: int) -> float:
+    """The last stage's activations outside the blocks: the final norm's input (the
+    residual stream) and the head's input, and the loss: fp32 logits, their log-softmax
+    and its gradient alive together in the loss's backward (3V per token; / t under
+    loss_parallel)."""
+    t = layout.tp
+    inputs = shape.d_model * (residual + act) * tokens / (t if layout.sequence_parallel else 1)
+    return inputs + 3 * shape.vocab_size * 4 * tokens / (t if layout.loss_parallel else 1)
 
 
 def in_flight(layout: LayoutSpec) -> float:
@@ -318,13 +342,24 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype
         buffers += 2 * block_local * gathered_dtype + block_local * 4  # + reduce-scatter out
     elif costs.gathered_params == "all_blocks" or costs.extra_param_copies:
         buffers += blocks * block_local * gathered_dtype + block_local * 4
+    if layout.pp > 1 and resolved.is_fsdp:
+        # torch's schedules turn gradient sync off until the last micro-batch: the stage's
+        # unsharded gradients accumulate whole beside the sharded ones
+        buffers += local * 4
+    autocast = DTYPE_BYTES[dtype] < 4
+    if autocast and resolved.param_dtype is None:
+        # autocast's low-precision copies of the weights, kept from forward to backward
+        # (FSDP2 gathers in the low precision instead: counted above)
+        buffers += local * DTYPE_BYTES[dtype]
     acts = activation_bytes(shape, layout, seq_len=seq_len, dtype=dtype, attention=attention,
-                            blocks_on_rank=blocks, gathered_linear_inputs=True)
+                            blocks_on_rank=blocks, gathered_linear_inputs=True,
+                            autocast=autocast)
     activations = acts.blocks * in_flight(layout) + acts.outside + acts.recompute_peak
-    if layout.pp > 1:  # the last stage's logits, when it is the worst rank in activations
-        logits = 2 * shape.vocab_size * 4 * layout.micro_batch_size * seq_len / (
-            t if layout.loss_parallel else 1)
-        activations = max(activations, acts.blocks + acts.recompute_peak + logits)
+    if layout.pp > 1:  # the last stage's head and loss, when it is the worst rank
+        residual = 4 if autocast else DTYPE_BYTES[dtype]
+        head = _head_bytes(shape, layout, layout.micro_batch_size * seq_len,
+                           DTYPE_BYTES[dtype], residual)
+        activations = max(activations, acts.blocks + acts.recompute_peak + head)
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
                     activations=activations, buffers=buffers, host=host,
                     detail={"blocks_on_rank": blocks, "per_block_activation": acts.per_block,

@@ -328,7 +328,8 @@ def _impossible(shape: ModelShape, cluster: Cluster, budget: float, *, seq_len: 
     smallest = estimate(shape, LayoutSpec(activation_checkpointing="full"), seq_len=seq_len,
                         dtype=dtype, optimizer=optimizer)
     states = smallest.params + smallest.grads + smallest.optimizer
-    rest = smallest.activations + smallest.buffers
+    # ZeRO-3's buffers: two gathered blocks in the compute dtype and one block's gradients
+    rest = smallest.activations + shape.block_params * (2 * DTYPE_BYTES[dtype] + 4)
     if rest >= budget:
         return (f"no layout fits {cluster.world_size} GPU(s) of {cluster.device.memory / GiB:.0f}"
                 f" GiB: even one sequence of {seq_len} tokens needs "
