@@ -6,5 +6,6 @@
 
 from meshfit.models.config import GPTConfig
 from meshfit.models.gpt import GPT, Block, count_params
+from meshfit.models.moe import MoE
 
-__all__ = ["GPT", "GPTConfig", "Block", "count_params"]
+__all__ = ["GPT", "GPTConfig", "Block", "MoE", "count_params"]

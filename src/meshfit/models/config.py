@@ -16,6 +16,7 @@ NormKind = Literal["layernorm", "rmsnorm"]
 MlpKind = Literal["gelu", "swiglu"]
 PosKind = Literal["learned", "rope"]
 AttentionBackend = Literal["auto", "math", "flash", "efficient", "cudnn"]
+RouterKind = Literal["softmax_topk", "sigmoid_topk"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +62,33 @@ class GPTConfig:
     PyTorch's CPU flash kernel), "efficient" (memory-efficient, xFormers' kernel; CUDA) or
     "cudnn" (cuDNN attention; recent NVIDIA GPUs). Not a shape: parameter counts ignore it."""
 
+    # ---- mixture of experts (see `meshfit.models.moe.MoE`); n_experts=0 keeps the dense model
+    n_experts: int = 0
+    """Number of routed experts in each MoE block; 0 = dense model (every other MoE field is
+    then ignored, and the model is exactly the dense one)."""
+    top_k: int = 2
+    """Experts each token is routed to (token choice); must be <= n_experts."""
+    moe_every: int = 1
+    """Block i is an MoE block when (i + 1) % moe_every == 0: 1 = every block (Mixtral),
+    2 = blocks 1, 3, 5, ... (GShard / Switch alternate dense and MoE blocks)."""
+    moe_d_ff: int | None = None
+    """Hidden width of each expert (and of the shared expert); None means `d_ff`."""
+    shared_experts: int = 0
+    """0 or 1: a dense expert (an ordinary MLP of width moe_d_ff) every token passes through,
+    added to the routed experts' output (DeepSeekMoE)."""
+    router: RouterKind = "softmax_topk"
+    """"softmax_topk": softmax over all experts, keep the top k, renormalise their weights to
+    sum to 1 (Mixtral). "sigmoid_topk": independent sigmoid scores, keep the top k, normalise
+    them to sum to 1 (DeepSeek-V3)."""
+    capacity_factor: float | None = None
+    """None = dropless. Otherwise each expert takes at most ceil(cf * tokens * top_k /
+    n_experts) assignments per forward; the earliest tokens win, the rest are dropped (the
+    token keeps only its residual and any other expert's output)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch/GShard load-balancing loss E * sum_e f_e * P_e."""
+    router_z_loss_coef: float = 0.001
+    """Weight of the ST-MoE router z-loss mean(logsumexp(logits)^2)."""
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "max_seq_len"):
             _check_positive_int(name, getattr(self, name))
@@ -96,6 +124,37 @@ class GPTConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive finite number")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"GPTConfig.n_experts={self.n_experts!r} must be a non-negative "
+                             "integer (0 = dense)")
+        for name in ("top_k", "moe_every"):
+            _check_positive_int(name, getattr(self, name))
+        if self.moe_d_ff is not None:
+            _check_positive_int("moe_d_ff", self.moe_d_ff)
+        if self.shared_experts not in (0, 1) or isinstance(self.shared_experts, bool):
+            raise ValueError(f"GPTConfig.shared_experts={self.shared_experts!r} must be 0 or 1")
+        if self.router not in get_args(RouterKind):
+            raise ValueError(f"GPTConfig.router={self.router!r} is not supported; use one of "
+                             f"{get_args(RouterKind)}")
+        cf = self.capacity_factor
+        if cf is not None and not (isinstance(cf, (int, float)) and not isinstance(cf, bool)
+                                   and math.isfinite(cf) and cf > 0):
+            raise ValueError(f"GPTConfig.capacity_factor={cf!r} must be a positive finite "
+                             "number, or None for dropless routing")
+        for name in ("aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"GPTConfig.{name}={value!r} must be a finite number >= 0")
+        if self.n_experts:
+            if self.top_k > self.n_experts:
+                raise ValueError(f"GPTConfig.top_k={self.top_k} must be <= n_experts="
+                                 f"{self.n_experts}")
+            if self.moe_every > self.n_layer:
+                raise ValueError(f"GPTConfig.moe_every={self.moe_every} exceeds n_layer="
+                                 f"{self.n_layer}, so no block would be MoE; use <= n_layer")
 
     # ----------------------------------------------------------------- derived sizes
     @property
@@ -106,6 +165,19 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def expert_d_ff(self) -> int:
+        """Hidden width of each expert: `moe_d_ff` with None resolved to `d_ff`."""
+        return self.d_ff if self.moe_d_ff is None else self.moe_d_ff
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block `i` (0-based) holds an MoE instead of a dense MLP."""
+        return self.n_experts > 0 and (i + 1) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layer))
 
     # ----------------------------------------------------------------- presets
     @classmethod
@@ -135,17 +207,39 @@ class GPTConfig:
         norm = d * (2 if self.norm == "layernorm" and self.bias else 1)
         kv = self.kv_heads * self.head_dim
         attn = 2 * d * d + 2 * d * kv + b * (2 * d + 2 * kv)  # wq, wo + wk, wv (+ biases)
-        if self.mlp == "gelu":
-            mlp = 2 * d * f + b * (f + d)
-        else:
-            mlp = 3 * d * f + b * (2 * f + d)
+        mlp = self._mlp_params(f)
+        n_moe = self.n_moe_layers
+        layers = self.n_layer * (2 * norm + attn) + (self.n_layer - n_moe) * mlp
+        if n_moe:
+            layers += n_moe * self._moe_params(self.n_experts)
         return {
             "tok_emb": self.vocab_size * d,
             "pos_emb": self.max_seq_len * d if self.pos == "learned" else 0,
-            "layers": self.n_layer * (2 * norm + attn + mlp),
+            "layers": layers,
             "norm": norm,
             "lm_head": 0 if self.tie_embeddings else self.vocab_size * d,
         }
+
+    def _mlp_params(self, f: int) -> int:
+        """A dense MLP (GeluMLP / SwiGLUMLP) of hidden width f, with biases if `bias`."""
+        d, b = self.d_model, int(self.bias)
+        return 2 * d * f + b * (f + d) if self.mlp == "gelu" else 3 * d * f + b * (2 * f + d)
+
+    def _moe_params(self, experts: int) -> int:
+        """One MoE block counting `experts` routed experts: router (d x E, no bias) +
+        bias-free stacked expert weights + the optional shared expert (a dense MLP)."""
+        d, f = self.d_model, self.expert_d_ff
+        per_expert = (2 if self.mlp == "gelu" else 3) * d * f
+        return d * self.n_experts + experts * per_expert + self.shared_experts * self._mlp_params(f)
+
+    def num_active_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameters used per token: `num_params` with each MoE block counting only its
+        top_k routed experts (router, shared expert and everything else in full). Equals
+        `num_params` for a dense model."""
+        n = self.num_params(exclude_embeddings)
+        if self.n_experts:
+            n -= self.n_moe_layers * (self._moe_params(self.n_experts) - self._moe_params(self.top_k))
+        return n
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Closed-form count of unique parameters; equals `GPT(self).num_params(...)`.
@@ -167,10 +261,14 @@ class GPTConfig:
         N counts parameters that take part in a matmul: the layers, the final norm and the
         output head (V·d, tied or not), but not embedding lookups, which cost no FLOPs.
         Like PaLM we count the full T×T score matrix, ignoring the causal mask's half.
+        For a mixture of experts N counts active parameters (`num_active_params`): the
+        top_k experts a token visits, not all of them; routing itself (sort, gather) is
+        not a matmul and is not counted.
         """
         _check_positive_int("seq_len", seq_len, owner="flops_per_token")
         parts = self.param_breakdown()
-        n_matmul = parts["layers"] + parts["norm"] + self.vocab_size * self.d_model
+        inactive = self.num_params() - self.num_active_params()
+        n_matmul = parts["layers"] - inactive + parts["norm"] + self.vocab_size * self.d_model
         return 6 * n_matmul + 12 * self.n_layer * self.d_model * seq_len
 
 
@@ -185,7 +283,8 @@ _LLAMA_STYLE = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, tie_em
 # Shapes copied from the published configs so the parameter counts match them exactly
 # (tests pin the counts): GPT-2 small (Radford et al. 2019) = 124,439,808; TinyLlama-1.1B
 # (Zhang et al. 2024) = 1,100,048,384; Llama-2-7B / 70B (Touvron et al. 2023) =
-# 6,738,415,616 / 68,976,648,192.
+# 6,738,415,616 / 68,976,648,192. Mixtral-8x7B (Jiang et al. 2024) = 46,702,792,704 in
+# all, 12,879,925,248 active per token (2 of 8 experts).
 _PRESETS: dict[str, dict[str, Any]] = {
     # ~0.86M params, byte vocabulary: trains in seconds on a CPU, used by tests and examples.
     "tiny": dict(
@@ -206,5 +305,14 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "llama-70b": dict(
         _LLAMA_STYLE, vocab_size=32000, n_layer=80, n_head=64, n_kv_head=8, d_model=8192,
         d_ff=28672, max_seq_len=4096,
+    ),
+    # Mixture of experts at the tiny width: 8 SwiGLU experts, top-2, in every block.
+    "moe-tiny": dict(
+        _LLAMA_STYLE, vocab_size=256, n_layer=4, n_head=4, d_model=128, d_ff=256,
+        max_seq_len=256, n_experts=8, top_k=2,
+    ),
+    "mixtral-8x7b": dict(
+        _LLAMA_STYLE, vocab_size=32000, n_layer=32, n_head=32, n_kv_head=8, d_model=4096,
+        d_ff=14336, max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2,
     ),
 }

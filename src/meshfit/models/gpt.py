@@ -4,6 +4,8 @@ Module layout follows torchtitan so parallel plans can address modules by name:
 
     tok_emb, pos_emb, drop, layers["0".."L-1"], norm, lm_head
     layers[i]: attn_norm, attn.{wq, wk, wv, wo}, mlp_norm, mlp.{w_in, w_out} | mlp.{w1, w2, w3}
+    MoE block (GPTConfig.n_experts > 0, see meshfit.models.moe): mlp.router,
+               mlp.{w_in, w_out} | mlp.{w1, w2, w3} as stacked [E, ...] tensors, mlp.shared
 
 q/k/v are separate linears (not one fused qkv) so a tensor-parallel plan can shard each
 column-wise; attention infers the local head count from the projection width, so it runs
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import AttentionBackend, GPTConfig
+from meshfit.models.moe import MoE
 
 __all__ = ["GPT", "GPTConfig", "Block", "Attention", "GeluMLP", "SwiGLUMLP", "KVCache",
            "count_params", "check_attention_backend"]
@@ -225,14 +228,21 @@ class SwiGLUMLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    `moe=True` puts a mixture of experts (`MoE`) where the dense MLP would be; `GPT` sets it
+    for the blocks `GPTConfig.is_moe_layer` names.
+    """
+
+    def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.attn_norm = _norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = _norm(cfg)
-        self.mlp = GeluMLP(cfg) if cfg.mlp == "gelu" else SwiGLUMLP(cfg)
+        if moe:
+            self.mlp: nn.Module = MoE(cfg)
+        else:
+            self.mlp = GeluMLP(cfg) if cfg.mlp == "gelu" else SwiGLUMLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -254,6 +264,12 @@ class GPT(nn.Module):
     forward(idx [B, T] long) -> logits [B, T, vocab] float; with targets [B, T] -> mean
     cross-entropy (scalar, ignore_index -100). As a pipeline stage: without tok_emb the input
     is hidden states [B, T, d_model]; without lm_head the output is hidden states.
+
+    With MoE blocks (`GPTConfig.n_experts > 0`) the loss returned with targets is the
+    cross-entropy plus the sum of the MoE blocks' auxiliary losses (load balancing + router
+    z-loss, already weighted by their coefficients); each block keeps its own in
+    `mlp.last_aux_loss`, so a pipeline stage or a custom loss can add them itself. A dense
+    model's loss is the cross-entropy alone, as before.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -264,7 +280,9 @@ class GPT(nn.Module):
             nn.Embedding(config.max_seq_len, config.d_model) if config.pos == "learned" else None
         )
         self.drop = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.layers = nn.ModuleDict(
+            {str(i): Block(config, moe=config.is_moe_layer(i)) for i in range(config.n_layer)}
+        )
         self.norm: nn.Module | None = _norm(config)
         # GPT-2 has no output bias; neither has Llama.
         self.lm_head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -295,7 +313,9 @@ class GPT(nn.Module):
         Linears/embeddings ~ N(0, init_std); biases 0; norm weights 1. Residual output
         projections (wo, w_out, w2) use init_std / sqrt(2 * n_layer): GPT-2 (Radford et al.
         2019, sec. 2.3) scales residual-layer weights by 1/sqrt(N), N = number of residual
-        layers, two per block; nanoGPT does the same.
+        layers, two per block; nanoGPT does the same. MoE blocks follow the same rules: the
+        router and the stacked expert weights are normal(init_std), the experts' down
+        projections (w2 / w_out) and the shared expert's use the residual scaling.
         """
         device = "cpu" if generator is None else generator.device
         base = int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
@@ -315,7 +335,8 @@ class GPT(nn.Module):
                     p.fill_(1.0)
                 else:
                     std = cfg.init_std
-                    if mod_name.rsplit(".", 1)[-1] in _RESIDUAL_OUT:
+                    if mod_name.rsplit(".", 1)[-1] in _RESIDUAL_OUT or (
+                            isinstance(module, MoE) and p_name in _RESIDUAL_OUT):
                         std /= math.sqrt(2 * cfg.n_layer)
                     p.normal_(0.0, std, generator=_param_generator(base, name, p.device))
 
@@ -362,7 +383,43 @@ class GPT(nn.Module):
         # float64 model keeps float64).
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        aux = self.aux_loss()
+        return loss if aux is None else loss + aux
+
+    # ------------------------------------------------------------------ mixture of experts
+    def moe_layers(self) -> dict[str, MoE]:
+        """The MoE modules of this model (or stage), by block name."""
+        return {n: b.mlp for n, b in self.layers.items() if isinstance(b.mlp, MoE)}
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the MoE blocks' auxiliary losses from the last forward; None if dense."""
+        losses = [m.last_aux_loss for m in self.moe_layers().values() if m.last_aux_loss is not None]
+        return torch.stack([a.float() for a in losses]).sum() if losses else None
+
+    @torch.no_grad()
+    def moe_stats(self) -> dict[str, float | int]:
+        """Routing statistics of the last forward, aggregated over MoE blocks ({} if dense).
+
+        tokens_per_expert_min / _max: fewest / most assignments any expert got in any block;
+        tokens_per_expert_cv: coefficient of variation (std / mean) of the assignments per
+        expert, averaged over blocks (0 = perfectly balanced); dropped_fraction: dropped /
+        total assignments (0 when dropless); aux_loss: the summed auxiliary loss; layers:
+        number of MoE blocks. Reading it synchronises with the device.
+        """
+        stats = [m.last_stats for m in self.moe_layers().values() if m.last_stats is not None]
+        if not stats:
+            return {}
+        counts = torch.stack([s["tokens_per_expert"].double() for s in stats])
+        cv = counts.std(dim=1, unbiased=False) / counts.mean(dim=1).clamp_min(1e-12)
+        return {
+            "layers": len(stats),
+            "tokens_per_expert_min": int(counts.min()),
+            "tokens_per_expert_max": int(counts.max()),
+            "tokens_per_expert_cv": float(cv.mean()),
+            "dropped_fraction": sum(s["dropped"] for s in stats) / max(1, sum(s["assignments"] for s in stats)),
+            "aux_loss": float(sum(float(s["aux_loss"]) for s in stats)),
+        }
 
     # ------------------------------------------------------------------ incremental decoding
     def new_cache(self, batch_size: int = 1, max_len: int | None = None, *,

@@ -1,0 +1,186 @@
+"""Reference mixture-of-experts MLP (token-choice top-k), a drop-in for a block's dense MLP.
+
+    mlp.router              nn.Linear(d_model, n_experts, bias=False)
+    mlp.w1, mlp.w3, mlp.w2  SwiGLU experts (mlp="swiglu"): [E, d, f], [E, d, f], [E, f, d]
+    mlp.w_in, mlp.w_out     GELU experts (mlp="gelu"): [E, d, f], [E, f, d]
+    mlp.shared              optional shared expert: an ordinary GeluMLP / SwiGLUMLP of width f
+
+Experts carry no biases (Mixtral, DeepSeek); the shared expert follows `GPTConfig.bias`.
+Expert e computes x @ w1[e] etc. (stacked weights are stored input-major, so no transpose).
+
+Routing (`GPTConfig.router`):
+  * "softmax_topk": p = softmax(logits) over all E experts; the top_k are kept and their
+    weights renormalised to sum to 1 (as Mixtral / HF MixtralSparseMoeBlock do).
+  * "sigmoid_topk": s = sigmoid(logits); the top_k are kept and normalised to sum to 1
+    (DeepSeek-V3, without its bias-based balancing). For the balancing loss the router
+    "probability" P is s normalised over all experts.
+Router logits, probabilities and combine weights are computed in float32 when the input is
+fp16/bf16 (routing decisions are precision-sensitive), in the input's dtype otherwise.
+
+Computation: the N*k (token, expert) assignments are sorted by expert with a stable sort, so
+within an expert they stay in token order (token index = flattened batch-major position).
+Each expert then runs one matmul chain over its contiguous slice: with `torch._grouped_mm`
+on CUDA for bf16/fp16 when a one-time probe shows it works there, otherwise (CPU, fp32/fp64,
+older torch) a Python loop over experts. Outputs are scaled by the combine weights and
+scatter-added back to their tokens.
+
+Capacity (`GPTConfig.capacity_factor`): each expert keeps at most
+ceil(cf * N * k / E) assignments; the earliest tokens win. A dropped assignment contributes
+nothing (that token keeps its residual plus its other experts' outputs; the kept weights are
+not renormalised) and is counted in `last_stats["dropped"]`. With capacity, routing depends
+on how many tokens are in the forward, so incremental decoding (`GPT.forward_cached`) may
+drop differently from one full forward; dropless routing (the default) is exact there.
+
+Auxiliary losses, kept on the module as `last_aux_loss` after each forward (a scalar with
+its autograd graph; `GPT.forward` adds the sum over blocks to the loss when given targets):
+  * load balancing (Switch, Fedus et al. 2021; GShard): aux_loss_coef * E * sum_e f_e P_e,
+    f_e = fraction of the N*k assignments routed to e (before capacity drops; not
+    differentiable), P_e = mean over tokens of the router probability of e.
+  * router z-loss (ST-MoE, Zoph et al. 2022): router_z_loss_coef * mean(logsumexp(logits)^2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfit.models.config import GPTConfig
+
+__all__ = ["MoE"]
+
+# (device type, dtype) -> whether torch._grouped_mm ran correctly there.
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Probe torch._grouped_mm once per (device type, dtype) against a loop of matmuls."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_OK:
+        ok = False
+        if (hasattr(torch, "_grouped_mm") and device.type == "cuda"
+                and dtype in (torch.bfloat16, torch.float16)):
+            try:
+                g = torch.Generator(device=device).manual_seed(0)
+                x = torch.randn(40, 32, device=device, dtype=dtype, generator=g)
+                w = torch.randn(3, 32, 16, device=device, dtype=dtype, generator=g)
+                offs = torch.tensor([8, 8, 40], device=device, dtype=torch.int32)
+                y = torch._grouped_mm(x, w, offs=offs)
+                ref = torch.cat([x[:8] @ w[0], x[8:8] @ w[1], x[8:] @ w[2]])
+                ok = bool(torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-1))
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM_OK[key] = ok
+    return _GROUPED_MM_OK[key]
+
+
+class MoE(nn.Module):
+    """Token-choice top-k mixture of experts over [B, T, d_model] (see the module docstring)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.n_experts < 1:
+            raise ValueError("MoE needs GPTConfig.n_experts >= 1")
+        d, f, E = cfg.d_model, cfg.expert_d_ff, cfg.n_experts
+        self.n_experts, self.top_k, self.kind = E, cfg.top_k, cfg.router
+        self.swiglu = cfg.mlp == "swiglu"
+        self.capacity_factor = cfg.capacity_factor
+        self.aux_loss_coef, self.router_z_loss_coef = cfg.aux_loss_coef, cfg.router_z_loss_coef
+        self.router = nn.Linear(d, E, bias=False)
+        if self.swiglu:
+            self.w1 = nn.Parameter(torch.empty(E, d, f))
+            self.w3 = nn.Parameter(torch.empty(E, d, f))
+            self.w2 = nn.Parameter(torch.empty(E, f, d))
+        else:
+            self.w_in = nn.Parameter(torch.empty(E, d, f))
+            self.w_out = nn.Parameter(torch.empty(E, f, d))
+        self.shared: nn.Module | None = None
+        if cfg.shared_experts:
+            from meshfit.models.gpt import GeluMLP, SwiGLUMLP
+
+            dense = dataclasses.replace(cfg, d_ff=f, n_experts=0, dropout=0.0)
+            self.shared = SwiGLUMLP(dense) if self.swiglu else GeluMLP(dense)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.use_grouped_mm: bool | None = None
+        """None: auto (grouped matmul where the probe passes); False: always the loop."""
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_stats: dict[str, torch.Tensor | int] | None = None
+
+    # ------------------------------------------------------------------ routing
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, d] -> (logits [N, E], probs [N, E], top-k weights [N, k], top-k ids [N, k]).
+        `probs` is what the balancing loss averages (see the module docstring)."""
+        logits = self.router(x)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        if self.kind == "softmax_topk":
+            probs = logits.softmax(dim=-1)
+            top, idx = probs.topk(self.top_k, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            top, idx = scores.topk(self.top_k, dim=-1)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        return logits, probs, top / top.sum(dim=-1, keepdim=True), idx
+
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert outputs for xs [M, d] sorted by expert, counts[e] rows each."""
+        grouped = self.use_grouped_mm
+        if grouped is None:
+            grouped = _grouped_mm_works(xs.device, xs.dtype)
+        ws = (self.w1, self.w3, self.w2) if self.swiglu else (self.w_in, self.w_out)
+        if grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            mm = [torch._grouped_mm(xs, w.to(xs.dtype), offs=offs) for w in ws[:-1]]
+            h = F.silu(mm[0]) * mm[1] if self.swiglu else F.gelu(mm[0], approximate="tanh")
+            return torch._grouped_mm(h, ws[-1].to(xs.dtype), offs=offs)
+        outs = []
+        for e, rows in enumerate(torch.split(xs, counts.tolist())):
+            if rows.shape[0] == 0:
+                continue
+            if self.swiglu:
+                h = F.silu(rows @ ws[0][e]) * (rows @ ws[1][e])
+            else:
+                h = F.gelu(rows @ ws[0][e], approximate="tanh")
+            outs.append(h @ ws[-1][e])
+        return torch.cat(outs) if outs else xs.new_zeros(0, xs.shape[-1])
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        N, E, k = x.shape[0], self.n_experts, self.top_k
+        logits, probs, weights, idx = self.route(x)
+
+        flat_e = idx.reshape(-1)  # assignment a = token * k + j
+        order = torch.argsort(flat_e, stable=True)  # by expert, token order within
+        counts = torch.bincount(flat_e, minlength=E)
+        dropped = 0
+        if self.capacity_factor is not None:
+            cap = math.ceil(self.capacity_factor * N * k / E)
+            starts = counts.cumsum(0) - counts
+            sorted_e = flat_e[order]
+            rank = torch.arange(order.numel(), device=x.device) - starts[sorted_e]
+            keep = rank < cap
+            order = order[keep]
+            kept = counts.clamp(max=cap)
+            dropped = int(N * k - order.numel())
+        else:
+            kept = counts
+        tok = order // k
+        out = self._experts(x[tok], kept)
+        w = weights.reshape(-1)[order].to(out.dtype)
+        y = torch.zeros_like(x).index_add_(0, tok, (out * w[:, None]).to(x.dtype))
+        if self.shared is not None:
+            y = y + self.shared(x)
+
+        # auxiliary losses (fp32 for low-precision inputs, see route())
+        f = counts.to(probs.dtype) / (N * k)
+        balance = E * (f * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        self.last_aux_loss = self.aux_loss_coef * balance + self.router_z_loss_coef * z
+        self.last_stats = {"tokens_per_expert": counts.detach(), "dropped": dropped,
+                           "assignments": N * k, "aux_loss": self.last_aux_loss.detach()}
+        return self.drop(y).reshape(shape)
