@@ -270,3 +270,14 @@ def test_plan_validate_prints_predicted_beside_measured(capsys, monkeypatch):
     assert seen["nproc"] == 2 and seen["n"] == 2 and seen["dtype"] == "fp32"
     assert "2.000 vs 2.500 GiB (-20%), 1 vs 0.8 s (+25%)" in out
     assert "pp 2: skipped (world size 4, not 2)" in out
+
+
+def test_mixture_of_experts_counts_total_and_active(capsys):
+    from meshfit.train.cli import main
+
+    shape = ModelShape.of("mixtral-8x7b")
+    assert (shape.params, shape.active_params) == (46_702_792_704, 12_879_925_248)
+    assert main(["estimate", "mixtral-8x7b", "--world-size", "8", "--seq-len", "4096",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["params"], out["active_params"]) == (46_702_792_704, 12_879_925_248)

@@ -164,9 +164,13 @@ class ModelShape:
         tp_split = _tp_split(model, tp_styles, params) if tp_styles else 0.0
         dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
         gated = isinstance(model, GPT) and model.config.mlp == "swiglu" or _has_gate(blocks[0])
+        active = None
+        if isinstance(model, GPT) and model.config.n_experts:
+            active = model.config.num_active_params()  # top_k (+ shared) experts per token
         return cls(name=name, params=params, block_params=block, n_layer=len(blocks),
                    first_params=first, last_params=last, tied=tied, gated_mlp=gated,
-                   dropout=dropout, tp_split=tp_split, divisible=divisible, **sizes)
+                   dropout=dropout, tp_split=tp_split, divisible=divisible,
+                   active_params=active, **sizes)
 
 
 def _children(container: nn.Module):

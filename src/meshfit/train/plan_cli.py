@@ -170,11 +170,16 @@ def cmd_estimate(argv: list[str]) -> int:
         results.append((label, estimate(shape, spec, seq_len=ns.seq_len, dtype=ns.dtype,
                                         optimizer=ns.optimizer, attention=ns.attention)))
     if ns.json:
-        print(json.dumps({"model": shape.name, "params": shape.params,
-                          "layouts": [e.to_json() for _, e in results]}, indent=2))
+        out = {"model": shape.name, "params": shape.params}
+        if shape.active_params is not None:
+            out["active_params"] = shape.active_params  # mixture of experts: per token
+        out["layouts"] = [e.to_json() for _, e in results]
+        print(json.dumps(out, indent=2))
         return 0
-    print(f"{shape.name}: {shape.params:,} parameters ({shape.n_layer} blocks of "
-          f"{shape.block_params:,}); seq_len {ns.seq_len}, {ns.dtype} activations, "
+    active = (f", {shape.active_params:,} active per token" if shape.active_params is not None
+              else "")
+    print(f"{shape.name}: {shape.params:,} parameters{active} ({shape.n_layer} blocks of up "
+          f"to {shape.block_params:,}); seq_len {ns.seq_len}, {ns.dtype} activations, "
           f"{ns.optimizer}; GiB per rank")
     print(f"{'layout':34} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} "
           f"{'total':>8}")
