@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import GPTConfig
+from meshfit.models.mlp import GeluMLP, SwiGLUMLP
 
 __all__ = ["MoE"]
 
@@ -99,8 +100,6 @@ class MoE(nn.Module):
             self.w_out = nn.Parameter(torch.empty(E, f, d))
         self.shared: nn.Module | None = None
         if cfg.shared_experts:
-            from meshfit.models.gpt import GeluMLP, SwiGLUMLP
-
             dense = dataclasses.replace(cfg, d_ff=f, n_experts=0, dropout=0.0)
             self.shared = SwiGLUMLP(dense) if self.swiglu else GeluMLP(dense)
         self.drop = nn.Dropout(cfg.dropout)
