@@ -106,25 +106,6 @@ def replace_dir(src: Path, dst: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _import(spec: str, field: str):
-    import importlib
-
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"{field}={spec!r} must look like module:attribute, e.g. "
-                         "mymodels:build_model")
-    try:
-        obj = importlib.import_module(module)
-    except ImportError as err:
-        raise ValueError(f"{field}={spec!r}: cannot import {module!r} ({err}); put it on "
-                         "PYTHONPATH or in the current folder") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{field}={spec!r}: module {module!r} has no {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
 def build_from_config(config: dict[str, Any], *, device="cpu") -> nn.Module:
     """An untrained model of the architecture a folder's config.json describes."""
     from meshfit.models import GPT, GPTConfig
@@ -135,7 +116,10 @@ def build_from_config(config: dict[str, Any], *, device="cpu") -> nn.Module:
             fields = {f.name for f in dataclasses.fields(GPTConfig)}
             return GPT(GPTConfig(**{k: v for k, v in config.items() if k in fields}))
         if kind == FACTORY_TYPE:
-            return _import(config["factory"], "config.json factory")(**config.get("kwargs", {}))
+            from meshfit.models.factory import import_object
+
+            factory = import_object(config["factory"], "config.json factory")
+            return factory(**config.get("kwargs", {}))
         import transformers
 
         hf_config = transformers.AutoConfig.for_model(**config)

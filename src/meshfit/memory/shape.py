@@ -113,18 +113,11 @@ class ModelShape:
                 model = transformers.AutoModelForCausalLM.from_config(hf_config)
             return cls.from_module(model, name=str(spec))
         if ":" in spec:
-            import importlib
             import inspect
-            import os
-            import sys
 
-            module, _, attr = spec.partition(":")
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            try:
-                factory = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as err:
-                raise ValueError(f"MODEL={spec!r}: cannot load it ({err})") from None
+            from meshfit.models.factory import import_object
+
+            factory = import_object(spec, "MODEL")
             kwargs = {}
             if vocab_size and "vocab_size" in inspect.signature(factory).parameters:
                 kwargs["vocab_size"] = vocab_size

@@ -14,32 +14,11 @@ import torch
 from torch import nn
 
 from meshfit.models import GPT, GPTConfig
+from meshfit.models.factory import import_object
 
 
 __all__ = ["build_model", "check_model_source", "import_object", "loss_function", "plans",
            "write_final_model"]
-
-
-def import_object(spec: str, field: str) -> Any:
-    """``module:attribute`` imported (the current folder is on the path, as for ``python
-    -m``); one line naming `field` when it cannot be."""
-    import importlib
-    import os
-    import sys
-
-    module, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj = importlib.import_module(module)
-    except ImportError as err:
-        raise ValueError(f"{field}={spec!r}: cannot import {module!r} ({err}); run from the "
-                         "folder holding it or add it to PYTHONPATH") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{field}={spec!r}: module {module!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 def _hf_config(cfg):

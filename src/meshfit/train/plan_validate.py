@@ -165,8 +165,6 @@ def _rank_main(rank: int, world: int, port: int, args: tuple, queue) -> None:
 
 def _build(model: str, seed: int = 0):
     """MODEL as `meshfit plan` reads it, materialised with the same weights on every rank."""
-    import importlib
-    import sys
     from pathlib import Path
 
     import torch
@@ -183,10 +181,9 @@ def _build(model: str, seed: int = 0):
         config = path / "config.json" if path.is_dir() else path
         return transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(str(config)))
-    module, _, attr = model.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    return getattr(importlib.import_module(module), attr)()
+    from meshfit.models.factory import import_object
+
+    return import_object(model, "MODEL")()
 
 
 def _loss(model, x, y):
@@ -200,18 +197,6 @@ def _loss(model, x, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def _peak_bytes(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
 
 
 def _run_plans(rank, jobs, model_spec, seq_len, global_batch_size, dtype, steps, optimizer):
@@ -228,7 +213,7 @@ def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, op
     from torch import nn
 
     from meshfit import Accelerator, ParallelDims, optim
-    from meshfit.memory import rank_report
+    from meshfit.memory import net_peak_bytes, rank_report
 
     pp = lay["pp"]
     dp = lay["dp_replicate"] * lay["dp_shard"]
@@ -302,7 +287,7 @@ def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, op
 
         forward_backward()
         states = rank_report(measured, opt).total_bytes
-        peak = states + _peak_bytes(forward_backward)
+        peak = states + net_peak_bytes(forward_backward)
         opt.zero_grad()
     return {"device": acc.device.type, "step_s": statistics.median(times[1:]),
             "peak_bytes": peak, "rank": rank}
