@@ -67,7 +67,8 @@ from torch import nn
 
 from conftest import case_result, run_cases, selected
 from reference import hf_gpt2, hf_llama, tiny_preset
-from meshfit.memory import LayoutSpec, ModelShape, activation_bytes, estimate, rank_report
+from meshfit.memory import (LayoutSpec, ModelShape, activation_bytes, estimate, net_peak_bytes,
+                            rank_report)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,20 +99,6 @@ LAYOUTS = {
 
 
 # ---------------------------------------------------------------------------- the ranks
-def _peak_bytes(fn) -> int:
-    """The largest net allocation (bytes) while `fn()` runs: the profiler's allocation and
-    free events (every thread's), in time order, summed as they come."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
 
 
 def _measure(rank, world, name):
@@ -141,7 +128,7 @@ def _measure(rank, world, name):
     opt.step()  # the optimizer state exists from here; the gradients are kept
     forward_backward()  # DDP rebuilds its buckets in this forward: not the steady state
     report = rank_report(measured, opt)
-    peak = min(_peak_bytes(forward_backward) for _ in range(2))
+    peak = min(net_peak_bytes(forward_backward) for _ in range(2))
     return {"report": report, "peak": report.total_bytes + peak}
 
 

@@ -10,8 +10,9 @@ runs (`estimate`, `model_state_bytes`, `ModelShape`).
 
 from meshfit.memory.estimate import (ActivationBytes, Estimate, LayoutSpec, activation_bytes,
                                      estimate, model_state_bytes)
-from meshfit.memory.report import RankMemory, rank_report, zero_formula
+from meshfit.memory.report import RankMemory, net_peak_bytes, rank_report, zero_formula
 from meshfit.memory.shape import ModelShape
 
 __all__ = ["ActivationBytes", "Estimate", "LayoutSpec", "ModelShape", "RankMemory",
-           "activation_bytes", "estimate", "model_state_bytes", "rank_report", "zero_formula"]
+           "activation_bytes", "estimate", "model_state_bytes", "net_peak_bytes", "rank_report",
+           "zero_formula"]

@@ -38,7 +38,7 @@ from torch import nn
 from meshfit.distributed.tensors import local_tensor, storage_bytes
 from meshfit.optim import state_bytes
 
-__all__ = ["RankMemory", "rank_report", "zero_formula"]
+__all__ = ["RankMemory", "net_peak_bytes", "rank_report", "zero_formula"]
 
 _MIB = 2**20
 
@@ -211,3 +211,21 @@ def zero_formula(num_params: int, world: int, stage: int, *, param_bytes: float 
            "optimizer": num_params * optim_bytes / (world if stage >= 1 else 1)}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def net_peak_bytes(fn) -> int:
+    """The largest net allocation (bytes) while ``fn()`` runs: the profiler's allocation and
+    free events (every thread's) in time order, summed as they come. On a CPU build, which
+    keeps no allocator statistics, this is what a step's activations and temporaries peak
+    at beyond the memory held before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak

@@ -145,14 +145,20 @@ class Attention(nn.Module):
         self.wo = nn.Linear(d, d, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+        """q, k, v as [B, heads, T, head_dim], RoPE applied to q and k. -1 heads: under
+        tensor parallelism each rank holds only its shard of the heads."""
         B, T, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds only its shard of the heads.
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, rope)
         if k.shape[1] != q.shape[1]:
             # GQA by hand rather than sdpa(enable_gqa=True), which older torch lacks.
             # repeat_interleave keeps query heads h*g..h*g+g-1 on kv head h, the Llama layout.
@@ -180,11 +186,7 @@ class Attention(nn.Module):
         values to layer `name` of `cache` and attends over all cached ones. `rope` holds the
         rows of the new positions. Does not advance `cache.length` (the model does)."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        q, k, v = self._qkv(x, rope)
         start, end = cache.length, cache.length + T
         cache.k[name][:B, :, start:end] = k
         cache.v[name][:B, :, start:end] = v
