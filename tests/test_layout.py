@@ -22,6 +22,8 @@ def resolve(world: int = 8, **kw) -> Layout:
     (4, {}, {}, Engine.DDP, 0, ("dp_replicate",)),
     (4, dict(dp_shard=4, dp_replicate=1), dict(zero_stage=1), Engine.ZERO1, 1, ("dp_shard",)),
     (4, dict(dp_shard=4, dp_replicate=1), {}, Engine.FSDP2, 3, ("dp_shard",)),
+    (4, dict(dp_shard=4, dp_replicate=1, ep=2), dict(zero_stage=1), Engine.FSDP2, 1,
+     ("dp_shard", "ep")),
     (4, dict(dp_shard=2), dict(zero_stage=2), Engine.FSDP2, 2, ("dp_replicate", "dp_shard")),
     (4, dict(tp=4, dp_replicate=1), {}, Engine.NONE, 0, ("dp_replicate", "dp_shard", "tp")),
     (4, dict(tp=2), {}, Engine.FSDP2_REPLICATE, 0, ("dp_replicate", "dp_shard", "tp")),
@@ -57,7 +59,10 @@ def test_costs_are_the_engines_arithmetic():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(cp=2), r"cp=2: this axis is not yet available"),
-    (dict(ep=2), r"ep=2: this axis is not yet available"),
+    (dict(ep=2), r"ep=2 must divide dp_shard=1: expert parallelism is carved out"),
+    (dict(dp_shard=8, ep=3), r"ep=3 must divide dp_shard=8"),
+    (dict(dp_shard=4, tp=2, ep=2), r"ep=2 with tp=2 is not yet available"),
+    (dict(dp_shard=8, ep=2, zero_stage=0), r"zero_stage=0 with ep=2: expert parallelism runs"),
     (dict(zero_stage=2), r"zero_stage=2 shards over the dp_shard axis, which has size 1"),
     (dict(dp_shard=2, zero_stage=0), r"zero_stage=0 \(DDP\) shards nothing, but dp_shard=2"),
     (dict(dp_shard=2, zero_stage=2, offload="cpu"), r"offload='cpu' needs zero_stage=3"),

@@ -53,8 +53,8 @@ def active_from_model(model: GPT) -> int:
     n = model.num_params()
     for m in model.moe_layers().values():
         for name in ("w1", "w2", "w3", "w_in", "w_out"):
-            if hasattr(m, name):
-                p = getattr(m, name)
+            if hasattr(m.experts, name):
+                p = getattr(m.experts, name)
                 n -= p.numel() // m.n_experts * (m.n_experts - m.top_k)
     return n
 
@@ -100,7 +100,7 @@ def make_moe(cfg: GPTConfig, seed: int = 0) -> MoE:
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
-    moe.use_grouped_mm = False
+    moe.experts.use_grouped_mm = False
     return moe
 
 
@@ -130,10 +130,10 @@ def naive(moe: MoE, cfg: GPTConfig, x: torch.Tensor, keep=None):
             if keep is not None and not keep(n, e):
                 continue
             if cfg.mlp == "swiglu":
-                h = F.silu(xn @ moe.w1[e]) * (xn @ moe.w3[e])
-                out = h @ moe.w2[e]
+                h = F.silu(xn @ moe.experts.w1[e]) * (xn @ moe.experts.w3[e])
+                out = h @ moe.experts.w2[e]
             else:
-                out = F.gelu(xn @ moe.w_in[e], approximate="tanh") @ moe.w_out[e]
+                out = F.gelu(xn @ moe.experts.w_in[e], approximate="tanh") @ moe.experts.w_out[e]
             y = y + scores[e] / denom * out
         if moe.shared is not None:
             s = moe.shared
@@ -259,8 +259,8 @@ def test_init_deterministic_per_name():
         assert torch.equal(t, sd[name]), name
     m = full.layers["1"].mlp
     std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
-    assert abs(m.w2.std().item() - std) < 0.1 * std
-    assert abs(m.w1.std().item() - cfg.init_std) < 0.1 * cfg.init_std
+    assert abs(m.experts.w2.std().item() - std) < 0.1 * std
+    assert abs(m.experts.w1.std().item() - cfg.init_std) < 0.1 * cfg.init_std
 
 
 def test_kv_cache_path_with_moe():

@@ -5,7 +5,7 @@ Module layout follows torchtitan so parallel plans can address modules by name:
     tok_emb, pos_emb, drop, layers["0".."L-1"], norm, lm_head
     layers[i]: attn_norm, attn.{wq, wk, wv, wo}, mlp_norm, mlp.{w_in, w_out} | mlp.{w1, w2, w3}
     MoE block (GPTConfig.n_experts > 0, see meshfit.models.moe): mlp.router,
-               mlp.{w_in, w_out} | mlp.{w1, w2, w3} as stacked [E, ...] tensors, mlp.shared
+               mlp.experts.{w_in, w_out} | mlp.experts.{w1, w2, w3} as stacked [E, ...] tensors, mlp.shared
 
 q/k/v are separate linears (not one fused qkv) so a tensor-parallel plan can shard each
 column-wise; attention infers the local head count from the projection width, so it runs
@@ -34,7 +34,7 @@ from torch import nn
 
 from meshfit.models.config import AttentionBackend, GPTConfig
 from meshfit.models.mlp import GeluMLP, SwiGLUMLP
-from meshfit.models.moe import MoE
+from meshfit.models.moe import Experts, MoE
 
 __all__ = ["GPT", "GPTConfig", "Block", "Attention", "GeluMLP", "SwiGLUMLP", "KVCache",
            "count_params", "check_attention_backend"]
@@ -312,7 +312,7 @@ class GPT(nn.Module):
                 else:
                     std = cfg.init_std
                     if mod_name.rsplit(".", 1)[-1] in _RESIDUAL_OUT or (
-                            isinstance(module, MoE) and p_name in _RESIDUAL_OUT):
+                            isinstance(module, Experts) and p_name in _RESIDUAL_OUT):
                         std /= math.sqrt(2 * cfg.n_layer)
                     p.normal_(0.0, std, generator=_param_generator(base, name, p.device))
 

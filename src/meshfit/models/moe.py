@@ -1,8 +1,8 @@
 """Reference mixture-of-experts MLP (token-choice top-k), a drop-in for a block's dense MLP.
 
-    mlp.router              nn.Linear(d_model, n_experts, bias=False)
-    mlp.w1, mlp.w3, mlp.w2  SwiGLU experts (mlp="swiglu"): [E, d, f], [E, d, f], [E, f, d]
-    mlp.w_in, mlp.w_out     GELU experts (mlp="gelu"): [E, d, f], [E, f, d]
+    mlp.router                          nn.Linear(d_model, n_experts, bias=False)
+    mlp.experts.w1, .w3, .w2            SwiGLU experts (mlp="swiglu"): [E, d, f], [E, d, f], [E, f, d]
+    mlp.experts.w_in, .w_out            GELU experts (mlp="gelu"): [E, d, f], [E, f, d]
     mlp.shared              optional shared expert: an ordinary GeluMLP / SwiGLUMLP of width f
 
 Experts carry no biases (Mixtral, DeepSeek); the shared expert follows `GPTConfig.bias`.
@@ -51,7 +51,7 @@ from torch import nn
 from meshfit.models.config import GPTConfig
 from meshfit.models.mlp import GeluMLP, SwiGLUMLP
 
-__all__ = ["MoE"]
+__all__ = ["Experts", "MoE"]
 
 # (device type, dtype) -> whether torch._grouped_mm ran correctly there.
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -91,20 +91,19 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.capacity_factor
         self.aux_loss_coef, self.router_z_loss_coef = cfg.aux_loss_coef, cfg.router_z_loss_coef
         self.router = nn.Linear(d, E, bias=False)
-        if self.swiglu:
-            self.w1 = nn.Parameter(torch.empty(E, d, f))
-            self.w3 = nn.Parameter(torch.empty(E, d, f))
-            self.w2 = nn.Parameter(torch.empty(E, f, d))
-        else:
-            self.w_in = nn.Parameter(torch.empty(E, d, f))
-            self.w_out = nn.Parameter(torch.empty(E, f, d))
+        self.experts = Experts(E, d, f, swiglu=self.swiglu)
         self.shared: nn.Module | None = None
         if cfg.shared_experts:
             dense = dataclasses.replace(cfg, d_ff=f, n_experts=0, dropout=0.0)
             self.shared = SwiGLUMLP(dense) if self.swiglu else GeluMLP(dense)
         self.drop = nn.Dropout(cfg.dropout)
-        self.use_grouped_mm: bool | None = None
-        """None: auto (grouped matmul where the probe passes); False: always the loop."""
+        self.ep = None
+        """`meshfit.parallel.ep.ExpertParallel` once the experts are split over ranks
+        (`meshfit.parallel.ep.apply_ep`); None: every expert is local."""
+        self.aux_grad_scale: float | None = None
+        """None: the auxiliary loss is left for `GPT.forward` to add to the loss. A float
+        (a pipeline stage, whose loss is computed elsewhere): its gradient, times this
+        scale, is fed into backward from this block's output instead."""
         self.last_aux_loss: torch.Tensor | None = None
         self.last_stats: dict[str, torch.Tensor | int] | None = None
 
@@ -123,28 +122,6 @@ class MoE(nn.Module):
             top, idx = scores.topk(self.top_k, dim=-1)
             probs = scores / scores.sum(dim=-1, keepdim=True)
         return logits, probs, top / top.sum(dim=-1, keepdim=True), idx
-
-    def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Expert outputs for xs [M, d] sorted by expert, counts[e] rows each."""
-        grouped = self.use_grouped_mm
-        if grouped is None:
-            grouped = _grouped_mm_works(xs.device, xs.dtype)
-        ws = (self.w1, self.w3, self.w2) if self.swiglu else (self.w_in, self.w_out)
-        if grouped:
-            offs = counts.cumsum(0).to(torch.int32)
-            mm = [torch._grouped_mm(xs, w.to(xs.dtype), offs=offs) for w in ws[:-1]]
-            h = F.silu(mm[0]) * mm[1] if self.swiglu else F.gelu(mm[0], approximate="tanh")
-            return torch._grouped_mm(h, ws[-1].to(xs.dtype), offs=offs)
-        outs = []
-        for e, rows in enumerate(torch.split(xs, counts.tolist())):
-            if rows.shape[0] == 0:
-                continue
-            if self.swiglu:
-                h = F.silu(rows @ ws[0][e]) * (rows @ ws[1][e])
-            else:
-                h = F.gelu(rows @ ws[0][e], approximate="tanh")
-            outs.append(h @ ws[-1][e])
-        return torch.cat(outs) if outs else xs.new_zeros(0, xs.shape[-1])
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +146,10 @@ class MoE(nn.Module):
         else:
             kept = counts
         tok = order // k
-        out = self._experts(x[tok], kept)
+        if self.ep is None:
+            out = self.experts(x[tok], kept)
+        else:
+            out = self.ep.dispatch(x[tok], kept, self.experts)
         w = weights.reshape(-1)[order].to(out.dtype)
         y = torch.zeros_like(x).index_add_(0, tok, (out * w[:, None]).to(x.dtype))
         if self.shared is not None:
@@ -182,4 +162,95 @@ class MoE(nn.Module):
         self.last_aux_loss = self.aux_loss_coef * balance + self.router_z_loss_coef * z
         self.last_stats = {"tokens_per_expert": counts.detach(), "dropped": dropped,
                            "assignments": N * k, "aux_loss": self.last_aux_loss.detach()}
-        return self.drop(y).reshape(shape)
+        y = self.drop(y).reshape(shape)
+        if self.aux_grad_scale is not None and self.last_aux_loss.requires_grad:
+            y = _AttachAuxLoss.apply(y, self.last_aux_loss, self.aux_grad_scale)
+        return y
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the block output whose backward also starts the auxiliary loss's
+    gradient (d aux / d aux = scale): a pipeline stage's auxiliary loss reaches backward
+    without being added to a loss that only the last stage computes (Megatron-LM's
+    MoEAuxLossAutoScaler does the same)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale, ctx.aux_shape, ctx.aux_dtype = scale, aux.shape, aux.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype,
+                                device=grad.device), None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, w, scale):
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class Experts(nn.Module):
+    """The routed experts' stacked weights ([E, d, f] / [E, f, d], input-major) and their
+    computation over rows sorted by expert. Its own module so that FSDP2 can shard it over
+    other ranks than the rest of the block (expert parallelism, `meshfit.parallel.ep`);
+    under expert parallelism the weights are DTensors sharded on dim 0 over the ``ep``
+    ranks and this rank computes its local experts."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, *, swiglu: bool) -> None:
+        super().__init__()
+        E, d, f = n_experts, d_model, d_ff
+        self.swiglu = swiglu
+        if swiglu:
+            self.w1 = nn.Parameter(torch.empty(E, d, f))
+            self.w3 = nn.Parameter(torch.empty(E, d, f))
+            self.w2 = nn.Parameter(torch.empty(E, f, d))
+        else:
+            self.w_in = nn.Parameter(torch.empty(E, d, f))
+            self.w_out = nn.Parameter(torch.empty(E, f, d))
+        self.use_grouped_mm: bool | None = None
+        """None: auto (grouped matmul where the probe passes); False: always the loop."""
+        self.grad_scale: float = 1.0
+        """Multiplies the experts' gradients (expert parallelism: 1/ep, see
+        `meshfit.parallel.ep`)."""
+
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        """This rank's expert weights as plain tensors (the local shard of a DTensor)."""
+        ws = (self.w1, self.w3, self.w2) if self.swiglu else (self.w_in, self.w_out)
+        ws = tuple(w.to_local() if hasattr(w, "to_local") else w for w in ws)
+        if self.grad_scale != 1.0:
+            ws = tuple(_ScaleGrad.apply(w, self.grad_scale) for w in ws)
+        return ws
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert outputs for xs [M, d] sorted by (local) expert, counts[e] rows each."""
+        ws = self.weights()
+        grouped = self.use_grouped_mm
+        if grouped is None:
+            grouped = _grouped_mm_works(xs.device, xs.dtype)
+        if grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            mm = [torch._grouped_mm(xs, w.to(xs.dtype), offs=offs) for w in ws[:-1]]
+            h = F.silu(mm[0]) * mm[1] if self.swiglu else F.gelu(mm[0], approximate="tanh")
+            return torch._grouped_mm(h, ws[-1].to(xs.dtype), offs=offs)
+        outs = []
+        for e, rows in enumerate(torch.split(xs, counts.tolist())):
+            if rows.shape[0] == 0:
+                continue
+            w = [t[e].to(xs.dtype) for t in ws]
+            if self.swiglu:
+                h = F.silu(rows @ w[0]) * (rows @ w[1])
+            else:
+                h = F.gelu(rows @ w[0], approximate="tanh")
+            outs.append(h @ w[-1])
+        if not outs:  # keep the weights in the graph: FSDP2 expects their gradients
+            return xs.new_zeros(0, xs.shape[-1]) + sum(t.sum() for t in ws).to(xs.dtype) * 0
+        return torch.cat(outs)

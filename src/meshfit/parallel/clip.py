@@ -46,20 +46,29 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, *, coun
             dist.all_reduce(total, group=across)
             total = total.pow(1.0 / norm_type)
         total = total.to(dtype)
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    for group in _by_mesh(params, lambda p: p.grad).values():
+        # one call per mesh: the foreach multiply refuses DTensors of different meshes
+        # (expert parallelism puts the experts on the ep mesh, the rest on dp_shard)
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _by_mesh(items, tensor_of=lambda t: t) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for item in items:
+        t = tensor_of(item)
+        key = t.device_mesh if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(item)
+    return groups
 
 
 def _local_norm(grads, norm_type: float, device: torch.device) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    groups: dict = {}
-    for g in grads:
-        key = g.device_mesh if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
     norms = []
-    for group in groups.values():
+    for group in _by_mesh(grads).values():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:

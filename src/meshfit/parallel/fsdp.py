@@ -53,7 +53,8 @@ __all__ = ["apply_fsdp", "available_memory_bytes", "held_gradient_bytes",
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool,
                param_dtype: torch.dtype | None = None, offload: bool = False,
-               blocks: list[nn.Module] | None = None) -> nn.Module:
+               blocks: list[nn.Module] | None = None,
+               experts: list[nn.Module] | None = None, expert_mesh=None) -> nn.Module:
     """Shard `model` in place with FSDP2 over `mesh` and return it (now an `FSDPModule`).
 
     Args:
@@ -68,6 +69,10 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool,
             "Cannot access accelerator device when none is available").
         blocks: the FSDP units below the root; default: `find_blocks(model)` (none found:
             the whole model is one unit).
+        experts: under expert parallelism, the MoE blocks' `Experts` modules (parameters
+            already DTensors on the ``ep`` mesh, `meshfit.parallel.ep.apply_ep`): each is its
+            own unit on `expert_mesh` (the data-parallel ranks holding the same experts),
+            or, with `expert_mesh` None (no such ranks), left out of FSDP2 altogether.
     """
     if blocks is None:
         blocks = _blocks(model)
@@ -80,10 +85,19 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool,
         block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                            output_dtype=torch.float32)
+    ignored: set[nn.Parameter] = set()
+    for module in experts or ():
+        if expert_mesh is None:
+            ignored.update(module.parameters())
+        else:
+            fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
+                        **{k: v for k, v in common.items() if k != "mesh"},
+                        **_policy(block_policy))
+    skip = {"ignored_params": ignored} if ignored else {}
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward,
-                    **common, **_policy(block_policy))
-    fully_shard(model, reshard_after_forward=False, **common, **_policy(root_policy))
+                    **common, **_policy(block_policy), **skip)
+    fully_shard(model, reshard_after_forward=False, **common, **_policy(root_policy), **skip)
     return model
 
 

@@ -62,7 +62,7 @@ __all__ = ["AVAILABLE_AXES", "Candidate", "Engine", "Layout", "LayoutCosts", "Mi
            "ModelFacts", "Offload", "ZERO_STAGES", "check_options", "precision_dtype"]
 
 # Axes whose techniques exist today; the others are planned (see the README's feature table).
-AVAILABLE_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AVAILABLE_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
 _DP_AXES = ("dp_replicate", "dp_shard")
 ZERO_STAGES = (0, 1, 2, 3)
 Offload = Literal["none", "cpu"]
@@ -157,7 +157,21 @@ def _axes_available(r: _Request, n) -> str | None:
     if planned:
         sizes = ", ".join(f"{a}={getattr(r.dims, a)}" for a in planned)
         return (f"{n('parallel')}: {sizes}: this axis is not yet available in meshfit; use the "
-                "data-parallel axes (dp_replicate, dp_shard), tp and pp for now")
+                "data-parallel axes (dp_replicate, dp_shard), tp, pp and ep for now")
+    return None
+
+
+def _ep_rules(r: _Request, n) -> str | None:
+    if r.dims.ep == 1:
+        return None
+    if r.dims.tp > 1:
+        return (f"{n('ep')}={r.dims.ep} with {n('tp')}={r.dims.tp} is not yet available in "
+                "meshfit (the experts would have to be replicated or split over the "
+                "tensor-parallel ranks); use ep with the data-parallel axes and pp, or tp "
+                "without ep")
+    if r.stage == 0:
+        return (f"{n('zero_stage')}=0 with {n('ep')}={r.dims.ep}: expert parallelism runs on "
+                f"the sharded data-parallel ranks (FSDP2); use zero_stage 1, 2 or 3")
     return None
 
 
@@ -218,7 +232,7 @@ def _ddp_kwargs_need_ddp(r: _Request, n) -> str | None:
     return None
 
 
-_RULES = (_axes_available, _stage_needs_shards, _offload_needs_stage3, _tp_options_need_tp,
+_RULES = (_axes_available, _ep_rules, _stage_needs_shards, _offload_needs_stage3, _tp_options_need_tp,
           _not_yet_with_pp, _ddp_kwargs_need_ddp)
 
 
@@ -248,7 +262,7 @@ def _warnings(dims: ParallelDims, stage: int, local_world_size: int | None) -> t
 def _engine(dims: ParallelDims, stage: int, distributed: bool) -> Engine:
     if not distributed:
         return Engine.NONE
-    model_parallel = dims.tp > 1 or dims.pp > 1
+    model_parallel = dims.tp > 1 or dims.pp > 1 or dims.ep > 1
     if model_parallel and dims.dp == 1:
         return Engine.NONE
     if model_parallel:
@@ -468,6 +482,8 @@ class Layout:
             return "pp", self.dims.pp, "the pipeline stages exchange activations in forward"
         if self.dims.tp > 1:
             return "tp", self.dims.tp, "the tensor-parallel all-reduces in forward"
+        if self.dims.ep > 1:
+            return "ep", self.dims.ep, "the experts' all-to-alls in forward"
         if self.zero_stage >= 2:
             return "zero_stage", self.zero_stage, "FSDP's all-gathers in forward"
         return None
@@ -540,8 +556,23 @@ class Layout:
         """The `DeviceMesh` of this layout over the default process group (a collective)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = tuple(getattr(self.dims, a) for a in self.mesh_axes)
-        return init_device_mesh(device_type, shape, mesh_dim_names=self.mesh_axes)
+        ep = self.dims.ep
+        names, shape = [], []
+        for a in self.mesh_axes:
+            if a == "ep":
+                continue
+            if a == "dp_shard" and ep > 1:
+                # ep is the inner part of dp_shard: each group of ep consecutive dp_shard
+                # ranks splits the experts; "dp_shard" is the flattened whole.
+                names += ["dp_shard_mod_ep", "ep"]
+                shape += [self.dims.dp_shard // ep, ep]
+            else:
+                names.append(a)
+                shape.append(getattr(self.dims, a))
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+        if ep > 1:
+            mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
+        return mesh
 
     def dp_mesh(self, mesh):
         """The 1-D mesh of all data-parallel ranks (dp_replicate x dp_shard flattened)."""
@@ -550,6 +581,19 @@ class Layout:
 
     def fsdp_mesh(self, mesh):
         axes = self.fsdp_axes
+        return mesh[axes[0]] if len(axes) == 1 else mesh[axes]
+
+    def expert_fsdp_mesh(self, mesh):
+        """Under ep: the mesh FSDP2 shards the experts over, the data-parallel ranks that hold
+        the same experts ((dp_replicate, dp_shard / ep), sizes of 1 dropped); None when no
+        rank but this one holds them (dp_replicate = 1, dp_shard = ep)."""
+        if mesh is None or self.dims.ep == 1:
+            return None
+        axes = tuple(a for a, size in (("dp_replicate", self.dims.dp_replicate),
+                                       ("dp_shard_mod_ep", self.dims.dp_shard // self.dims.ep))
+                     if size > 1)
+        if not axes:
+            return None
         return mesh[axes[0]] if len(axes) == 1 else mesh[axes]
 
     def axis_mesh(self, mesh, axis: str):

@@ -7,7 +7,8 @@ The order is torchtitan's, and each step needs the one before it:
 1. **place** the model on this rank's device — except under FSDP2, which moves each unit's
    shard as it shards it, so the whole unsharded model never has to fit on one device;
 2. **tensor parallel** on ``mesh["tp"]`` (`apply_tp` needs the plain module and turns its
-   parameters into DTensors);
+   parameters into DTensors), then **expert parallel** on ``mesh["ep"]`` (`apply_ep`: each
+   MoE block keeps its own experts, a DTensor shard, and exchanges tokens by all-to-all);
 3. **activation checkpointing** of each transformer block (`apply_activation_checkpointing`),
    so that the recomputation lives inside what is compiled next;
 4. **compile** each (checkpointed) block, or the whole model (`apply_compile`);
@@ -100,6 +101,13 @@ def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelO
 
         apply_tp(model, tp_mesh, plan=options.tp_plan,
                  sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel)
+    # 2b. Expert parallel: this rank's experts, as DTensors on mesh["ep"].
+    experts = None
+    ep_mesh = layout.axis_mesh(mesh, "ep")
+    if ep_mesh is not None:
+        from meshfit.parallel.ep import apply_ep
+
+        experts = apply_ep(model, ep_mesh, device=device)
     # 3. Activation checkpointing, inside what is compiled.
     if options.activation_checkpointing != "none":
         from meshfit.parallel.activation import apply_activation_checkpointing
@@ -127,7 +135,8 @@ def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelO
             model.register_forward_hook(_fresh_outputs)  # runs before FSDP2's own hook
         return apply_fsdp(model, layout.fsdp_mesh(mesh),
                           reshard_after_forward=layout.reshard_after_forward,
-                          param_dtype=layout.param_dtype, offload=layout.offload)
+                          param_dtype=layout.param_dtype, offload=layout.offload,
+                          experts=experts, expert_mesh=layout.expert_fsdp_mesh(mesh))
     return model
 
 

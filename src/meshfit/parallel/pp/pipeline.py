@@ -125,15 +125,28 @@ class Pipeline:
         if isinstance(self._loss_fn, TokenCrossEntropy) and self.has_last:
             self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
         self._loss_fn.scale = scale
+        moes = self._moe_modules()
+        for m in moes:  # each micro-batch's auxiliary losses weigh as its loss does
+            m.aux_grad_scale = scale / self.microbatches
         before = self._tied_grads_before()
         losses: list[torch.Tensor] = []
         try:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         finally:
             self._loss_fn.scale = 1.0
+            for m in moes:
+                m.aux_grad_scale = None
         self._step_info["step"] += 1
         self._sum_tied_grads(before)
         return self._broadcast_loss(losses) / scale
+
+    def _moe_modules(self) -> list:
+        """The mixture-of-experts blocks of this rank's stages: their auxiliary losses enter
+        backward from each block's output (`MoE.aux_grad_scale`), since the loss the
+        schedule differentiates is the last stage's cross-entropy alone."""
+        from meshfit.models.moe import MoE
+
+        return [m for module in self.modules for m in module.modules() if isinstance(m, MoE)]
 
     def eval_loss(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
                   ) -> torch.Tensor:

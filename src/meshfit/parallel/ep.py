@@ -1,0 +1,150 @@
+"""Expert parallelism: each MoE block's experts split over the ``ep`` ranks, tokens sent to
+their experts' ranks and back with all-to-all.
+
+    apply_ep(model, mesh["ep"])      # before FSDP2 (`meshfit.parallel.parallelize` step 2b)
+
+The ``ep`` ranks are a group of data-parallel ranks (``ep`` divides ``dp_shard``; see
+`meshfit.distributed.ParallelDims`), so each of them routes its own tokens. With E experts
+and P = ep ranks, rank p holds experts [p E/P, (p+1) E/P) as the local shard of a DTensor
+``Shard(0)`` over ``mesh["ep"]`` (so checkpoints, `full_tensor` export and gradient-norm
+clipping see whole expert tensors). One MoE forward on rank p (`ExpertParallel.dispatch`):
+
+1. its assignments, already sorted by expert, are counted per destination rank; the
+   counts [P, E/P] are exchanged with one ``all_to_all_single`` so each rank knows how
+   many rows it receives from each source for each of its experts;
+2. the rows go out with ``all_to_all_single`` and variable splits (torch.distributed's
+   own collective, NCCL or gloo), arriving ordered by (source rank, local expert); they are
+   regrouped by local expert (a stable sort keeps each source's token order), computed by
+   the local experts, put back in arrival order and returned with the inverse
+   ``all_to_all_single``; backward runs the same two exchanges the other way.
+
+Gradients. A rank's expert gradient holds the contributions of all P ranks' tokens (they
+came through its experts), while every other gradient holds its own tokens' only and is
+averaged over the D data-parallel ranks by DDP/FSDP. The experts' gradients are therefore
+scaled by 1/P in backward (`Experts.grad_scale`); FSDP2 then averages them over the D/P
+ranks that hold the same experts (`Layout.expert_fsdp_mesh`), which gives the same 1/D
+average as every other parameter. With D = P no rank shares this rank's experts: FSDP2
+leaves them out (`ignored_params`) and nothing else reduces them.
+
+Capacity (`GPTConfig.capacity_factor`) is applied to each rank's own tokens before they are
+sent, as GShard's per-group capacity: the same as one process only when dropless. The
+auxiliary losses are each rank's own (its tokens' routing), as under data parallel.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["ExpertParallel", "apply_ep", "ep_problem"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` with variable splits, differentiable (backward sends the
+    gradients back along the same routes), timed when its owner asks."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, owner):
+        ctx.out_splits, ctx.in_splits, ctx.group, ctx.owner = out_splits, in_splits, group, owner
+        return owner._exchange(x.contiguous(), out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = ctx.owner._exchange(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
+        return back, None, None, None, None
+
+
+class ExpertParallel:
+    """The ``ep`` group of one MoE block and the all-to-all exchange around its experts."""
+
+    def __init__(self, group, size: int, rank: int, n_experts: int) -> None:
+        self.group, self.size, self.rank = group, size, rank
+        self.n_local = n_experts // size
+        self.timing = False
+        """Add the wall time of every exchange (forward and backward) to `seconds`; on CUDA
+        this synchronises the device around each exchange."""
+        self.seconds = 0.0
+
+    def _exchange(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                  group) -> torch.Tensor:
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        if self.timing:
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            start = time.perf_counter()
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        if self.timing:
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            self.seconds += time.perf_counter() - start
+        return out
+
+    def dispatch(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """Expert outputs for this rank's rows `xs` [M, d], sorted by global expert with
+        counts[e] rows each: rows are computed on their experts' ranks and come back in the
+        order they were sent."""
+        P, L = self.size, self.n_local
+        send = counts.reshape(P, L).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # recv[q, e]: rows from q for e
+        in_splits = send.sum(dim=1).tolist()
+        out_splits = recv.sum(dim=1).tolist()
+        rows = _AllToAll.apply(xs, out_splits, in_splits, self.group, self)
+        # Arrival order is (source, local expert); the experts want (local expert, source).
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(L, device=recv.device).repeat(P), recv.reshape(-1))
+        order = torch.argsort(expert_of_row, stable=True)
+        out = experts(rows[order], recv.sum(dim=0))
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return _AllToAll.apply(out[back], in_splits, out_splits, self.group, self)
+
+
+def ep_problem(model: nn.Module, ep: int, name: str = "ep") -> str | None:
+    """Why `model` cannot be split over `ep` expert-parallel ranks (None: it can)."""
+    from meshfit.models.moe import MoE
+
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if not moes:
+        return (f"{name}={ep} needs a mixture-of-experts model, and this "
+                f"{type(model).__name__} has no MoE blocks (set GPTConfig.n_experts, e.g. the "
+                "moe-tiny preset), or set ep=1")
+    for m in moes:
+        if m.n_experts % ep:
+            return (f"{name}={ep} must divide the number of experts (n_experts="
+                    f"{m.n_experts}): each ep rank holds n_experts / ep of them; use an ep that "
+                    f"divides {m.n_experts}")
+    return None
+
+
+def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> list[nn.Module]:
+    """Split every MoE block's experts of `model` over the 1-D `ep_mesh`, in place: the
+    expert weights become DTensors ``Shard(0)`` holding this rank's experts (taken from the
+    whole weights every rank holds, without communication), and each MoE module exchanges
+    its rows over the mesh's group. The local shards go to `device` (default: where the
+    weights are). Returns the `Experts` modules (for FSDP2)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from meshfit.models.moe import MoE
+
+    size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    problem = ep_problem(model, size)
+    if problem:
+        raise ValueError(problem)
+    out = []
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        experts = module.experts
+        for name, p in list(experts.named_parameters(recurse=False)):
+            local = p.detach().chunk(size, dim=0)[rank].to(device or p.device).clone()
+            shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
+                                       shape=p.shape, stride=p.stride())
+            setattr(experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        experts.grad_scale = 1.0 / size
+        module.ep = ExpertParallel(ep_mesh.get_group(), size, rank, module.n_experts)
+        out.append(experts)
+    return out

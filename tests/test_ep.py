@@ -1,0 +1,148 @@
+"""Expert parallelism (`ParallelDims(ep=)`) through `Accelerator`, each layout against one
+process on the same global batch, in fp64.
+
+The model: the reference GPT with 2 blocks, both mixture-of-experts (4 experts, top-2,
+softmax routing, dropless), a load-balancing coefficient of 0.1 and a z-loss coefficient of
+0.01 — large, so that an auxiliary loss that is lost or counted twice shows (measured:
+dropping the auxiliary losses from the reference moves the parameters by 4e-2 after 2
+steps in every case; leaving the experts' gradients unscaled instead of 1/ep, 1.3e-3).
+
+The reference. Each data-parallel rank computes its auxiliary losses over its own tokens
+(as data parallel does for any model), so the one-process reference runs the same global
+batch as per-rank pieces — for a pipeline, per-rank per-micro-batch pieces — and
+accumulates the mean of their losses (cross-entropy + auxiliary): the same objective, the
+same global batch. The cross-entropy part equals the whole-batch mean (equal token counts).
+
+Tolerance: the arithmetic of tests/reference.py (fp64, the same sums in another order,
+AdamW's 1/eps sensitivity: at most 2 steps x lr 1e-2 x 1e-16 / 1e-8 = 2e-10 in the worst
+case); measured here: 4.5e-13 at most over the five cases (losses: 1.8e-15 apart);
+PARAM_ATOL = 1e-11 as the other layout tests, 8 orders below the mistakes above.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import case_result, run_cases
+from reference import tiny_gpt, token_batches
+from meshfit import Accelerator, ParallelDims
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SEQ, PER_RANK, STEPS, LR, CLIP = 16, 2, 2, 1e-2, 0.5
+PARAM_ATOL, LOSS_RTOL = 1e-11, 1e-12
+MOE = dict(n_experts=4, top_k=2, aux_loss_coef=0.1, router_z_loss_coef=0.01)
+
+
+def _model():
+    return tiny_gpt(n_layer=2, max_seq_len=SEQ, **MOE)
+
+
+def _batches(dp: int):
+    x, y = token_batches(STEPS * PER_RANK * dp, SEQ)
+    n = PER_RANK * dp
+    return [(x[i:i + n], y[i:i + n]) for i in range(0, len(x), n)]
+
+
+def _pieces(x, y, dp: int, microbatches: int):
+    """Data-parallel rank r's rows of a global batch are r, r + dp, ...; a pipeline cuts
+    them into consecutive micro-batches."""
+    out = []
+    for r in range(dp):
+        xr, yr = x[r::dp], y[r::dp]
+        m = len(xr) // microbatches
+        out += [(xr[i:i + m], yr[i:i + m]) for i in range(0, len(xr), m)]
+    return out
+
+
+def _reference(dp: int, microbatches: int, aux: bool = True):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ce_losses = []
+    for x, y in _batches(dp):
+        pieces = _pieces(x, y, dp, microbatches)
+        ce = 0.0
+        for xp, yp in pieces:
+            loss = model(xp, yp)  # cross-entropy + the MoE blocks' auxiliary losses
+            aux_loss = model.aux_loss()
+            ce += (loss - aux_loss).item() / len(pieces)
+            (loss if aux else loss - aux_loss).div(len(pieces)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        ce_losses.append(ce)
+    return ce_losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank, world, dims: dict, zero_stage: int, microbatches: int | None):
+    acc = Accelerator(parallel=ParallelDims(**dims), zero_stage=zero_stage)
+    dp, dp_rank = acc.runtime.dp_size, acc.runtime.dp_rank
+    if microbatches:
+        model = acc.prepare_pipeline(_model(), schedule="1f1b", microbatches=microbatches)
+    else:
+        model = acc.prepare(_model())
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
+    losses, stats = [], []
+    for x, y in _batches(dp):
+        xr, yr = x[dp_rank::dp], y[dp_rank::dp]
+        if microbatches:
+            ce = model.step(xr, yr)
+        else:
+            loss = model(xr, yr)
+            acc.backward(loss)
+            ce = loss.detach() - model.aux_loss().detach()
+            stats.append(model.moe_stats())
+        acc.clip_grad_norm_(model if microbatches else model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(acc.reduce(ce.detach(), "mean").item())
+    experts = [m.experts.w1 if hasattr(m.experts, "w1") else m.experts.w_in
+               for mod in (model.modules if microbatches else [model])
+               for m in mod.modules() if type(m).__name__ == "MoE"]
+    local_experts = [tuple(w.to_local().shape) for w in experts]
+    return {"losses": losses, "state": acc.get_state_dict(model), "dp": dp,
+            "local_experts": local_experts, "stats": stats,
+            "engine": acc.layout.engine.value}
+
+
+CASES = {
+    # id: world size, ParallelDims kwargs, zero_stage, pipeline micro-batches (None: none).
+    # ep2-zero1 / -zero3: no other rank holds a rank's experts (FSDP2 leaves them out);
+    # ep2xdp2: experts also sharded over the dp_shard / ep = 2 ranks holding the same ones;
+    # hsdp: ... over the 2 replicas; ep2xpp2: each stage's blocks exchange over its ep group.
+    "ep2-zero1": (2, dict(dp_shard=2, ep=2), 1, None),
+    "ep2-zero3": (2, dict(dp_shard=2, ep=2), 3, None),
+    "ep2xdp2-zero3": (4, dict(dp_shard=4, ep=2), 3, None),
+    "ep2-hsdp": (4, dict(dp_replicate=2, dp_shard=2, ep=2), 2, None),
+    "ep2xpp2": (4, dict(pp=2, dp_shard=2, ep=2), 1, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def results(request):
+    out = {}
+    for world in (2, 4):
+        cases = {name: (_worker, dims, stage, mb)
+                 for name, (w, dims, stage, mb) in CASES.items() if w == world}
+        out.update(run_cases(cases, world, timeout=240))
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_parallel_equals_one_process(results, case):
+    world, dims, stage, microbatches = CASES[case]
+    per_rank = case_result(results, case)
+    dp = per_rank[0]["dp"]
+    want_losses, want_state = _reference(dp, microbatches or 1)
+    for res in per_rank:
+        assert res["engine"] == "fsdp2"
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses),
+                                   rtol=LOSS_RTOL, atol=0)
+        # each rank computes 4 / ep = 2 experts, whatever FSDP2 then shards at rest
+        assert all(shape[0] * dims["ep"] == MOE["n_experts"] or shape[0] < MOE["n_experts"]
+                   for shape in res["local_experts"])
+    state = per_rank[0]["state"]
+    assert set(state) == set(want_state)
+    for key, value in want_state.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=PARAM_ATOL, msg=key)
