@@ -21,6 +21,8 @@ PARAM_ATOL = 1e-11 as the other layout tests, 8 orders below the mistakes above.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -146,3 +148,70 @@ def test_expert_parallel_equals_one_process(results, case):
     assert set(state) == set(want_state)
     for key, value in want_state.items():
         torch.testing.assert_close(state[key], value, rtol=0, atol=PARAM_ATOL, msg=key)
+
+
+# ------------------------------------------------------------------ meshfit train
+TRAIN = ["--model.preset=moe-tiny", "--model.n_layer=2", "--model.d_model=64",
+         "--model.d_ff=128", "--model.moe_d_ff=64", "--train.steps=2", "--train.log_every=1",
+         "--train.eval_every=0", "--train.global_batch_size=8", "--train.micro_batch_size=4",
+         "--train.seq_len=32", "--train.eval_batches=1", "--checkpoint.every=1"]
+
+
+def _train(out, args, env):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "meshfit.train.cli", "train", "--nproc", "2",
+                           "--out", str(out), *args],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return proc.stdout, [line for line in lines if "loss" in line]
+
+
+def test_train_ep2_logs_routing_and_resumes_on_another_ep(tmp_path, subprocess_env):
+    """`meshfit train` with [parallel] ep: the routing metrics in metrics.jsonl and the
+    progress line, and a checkpoint written under ep=2 resumed under ep=1 (DCP reshards the
+    expert DTensors) reproducing the ep=2 run's step 2. The loss is logged to 5 decimals
+    and both runs compute in fp32 with the same reductions up to order (~1e-6 relative):
+    equal to 1e-4."""
+    out = tmp_path / "run"
+    stdout, lines = _train(out, [*TRAIN, f"--data.cache_dir={tmp_path / 'cache'}", "--parallel.dp_shard=2", "--parallel.ep=2"],
+                           subprocess_env)
+    assert "mesh dp_shard 2 x ep 2" in stdout
+    assert len(lines) == 2
+    for m in lines:
+        assert 0 <= m["moe_tokens_per_expert_min"] <= m["moe_tokens_per_expert_max"]
+        # 8 sequences x 32 tokens x top-2 over 8 experts: the busiest expert takes at least
+        # the mean (64) and at most every token once (256)
+        assert 64 <= m["moe_tokens_per_expert_max"] <= 256
+        assert m["moe_tokens_per_expert_cv"] >= 0 and m["moe_dropped_fraction"] == 0
+        assert m["moe_aux_loss"] > 0 and 0 < m["moe_a2a_share"] < 1
+    step2 = lines[1]["loss"]
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "step-2")
+    shutil.rmtree(out / "model")
+    _, resumed = _train(out, ["--resume", "--parallel.dp_shard=2",
+                                        "--parallel.ep=1"], subprocess_env)
+    assert resumed[-1]["step"] == 2
+    assert resumed[-1]["loss"] == pytest.approx(step2, rel=1e-4)
+    assert resumed[-1]["moe_a2a_s"] == 0  # no exchanges without ep
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--parallel.ep=2"], r"ep=2 must divide dp_shard=1: expert parallelism is carved out"),
+    (["--parallel.dp_shard=2", "--parallel.ep=2", "--model.preset=tiny"],
+     r"parallel.ep=2 needs a mixture-of-experts model"),
+    (["--parallel.dp_shard=2", "--parallel.ep=2", "--model.n_experts=3"],
+     r"parallel.ep=2 must divide the number of experts \(3\)"),
+    (["--parallel.dp_shard=2", "--parallel.ep=2", "--parallel.zero_stage=0"],
+     r"parallel.zero_stage=0 with parallel.ep=2"),
+    (["--model.n_experts=4", "--model.top_k=5"], r"model.top_k=5 must be <= n_experts=4"),
+    (["--model.capacity_factor=0"], r"model.capacity_factor=0 must be a positive"),
+])
+def test_bad_moe_input_fails_before_launch(args, match, tmp_path, cli_refusal):
+    line = cli_refusal("train", "--nproc", "2", "--out", str(tmp_path / "run"),
+                       "--model.preset=moe-tiny", *args)
+    assert re.search(match, line), line

@@ -33,13 +33,14 @@ auxiliary losses are each rank's own (its tokens' routing), as under data parall
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ExpertParallel", "apply_ep", "ep_problem"]
+__all__ = ["ExpertParallel", "apply_ep", "ep_problem", "moe_modules", "routing_metrics"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -148,3 +149,67 @@ def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> l
         module.ep = ExpertParallel(ep_mesh.get_group(), size, rank, module.n_experts)
         out.append(experts)
     return out
+
+
+def moe_modules(modules) -> list[nn.Module]:
+    """The mixture-of-experts blocks (`meshfit.models.MoE`) inside `modules`."""
+    from meshfit.models.moe import MoE
+
+    return [m for module in modules for m in module.modules() if isinstance(m, MoE)]
+
+
+def routing_metrics(moes: list[nn.Module], *, dp_group=None, dp_size: int = 1,
+                    pp_group=None) -> dict[str, float]:
+    """Routing statistics of the last forward of every MoE block of the model, whichever
+    rank holds it; a collective: every rank calls it with its own blocks (an empty list on
+    a pipeline stage without MoE blocks, but then every rank of the run must call).
+
+    Tokens per expert are summed over the data-parallel ranks (`dp_group`: every token of
+    the global micro-batch once), then per block: min, max and coefficient of variation
+    (std / mean) over experts; blocks on other pipeline stages are combined over `pp_group`.
+    Returns ``moe_tokens_per_expert_min / _max``, ``moe_tokens_per_expert_cv`` (mean over
+    blocks), ``moe_dropped_fraction`` (capacity drops / assignments), ``moe_aux_loss``
+    (the blocks' auxiliary losses summed, averaged over data-parallel ranks) and
+    ``moe_a2a_s`` (seconds spent in expert-parallel exchanges since the last call, the
+    slowest rank's; 0 without ep), or {} for a dense model."""
+    stats = [m.last_stats for m in moes if m.last_stats is not None]
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if stats:
+        device = stats[0]["tokens_per_expert"].device
+    elif distributed and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    counts = torch.stack([s["tokens_per_expert"].to(device, torch.float64) for s in stats]) \
+        if stats else torch.zeros(0, 1, dtype=torch.float64, device=device)
+    sums = torch.tensor([sum(s["dropped"] for s in stats), sum(s["assignments"] for s in stats),
+                         sum(float(s["aux_loss"]) for s in stats) / dp_size],
+                        dtype=torch.float64, device=device)
+    if dp_group is not None and dp_size > 1:
+        dist.all_reduce(counts, group=dp_group)
+        dist.all_reduce(sums, group=dp_group)
+    seconds = 0.0
+    for m in moes:
+        if m.ep is not None:
+            seconds += m.ep.seconds
+            m.ep.seconds = 0.0
+    if len(stats):
+        cv = counts.std(dim=1, unbiased=False) / counts.mean(dim=1).clamp_min(1e-12)
+        per_stage = [float(cv.sum()), float(len(stats)), *sums.tolist()]
+        lo, hi = float(counts.min()), float(counts.max())
+    else:
+        per_stage, lo, hi = [0.0, 0.0, 0.0, 0.0, 0.0], math.inf, -math.inf
+    total = torch.tensor(per_stage, dtype=torch.float64, device=device)
+    extremes = torch.tensor([-lo, hi, seconds], dtype=torch.float64, device=device)
+    if distributed:  # over every rank: other stages' blocks, the slowest exchange
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    cv_sum, layers, dropped, assignments, aux = total.tolist()
+    if layers == 0:
+        return {}
+    neg_lo, hi, seconds = extremes.tolist()
+    return {"moe_tokens_per_expert_min": int(-neg_lo), "moe_tokens_per_expert_max": int(hi),
+            "moe_tokens_per_expert_cv": round(cv_sum / layers, 4),
+            "moe_dropped_fraction": round(dropped / max(assignments, 1.0), 5),
+            "moe_aux_loss": round(aux, 6), "moe_a2a_s": round(seconds, 4)}

@@ -348,6 +348,9 @@ class ModelFacts:
     divisible: tuple[tuple[str, int, str], ...] = ()
     """(field, size, kind) that the tensor-parallel degree must divide (heads, widths,
     vocabulary: the model's TP plan says which)."""
+    experts: tuple[int, ...] = ()
+    """Experts of each mixture-of-experts block (`meshfit.models.MoE`) that expert
+    parallelism can split; () for a dense model."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, *, pipeline_plan=None, tp_plan=None) -> ModelFacts:
@@ -365,7 +368,10 @@ class ModelFacts:
             divisible = tuple(tp_plan.divisible)
         else:
             divisible = tuple(plan_for(model).divisible) if builtin and tp_plan is None else ()
-        return cls(n_blocks=len(pipeline_plan.blocks_of(model)), divisible=divisible)
+        from meshfit.parallel.ep import moe_modules
+
+        return cls(n_blocks=len(pipeline_plan.blocks_of(model)), divisible=divisible,
+                   experts=tuple(m.n_experts for m in moe_modules([model])))
 
 
 # ----------------------------------------------------------------------------- the layout
@@ -523,7 +529,16 @@ class Layout:
         from meshfit.models.plans import divisibility_problem
         from meshfit.parallel.pp import pipeline_problem
 
-        n, tp, pp = _namer(names), self.dims.tp, self.dims.pp
+        n, tp, pp, ep = _namer(names), self.dims.tp, self.dims.pp, self.dims.ep
+        if ep > 1:
+            if not facts.experts:
+                return (f"{n('ep')}={ep} needs a mixture-of-experts model, and this one has no "
+                        "MoE blocks of meshfit's reference GPT (set its n_experts, e.g. the "
+                        f"moe-tiny preset), or set {n('ep')}=1")
+            bad = next((e for e in facts.experts if e % ep), None)
+            if bad is not None:
+                return (f"{n('ep')}={ep} must divide the number of experts ({bad}): each ep "
+                        f"rank holds n_experts / ep of them; use an ep that divides {bad}")
         if tp > 1:
             problem = divisibility_problem(facts.divisible, tp)
             if problem:
@@ -577,11 +592,11 @@ class Layout:
     def dp_mesh(self, mesh):
         """The 1-D mesh of all data-parallel ranks (dp_replicate x dp_shard flattened)."""
         axes = self.dp_axes
-        return mesh[axes[0]] if len(axes) == 1 else mesh[axes]._flatten("dp")
+        return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)._flatten("dp")
 
     def fsdp_mesh(self, mesh):
         axes = self.fsdp_axes
-        return mesh[axes[0]] if len(axes) == 1 else mesh[axes]
+        return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)
 
     def expert_fsdp_mesh(self, mesh):
         """Under ep: the mesh FSDP2 shards the experts over, the data-parallel ranks that hold
@@ -594,11 +609,11 @@ class Layout:
                      if size > 1)
         if not axes:
             return None
-        return mesh[axes[0]] if len(axes) == 1 else mesh[axes]
+        return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)
 
     def axis_mesh(self, mesh, axis: str):
         """The 1-D sub-mesh of `axis` ("tp", "pp", "dp_shard"), or None without that axis."""
-        return mesh[axis] if mesh is not None and axis in self.mesh_axes else None
+        return _slice(mesh, axis) if mesh is not None and axis in self.mesh_axes else None
 
     # ------------------------------------------------------------------ enumeration
     @classmethod
@@ -626,6 +641,17 @@ class Layout:
                         yield Candidate(dims=dims, options=options,
                                         layout=None if isinstance(out, str) else out,
                                         refused=out if isinstance(out, str) else None)
+
+
+def _slice(mesh, axes):
+    """``mesh[axes]``. Under ep, ``dp_shard`` is the flattened (dp_shard_mod_ep, ep) pair,
+    and torch 2.13 warns on every slice of a flattened dimension that it "will be
+    deprecated in PT 2.11" — while still supporting it; the warning is not the user's."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[axes]
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,10 @@ def _bool(section: str, name: str, value: Any) -> None:
         raise ValueError(f"{section}.{name}={value!r} must be true or false")
 
 
+_MOE_FIELDS = ("n_experts", "top_k", "moe_every", "moe_d_ff", "shared_experts", "router",
+               "capacity_factor", "aux_loss_coef", "router_z_loss_coef")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """[model]: what to train. One source: a reference GPT `preset` (size fields left unset
@@ -99,6 +103,26 @@ class ModelConfig:
     """MLP hidden size (None: the preset's)."""
     dropout: float | None = None
     """Dropout probability (None: the preset's)."""
+    n_experts: int | None = None
+    """Mixture of experts: routed experts per MoE block (0: dense; None: the preset's, e.g.
+    moe-tiny's 8). See `meshfit.models.GPTConfig` for this and the next fields."""
+    top_k: int | None = None
+    """Experts each token is routed to (<= n_experts)."""
+    moe_every: int | None = None
+    """Every this many blocks is an MoE block (1: all)."""
+    moe_d_ff: int | None = None
+    """Hidden width of each expert (None: d_ff)."""
+    shared_experts: int | None = None
+    """0 or 1: a dense expert every token also passes through."""
+    router: str | None = None
+    """"softmax_topk" or "sigmoid_topk"."""
+    capacity_factor: float | None = None
+    """> 0: each expert keeps at most capacity_factor x its even share of the assignments
+    (the rest are dropped and counted); unset: dropless."""
+    aux_loss_coef: float | None = None
+    """Weight of the load-balancing loss (Switch / GShard)."""
+    router_z_loss_coef: float | None = None
+    """Weight of the router z-loss (ST-MoE)."""
     attention_backend: str = "auto"
     """SDPA kernel: auto, math, flash, efficient or cudnn (checked on the device before
     launch; the reference GPT only)."""
@@ -122,7 +146,7 @@ class ModelConfig:
         if len(given) > 1:
             raise ValueError(f"model.{given[0]} and model.{given[1]} are both set; give one "
                              "source of the model")
-        sized = [n for n in ("n_layer", "n_head", "d_model", "d_ff", "dropout")
+        sized = [n for n in ("n_layer", "n_head", "d_model", "d_ff", "dropout", *_MOE_FIELDS)
                  if getattr(self, n) is not None]
         if given and sized:
             raise ValueError(f"model.{sized[0]}={getattr(self, sized[0])!r} sizes the reference "
@@ -144,6 +168,13 @@ class ModelConfig:
                 raise ValueError(f"model.{name}={spec!r} must look like module:attribute, e.g. "
                                  "mymodels:build_model")
 
+        if not given:  # the GPTConfig's own checks (top_k <= n_experts, ...), named here
+            try:
+                GPTConfig.preset(self.preset, **{n: getattr(self, n) for n in _MOE_FIELDS
+                                                 if getattr(self, n) is not None})
+            except (ValueError, TypeError) as err:
+                raise ValueError(str(err).replace("GPTConfig.", "model.")) from None
+
     @property
     def source(self) -> str:
         """Which field gives the model: preset, hf_config, hf_model or factory."""
@@ -151,7 +182,8 @@ class ModelConfig:
                     "preset")
 
     def overrides(self) -> dict[str, Any]:
-        keep = ("n_layer", "n_head", "d_model", "d_ff", "dropout", "attention_backend")
+        keep = ("n_layer", "n_head", "d_model", "d_ff", "dropout", "attention_backend",
+                *_MOE_FIELDS)
         return {name: getattr(self, name) for name in keep if getattr(self, name) is not None}
 
 
@@ -523,7 +555,11 @@ class RunConfig:
         self.grad_accumulation(world_size)
         if self.train.find_batch_size:
             layout.check_batch_probe(names=LAYOUT_NAMES)
-        if layout.dims.tp > 1 or layout.dims.pp > 1:
+        if layout.dims.ep > 1 and self.peft.method != "none":
+            raise ValueError(f"peft.method={self.peft.method!r} with parallel.ep > 1 is not yet "
+                             "available (LoRA adapts linear layers; the experts are stacked "
+                             "weights split over the ep ranks); use peft.method='none' or ep=1")
+        if layout.dims.tp > 1 or layout.dims.pp > 1 or layout.dims.ep > 1:
             if self.peft.method != "none":
                 raise ValueError(f"peft.method={self.peft.method!r} with parallel.tp/pp > 1 is "
                                  "not yet available: LoRA wraps each adapted linear in a "

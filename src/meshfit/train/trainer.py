@@ -7,6 +7,7 @@ Rank 0 writes ``metrics.jsonl`` (one JSON object per logged step, evaluation lin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -21,6 +22,7 @@ from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, StopOnSign
                                collective_deadline)
 from meshfit.data import TokenDataset
 from meshfit.distributed import DistEnv, init
+from meshfit.parallel.ep import moe_modules
 from meshfit.train.models import (build_model, loss_function, plans, resolve_plan,
                                   write_final_model)
 
@@ -126,6 +128,7 @@ class _Model:
         self.params = model  # what the optimizer's parameter groups are built from
         self.description = ""
         self.exported = model  # what the final weights are gathered from
+        self.moes = _gpt_moes(model)
 
     def accumulate(self):
         return self.acc.accumulate(self.model)
@@ -133,7 +136,10 @@ class _Model:
     def forward_backward(self, x, y, accum: int) -> torch.Tensor:
         loss = self.loss(self.model, x, y)
         self.acc.backward(loss)  # divides by the accumulation steps itself
-        return loss
+        # The reference GPT's loss includes its MoE blocks' auxiliary losses; the reported
+        # loss is the cross-entropy (as under pp), the auxiliary part is reported apart.
+        aux = [m.last_aux_loss for m in self.moes if m.last_aux_loss is not None]
+        return loss.detach() - sum(a.detach() for a in aux) if aux else loss
 
     def eval_loss(self, x, y) -> torch.Tensor:
         return self.loss(self.model, x, y)
@@ -175,6 +181,45 @@ class _Pipelined:
         if step == min(self.steps, PIPELINE_TIMED_STEPS):
             _save_pipeline_timings(self.pipeline,
                                    out_dir if self.acc.is_main_process else None)
+
+
+@contextlib.contextmanager
+def _untimed(exchanges):
+    """Expert-parallel exchanges of an evaluation are not the training window's."""
+    saved = [ep.timing for ep in exchanges]
+    for ep in exchanges:
+        ep.timing = False
+    try:
+        yield
+    finally:
+        for ep, timing in zip(exchanges, saved):
+            ep.timing = timing
+
+
+def _gpt_moes(model: torch.nn.Module) -> list:
+    """The reference GPT's MoE blocks (their auxiliary losses are inside its loss)."""
+    from meshfit.models import GPT
+    from meshfit.parallel.ep import moe_modules
+
+    base = getattr(model, "module", model)
+    return moe_modules([base]) if isinstance(base, GPT) else []
+
+
+def _routing(acc: Accelerator, trained, elapsed_s: float) -> dict:
+    """The MoE metrics of the logged step (`meshfit.parallel.ep.routing_metrics`: the last
+    micro-batch's routing) and the share of the window spent in expert-parallel
+    all-to-alls; {} for a dense model. A collective: every rank calls it."""
+    from meshfit.parallel.ep import moe_modules, routing_metrics
+
+    if not trained.has_moe:
+        return {}
+    pp = acc.layout.axis_mesh(acc.mesh, "pp")
+    out = routing_metrics(moe_modules(trained.modules), dp_group=acc.runtime.dp_group,
+                          dp_size=acc.runtime.dp_size,
+                          pp_group=None if pp is None else pp.get_group())
+    if out and any(m.ep is not None and m.ep.timing for m in moe_modules(trained.modules)):
+        out["moe_a2a_share"] = round(min(1.0, out["moe_a2a_s"] / max(elapsed_s, 1e-9)), 4)
+    return out
 
 
 def _evaluate(acc: Accelerator, trained, loader) -> float:
@@ -331,6 +376,10 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
     micro, chunks = t.micro_batch_size, cfg.microbatches(env.world_size)
     trained = _prepare_model(acc, cfg, model, chunks)
+    trained.has_moe = bool(moe_modules([model]))  # on any stage: every rank logs routing
+    exchanges = [m.ep for m in moe_modules(trained.modules) if m.ep is not None]
+    for ep in exchanges:  # timed always on the CPU (gloo waits anyway), on CUDA at first
+        ep.timing = True
     if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
         micro, _ = _find_micro_batch(acc, trained, t.seq_len, splits.vocab_size, micro,
                                      acc.gradient_accumulation_steps)
@@ -346,7 +395,8 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     accum, progress = acc.gradient_accumulation_steps, _Progress(acc.is_main_process, t.steps)
     last: dict = {"step": start}
     if start == 0:
-        last["val_loss"] = round(_evaluate(acc, trained, val_loader), 5)
+        with _untimed(exchanges):
+            last["val_loss"] = round(_evaluate(acc, trained, val_loader), 5)
         writer.write(last)
     batches, window = _batches(train_loader), Window(acc, t.global_batch_size * t.seq_len)
     stop = StopOnSignal()
@@ -365,13 +415,28 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
                 window.add(loss)
             window.steps += 1
             trained.after_step(step, out_dir)
+            if step == PIPELINE_TIMED_STEPS and acc.device.type == "cuda":
+                for ep in exchanges:  # timing synchronises the device around each exchange
+                    ep.timing = False
             if step % t.log_every == 0 or step == t.steps:
+                window_steps = window.steps
                 last = window.close(step, accum, float(scheduler.get_last_lr()[0]))
+                last.update(_routing(acc, trained, last["step_time_s"] * window_steps))
                 writer.write(last)
-                progress.update(step, f"loss {last['loss']:.3f}  {last['tokens_per_s']:.0f} tok/s")
+                info = f"loss {last['loss']:.3f}  {last['tokens_per_s']:.0f} tok/s"
+                if "moe_tokens_per_expert_cv" in last:
+                    info += (f"  experts cv {last['moe_tokens_per_expert_cv']:.2f} "
+                             f"aux {last['moe_aux_loss']:.3f}")
+                    if last["moe_dropped_fraction"]:
+                        info += f" dropped {100 * last['moe_dropped_fraction']:.1f}%"
+                    if "moe_a2a_share" in last:
+                        info += f" a2a {100 * last['moe_a2a_share']:.0f}%"
+                progress.update(step, info)
             if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                 began = time.perf_counter()
-                val = {"step": step, "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
+                with _untimed(exchanges):
+                    val = {"step": step,
+                           "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
                 writer.write(val)
                 last.update(val)
                 window.start += time.perf_counter() - began  # not training throughput
