@@ -106,6 +106,12 @@ def check_model_source(cfg, vocab_size: int) -> nn.Module:
     if m.source != "preset" and longest is not None and cfg.train.seq_len > longest:
         raise ValueError(f"train.seq_len={cfg.train.seq_len} is longer than the "
                          f"{longest} positions of {field}; lower train.seq_len")
+    if cfg.parallel.pp > 1 and _router_aux_loss(model):
+        raise ValueError(f"{field}: output_router_logits=true (the router load-balancing loss) "
+                         f"with parallel.pp={cfg.parallel.pp} is not yet available: a pipeline's "
+                         "loss is the last stage's cross-entropy, and the loss couples the "
+                         "routers of every stage; set output_router_logits=false in its "
+                         "config.json (cross-entropy only) or use pp = 1")
     return model
 
 
@@ -138,14 +144,45 @@ def loss_function(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.
     The reference GPT computes it itself (vocabulary-parallel under loss_parallel); other
     models give logits ([B, T, V], or an output with ``.logits``), and the loss is taken
     here — through `tp_cross_entropy`, so that vocabulary-sharded logits are never
-    gathered."""
+    gathered. A transformers mixture-of-experts model whose config sets
+    ``output_router_logits`` (Mixtral, Qwen2-MoE) adds ``router_aux_loss_coef`` x its
+    load-balancing loss in training, as its own loss with labels does (not under pp:
+    refused by `check_model_source`)."""
     from meshfit.parallel.tp import tp_cross_entropy
 
     if isinstance(_base(model), GPT):
         return lambda m, x, y: m(x, y)
+    if _is_hf(model) and _router_aux_loss(model):
+        return _with_router_aux_loss(_base(model).config.router_aux_loss_coef)
     if _is_hf(model):
         return lambda m, x, y: tp_cross_entropy(_logits(m(input_ids=x, use_cache=False)), y)
     return lambda m, x, y: tp_cross_entropy(_logits(m(x)), y)
+
+
+def _router_aux_loss(model: nn.Module) -> bool:
+    """Whether a transformers mixture-of-experts model's config asks for the router's
+    load-balancing loss in its loss (``output_router_logits``, as Mixtral and Qwen2-MoE
+    add ``router_aux_loss_coef`` x ``aux_loss`` to their loss with labels)."""
+    config = getattr(_base(model), "config", None)
+    return bool(getattr(config, "output_router_logits", False)) and hasattr(
+        config, "router_aux_loss_coef")
+
+
+def _with_router_aux_loss(coef: float):
+    """The cross-entropy plus ``coef`` x the model's load-balancing loss, in training mode
+    (what the model's own loss with labels is); evaluation gives the cross-entropy alone.
+    The aux loss is the model's, over the tokens of this call (a micro-batch on this rank;
+    under tensor parallel the router sees the whole replicated micro-batch)."""
+    from meshfit.parallel.tp import tp_cross_entropy
+
+    def loss(m, x, y):
+        out = m(input_ids=x, use_cache=False, output_router_logits=m.training)
+        ce = tp_cross_entropy(out.logits, y)
+        if m.training and out.aux_loss is not None:
+            return ce + coef * out.aux_loss.to(ce.device)
+        return ce
+
+    return loss
 
 
 def _base(model: nn.Module) -> nn.Module:

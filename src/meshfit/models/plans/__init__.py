@@ -1,7 +1,9 @@
 """Parallel plans as data: how tensor parallel splits a model's modules (`TPPlan`) and where
 pipeline stages are cut (`PipelinePlan`), for meshfit's reference `GPT` and for Hugging Face
 `LlamaForCausalLM` (and the decoders with its layout, `Qwen2ForCausalLM` and
-`MistralForCausalLM`) and `GPT2LMHeadModel`.
+`MistralForCausalLM`), `GPT2LMHeadModel` and the mixture-of-experts decoders
+`MixtralForCausalLM` and `Qwen2MoeForCausalLM` (routed experts kept whole on every tensor-
+parallel rank; see `meshfit.models.plans.hf`).
 
 Tensor parallel follows Megatron-LM (Shoeybi et al. 2019): attention q/k/v and MLP up/gate
 column-parallel, attention output and MLP down row-parallel, so each block needs one
@@ -29,16 +31,19 @@ from meshfit.models.plans.base import (PipelinePlan, Style, TPPlan, colwise, div
                                        prepare_input, replicate, rowwise, sequence)
 from meshfit.models.plans.gpt import gpt_pipeline_plan, gpt_plan
 from meshfit.models.plans.hf import (hf_gpt2_pipeline_plan, hf_gpt2_plan, hf_llama_pipeline_plan,
-                                     hf_llama_plan)
+                                     hf_llama_plan, hf_moe_pipeline_plan, hf_moe_plan,
+                                     replicated_local)
 
 __all__ = ["PipelinePlan", "Style", "TPPlan", "colwise", "divisibility_problem",
            "gpt_pipeline_plan", "gpt_plan", "hf_gpt2_pipeline_plan", "hf_gpt2_plan",
-           "has_builtin_plans", "hf_llama_pipeline_plan", "hf_llama_plan", "pipeline_plan_for", "plan_for",
-           "prepare_input", "replicate", "rowwise", "sequence"]
+           "has_builtin_plans", "hf_llama_pipeline_plan", "hf_llama_plan", "hf_moe_pipeline_plan",
+           "hf_moe_plan", "pipeline_plan_for", "plan_for", "prepare_input", "replicate",
+           "replicated_local", "rowwise", "sequence"]
 
-_BUILT_IN = ("meshfit GPT, transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM "
-             "and GPT2LMHeadModel")
+_BUILT_IN = ("meshfit GPT, transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, "
+             "GPT2LMHeadModel, MixtralForCausalLM and Qwen2MoeForCausalLM")
 _LLAMA_LIKE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def _family(model: nn.Module) -> str | None:
@@ -54,6 +59,9 @@ def _family(model: nn.Module) -> str | None:
             return "llama"
         if isinstance(model, hf.GPT2LMHeadModel):
             return "gpt2"
+        # Llama's attention with a mixture-of-experts MLP (transformers 5's fused experts).
+        if isinstance(model, tuple(getattr(hf, n) for n in _MOE if hasattr(hf, n))):
+            return "moe"
     return None
 
 
@@ -77,7 +85,8 @@ def plan_for(model: nn.Module, *, sequence_parallel: bool = False,
     """The built-in tensor-parallel plan for `model`'s type; ValueError naming the supported
     types and how to pass a plan."""
     _refuse_peft(model, "tensor parallel")
-    build = {"gpt": gpt_plan, "llama": hf_llama_plan, "gpt2": hf_gpt2_plan}.get(_family(model))
+    build = {"gpt": gpt_plan, "llama": hf_llama_plan, "gpt2": hf_gpt2_plan,
+             "moe": hf_moe_plan}.get(_family(model))
     if build is None:
         raise ValueError(f"no built-in tensor-parallel plan for {type(model).__name__}; "
                          f"built-in: {_BUILT_IN}; pass plan={{module pattern: Style or "
@@ -90,7 +99,7 @@ def pipeline_plan_for(model: nn.Module) -> PipelinePlan:
     and how to pass a plan."""
     _refuse_peft(model, "pipeline parallel")
     build = {"gpt": gpt_pipeline_plan, "llama": hf_llama_pipeline_plan,
-             "gpt2": hf_gpt2_pipeline_plan}.get(_family(model))
+             "gpt2": hf_gpt2_pipeline_plan, "moe": hf_moe_pipeline_plan}.get(_family(model))
     if build is None:
         raise ValueError(f"no built-in pipeline plan for {type(model).__name__}; built-in: "
                          f"{_BUILT_IN}; pass plan=PipelinePlan(blocks=..., first=..., last=...)"

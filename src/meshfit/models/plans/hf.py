@@ -1,5 +1,5 @@
-"""Plans for Hugging Face `LlamaForCausalLM` and `GPT2LMHeadModel` (transformers 5.x
-module names).
+"""Plans for Hugging Face `LlamaForCausalLM`, `GPT2LMHeadModel` and the mixture-of-experts
+decoders `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (transformers 5.x module names).
 
 Tensor parallel: Hugging Face ships its own string-based TP plans (`config.base_model_tp_plan`,
 `model._tp_plan`, applied by `from_pretrained(tp_plan="auto")`); they replace module
@@ -16,6 +16,23 @@ Pipeline parallel: a stage is the model itself with the blocks of other stages r
 every stage but the first, and identity stand-ins for the parts it does not hold: the final
 norm and head before the last stage, and for GPT-2 a zero position table and no dropout
 after the first (the first stage already added positions and applied dropout).
+
+Mixture of experts (Mixtral, Qwen2-MoE), without expert parallelism: attention, norms,
+embedding and head as for Llama, and the dense parts split like Llama's MLP (Qwen2-MoE's shared
+expert and any dense layers: gate/up column-wise, down row-wise). The routed experts
+(transformers 5 holds them fused, ``experts.gate_up_proj`` [E, 2F, d] and
+``experts.down_proj`` [E, d, F]) and the router (``mlp.gate``) stay whole on every TP rank:
+their input is the replicated hidden state, every rank computes the same routing and the
+same expert outputs, and their gradients are equal on every rank without communication.
+Hugging Face's own ``base_model_tp_plan`` splits the experts instead ("packed_colwise" /
+"moe_tp_experts"), which needs its own expert kernels. The experts' loop indexes tokens by
+data-dependent positions (``torch.where``, ``index_add_``) that DTensor cannot run, so
+`replicated_local()` keeps their parameters as replicated DTensors (what `apply_tp` requires of
+every parameter) and runs the module on their local tensors. Under sequence parallel the MoE
+block gathers the sequence once on the way in and hands each rank its sequence slice on the
+way out. A pipeline stage runs the decoder layers it holds; the router's load-balancing loss
+(``output_router_logits``) is not part of a pipeline's loss: its stages call the model with
+``output_router_logits=False``.
 """
 
 from __future__ import annotations
@@ -29,7 +46,8 @@ from meshfit.models.plans.base import (REPLICATE, SHARD_SEQ, PipelinePlan, Style
                                        colwise, prepare_input, replicate, rowwise, sequence)
 from meshfit.models.plans.gpt import head
 
-__all__ = ["hf_gpt2_pipeline_plan", "hf_gpt2_plan", "hf_llama_pipeline_plan", "hf_llama_plan"]
+__all__ = ["hf_gpt2_pipeline_plan", "hf_gpt2_plan", "hf_llama_pipeline_plan",
+           "hf_llama_plan", "hf_moe_pipeline_plan", "hf_moe_plan", "replicated_local"]
 
 
 def _holds_params(model: nn.Module, name: str) -> bool:
@@ -138,6 +156,151 @@ def hf_gpt2_plan(model: nn.Module, *, sequence_parallel: bool = False,
         divisible=_sizes(cfg, "n_head", None, "n_inner", inner))
 
 
+# ---------------------------------------------------------------------------- mixture of experts
+def replicated_local():
+    """A PyTorch ``ParallelStyle`` for a module that tensor parallel keeps whole and that
+    cannot run on DTensors (an MoE router or experts module: data-dependent indexing). Its
+    parameters become replicated DTensors, broadcast from the mesh's first rank (as
+    `replicate()`'s), and during each forward the module sees their local tensors and plain
+    inputs (a DTensor input is replicated first): it computes what one process would, and
+    the gradients reach the DTensors through ``to_local``, equal on every rank.
+
+    The one style in meshfit's plans written as a ParallelStyle rather than a `Style` (no
+    `Style` kind says "replicated parameters, local computation" yet)."""
+    global _REPLICATED_LOCAL
+    if _REPLICATED_LOCAL is None:
+        _REPLICATED_LOCAL = _define_replicated_local()
+    return _REPLICATED_LOCAL()
+
+
+_REPLICATED_LOCAL = None
+
+
+def _define_replicated_local():
+    # torch.distributed is imported only when a plan that needs it is built.
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def local(x):
+        if isinstance(x, DTensor):
+            return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
+        return x
+
+    class ReplicatedLocal(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            for owner in module.modules():
+                for name, p in list(owner._parameters.items()):
+                    if p is not None and not isinstance(p, DTensor):
+                        owner.register_parameter(name, nn.Parameter(
+                            distribute_tensor(p, device_mesh, [Replicate()],
+                                              src_data_rank=self.src_data_rank),
+                            requires_grad=p.requires_grad))
+            held: list[list] = []  # a stack: one entry per call in flight
+
+            def swap_in(mod, args, kwargs):
+                swapped = []
+                for owner in mod.modules():
+                    for name, p in list(owner._parameters.items()):
+                        if isinstance(p, DTensor):
+                            owner._parameters[name] = p.to_local()
+                            swapped.append((owner, name, p))
+                held.append(swapped)
+                return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
+
+            def swap_out(mod, args, kwargs, out):
+                for owner, name, p in held.pop():
+                    owner._parameters[name] = p
+
+            module.register_forward_pre_hook(swap_in, with_kwargs=True)
+            module.register_forward_hook(swap_out, with_kwargs=True, always_call=True)
+            return module
+
+    return ReplicatedLocal
+
+
+def _moe_block_sequence_parallel():
+    """Sequence parallel around an MoE block: the sequence-sharded input is gathered to a
+    plain replicated tensor (the router and experts see every token, as without SP), and the
+    replicated output becomes this rank's sequence slice again (no communication)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+        use_local_output=False)
+
+
+def _layer_kinds(model: nn.Module) -> dict[str, str]:
+    """Index -> "moe" or "dense" for each decoder layer this model (or stage) holds."""
+    try:
+        layers = model.get_submodule("model.layers")
+    except AttributeError:
+        return {}
+    return {key: "moe" if hasattr(layer.mlp, "experts") else "dense"
+            for key, layer in layers._modules.items() if layer is not None}
+
+
+def hf_moe_plan(model: nn.Module, *, sequence_parallel: bool = False,
+                loss_parallel: bool = False) -> TPPlan:
+    """`MixtralForCausalLM`, `Qwen2MoeForCausalLM`: Llama's plan for attention, norms and
+    the ends; in each MoE layer the router and routed experts replicated (`replicated_local`),
+    Qwen2-MoE's shared expert split like Llama's MLP (its output all-reduced inside the block,
+    also under sequence parallel, where the block gathers the sequence on the way in) and
+    its sigmoid gate replicated; Qwen2-MoE's dense layers (``decoder_sparse_step``,
+    ``mlp_only_layers``) exactly as Llama's."""
+    cfg, sp = model.config, sequence_parallel
+    kinds = _layer_kinds(model)
+    attn = {f"self_attn.{n}": colwise() for n in ("q_proj", "k_proj", "v_proj")}
+    attn["self_attn.o_proj"] = rowwise()
+    dense = {"mlp.gate_proj": colwise(), "mlp.up_proj": colwise(), "mlp.down_proj": rowwise()}
+    norms = ("input_layernorm", "post_attention_layernorm")
+    first, last = _ends(model, sp, loss_parallel, "model.embed_tokens", {}, "model.norm")
+    # One pattern for all layers when they are alike, else one per layer index.
+    prefixes = ([("model.layers.*", k) for k in set(kinds.values())] if len(set(kinds.values())) < 2
+                else [(f"model.layers.{i}", k) for i, k in kinds.items()])
+    layers = model.get_submodule("model.layers") if kinds else None
+    styles: dict[str, object] = dict(first)
+    shared = False
+    for prefix, kind in prefixes:
+        if kind == "dense":
+            styles |= _block(prefix, "self_attn", "mlp", norms, attn | dense, sp=sp,
+                             attn_kwarg=True, drops={})
+            continue
+        styles |= _block(prefix, "self_attn", "mlp", norms, attn, sp=sp, attn_kwarg=True,
+                         drops={})
+        if sp:
+            styles[f"{prefix}.mlp"] = _moe_block_sequence_parallel()
+        styles[f"{prefix}.mlp.gate"] = replicated_local()
+        styles[f"{prefix}.mlp.experts"] = replicated_local()
+        index = prefix.rsplit(".", 1)[-1]
+        layer = next(iter(layers._modules.values())) if index == "*" else layers.get_submodule(index)
+        if hasattr(layer.mlp, "shared_expert"):
+            shared = True
+            # Inside the block the tokens are flattened to [B*T, d]: the row-wise output is
+            # all-reduced (never a sequence shard), as the block's output layout is set above.
+            styles |= {f"{prefix}.mlp.shared_expert.gate_proj": colwise(),
+                       f"{prefix}.mlp.shared_expert.up_proj": colwise(),
+                       f"{prefix}.mlp.shared_expert.down_proj": rowwise()}
+            if getattr(layer.mlp, "shared_expert_gate", None) is not None:
+                styles[f"{prefix}.mlp.shared_expert_gate"] = replicate()
+    styles |= last
+    name = type(cfg).__name__
+    divisible = [(f"{name}.num_attention_heads", cfg.num_attention_heads, "heads")]
+    kv = getattr(cfg, "num_key_value_heads", None)
+    if kv not in (None, cfg.num_attention_heads):
+        divisible.append((f"{name}.num_key_value_heads", kv, "heads"))
+    if shared:
+        divisible.append((f"{name}.shared_expert_intermediate_size",
+                          cfg.shared_expert_intermediate_size, "width"))
+    if "dense" in kinds.values():
+        divisible.append((f"{name}.intermediate_size", cfg.intermediate_size, "width"))
+    divisible.append((f"{name}.vocab_size", cfg.vocab_size, "vocab"))
+    return TPPlan(styles=styles, labels_kwarg="labels",
+                  local_attrs={"model.layers.*.self_attn": ("num_heads", "num_key_value_heads")},
+                  divisible=tuple(divisible))
+
+
 # ---------------------------------------------------------------------------- pipeline
 class ZeroPositions(nn.Module):
     """A position table that adds nothing: what GPT-2's stages after the first put in place
@@ -176,3 +339,34 @@ def hf_gpt2_pipeline_plan(model: nn.Module) -> PipelinePlan:
         stand_ins={"transformer.wpe": ZeroPositions, "transformer.drop": nn.Identity,
                    "transformer.ln_f": nn.Identity, "lm_head": nn.Identity},
         forward=_stage_forward)
+
+
+def _moe_stage_forward(forward, x: torch.Tensor) -> torch.Tensor:
+    """`_stage_forward` without router logits (a pipeline's loss is the cross-entropy of the
+    last stage's logits; the load-balancing loss of each stage's routers is not in it)."""
+    stage = getattr(forward, "__self__", None)
+    types = getattr(getattr(stage, "config", None), "layer_types", None)
+    if stage is not None and types and len(set(types)) > 1:
+        # Qwen2-MoE's forward picks each layer's mask by its position in the stage's list.
+        kept = [int(k) for k, m in stage.get_submodule("model.layers")._modules.items()
+                if m is not None]
+        if [types[i] for i in kept] != list(types[:len(kept)]):
+            raise ValueError(f"{type(stage).__name__} with layer_types mixing "
+                             f"{sorted(set(types))} cannot be cut into pipeline stages: its "
+                             "forward picks a layer's attention mask by the layer's position "
+                             "within the stage; use one attention type for all layers, or no "
+                             "pipeline parallel")
+    kw = dict(use_cache=False, output_router_logits=False)
+    if x.is_floating_point():
+        return forward(inputs_embeds=x, **kw).logits
+    return forward(input_ids=x, **kw).logits
+
+
+def hf_moe_pipeline_plan(model: nn.Module) -> PipelinePlan:
+    """Llama's cut (blocks ``model.layers``, embedding first, final norm and head last) for
+    `MixtralForCausalLM` and `Qwen2MoeForCausalLM`; stages run without router logits, so a
+    pipeline trains on the cross-entropy only (no load-balancing loss)."""
+    return PipelinePlan(blocks="model.layers", first=("model.embed_tokens",),
+                        last=("model.norm", "lm_head"),
+                        stand_ins={"model.norm": nn.Identity, "lm_head": nn.Identity},
+                        forward=_moe_stage_forward)
