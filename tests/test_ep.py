@@ -2,8 +2,8 @@
 process on the same global batch, in fp64.
 
 The model: the reference GPT with 2 blocks, both mixture-of-experts (4 experts, top-2,
-softmax routing, dropless), a load-balancing coefficient of 0.1 and a z-loss coefficient of
-0.01 — large, so that an auxiliary loss that is lost or counted twice shows (measured:
+softmax routing, dropless, one shared expert; for the tensor-parallel cases block 0 is
+dense), a load-balancing coefficient of 0.1 and a z-loss coefficient of 0.01 — large, so that an auxiliary loss that is lost or counted twice shows (measured:
 dropping the auxiliary losses from the reference moves the parameters by 4e-2 after 2
 steps in every case; leaving the experts' gradients unscaled instead of 1/ep, 1.3e-3).
 
@@ -15,7 +15,7 @@ same global batch. The cross-entropy part equals the whole-batch mean (equal tok
 
 Tolerance: the arithmetic of tests/reference.py (fp64, the same sums in another order,
 AdamW's 1/eps sensitivity: at most 2 steps x lr 1e-2 x 1e-16 / 1e-8 = 2e-10 in the worst
-case); measured here: 4.5e-13 at most over the five cases (losses: 1.8e-15 apart);
+case); measured here: 4.5e-13 at most over the seven cases (losses: 1.8e-15 apart);
 PARAM_ATOL = 1e-11 as the other layout tests, 8 orders below the mistakes above.
 """
 
@@ -34,11 +34,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SEQ, PER_RANK, STEPS, LR, CLIP = 16, 2, 2, 1e-2, 0.5
 PARAM_ATOL, LOSS_RTOL = 1e-11, 1e-12
-MOE = dict(n_experts=4, top_k=2, aux_loss_coef=0.1, router_z_loss_coef=0.01)
+MOE = dict(n_experts=4, top_k=2, shared_experts=1, aux_loss_coef=0.1,
+           router_z_loss_coef=0.01)
 
 
-def _model():
-    return tiny_gpt(n_layer=2, max_seq_len=SEQ, **MOE)
+def _model(moe_every: int = 1):
+    return tiny_gpt(n_layer=2, max_seq_len=SEQ, moe_every=moe_every, **MOE)
 
 
 def _batches(dp: int):
@@ -58,8 +59,8 @@ def _pieces(x, y, dp: int, microbatches: int):
     return out
 
 
-def _reference(dp: int, microbatches: int, aux: bool = True):
-    model = _model()
+def _reference(dp: int, microbatches: int, aux: bool = True, moe_every: int = 1):
+    model = _model(moe_every)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ce_losses = []
     for x, y in _batches(dp):
@@ -77,13 +78,16 @@ def _reference(dp: int, microbatches: int, aux: bool = True):
     return ce_losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _worker(rank, world, dims: dict, zero_stage: int, microbatches: int | None):
-    acc = Accelerator(parallel=ParallelDims(**dims), zero_stage=zero_stage)
+def _worker(rank, world, dims: dict, zero_stage: int | None, microbatches: int | None,
+            moe_every: int = 1, sequence_parallel: bool = False):
+    acc = Accelerator(parallel=ParallelDims(**dims), zero_stage=zero_stage,
+                      sequence_parallel=sequence_parallel)
     dp, dp_rank = acc.runtime.dp_size, acc.runtime.dp_rank
     if microbatches:
-        model = acc.prepare_pipeline(_model(), schedule="1f1b", microbatches=microbatches)
+        model = acc.prepare_pipeline(_model(moe_every), schedule="1f1b",
+                                     microbatches=microbatches)
     else:
-        model = acc.prepare(_model())
+        model = acc.prepare(_model(moe_every))
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
     losses, stats = [], []
     for x, y in _batches(dp):
@@ -99,17 +103,17 @@ def _worker(rank, world, dims: dict, zero_stage: int, microbatches: int | None):
         opt.step()
         opt.zero_grad()
         losses.append(acc.reduce(ce.detach(), "mean").item())
-    experts = [m.experts.w1 if hasattr(m.experts, "w1") else m.experts.w_in
-               for mod in (model.modules if microbatches else [model])
-               for m in mod.modules() if type(m).__name__ == "MoE"]
-    local_experts = [tuple(w.to_local().shape) for w in experts]
+    # experts this rank computes per block: n_experts / ep
+    computed = [m.n_experts if m.ep is None else m.ep.n_local
+                for mod in (model.modules if microbatches else [model])
+                for m in mod.modules() if type(m).__name__ == "MoE"]
     return {"losses": losses, "state": acc.get_state_dict(model), "dp": dp,
-            "local_experts": local_experts, "stats": stats,
-            "engine": acc.layout.engine.value}
+            "computed_experts": computed, "stats": stats, "engine": acc.layout.engine.value}
 
 
 CASES = {
-    # id: world size, ParallelDims kwargs, zero_stage, pipeline micro-batches (None: none).
+    # id: world size, ParallelDims kwargs, zero_stage, pipeline micro-batches (None: none),
+    # moe_every (2: block 0 dense, block 1 MoE).
     # ep2-zero1 / -zero3: no other rank holds a rank's experts (FSDP2 leaves them out);
     # ep2xdp2: experts also sharded over the dp_shard / ep = 2 ranks holding the same ones;
     # hsdp: ... over the 2 replicas; ep2xpp2: each stage's blocks exchange over its ep group.
@@ -118,6 +122,12 @@ CASES = {
     "ep2xdp2-zero3": (4, dict(dp_shard=4, ep=2), 3, None),
     "ep2-hsdp": (4, dict(dp_replicate=2, dp_shard=2, ep=2), 2, None),
     "ep2xpp2": (4, dict(pp=2, dp_shard=2, ep=2), 1, 2),
+    # Tensor parallel without ep: attention, the dense MLP and the shared expert split, the
+    # router and the routed experts whole on every tp rank (with sequence parallel: the MoE
+    # blocks gather the sequence).
+    "tp2": (2, dict(dp_replicate=1, tp=2), None, None, 2),
+    "tp2-sp": (2, dict(dp_replicate=1, tp=2), None, None, 1, True),
+    "dp2xtp2": (4, dict(dp_shard=2, tp=2), 1, None, 2),
 }
 
 
@@ -125,25 +135,25 @@ CASES = {
 def results(request):
     out = {}
     for world in (2, 4):
-        cases = {name: (_worker, dims, stage, mb)
-                 for name, (w, dims, stage, mb) in CASES.items() if w == world}
+        cases = {name: (_worker, *spec) for name, (w, *spec) in CASES.items() if w == world}
         out.update(run_cases(cases, world, timeout=240))
     return out
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_equals_one_process(results, case):
-    world, dims, stage, microbatches = CASES[case]
+    world, dims, stage, microbatches, *rest = CASES[case]
+    moe_every = rest[0] if rest else 1
     per_rank = case_result(results, case)
     dp = per_rank[0]["dp"]
-    want_losses, want_state = _reference(dp, microbatches or 1)
+    want_losses, want_state = _reference(dp, microbatches or 1, moe_every=moe_every)
     for res in per_rank:
-        assert res["engine"] == "fsdp2"
+        assert res["engine"] == ("none" if dp == 1 else "fsdp2")
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses),
                                    rtol=LOSS_RTOL, atol=0)
-        # each rank computes 4 / ep = 2 experts, whatever FSDP2 then shards at rest
-        assert all(shape[0] * dims["ep"] == MOE["n_experts"] or shape[0] < MOE["n_experts"]
-                   for shape in res["local_experts"])
+        # each rank computes n_experts / ep of each block's experts
+        assert res["computed_experts"] and all(
+            n == MOE["n_experts"] // dims.get("ep", 1) for n in res["computed_experts"])
     state = per_rank[0]["state"]
     assert set(state) == set(want_state)
     for key, value in want_state.items():

@@ -277,6 +277,12 @@ class Accelerator:
                              "accelerator.prepare_pipeline(model, schedule=..., microbatches=...)")
         from meshfit.checkpoint.pretrained import pretrained_folder
 
+        if self.parallel.ep > 1:
+            from meshfit.parallel.ep import moe_modules
+            from meshfit.parallel.layout import ModelFacts
+
+            self.layout.check_model(ModelFacts(n_blocks=1, experts=tuple(
+                m.n_experts for m in moe_modules([model]))))
         folder = pretrained_folder(model)
         if folder is None and any(p.is_meta for p in model.parameters()):
             raise ValueError("prepare(model): the model has parameters on the meta device; "

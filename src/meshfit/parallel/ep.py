@@ -105,15 +105,10 @@ class ExpertParallel:
 
 
 def ep_problem(model: nn.Module, ep: int, name: str = "ep") -> str | None:
-    """Why `model` cannot be split over `ep` expert-parallel ranks (None: it can)."""
-    from meshfit.models.moe import MoE
-
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if not moes:
-        return (f"{name}={ep} needs a mixture-of-experts model, and this "
-                f"{type(model).__name__} has no MoE blocks (set GPTConfig.n_experts, e.g. the "
-                "moe-tiny preset), or set ep=1")
-    for m in moes:
+    """Why the MoE blocks of `model` cannot be split over `ep` expert-parallel ranks (None:
+    they can, or there are none — a pipeline stage may hold only dense blocks; whether the
+    whole model has MoE blocks is `Layout.check_model`'s rule)."""
+    for m in moe_modules([model]):
         if m.n_experts % ep:
             return (f"{name}={ep} must divide the number of experts (n_experts="
                     f"{m.n_experts}): each ep rank holds n_experts / ep of them; use an ep that "

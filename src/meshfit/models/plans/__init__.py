@@ -28,17 +28,17 @@ from torch import nn
 
 from meshfit.models.gpt import GPT
 from meshfit.models.plans.base import (PipelinePlan, Style, TPPlan, colwise, divisibility_problem,
-                                       prepare_input, replicate, rowwise, sequence)
+                                       gather_sequence, prepare_input, replicate,
+                                       replicate_local, rowwise, sequence)
 from meshfit.models.plans.gpt import gpt_pipeline_plan, gpt_plan
 from meshfit.models.plans.hf import (hf_gpt2_pipeline_plan, hf_gpt2_plan, hf_llama_pipeline_plan,
-                                     hf_llama_plan, hf_moe_pipeline_plan, hf_moe_plan,
-                                     replicated_local)
+                                     hf_llama_plan, hf_moe_pipeline_plan, hf_moe_plan)
 
 __all__ = ["PipelinePlan", "Style", "TPPlan", "colwise", "divisibility_problem",
-           "gpt_pipeline_plan", "gpt_plan", "hf_gpt2_pipeline_plan", "hf_gpt2_plan",
+           "gather_sequence", "gpt_pipeline_plan", "gpt_plan", "hf_gpt2_pipeline_plan", "hf_gpt2_plan",
            "has_builtin_plans", "hf_llama_pipeline_plan", "hf_llama_plan", "hf_moe_pipeline_plan",
            "hf_moe_plan", "pipeline_plan_for", "plan_for", "prepare_input", "replicate",
-           "replicated_local", "rowwise", "sequence"]
+           "replicate_local", "rowwise", "sequence"]
 
 _BUILT_IN = ("meshfit GPT, transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, "
              "GPT2LMHeadModel, MixtralForCausalLM and Qwen2MoeForCausalLM")

@@ -22,12 +22,13 @@ import torch
 from torch import nn
 
 __all__ = ["PipelinePlan", "Style", "TPPlan", "colwise", "divisibility_problem",
-           "prepare_input", "replicate", "rowwise", "sequence"]
+           "gather_sequence", "prepare_input", "replicate", "replicate_local", "rowwise",
+           "sequence"]
 
 Placement = str  # "replicate" | "shard(<dim>)"
 Layouts = Union[Placement, tuple[Union[Placement, None], ...], None]
 StyleKind = Literal["colwise", "rowwise", "replicate", "sequence", "prepare_input",
-                    "conv1d_colwise", "conv1d_rowwise"]
+                    "conv1d_colwise", "conv1d_rowwise", "replicate_local", "gather_sequence"]
 REPLICATE, SHARD_SEQ, SHARD_FIRST, SHARD_LAST = "replicate", "shard(1)", "shard(0)", "shard(-1)"
 
 
@@ -45,6 +46,14 @@ class Style:
       `desired` (e.g. the sequence all-gather before attention).
     - ``conv1d_colwise`` / ``conv1d_rowwise``: the same for Hugging Face's transposed
       `Conv1D` (GPT-2); `fused=3` for a fused q|k|v projection.
+    - ``replicate_local``: parameters replicated, but the module computes on their local
+      tensors and plain inputs (a mixture-of-experts router or experts module, whose
+      data-dependent indexing DTensor cannot run); every tp rank computes the same.
+    - ``gather_sequence``: no parameters; under sequence parallel a module that needs the
+      whole sequence (a mixture-of-experts block) gets its sequence-sharded input gathered
+      as a plain tensor and hands back its slice of the output (`local_output`: plain or
+      DTensor); backward all-gathers the output's gradient, so every rank's replicated
+      parameters get the same gradient.
 
     Unset fields take PyTorch's defaults for the style."""
 
@@ -75,6 +84,14 @@ def rowwise(**kw) -> Style:
 
 def replicate(**kw) -> Style:
     return Style(kind="replicate", **kw)
+
+
+def replicate_local(**kw) -> Style:
+    return Style(kind="replicate_local", **kw)
+
+
+def gather_sequence(**kw) -> Style:
+    return Style(kind="gather_sequence", **kw)
 
 
 def sequence(**kw) -> Style:

@@ -4,9 +4,10 @@ tied or untied head; a pipeline stage too: modules it lacks are left out)."""
 from __future__ import annotations
 
 from meshfit.models.gpt import GPT
+from meshfit.models.moe import MoE
 from meshfit.models.plans.base import (REPLICATE, SHARD_FIRST, SHARD_LAST, SHARD_SEQ, PipelinePlan,
-                                       Style, TPPlan, colwise, prepare_input, replicate,
-                                       rowwise, sequence)
+                                       Style, TPPlan, colwise, gather_sequence, prepare_input,
+                                       replicate, replicate_local, rowwise, sequence)
 
 __all__ = ["gpt_pipeline_plan", "gpt_plan"]
 
@@ -38,18 +39,38 @@ def gpt_plan(model: GPT, *, sequence_parallel: bool = False,
         styles["drop"] = sequence(local_output=True)
     blocks = (("attn", {"wq": "col", "wk": "col", "wv": "col", "wo": "row"}, "resid_drop"),
               ("mlp", mlp, "drop"))
+    # A mixture-of-experts block's router and routed experts stay whole on every tp rank
+    # (replicate_local: their indexing cannot run on DTensors); every tp rank routes and
+    # computes the same tokens — under sequence parallel the block gathers the sequence on
+    # the way in and hands back its slice. Its shared expert is split as a dense MLP,
+    # all-reduced inside the block. Only the dense blocks' MLPs follow the pattern.
+    moe = [i for i, b in model.layers.items() if isinstance(b.mlp, MoE)]
     for part, linears, out_drop in blocks if len(model.layers) else ():
+        owners = ["*"] if part == "attn" or not moe else \
+            [i for i in model.layers if i not in moe]
         styles[f"layers.*.{part}_norm"] = sequence() if sp else replicate()
         if sp:
             # attn(x, rope): x sequence-sharded -> all-gathered; rope tables pass through.
             ins = (SHARD_SEQ, None) if part == "attn" else (SHARD_SEQ,)
             outs = (REPLICATE, None) if part == "attn" else (REPLICATE,)
-            styles[f"layers.*.{part}"] = prepare_input(input=ins, desired=outs)
+            for i in owners:
+                styles[f"layers.{i}.{part}"] = prepare_input(input=ins, desired=outs)
         for name, kind in linears.items():
-            styles[f"layers.*.{part}.{name}"] = colwise() if kind == "col" else \
-                rowwise(output=seq)
+            for i in owners:
+                styles[f"layers.{i}.{part}.{name}"] = colwise() if kind == "col" else \
+                    rowwise(output=seq)
+        for i in moe if part == "mlp" else ():
+            if sp:
+                styles[f"layers.{i}.mlp"] = gather_sequence(local_output=True)
+            styles[f"layers.{i}.mlp.router"] = replicate_local()
+            styles[f"layers.{i}.mlp.experts"] = replicate_local()
+            if model.layers[i].mlp.shared is not None:
+                for name, kind in linears.items():
+                    styles[f"layers.{i}.mlp.shared.{name}"] = colwise() if kind == "col" \
+                        else rowwise(output=REPLICATE)
         if sp and drop:
-            styles[f"layers.*.{part}.{out_drop}"] = sequence(local_output=True)
+            for i in owners:
+                styles[f"layers.{i}.{part}.{out_drop}"] = sequence(local_output=True)
     if model.norm is not None:
         styles["norm"] = sequence() if sp else replicate()
     if model.lm_head is not None:

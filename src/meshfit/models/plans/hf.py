@@ -27,7 +27,7 @@ same expert outputs, and their gradients are equal on every rank without communi
 Hugging Face's own ``base_model_tp_plan`` splits the experts instead ("packed_colwise" /
 "moe_tp_experts"), which needs its own expert kernels. The experts' loop indexes tokens by
 data-dependent positions (``torch.where``, ``index_add_``) that DTensor cannot run, so
-`replicated_local()` keeps their parameters as replicated DTensors (what `apply_tp` requires of
+`replicate_local()` keeps their parameters as replicated DTensors (what `apply_tp` requires of
 every parameter) and runs the module on their local tensors. Under sequence parallel the MoE
 block gathers the sequence once on the way in and hands each rank its sequence slice on the
 way out. A pipeline stage runs the decoder layers it holds; the router's load-balancing loss
@@ -43,11 +43,12 @@ import torch
 from torch import nn
 
 from meshfit.models.plans.base import (REPLICATE, SHARD_SEQ, PipelinePlan, Style, TPPlan,
-                                       colwise, prepare_input, replicate, rowwise, sequence)
+                                       colwise, gather_sequence, prepare_input, replicate,
+                                       replicate_local, rowwise, sequence)
 from meshfit.models.plans.gpt import head
 
 __all__ = ["hf_gpt2_pipeline_plan", "hf_gpt2_plan", "hf_llama_pipeline_plan",
-           "hf_llama_plan", "hf_moe_pipeline_plan", "hf_moe_plan", "replicated_local"]
+           "hf_llama_plan", "hf_moe_pipeline_plan", "hf_moe_plan"]
 
 
 def _holds_params(model: nn.Module, name: str) -> bool:
@@ -157,80 +158,6 @@ def hf_gpt2_plan(model: nn.Module, *, sequence_parallel: bool = False,
 
 
 # ---------------------------------------------------------------------------- mixture of experts
-def replicated_local():
-    """A PyTorch ``ParallelStyle`` for a module that tensor parallel keeps whole and that
-    cannot run on DTensors (an MoE router or experts module: data-dependent indexing). Its
-    parameters become replicated DTensors, broadcast from the mesh's first rank (as
-    `replicate()`'s), and during each forward the module sees their local tensors and plain
-    inputs (a DTensor input is replicated first): it computes what one process would, and
-    the gradients reach the DTensors through ``to_local``, equal on every rank.
-
-    The one style in meshfit's plans written as a ParallelStyle rather than a `Style` (no
-    `Style` kind says "replicated parameters, local computation" yet)."""
-    global _REPLICATED_LOCAL
-    if _REPLICATED_LOCAL is None:
-        _REPLICATED_LOCAL = _define_replicated_local()
-    return _REPLICATED_LOCAL()
-
-
-_REPLICATED_LOCAL = None
-
-
-def _define_replicated_local():
-    # torch.distributed is imported only when a plan that needs it is built.
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    def local(x):
-        if isinstance(x, DTensor):
-            return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
-        return x
-
-    class ReplicatedLocal(ParallelStyle):
-        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-            for owner in module.modules():
-                for name, p in list(owner._parameters.items()):
-                    if p is not None and not isinstance(p, DTensor):
-                        owner.register_parameter(name, nn.Parameter(
-                            distribute_tensor(p, device_mesh, [Replicate()],
-                                              src_data_rank=self.src_data_rank),
-                            requires_grad=p.requires_grad))
-            held: list[list] = []  # a stack: one entry per call in flight
-
-            def swap_in(mod, args, kwargs):
-                swapped = []
-                for owner in mod.modules():
-                    for name, p in list(owner._parameters.items()):
-                        if isinstance(p, DTensor):
-                            owner._parameters[name] = p.to_local()
-                            swapped.append((owner, name, p))
-                held.append(swapped)
-                return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
-
-            def swap_out(mod, args, kwargs, out):
-                for owner, name, p in held.pop():
-                    owner._parameters[name] = p
-
-            module.register_forward_pre_hook(swap_in, with_kwargs=True)
-            module.register_forward_hook(swap_out, with_kwargs=True, always_call=True)
-            return module
-
-    return ReplicatedLocal
-
-
-def _moe_block_sequence_parallel():
-    """Sequence parallel around an MoE block: the sequence-sharded input is gathered to a
-    plain replicated tensor (the router and experts see every token, as without SP), and the
-    replicated output becomes this rank's sequence slice again (no communication)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
-    return PrepareModuleInputOutput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
-        use_local_output=False)
-
-
 def _layer_kinds(model: nn.Module) -> dict[str, str]:
     """Index -> "moe" or "dense" for each decoder layer this model (or stage) holds."""
     try:
@@ -244,7 +171,7 @@ def _layer_kinds(model: nn.Module) -> dict[str, str]:
 def hf_moe_plan(model: nn.Module, *, sequence_parallel: bool = False,
                 loss_parallel: bool = False) -> TPPlan:
     """`MixtralForCausalLM`, `Qwen2MoeForCausalLM`: Llama's plan for attention, norms and
-    the ends; in each MoE layer the router and routed experts replicated (`replicated_local`),
+    the ends; in each MoE layer the router and routed experts replicated (`replicate_local`),
     Qwen2-MoE's shared expert split like Llama's MLP (its output all-reduced inside the block,
     also under sequence parallel, where the block gathers the sequence on the way in) and
     its sigmoid gate replicated; Qwen2-MoE's dense layers (``decoder_sparse_step``,
@@ -270,9 +197,9 @@ def hf_moe_plan(model: nn.Module, *, sequence_parallel: bool = False,
         styles |= _block(prefix, "self_attn", "mlp", norms, attn, sp=sp, attn_kwarg=True,
                          drops={})
         if sp:
-            styles[f"{prefix}.mlp"] = _moe_block_sequence_parallel()
-        styles[f"{prefix}.mlp.gate"] = replicated_local()
-        styles[f"{prefix}.mlp.experts"] = replicated_local()
+            styles[f"{prefix}.mlp"] = gather_sequence(local_output=False)
+        styles[f"{prefix}.mlp.gate"] = replicate_local()
+        styles[f"{prefix}.mlp.experts"] = replicate_local()
         index = prefix.rsplit(".", 1)[-1]
         layer = next(iter(layers._modules.values())) if index == "*" else layers.get_submodule(index)
         if hasattr(layer.mlp, "shared_expert"):

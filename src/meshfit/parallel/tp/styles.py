@@ -2,6 +2,7 @@
 data into PyTorch `ParallelStyle` objects.
 
     ReplicateParallel           parameters replicated, broadcast from the first rank
+    ReplicateLocal              the same, the module computing on local tensors
     SequenceParallelBroadcast   torch's SequenceParallel, parameters broadcast too
     Conv1DColwiseParallel       column split of Hugging Face's transposed Conv1D (GPT-2),
                                 with the fused q|k|v regrouping
@@ -22,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from meshfit.models.plans.base import Style
 
 __all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "ReplicateParallel",
+           "ReplicateLocal",
            "SequenceParallelBroadcast", "canonical_state", "planned_placement", "regrouped_params",
            "to_torch_style", "unfuse_columns"]
 
@@ -61,6 +63,49 @@ class ReplicateParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._prepare_input,
                                  self._prepare_output)
+
+
+def _local(x):
+    if isinstance(x, DTensor):
+        return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
+    return x
+
+
+class ReplicateLocal(ParallelStyle):
+    """Parameters replicated on the mesh (broadcast from the first rank, so `apply_tp` finds
+    DTensors only), while each forward of the module sees their local tensors and plain
+    inputs (a DTensor input is replicated first): for a module DTensor cannot run
+    (data-dependent indexing: a mixture-of-experts router or experts). Every tp rank
+    computes what one process would; gradients reach the DTensors through ``to_local``,
+    equal on every rank."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for owner in module.modules():
+            for name, p in list(owner._parameters.items()):
+                if p is not None and not isinstance(p, DTensor):
+                    owner.register_parameter(name, nn.Parameter(
+                        distribute_tensor(p, device_mesh, [Replicate()],
+                                          src_data_rank=self.src_data_rank),
+                        requires_grad=p.requires_grad))
+        held: list[list] = []  # a stack: one entry per call in flight (re-entrant)
+
+        def swap_in(mod, args, kwargs):
+            swapped = []
+            for owner in mod.modules():
+                for name, p in list(owner._parameters.items()):
+                    if isinstance(p, DTensor):
+                        owner._parameters[name] = p.to_local()
+                        swapped.append((owner, name, p))
+            held.append(swapped)
+            return tuple(_local(a) for a in args), {k: _local(v) for k, v in kwargs.items()}
+
+        def swap_out(mod, args, kwargs, out):
+            for owner, name, p in held.pop():
+                owner._parameters[name] = p
+
+        module.register_forward_pre_hook(swap_in, with_kwargs=True)
+        module.register_forward_hook(swap_out, with_kwargs=True, always_call=True)
+        return module
 
 
 class SequenceParallelBroadcast(SequenceParallel):
@@ -262,6 +307,16 @@ def to_torch_style(style) -> ParallelStyle:
                                     {"use_local_output": style.local_output}))
     if style.kind == "sequence":
         return SequenceParallelBroadcast(**kw)
+    if style.kind == "replicate_local":
+        return ReplicateLocal()
+    if style.kind == "gather_sequence":
+        from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+        return PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            use_local_input=True, output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=bool(style.local_output))
     if style.kind == "prepare_input":
         return PrepareModuleInput(input_layouts=_layouts(style.input),
                                   desired_input_layouts=_layouts(style.desired),
