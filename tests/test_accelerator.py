@@ -261,6 +261,33 @@ def test_optimizer_and_scheduler_act_only_on_boundaries():
     assert lrs == [1.0, 0.5, 0.5, 0.25]
 
 
+def test_evaluation_loop_inside_an_epoch_keeps_the_accumulation_boundaries():
+    # A read-out evaluation loader used to stay "active": its end-of-data flag then made
+    # every later training micro-batch an optimizer (and scheduler) step — the learning rate
+    # ran ahead k times and gradients were applied at 1/k scale.
+    acc = Accelerator(gradient_accumulation_steps=2)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x[:8], y[:8]), batch_size=2)
+    val = DataLoader(TensorDataset(x[8:12], y[8:12]), batch_size=2)
+    model, opt, sched, loader, val = acc.prepare(model, opt, sched, loader, val)
+    lrs = []
+    for i, (xb, yb) in enumerate(loader):
+        with acc.accumulate(model):
+            acc.backward(_loss(model, xb, yb))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        lrs.append(sched.get_last_lr()[0])
+        if i == 1:  # evaluate after the first optimizer step, as meshfit train does
+            with torch.no_grad():
+                for vx, vy in val:
+                    _loss(model, vx, vy)
+    assert lrs == [1.0, 0.5, 0.5, 0.25]
+
+
 def test_backward_scales_loss_by_accumulation_steps():
     acc = Accelerator(gradient_accumulation_steps=4)
     w = torch.nn.Parameter(torch.ones(()))

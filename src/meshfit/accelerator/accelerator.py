@@ -178,7 +178,10 @@ class Accelerator:
         self._custom: list[Any] = []  # register_for_checkpointing
         self._pending_save = None  # an asynchronous save not yet committed
         self._save_group = None  # the process group asynchronous saves write with
-        self._active_loader: PreparedDataLoader | None = None
+        # Loaders being iterated, innermost last (an evaluation loop inside training): the
+        # innermost one's end decides the accumulation boundary, as Accelerate's
+        # GradientState does with its active dataloaders.
+        self._active_loaders: list[PreparedDataLoader] = []
 
     # ----------------------------------------------------------------- where we are
     @property
@@ -430,13 +433,28 @@ class Accelerator:
             return loader
         prepared = PreparedDataLoader(loader, device=self.device,
                                       num_replicas=self.runtime.dp_size,
-                                      rank=self.runtime.dp_rank, on_iter=self._set_active_loader)
+                                      rank=self.runtime.dp_rank, on_iter=self._set_active_loader,
+                                      on_end=self._end_active_loader)
         self._loaders.append(prepared)
         return prepared
 
+    @property
+    def _active_loader(self) -> PreparedDataLoader | None:
+        return self._active_loaders[-1] if self._active_loaders else None
+
     def _set_active_loader(self, loader: PreparedDataLoader) -> None:
-        self._active_loader = loader
-        self.grad_state.step = 0  # an accumulation window never spans two epochs
+        if not self._active_loaders:
+            self.grad_state.step = 0  # an accumulation window never spans two epochs
+        self._active_loaders.append(loader)
+
+    def _end_active_loader(self, loader: PreparedDataLoader) -> None:
+        # An evaluation loader read out inside a training epoch hands the boundary back to
+        # the training loader (left as it was, its read-out state made every following
+        # micro-batch an optimizer step).
+        for i in range(len(self._active_loaders) - 1, -1, -1):
+            if self._active_loaders[i] is loader:
+                del self._active_loaders[i]
+                break
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's original module, without the data-parallel wrapper (under FSDP2 the

@@ -220,11 +220,12 @@ class PreparedDataLoader:
     """
 
     def __init__(self, loader: DataLoader, *, device: torch.device, num_replicas: int,
-                 rank: int, on_iter=None):
+                 rank: int, on_iter=None, on_end=None):
         self.base = loader
         self.device = device
         self.state = LoaderState()
         self._on_iter = on_iter
+        self._on_end = on_end  # called when an iteration stops (read out, or left early)
         self._epoch = 0
         # (epoch being read, batches handed out in it; for a stream: its items consumed)
         self._position = (0, 0)
@@ -389,6 +390,13 @@ class PreparedDataLoader:
         )
 
     def _iter_stream(self):
+        try:
+            yield from self._iter_stream_body()
+        finally:
+            if self._on_end is not None:
+                self._on_end(self)
+
+    def _iter_stream_body(self):
         handed = self.stream.skip  # items of the stream consumed, all ranks together
         loader = self._stream_loader()
         self.stream.skip = 0
@@ -426,6 +434,13 @@ class PreparedDataLoader:
         if self.stream is not None:
             yield from self._iter_stream()
             return
+        try:
+            yield from self._iter_batches()
+        finally:
+            if self._on_end is not None:
+                self._on_end(self)
+
+    def _iter_batches(self):
         self.batch_sampler.set_epoch(self._epoch)
         handed = self.batch_sampler.skip
         self._position = (self._epoch, handed)
