@@ -178,10 +178,14 @@ def _with_router_aux_loss(coef: float):
     def loss(m, x, y):
         out = m(input_ids=x, use_cache=False, output_router_logits=m.training)
         ce = tp_cross_entropy(out.logits, y)
+        loss.last_aux = None
         if m.training and out.aux_loss is not None:
-            return ce + coef * out.aux_loss.to(ce.device)
+            aux = coef * out.aux_loss.to(ce.device)
+            loss.last_aux = aux.detach()  # the trainer reports the cross-entropy apart
+            return ce + aux
         return ce
 
+    loss.last_aux = None
     return loss
 
 

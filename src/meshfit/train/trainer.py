@@ -136,10 +136,14 @@ class _Model:
     def forward_backward(self, x, y, accum: int) -> torch.Tensor:
         loss = self.loss(self.model, x, y)
         self.acc.backward(loss)  # divides by the accumulation steps itself
-        # The reference GPT's loss includes its MoE blocks' auxiliary losses; the reported
-        # loss is the cross-entropy (as under pp), the auxiliary part is reported apart.
-        aux = [m.last_aux_loss for m in self.moes if m.last_aux_loss is not None]
-        return loss.detach() - sum(a.detach() for a in aux) if aux else loss
+        # A mixture of experts' loss includes its auxiliary losses (the reference GPT's MoE
+        # blocks; a transformers MoE with output_router_logits): the reported loss is the
+        # cross-entropy (as under pp), the auxiliary part is reported apart.
+        aux = [m.last_aux_loss.detach() for m in self.moes if m.last_aux_loss is not None]
+        hf_aux = getattr(self.loss, "last_aux", None)  # a transformers MoE's router loss
+        if hf_aux is not None:
+            aux.append(hf_aux)
+        return loss.detach() - sum(aux) if aux else loss
 
     def eval_loss(self, x, y) -> torch.Tensor:
         return self.loss(self.model, x, y)
