@@ -11,6 +11,25 @@ modules.
 
 Folders: ``model.safetensors`` or sharded ``model.safetensors.index.json`` + shards, as
 ``save_pretrained`` writes them; ``pytorch_model.bin`` (pickle) is refused.
+
+Mixture-of-experts checkpoints. transformers 5 holds the routed experts of Mixtral, Qwen2-MoE
+and the models sharing their layout fused, ``mlp.experts.gate_up_proj`` [E, 2F, d] (gate rows,
+then up rows) and ``mlp.experts.down_proj`` [E, d, F], but ``save_pretrained`` writes, and
+hub folders hold, one tensor per expert, converted by transformers' own loader
+(``transformers/conversion_mapping.py``, entries "mixtral" and "qwen2_moe": MergeModulelist(0)
+then Concatenate(1)). That table is internal to transformers and has changed within 5.x, so
+meshfit keeps its own copy of the two layouts (`_EXPERT_PARTS`, `_MODULE_RENAMES`):
+
+    Mixtral     block_sparse_moe.experts.{e}.w1/w3.weight -> mlp.experts.gate_up_proj
+                block_sparse_moe.experts.{e}.w2.weight    -> mlp.experts.down_proj
+                block_sparse_moe.gate.weight              -> mlp.gate.weight
+    Qwen2-MoE   mlp.experts.{e}.gate_proj/up_proj.weight  -> mlp.experts.gate_up_proj
+                mlp.experts.{e}.down_proj.weight          -> mlp.experts.down_proj
+
+A fused parameter is read from its per-expert tensors (`_ExpertStack`): a rank whose shard is
+experts [a, b) (FSDP2 shards dim 0) reads only those experts' tensors, straight into its
+shard. A folder already in the fused layout (what ``meshfit train`` writes to OUT/model) is
+read by name as any other.
 """
 
 from __future__ import annotations
@@ -111,6 +130,102 @@ class _Files:
         return self._open[file].get_slice(key)
 
 
+# The per-expert tensors a fused expert parameter is made of, in the order transformers
+# concatenates them (rows of each expert: gate then up), one tuple per checkpoint layout.
+_EXPERT_PARTS = {
+    "gate_up_proj": (("w1.weight", "w3.weight"),              # Mixtral
+                     ("gate_proj.weight", "up_proj.weight")),  # Qwen2-MoE, Qwen3-MoE, OLMoE, ...
+    "down_proj": (("w2.weight",), ("down_proj.weight",)),
+}
+# Module names that differ between the model (left) and its checkpoints (right).
+_MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."),)  # Mixtral's MoE block
+
+
+def _renamed(name: str) -> list[str]:
+    """`name` and its checkpoint spellings (`_MODULE_RENAMES`)."""
+    return [name, *(name.replace(a, b, 1) for a, b in _MODULE_RENAMES if a in name)]
+
+
+class _ExpertStack:
+    """A fused expert tensor of `shape` [E, R, C] read from per-expert tensors: expert e is
+    the concatenation over rows of ``keys[e]``, equal parts of [R / len(keys[e]), C] each
+    (gate and up: the experts' forward chunks the fused rows in two). Read in any
+    contiguous region (`read_into`), opening only the tensors it covers (and their files)."""
+
+    def __init__(self, files: _Files, keys: list[list[str]], shape, name: str):
+        parts = len(keys[0])
+        if shape[1] % parts:
+            raise ValueError(f"{name} has shape {list(shape)}: {shape[1]} rows do not split "
+                             f"into {parts} per-expert tensors")
+        self.files, self.keys, self.name = files, keys, name
+        self.shape, self.part = tuple(shape), (shape[1] // parts, shape[2])
+
+    def read_into(self, out: torch.Tensor, index: tuple[slice, ...] | None = None) -> None:
+        """Copy the region `index` (contiguous slices; None: everything) into `out`."""
+        index = tuple(index or ())
+        index += (slice(None),) * (3 - len(index))
+        (e0, e1, es), (r0, r1, rs), (c0, c1, cs) = (
+            i.indices(n) for i, n in zip(index, self.shape))
+        if (es, rs, cs) != (1, 1, 1):
+            raise ValueError(f"{self.name}: an expert tensor is read in contiguous blocks only")
+        n = self.part[0]
+        for i, e in enumerate(range(e0, e1)):
+            for j, key in enumerate(self.keys[e]):
+                lo, hi = max(r0, j * n), min(r1, (j + 1) * n)
+                if lo >= hi:
+                    continue
+                source = self.files.slice(key)
+                if tuple(source.get_shape()) != self.part:
+                    raise ValueError(f"{self.name} {list(self.shape)} needs {key} of shape "
+                                     f"{list(self.part)}; the file's is "
+                                     f"{list(source.get_shape())}")
+                out[i, lo - r0:hi - r0].copy_(source[lo - j * n:hi - j * n, c0:c1])
+
+
+def _experts_source(files: _Files, model: nn.Module, name: str, prefix: str,
+                    shape) -> _ExpertStack | None:
+    """The per-expert tensors of the fused expert parameter `name` (``...experts.
+    gate_up_proj`` / ``...experts.down_proj``), when the files hold that layout."""
+    owner, _, leaf = name.rpartition(".")
+    if leaf not in _EXPERT_PARTS or not owner.endswith("experts") or len(shape) != 3:
+        return None
+    for module in _renamed(owner):
+        for parts in _EXPERT_PARTS[leaf]:
+            if files.key(f"{module}.0.{parts[0]}", prefix) is None:
+                continue
+            if getattr(model.get_submodule(owner), "is_transposed", False):
+                raise ValueError(f"{name}: the model holds its experts transposed; reading "
+                                 "them from per-expert tensors is not supported")
+            keys = [[files.key(f"{module}.{e}.{part}", prefix) for part in parts]
+                    for e in range(shape[0])]
+            absent = [f"{module}.{e}.{part}" for e, row in enumerate(keys)
+                      for part, k in zip(parts, row) if k is None]
+            if absent:
+                raise ValueError(f"{name}: the safetensors hold {module}.0.{parts[0]} but no "
+                                 f"{', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''}")
+            if files.key(f"{module}.{shape[0]}.{parts[0]}", prefix) is not None:
+                raise ValueError(f"{name} has {shape[0]} experts; the safetensors hold more "
+                                 f"({module}.{shape[0]}.{parts[0]})")
+            return _ExpertStack(files, keys, shape, name)
+    return None
+
+
+def _copy(source, out: torch.Tensor, index: tuple[slice, ...] | None = None) -> None:
+    """`out` = the region `index` (None: all) of a safetensors slice or an `_ExpertStack`."""
+    if isinstance(source, _ExpertStack):
+        source.read_into(out, index)
+    else:
+        out.copy_(source[index if index is not None else slice(None)].to(out.dtype))
+
+
+def _whole(source, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(source, _ExpertStack):
+        full = torch.empty(source.shape, dtype=dtype)
+        source.read_into(full)
+        return full
+    return source[:].to(dtype)
+
+
 def _local_region(tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(shape, offset) of this rank's part of a DTensor in the global tensor, when it is one
     contiguous block (Shard/Replicate placements); None for other placements."""
@@ -143,30 +258,32 @@ def load_into(model: nn.Module, folder, *, buffers: dict[str, torch.Tensor] | No
     regrouped = regrouped_params(model)
     missing = []
     tied_sources = tied_names(model) if aliases is None else aliases
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        key = files.key(name, prefix) or files.key(tied_sources.get(name, name), prefix)
-        if key is None:
+    params = dict(model.named_parameters())
+    for name, tensor in [*params.items(), *model.named_buffers()]:
+        key = next((k for n in (name, tied_sources.get(name, name)) for m in _renamed(n)
+                    if (k := files.key(m, prefix)) is not None), None)
+        source = files.slice(key) if key is not None else \
+            _experts_source(files, model, name, prefix, tensor.shape) if name in params else None
+        if source is None:
             if buffers is not None and name in buffers:
                 (tensor.to_local() if isinstance(tensor, DTensor) else tensor).copy_(
                     buffers[name])
                 continue
-            if name in dict(model.named_parameters()):
+            if name in params:
                 missing.append(name)
             continue
-        source = files.slice(key)
         if not isinstance(tensor, DTensor):
-            tensor.copy_(source[:].to(tensor.dtype))
+            _copy(source, tensor)
             continue
         region = _local_region(tensor) if name not in regrouped else None
         local = tensor.to_local()
         if region is not None:
             shape, offset = region
-            index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-            local.copy_(source[index].to(local.dtype))
+            _copy(source, local, tuple(slice(o, o + s) for o, s in zip(offset, shape)))
             continue
         # Head-grouped (GPT-2's fused c_attn) or strided placements: the whole tensor,
         # re-laid out as the layout holds it, then this rank's part of it (no communication).
-        full = source[:].to(local.dtype)
+        full = _whole(source, local.dtype)
         if name in regrouped:
             chunks, tp, dim = regrouped[name]
             full = _fuse_order(full, chunks, tp, dim, inverse=False)
