@@ -22,14 +22,38 @@ def test_train_two_processes_writes_metrics_and_config(tmp_path, subprocess_env)
     out = tmp_path / "run"
     cache = tmp_path / "cache"
     proc = subprocess.run([*MESHFIT, "train", "--nproc", "2", "--out", str(out), *SMALL,
-                           f"--data.cache_dir={cache}"], env=subprocess_env,
-                          capture_output=True, text=True, timeout=180)
+                           f"--data.cache_dir={cache}", '--log.with=["tensorboard", "csv"]'],
+                          env=subprocess_env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     train_lines = [l for l in lines if "loss" in l]
     evals = [l for l in lines if "val_loss" in l]
     assert [l["step"] for l in train_lines] == [3, 6, 9, 12]
     assert all(l["tokens_per_s"] > 0 and l["loss"] > 0 for l in train_lines)
+    for l in train_lines:  # the figures of every logged step
+        assert l["grad_norm"] > 0  # measured although train.grad_clip would not clip it
+        assert l["tokens_per_s_per_device"] == pytest.approx(l["tokens_per_s"] / 2, abs=0.1)
+        assert l["mfu"] is None  # a CPU without [log] calibration: no peak to divide by
+        assert len(l["peak_memory_bytes_per_rank"]) == 2
+        assert l["peak_memory_bytes"] == max(l["peak_memory_bytes_per_rank"]) > 2**20
+        assert 0 <= l["data_wait_share"] < 1
+    # Not a terminal: plain lines, one per logged step and evaluation, with every figure.
+    plain = [x for x in proc.stdout.splitlines() if x.startswith("step ")]
+    assert len(plain) == 4 + 3 and "grad_norm" in plain[1] and "mfu n/a" in plain[1], plain
+    # The trackers got the same numbers, and the configuration.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tracking" / "meshfit"))
+    events.Reload()
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("loss")] == \
+        [(l["step"], l["loss"]) for l in train_lines]
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("val_loss")] == \
+        [(l["step"], l["val_loss"]) for l in evals]
+    with (out / "tracking" / "metrics.csv").open() as fh:
+        import csv
+
+        assert [float(r["grad_norm"]) for r in csv.DictReader(fh) if r["grad_norm"]] == \
+            [l["grad_norm"] for l in train_lines]
     assert [l["step"] for l in evals] == [0, 6, 12]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5  # it learns
     resolved = load_config(out / "config.toml")
@@ -79,6 +103,8 @@ def test_accumulation_from_global_batch():
     (["--data.path=/no/such/place"], "data.path='/no/such/place' does not exist"),
     (["--gpus", "9"], r"--gpus names device\(s\) 9"),
     (["steps=3"], "unknown argument 'steps=3'"),
+    (["--log.with=[\"comet\"]"], "log.with='comet' is not a tracker meshfit knows"),
+    (["--log.calibration=/no/such.json"], "calibration file /no/such.json does not exist"),
 ])
 def test_bad_train_input_fails_before_launch(args, match, tmp_path, cli_refusal):
     out = tmp_path / "run"

@@ -456,6 +456,39 @@ class CheckpointConfig:
         _bool("checkpoint", "async", self.async_save)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """[log]: where a run's figures go besides OUT/metrics.jsonl (always written) and the
+    terminal (a progress bar on a terminal, plain lines otherwise)."""
+
+    with_: list[str] = field(default_factory=list, metadata={"toml": "with"})
+    """(TOML key `with`) trackers: "tensorboard", "wandb" (offline unless WANDB_MODE says
+    otherwise), "mlflow" (a local store under OUT unless MLFLOW_TRACKING_URI is set), "csv",
+    or "all" (those installed); written under OUT/tracking/ by the main process."""
+    project: str = "meshfit"
+    """The run's name in the trackers (TensorBoard folder, W&B project, MLflow experiment)."""
+    calibration: str = ""
+    """A `meshfit calibrate` file: its measured matmul FLOP/s is the device peak for the MFU
+    figure (unset: the data sheet of a known GPU; "n/a" on a CPU)."""
+
+    def __post_init__(self) -> None:
+        from meshfit.tracking import resolve_names
+
+        if isinstance(self.with_, str):  # --log.with=tensorboard: one tracker
+            object.__setattr__(self, "with_", [self.with_] if self.with_ else [])
+        if not isinstance(self.with_, list) or not all(
+                isinstance(x, str) for x in self.with_):
+            raise ValueError(f"log.with={self.with_!r} must be a list of tracker names, e.g. "
+                             '["tensorboard", "csv"]')
+        resolve_names(self.with_, field="log.with")
+        if not isinstance(self.project, str) or not self.project:
+            raise ValueError(f"log.project={self.project!r} must be a non-empty name")
+        if self.calibration:
+            from meshfit.plan.calibrate import load_calibration
+
+            load_calibration(self.calibration)  # one line if missing or of another schema
+
+
 def _toml_name(f) -> str:
     return f.metadata.get("toml", f.name)
 
@@ -471,6 +504,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per step on each rank so that the global batch is as configured

@@ -23,6 +23,7 @@ from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, StopOnSign
 from meshfit.data import TokenDataset
 from meshfit.distributed import DistEnv, init
 from meshfit.parallel.ep import moe_modules
+from meshfit.train.observe import RunReporter, timed_batches
 from meshfit.train.models import (build_model, loss_function, plans, resolve_plan,
                                   write_final_model)
 
@@ -94,28 +95,6 @@ def lr_lambda(cfg: RunConfig):
     return factor
 
 
-class _Progress:
-    """A rich progress bar on the main process; silent elsewhere."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.bar = None
-        if enabled:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeRemainingColumn)
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self.task = self.bar.add_task("train", total=total, info="")
-            self.bar.start()
-
-    def update(self, step: int, info: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, info=info)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 class _Model:
     """What the loop trains when there is no pipeline: a model from `Accelerator.prepare`,
     one forward and backward per micro-batch."""
@@ -148,8 +127,8 @@ class _Model:
     def eval_loss(self, x, y) -> torch.Tensor:
         return self.loss(self.model, x, y)
 
-    def clip(self, max_norm: float) -> None:
-        self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def after_step(self, step: int, out_dir: Path) -> None:
         pass
@@ -178,8 +157,8 @@ class _Pipelined:
     def eval_loss(self, x, y) -> torch.Tensor:
         return self.pipeline.eval_loss(x, y)
 
-    def clip(self, max_norm: float) -> None:
-        self.acc.clip_grad_norm_(self.pipeline, max_norm)  # every stage's part of the norm
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return self.acc.clip_grad_norm_(self.pipeline, max_norm)  # every stage's part
 
     def after_step(self, step: int, out_dir: Path) -> None:
         if step == min(self.steps, PIPELINE_TIMED_STEPS):
@@ -396,23 +375,31 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     start = checkpoints.resume() if resume else 0
     writer = MetricsWriter(out_dir if acc.is_main_process else None, cfg, after_step=start)
 
-    accum, progress = acc.gradient_accumulation_steps, _Progress(acc.is_main_process, t.steps)
+    accum = acc.gradient_accumulation_steps
+    progress = RunReporter(acc, cfg, out_dir if acc.is_main_process else None, model, t.steps)
     last: dict = {"step": start}
     if start == 0:
         with _untimed(exchanges):
             last["val_loss"] = round(_evaluate(acc, trained, val_loader), 5)
         writer.write(last)
-    batches, window = _batches(train_loader), Window(acc, t.global_batch_size * t.seq_len)
+        progress.report(last, start)
+    wait = [0.0]  # seconds spent waiting for batches in this window
+    batches = timed_batches(_batches(train_loader), wait)
+    window = Window(acc, t.global_batch_size * t.seq_len)
     stop = StopOnSignal()
     step = start + 1  # the step in progress, for a timeout's message
     with collective_deadline(acc.process_index, t.timeout_s, lambda: f"step {step}"):
         for step in range(start + 1, t.steps + 1):
+            logged = step % t.log_every == 0 or step == t.steps
+            grad_norm = None
             for _ in range(accum):
                 x, y = next(batches)
                 with trained.accumulate():
                     loss = trained.forward_backward(x, y, accum)
-                    if acc.sync_gradients and t.grad_clip > 0:
-                        trained.clip(t.grad_clip)
+                    if acc.sync_gradients and (t.grad_clip > 0 or logged):
+                        # the norm of a logged step is measured even without clipping
+                        norm = trained.clip(t.grad_clip if t.grad_clip > 0 else math.inf)
+                        grad_norm = float(norm) if logged else None
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad()
@@ -422,26 +409,22 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
             if step == PIPELINE_TIMED_STEPS and acc.device.type == "cuda":
                 for ep in exchanges:  # timing synchronises the device around each exchange
                     ep.timing = False
-            if step % t.log_every == 0 or step == t.steps:
-                window_steps = window.steps
+            if logged:
+                window_s = time.perf_counter() - window.start
                 last = window.close(step, accum, float(scheduler.get_last_lr()[0]))
-                last.update(_routing(acc, trained, last["step_time_s"] * window_steps))
+                last = progress.step_figures(last, grad_norm=grad_norm, wait_s=wait[0],
+                                             window_s=window_s)
+                wait[0] = 0.0
+                last.update(_routing(acc, trained, window_s))
                 writer.write(last)
-                info = f"loss {last['loss']:.3f}  {last['tokens_per_s']:.0f} tok/s"
-                if "moe_tokens_per_expert_cv" in last:
-                    info += (f"  experts cv {last['moe_tokens_per_expert_cv']:.2f} "
-                             f"aux {last['moe_aux_loss']:.3f}")
-                    if last["moe_dropped_fraction"]:
-                        info += f" dropped {100 * last['moe_dropped_fraction']:.1f}%"
-                    if "moe_a2a_share" in last:
-                        info += f" a2a {100 * last['moe_a2a_share']:.0f}%"
-                progress.update(step, info)
+                progress.report(last, step)
             if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                 began = time.perf_counter()
                 with _untimed(exchanges):
                     val = {"step": step,
                            "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
                 writer.write(val)
+                progress.report(val, step)
                 last.update(val)
                 window.start += time.perf_counter() - began  # not training throughput
             if checkpoints.due(step):
@@ -450,7 +433,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
                 window.start += time.perf_counter() - began
             signum = stop.requested(acc)
             if signum:  # every rank got here after the same step
-                progress.close()
+                progress.finish()
                 checkpoints.finish()
                 folder = checkpoints.folder(step) if checkpoints.due(step) else \
                     checkpoints.save(step, wait=True)
@@ -458,7 +441,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
                 raise Preempted(signum, step, folder, out_dir)
     stop.restore()
     checkpoints.finish()
-    progress.close()
+    progress.finish()
     with collective_deadline(acc.process_index, t.timeout_s, "writing the final model"):
         written = write_final_model(acc, trained.exported, model, cfg,
                                     getattr(splits, "tokenizer", None), out_dir,
