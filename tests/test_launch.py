@@ -135,3 +135,244 @@ def test_gpu_environment_orders_devices():
     assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,0"}
     with pytest.raises(ValueError, match="--nproc=3 is more than the 2 device"):
         gpu_environment((0, 1), nproc=3, available=4)
+
+
+# ------------------------------------------------------------ accelerate launch's flags, SLURM
+# In-process: argument mapping, the node-list parser, SLURM variables -> launch settings and
+# the refusals; one real 2-process launch with accelerate's flags at the end.
+
+def _resolve(args, environ=None):
+    from meshfit.train import cli, launch
+
+    ns = cli._launch_parser().parse_args([*args, "train.py"])
+    return launch.config_from_args(ns, {} if environ is None else environ)
+
+
+@pytest.fixture
+def no_slurm_env(monkeypatch):
+    """This process's environment without SLURM's or torchrun's rendezvous variables (the
+    suite may itself run inside a SLURM job)."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SLURM_") or name in ("MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("args,expected,env", [
+    # accelerate's --num_processes is the total over the machines
+    (["--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
+      "--main_process_ip", "10.0.0.1", "--main_process_port", "29500"],
+     dict(nproc=2, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500), {}),
+    (["--num-processes=3"], dict(nproc=3, nnodes=1, master_addr="127.0.0.1", master_port=None),
+     {}),  # the hyphen spelling, as accelerate accepts
+    (["--num_processes", "2", "--main_process_port", "0"], dict(nproc=2, master_port=None), {}),
+    (["--num_processes", "2", "--cpu", "--mixed_precision", "bf16"], dict(nproc=2),
+     {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_CPU": "True", "MESHFIT_CPU": "1"}),
+    (["--mixed_precision", "no"], dict(nproc=1), {"ACCELERATE_MIXED_PRECISION": "no"}),
+    (["--gpu_ids", "all"], dict(gpus=None), {}),
+    # the same setting given both ways, with the same value, is fine
+    (["--nproc", "2", "--num_processes", "4", "--num_machines", "2", "--master-port", "7",
+      "--main_process_port", "7"], dict(nproc=2, nnodes=2, master_port=7), {}),
+])
+def test_accelerate_flags_map_onto_launch_settings(args, expected, env):
+    cfg, worker_env, notes = _resolve(args)
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    assert worker_env == env and notes == []
+
+
+@pytest.mark.parametrize("text,hosts", [
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("n1,n2", ["n1", "n2"]),
+    ("gpu[8-10]", ["gpu8", "gpu9", "gpu10"]),  # no padding: the lower bound's width
+    ("gpu[08-10]", ["gpu08", "gpu09", "gpu10"]),
+    ("node[1]", ["node1"]),
+    ("a[1-2]-ib[0-1]", ["a1-ib0", "a1-ib1", "a2-ib0", "a2-ib1"]),  # left bracket outermost
+    ("login,c[001-002]-gpu,x.example.org", ["login", "c001-gpu", "c002-gpu", "x.example.org"]),
+    (" node[1,3-4] ", ["node1", "node3", "node4"]),
+])
+def test_slurm_node_list_is_expanded_in_python(text, hosts):
+    from meshfit.train.launch import expand_nodelist
+
+    assert expand_nodelist(text) == hosts
+
+
+@pytest.mark.parametrize("text,match", [
+    ("node[01-03", "'[' without ']'"), ("node]1", "']' without '['"),
+    ("node[[1-2]]", "nested '['"), ("node[3-1]", "runs backwards"),
+    ("node[a-c]", "is not a number"), ("a,,b", "empty host name"),
+    ("node[1-99999999]", "longer than"),
+])
+def test_bad_slurm_node_lists_are_one_line_errors(text, match):
+    from meshfit.train.launch import expand_nodelist
+
+    with pytest.raises(ValueError) as err:
+        expand_nodelist(text)
+    assert match in str(err.value) and "SLURM_JOB_NODELIST" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_slurm_tasks_per_node_counts():
+    from meshfit.train.launch import expand_tasks_per_node
+
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert expand_tasks_per_node("8") == [8]
+    with pytest.raises(ValueError, match="is not SLURM's form"):
+        expand_tasks_per_node("2(x),1")
+
+
+_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "4",
+         "SLURM_JOB_NODELIST": "node[01-03,07]", "SLURM_STEP_NUM_NODES": "4",
+         "SLURM_STEP_NODELIST": "node[01-03,07]", "SLURM_NODEID": "2",
+         "SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_GPUS_ON_NODE": "8",
+         "SLURM_NTASKS_PER_NODE": "1"}
+
+
+@pytest.mark.parametrize("args,environ,expected", [
+    # `srun --ntasks-per-node=1 meshfit launch` on 4 nodes with 8 GPUs each
+    ([], _STEP, dict(nproc=8, nnodes=4, node_rank=2, master_addr="node01", master_port=14242)),
+    # flags win, field by field; accelerate's total divides by SLURM's node count
+    (["--nproc", "2", "--master-port", "1234"], _STEP,
+     dict(nproc=2, nnodes=4, node_rank=2, master_addr="node01", master_port=1234)),
+    (["--num_processes", "16"], _STEP, dict(nproc=4, nnodes=4)),
+    # MASTER_ADDR / MASTER_PORT set by the batch script win over the derived ones
+    ([], {**_STEP, "MASTER_ADDR": "10.1.0.1", "MASTER_PORT": "23456"},
+     dict(master_addr="10.1.0.1", master_port=23456)),
+    # --cpu: one process per task, not per GPU
+    (["--cpu"], {**_STEP, "SLURM_NTASKS_PER_NODE": "3"}, dict(nproc=3)),
+    # the batch script itself on a one-node job: tasks per node, loopback and a free port
+    ([], {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "c17",
+          "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODEID": "0"},
+     dict(nproc=4, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=None)),
+    # older variable names only; a non-numeric job id still gives one port for every node
+    ([], {"SLURM_JOBID": "a1", "SLURM_STEPID": "3", "SLURM_NNODES": "2",
+          "SLURM_NODELIST": "x[1-2]", "SLURM_NODEID": "1"},
+     dict(nproc=1, nnodes=2, node_rank=1, master_addr="x1")),
+    (["--no-slurm"], _STEP, dict(nproc=1, nnodes=1, node_rank=0, master_addr="127.0.0.1")),
+])
+def test_slurm_variables_give_the_launch_settings(args, environ, expected):
+    cfg, _, notes = _resolve(args, environ)
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    if "--no-slurm" in args:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and notes[0].startswith("SLURM job ")
+
+
+def test_slurm_derivation_is_printed_before_launching(no_slurm_env, tmp_path, capsys):
+    """`meshfit launch` with no flags in an srun step: what it took from SLURM, one line."""
+    from meshfit.train import cli, launch
+
+    for k, v in _STEP.items():
+        no_slurm_env.setenv(k, v)
+    started = []
+    no_slurm_env.setattr(launch, "run", lambda cfg, script, **kw: started.append((cfg, kw)) or 0)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert cli.main(["launch", str(script)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["meshfit launch: SLURM job 4242 step: 4 node(s) (SLURM_STEP_NODELIST="
+                   "node[01-03,07]), this is node 2 (SLURM_NODEID), 8 process(es) per node "
+                   "(SLURM_GPUS_ON_NODE), rendezvous host node01 (the first host of "
+                   "SLURM_STEP_NODELIST), port 14242 (10000 + SLURM job id mod 20000)"]
+    (cfg, kw), = started
+    assert (cfg.nproc, cfg.nnodes, cfg.node_rank, cfg.master_addr) == (8, 4, 2, "node01")
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--nproc", "2", "--num_processes", "3"],
+     "--nproc=2 (processes per node) and --num_processes=3 (3 per node over 1 machine(s)) "
+     "disagree"),
+    (["--nnodes", "2", "--num_machines", "3"], "--nnodes=2 and --num_machines=3 both set"),
+    (["--node-rank", "0", "--machine_rank", "1", "--nnodes", "2"], "--machine_rank=1 both set"),
+    (["--master-addr", "a", "--main_process_ip", "b"], "--master-addr=a and --main_process_ip=b"),
+    (["--master-port", "5", "--main_process_port", "0"], "--main_process_port=0 (a free port)"),
+    (["--gpus", "0", "--gpu_ids", "1"], "--gpus=0 and --gpu_ids=1 both choose the GPUs"),
+    (["--gpu_ids", "a"], "--gpu_ids='a' must be a comma-separated list"),
+    (["--cpu", "--multi_gpu"], "--cpu and --multi_gpu exclude each other"),
+    (["--cpu", "--gpu_ids", "0"], "--cpu runs on the CPU; drop --gpus / --gpu_ids"),
+    (["--mixed_precision", "fp8"], "meshfit has no fp8 training"),
+    (["--mixed_precision", "fp32"], "--mixed_precision='fp32' must be one of no, fp16, bf16"),
+    (["--num_processes", "3", "--num_machines", "2", "--main_process_port", "9"],
+     "--num_processes=3 is the total over all 2 machines"),
+    (["--num_processes", "0"], "--num_processes=0 must be >= 1"),
+    (["--multi_gpu", "--num_processes", "1"], "--multi_gpu needs at least 2 processes"),
+    (["--num_machines", "2", "--main_process_port", "0"], "works on one machine only"),
+    (["--num_machines", "2", "--machine_rank", "2", "--main_process_port", "9"],
+     "--machine_rank=2 must be in 0..1 (--num_machines=2)"),
+])
+def test_accelerate_flag_conflicts_are_refused_before_starting(args, match, tmp_path, cli_refusal,
+                                                               no_slurm_env):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    line = cli_refusal("launch", *args, str(script))
+    assert match in line, line
+
+
+def test_multi_gpu_without_gpus_is_refused(tmp_path, cli_refusal, no_slurm_env):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA devices")
+    script = tmp_path / "s.py"
+    script.write_text("")
+    line = cli_refusal("launch", "--multi_gpu", "--num_processes", "2", str(script))
+    assert "--multi_gpu: this machine has no CUDA devices" in line
+
+
+@pytest.mark.parametrize("environ,match", [
+    ({**_STEP, "SLURM_STEP_TASKS_PER_NODE": "4(x4)"},
+     "srun started 4 tasks on this node (SLURM_STEP_TASKS_PER_NODE=4(x4))"),
+    ({k: v for k, v in _STEP.items() if k not in ("SLURM_STEP_ID", "SLURM_STEP_NUM_NODES",
+                                                  "SLURM_STEP_NODELIST",
+                                                  "SLURM_STEP_TASKS_PER_NODE")},
+     "this SLURM job has 4 nodes but meshfit was started once, outside srun"),
+    ({**_STEP, "SLURM_STEP_NODELIST": "node[01-03"}, "SLURM_STEP_NODELIST='node[01-03'"),
+    ({**_STEP, "SLURM_STEP_NODELIST": "node[01-03]"},
+     "names 3 host(s) but SLURM_STEP_NUM_NODES=4"),
+    ({**_STEP, "SLURM_NODEID": "4"}, "SLURM_NODEID=4 is not below the 4 node(s)"),
+    ({**_STEP, "SLURM_GPUS_ON_NODE": "gpu:8"}, "SLURM_GPUS_ON_NODE='gpu:8' is not a count"),
+])
+def test_inconsistent_slurm_jobs_are_refused_before_starting(environ, match, tmp_path,
+                                                             cli_refusal, no_slurm_env):
+    for k, v in environ.items():
+        no_slurm_env.setenv(k, v)
+    script = tmp_path / "s.py"
+    script.write_text("")
+    line = cli_refusal("launch", str(script))
+    assert match in line, line
+
+
+ACCELERATE_STYLE = """
+import json, os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+keys = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "ACCELERATE_MIXED_PRECISION",
+        "ACCELERATE_USE_CPU", "MESHFIT_CPU")
+out = {k: os.environ.get(k) for k in keys}
+out["sum"] = t.item()
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+def test_accelerate_style_launch_on_loopback(tmp_path, subprocess_env):
+    """The one real launch: accelerate's flags start 2 gloo processes on 127.0.0.1 that see
+    the precision and CPU choice as Accelerate passes them."""
+    import json
+
+    script = tmp_path / "acc.py"
+    script.write_text(ACCELERATE_STYLE)
+    env = {k: v for k, v in subprocess_env.items()
+           if not k.startswith("SLURM_") and k not in ("MESHFIT_CPU", "ACCELERATE_USE_CPU",
+                                                         "ACCELERATE_MIXED_PRECISION")}
+    _run([*MESHFIT, "launch", "--num_processes", "2", "--num_machines", "1", "--machine_rank",
+          "0", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
+          "--mixed_precision", "bf16", "--cpu", str(script), str(tmp_path)], env, timeout=60)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, s in enumerate(seen):
+        assert s == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                     "MASTER_ADDR": "127.0.0.1", "ACCELERATE_MIXED_PRECISION": "bf16",
+                     "ACCELERATE_USE_CPU": "True", "MESHFIT_CPU": "1", "sum": 3.0}

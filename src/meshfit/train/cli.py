@@ -22,8 +22,12 @@ from meshfit.train import launch
 def _launch_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshfit launch", allow_abbrev=False,
-        description="Start a training script on N processes per node (torch.distributed.run).")
+        description="Start a training script on N processes per node (torch.distributed.run). "
+                    "accelerate launch's common flags work too; inside a SLURM job the nodes, "
+                    "this node's rank, processes per node and the rendezvous come from "
+                    "SLURM_* for whatever the flags leave open.")
     launch.add_arguments(p)
+    launch.add_accelerate_arguments(p)
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a Python module (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
@@ -33,11 +37,18 @@ def _launch_parser() -> argparse.ArgumentParser:
 
 def cmd_launch(argv: list[str]) -> int:
     ns = _launch_parser().parse_args(argv)
-    cfg, env = launch.config_from_args(ns)
+    cfg, env, notes = launch.config_from_args(ns)
     if not ns.module and not Path(ns.script).is_file():
         raise ValueError(f"script={ns.script!r} is not a file; give the path of a Python "
                          "script (or use -m for a module)")
+    _say("launch", notes)
     return launch.run(cfg, [ns.script, *ns.script_args], module=ns.module, env=env)
+
+
+def _say(command: str, notes: list[str]) -> None:
+    """What the launcher took from its surroundings (SLURM), once everything is checked."""
+    for note in notes:
+        print(f"meshfit {command}: {note}", file=sys.stderr, flush=True)
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -103,7 +114,7 @@ def cmd_train(argv: list[str]) -> int:
         if init().is_distributed and dist.is_initialized():
             dist.destroy_process_group()
         return 0
-    launch_cfg, env = launch.config_from_args(ns)
+    launch_cfg, env, notes = launch.config_from_args(ns)
     world_size = launch_cfg.nproc * launch_cfg.nnodes
     cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
     from meshfit.train.trainer import preflight
@@ -117,6 +128,7 @@ def cmd_train(argv: list[str]) -> int:
         if latest(out / "checkpoints") is None:
             raise ValueError(f"--resume: {out / 'checkpoints'} holds no complete checkpoint; "
                              "train with --checkpoint.every=N to write some")
+    _say("train", notes)
     if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
         from meshfit.train.run import Preempted
         from meshfit.train.trainer import train
