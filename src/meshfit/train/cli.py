@@ -3,7 +3,9 @@
 a Gantt chart, with its measured bubble), ``generate`` (sample text from a trained model) and
 ``eval`` (its loss and perplexity on held-out text; both in `meshfit.train.generate`),
 ``estimate`` and ``plan`` (per-rank memory of a layout, the best layouts of a cluster;
-`meshfit.train.plan_cli`) and ``calibrate`` (this machine measured; `meshfit.plan.calibrate`).
+`meshfit.train.plan_cli`), ``calibrate`` (this machine measured; `meshfit.plan.calibrate`),
+``plot`` (runs' metrics drawn; `meshfit.train.plot`) and ``env`` (versions and devices for a
+bug report; `meshfit.train.envinfo`). ``meshfit --help`` lists them, ``meshfit --version``.
 
 Every argument is validated before any process is launched or any file is written; errors
 are one line naming the option, the value and the fix.
@@ -254,19 +256,90 @@ def cmd_eval(argv: list[str]) -> int:
     return run(argv)
 
 
+def _plot_parser() -> argparse.ArgumentParser:
+    from meshfit.train.plot import DPI, FIGSIZE
+
+    p = argparse.ArgumentParser(
+        prog="meshfit plot", allow_abbrev=False,
+        description="Draw runs of `meshfit train` from their metrics.jsonl, overlaid and "
+                    "labelled with their folder names: loss and validation loss, learning "
+                    "rate, throughput and peak memory against training tokens (step x global "
+                    f"batch x seq_len from each run's config.toml); a {FIGSIZE[0] * DPI:.0f} x "
+                    f"{FIGSIZE[1] * DPI:.0f} PNG (or .pdf/.svg). Needs matplotlib: "
+                    'pip install "meshfit[chart]".')
+    p.add_argument("runs", metavar="RUN", nargs="+", help="run folders (meshfit train --out)")
+    p.add_argument("-o", "--out", metavar="FILE", default=None,
+                   help="where the plot goes (default: RUN/metrics.png for one run, "
+                        "meshfit-plot.png here for several)")
+    return p
+
+
+def cmd_plot(argv: list[str]) -> int:
+    from meshfit.train.plot import describe, draw
+
+    ns = _plot_parser().parse_args(argv)
+    out, runs = draw(ns.runs, ns.out)
+    for run in runs:
+        print(describe(run))
+    print(f"meshfit plot: wrote {out}")
+    return 0
+
+
+def cmd_env(argv: list[str]) -> int:
+    argparse.ArgumentParser(
+        prog="meshfit env", allow_abbrev=False,
+        description="Print the versions of meshfit, Python, torch, CUDA/cuDNN/NCCL, the "
+                    "devices, the distributed backends, the libraries meshfit works with and "
+                    "the environment variables it reads: paste it into a bug report."
+    ).parse_args(argv)
+    from meshfit.train.envinfo import report
+
+    print(report())
+    return 0
+
+
 COMMANDS = {"launch": cmd_launch, "train": cmd_train, "export": cmd_export,
             "pipeline-chart": cmd_pipeline_chart, "generate": cmd_generate, "eval": cmd_eval,
-            "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate}
+            "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate,
+            "plot": cmd_plot, "env": cmd_env}
+SUMMARIES = {
+    "launch": "start a script on N processes per node (torchrun; accelerate launch's flags; "
+              "SLURM)",
+    "train": "train a model from a TOML config (+ --section.key=value overrides)",
+    "export": "write a checkpoint's model as safetensors or a Hugging Face folder",
+    "pipeline-chart": "draw a pipeline-parallel run's schedule and its measured bubble",
+    "generate": "sample text from a trained model",
+    "eval": "a trained model's loss and perplexity on held-out text",
+    "estimate": "per-rank memory of a training step under a layout, before running it",
+    "plan": "rank a cluster's layouts that fit in memory by predicted step time",
+    "calibrate": "measure this machine's compute, memory and collective speeds for plan",
+    "plot": "draw runs' loss, validation loss, throughput and memory against tokens",
+    "env": "versions, devices and backends to paste into a bug report",
+}
+"""One line per command for ``meshfit --help`` (a test checks every command has one)."""
+
+
+def _help() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: meshfit COMMAND [ARGS...]   (meshfit COMMAND --help for each; "
+             "meshfit --version)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {SUMMARIES[name]}" for name in COMMANDS]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        from meshfit import __version__
+
+        print(f"meshfit {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        known = ", ".join(COMMANDS)
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"meshfit: unknown command {argv[0]!r}; commands: {known}", file=sys.stderr)
+            print(f"meshfit: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} "
+                  "(meshfit --help)", file=sys.stderr)
             return 2
-        print(f"usage: meshfit {{{known}}} ...  (meshfit COMMAND --help for each)")
+        print(_help())
         return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
