@@ -210,8 +210,10 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
         port = next(a.split("=", 1)[1] for a in args
                     if a.startswith(("--master-port=", "--rdzv-endpoint=")))
         where = port if ":" in port else f"{cfg.master_addr}:{port}"
+        listens = "on loopback only" if _is_loopback(cfg.master_addr) else \
+            "on every interface"
         print(f"meshfit launch: node {cfg.node_rank} of {cfg.nnodes}; the rendezvous store "
-              f"is on {where} (node 0 listens there on every interface)", file=sys.stderr)
+              f"is on {where} (node 0 listens there {listens})", file=sys.stderr)
     try:
         with loopback_stores():
             torchrun.run(parser.parse_args(args))
