@@ -7,7 +7,8 @@ deferred import is still a dependency). Layers, bottom to top:
     0  meshfit._quiet, meshfit.distributed     processes, devices, mesh axes, collectives
     1  meshfit.models, meshfit.data            models with their plans as data; token data
     2  meshfit.parallel, optim, memory, peft,  the techniques; distributed checkpoints;
-       meshfit.checkpoint, meshfit.plan        memory estimates and the layout planner
+       meshfit.checkpoint, meshfit.plan,       memory estimates and the layout planner;
+       meshfit.tracking                        experiment trackers
     3  meshfit.accelerator                     the facade for users' loops
     4  meshfit.train                           config, trainer, command line
 """
@@ -21,7 +22,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [("meshfit._quiet", 0), ("meshfit.distributed", 0), ("meshfit.models", 1),
           ("meshfit.data", 1), ("meshfit.parallel", 2), ("meshfit.optim", 2),
           ("meshfit.memory", 2), ("meshfit.peft", 2), ("meshfit.checkpoint", 2),
-          ("meshfit.plan", 2),
+          ("meshfit.plan", 2), ("meshfit.tracking", 2),
           ("meshfit.accelerator", 3),
           ("meshfit.train", 4)]
 
