@@ -89,3 +89,37 @@ def test_missing_library_names_the_package(monkeypatch):
                                          r"not installed; pip install wandb"):
         resolve_names(["wandb"], field="log.with")
     assert "wandb" not in resolve_names("all")  # "all": the installed ones
+
+
+def test_mfu_inputs_from_a_calibration_and_the_model(tmp_path):
+    """The MFU figure's two inputs: the peak from a `meshfit calibrate` file for the
+    training dtype (none on a CPU without one), and 6N + 12·L·d·T FLOPs per token counted
+    here by hand for the tiny preset."""
+    import torch
+
+    from meshfit.models import GPT, GPTConfig
+    from meshfit.train.observe import device_peak_flops, model_flops_per_token
+
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({
+        "schema": 1, "device": "cpu", "backend": "gloo", "world_size": 2, "torch": "2.13",
+        "time": "2026-01-01T00:00:00+00:00",
+        "matmul_flops": {"fp32": 5.75e10, "bf16": 1.37e11, "fp16": None},
+        "memory_bandwidth": 1.3e10,
+        "collectives": {k: {"bus_bandwidth": 1e9, "latency": 1e-3} for k in
+                        ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                         "send_recv")}, "raw": {}}))
+    cpu = torch.device("cpu")
+    assert device_peak_flops(cpu, "no", str(calibration))[0] == 5.75e10
+    assert device_peak_flops(cpu, "bf16", str(calibration))[0] == 1.37e11
+    assert device_peak_flops(cpu, "fp16", str(calibration))[0] is None  # not measured
+    assert device_peak_flops(cpu, "no")[0] is None  # no data sheet for a CPU
+    cfg = GPTConfig.preset("tiny")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    L, d, T, V = cfg.n_layer, cfg.d_model, 128, cfg.vocab_size
+    # parameters used in matmuls: everything but the position table (the tied embedding is
+    # the head's matmul, so it counts once)
+    n = sum(p.numel() for p in model.parameters()) - cfg.max_seq_len * d
+    assert model.lm_head.weight is model.tok_emb.weight and V * d > 0
+    assert model_flops_per_token(model, T) == 6 * n + 12 * L * d * T
