@@ -281,3 +281,59 @@ def test_mixture_of_experts_counts_total_and_active(capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["params"], out["active_params"]) == (46_702_792_704, 12_879_925_248)
+
+
+# ---------------------------------------------------------------------------- expert parallel
+@pytest.mark.parametrize("preset, experts", [
+    ("moe-tiny", 4 * 8 * 3 * 128 * 256),  # MoE blocks x experts x SwiGLU (w1, w3, w2) x d x f
+    ("mixtral-8x7b", 32 * 8 * 3 * 4096 * 14336)])
+def test_expert_parallel_divides_the_routed_experts(preset, experts):
+    """ep splits the routed experts (router, attention, norms, embeddings stay as without
+    ep); the ZeRO stages then shard the experts' share over the dp / ep ranks holding the
+    same experts. By hand, fp32 AdamW (4 + 4 + 8 B) and the ZeRO paper's 2 + 2 + 12 B."""
+    shape = ModelShape.of(preset)
+    assert shape.expert_params == experts and shape.n_experts == 8
+    P, X = shape.params, experts
+    D = P - X  # everything but the routed experts
+    for ep in (1, 2, 4):
+        # The paper's formula on dp = 8: unsharded states hold D + X/ep, sharded ones P/8.
+        got = [model_state_bytes(P, dp=8, zero_stage=z, ep=ep, expert_params=X)["total"]
+               for z in range(4)]
+        mine = D + X / ep
+        assert got == pytest.approx([16 * mine, 4 * mine + 12 * P / 8, 2 * mine + 14 * P / 8,
+                                     16 * P / 8], rel=1e-12)
+        # meshfit's engine on dp_shard 4: FSDP2 whenever ep > 1 (at stage 1 too), so at rest
+        # every state is 1/4 of the model for every ep; ZeRO-1 without ep keeps the
+        # parameters and gradients whole.
+        for stage in (1, 3):
+            est = estimate(shape, LayoutSpec(dp_shard=4, ep=ep, zero_stage=stage), seq_len=128)
+            whole = stage == 1 and ep == 1
+            assert (est.params, est.grads, est.optimizer) == pytest.approx(
+                (4 * P if whole else P, 4 * P if whole else P, 2 * P), rel=1e-12)
+        # ZeRO-3 gathers one block at a time, of which this rank's experts only: 1/ep of
+        # them over the dp_shard / ep ranks that share them, none at ep = dp_shard (FSDP2
+        # leaves them out); x (2 gathered + 1 reduce-scatter) x 4 B.
+        Xb = shape.block_expert_params
+        gathered = shape.block_params - Xb + (Xb / ep if ep < 4 else 0)
+        z3 = estimate(shape, LayoutSpec(dp_shard=4, ep=ep, zero_stage=3), seq_len=128)
+        assert z3.buffers == pytest.approx(12 * gathered, rel=1e-12)
+    # ep = dp_shard with 2 replicas: the experts are sharded over the replicas (a 1-D
+    # dp_replicate mesh), everything else is HSDP over dp_shard.
+    hsdp = estimate(shape, LayoutSpec(dp_replicate=2, dp_shard=4, ep=4, zero_stage=3),
+                    seq_len=128)
+    assert hsdp.params == pytest.approx(4 * (D / 4 + X / 8), rel=1e-12)
+    # ep = dp_shard, no replicas, CPU offload: the experts FSDP2 leaves out stay on the device.
+    off = estimate(shape, LayoutSpec(dp_shard=4, ep=4, zero_stage=3, offload=True),
+                   seq_len=128)
+    assert (off.params, off.grads, off.optimizer) == pytest.approx((X, X, 2 * X), rel=1e-12)
+    assert off.host == pytest.approx(16 * D / 4, rel=1e-12)
+
+
+def test_expert_parallel_needs_routed_experts_that_ep_divides():
+    with pytest.raises(ValueError, match="ep=2 needs a mixture-of-experts model"):
+        estimate("tiny", LayoutSpec(dp_shard=2, ep=2, zero_stage=3), seq_len=128)
+    with pytest.raises(ValueError, match="ep=16 must divide the number of experts"):
+        estimate("moe-tiny", LayoutSpec(dp_shard=16, ep=16, zero_stage=3), seq_len=128)
+    with pytest.raises(ValueError, match="ep=3 must be an integer >= 1 that divides dp=8"):
+        model_state_bytes(1e9, dp=8, zero_stage=1, ep=3, expert_params=5e8)
+    assert LayoutSpec(dp_shard=4, ep=2).world_size == 4  # carved out of dp_shard

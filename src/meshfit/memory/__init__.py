@@ -6,6 +6,8 @@ runs (`estimate`, `model_state_bytes`, `ModelShape`).
     est = estimate(shape, LayoutSpec(dp_shard=8), micro_batch_size=1, seq_len=4096,
                    dtype="bf16")                             # per-rank bytes, by part
     model_state_bytes(7.5e9, dp=64, zero_stage=3)            # the ZeRO paper's formula
+    estimate("mixtral-8x7b", LayoutSpec(dp_shard=8, ep=8, zero_stage=1), seq_len=4096)
+                                                              # experts split over 8 ranks
 """
 
 from meshfit.memory.estimate import (ActivationBytes, Estimate, LayoutSpec, activation_bytes,

@@ -15,6 +15,22 @@ whichever is larger), then the data-parallel engine's share (`meshfit.parallel.l
 LayoutCosts`: parameters / dp_shard under FSDP2, gradients / dp_shard from stage 2,
 optimizer state / dp_shard from stage 1; nothing on the device with CPU offload).
 
+**Expert parallelism** (`LayoutSpec.ep`, a divisor of dp_shard; `meshfit.parallel.ep`):
+the routed experts (`ModelShape.expert_params`) are split over the ep ranks, each holding
+n_experts / ep of every MoE block's, and FSDP2 shards those over the ranks holding the same
+experts (`Layout.expert_fsdp_mesh`): the dp_shard / ep ranks (replicated over
+dp_replicate), or with ep = dp_shard the dp_replicate ranks; with ep = dp_shard and no
+dp_replicate FSDP2 leaves them out (whole on their rank, never gathered, not offloaded).
+So the experts' parameters, gradients and optimizer state are divided by ep and then by
+that group where the engine shards the state; everything else as without ep. Under
+meshfit's engine (FSDP2 whenever ep > 1) a rank's experts at rest are 1/dp_shard of them for
+every ep, as without ep at ZeRO-2/3; what ep changes there is the step: FSDP2 gathers only
+this rank's experts (the buffers below: one block's experts / ep, none when left out), and
+at stage 1 the engine (FSDP2 instead of ZeRO-1's whole parameters and gradients).
+`model_state_bytes(..., ep=, expert_params=)` is the same split on the ZeRO paper's formula.
+The activations of an MoE block are counted as a dense MLP of width d_ff (not yet its
+top_k experts' and the routing's tensors).
+
 **Activations**: the closed form of Korthikanti et al. (2022, "Reducing Activation
 Recomputation in Large Transformer Models", eq. 1-4), written per saved tensor so that it
 covers the model at hand. Per block and token, in elements (x the activation dtype's bytes,
@@ -89,9 +105,16 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 def model_state_bytes(n_params: float, dp: int = 1, zero_stage: int = 0, *,
-                      optimizer: str = "adamw", precision: str = "mixed") -> dict[str, float]:
+                      optimizer: str = "adamw", precision: str = "mixed", ep: int = 1,
+                      expert_params: float = 0) -> dict[str, float]:
     """The ZeRO paper's per-rank model states (Rajbhandari et al. 2020, Fig. 1): Ψ =
     `n_params` on `dp` data-parallel ranks, stage 0 (DDP) to 3.
+
+    Expert parallelism: `expert_params` of the Ψ are routed experts split over `ep` ranks
+    (a divisor of `dp`): each rank holds 1/ep of them, and a stage that shards a state
+    shards the experts' share over the dp/ep ranks holding the same experts, so it is
+    divided by ep, then by dp/ep where the stage shards (1/dp in all); the other Ψ -
+    expert_params as without ep.
 
     precision="mixed": fp16/bf16 parameters and gradients (2 B each) and an fp32 master
     copy counted with the optimizer state (K = 12 for Adam: master, momentum, variance) —
@@ -108,11 +131,21 @@ def model_state_bytes(n_params: float, dp: int = 1, zero_stage: int = 0, *,
         raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp={dp!r} must be an integer >= 1")
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or dp % ep:
+        raise ValueError(f"ep={ep!r} must be an integer >= 1 that divides dp={dp}")
+    if not 0 <= expert_params <= n_params:
+        raise ValueError(f"expert_params={expert_params!r} must be in [0, n_params={n_params}]")
     p = g = 2.0 if precision == "mixed" else 4.0
     k = OPTIMIZER_BYTES[optimizer] + (4.0 if precision == "mixed" else 0.0)
-    out = {"params": n_params * p / (dp if zero_stage == 3 else 1),
-           "grads": n_params * g / (dp if zero_stage >= 2 else 1),
-           "optimizer": n_params * k / (dp if zero_stage >= 1 else 1)}
+
+    def share(sharded: bool) -> float:
+        if ep == 1:  # as written before expert parallelism, to the last bit
+            return n_params / (dp if sharded else 1)
+        return (n_params - expert_params) / (dp if sharded else 1) + \
+            expert_params / (ep * (dp // ep if sharded else 1))
+
+    out = {"params": share(zero_stage == 3) * p, "grads": share(zero_stage >= 2) * g,
+           "optimizer": share(zero_stage >= 1) * k}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
@@ -125,6 +158,9 @@ class LayoutSpec:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert-parallel ranks: a divisor of dp_shard (carved out of it, not part of the world
+    size, as `meshfit.ParallelDims`); each holds 1/ep of every MoE block's routed experts."""
     zero_stage: int = 0
     offload: bool = False
     sequence_parallel: bool = False
@@ -145,7 +181,8 @@ class LayoutSpec:
 
     def to_json(self) -> dict:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
-                "pp": self.pp, "zero_stage": self.zero_stage, "offload": self.offload,
+                "pp": self.pp, "ep": self.ep, "zero_stage": self.zero_stage,
+                "offload": self.offload,
                 "sequence_parallel": self.sequence_parallel,
                 "schedule": self.schedule if self.pp > 1 else None,
                 "microbatches": self.microbatches if self.pp > 1 else None,
@@ -153,8 +190,8 @@ class LayoutSpec:
                 "micro_batch_size": self.micro_batch_size}
 
     def describe(self) -> str:
-        parts = [f"{k} {getattr(self, k)}" for k in ("pp", "dp_replicate", "dp_shard", "tp")
-                 if getattr(self, k) > 1]
+        parts = [f"{k} {getattr(self, k)}" for k in ("pp", "dp_replicate", "dp_shard", "tp",
+                                                      "ep") if getattr(self, k) > 1]
         text = " x ".join(parts) or "one process"
         if self.zero_stage:
             text += f", ZeRO-{self.zero_stage}" + (" + CPU offload" if self.offload else "")
@@ -310,6 +347,25 @@ def _stage_params(shape: ModelShape, layout: LayoutSpec) -> tuple[float, int]:
     return float(blocks * shape.block_params + ends), blocks
 
 
+def _stage_experts(shape: ModelShape, layout: LayoutSpec, blocks: int) -> float:
+    """Routed-expert parameters among the worst pipeline rank's (`_stage_params`), before
+    the ep split; 0 without expert parallelism."""
+    if layout.ep == 1 or not shape.expert_params:
+        return 0.0
+    if layout.pp == 1:
+        return float(shape.expert_params)
+    return float(min(blocks, shape.moe_layers) * shape.block_expert_params)
+
+
+def _expert_group(layout: LayoutSpec) -> int:
+    """Under ep, the ranks FSDP2 shards one rank's experts over
+    (`meshfit.parallel.layout.Layout.expert_fsdp_mesh`): the dp_shard / ep ranks holding the
+    same experts (replicated over dp_replicate: HSDP); with ep = dp_shard, the dp_replicate
+    ranks (a 1-D mesh, so sharded); 1 when no other rank holds them (FSDP2 leaves them out)."""
+    inner = layout.dp_shard // layout.ep
+    return inner if inner > 1 else layout.dp_replicate
+
+
 def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype: str = "fp32",
              optimizer: str = "adamw", attention: str = "flash") -> Estimate:
     """Per-rank bytes of `layout` training `shape` (a `ModelShape` or what
@@ -323,34 +379,68 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZER_BYTES)}")
     resolved = resolve_layout(layout, dtype)
-    costs, t = resolved.costs, layout.tp
+    costs, t, ep = resolved.costs, layout.tp, layout.ep
+    if ep > 1 and not shape.expert_params:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model whose routed experts "
+                         f"meshfit splits (the reference GPT's MoE blocks, e.g. the moe-tiny "
+                         f"preset); {shape.name} has none, set ep=1")
+    if ep > 1 and shape.n_experts % ep:
+        raise ValueError(f"ep={ep} must divide the number of experts ({shape.n_experts}): "
+                         f"each ep rank holds n_experts / ep of them")
     stage_params, blocks = _stage_params(shape, layout)
     local = stage_params * (shape.tp_split / t + (1 - shape.tp_split))
     block_local = shape.block_params * (shape.tp_split / t + (1 - shape.tp_split))
-    params = local * 4 / costs.param_shards
-    grads = local * 4 / costs.grad_shards
-    optimizer_bytes = local * OPTIMIZER_BYTES[optimizer] / costs.optimizer_shards
+    # Expert parallelism (tp = 1: Layout refuses ep with tp): the routed experts are split
+    # over ep ranks, then sharded over `group` ranks holding the same experts; 0 without ep
+    # (the experts then count as every other parameter, exactly as before).
+    experts = _stage_experts(shape, layout, blocks)
+    block_experts = float(shape.block_expert_params) if ep > 1 else 0.0
+    group = _expert_group(layout)
+    dense = local - experts
+
+    def shares(nbytes, divisor: int) -> list[float]:
+        """This rank's bytes (`nbytes` of a parameter count) of a state the engine splits
+        over `divisor` ranks: [dense part, experts' part (over ep x group when the engine
+        shards the state, else over ep)]."""
+        return [nbytes(dense) / divisor,
+                nbytes(experts) / (ep * (group if divisor > 1 else 1))]
+
+    states = [shares(lambda n: n * 4, costs.param_shards),
+              shares(lambda n: n * 4, costs.grad_shards),
+              shares(lambda n: n * OPTIMIZER_BYTES[optimizer], costs.optimizer_shards)]
     if optimizer == "adafactor":  # factored statistics: (rows + cols) x 4 B per matrix
-        optimizer_bytes = local * 4 * 2 / shape.d_model / costs.optimizer_shards
+        states[2] = shares(lambda n: n * 4 * 2 / shape.d_model, costs.optimizer_shards)
     host = 0.0
     if costs.host_offload:
-        host = params + grads + optimizer_bytes
-        params = grads = optimizer_bytes = 0.0
+        # FSDP2 offloads what it shards; experts it leaves out (group 1: no other rank
+        # holds them) stay on the device
+        on_device = ep > 1 and group == 1
+        host = sum(dense_part + (0.0 if on_device else expert_part)
+                   for dense_part, expert_part in states)
+        states = [[0.0, expert_part if on_device else 0.0] for _, expert_part in states]
+    params, grads, optimizer_bytes = (sum(parts) for parts in states)
     gathered_dtype = DTYPE_BYTES[dtype] if resolved.param_dtype is not None else 4
+    # One block as FSDP2 gathers it: under ep its unit of experts gathers this rank's
+    # n_experts / ep (none when FSDP2 leaves them out)
+    block_gathered = block_local - block_experts + (block_experts / ep if group > 1 else 0.0)
     buffers = 0.0
     if costs.gathered_params == "one_block":  # the current block and the prefetched next
-        buffers += 2 * block_local * gathered_dtype + block_local * 4  # + reduce-scatter out
+        buffers += 2 * block_gathered * gathered_dtype + block_gathered * 4  # + reduce-scatter
     elif costs.gathered_params == "all_blocks" or costs.extra_param_copies:
-        buffers += blocks * block_local * gathered_dtype + block_local * 4
+        buffers += blocks * block_gathered * gathered_dtype + block_gathered * 4
     if layout.pp > 1 and resolved.is_fsdp:
         # torch's schedules turn gradient sync off until the last micro-batch: the stage's
         # unsharded gradients accumulate whole beside the sharded ones
-        buffers += local * 4
+        buffers += (dense + (experts / ep if group > 1 else 0.0)) * 4
     autocast = DTYPE_BYTES[dtype] < 4
     if autocast and resolved.param_dtype is None:
         # autocast's low-precision copies of the weights, kept from forward to backward
         # (FSDP2 gathers in the low precision instead: counted above)
         buffers += local * DTYPE_BYTES[dtype]
+    elif resolved.param_dtype is not None and ep > 1 and group == 1:
+        # experts FSDP2 leaves out stay fp32; the MoE casts them to the activations' dtype
+        # in forward and keeps the copies for backward
+        buffers += experts / ep * DTYPE_BYTES[dtype]
     acts = activation_bytes(shape, layout, seq_len=seq_len, dtype=dtype, attention=attention,
                             blocks_on_rank=blocks, gathered_linear_inputs=True,
                             autocast=autocast)
@@ -363,7 +453,8 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
                     activations=activations, buffers=buffers, host=host,
                     detail={"blocks_on_rank": blocks, "per_block_activation": acts.per_block,
-                            "in_flight": in_flight(layout), "engine": resolved.engine.value})
+                            "in_flight": in_flight(layout), "engine": resolved.engine.value,
+                            "expert_params_on_rank": experts / ep if ep > 1 else None})
 
 
 def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):
@@ -373,7 +464,7 @@ def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):
     from meshfit.parallel.layout import Layout
 
     dims = ParallelDims(pp=layout.pp, dp_replicate=layout.dp_replicate,
-                        dp_shard=layout.dp_shard, tp=layout.tp)
+                        dp_shard=layout.dp_shard, tp=layout.tp, ep=layout.ep)
     return Layout.resolve(dims, layout.world_size, distributed=layout.world_size > 1,
                           zero_stage=layout.zero_stage, offload="cpu" if layout.offload
                           else "none", mixed_precision="no" if dtype == "fp32" else dtype,

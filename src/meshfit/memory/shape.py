@@ -8,7 +8,9 @@ read from the model itself built on the meta device (no memory, no weights, no d
 
 Parameter counts are exact (each tensor once, a tied head once); the block structure, the
 parts only the first and last pipeline stages hold and the share tensor parallel splits come
-from the model's own pipeline and tensor-parallel plans (`meshfit.models.plans`).
+from the model's own pipeline and tensor-parallel plans (`meshfit.models.plans`). For the
+reference GPT's mixture of experts, the active parameters per token and the routed experts'
+parameters (what expert parallelism splits, `expert_params`) come from its `GPTConfig`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,21 @@ class ModelShape:
     """Sizes the tensor-parallel degree must divide (the TP plan's: heads, widths, vocab)."""
     active_params: int | None = None
     """Parameters used per token when they differ from `params` (mixture of experts)."""
+    n_experts: int = 0
+    """Routed experts per mixture-of-experts block that expert parallelism can split (the
+    reference GPT's `GPTConfig.n_experts`); 0: none (a dense model, or experts meshfit does
+    not split, such as transformers' Mixtral)."""
+    expert_params: int = 0
+    """Parameters of those routed experts in the whole model: n_moe_layers x n_experts x
+    one expert's weights (`ep` divides them; the router and a shared expert are not
+    among them)."""
+    block_expert_params: int = 0
+    """Routed-expert parameters of one MoE block (n_experts x one expert's weights)."""
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks holding routed experts."""
+        return self.expert_params // self.block_expert_params if self.block_expert_params else 0
 
     @property
     def head_dim(self) -> int:
@@ -157,13 +174,23 @@ class ModelShape:
         tp_split = _tp_split(model, tp_styles, params) if tp_styles else 0.0
         dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
         gated = isinstance(model, GPT) and model.config.mlp == "swiglu" or _has_gate(blocks[0])
-        active = None
+        active, experts = None, {}
         if isinstance(model, GPT) and model.config.n_experts:
             active = model.config.num_active_params()  # top_k (+ shared) experts per token
+            experts = _routed_experts(model.config)
         return cls(name=name, params=params, block_params=block, n_layer=len(blocks),
                    first_params=first, last_params=last, tied=tied, gated_mlp=gated,
                    dropout=dropout, tp_split=tp_split, divisible=divisible,
-                   active_params=active, **sizes)
+                   active_params=active, **experts, **sizes)
+
+
+def _routed_experts(c) -> dict:
+    """The routed experts of a reference GPT config (`meshfit.models.moe.Experts`: bias-free
+    stacked weights, w1/w3/w2 for SwiGLU, w_in/w_out for GELU), in closed form."""
+    one = (3 if c.mlp == "swiglu" else 2) * c.d_model * c.expert_d_ff
+    block = c.n_experts * one
+    return dict(n_experts=c.n_experts, expert_params=c.n_moe_layers * block,
+                block_expert_params=block)
 
 
 def _children(container: nn.Module):
