@@ -38,8 +38,20 @@ MOE = dict(n_experts=4, top_k=2, shared_experts=1, aux_loss_coef=0.1,
            router_z_loss_coef=0.01)
 
 
-def _model(moe_every: int = 1):
-    return tiny_gpt(n_layer=2, max_seq_len=SEQ, moe_every=moe_every, **MOE)
+def _model(moe_every: int = 1, idle: bool = False):
+    model = tiny_gpt(n_layer=2, max_seq_len=SEQ, moe_every=moe_every, **MOE)
+    if idle:  # every token to experts 0 and 1: under ep2, rank 1's experts get no rows
+        for m in model.modules():
+            if type(m).__name__ == "MoE":
+                m.route = _first_experts(m.route)
+    return model
+
+
+def _first_experts(route):
+    def first(x):
+        logits, probs, weights, idx = route(x)
+        return logits, probs, weights, torch.arange(idx.shape[1]).expand_as(idx).contiguous()
+    return first
 
 
 def _batches(dp: int):
@@ -59,8 +71,9 @@ def _pieces(x, y, dp: int, microbatches: int):
     return out
 
 
-def _reference(dp: int, microbatches: int, aux: bool = True, moe_every: int = 1):
-    model = _model(moe_every)
+def _reference(dp: int, microbatches: int, aux: bool = True, moe_every: int = 1,
+               idle: bool = False):
+    model = _model(moe_every, idle)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ce_losses = []
     for x, y in _batches(dp):
@@ -79,7 +92,7 @@ def _reference(dp: int, microbatches: int, aux: bool = True, moe_every: int = 1)
 
 
 def _worker(rank, world, dims: dict, zero_stage: int | None, microbatches: int | None,
-            moe_every: int = 1, sequence_parallel: bool = False):
+            moe_every: int = 1, sequence_parallel: bool = False, idle: bool = False):
     acc = Accelerator(parallel=ParallelDims(**dims), zero_stage=zero_stage,
                       sequence_parallel=sequence_parallel)
     dp, dp_rank = acc.runtime.dp_size, acc.runtime.dp_rank
@@ -87,7 +100,7 @@ def _worker(rank, world, dims: dict, zero_stage: int | None, microbatches: int |
         model = acc.prepare_pipeline(_model(moe_every), schedule="1f1b",
                                      microbatches=microbatches)
     else:
-        model = acc.prepare(_model(moe_every))
+        model = acc.prepare(_model(moe_every, idle))
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
     losses, stats = [], []
     for x, y in _batches(dp):
@@ -119,6 +132,9 @@ CASES = {
     # hsdp: ... over the 2 replicas; ep2xpp2: each stage's blocks exchange over its ep group.
     "ep2-zero1": (2, dict(dp_shard=2, ep=2), 1, None),
     "ep2-zero3": (2, dict(dp_shard=2, ep=2), 3, None),
+    # every token routed to rank 0's experts: rank 1 computes none, yet must run the
+    # exchanges' backward with the others (it used to skip it and hang them)
+    "ep2-idle-rank": (2, dict(dp_shard=2, ep=2), 1, None, 1, False, True),
     "ep2xdp2-zero3": (4, dict(dp_shard=4, ep=2), 3, None),
     "ep2-hsdp": (4, dict(dp_replicate=2, dp_shard=2, ep=2), 2, None),
     "ep2xpp2": (4, dict(pp=2, dp_shard=2, ep=2), 1, 2),
@@ -144,9 +160,11 @@ def results(request):
 def test_expert_parallel_equals_one_process(results, case):
     world, dims, stage, microbatches, *rest = CASES[case]
     moe_every = rest[0] if rest else 1
+    idle = len(rest) > 2 and rest[2]
     per_rank = case_result(results, case)
     dp = per_rank[0]["dp"]
-    want_losses, want_state = _reference(dp, microbatches or 1, moe_every=moe_every)
+    want_losses, want_state = _reference(dp, microbatches or 1, moe_every=moe_every,
+                                         idle=idle)
     for res in per_rank:
         assert res["engine"] == ("none" if dp == 1 else "fsdp2")
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses),

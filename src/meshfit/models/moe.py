@@ -251,6 +251,11 @@ class Experts(nn.Module):
             else:
                 h = F.gelu(rows @ w[0], approximate="tanh")
             outs.append(h @ w[-1])
-        if not outs:  # keep the weights in the graph: FSDP2 expects their gradients
-            return xs.new_zeros(0, xs.shape[-1]) + sum(t.sum() for t in ws).to(xs.dtype) * 0
+        if not outs:
+            # No rows for any local expert. The output must still depend on the rows and the
+            # weights: under expert parallelism the rows arrived by an all-to-all whose
+            # backward the other ranks wait in (a rank skipping it hangs them), and FSDP2
+            # expects the weights' gradients.
+            zero = (xs.sum() + sum(t.sum() for t in ws).to(xs.dtype)) * 0
+            return xs.new_zeros(0, xs.shape[-1]) + zero
         return torch.cat(outs)
