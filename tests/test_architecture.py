@@ -9,7 +9,7 @@ deferred import is still a dependency). Layers, bottom to top:
     2  meshfit.parallel, optim, memory, peft,  the techniques; distributed checkpoints;
        meshfit.checkpoint, meshfit.plan,       memory estimates and the layout planner;
        meshfit.tracking                        experiment trackers
-    3  meshfit.accelerator                     the facade for users' loops
+    3  meshfit.accelerator, meshfit.utils      the facade for users' loops; Accelerate's names
     4  meshfit.train                           config, trainer, command line
 """
 
@@ -23,7 +23,7 @@ LAYERS = [("meshfit._quiet", 0), ("meshfit.distributed", 0), ("meshfit.models", 
           ("meshfit.data", 1), ("meshfit.parallel", 2), ("meshfit.optim", 2),
           ("meshfit.memory", 2), ("meshfit.peft", 2), ("meshfit.checkpoint", 2),
           ("meshfit.plan", 2), ("meshfit.tracking", 2),
-          ("meshfit.accelerator", 3),
+          ("meshfit.accelerator", 3), ("meshfit.utils", 3),
           ("meshfit.train", 4)]
 
 

@@ -6,7 +6,8 @@ The package is layered; each layer imports only the ones below it:
     models/, data/ the reference models with their parallel plans; token data
     parallel/      one technique per file, the `Layout` decision and `parallelize`
     optim, memory, peft
-    accelerator/   the `Accelerator` facade for users' own loops
+    accelerator/   the `Accelerator` facade for users' own loops (Accelerate's calls)
+    utils/         the names scripts written for Accelerate import from accelerate.utils
     train/         `meshfit train` / `meshfit launch`: config, trainer, command line
 """
 
@@ -20,6 +21,11 @@ __version__ = "0.1.0"
 # whole stack.
 _EXPORTS = {"Accelerator": "meshfit.accelerator", "DistEnv": "meshfit.distributed",
             "ParallelDims": "meshfit.distributed", "Layout": "meshfit.parallel.layout"}
+# What scripts written for Hugging Face Accelerate import from ``accelerate`` itself.
+_EXPORTS.update({name: "meshfit.accelerator.compat" for name in (
+    "DistributedType", "AutocastKwargs", "DataLoaderConfiguration", "DDPCommunicationHookType",
+    "DistributedDataParallelKwargs", "FullyShardedDataParallelPlugin", "GradScalerKwargs",
+    "InitProcessGroupKwargs", "ProfileKwargs", "find_executable_batch_size")})
 __all__ = [*_EXPORTS, "__version__"]
 
 
