@@ -57,6 +57,9 @@ def two_ranks():
         "gather-23": (_gather_epochs, 23, False),
         "gather-23-shuffled": (_gather_epochs, 23, True),
         "gather-24-shuffled": (_gather_epochs, 24, True),
+        "fsdp-plugin": (_fsdp_plugin,),
+        "scheduler-per-process": (_scheduler_steps, True),
+        "scheduler-once": (_scheduler_steps, False),
     }, 2)
 
 
@@ -355,3 +358,113 @@ def test_parallel_dims_resolve():
     dims = ParallelDims().resolve(4)
     assert dims.dp_replicate == 4 and dims.dp == 4
     assert ParallelDims(tp=2).resolve(4).dp_replicate == 2
+
+
+# ---------------------------------------------------------------- Accelerate's options
+def _fsdp_plugin(rank, world):
+    """Accelerate's FSDP plugin is meshfit's ZeRO-3 over every process: the same training as
+    DDP up to the order of the sums."""
+    from meshfit.utils import FullyShardedDataParallelPlugin
+    from reference import full_params
+
+    out = {}
+    for name, kwargs in (("ddp", {}), ("fsdp", {"fsdp_plugin": FullyShardedDataParallelPlugin()})):
+        acc = Accelerator(gradient_accumulation_steps=2, **kwargs)
+        x, y = _data()
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = DataLoader(TensorDataset(x, y), batch_size=MICRO)
+        model, opt, loader = acc.prepare(model, opt, loader)
+        for xb, yb in loader:
+            with acc.accumulate(model):
+                acc.backward(_loss(model, xb, yb))
+                opt.step()
+                opt.zero_grad()
+        out[name] = {"type": str(acc.distributed_type.value), "stage": acc.zero_stage,
+                     "params": full_params(model)}
+    return out
+
+
+def test_fsdp_plugin_is_zero3_over_every_process(two_ranks):
+    for res in case_result(two_ranks, "fsdp-plugin"):
+        assert (res["ddp"]["type"], res["ddp"]["stage"]) == ("MULTI_CPU", 0)
+        assert (res["fsdp"]["type"], res["fsdp"]["stage"]) == ("FSDP", 3)
+        for key, value in res["ddp"]["params"].items():
+            # fp32: the reduce-scatter sums in another order than DDP's all-reduce (~1e-7
+            # relative per step, as in the accumulation test above)
+            torch.testing.assert_close(res["fsdp"]["params"][key], value, rtol=0, atol=1e-6)
+
+
+def test_fsdp_plugin_options_map_to_zero_stages():
+    from meshfit.utils import FullyShardedDataParallelPlugin as Plugin
+
+    assert Plugin().zero_stage() == 3 and Plugin(reshard_after_forward=False).zero_stage() == 2
+    assert Plugin(sharding_strategy="SHARD_GRAD_OP").zero_stage() == 2
+    assert Plugin(sharding_strategy="NO_SHARD").zero_stage() == 0
+    assert Plugin(cpu_offload=True).offload() == "cpu" and Plugin().offload() == "none"
+    assert Plugin(mixed_precision_policy="bf16").mixed_precision() == "bf16"
+    assert Plugin(mixed_precision_policy={"param_dtype": torch.float16}).mixed_precision() == "fp16"
+    with pytest.raises(ValueError, match="HYBRID_SHARD is not available"):
+        Plugin(sharding_strategy="HYBRID_SHARD").zero_stage()
+
+
+def _scheduler_steps(rank, world, per_process):
+    acc = Accelerator(gradient_accumulation_steps=2, step_scheduler_per_process=per_process)
+    x, y = _data()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    loader = DataLoader(TensorDataset(x[:16], y[:16]), batch_size=2)
+    model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
+    lrs = []
+    for xb, yb in loader:
+        with acc.accumulate(model):
+            acc.backward(_loss(model, xb, yb))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        lrs.append(sched.get_last_lr()[0])
+    return lrs
+
+
+def test_scheduler_steps_per_process_by_default_once_on_request(two_ranks):
+    # 16 samples, 2 per rank and batch: 4 batches per rank, 2 optimizer steps.
+    for lrs in case_result(two_ranks, "scheduler-per-process"):
+        assert lrs == [1.0, 1 / 3, 1 / 3, 1 / 5]  # Accelerate's: 2 ranks, 2 steps each
+    for lrs in case_result(two_ranks, "scheduler-once"):
+        assert lrs == [1.0, 1 / 2, 1 / 2, 1 / 3]  # meshfit's: the schedule counts steps
+
+
+def test_accelerate_defaults_and_refusals(monkeypatch):
+    acc = Accelerator(mixed_precision=None)
+    assert acc.mixed_precision == "no" and acc.distributed_type == "NO"
+    assert not acc.use_distributed and acc.state.num_processes == 1
+    assert acc.gradient_state.num_steps == 1 and not acc.gradient_state.end_of_dataloader
+    assert acc.gradient_state.remainder == -1 and not acc.optimizer_step_was_skipped
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert Accelerator().mixed_precision == "bf16"  # what `accelerate launch` sets
+    with pytest.raises(ValueError, match="deepspeed_plugin=.... is not available"):
+        Accelerator(deepspeed_plugin=object())
+    from meshfit.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+
+    with pytest.raises(ValueError, match="only pass one of `gradient_accumulation_steps`"):
+        Accelerator(gradient_accumulation_steps=2,
+                    gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+    with pytest.raises(ValueError, match="dispatch_batches=True"):
+        Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    with pytest.warns(UserWarning, match="split_batches=.... is ignored"):
+        Accelerator(split_batches=True)
+
+
+def test_gather_and_clip_value_and_trigger_on_one_process():
+    acc = Accelerator()
+    w = torch.nn.Parameter(torch.ones(3))
+    loss = (w * 2).sum()
+    gathered = acc.gather(loss)  # a tensor that requires grad
+    assert not gathered.requires_grad and gathered.item() == 6.0
+    acc.backward(loss * 10)
+    acc.clip_grad_value_([w], 0.5)
+    assert torch.equal(w.grad, torch.full((3,), 0.5))
+    assert not acc.check_trigger()
+    acc.set_trigger()
+    assert acc.check_trigger() and not acc.check_trigger()

@@ -47,10 +47,14 @@ def _run(name: str, dtype, *, save: str | None = None, load: str | None = None,
     starting from the checkpoint `load`); the losses of the steps taken and the whole model."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from meshfit import Accelerator, ParallelDims
+    from meshfit import Accelerator, DataLoaderConfiguration, ParallelDims
 
     dims, options = LAYOUTS[name]
-    acc = Accelerator(parallel=ParallelDims(**dims), **options)
+    # The schedule counts optimizer steps on any number of ranks, and load_state puts the
+    # loader back where it stood (meshfit's options; Accelerate's defaults differ).
+    acc = Accelerator(parallel=ParallelDims(**dims), step_scheduler_per_process=False,
+                      dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+                      **options)
     x, y = token_batches(6 * GLOBAL + 4, 16)  # one epoch, resumed in its middle
     loader = DataLoader(TensorDataset(x, y), batch_size=GLOBAL // acc.runtime.dp_size,
                         shuffle=True, generator=torch.Generator().manual_seed(7))

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from meshfit.accelerator import Accelerator
 from meshfit.accelerator.loader import PreparedDataLoader
+from meshfit.utils import DataLoaderConfiguration
 from meshfit.data import ByteTokenizer, TokenDataset, TokenStream
 from conftest import run_distributed
 
@@ -192,7 +193,8 @@ def test_accelerator_prepares_a_stream_and_resumes_from_a_checkpoint(tmp_path):
     it = iter(loader)
     next(it), next(it)
     acc.save_state(tmp_path / "ckpt")
-    again = Accelerator()
+    # stateful loaders: load_state puts them back where they stood (not Accelerate's default)
+    again = Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
     resumed = again.prepare(DataLoader(Numbers(20), batch_size=3))
     again.load_state(tmp_path / "ckpt")
     assert _read(resumed) == [list(range(i, min(i + 3, 20))) for i in range(6, 20, 3)]

@@ -95,7 +95,8 @@ def _reference(world: int) -> dict[str, torch.Tensor]:
 
 def _train(acc: Accelerator, *, build_before: bool, probe=None, after_backward=None):
     """The loop of the seed's `accumulate` example; returns (model, optimizer, report at the
-    last boundary after the step, before zero_grad)."""
+    last boundary after the step, before zero_grad). The reference steps its scheduler once
+    per optimizer step: build `acc` with step_scheduler_per_process=False."""
     world = acc.runtime.dp_size
     model = _model()
     if probe is not None:
@@ -146,7 +147,7 @@ def _stages_worker(rank, world, out_dir):
     for name, (kwargs, before) in STAGES.items():
         graphs = compile_stats().graphs
         acc = Accelerator(parallel=ParallelDims(dp_shard=world), gradient_accumulation_steps=K,
-                          **kwargs)
+                          step_scheduler_per_process=False, **kwargs)
         mid = {}
 
         def probe(model, mid=mid):
@@ -287,7 +288,7 @@ def test_single_process_export(tmp_path):
 # ---------------------------------------------------------------- hybrid sharding, 4 ranks
 def _hybrid_worker(rank, world):
     acc = Accelerator(parallel=ParallelDims(dp_replicate=2, dp_shard=2),
-                      gradient_accumulation_steps=K)
+                      gradient_accumulation_steps=K, step_scheduler_per_process=False)
     model, opt, report = _train(acc, build_before=False)
     p = next(model.parameters())
     dataset = acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=2))
@@ -331,7 +332,8 @@ def _accumulation_worker(rank, world, out_dir):
         if mode == "auto_low_memory":  # pretend almost no memory is free: auto must sync
             real, fsdp.available_memory_bytes = fsdp.available_memory_bytes, lambda device: 1
         acc = Accelerator(parallel=ParallelDims(dp_shard=world), gradient_accumulation_steps=K,
-                          sync_each_batch="auto" if mode == "auto_low_memory" else mode)
+                          sync_each_batch="auto" if mode == "auto_low_memory" else mode,
+                          step_scheduler_per_process=False)
         peaks = []
         model, opt, _ = _train(acc, build_before=False,
                                after_backward=lambda m: peaks.append(fsdp.held_gradient_bytes(m)))

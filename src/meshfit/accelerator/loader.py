@@ -1,38 +1,64 @@
-"""Data loaders prepared for data parallel training.
+"""Data loaders prepared for data parallel training, sharded as Hugging Face Accelerate does.
 
-Each data-parallel rank receives batches of the loader's own ``batch_size`` (Accelerate's
-default, ``split_batches=False``), so the global batch is ``batch_size x dp ranks``.
+Map-style datasets (`ShardedBatchSampler`). The epoch's sample order is drawn as the loader's
+own ``RandomSampler`` would draw it (or ``range(n)`` without shuffling) and cut into batches
+of the loader's ``batch_size``, as its ``BatchSampler`` would; with ``split_batches=False``
+(Accelerate's default) rank r of n takes batches r, r + n, r + 2n, ... (each rank receives
+batches of ``batch_size``, the global batch is ``batch_size x n``), with
+``split_batches=True`` every batch is cut into n equal slices. Gathering the ranks' outputs
+in rank order restores the global order. When the global batch does not divide the dataset:
 
-Sharding is by *global batch*: the epoch's sample order (a seeded permutation, identical on
-every rank) is cut into rounds of ``batch_size x world`` samples and rank r takes the r-th
-slice of each round. Gathering the ranks' outputs in rank order therefore restores the global
-order. When the dataset does not divide evenly, the R samples of the last round are split into
-equal slices of ceil(R / world) (completed with samples from the start of the epoch); those
-duplicates sit at the end of the gathered last round, where `Accelerator.gather_for_metrics`
-drops them.
+- ``even_batches=True`` (default): the last round is completed with samples from the start of
+  the epoch, so that every rank receives the same number of full batches; the duplicates sit
+  at the end of the gathered last round, where `Accelerator.gather_for_metrics` drops them
+  (``remainder`` = ``len(dataset) % total_batch_size`` real samples).
+- ``even_batches=False``: the short last batch goes to its rank alone; ranks may receive
+  different numbers of batches (see `Accelerator.join_uneven_inputs`).
+- ``drop_last=True``: the incomplete round is dropped.
+
+On one data-parallel rank nothing is sharded or padded: the batches are the loader's own.
+
+Shuffling draws from the generators that Accelerate draws from, at the same moments, so that
+a seeded script sees the same samples in the same order under Accelerate and meshfit:
+
+- the loader's ``generator`` (a copy of it, taken when prepared), carried from epoch to epoch;
+- with several data-parallel ranks and no generator: a generator seeded, when the loader is
+  prepared, from the global torch generator (one draw);
+- on one rank without a generator: a seed drawn from the global torch generator at the start
+  of each pass, as ``RandomSampler`` does;
+- ``use_seedable_sampler``: a generator seeded ``data_seed + epoch`` each epoch.
+
+With more than one process, a carried generator's state is broadcast from rank 0 at the start
+of every pass (Accelerate's ``rng_types=["generator"]``), so every rank draws the same order.
+Each pass draws one permutation, then a second one when the order is read out, and the inner
+``DataLoader`` draws its workers' base seed from the loader's generator (or the global one)
+when each pass starts, as torch's own loader does.
 
 Streams (a DataLoader over an ``IterableDataset``) have no index to permute, so they are
 sharded by position instead: item i of the stream (counted from its start) goes to rank
 ``i % world``, and a rank's items are cut into batches of ``batch_size``, so batch b of every
 rank comes from round b, items ``[b x round, (b+1) x round)`` with
 ``round = batch_size x world`` (gathered in rank order, a round's items arrive as rank 0's
-every-world-th item, then rank 1's, ...: the round's items, interleaved). Every rank
-(and, with ``num_workers > 0``, every worker) iterates the whole stream and keeps only its own
-items; worker w of W keeps the rank's batches ``b % W == w``, which the DataLoader hands out
-in order, so the batches are the same with any number of workers. The stream is therefore
-read ``world x max(1, num_workers)`` times and must yield the same items in the same order
-each time (a dataset that splits itself between DataLoader workers, as a ``datasets``
-``IterableDataset`` does, is iterated with the worker information hidden, so it too yields
-the whole stream). Because every rank sees the whole stream, every rank also knows where it
-ends: a batch is handed out only once the stream has reached the end of its round, so all
-ranks stop after the same number of batches with no collective and no ``__len__``. The tail
-that does not fill a round is dropped (``drop_last=True``), or (``drop_last=False``) shared
-as a last, smaller batch of ``tail // world`` items per rank, dropping at most ``world - 1``
-items. Nothing is padded, so ``gather_for_metrics`` has nothing to trim.
+every-world-th item, then rank 1's, ...: the round's items, interleaved). This is meshfit's
+own scheme, not Accelerate's (which reads a stream on rank 0 only and sends each rank its
+slice). Every rank (and, with ``num_workers > 0``, every worker) iterates the whole stream and
+keeps only its own items; worker w of W keeps the rank's batches ``b % W == w``, which the
+DataLoader hands out in order, so the batches are the same with any number of workers. The
+stream is therefore read ``world x max(1, num_workers)`` times and must yield the same items
+in the same order each time (a dataset that splits itself between DataLoader workers, as a
+``datasets`` ``IterableDataset`` does, is iterated with the worker information hidden, so it
+too yields the whole stream). Because every rank sees the whole stream, every rank also knows
+where it ends: a batch is handed out only once the stream has reached the end of its round,
+so all ranks stop after the same number of batches with no collective and no ``__len__``. The
+tail that does not fill a round is dropped (``drop_last=True``), or (``drop_last=False``)
+shared as a last, smaller batch of ``tail // world`` items per rank, dropping at most
+``world - 1`` items. Nothing is padded, so ``gather_for_metrics`` has nothing to trim.
 
-A stream's position is the number of its items the ranks consumed together; resuming (or
-``skip_first_batches``) re-reads the stream from its start and skips that many items; it
-cannot seek. That position means the same on any number of ranks.
+A loader's position is the epoch being read and the samples of all ranks handed out in it
+(for a stream: its items consumed), plus the shuffling generator's state at the start of the
+pass: it means the same on any number of ranks. `Accelerator.load_state` restores it when the
+loaders are stateful (``DataLoaderConfiguration(use_stateful_dataloader=True)``); a stream is
+re-read from its start and skipped to its position, it cannot seek.
 """
 
 from __future__ import annotations
@@ -41,67 +67,167 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 from torch.utils.data import get_worker_info
 
 from meshfit.distributed.collectives import apply_to_tensors
 
-_DEFAULT_SEED = 1234
+
+def _draw_seed(generator: torch.Generator | None = None) -> int:
+    """One int64 drawn as torch's RandomSampler and DataLoader draw their seeds."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
-    """Batches of sample indices for one rank; the same seed and epoch give the same order on
-    every rank, a new epoch gives a new order."""
+    """One rank's batches of sample indices (see the module docstring).
+
+    `shuffle` is None (the dataset's order) or a callable ``order(n) -> list[int]`` that draws
+    an epoch's permutation and is called once per pass, when the first batch is asked for;
+    `after_order` (optional) is called when the order has been read out (the second draw of
+    torch's RandomSampler)."""
 
     def __init__(self, num_samples: int, batch_size: int, *, num_replicas: int, rank: int,
-                 shuffle: bool, seed: int = _DEFAULT_SEED, drop_last: bool = False):
+                 order=None, after_order=None, drop_last: bool = False,
+                 even_batches: bool = True, split_batches: bool = False):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank={rank} must be in [0, num_replicas={num_replicas})")
-        self.num_samples, self.batch_size = num_samples, batch_size
+        if split_batches and batch_size % num_replicas:
+            raise ValueError(f"split_batches=True: the batch size ({batch_size}) must be a "
+                             f"multiple of the number of processes ({num_replicas})")
+        self.num_samples, self.loader_batch_size = num_samples, batch_size
         self.num_replicas, self.rank = num_replicas, rank
-        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.epoch = 0
-        self.skip = 0  # rounds the next iteration leaves out (to resume inside an epoch)
+        self.order, self.after_order = order, after_order
+        self.drop_last, self.even_batches = drop_last, even_batches
+        self.split_batches = split_batches and num_replicas > 1
+        self.skip = 0  # batches the next iteration leaves out (to resume inside an epoch)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch on this rank."""
+        return self.loader_batch_size // self.num_replicas if self.split_batches \
+            else self.loader_batch_size
 
     @property
     def round_size(self) -> int:
-        return self.batch_size * self.num_replicas
+        """Samples of all ranks per batch (the loader's ``total_batch_size``)."""
+        return self.loader_batch_size if self.split_batches \
+            else self.loader_batch_size * self.num_replicas
+
+    def _global_batches(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.loader_batch_size
+        return math.ceil(self.num_samples / self.loader_batch_size)
 
     def __len__(self) -> int:
-        rounds = self.num_samples / self.round_size
-        return math.floor(rounds) if self.drop_last else math.ceil(rounds)
+        batches, n = self._global_batches(), self.num_replicas
+        if n == 1 or self.split_batches or batches % n == 0:
+            return batches if (n == 1 or self.split_batches) else batches // n
+        if self.drop_last:
+            return batches // n
+        if self.even_batches:
+            return batches // n + 1
+        return batches // n + (1 if self.rank < batches % n else 0)
 
     @property
     def remainder(self) -> int:
-        """Real (not padded) samples in the last round of an epoch."""
-        return min(self.num_samples - (len(self) - 1) * self.round_size, self.round_size)
+        """Real samples in the last round of an epoch (0: the rounds are full); -1 with
+        drop_last, where nothing is padded."""
+        return -1 if self.drop_last else self.num_samples % self.round_size
 
-    def _order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_samples))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_samples, generator=g).tolist()
+    # ------------------------------------------------------------- the global order
+    def _indices(self):
+        """The epoch's sample order, drawn lazily as torch's samplers draw it."""
+        if self.order is None:
+            yield from range(self.num_samples)
+            return
+        yield from self.order(self.num_samples)
+        if self.after_order is not None:
+            self.after_order(self.num_samples)
 
+    def _batches(self):
+        """The loader's own batches (its BatchSampler over the epoch's order)."""
+        batch: list[int] = []
+        for i in self._indices():
+            batch.append(i)
+            if len(batch) == self.loader_batch_size:
+                yield batch
+                batch = []
+        if batch and not self.drop_last:
+            yield batch
+
+    # ------------------------------------------------------------- one rank's share
     def __iter__(self):
-        order = self._order()
-        rounds = len(self)
-        first, self.skip = min(self.skip, rounds), 0
-        for i in range(first, rounds):
-            start = i * self.round_size
-            chunk = order[start: start + self.round_size]
-            # An uneven last round gives every rank ceil(R / world) samples, completed with
-            # samples from the epoch's start, so ranks keep equal shapes (DDP and gather need
-            # it) and a single process sees exactly the dataset.
-            per_rank = math.ceil(len(chunk) / self.num_replicas)
-            while len(chunk) < per_rank * self.num_replicas:
-                chunk += order[: per_rank * self.num_replicas - len(chunk)]
-            yield chunk[self.rank * per_rank: (self.rank + 1) * per_rank]
+        skip, self.skip = self.skip, 0
+        if self.num_replicas == 1:
+            shards = self._batches()
+        elif self.split_batches:
+            shards = self._split()
+        else:
+            shards = self._by_batch()
+        for i, batch in enumerate(shards):
+            if i >= skip:
+                yield batch
+
+    def _by_batch(self):
+        """Rank r takes every n-th batch, from the r-th; a round is handed out only when all
+        of its batches are full (even_batches: the last round is completed from the start)."""
+        n, r, bs = self.num_replicas, self.rank, self.loader_batch_size
+        start: list[int] = []  # the first n batches' samples, to complete the last round
+        mine = None
+        idx, batch = -1, []
+        for idx, batch in enumerate(self._batches()):
+            if not self.drop_last and idx < n:
+                start += batch
+            if idx % n == r:
+                mine = batch
+            if idx % n == n - 1 and len(batch) == bs:
+                yield mine
+                mine = None
+        if self.drop_last or not start:
+            return
+        if not self.even_batches:
+            if mine:
+                yield mine
+            return
+        if mine and len(mine) == bs:
+            yield mine
+        while len(start) < n * bs:  # fewer samples than one round
+            start += start
+        if len(batch) == bs:  # the last batch was full: its round continues after it
+            batch, idx = [], idx + 1
+        taken = 0
+        while idx % n != 0 or batch:
+            end = taken + bs - len(batch)
+            batch = batch + start[taken:end]
+            if idx % n == r:
+                yield batch
+            taken = end
+            batch, idx = [], idx + 1
+
+    def _split(self):
+        """Every batch cut into n equal slices; a short last batch is completed from the
+        epoch's first batch (even_batches) or sliced as far as it goes."""
+        n, r, bs = self.num_replicas, self.rank, self.loader_batch_size
+        per = bs // n
+        first: list[int] = []
+        batch: list[int] = []
+        for idx, batch in enumerate(self._batches()):
+            if idx == 0:
+                first = batch
+            if len(batch) == bs:
+                yield batch[per * r: per * (r + 1)]
+        if self.drop_last or not first or len(batch) == bs:
+            return
+        if not self.even_batches:
+            if len(batch) > per * r:
+                yield batch[per * r: per * (r + 1)]
+            return
+        while len(first) < bs:
+            first = first + first
+        yield (batch + first)[per * r: per * (r + 1)]
 
 
 class StreamShard(IterableDataset):
@@ -198,7 +324,102 @@ class LoaderState:
     """What the accelerator needs to know about the loader being iterated."""
 
     end_of_dataloader: bool = False
-    remainder: int = -1  # real samples in the final round; -1: no padding to drop
+    remainder: int = -1  # real samples in the final round (0: full); -1: nothing to trim
+
+
+def _clone(generator: torch.Generator) -> torch.Generator:
+    copy = torch.Generator(device=generator.device)
+    copy.set_state(generator.get_state())
+    return copy
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def broadcast_state(state: torch.Tensor) -> torch.Tensor:
+    """Process 0's generator state (a CPU byte tensor) on every process."""
+    if _world() == 1:
+        return state
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    moved = state.to(device)
+    dist.broadcast(moved, src=0)
+    return moved.cpu()
+
+
+class Shuffle:
+    """Where a map-style loader's epoch order comes from (see the module docstring):
+    ``"carried"`` (a generator carried from epoch to epoch), ``"global"`` (a seed drawn from
+    the global torch generator each pass) or ``"seedable"`` (``seed + epoch``).
+
+    `pass_state` is what reproduces the order of the pass being read (the carried
+    generator's state when the pass drew it, or the pass's seed); `resume`, set by
+    `PreparedDataLoader.load_state_dict`, is used instead at the next draw."""
+
+    def __init__(self, mode: str, generator: torch.Generator | None, *, seed: int | None = None,
+                 sync: bool = True):
+        self.mode, self.generator, self.initial_seed, self.sync = mode, generator, seed, sync
+        self.epoch = 0
+        self.pass_state = None
+        self.resume = None
+
+    def start_pass(self, epoch: int) -> None:
+        """Before a pass's DataLoader iterator is made: every process takes process 0's
+        carried generator (Accelerate's ``synchronize_rng_states(["generator"])``)."""
+        self.epoch = epoch
+        if self.mode == "carried" and self.sync and self.resume is None and _world() > 1:
+            self.generator.set_state(broadcast_state(self.generator.get_state()))
+
+    def order(self, n: int) -> list[int]:
+        if self.mode == "seedable":
+            if self.generator is None:
+                self.generator = torch.Generator()
+                self.generator.manual_seed(self.initial_seed)
+            self.generator.manual_seed(self.epoch + self.initial_seed)
+            return torch.randperm(n, generator=self.generator).tolist()
+        if self.mode == "carried":
+            if self.resume is not None:
+                self.generator.set_state(self.resume)
+                self.resume = None
+            self.pass_state = self.generator.get_state()
+            return torch.randperm(n, generator=self.generator).tolist()
+        seed = self.resume if self.resume is not None else _draw_seed()
+        self.resume = None
+        if self.sync and _world() > 1:  # every process takes process 0's draw
+            seed = int(broadcast_state(torch.tensor([seed], dtype=torch.int64)).item())
+        self.pass_state = seed
+        local = torch.Generator()
+        local.manual_seed(seed)
+        self.generator = local
+        return torch.randperm(n, generator=local).tolist()
+
+    def after_order(self, n: int) -> None:
+        """torch's RandomSampler draws a second, empty slice of a permutation when its order
+        is read out; so do we, to leave the generator where it leaves it."""
+        if self.generator is not None:
+            torch.randperm(n, generator=self.generator)
+
+    def state(self, mid_pass: bool) -> dict:
+        """``{"seed": int, "generator": uint8 tensor}``: what restores the order of the pass
+        being read (`mid_pass`) or of the next one (-1 and a 1-byte tensor: nothing)."""
+        seed, state = -1, torch.zeros(1, dtype=torch.uint8)
+        if self.mode == "carried":
+            state = self.pass_state if mid_pass and self.pass_state is not None \
+                else self.generator.get_state()
+        elif self.mode == "global" and mid_pass and self.pass_state is not None:
+            seed = int(self.pass_state)
+        return {"seed": seed, "generator": state}
+
+    def load(self, state: dict, mid_pass: bool) -> None:
+        generator = state.get("generator")
+        if self.mode == "carried" and generator is not None and generator.numel() > 1:
+            if mid_pass:
+                self.resume = generator.clone()
+            else:
+                self.generator.set_state(generator.clone())
+        elif self.mode == "global" and mid_pass and int(state.get("seed", -1)) >= 0:
+            self.resume = int(state["seed"])
 
 
 class PreparedDataLoader:
@@ -211,8 +432,11 @@ class PreparedDataLoader:
     stream waits for it only when the batch is handed out.
 
     The loader's ``num_workers``, ``prefetch_factor``, ``persistent_workers``,
-    ``worker_init_fn``, ``collate_fn`` and ``timeout`` are kept; ``pin_memory`` is honoured
-    where it helps (a CUDA device) and dropped elsewhere.
+    ``worker_init_fn``, ``collate_fn``, ``timeout`` and ``generator`` (a copy) are kept;
+    ``pin_memory`` is honoured where it helps (a CUDA device) and dropped elsewhere.
+    `even_batches`, `split_batches`, `seedable` (with `data_seed`) and `sync_generator` are
+    `meshfit.utils.DataLoaderConfiguration`'s and the Accelerator's ``rng_types`` (see the
+    module docstring).
 
     A loader over an ``IterableDataset`` (a stream) is sharded by position (see the module
     docstring); its workers are started afresh for each pass (``persistent_workers`` is not
@@ -220,29 +444,42 @@ class PreparedDataLoader:
     """
 
     def __init__(self, loader: DataLoader, *, device: torch.device, num_replicas: int,
-                 rank: int, on_iter=None, on_end=None):
+                 rank: int, on_iter=None, on_end=None, even_batches: bool = True,
+                 split_batches: bool = False, seedable: bool = False,
+                 data_seed: int | None = None, sync_generator: bool = True):
         self.base = loader
         self.device = device
         self.state = LoaderState()
         self._on_iter = on_iter
         self._on_end = on_end  # called when an iteration stops (read out, or left early)
-        self._epoch = 0
+        self._epoch = 0  # Accelerate's `iteration`: passes read out (or set_epoch)
         # (epoch being read, batches handed out in it; for a stream: its items consumed)
         self._position = (0, 0)
+        self._resumed = False  # the next pass continues a restored, partly read pass
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.stream: StreamShard | None = None
+        self.shuffle: Shuffle | None = None
         if isinstance(loader.dataset, IterableDataset):
             if loader.batch_size is None:
                 raise ValueError("prepare(dataloader): an IterableDataset loader needs a "
                                  "batch_size; give the DataLoader batch_size=N (the stream "
                                  "yields single samples, which are batched per rank)")
+            if split_batches:
+                raise ValueError("prepare(dataloader): split_batches=True is not available "
+                                 "for an IterableDataset; give the per-process batch size")
             self.batch_sampler = None
             self.stream = StreamShard(loader.dataset, loader.batch_size,
                                       num_replicas=num_replicas, rank=rank,
                                       drop_last=loader.drop_last, collate_fn=loader.collate_fn)
             self.loader = None  # built per pass, see _stream_loader
             return
-        self.batch_sampler = self._make_batch_sampler(loader, num_replicas, rank)
+        # torch's loader draws each pass's workers' base seed from this generator (a copy of
+        # the loader's, shared with the shuffle) or, when None, from the global one
+        self._base_generator = self._make_shuffle(loader, num_replicas, seedable=seedable,
+                                                  data_seed=data_seed, sync=sync_generator)
+        self.batch_sampler = self._make_batch_sampler(loader, num_replicas, rank,
+                                                      even_batches=even_batches,
+                                                      split_batches=split_batches)
         self.loader = DataLoader(
             loader.dataset,
             batch_sampler=self.batch_sampler,
@@ -256,22 +493,46 @@ class PreparedDataLoader:
             persistent_workers=loader.persistent_workers,
         )
 
-    @staticmethod
-    def _make_batch_sampler(loader: DataLoader, num_replicas: int, rank: int):
-        if loader.batch_size is None or not isinstance(loader.batch_sampler, BatchSampler):
-            raise ValueError("prepare(dataloader): a custom batch_sampler is not supported yet; "
-                             "give the DataLoader a batch_size (and shuffle=True/False) instead")
+    def _make_shuffle(self, loader: DataLoader, num_replicas: int, *, seedable: bool,
+                      data_seed: int | None, sync: bool) -> torch.Generator | None:
+        """Set `self.shuffle` from the loader's sampler; returns the generator the inner
+        DataLoader draws its base seeds from (a copy of the loader's, shared with the
+        shuffle, or None: the global one)."""
         sampler = loader.sampler
         if not isinstance(sampler, (RandomSampler, torch.utils.data.SequentialSampler)):
             raise ValueError(f"prepare(dataloader): sampler {type(sampler).__name__} is not "
                              "supported yet; use shuffle=True or shuffle=False")
-        shuffle = isinstance(sampler, RandomSampler)
-        seed = _DEFAULT_SEED
-        if loader.generator is not None:
-            seed = loader.generator.initial_seed()
-        return ShardedBatchSampler(len(loader.dataset), loader.batch_size,
-                                   num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                                   seed=seed, drop_last=loader.drop_last)
+        user = loader.generator
+        generator = _clone(user) if user is not None else None
+        if not isinstance(sampler, RandomSampler):
+            return generator
+        if sampler.replacement or sampler.num_samples != len(loader.dataset):
+            raise ValueError("prepare(dataloader): a RandomSampler with replacement or "
+                             "num_samples is not supported yet; use shuffle=True")
+        if seedable:
+            seed = data_seed if data_seed is not None else torch.random.initial_seed()
+            self.shuffle = Shuffle("seedable", generator, seed=seed, sync=sync)
+        elif generator is not None:
+            self.shuffle = Shuffle("carried", generator, sync=sync)
+        elif num_replicas > 1:  # seeded now from the global generator, as Accelerate does
+            carried = torch.Generator()
+            carried.manual_seed(_draw_seed())
+            self.shuffle = Shuffle("carried", carried, sync=sync)
+        else:
+            self.shuffle = Shuffle("global", None, sync=sync)
+        return generator
+
+    def _make_batch_sampler(self, loader: DataLoader, num_replicas: int, rank: int, *,
+                            even_batches: bool, split_batches: bool) -> ShardedBatchSampler:
+        if loader.batch_size is None or not isinstance(loader.batch_sampler, BatchSampler):
+            raise ValueError("prepare(dataloader): a custom batch_sampler is not supported yet; "
+                             "give the DataLoader a batch_size (and shuffle=True/False) instead")
+        shuffle = self.shuffle
+        return ShardedBatchSampler(
+            len(loader.dataset), loader.batch_size, num_replicas=num_replicas, rank=rank,
+            order=None if shuffle is None else shuffle.order,
+            after_order=None if shuffle is None else shuffle.after_order,
+            drop_last=loader.drop_last, even_batches=even_batches, split_batches=split_batches)
 
     @property
     def dataset(self):
@@ -279,14 +540,35 @@ class PreparedDataLoader:
 
     @property
     def batch_size(self) -> int:
+        """Samples per batch on this rank."""
         return (self.batch_sampler if self.stream is None else self.stream).batch_size
 
     @property
     def total_batch_size(self) -> int:
+        """Samples of all data-parallel ranks per batch."""
         return (self.batch_sampler if self.stream is None else self.stream).round_size
 
+    @property
+    def total_dataset_length(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return self.state.end_of_dataloader
+
+    @property
+    def remainder(self) -> int:
+        return self.state.remainder
+
+    @property
+    def iteration(self) -> int:
+        """Passes read out so far (Accelerate's name; `set_epoch` sets it)."""
+        return self._epoch
+
     def set_epoch(self, epoch: int) -> None:
-        """Choose the shuffling of the next iteration (otherwise each iteration advances it)."""
+        """Choose the epoch of the next iteration (otherwise each pass read out advances it);
+        it seeds the shuffle with use_seedable_sampler, and is handed to a dataset that has
+        ``set_epoch``."""
         self._epoch = epoch
 
     def __len__(self) -> int:
@@ -300,10 +582,10 @@ class PreparedDataLoader:
         return len(self.batch_sampler)
 
     def skip_first_batches(self, num_batches: int) -> None:
-        """Leave out the first `num_batches` batches (rounds of all ranks) of the next
-        iteration, as a resumed run does for what it had already consumed. A stream is
-        re-read from its start and its first ``num_batches x total_batch_size`` items are
-        read and dropped."""
+        """Leave out the first `num_batches` batches (of this rank; a round of all ranks
+        each) of the next iteration, as a resumed run does for what it had already consumed;
+        the order is drawn as for a whole pass. A stream is re-read from its start and its
+        first ``num_batches x total_batch_size`` items are read and dropped."""
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
             raise ValueError(f"num_batches={num_batches!r} must be an integer >= 0")
         if self.stream is not None:
@@ -311,20 +593,25 @@ class PreparedDataLoader:
             return
         self.batch_sampler.skip = num_batches
 
-    def state_dict(self) -> dict[str, int]:
-        """Where reading stands, by global position: the epoch being read (its shuffle) and
-        the samples of all ranks handed out in it. The order of samples is the epoch's
-        permutation (for a stream: the stream) cut into rounds of `total_batch_size`, so the
-        position means the same on any number of ranks."""
+    def state_dict(self) -> dict:
+        """Where reading stands, by global position: the epoch being read, the samples of
+        all ranks handed out in it, and what reproduces its shuffle (``seed``,
+        ``generator``; see `Shuffle.state`). The order of samples is the epoch's permutation
+        (for a stream: the stream) cut into batches of `total_batch_size`, so the position
+        means the same on any number of ranks."""
         epoch, batches = self._position
         if self.stream is not None:
             return {"epoch": epoch, "samples": batches}  # a stream counts items directly
-        return {"epoch": epoch, "samples": batches * self.total_batch_size}
+        out = {"epoch": epoch, "samples": batches * self.total_batch_size}
+        if self.shuffle is not None:
+            out.update(self.shuffle.state(mid_pass=batches > 0))
+        return out
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue at `state`'s position: the next iteration reads that epoch from the
-        sample after the last one handed out (which must fall on a batch boundary of this
-        job's global batch; a stream is re-read and skipped to it, at any boundary)."""
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at `state`'s position: the next iteration reads that epoch, in the same
+        order, from the sample after the last one handed out (which must fall on a batch
+        boundary of this job's global batch; a stream is re-read and skipped to it, at any
+        boundary)."""
         epoch, samples = int(state["epoch"]), int(state["samples"])
         if self.stream is not None:
             if samples < 0:
@@ -341,6 +628,9 @@ class PreparedDataLoader:
         self._epoch = epoch
         self._position = (epoch, samples // self.total_batch_size)
         self.skip_first_batches(samples // self.total_batch_size)
+        if self.shuffle is not None:
+            self.shuffle.load(state, mid_pass=samples > 0)
+        self._resumed = samples > 0
 
     def _to_device(self, batch):
         """Start copying `batch` to the device; returns (batch, event). Pass both to `_ready`
@@ -441,15 +731,35 @@ class PreparedDataLoader:
                 self._on_end(self)
 
     def _iter_batches(self):
-        self.batch_sampler.set_epoch(self._epoch)
+        # Accelerate's order: synchronise the carried generator, begin (remainder known),
+        # the epoch to the dataset, then a fresh DataLoader iterator (which draws the
+        # workers' base seed), then the first batch (which draws the order).
+        epoch, resumed, self._resumed = self._epoch, self._resumed, False
+        if self.shuffle is not None:
+            self.shuffle.start_pass(epoch)
         handed = self.batch_sampler.skip
-        self._position = (self._epoch, handed)
-        self._epoch += 1
+        self._position = (epoch, handed)
         self.state.end_of_dataloader = False
-        self.state.remainder = -1
+        self.state.remainder = self.batch_sampler.remainder
         if self._on_iter is not None:
             self._on_iter(self)
-        it = iter(self.loader)
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+        base = self._base_generator
+        if base is not None:
+            # The base seed is drawn from the loader's generator at every pass, as by a
+            # loader without persistent workers, so that the order does not depend on
+            # persistent_workers; the inner loader draws the same value from a copy.
+            self.loader.generator = _clone(base)
+            _draw_seed(base)
+        elif resumed:
+            # The interrupted run drew this pass's base seed from the global generator
+            # before its state was saved (and restored): not again.
+            self.loader.generator = torch.Generator()
+        try:
+            it = iter(self.loader)
+        finally:
+            self.loader.generator = None
         try:
             current = self._to_device(next(it))
         except StopIteration:
@@ -459,14 +769,13 @@ class PreparedDataLoader:
                 upcoming = self._to_device(next(it))
             except StopIteration:
                 self.state.end_of_dataloader = True
-                if self.batch_sampler.remainder < self.batch_sampler.round_size:
-                    self.state.remainder = self.batch_sampler.remainder
                 handed += 1
-                self._position = (self._position[0], handed)
+                self._position = (epoch, handed)
                 yield self._ready(current)
+                self._epoch = epoch + 1
                 self._position = (self._epoch, 0)  # the epoch is read out
                 return
             handed += 1
-            self._position = (self._position[0], handed)
+            self._position = (epoch, handed)
             yield self._ready(current)
             current = upcoming

@@ -58,9 +58,12 @@ def _check_autocast_runs(device_type: str, dtype: torch.dtype, mode: str) -> Non
 
 
 class Precision:
-    """Autocast context and (for fp16) a GradScaler for one device type."""
+    """Autocast context and (for fp16) a GradScaler for one device type; `scaler_kwargs`
+    and `autocast_kwargs` are GradScalerKwargs' / AutocastKwargs' fields (``enabled``,
+    ``cache_enabled``) passed to torch."""
 
-    def __init__(self, mode: str, device: torch.device):
+    def __init__(self, mode: str, device: torch.device, *, scaler_kwargs: dict | None = None,
+                 autocast_kwargs: dict | None = None):
         check_options(mixed_precision=mode)  # the one list of modes: meshfit.parallel.layout
         self.mode = mode
         self.device_type = device.type
@@ -70,13 +73,16 @@ class Precision:
                 raise ValueError(f"mixed_precision={mode!r}: autocast is not available on "
                                  f"{self.device_type}; use mixed_precision='no'")
             _check_autocast_runs(self.device_type, self.dtype, self.mode)
-        self.scaler = torch.amp.GradScaler(self.device_type) if self.mode == "fp16" else None
+        self.autocast_kwargs = dict(autocast_kwargs or {})
+        self.scaler = torch.amp.GradScaler(self.device_type, **(scaler_kwargs or {})) \
+            if self.mode == "fp16" else None
 
-    def autocast(self):
+    def autocast(self, **overrides):
         """A context that runs the enclosed operations in the low-precision dtype."""
         if self.dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+        kwargs = {**self.autocast_kwargs, **overrides}
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype, **kwargs)
 
     def wrap_forward(self, module: torch.nn.Module) -> None:
         """Run `module`'s forward under autocast, returning fp32 floating outputs (as

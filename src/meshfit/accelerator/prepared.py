@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class GradientState:
-    """Gradient-accumulation bookkeeping shared by the accelerator and its wrappers."""
+    """Gradient-accumulation bookkeeping shared by the accelerator and its wrappers
+    (``accelerator.gradient_state``, with Accelerate's attribute names)."""
 
     num_steps: int = 1
     """Micro-batches per optimizer step (gradient_accumulation_steps)."""
@@ -24,6 +25,37 @@ class GradientState:
     """Micro-batches seen since the last synchronising one."""
     sync_gradients: bool = True
     """Whether the current micro-batch ends an accumulation window."""
+    sync_with_dataloader: bool = True
+    """Whether the last micro-batch of a data loader ends the window (and resets `step`)."""
+    adjust_scheduler: bool = False
+    """Accelerate's flag (its effective default is False): no effect on learning rates."""
+    loaders: list = field(default_factory=list)
+    """Prepared loaders being iterated, innermost last (an evaluation loop inside training)."""
+
+    @property
+    def active_dataloader(self):
+        return self.loaders[-1] if self.loaders else None
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self.loaders)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """Whether the innermost loader being iterated has handed out its last batch."""
+        loader = self.active_dataloader
+        return loader is not None and loader.state.end_of_dataloader
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the innermost loader's last round (0: full; -1: none or no
+        loader), as Accelerate's ``gradient_state.remainder``."""
+        loader = self.active_dataloader
+        return -1 if loader is None else loader.state.remainder
+
+    @property
+    def plugin_kwargs(self) -> dict:
+        return {"num_steps": self.num_steps, "sync_with_dataloader": self.sync_with_dataloader}
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -100,21 +132,47 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
 
 class PreparedScheduler:
-    """Steps the user's LR scheduler once per *optimizer* step (not per micro-batch), and not
-    at all when an fp16 step was skipped for overflow."""
+    """Steps the user's LR scheduler on optimizer steps only, as Accelerate's
+    AcceleratedScheduler does, and not at all when an fp16 step was skipped for overflow.
+
+    `steps_per_optimizer_step`: how often each optimizer step advances the schedule.
+    Accelerate's rule (``step_scheduler_with_optimizer=True``, batches not split) is the
+    number of data-parallel processes: a script sizes its schedule in batches of one
+    process, and every optimizer step consumes one batch per process. meshfit's own
+    (``Accelerator(step_scheduler_per_process=False)``, or ``split_batches=True``) is 1:
+    the schedule counts optimizer steps. `with_optimizer=False` steps on every call."""
 
     def __init__(self, scheduler, optimizers: list[PreparedOptimizer],
-                 grad_state: GradientState):
+                 grad_state: GradientState, *, with_optimizer: bool = True,
+                 steps_per_optimizer_step: int = 1):
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.grad_state = grad_state
+        self.step_with_optimizer = with_optimizer
+        self.steps_per_optimizer_step = steps_per_optimizer_step
 
     def step(self, *args, **kwargs) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
         if not self.grad_state.sync_gradients:
+            if self.grad_state.adjust_scheduler:
+                self.scheduler._step_count += 1
             return
         if any(opt.step_was_skipped for opt in self.optimizers):
             return
-        self.scheduler.step(*args, **kwargs)
+        for _ in range(self.steps_per_optimizer_step):
+            # OneCycleLR refuses to step past its total_steps (an epoch not dividing evenly)
+            total = getattr(self.scheduler, "total_steps", None)
+            if total is not None and self.scheduler._step_count > total:
+                break
+            self.scheduler.step(*args, **kwargs)
+
+    def get_lr(self):
+        return self.scheduler.get_lr()
+
+    def print_lr(self, *args, **kwargs):
+        return self.scheduler.print_lr(*args, **kwargs)
 
     def get_last_lr(self):
         return self.scheduler.get_last_lr()
@@ -126,7 +184,8 @@ class PreparedScheduler:
         self.scheduler.load_state_dict(state_dict)
 
     def __getattr__(self, name):
-        if name in ("scheduler", "optimizers", "grad_state"):
+        if name in ("scheduler", "optimizers", "grad_state", "step_with_optimizer",
+                    "steps_per_optimizer_step"):
             raise AttributeError(name)
         return getattr(self.scheduler, name)
 

@@ -208,9 +208,10 @@ def finish_save(acc: Accelerator) -> Path | None:
     return commit(tmp, folder, manifest)
 
 
-def load_state(acc: Accelerator, input_dir) -> Manifest:
+def load_state(acc: Accelerator, input_dir, *, loaders: bool = True) -> Manifest:
     """Fill every prepared and registered object from the checkpoint in `input_dir` (any
-    layout, any world size); returns its manifest. Every rank calls it."""
+    layout, any world size); returns its manifest. Every rank calls it. `loaders`: also put
+    the data loaders back where they stood (stateful loaders)."""
     finish_save(acc)
     folder = Path(input_dir)
     if not folder.is_dir():
@@ -239,10 +240,15 @@ def load_state(acc: Accelerator, input_dir) -> Manifest:
         part = {_key("scheduler", i): sched.scheduler.state_dict()}
         load(part)
         sched.scheduler.load_state_dict(part[_key("scheduler", i)])
-    for i, loader in enumerate(acc._loaders):
-        part = {_key("dataloader", i): loader.state_dict()}
+    saved = saved_keys(folder) if loaders else set()
+    for i, loader in enumerate(acc._loaders if loaders else ()):
+        key = _key("dataloader", i)
+        # Only the fields the checkpoint holds (older ones have no shuffle state).
+        template = {k: v for k, v in loader.state_dict().items()
+                    if any(s == f"{key}.{k}" or s.startswith(f"{key}.{k}.") for s in saved)}
+        part = {key: template}
         load(part)
-        loader.load_state_dict(part[_key("dataloader", i)])
+        loader.load_state_dict(part[key])
     for i, obj in enumerate(acc._custom):
         part = {f"custom_{i}": obj.state_dict()}
         load(part)

@@ -261,8 +261,16 @@ def _batches(loader):
 def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator:
     """The `Accelerator` of a run: [train]'s single-device options, [parallel]'s layout,
     [model]'s tensor-parallel plan (None: the model's built-in one)."""
+    from meshfit.accelerator.compat import DataLoaderConfiguration
+
     t, p = cfg.train, cfg.parallel
     return Accelerator(
+        # meshfit's own semantics where Accelerate's defaults differ: the schedule counts
+        # optimizer steps; each epoch shuffles from train.seed + epoch; --resume puts the
+        # loaders back where they stood.
+        step_scheduler_per_process=False,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed,
+                                                  use_stateful_dataloader=True),
         gradient_accumulation_steps=cfg.grad_accumulation(env.world_size),
         mixed_precision=t.mixed_precision, tf32=t.tf32,
         activation_checkpointing=t.activation_checkpointing,
