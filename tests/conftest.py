@@ -25,10 +25,38 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
                   "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 
 
-def _worker(fn, rank, world_size, port, args, queue):
+# Ranks are started by a fork server that has imported torch and meshfit once: a freshly
+# spawned interpreter spends ~3.5 s of CPU importing them (torch._dynamo among them), i.e.
+# ~4 s of wall time per 2-rank spawn and ~8 s per 4-rank one on 2 cores, dozens of times per
+# run of the suite. Each rank is still a new process forked from that clean server, which
+# never initialises a process group, runs an operator or starts a thread of its own; the
+# rank then takes the parent's current environment and fresh random seeds, as a spawned
+# interpreter would (`_worker`). Modules the server cannot import are left to the ranks.
+_PRELOAD = ["torch", "torch.distributed", "meshfit", "meshfit.accelerator", "conftest",
+            "reference",
+            # the Hugging Face models of reference.py: ~1.6 s more per rank that builds one
+            "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+            "transformers.models.qwen2.modeling_qwen2"]
+_context = None
+
+
+def _mp_context():
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _worker(fn, rank, world_size, port, args, queue, environ):
+    os.environ.clear()  # the parent's environment now, not the fork server's at its start
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), MESHFIT_CPU="1")  # gloo + CPU even beside GPUs
+    torch.seed()  # a random seed of its own, as a new interpreter has (forked: the server's)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     torch.set_num_threads(1)  # 2 cores: one thread per rank, as torchrun sets OMP_NUM_THREADS
     try:
         from meshfit.distributed import init
@@ -49,12 +77,14 @@ def _worker(fn, rank, world_size, port, args, queue):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on `world_size` spawned gloo ranks; returns each
-    rank's (picklable) result, in rank order. `fn` must be a module-level function."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(rank, world_size, *args)`` on `world_size` new gloo ranks (forked from a
+    fork server that has imported torch and meshfit); returns each rank's (picklable)
+    result, in rank order. `fn` must be a module-level function."""
+    ctx = _mp_context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue))
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, environ))
              for r in range(world_size)]
     for p in procs:
         p.start()
