@@ -60,6 +60,7 @@ def two_ranks():
         "fsdp-plugin": (_fsdp_plugin,),
         "scheduler-per-process": (_scheduler_steps, True),
         "scheduler-once": (_scheduler_steps, False),
+        "join-uneven": (_join_uneven,),
     }, 2)
 
 
@@ -468,3 +469,31 @@ def test_gather_and_clip_value_and_trigger_on_one_process():
     assert not acc.check_trigger()
     acc.set_trigger()
     assert acc.check_trigger() and not acc.check_trigger()
+
+
+def _join_uneven(rank, world):
+    from meshfit.utils import DataLoaderConfiguration
+
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False))
+    x, y = _data()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(x[:20], y[:20]), batch_size=3)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    batches = 0
+    with acc.join_uneven_inputs([model]):
+        for xb, yb in loader:
+            acc.backward(_loss(model, xb, yb))
+            opt.step()
+            opt.zero_grad()
+            batches += 1
+    return batches, _params(acc.unwrap_model(model))
+
+
+def test_uneven_batches_train_under_join(two_ranks):
+    # 20 samples in batches of 3 over 2 ranks, not padded: rank 0 gets 4 batches, rank 1 3;
+    # DDP's Join lets rank 0 take its last step alone, then the replicas agree again.
+    (n0, params0), (n1, params1) = case_result(two_ranks, "join-uneven")
+    assert (n0, n1) == (4, 3)
+    for a, b in zip(params0, params1):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

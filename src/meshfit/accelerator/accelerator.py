@@ -548,7 +548,9 @@ class Accelerator:
 
     @property
     def multi_device(self) -> bool:
-        return self.use_distributed and self.distributed_type != DistributedType.FSDP
+        """Distributed over several accelerators (not CPUs, not FSDP), as Accelerate's."""
+        return self.use_distributed and self.distributed_type not in (
+            DistributedType.FSDP, DistributedType.MULTI_CPU)
 
     @property
     def is_last_process(self) -> bool:
@@ -1256,10 +1258,11 @@ class Accelerator:
     def join_uneven_inputs(self, joinables, even_batches: bool | None = None):
         """Train or evaluate on data loaders whose ranks hold different numbers of batches
         (``even_batches=False``) with ``torch.distributed.algorithms.Join``; `even_batches`
-        overrides the prepared loaders' setting inside the block. DDP only."""
+        overrides the prepared loaders' setting inside the block. Under DDP, on GPUs and (unlike
+        Accelerate, where it does nothing there) on CPUs."""
         from torch.distributed.algorithms import Join
 
-        if not self.multi_device:
+        if not self.use_distributed or self.distributed_type == DistributedType.FSDP:
             if self.use_distributed:
                 warnings.warn("meshfit: join_uneven_inputs acts under DDP only; no effect here",
                               UserWarning, stacklevel=3)
