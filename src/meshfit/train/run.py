@@ -16,6 +16,7 @@ import torch
 
 from meshfit.accelerator import Accelerator
 from meshfit.train.config import RunConfig
+from meshfit.train.runfolder import append_line, atomic_write_text
 
 __all__ = ["Checkpoints", "Diverged", "MetricsWriter", "Preempted", "Stalled", "StopOnSignal",
            "Window", "collective_deadline"]
@@ -182,14 +183,17 @@ class Checkpoints:
 
 class MetricsWriter:
     """metrics.jsonl and config.toml in the run folder (main process only). Resuming after
-    step N keeps the lines of steps up to N and appends after them."""
+    step N keeps the lines of steps up to N and appends after them. config.toml and the
+    resumed metrics.jsonl are replaced atomically; each metrics line is appended whole or not
+    at all (a failed append is cut back off), and a failed write is one line
+    (`WriteFailed`) naming the file and the reason."""
 
     def __init__(self, out_dir: Path | None, cfg: RunConfig, *, after_step: int = 0):
         self.path = None
         if out_dir is None:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.toml").write_text(cfg.to_toml())
+        atomic_write_text(out_dir / "config.toml", cfg.to_toml())
         self.path = out_dir / "metrics.jsonl"
         kept = []
         if after_step and self.path.exists():
@@ -199,11 +203,10 @@ class MetricsWriter:
                         kept.append(line + "\n")
                 except json.JSONDecodeError:
                     continue  # a line cut short by the interruption
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(self.path)
+        atomic_write_text(self.path, "".join(kept))
 
     def write(self, record: dict) -> None:
         if self.path is not None:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
+            line = json.dumps({**record, "time": round(time.time(), 3)}) + "\n"
+            append_line(self.path, line.encode("utf-8"))
+

@@ -1,0 +1,290 @@
+"""The run folder (`meshfit train --out OUT`): checked before anything is written, locked
+while a run writes to it, and every file in it replaced atomically.
+
+    check_run_folder(out, resume=False, overwrite=False)   # one-line ValueError, no writes
+    with RunLock(out, overwrite=False):                    # OUT/.meshfit.lock, flock'ed
+        atomic_write_text(out / "config.toml", text)       # temp + fsync + rename
+
+The lock is ``fcntl.flock`` on ``OUT/.meshfit.lock``, which holds the PID of the process that
+took it. The kernel drops a flock when the process holding it ends, however it ends (kill -9
+included), so a lock left behind by a dead run is free again at once: the file's presence
+means nothing, only the flock does. The lock's descriptor is not inherited by child
+processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Self
+
+__all__ = ["LOCK_FILE", "RUN_MARKERS", "RUN_OUTPUTS", "RunLock", "WriteFailed",
+           "append_line", "atomic_write_bytes", "atomic_write_text", "check_run_folder",
+           "remove_run_outputs"]
+
+LOCK_FILE = ".meshfit.lock"
+RUN_MARKERS = ("metrics.jsonl", "config.toml", "checkpoints")
+"""Any of these in OUT means a run has written there."""
+RUN_OUTPUTS = ("metrics.jsonl", "config.toml", "checkpoints", "model", "adapter", "tracking",
+               "pipeline.json", "pipeline_timings.jsonl", "pipeline_chart.png", "metrics.png")
+"""What `meshfit train` (and `meshfit plot` / `meshfit pipeline-chart` by default) write into
+OUT; ``--overwrite`` removes these and the temporary files beside them, nothing else."""
+_TEMP_PREFIXES = tuple(f".{name}." for name in RUN_OUTPUTS)
+
+
+class WriteFailed(OSError, ValueError):
+    """A file of the run could not be written (full disk, file too large, read-only file
+    system, no permission): one line naming the path and the reason. An OSError with the
+    original errno, and a ValueError, so `meshfit` prints it as its one-line error."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its closest ancestor that exists (as anything: a file too)."""
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return candidate
+    return Path(path.anchor or ".")
+
+
+def _reason(err: OSError) -> str:
+    """An OSError's reason in words: "No space left on device (ENOSPC)"."""
+    name = errno.errorcode.get(err.errno or 0)
+    text = err.strerror or str(err)
+    return f"{text} ({name})" if name else text
+
+
+def check_run_folder(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse a run folder the run could not or should not write into, with a one-line
+    ValueError naming ``--out=...``, the problem and the fix. Writes nothing."""
+    out = Path(out)
+    flag = f"--out={str(out)!r}"
+    if resume and overwrite:
+        raise ValueError(f"{flag}: --resume continues the run there and --overwrite deletes it; "
+                         "give one of them")
+    absolute = Path(os.path.abspath(out))
+    existing = _nearest_existing(absolute)
+    if existing != absolute and not existing.is_dir():
+        raise ValueError(f"{flag}: {existing} is a file, not a folder, so no run folder can be "
+                         "made under it; give an --out whose parents are folders")
+    if existing == absolute and not absolute.is_dir():
+        raise ValueError(f"{flag} is a file, not a folder; give the path of a folder (new or "
+                         "a run's) as --out")
+    name_max = os.pathconf(existing, "PC_NAME_MAX")
+    for part in absolute.parts:
+        if len(os.fsencode(part)) > name_max:
+            raise ValueError(f"{flag}: the name {part[:40]!r}... is {len(os.fsencode(part))} "
+                             f"bytes, longer than the {name_max} this file system allows; "
+                             "give a shorter --out")
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+    if len(os.fsencode(str(absolute))) + 64 > path_max:  # room for checkpoints/step-N/...
+        raise ValueError(f"{flag} is {len(os.fsencode(str(absolute)))} bytes long; with the "
+                         f"files a run writes under it that exceeds the {path_max} this system "
+                         "allows; give a shorter --out")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise ValueError(f"{flag}: {existing} is on a read-only file system; give an --out on "
+                         "a writable one")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: {existing} is not writable by this user (permission "
+                         "denied); give an --out in a folder you can write to")
+    if existing != absolute:
+        return  # a new folder: nothing more to check
+    holder = _lock_holder(absolute)
+    if holder is not None:
+        raise ValueError(f"{flag}: a run (PID {holder}) is writing to this folder now (it holds "
+                         f"{absolute / LOCK_FILE}); wait for it to end, or give another --out")
+    found = [name for name in RUN_MARKERS if (absolute / name).exists()]
+    if found and not resume and not overwrite:
+        raise ValueError(f"{flag} already holds a run ({', '.join(found)}); continue it with "
+                         "--resume, start over with --overwrite, or give another --out; nothing "
+                         "was changed")
+
+
+def _read_pid(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    text = os.read(fd, 64).decode("ascii", "replace").strip()
+    return text if text.isdigit() else "unknown"
+
+
+def _lock_holder(folder: Path) -> str | None:
+    """The PID (as text) of the live process holding ``folder``'s run lock; None if free."""
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return None  # unreadable: RunLock will say why when it opens it
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_pid(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+class RunLock:
+    """Hold ``OUT/.meshfit.lock`` (creating OUT) while a run writes to OUT. A second run gets
+    a one-line ValueError naming the first one's PID. With `overwrite`, once locked, the
+    previous run's outputs (`RUN_OUTPUTS` and their temporary files) are removed; anything
+    else in OUT stays. Released on exit, exceptions included."""
+
+    def __init__(self, out: Path, *, overwrite: bool = False):
+        self.out, self.overwrite = Path(out), overwrite
+        self.path = self.out / LOCK_FILE
+        self.fd: int | None = None
+
+    def __enter__(self) -> Self:
+        flag = f"--out={str(self.out)!r}"
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise ValueError(f"{flag}: cannot create {self.path}: {_reason(err)}; give an --out "
+                             "you can write to") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _read_pid(fd)
+            os.close(fd)
+            raise ValueError(f"{flag}: a run (PID {pid}) is writing to this folder now (it "
+                             f"holds {self.path}); wait for it to end, or give another "
+                             "--out") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            if self.overwrite:
+                remove_run_outputs(self.out)
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def release(self) -> None:
+        """Drop the lock (the file stays: its presence means nothing without the flock)."""
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)  # closing the last descriptor releases the flock
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def remove_run_outputs(out: Path) -> list[str]:
+    """Remove a previous run's outputs from `out` (the names in `RUN_OUTPUTS`, and temporary
+    files named after them); returns the names removed, sorted."""
+    removed = []
+    for entry in os.scandir(out):
+        if entry.name not in RUN_OUTPUTS and not entry.name.startswith(_TEMP_PREFIXES):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+        removed.append(entry.name)
+    return sorted(removed)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux: /proc/self/status)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def _new_file_mode(path: Path) -> int:
+    """The mode `path` keeps when replaced: its own, or what open() would give a new file."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace `path` by `data` atomically: a temporary file in the same folder, written,
+    flushed and fsynced, renamed over `path`, then the folder fsynced. A reader sees the old
+    file or the new one, never part of one. The temporary file is removed on every exit path;
+    a failing write (a full disk, a file too large, a read-only file system, no permission)
+    raises `WriteFailed` (one line) naming `path` and the reason, and leaves the old file
+    intact."""
+    path = Path(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), _new_file_mode(path))  # mkstemp's is 0600
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        _fsync_dir(path.parent)
+    except OSError as err:
+        raise WriteFailed(err.errno, f"cannot write {path}: {_reason(err)}; the previous "
+                                     "file (if any) is unchanged") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def append_line(path: Path, data: bytes) -> None:
+    """Append `data` (one whole line) to `path`: on an O_APPEND descriptor, so it lands after
+    everything else; if the write fails part-way (a full disk, RLIMIT_FSIZE), the file is cut
+    back to its previous length, so the line is whole or absent, and `WriteFailed` names the
+    path and the reason. Meant for a file one process writes (the run folder is locked)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise WriteFailed(err.errno, f"cannot append to {path}: {_reason(err)}") from None
+    try:
+        before = os.fstat(fd).st_size
+        done = 0
+        try:
+            while done < len(data):  # a short write: the next one says why (or completes it)
+                done += os.write(fd, data[done:])
+        except OSError as err:
+            if done:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, before)
+            raise WriteFailed(err.errno, f"cannot append to {path}: {_reason(err)}; the lines "
+                                         "before this one are intact") from None
+        except BaseException:
+            if done < len(data):
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, before)
+            raise
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """`atomic_write_bytes` of `text` encoded as UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
