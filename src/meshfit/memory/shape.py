@@ -10,7 +10,9 @@ Parameter counts are exact (each tensor once, a tied head once); the block struc
 parts only the first and last pipeline stages hold and the share tensor parallel splits come
 from the model's own pipeline and tensor-parallel plans (`meshfit.models.plans`). For the
 reference GPT's mixture of experts, the active parameters per token and the routed experts'
-parameters (what expert parallelism splits, `expert_params`) come from its `GPTConfig`.
+parameters (what expert parallelism splits, `expert_params`) come from its `GPTConfig`; for
+a transformers mixture of experts (Mixtral, Qwen2-MoE) the active parameters come from its
+config's expert counts and its ``*Experts`` modules.
 """
 
 from __future__ import annotations
@@ -178,6 +180,8 @@ class ModelShape:
         if isinstance(model, GPT) and model.config.n_experts:
             active = model.config.num_active_params()  # top_k (+ shared) experts per token
             experts = _routed_experts(model.config)
+        else:  # transformers' MoE: active parameters only (meshfit's ep does not split them)
+            active = _hf_active_params(model, params)
         return cls(name=name, params=params, block_params=block, n_layer=len(blocks),
                    first_params=first, last_params=last, tied=tied, gated_mlp=gated,
                    dropout=dropout, tp_split=tp_split, divisible=divisible,
@@ -191,6 +195,31 @@ def _routed_experts(c) -> dict:
     block = c.n_experts * one
     return dict(n_experts=c.n_experts, expert_params=c.n_moe_layers * block,
                 block_expert_params=block)
+
+
+def _hf_active_params(model: nn.Module, params: int) -> int | None:
+    """Parameters used per token by a transformers mixture of experts (Mixtral, Qwen2-MoE,
+    ...: a config with ``num_experts_per_tok`` and ``num_local_experts`` or ``num_experts``,
+    whose routed experts are modules named ``*Experts`` holding [n_experts, ...] weights);
+    None for any other model. A token uses top_k of n_experts routed experts; shared
+    experts and routers are always active."""
+    config = getattr(model, "config", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    n_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts",
+                                                                       None)
+    if not isinstance(top_k, int) or not isinstance(n_experts, int) or n_experts <= 1:
+        return None
+    blocks = []
+    for module in model.modules():
+        if not type(module).__name__.endswith("Experts"):
+            continue
+        own = list(module.parameters(recurse=False))
+        if own and all(p.dim() >= 2 and p.shape[0] == n_experts for p in own):
+            blocks.append(sum(p.numel() for p in own))
+    if not blocks:
+        return None
+    routed = sum(blocks)
+    return params - routed + routed * min(top_k, n_experts) // n_experts
 
 
 def _children(container: nn.Module):

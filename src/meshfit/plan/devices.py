@@ -1,16 +1,20 @@
 """What the planner assumes of a machine when it has not measured it (`meshfit calibrate`
 replaces these figures with measured ones).
 
-Peak dense matmul throughput from the vendors' data sheets (SXM parts; no sparsity): the
-planner takes `efficiency` of it as achievable. Link figures are NCCL bus bandwidths of the
+Peak dense matmul throughput from the vendors' data sheets (no sparsity: half the
+sheets' "with sparsity" figures): the planner takes `efficiency` of it as achievable.
+`device_for_name` picks the entry of a CUDA device from its name (PCIe and NVL parts of
+the H100/H200 have lower clocks and their own entries). Link figures are NCCL bus bandwidths of the
 order nccl-tests reports for such machines, per GPU; latency per collective call.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["DEVICES", "INTERCONNECTS", "NETWORKS", "Device", "Link", "parse_bytes"]
+__all__ = ["DEVICES", "INTERCONNECTS", "NETWORKS", "Device", "Link", "device_for_name",
+           "parse_bytes"]
 
 GiB = 2**30
 
@@ -26,6 +30,16 @@ class Device:
     """Share of the peak a transformer's matmuls reach in practice (MFU-style)."""
     host_link: float = 25e9
     """Bytes/s between host and device memory (CPU offload traffic)."""
+    fp32_ieee: float | None = None
+    """Peak FLOP/s of fp32 matrix products without tensor cores (TF32 off, PyTorch's
+    default for matmuls); None where `flops["fp32"]` already is that figure."""
+
+    def matmul_peak(self, dtype: str, *, tf32: bool = True) -> float:
+        """Peak dense FLOP/s of matrix products in `dtype` ("fp32", "bf16", "fp16"); for
+        fp32, TF32 tensor cores when `tf32`, plain fp32 units otherwise."""
+        if dtype == "fp32" and not tf32 and self.fp32_ieee is not None:
+            return self.fp32_ieee
+        return self.flops[dtype]
 
 
 @dataclass(frozen=True)
@@ -37,15 +51,42 @@ class Link:
 
 
 DEVICES = {
-    "h100": Device("h100", 80 * GiB, {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12}),
-    "h200": Device("h200", 141 * GiB, {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12}),
-    "a100": Device("a100", 80 * GiB, {"fp32": 156e12, "bf16": 312e12, "fp16": 312e12}),
+    # name: memory, {fp32 (TF32 tensor cores), bf16, fp16} dense, fp32 without tensor cores
+    "h100": Device("h100", 80 * GiB, {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12},
+                   fp32_ieee=67e12),
+    "h100-pcie": Device("h100-pcie", 80 * GiB,
+                        {"fp32": 378e12, "bf16": 756e12, "fp16": 756e12}, fp32_ieee=51e12),
+    "h100-nvl": Device("h100-nvl", 94 * GiB,
+                       {"fp32": 417e12, "bf16": 835e12, "fp16": 835e12}, fp32_ieee=60e12),
+    "h200": Device("h200", 141 * GiB, {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12},
+                   fp32_ieee=67e12),
+    "h200-nvl": Device("h200-nvl", 141 * GiB,
+                       {"fp32": 417e12, "bf16": 835e12, "fp16": 835e12}, fp32_ieee=60e12),
+    "a100": Device("a100", 80 * GiB, {"fp32": 156e12, "bf16": 312e12, "fp16": 312e12},
+                   fp32_ieee=19.5e12),
     "v100": Device("v100", 32 * GiB, {"fp32": 15.7e12, "bf16": 15.7e12, "fp16": 125e12}),
-    "l4": Device("l4", 24 * GiB, {"fp32": 60e12, "bf16": 121e12, "fp16": 121e12}),
+    "l4": Device("l4", 24 * GiB, {"fp32": 60e12, "bf16": 121e12, "fp16": 121e12},
+                 fp32_ieee=30.3e12),
     "t4": Device("t4", 16 * GiB, {"fp32": 8.1e12, "bf16": 8.1e12, "fp16": 65e12}),
     "cpu": Device("cpu", 16 * GiB, {"fp32": 5e10, "bf16": 1e10, "fp16": 1e10},
                   efficiency=0.5, host_link=1e12),
 }
+
+
+def device_for_name(name: str) -> tuple[str, Device] | None:
+    """The `DEVICES` entry of a CUDA device called `name` (``torch.cuda.get_device_name``,
+    e.g. "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"); None for an
+    unknown device."""
+    words = re.split(r"[^a-z0-9]+", name.lower())
+    for family in ("h100", "h200", "a100", "v100", "l4", "t4"):
+        if not any(w == family or (len(family) > 2 and w.startswith(family)) for w in words):
+            continue
+        for variant in ("pcie", "nvl"):
+            if variant in words and f"{family}-{variant}" in DEVICES:
+                return f"{family}-{variant}", DEVICES[f"{family}-{variant}"]
+        return family, DEVICES[family]
+    return None
+
 
 INTERCONNECTS = {  # inside a node
     "nvlink": Link(bandwidth=360e9, latency=10e-6),

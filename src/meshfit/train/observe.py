@@ -43,9 +43,12 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float | None:
         return None
 
 
-def device_peak_flops(device: torch.device, mixed_precision: str,
-                      calibration: str = "") -> tuple[float | None, str]:
-    """(peak FLOP/s of one device for the training dtype, where the figure comes from)."""
+def device_peak_flops(device: torch.device, mixed_precision: str, calibration: str = "",
+                      *, tf32: bool = False) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device for the training dtype, where the figure comes from).
+
+    fp32 training (mixed_precision "no") counts TF32 tensor cores only when `tf32` is on;
+    a calibration file's measured matmul figure wins over the data sheet."""
     dtype = mixed_precision if mixed_precision in ("bf16", "fp16") else "fp32"
     if calibration:
         from meshfit.plan.calibrate import load_calibration
@@ -53,12 +56,13 @@ def device_peak_flops(device: torch.device, mixed_precision: str,
         flops = load_calibration(calibration).matmul_flops.get(dtype)
         return (flops, f"measured {dtype} matmul in {calibration}") if flops else (None, "")
     if device.type == "cuda":
-        from meshfit.plan.devices import DEVICES
+        from meshfit.plan.devices import device_for_name
 
-        name = torch.cuda.get_device_name(device).lower()
-        for key, spec in DEVICES.items():
-            if key != "cpu" and key in name.replace(" ", ""):
-                return spec.flops[dtype], f"{key} data sheet, {dtype} dense"
+        found = device_for_name(torch.cuda.get_device_name(device))
+        if found is not None:
+            key, spec = found
+            kind = "tf32" if dtype == "fp32" and tf32 else dtype
+            return spec.matmul_peak(dtype, tf32=tf32), f"{key} data sheet, {kind} dense"
     return None, ""
 
 
@@ -100,8 +104,8 @@ class RunReporter:
         self.acc, self.total = acc, total_steps
         self.world = acc.num_processes
         self.fpt = model_flops_per_token(model, cfg.train.seq_len)
-        self.peak, self.peak_source = device_peak_flops(acc.device, cfg.train.mixed_precision,
-                                                        cfg.log.calibration)
+        self.peak, self.peak_source = device_peak_flops(
+            acc.device, cfg.train.mixed_precision, cfg.log.calibration, tf32=cfg.train.tf32)
         self.main = acc.is_main_process
         self.trackers = []
         if self.main and cfg.log.with_ and out_dir is not None:
