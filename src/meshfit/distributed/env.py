@@ -75,6 +75,8 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, *,
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        _check_launch_variables(world_size, rank, local_rank, local_world_size)
     cuda = torch.cuda.is_available() and not cpu_requested(cpu)
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ValueError(f"backend={backend!r} is not supported; use 'nccl' (GPUs) or 'gloo' (CPU)")
@@ -94,20 +96,55 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, *,
         return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device,
                        backend=None)
     chosen = backend or ("nccl" if cuda else "gloo")
-    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    # torchrun's agent counts its own restarts; `meshfit launch` restarts single-node jobs
+    # with a new agent each time and counts them in MESHFIT_RESTART_COUNT.
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0) + _env_int("MESHFIT_RESTART_COUNT", 0)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(
-            backend=chosen, timeout=timeout,
-            # device_id binds NCCL's communicator eagerly to this rank's GPU.
-            device_id=device if device.type == "cuda" else None,
-            **_attempt_store(rank, world_size, restart, timeout))
+        try:
+            dist.init_process_group(
+                backend=chosen, timeout=timeout,
+                # device_id binds NCCL's communicator eagerly to this rank's GPU.
+                device_id=device if device.type == "cuda" else None,
+                **_attempt_store(rank, world_size, restart, timeout))
+        except dist.DistStoreError as err:  # a rank never arrived: bounded by timeout_s
+            raise TimeoutError(
+                f"rank {rank}: the {world_size} ranks did not all join the process group "
+                f"within timeout_s={timeout_s:g} s ({str(err).splitlines()[0]}); another rank "
+                "failed or is stuck before joining (see its error), or start-up really takes "
+                "longer: raise timeout_s ([train] timeout_s)") from None
     else:
         chosen = dist.get_backend()
         world_size, rank = dist.get_world_size(), dist.get_rank()
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank,
                    local_world_size=local_world_size, device=device, backend=chosen,
                    restart=restart)
+
+
+def _check_launch_variables(world_size: int, rank: int, local_rank: int,
+                            local_world_size: int) -> None:
+    """One-line ValueError for a launcher environment that cannot describe a job (left over
+    from another job, or set by hand), before any wait on other ranks."""
+    fix = ("unset them, or start the processes with `meshfit launch` or torchrun, which set "
+           "them consistently")
+    if world_size < 1:
+        raise ValueError(f"WORLD_SIZE={world_size} must be >= 1; {fix}")
+    if "RANK" not in os.environ:
+        raise ValueError(f"WORLD_SIZE={world_size} is set but RANK is not; {fix}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is not in 0..{world_size - 1} (WORLD_SIZE={world_size}); "
+                         f"{fix}")
+    if not 1 <= local_world_size <= world_size or not 0 <= local_rank < local_world_size:
+        raise ValueError(f"LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world_size} do not fit "
+                         f"WORLD_SIZE={world_size} (0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= "
+                         f"WORLD_SIZE); {fix}")
+    missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n)]
+    if world_size > 1 and missing:
+        raise ValueError(f"WORLD_SIZE={world_size} needs {' and '.join(missing)} (the address "
+                         f"of rank 0's store); {fix}")
+    port = _env_int("MASTER_PORT", 1)
+    if not 0 < port < 65536:
+        raise ValueError(f"MASTER_PORT={port} must be in 1..65535; {fix}")
 
 
 def _attempt_store(rank: int, world_size: int, restart: int,

@@ -14,6 +14,7 @@ are one line naming the option, the value and the fix.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ def cmd_launch(argv: list[str]) -> int:
     if not ns.module and not Path(ns.script).is_file():
         raise ValueError(f"script={ns.script!r} is not a file; give the path of a Python "
                          "script (or use -m for a module)")
+    launch.master_port_in_use(cfg)
     _say("launch", notes)
     return launch.run(cfg, [ns.script, *ns.script_args], module=ns.module, env=env)
 
@@ -84,11 +86,28 @@ def _resumed_config(ns, overrides: list[str]):
     return load_config(saved, overrides, allowed=("parallel", "checkpoint"))
 
 
-def cmd_train(argv: list[str]) -> int:
-    from meshfit.train.config import load_config
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+"""torchrun's variables that make a process one rank of a job: `meshfit train` starts its
+own ranks, so finding them set (left over from a job, or `meshfit train` itself started under
+torchrun) is refused rather than joining a job that does not exist."""
 
+
+def _refuse_inherited_ranks() -> None:
+    found = [f"{n}={os.environ[n]}" for n in RANK_VARIABLES if n in os.environ]
+    if found:
+        raise ValueError(f"{', '.join(found)} set in the environment: meshfit train starts its "
+                         "own processes (--nproc) and gives each its rank; unset "
+                         f"{' '.join(n.split('=')[0] for n in found)} (or run your own script "
+                         "under meshfit launch / torchrun)")
+
+
+def cmd_train(argv: list[str]) -> int:
     ns, rest = _train_parser().parse_known_args(argv)
     overrides = _collect_overrides(rest)
+    if not ns.worker:
+        _refuse_inherited_ranks()
+    from meshfit.train.config import load_config  # imports torch: after the arguments
+
     if ns.resume and not ns.worker:
         cfg = _resumed_config(ns, overrides)
     else:
@@ -106,10 +125,15 @@ def cmd_train(argv: list[str]) -> int:
         except Preempted as stopped:
             return _stopped(stopped)
         except Diverged as err:  # every rank knows; the main one says it
+            _record_error(err)
             return _stopped(err, code=1)
         except Stalled as err:  # only the ranks that waited know: each says it
+            _record_error(err)
             print(f"meshfit train: error: {err}", file=sys.stderr, flush=True)
             return 1
+        except (ValueError, TimeoutError) as err:  # one line, in the launcher's summary too
+            _record_error(err)
+            raise
         from meshfit.distributed import init
 
         import torch.distributed as dist
@@ -117,6 +141,7 @@ def cmd_train(argv: list[str]) -> int:
             dist.destroy_process_group()
         return 0
     launch_cfg, env, notes = launch.config_from_args(ns)
+    launch.master_port_in_use(launch_cfg)
     world_size = launch_cfg.nproc * launch_cfg.nnodes
     cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
     from meshfit.train.trainer import preflight
@@ -145,7 +170,24 @@ def cmd_train(argv: list[str]) -> int:
     resolved.write_text(cfg.to_toml())
     return launch.run(launch_cfg, ["meshfit.train.cli", "train", "--worker", "--config",
                                    str(resolved), "--out", str(out),
-                                   *(["--resume"] if ns.resume else [])], module=True, env=env)
+                                   *(["--resume"] if ns.resume else [])], module=True, env=env,
+                      prog="meshfit train")
+
+
+def _record_error(err: BaseException) -> None:
+    """A worker's one-line error in torch's error file (TORCHELASTIC_ERROR_FILE), where the
+    launcher's failure summary reads it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+
+    try:
+        Path(path).write_text(json.dumps({"message": str(err).splitlines()[0] if str(err)
+                                          else type(err).__name__,
+                                          "timestamp": int(time.time())}))
+    except OSError:
+        pass  # the summary then gives the exit code alone
 
 
 def _stopped(stopped, code: int | None = None) -> int:
@@ -346,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"meshfit {argv[0]}: error: {err}", file=sys.stderr)
         return 2
+    except TimeoutError as err:  # a bounded wait ran out (e.g. ranks that never joined)
+        print(f"meshfit {argv[0]}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

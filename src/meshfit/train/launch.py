@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import ipaddress
 import os
 import socket
@@ -193,9 +194,143 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def master_port_in_use(cfg: LaunchConfig) -> None:
+    """One-line ValueError when node 0's rendezvous port is already taken, before anything
+    starts (the store's bind would otherwise fail inside the agent, or a restart would wait
+    on someone else's listener). Other nodes connect to node 0 and bind nothing."""
+    if cfg.master_port is None or cfg.node_rank != 0:
+        return
+    host = cfg.master_addr if _is_loopback(cfg.master_addr) or cfg.nnodes == 1 else ""
+    try:
+        addr = socket.gethostbyname(host) if host else ""
+    except OSError:
+        raise ValueError(f"--master-addr={cfg.master_addr!r} does not resolve to an address; "
+                         "give a host name or IP address of node 0") from None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds
+        try:
+            s.bind((addr, cfg.master_port))
+        except OSError as err:
+            where = f"{cfg.master_addr}:{cfg.master_port}" if host else \
+                f"port {cfg.master_port}"
+            raise ValueError(f"--master-port={cfg.master_port}: {where} is not free "
+                             f"({err.strerror}); give another port, or leave --master-port out "
+                             "for a free one (single node)") from None
+
+
+LAUNCHER_PID_ENV = "MESHFIT_LAUNCHER_PID"
+RESTART_ENV = "MESHFIT_RESTART_COUNT"
+"""The attempt of a single-node job that meshfit restarted itself (0 on the first); read by
+`meshfit.distributed.init` with torchrun's own TORCHELASTIC_RESTART_COUNT."""
+
+
+def _enter_worker(argv: list[str]) -> None:
+    """``python -m meshfit.train.launch ARGS``: how the agent starts each worker. Asks Linux to
+    SIGKILL this process when the launcher dies (PR_SET_PDEATHSIG; kept across exec), checks
+    that the launcher was not already gone before that took effect, then replaces itself with
+    ``python -u ARGS``, the command torchrun would have run: same PID, same environment."""
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    if launcher.isdigit() and os.getppid() != int(launcher):
+        sys.exit(f"meshfit launch: the launcher (PID {launcher}) ended before this worker "
+                 "started; not running it")
+    os.execv(sys.executable, [sys.executable, "-u", *argv])
+
+
+@contextlib.contextmanager
+def _first_failures():
+    """PIDs of the workers that had failed when the agent began stopping the rest: the agent
+    terminates the others (exit code -15) and reports them as failed too, with timestamps
+    of one-second resolution."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    real = api.SubprocessContext._close
+    first: set[int] = set()
+
+    def _close(self, death_sig, timeout: int = 30):
+        if not getattr(self, "_meshfit_closing", False):
+            self._meshfit_closing = True
+            first.update(f.pid for f in self._failures.values())
+        return real(self, death_sig, timeout)
+
+    api.SubprocessContext._close = _close
+    try:
+        yield first
+    finally:
+        api.SubprocessContext._close = real
+
+
+class _AgentNoise:
+    """A logging filter for torch's elastic agent: keeps its errors, drops its per-worker
+    warnings and its "failed (exitcode ...)" line, which meshfit's summary replaces."""
+
+    def filter(self, record) -> bool:
+        return record.levelno >= 40 and not str(record.msg).startswith("failed (exitcode")
+
+
+@contextlib.contextmanager
+def _quiet_agent():
+    import logging
+
+    if os.environ.get("LOGLEVEL"):  # asked for torch's own logs: leave them
+        yield
+        return
+    quiet = _AgentNoise()
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic")]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
+def _error_tail(failure, lines: int = 3) -> str:
+    """The last lines of a failed worker's error, from torch's error file (scripts decorated
+    with torch's ``@record``, and `meshfit train`'s workers), joined into one line."""
+    message = failure.message
+    if isinstance(message, dict):
+        text = message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
+    else:
+        text = str(message or "")
+    if not text or text.startswith(("To enable traceback", "Signal ")):
+        return ""
+    kept = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    return " | ".join(kept)
+
+
+def failure_summary(failures: dict, first: set[int]) -> str:
+    """One line: how many workers failed, which rank failed first (not one the agent stopped
+    afterwards), its exit code and the end of its error."""
+    if not failures:
+        return "the workers failed"
+    early = {r: f for r, f in failures.items() if f.pid in first} or failures
+    rank = min(early, key=lambda r: (early[r].timestamp, r))
+    f = early[rank]
+    code = str(f.exitcode)
+    if f.exitcode < 0:
+        code += f" ({f.signal_name()})"
+    tail = _error_tail(f)
+    return (f"{len(failures)} worker(s) failed; first: rank {rank} exit code {code}"
+            + (f": {tail}" if tail else ""))
+
+
 def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
-        env: dict[str, str] | None = None) -> int:
-    """Start the job through torch.distributed.run and wait; returns the exit code."""
+        env: dict[str, str] | None = None, prog: str = "meshfit launch") -> int:
+    """Start the job through torch.distributed.run and wait; returns the exit code.
+
+    Each worker runs through `_enter_worker`, so it dies with this process. A single-node
+    job with --max-restarts is restarted by meshfit: after a failure the whole group is
+    started again by a new agent on a fresh loopback port, so no key, address or listener
+    of the failed attempt is seen by the next one (torch 2.13's in-agent restart reuses the
+    store, and measured 0 of 3 recoveries of a gloo script after ``kill -9`` of a worker).
+    Multi-node jobs keep torchrun's own restarts (c10d rendezvous)."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -204,30 +339,53 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     # torchrun sets one thread per worker (with a warning) when this is unset; share the
     # node's cores among the workers instead, which is the same on small machines.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // cfg.nproc)))
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    target = [__name__, *(["-m"] if module else []), *script]
     parser = torchrun.get_args_parser()
-    args = torchrun_args(cfg, script, module=module)
     if cfg.nnodes > 1:  # reachable from other machines by design: say where
+        args = torchrun_args(cfg, target, module=True)
         port = next(a.split("=", 1)[1] for a in args
                     if a.startswith(("--master-port=", "--rdzv-endpoint=")))
         where = port if ":" in port else f"{cfg.master_addr}:{port}"
         listens = "on loopback only" if _is_loopback(cfg.master_addr) else \
             "on every interface"
-        print(f"meshfit launch: node {cfg.node_rank} of {cfg.nnodes}; the rendezvous store "
+        print(f"{prog}: node {cfg.node_rank} of {cfg.nnodes}; the rendezvous store "
               f"is on {where} (node 0 listens there {listens})", file=sys.stderr)
+    ours = cfg.nnodes == 1 and cfg.max_restarts > 0
+    attempts = cfg.max_restarts + 1 if ours else 1
     try:
-        with loopback_stores():
-            torchrun.run(parser.parse_args(args))
+        with loopback_stores(), _quiet_agent(), _first_failures() as first:
+            for attempt in range(attempts):
+                if ours:
+                    os.environ[RESTART_ENV] = str(attempt)
+                    once = dataclasses.replace(
+                        cfg, max_restarts=0, master_port=cfg.master_port if attempt == 0
+                        else None)
+                    args = torchrun_args(once, target, module=True)
+                else:
+                    args = torchrun_args(cfg, target, module=True)
+                try:
+                    torchrun.run(parser.parse_args(args))
+                    return 0
+                except ChildFailedError as err:
+                    summary = failure_summary(err.failures, first)
+                    first.clear()
+                    if attempt + 1 == attempts:
+                        print(f"{prog}: {summary}", file=sys.stderr, flush=True)
+                        return 1
+                    print(f"{prog}: {summary}; restarting the group ({attempt + 1} of "
+                          f"{cfg.max_restarts}) on a fresh port", file=sys.stderr, flush=True)
     except SignalException as err:  # the agent passed the signal on to the workers
+        import signal
+
+        name = signal.Signals(err.sigval).name
+        print(f"{prog}: stopped by {name}; the workers were ended", file=sys.stderr,
+              flush=True)
         return 128 + int(err.sigval)
-    except ChildFailedError as err:
-        failures = err.failures  # global rank -> ProcessFailure
-        detail = ""
-        if failures:
-            rank = min(failures)
-            detail = f"; first: rank {rank} exit code {failures[rank].exitcode}"
-        print(f"meshfit launch: {len(failures)} worker(s) failed{detail}", file=sys.stderr)
-        return 1
-    return 0
+    finally:
+        for name in (LAUNCHER_PID_ENV, RESTART_ENV):
+            os.environ.pop(name, None)
+    return 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -609,3 +767,7 @@ def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] | None =
         step = " step" if slurm.in_step else " (batch script, no srun step)"
         notes.append(f"SLURM job {slurm.job_id}{step}: " + ", ".join(derived))
     return cfg, env, notes
+
+
+if __name__ == "__main__":  # a worker's entry: see `_enter_worker`
+    _enter_worker(sys.argv[1:])
