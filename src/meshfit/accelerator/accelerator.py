@@ -60,7 +60,8 @@ def _sort_handlers(handlers) -> dict[type, KwargsHandler]:
     for handler in handlers or ():
         kind = next((k for k in _HANDLERS if isinstance(handler, k)), None)
         if kind is None:
-            raise ValueError(f"kwargs_handlers: {type(handler).__name__} is not available; use "
+            raise ValueError(f"kwargs_handlers: {handler!r} ({type(handler).__name__}) is not "
+                             "available; use "
                              f"{', '.join(k.__name__ for k in _HANDLERS)}")
         if kind in out:
             raise ValueError(f"You can only pass one {kind} in `kwargs_handlers`.")
@@ -316,6 +317,17 @@ class Accelerator:
                                  "job out with parallel=ParallelDims(...) and zero_stage=, or "
                                  "fsdp_plugin=FullyShardedDataParallelPlugin(...); compile with "
                                  "dynamo_backend= or compile=True")
+        if not isinstance(device_placement, bool):
+            raise ValueError(f"device_placement={device_placement!r} must be True or False")
+        if cpu is not None and not isinstance(cpu, bool):
+            raise ValueError(f"cpu={cpu!r} must be True, False or None (the environment's "
+                             "MESHFIT_CPU)")
+        if ddp_kwargs is not None and not isinstance(ddp_kwargs, dict):
+            raise ValueError(f"ddp_kwargs={ddp_kwargs!r} must be a dict of DistributedDataParallel "
+                             "arguments, e.g. {'find_unused_parameters': True}")
+        if project_dir is not None and not isinstance(project_dir, (str, os.PathLike)):
+            raise ValueError(f"project_dir={project_dir!r} must be a path (str or os.PathLike) "
+                             "or None")
         if split_batches is not _UNSET:
             warnings.warn("meshfit: Accelerator(split_batches=...) is ignored, as by Accelerate "
                           "1.15; pass dataloader_config=DataLoaderConfiguration("

@@ -170,10 +170,16 @@ class ModelConfig:
 
         if not given:  # the GPTConfig's own checks (top_k <= n_experts, ...), named here
             try:
-                GPTConfig.preset(self.preset, **{n: getattr(self, n) for n in _MOE_FIELDS
-                                                 if getattr(self, n) is not None})
+                gpt = GPTConfig.preset(self.preset, **{n: getattr(self, n) for n in _MOE_FIELDS
+                                                       if getattr(self, n) is not None})
             except (ValueError, TypeError) as err:
                 raise ValueError(str(err).replace("GPTConfig.", "model.")) from None
+            routed = [n for n in _MOE_FIELDS if n != "n_experts" and getattr(self, n) is not None]
+            if routed and not gpt.n_experts:
+                raise ValueError(f"model.{routed[0]}={getattr(self, routed[0])!r} configures "
+                                 f"mixture-of-experts blocks, but model.preset={self.preset!r} "
+                                 "has none (n_experts=0); set model.n_experts or use the "
+                                 "moe-tiny preset")
 
     @property
     def source(self) -> str:
@@ -362,6 +368,16 @@ class DataConfig:
         _positive("data", "prefetch_factor", self.prefetch_factor)
         for name in ("persistent_workers", "pin_memory"):
             _bool("data", name, getattr(self, name))
+        for name in ("path", "cache_dir"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"data.{name}={getattr(self, name)!r} must be a path (a string)")
+        if self.cache_dir:
+            cache = Path(self.cache_dir).expanduser()
+            above = next((p for p in (cache, *cache.parents) if p.exists()), None)
+            if above is not None and not above.is_dir():
+                raise ValueError(f"data.cache_dir={self.cache_dir!r}: {above} is a file, not a "
+                                 "folder; give a folder for the token caches (it is created "
+                                 "if missing)")
         if self.path and not Path(self.path).expanduser().exists():
             raise ValueError(f"data.path={self.path!r} does not exist; give a text file or a "
                              "folder of text files, or leave it empty for the built-in corpus")
@@ -483,6 +499,9 @@ class LogConfig:
         resolve_names(self.with_, field="log.with")
         if not isinstance(self.project, str) or not self.project:
             raise ValueError(f"log.project={self.project!r} must be a non-empty name")
+        if not isinstance(self.calibration, str):
+            raise ValueError(f"log.calibration={self.calibration!r} must be the path of a "
+                             "`meshfit calibrate` file (a string)")
         if self.calibration:
             from meshfit.plan.calibrate import load_calibration
 
@@ -665,7 +684,8 @@ def build_config(data: dict[str, Any]) -> RunConfig:
     for name, factory in _SECTIONS.items():
         values = data.get(name, {})
         if not isinstance(values, dict):
-            raise ValueError(f"config section [{name}] must be a table of keys")
+            raise ValueError(f"config section [{name}] must be a table of keys, not "
+                             f"{name} = {values!r}; write [{name}] followed by key = value lines")
         cls = type(factory())
         known = {_toml_name(f): f.name for f in fields(cls) if f.init}
         unknown = sorted(set(values) - set(known))
@@ -684,20 +704,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *,
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"--config={str(path)!r} is not a file; give a TOML file")
-        with path.open("rb") as fh:
-            try:
-                data = tomllib.load(fh)
-            except tomllib.TOMLDecodeError as err:
-                raise ValueError(f"--config={str(path)!r} is not valid TOML: {err}") from None
+            what = "is a folder" if path.is_dir() else "does not exist"
+            raise ValueError(f"--config={str(path)!r} {what}; give a TOML file")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as err:
+            raise ValueError(f"--config={str(path)!r} cannot be read ({err.strerror or err}); "
+                             "give a readable TOML file") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--config={str(path)!r} is not UTF-8 text (byte {err.start}); "
+                             "give a TOML file") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            reason = " ".join(str(err).split())  # one line, with its line and column
+            raise ValueError(f"--config={str(path)!r} is not valid TOML: {reason}") from None
     for item in overrides:
         key, sep, value = item.removeprefix("--").partition("=")
         section, dot, name = key.partition(".")
-        if not sep or not dot or not name:
+        if not sep or not dot or not section or not name:
             raise ValueError(f"override {item!r} must look like --section.key=value, "
                              "e.g. --train.steps=100")
         if allowed is not None and section not in allowed:
             raise ValueError(f"override {item!r}: a resumed run keeps its saved config except "
                              f"[{'], ['.join(allowed)}]; start a new run to change {key}")
-        data.setdefault(section, {})[name] = _parse_value(value)
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"override {item!r}: {section} = {table!r} in the config is a value, "
+                             f"not a [{section}] table of keys; write [{section}] followed by "
+                             "key = value lines")
+        table[name] = _parse_value(value)
     return build_config(data)

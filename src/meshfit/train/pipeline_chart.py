@@ -64,12 +64,15 @@ def write_run(out_dir, meta: dict, timings: Sequence[dict]) -> None:
 
 
 def _atomic_write(path: Path, text: str | bytes) -> None:
+    """`text` into `path` through a temporary file beside it, flushed to disk (fsync) before
+    the rename; the temporary file is removed on every exit path."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    data = text if isinstance(text, bytes) else text.encode("utf-8")
     try:
-        if isinstance(text, bytes):
-            tmp.write_bytes(text)
-        else:
-            tmp.write_text(text)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -96,8 +99,13 @@ def read_run(run_dir) -> tuple[dict, list[dict]]:
     if not timings_path.is_file():
         raise ValueError(f"{timings_path} not found beside {META_FILE}; rerun the training to "
                          "record the timings")
+    try:
+        lines = timings_path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{timings_path} is not UTF-8 text (byte {err.start}); rerun the "
+                         "training or restore the file") from None
     timings = []
-    for n, line in enumerate(timings_path.read_text().splitlines(), start=1):
+    for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -246,13 +254,33 @@ def draw(run_dir, out_png=None, step: int | None = None) -> tuple[Path, dict]:
         raise ValueError(f"step={step} is not in {Path(run_dir) / TIMINGS_FILE}; recorded "
                          f"steps: {', '.join(map(str, steps))}")
     summary["step"] = step
-    fig = _figure(_figure_class(), meta, [t for t in timings if t["step"] == step], summary)
     out = Path(out_png) if out_png is not None else Path(run_dir) / CHART_FILE
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _check_out(out)
+    fig = _figure(_figure_class(), meta, [t for t in timings if t["step"] == step], summary)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out={str(out)!r}: cannot create its folder ({err.strerror or err}); "
+                         "give a writable path") from None
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=_DPI)
-    _atomic_write(out, buf.getvalue())
+    try:
+        _atomic_write(out, buf.getvalue())
+    except OSError as err:
+        raise ValueError(f"--out={str(out)!r}: cannot write the chart ({err.strerror or err}); "
+                         "give a writable path") from None
     return out, summary
+
+
+def _check_out(out: Path) -> None:
+    """One-line ValueError, before drawing, for a chart path that cannot be a file."""
+    if out.is_dir():
+        raise ValueError(f"--out={str(out)!r} is a folder; give the chart's file name, e.g. "
+                         f"{out / CHART_FILE}")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(f"--out={str(out)!r}: {above} is a file, not a folder; give a path in "
+                         "a folder")
 
 
 def _figure(Figure, meta: dict, entries: list[dict], summary: dict):

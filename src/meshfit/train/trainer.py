@@ -76,10 +76,65 @@ def preflight(cfg: RunConfig, world_size: int | None = None,
 
         optim.build("adamw_8bit", [torch.nn.Parameter(torch.zeros(1, device=device))], lr=1e-3)
     warnings = list(cfg.layout(world_size, local_world_size).warnings) if world_size else []
+    if world_size:
+        check_data(cfg, world_size)
     if (precision.dtype is None and not cfg.train.tf32) or shape is None:
         return warnings
     return warnings + shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
                                    d_model=shape[0], d_ff=shape[1], vocab_size=shape[2])
+
+
+def _data_source(cfg: RunConfig) -> str:
+    """The [data] key that names the run's text, as an error message spells it."""
+    d = cfg.data
+    if d.hf_dataset:
+        return f"data.hf_dataset={d.hf_dataset!r}"
+    if d.path:
+        return f"data.path={d.path!r}"
+    return "the built-in corpus (data.path unset)"
+
+
+def check_data(cfg: RunConfig, world_size: int) -> None:
+    """Before launch: the run's token splits can be read (the cache is built here if missing,
+    and the workers reuse it) and hold one global batch of training windows and the
+    validation windows the evaluation needs; one-line ValueError otherwise. A training split
+    smaller than one batch per data-parallel rank would give every epoch zero batches."""
+    t = cfg.train
+    source = _data_source(cfg)
+    try:
+        splits = cfg.load_tokens()
+    except OSError as err:
+        where = err.filename or source
+        cache = cfg.data.cache_dir or "~/.cache/meshfit/tokens"
+        field = (f"data.cache_dir={cache!r}" if str(where).startswith(
+            str(Path(cache).expanduser())) else source)
+        raise ValueError(f"{field}: cannot use {where} ({err.strerror or err}); make it "
+                         "readable (and the cache folder writable) or point the setting "
+                         "elsewhere") from None
+    dims = cfg.parallel.dims().resolve(world_size)
+    chunks = cfg.microbatches(world_size)
+    rows = t.micro_batch_size * chunks  # sequences per loader batch on one rank
+    accum = cfg.grad_accumulation(world_size)
+    n_train, n_val = int(splits.train.shape[0]), int(splits.val.shape[0])
+    windows = max(0, n_train - 1) // t.seq_len
+    if windows < t.global_batch_size:
+        raise ValueError(
+            f"{source} gives {windows} training windows of train.seq_len={t.seq_len} tokens "
+            f"({n_train} tokens), fewer than one global batch needs: "
+            f"train.global_batch_size={t.global_batch_size} (train.micro_batch_size="
+            f"{t.micro_batch_size} x {chunks} micro-batch(es) x {dims.dp} data-parallel "
+            f"rank(s) x {accum} accumulation); lower train.global_batch_size or train.seq_len, "
+            "or give more data")
+    val_windows = max(0, n_val - 1) // t.seq_len
+    need_val = rows * dims.dp if dims.pp > 1 else 1
+    if val_windows < need_val:
+        unit = (f"one pipeline batch of {rows} per data-parallel rank x {dims.dp}"
+                if dims.pp > 1 else "one")
+        raise ValueError(
+            f"{source} gives {val_windows} validation windows of train.seq_len={t.seq_len} "
+            f"tokens ({n_val} tokens), fewer than {unit}; lower train.seq_len"
+            f"{' or train.micro_batch_size' if dims.pp > 1 else ''}, or give more data "
+            "(validation takes whole files, or the last 2% of the tokens)")
 
 
 def lr_lambda(cfg: RunConfig):
@@ -252,10 +307,22 @@ def _find_micro_batch(acc: Accelerator, trained: _Model, seq_len: int, vocab: in
     return micro, accum
 
 
-def _batches(loader):
-    """An endless stream of batches, epoch after epoch (each with its own shuffling)."""
+def _batches(loader, what: str = "the training loader"):
+    """An endless stream of batches, epoch after epoch (each with its own shuffling).
+    Raises a one-line ValueError naming `what` when two passes in a row yield no batch
+    (the first pass after resuming at an epoch's end may be empty; two cannot be), instead
+    of looping forever."""
+    empty = 0
     while True:
-        yield from loader
+        got = False
+        for batch in loader:
+            got, empty = True, 0
+            yield batch
+        empty = 0 if got else empty + 1
+        if empty >= 2:
+            raise ValueError(f"{what} yields no batch: an epoch holds fewer windows than one "
+                             "batch per data-parallel rank; lower train.micro_batch_size or "
+                             "train.seq_len, or give more data")
 
 
 def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator:
@@ -392,7 +459,10 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
         writer.write(last)
         progress.report(last, start)
     wait = [0.0]  # seconds spent waiting for batches in this window
-    batches = timed_batches(_batches(train_loader), wait)
+    batches = timed_batches(_batches(train_loader, (
+        f"the training loader ({len(train_loader.dataset)} windows of train.seq_len="
+        f"{t.seq_len} tokens, batches of {micro * chunks} per rank on "
+        f"{acc.runtime.dp_size} data-parallel rank(s))")), wait)
     window = Window(acc, t.global_batch_size * t.seq_len)
     stop = StopOnSignal()
     step = start + 1  # the step in progress, for a timeout's message
