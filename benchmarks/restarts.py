@@ -59,10 +59,13 @@ TRAIN = ["--train.steps=30", "--train.log_every=1", "--train.eval_every=0",
          "--train.seq_len=32", "--model.n_layer=1", "--checkpoint.every=5"]
 
 
+SRC = REPO / "src"
+
+
 def _env(tmp: Path) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(REPO / "src"), TMPDIR=str(tmp), OMP_NUM_THREADS="1",
+    env.update(PYTHONPATH=str(SRC), TMPDIR=str(tmp), OMP_NUM_THREADS="1",
                MESHFIT_CPU="1", PYTHONUNBUFFERED="1")
     return env
 
@@ -150,7 +153,12 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--modes", default="mesh,train")
     p.add_argument("--name", default="restarts")
+    p.add_argument("--src", default=None,
+                   help="meshfit's source folder to run (default: this checkout's src), e.g. "
+                        "an older commit's, exported with git archive")
     args = p.parse_args()
+    global SRC
+    SRC = Path(args.src).resolve() if args.src else SRC
     rows = []
     with tempfile.TemporaryDirectory() as top:
         cache = Path(top) / "cache"
@@ -166,7 +174,7 @@ def main() -> None:
     summary = {m: [sum(r["recovered"] for r in rows if r["mode"] == m),
                    sum(1 for r in rows if r["mode"] == m)] for m in args.modes.split(",")}
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                         text=True).stdout.strip()
+                         text=True).stdout.strip() if args.src is None else f"src {args.src}"
     meta = dict(torch=torch.__version__, python=platform.python_version(),
                 machine=f"{os.cpu_count()} cores, {platform.machine()}", commit=git,
                 load_average=os.getloadavg(), date=time.strftime("%Y-%m-%d %H:%M UTC",

@@ -66,6 +66,9 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint, with "
                         "its saved config ([parallel], [checkpoint] and --nproc may change)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out that holds a run: its outputs (metrics, "
+                        "config, checkpoints, model) are removed once the folder is locked")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -104,8 +107,10 @@ def _refuse_inherited_ranks() -> None:
 def cmd_train(argv: list[str]) -> int:
     ns, rest = _train_parser().parse_known_args(argv)
     overrides = _collect_overrides(rest)
-    if not ns.worker:
+    if not ns.worker:  # the launcher's arguments first: their refusals need no torch
         _refuse_inherited_ranks()
+        launch_cfg, env, notes = launch.config_from_args(ns)
+        launch.master_port_in_use(launch_cfg)
     from meshfit.train.config import load_config  # imports torch: after the arguments
 
     if ns.resume and not ns.worker:
@@ -113,9 +118,6 @@ def cmd_train(argv: list[str]) -> int:
     else:
         cfg = load_config(ns.config, overrides)
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
-    if not ns.worker and not ns.resume and (out / "metrics.jsonl").exists():
-        raise ValueError(f"--out={str(out)!r} already holds a run (metrics.jsonl); continue it "
-                         "with --resume, or give another --out (nothing was overwritten)")
     if ns.worker:  # started by the launcher below: one rank of the job
         from meshfit.train.run import Diverged, Preempted, Stalled
         from meshfit.train.trainer import train
@@ -140,10 +142,11 @@ def cmd_train(argv: list[str]) -> int:
         if init().is_distributed and dist.is_initialized():
             dist.destroy_process_group()
         return 0
-    launch_cfg, env, notes = launch.config_from_args(ns)
-    launch.master_port_in_use(launch_cfg)
     world_size = launch_cfg.nproc * launch_cfg.nnodes
     cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
+    from meshfit.train.runfolder import RunLock, atomic_write_text, check_run_folder
+
+    check_run_folder(out, resume=ns.resume, overwrite=ns.overwrite)  # writes nothing
     from meshfit.train.trainer import preflight
 
     # this machine's device, kernels and libraries; layouts the guide advises against
@@ -161,17 +164,19 @@ def cmd_train(argv: list[str]) -> int:
         from meshfit.train.trainer import train
 
         try:
-            train(cfg, out, resume=ns.resume)
+            with RunLock(out, overwrite=ns.overwrite):
+                train(cfg, out, resume=ns.resume)
         except Preempted as stopped:
             return _stopped(stopped)
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    resolved = out / "config.toml"
-    resolved.write_text(cfg.to_toml())
-    return launch.run(launch_cfg, ["meshfit.train.cli", "train", "--worker", "--config",
-                                   str(resolved), "--out", str(out),
-                                   *(["--resume"] if ns.resume else [])], module=True, env=env,
-                      prog="meshfit train")
+    # The launcher holds the run folder's lock for the whole job; its workers take none.
+    with RunLock(out, overwrite=ns.overwrite):
+        resolved = out / "config.toml"
+        atomic_write_text(resolved, cfg.to_toml())
+        return launch.run(launch_cfg, ["meshfit.train.cli", "train", "--worker", "--config",
+                                       str(resolved), "--out", str(out),
+                                       *(["--resume"] if ns.resume else [])], module=True,
+                          env=env, prog="meshfit train")
 
 
 def _record_error(err: BaseException) -> None:
@@ -210,7 +215,7 @@ def _collect_overrides(rest: list[str]) -> list[str]:
         item = rest[i]
         if not item.startswith("--") or "." not in item.split("=")[0]:
             raise ValueError(f"unknown argument {item!r}; options are --nproc, --config, --out, "
-                             "--resume and config overrides such as --train.steps=100")
+                             "--resume, --overwrite and config overrides such as --train.steps=100")
         if "=" not in item:
             if i + 1 >= len(rest):
                 raise ValueError(f"override {item!r} needs a value, e.g. {item}=100")
