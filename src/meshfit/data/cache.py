@@ -11,7 +11,9 @@ the separator between them telling the model where one ended. Nothing is padded.
 On disk, per source+tokenizer+split, two files in ``cache_dir``::
 
     <slug>-<key16>.bin    train tokens, then validation tokens, raw little-endian ids
-    <slug>-<key16>.json   sidecar: source, file-list hash, tokenizer, dtype, split sizes
+    <slug>-<key16>.json   sidecar: source, file-list hash, tokenizer, dtype, split sizes,
+                          checksum ("blake2b-128": BLAKE2b with a 16-byte digest of the whole
+                          .bin, as ``b2sum -l 128`` prints it)
 
 The key hashes the sorted file paths with their sizes and mtimes (for a dataset: its
 fingerprints and text column), the tokenizer's name (which for a Hugging Face tokenizer
@@ -28,12 +30,21 @@ work and replace identical bytes, which is wasted time but never a torn file; a 
 already mapped the old ``.bin`` keeps reading its inode. No ``fcntl`` lock, because locks
 are unreliable on the network filesystems clusters often put caches on, and the duplicate
 work (seconds for the standard library) is cheaper than that risk.
+
+Damage after the write is caught on every open: the sidecar's fields are checked against the
+tokenizer (name, vocabulary size, dtype, separator) and against the file (token count times
+the dtype's size, split sizes), then the mapped ``.bin`` is hashed in 64 MiB chunks and
+compared with the recorded checksum, and its largest id with the vocabulary. Any mismatch
+(flipped bytes, zeros, an edited sidecar, a cache of an older meshfit without a checksum) is
+one warning line naming the file and the reason, and the cache is rebuilt from the source,
+which `load_tokens` always has at hand.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import tempfile
 import time
@@ -56,7 +67,8 @@ from meshfit.data.tokenizer import (
     token_dtype,
 )
 
-__all__ = ["TokenSplits", "load_tokens", "DEFAULT_CACHE_DIR", "DEFAULT_VAL_FRACTION"]
+__all__ = ["TokenSplits", "load_tokens", "DEFAULT_CACHE_DIR", "DEFAULT_VAL_FRACTION",
+           "CHECKSUM", "cache_problem"]
 
 DEFAULT_CACHE_DIR = Path("~/.cache/meshfit/tokens")
 # 0.02 puts ~500k tokens (~40 of ~800 files) of the 3.11 standard library in validation:
@@ -66,6 +78,9 @@ DEFAULT_CACHE_DIR = Path("~/.cache/meshfit/tokens")
 DEFAULT_VAL_FRACTION = 0.02
 # Bump when the on-disk layout or the meaning of a sidecar field changes.
 _FORMAT = 1
+CHECKSUM = "blake2b-128"
+"""The sidecar's checksum field: hex BLAKE2b, 16-byte digest, of the whole .bin."""
+_CHUNK = 64 << 20  # bytes hashed at a time: large enough for full speed, small for the cache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +149,11 @@ def load_tokens(
     key = _cache_key(source, tok, val_fraction)
     stem = folder / f"{source.slug}-{key[:16]}"
     meta = _read_meta(stem, key)
-    if meta is None:
+    problem = None if meta is None else cache_problem(_paths(stem)[0], meta, tok, val_fraction)
+    if problem is not None:
+        warnings.warn(f"data: token cache {_paths(stem)[0]} {problem}; rebuilding it from "
+                      f"{source.description}", stacklevel=2)
+    if meta is None or problem is not None:
         meta = _build(source, tok, val_fraction, stem, key)
     if meta["skipped_non_utf8"]:
         skipped = meta["skipped_non_utf8"]
@@ -177,8 +196,80 @@ def _read_meta(stem: Path, key: str) -> dict[str, Any] | None:
     try:
         expected = int(meta["n_tokens"]) * np.dtype(meta["dtype"]).itemsize
     except (KeyError, TypeError, ValueError):
-        return None
-    return meta if size == expected else None
+        return meta  # a damaged sidecar: cache_problem says what is wrong
+    # A .bin of another size under this sidecar: torn, or its write never committed.
+    return meta if size == expected or "checksum" in meta else None
+
+
+def cache_problem(bin_path: Path, meta: dict[str, Any], tok: Tokenizer,
+                  val_fraction: float) -> str | None:
+    """What is wrong with a committed cache, in a few words (None: nothing). Checks the
+    sidecar against `tok` and the file, then hashes the mapped file (`CHECKSUM`) and takes
+    its largest id: one pass at memory speed once the file is in the page cache."""
+    if "checksum" not in meta:
+        return "was written without a checksum (by an older meshfit)"
+    try:
+        fields = _meta_problem(bin_path, meta, tok, val_fraction)
+        if fields is not None:
+            return fields
+        digest, top = _content_digest(bin_path, np.dtype(meta["dtype"]))
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    except (KeyError, TypeError, ValueError) as err:
+        return f"has a damaged sidecar ({type(err).__name__}: {err})"
+    if digest != meta["checksum"].get(CHECKSUM):
+        return (f"failed its checksum ({CHECKSUM} {digest}, the sidecar records "
+                f"{meta['checksum'].get(CHECKSUM)}): it was changed after it was written")
+    if top >= tok.vocab_size:
+        return f"holds id {top}, outside tokenizer.vocab_size={tok.vocab_size}"
+    return None
+
+
+def _meta_problem(bin_path: Path, meta: dict[str, Any], tok: Tokenizer,
+                  val_fraction: float) -> str | None:
+    expected = {"tokenizer": tok.name, "vocab_size": int(tok.vocab_size),
+                "dtype": token_dtype(tok.vocab_size).name,
+                "separator": [int(i) for i in document_separator(tok)]}
+    for field, value in expected.items():
+        if meta[field] != value:
+            return f"records {field}={meta[field]!r} where the tokenizer has {value!r}"
+    if not isinstance(meta["checksum"], dict) or not isinstance(
+            meta["checksum"].get(CHECKSUM), str):
+        return f"records no {CHECKSUM} checksum"
+    n_tokens, n_train, n_val = (int(meta[k]) for k in ("n_tokens", "n_train", "n_val"))
+    if min(n_train, n_val) < 0 or n_train + n_val != n_tokens:
+        return (f"records n_train={n_train} + n_val={n_val}, not the n_tokens={n_tokens} it "
+                "holds")
+    if meta["split"] == "by_tokens" and n_val != min(max(1, round(n_tokens * val_fraction)),
+                                                     n_tokens - 1):
+        return f"records n_val={n_val}, not the tail that val_fraction={val_fraction} gives"
+    size = bin_path.stat().st_size
+    if size != n_tokens * np.dtype(meta["dtype"]).itemsize:
+        return (f"is {size} bytes where the sidecar's n_tokens={n_tokens} of "
+                f"{meta['dtype']} make {n_tokens * np.dtype(meta['dtype']).itemsize}")
+    return None
+
+
+def _content_digest(bin_path: Path, dtype: np.dtype) -> tuple[str, int]:
+    """(hex `CHECKSUM` of the file, its largest id; -1 when empty), read through a memory
+    map in `_CHUNK`-byte pieces."""
+    digest = hashlib.blake2b(digest_size=16)
+    top = -1
+    if bin_path.stat().st_size == 0:
+        return digest.hexdigest(), top
+    step = _CHUNK - _CHUNK % dtype.itemsize
+    with open(bin_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        if hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_SEQUENTIAL)  # read-ahead: one pass, front to back
+        view = memoryview(mm)
+        try:
+            for start in range(0, len(mm), step):
+                with view[start:start + step] as part:
+                    digest.update(part)
+                    top = max(top, int(np.frombuffer(part, dtype=dtype).max()))
+        finally:
+            view.release()  # before the map closes
+    return digest.hexdigest(), top
 
 
 @dataclass(frozen=True)
@@ -273,9 +364,15 @@ def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem:
     val_docs: list[np.ndarray] = []
     val_files: list[str] = []
     n_train = n_train_files = 0
+    digest = hashlib.blake2b(digest_size=16)  # of the bytes as written: CHECKSUM
 
     def write_bin(out) -> None:
         nonlocal n_train, n_train_files
+
+        def put(ids: np.ndarray) -> None:
+            out.write(memoryview(ids))
+            digest.update(memoryview(ids))
+
         for f, ids in _documents(source, tok, dtype, skipped):
             if _goes_to_validation(f, val_fraction):
                 if val_fraction == 0:  # 0 means no validation, whatever the dataset has
@@ -283,12 +380,12 @@ def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem:
                 val_docs.extend((ids, sep))
                 val_files.append(f.rel)
                 continue
-            out.write(memoryview(ids))
-            out.write(memoryview(sep))
+            put(ids)
+            put(sep)
             n_train += ids.size + sep.size
             n_train_files += 1
         for ids in val_docs:
-            out.write(memoryview(ids))
+            put(ids)
 
     _atomic_write(bin_path, write_bin)
     n_val = sum(a.size for a in val_docs)
@@ -336,6 +433,7 @@ def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem:
         "n_tokens": n_tokens,
         "n_train": n_train,
         "n_val": n_val,
+        "checksum": {CHECKSUM: digest.hexdigest()},
         "build_seconds": round(time.perf_counter() - start, 3),
     }
     payload = json.dumps(meta, indent=1).encode("utf-8")
@@ -347,7 +445,8 @@ def _atomic_write(dest: Path, fill) -> None:
     """Call ``fill(file)`` on a private temp file next to ``dest``, then rename it over
     ``dest``. The temp name starts with a dot and ends in ``.tmp``, so it can never be taken
     for a cache file, and it is removed if ``fill`` raises. fsync before the rename, or a
-    power loss could leave the new name pointing at data still in the page cache."""
+    power loss could leave the new name pointing at data still in the page cache; the folder
+    after it, so the rename is on disk too."""
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as out:
@@ -358,6 +457,11 @@ def _atomic_write(dest: Path, fill) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    folder = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(folder)  # the rename itself reaches the disk
+    finally:
+        os.close(folder)
 
 
 def _open(stem: Path, meta: dict[str, Any], tok: Tokenizer) -> TokenSplits:
@@ -367,7 +471,7 @@ def _open(stem: Path, meta: dict[str, Any], tok: Tokenizer) -> TokenSplits:
     return TokenSplits(
         train=_map(bin_path, dtype, 0, n_train),
         val=_map(bin_path, dtype, n_train * dtype.itemsize, n_val),
-        vocab_size=int(meta["vocab_size"]),
+        vocab_size=int(tok.vocab_size),  # equal to the sidecar's (cache_problem checks it)
         tokenizer=tok,
         meta=meta,
         path=bin_path,
