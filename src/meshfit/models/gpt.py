@@ -246,7 +246,18 @@ class GPT(nn.Module):
     z-loss, already weighted by their coefficients); each block keeps its own in
     `mlp.last_aux_loss`, so a pipeline stage or a custom loss can add them itself. A dense
     model's loss is the cross-entropy alone, as before.
+
+    With targets, the loss skips the whole [B, T, vocab] float32 logits when they would be
+    large (`fused_loss` "auto": at least `FUSED_LOSS_MIN_BYTES`; "on": always; "off":
+    never): `meshfit.models.loss.linear_cross_entropy` forms them `loss_chunk_tokens`
+    tokens at a time. Same loss and gradients up to rounding; used only where the head is a
+    plain bias-free ``nn.Linear`` with a local weight (not tensor parallel's DTensor, not a
+    LoRA-wrapped head, no hooks on it).
     """
+
+    fused_loss: str = "auto"
+    loss_chunk_tokens: int = 4096
+    FUSED_LOSS_MIN_BYTES = 64 * 2**20
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -352,6 +363,13 @@ class GPT(nn.Module):
             h = self.norm(h)
         if self.lm_head is None:
             return h
+        if targets is not None and self._chunked_loss(h):
+            from meshfit.models.loss import linear_cross_entropy
+
+            loss = torch.compiler.disable(linear_cross_entropy)(
+                h, self.lm_head.weight, targets, chunk_tokens=self.loss_chunk_tokens)
+            aux = self.aux_loss()
+            return loss if aux is None else loss + aux
         logits = self.lm_head(h)
         if targets is None:
             return logits
@@ -362,6 +380,22 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         aux = self.aux_loss()
         return loss if aux is None else loss + aux
+
+    def _chunked_loss(self, h: torch.Tensor) -> bool:
+        """Whether the loss goes through `linear_cross_entropy` (see the class docstring)."""
+        if self.fused_loss not in ("auto", "on", "off"):
+            raise ValueError(f"GPT.fused_loss={self.fused_loss!r} must be 'auto', 'on' or 'off'")
+        if self.fused_loss == "off":
+            return False
+        head = self.lm_head
+        if type(head) is not nn.Linear or head.bias is not None or head._forward_hooks \
+                or head._forward_pre_hooks or type(head.weight) not in (torch.Tensor,
+                                                                        nn.Parameter):
+            return False
+        if self.fused_loss == "on":
+            return True
+        logits_bytes = h.numel() // h.shape[-1] * head.out_features * 4
+        return logits_bytes >= self.FUSED_LOSS_MIN_BYTES
 
     # ------------------------------------------------------------------ mixture of experts
     def moe_layers(self) -> dict[str, MoE]:
