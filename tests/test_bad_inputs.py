@@ -11,6 +11,7 @@ outside the test's folder (building one is what the first rank would do anyway).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 from pathlib import Path
@@ -508,6 +509,80 @@ def test_other_commands(args, wanted, refuse, tmp_path):
     _check(refuse(args), wanted, tmp_path)
 
 
+# ------------------------------------------------------------------ the run folder, the
+# environment, the port: cases that need something set up around the call
+LONG_NAME = "x" * 300
+DEEP = "/".join(["y" * 200] * 25)
+SURROUNDINGS = [  # (id, argv, setup, substrings)
+    ("train --out is a file", ["train", "--nproc", "2", "--out", "{t}/small.txt"], None,
+     ["--out=", "small.txt", "is a file"]),
+    ("train --out is a file, one process", ["train", "--out", "{t}/small.txt"], None,
+     ["--out=", "small.txt", "is a file"]),
+    ("train --out under a file", ["train", "--nproc", "2", "--out", "{t}/small.txt/run"], None,
+     ["--out=", "small.txt", "is a file"]),
+    ("train --out name too long", ["train", "--out", "{t}/" + LONG_NAME], None,
+     ["--out=", "300 bytes"]),
+    ("train --out path too long", ["train", "--out", "{t}/" + DEEP], None,
+     ["--out=", "bytes long"]),
+    ("train --out read-only", ["train", "--out", "{t}/ro/run"], "read_only",
+     ["--out=", "read-only file system"]),
+    ("train --out holds a config", ["train", "--out", "{t}/oldcfg"], "old_config",
+     ["--out=", "oldcfg", "already holds a run", "config.toml"]),
+    ("train --out locked by a live run", ["train", "--out", "{t}/live"], "locked",
+     ["--out=", "live", f"a run (PID {os.getpid()})"]),
+    ("train --resume with --overwrite", ["train", "--out", "{t}/oldcfg", "--resume",
+                                         "--overwrite"], "old_config", ["--resume", "--overwrite"]),
+    ("train with inherited WORLD_SIZE and RANK", ["train", "--nproc", "1", "--out", "{t}/run"],
+     "inherited_ranks", ["WORLD_SIZE=2", "RANK=0"]),
+    ("train with inherited LOCAL_RANK", ["train", "--out", "{t}/run"], "local_rank",
+     ["LOCAL_RANK=1"]),
+    ("train --master-port in use", ["train", "--nproc", "2", "--master-port", "PORT", "--out",
+                                    "{t}/run"], "port", ["--master-port=PORT", "not free"]),
+    ("launch --master-port in use", ["launch", "--nproc", "2", "--master-port", "PORT",
+                                     "{t}/script.py"], "port", ["--master-port=PORT", "not free"]),
+]
+
+
+@pytest.mark.parametrize("argv,setup,wanted",
+                         [pytest.param(a, s, w, id=i) for i, a, s, w in SURROUNDINGS])
+def test_surroundings(argv, setup, wanted, refuse, tmp_path, monkeypatch):
+    import socket
+
+    with contextlib.ExitStack() as stack:
+        port = ""
+        if setup == "read_only":
+            _write(tmp_path, {"ro/": None})
+            real = os.statvfs
+
+            def statvfs(path):  # a read-only mount, which a test cannot make as root
+                result = real(path)
+                if Path(path) == tmp_path / "ro":
+                    return os.statvfs_result((*result[:8], result.f_flag | os.ST_RDONLY,
+                                              result.f_namemax))
+                return result
+
+            monkeypatch.setattr(os, "statvfs", statvfs)
+        elif setup == "old_config":
+            _write(tmp_path, {"oldcfg/config.toml": "[train]\nsteps = 3\n"})
+        elif setup == "locked":
+            from meshfit.train.runfolder import RunLock
+
+            (tmp_path / "live").mkdir()
+            stack.enter_context(RunLock(tmp_path / "live", overwrite=False))
+        elif setup == "inherited_ranks":
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            monkeypatch.setenv("RANK", "0")
+        elif setup == "local_rank":
+            monkeypatch.setenv("LOCAL_RANK", "1")
+        elif setup == "port":  # a listener of this test's own on loopback
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            port = str(sock.getsockname()[1])
+        line = refuse([a.replace("PORT", port) for a in argv])
+    _check(line, [w.replace("PORT", port) for w in wanted], tmp_path)
+
+
 # ------------------------------------------------------------------ unreadable inputs
 def _deny(monkeypatch, method: str, target: Path) -> None:
     """Path.`method` raises PermissionError for `target` and below (as chmod 000 would for a
@@ -615,12 +690,91 @@ def test_accelerator_keywords(name, kwargs, wanted, monkeypatch):
 # ------------------------------------------------------------------ still to be fixed
 # Bad inputs whose refusal lives in files this catalogue does not fix; each entry says who
 # must fix what, and is moved into the catalogue above once it gives one line. Not tests.
+# (id, argv, substrings, who must fix what, what happens now)
+_ARGPARSE = ("cli.py: the parsers' error() (argparse) prints the whole usage block before the "
+             "error line; raise ValueError from a parser subclass instead (or print the error "
+             "line alone, with 'meshfit CMD --help' in it)")
 PENDING_OTHERS = [
+    ("launch --nproc not a number", ["launch", "--nproc", "abc", "{t}/script.py"],
+     ["--nproc", "'abc'"], _ARGPARSE, "exit 2, 11 lines (usage + error)"),
+    ("launch without a script", ["launch"], ["script"], _ARGPARSE,
+     "exit 2, 11 lines (usage + error)"),
+    ("launch unknown flag", ["launch", "--bogus", "{t}/script.py"], ["--bogus"], _ARGPARSE,
+     "exit 2, 11 lines (usage + error)"),
+    ("train --nproc not a number", ["train", "--nproc", "two", "--out", "{t}/run"],
+     ["--nproc", "'two'"], _ARGPARSE, "exit 2, 6 lines (usage + error)"),
+    ("train --config without a value", ["train", "--out", "{t}/run", "--config"],
+     ["--config"], _ARGPARSE, "exit 2, 6 lines (usage + error)"),
+    ("pipeline-chart --step not a number", ["pipeline-chart", "{t}/run", "--step", "abc"],
+     ["--step", "'abc'"], _ARGPARSE, "exit 2, 2 lines (usage + error)"),
+    ("pipeline-chart without a run", ["pipeline-chart"], ["RUN"], _ARGPARSE,
+     "exit 2, 2 lines (usage + error)"),
+    ("export without arguments", ["export"], ["CKPT_OR_RUN"], _ARGPARSE,
+     "exit 2, 2 lines (usage + error)"),
+    ("plot without a run", ["plot"], ["RUN"], _ARGPARSE, "exit 2, 2 lines (usage + error)"),
 ]
 
 
 def test_catalogue_size():
     """Issue 16 asks for at least 100 bad inputs."""
     count = (len(T) + len(TOML) + len(CONFIG_FILES) + len(LAUNCH) + len(CHART) + len(OTHER)
-             + 2 + len(ACCELERATOR))
+             + len(SURROUNDINGS) + 2 + len(ACCELERATOR))
     assert count >= 110, count
+
+
+# ------------------------------------------------------------------ the trainer's own guard
+def test_batch_stream_raises_after_two_empty_passes():
+    """Where the preflight check is bypassed (`train` called directly), an epoch without a
+    batch raises instead of looping forever; one empty pass (resumed at an epoch's end) is
+    allowed."""
+    from meshfit.train.trainer import _batches
+
+    class Empty:  # fails the test where the old stream would spin forever
+        passes = 0
+
+        def __iter__(self):
+            self.passes += 1
+            assert self.passes < 100, "the batch stream spins on an empty loader"
+            return iter([])
+
+    with pytest.raises(ValueError, match="the loader X yields no batch"):
+        next(_batches(Empty(), "the loader X"))
+
+    class FirstPassEmpty:
+        passes = 0
+
+        def __iter__(self):
+            self.passes += 1
+            return iter([] if self.passes == 1 else [1, 2])
+
+    stream = _batches(FirstPassEmpty())
+    assert [next(stream) for _ in range(3)] == [1, 2, 1]
+
+
+def test_train_with_a_batch_larger_than_the_data_stops(tmp_path, cache_dir, monkeypatch):
+    """The hang of issue 16 (a micro-batch larger than the data: the batch generator spun on
+    an empty loader), reproduced through `train` itself, which skips the CLI's preflight:
+    it now ends in a ValueError naming the numbers."""
+    from meshfit.train.config import build_config
+    from meshfit.train.trainer import train
+
+    from meshfit.accelerator.loader import PreparedDataLoader
+
+    passes = []
+    original = PreparedDataLoader.__iter__
+
+    def counted(self):  # fails the test where the old stream would spin forever
+        passes.append(1)
+        assert len(passes) < 100, "the batch stream spins on an empty loader"
+        return original(self)
+
+    monkeypatch.setattr(PreparedDataLoader, "__iter__", counted)
+    (tmp_path / "a.txt").write_text(TEXT)  # 1,058 training tokens: 66 windows of 16
+    cfg = build_config({
+        "data": {"path": str(tmp_path / "a.txt"), "cache_dir": str(cache_dir)},
+        "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "d_ff": 64},
+        "train": {"seq_len": 16, "micro_batch_size": 128, "global_batch_size": 128,
+                  "steps": 2, "eval_batches": 1, "warmup_steps": 0}})
+    with pytest.raises(ValueError, match=r"66 windows of train.seq_len=16 tokens, batches of "
+                                         r"128 per rank.* yields no batch"):
+        train(cfg, tmp_path / "run")
