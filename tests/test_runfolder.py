@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from meshfit.checkpoint import saved
 from meshfit.train import runfolder
 from meshfit.train.config import RunConfig
 from meshfit.train.run import MetricsWriter
@@ -246,10 +247,11 @@ def test_full_disk_in_a_process_with_a_file_size_limit(tmp_path):
         "resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.RLIM_INFINITY))\n"
         f"folder = rf.Path({str(tmp_path)!r})\n"
         "out = {}\n"
+        "metrics = folder / 'metrics.jsonl'\n"
         "for name, call in [\n"
         "        ('config', lambda: rf.atomic_write_text(folder / 'config.toml', 'x' * 500)),\n"
-        "        ('short', lambda: rf.append_line(folder / 'metrics.jsonl', b'y' * 20 + b'\\n')),\n"
-        "        ('long', lambda: rf.append_line(folder / 'metrics.jsonl', b'z' * 400 + b'\\n'))]:\n"
+        "        ('short', lambda: rf.append_line(metrics, b'y' * 20 + b'\\n')),\n"
+        "        ('long', lambda: rf.append_line(metrics, b'z' * 400 + b'\\n'))]:\n"
         "    try:\n"
         "        call(); out[name] = 'ok'\n"
         "    except ValueError as err:\n"
@@ -323,3 +325,104 @@ def test_append_refuses_a_missing_folder_in_one_line(tmp_path):
     with pytest.raises(WriteFailed) as err:
         append_line(tmp_path / "gone" / "metrics.jsonl", b"{}\n")
     assert "ENOENT" in _one_line(err)
+
+
+# ------------------------------------------------------------------ model folders
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid  # ended and reaped: no process has it (until the PID is reused)
+
+
+def _save(target: Path, value: float = 1.0) -> Path:
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    torch.nn.init.constant_(model.weight, value)
+    return saved.save_model_folder(target, model.state_dict(), model, factory="m:f")
+
+
+def _weight(target: Path) -> float:
+    from safetensors.torch import load_file
+
+    return float(load_file(str(target / "model.safetensors"))["weight"][0, 0])
+
+
+def test_model_save_removes_stale_temps_of_dead_saves_only(tmp_path):
+    target = _save(tmp_path / "model")
+    dead, host = _dead_pid(), saved._HOST
+    stale = [tmp_path / f".model.tmp.{host}.{dead}.k2j3abcd",
+             tmp_path / f".model.old.{host}.{dead}"]
+    kept = [tmp_path / f".model.tmp.{host}.{os.getpid()}.zzzzzzzz",  # a live save's
+            tmp_path / f".model.tmp.otherhost.{dead}.abcdefgh",  # another host's: unknown
+            tmp_path / f".other.tmp.{host}.{dead}.abcdefgh"]  # another folder's
+    for folder in stale + kept:
+        folder.mkdir()
+        (folder / "model.safetensors.tmp").write_bytes(b"\0" * 1000)
+    assert saved.stale_temps(target) == sorted(stale)
+    _save(target, 2.0)
+    assert _weight(target) == 2.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model"] + [p.name for p in kept])
+
+
+def test_model_swap_killed_between_renames_is_put_back(tmp_path):
+    target = _save(tmp_path / "model", 3.0)
+    aside = tmp_path / f".model.old.{saved._HOST}.{_dead_pid()}"
+    os.replace(target, aside)  # where a kill between replace_dir's two renames leaves it
+    assert saved.remove_stale_temps(target) == [aside]
+    assert _weight(target) == 3.0 and not aside.exists()
+
+
+def test_model_save_interrupted_leaves_no_temp_and_the_old_model(tmp_path, monkeypatch):
+    from meshfit.checkpoint import export
+
+    target = _save(tmp_path / "model", 1.0)
+    real = export.write_safetensors
+
+    def interrupted(state, path):
+        real(state, path)
+        raise KeyboardInterrupt  # Ctrl-C after the weights are written, before the rename
+
+    monkeypatch.setattr(export, "write_safetensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _save(target, 2.0)
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and _weight(target) == 1.0
+
+
+def test_model_save_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(
+        ("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(a), str(b)))
+                        or real_replace(a, b))
+    target = _save(tmp_path / "model")
+    (rename,) = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(target)]
+    tmp = events[rename][1]
+    synced = {e[1] for e in events[:rename] if e[0] == "fsync"}
+    assert {f"{tmp}/config.json", f"{tmp}/model.safetensors", tmp} <= synced
+    assert ("fsync", str(tmp_path)) in events[rename:]  # the rename made durable
+
+
+def test_model_save_killed_then_next_save_cleans(tmp_path):
+    """kill -9 in the middle of a save (os._exit: no cleanup runs), then a normal save."""
+    target = _save(tmp_path / "model", 1.0)
+    code = ("import os, sys, torch\n"
+            "from meshfit.checkpoint import export, saved\n"
+            "real = export.write_safetensors\n"
+            "def dies(state, path):\n"
+            "    real(state, path)\n"
+            "    os._exit(9)\n"
+            "export.write_safetensors = dies\n"
+            "m = torch.nn.Linear(4, 4)\n"
+            "saved.save_model_folder(sys.argv[1], m.state_dict(), m, factory='m:f')\n")
+    child = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True,
+                           text=True, timeout=300)  # generous: torch's import on a busy machine
+    assert child.returncode == 9, child.stderr
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 2 and left[0].startswith(f".model.tmp.{saved._HOST}.")  # the leftover
+    assert _weight(target) == 1.0
+    _save(target, 2.0)
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and _weight(target) == 2.0

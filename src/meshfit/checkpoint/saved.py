@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "load_model_folder", "replace_dir",
-           "save_model_folder"]
+__all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "fsync_tree", "load_model_folder",
+           "remove_stale_temps", "replace_dir", "save_model_folder", "stale_temps",
+           "temp_sibling"]
 
 GPT_TYPE = "meshfit-gpt"
 FACTORY_TYPE = "meshfit-factory"
@@ -65,14 +68,18 @@ def save_model_folder(folder, state: dict[str, torch.Tensor], model: nn.Module, 
     """Write `state` (a whole state dict, e.g. `Accelerator.get_state_dict`) with the config
     of `model` (any instance of the same architecture: the trained one, or one on the meta
     device) and `tokenizer` (an object with ``save(folder)``) into `folder`, atomically: a
-    temporary sibling folder first, renamed into place, so a failure never leaves a half
-    written model where a complete one was. Call on one process."""
+    temporary sibling folder first (`temp_sibling`), every file in it fsynced, renamed into
+    place, the parent folder fsynced, so a failure never leaves a half written model where a
+    complete one was. The temporary folder is removed on every exit path a process lives
+    through (KeyboardInterrupt included); one left by a killed save is removed by the next
+    save of `folder` (`remove_stale_temps`). Call on one process."""
     from meshfit.checkpoint.export import write_safetensors
 
     config = describe_model(model, factory, factory_kwargs)
     target = Path(folder)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    remove_stale_temps(target)
+    tmp = temp_sibling(target)
     try:
         write_safetensors(state, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -80,13 +87,88 @@ def save_model_folder(folder, state: dict[str, torch.Tensor], model: nn.Module, 
             model.generation_config.save_pretrained(str(tmp))
         if tokenizer is not None:
             tokenizer.save(tmp)
-        for path in tmp.iterdir():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
+        fsync_tree(tmp)
         replace_dir(tmp, target)
+        fsync_path(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# Temporary siblings: ".<name>.tmp.<host>.<pid>.<random>" (a folder being written) and
+# ".<name>.old.<host>.<pid>" (the previous folder during the swap). Host and PID say whether
+# the writer still lives; the random part never holds a dot.
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def temp_sibling(target: Path) -> Path:
+    """A new, empty temporary folder beside `target` (same file system, so a rename puts it
+    in place), named after `target`, this host and this process."""
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp.{_HOST}.{os.getpid()}.",
+                                 dir=target.parent))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def stale_temps(target: Path) -> list[Path]:
+    """Temporary siblings of `target` left by saves on this host whose process has ended
+    (killed mid-save: no cleanup ran). Those of live processes and of other hosts (a shared
+    file system) are not listed."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(?:tmp|old)\.([A-Za-z0-9-]+)\.(\d+)"
+                         r"(?:\.[a-z0-9_]+)?")
+    found = []
+    try:
+        entries = list(os.scandir(target.parent))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match and match[1] == _HOST and not _alive(int(match[2])):
+            found.append(Path(entry.path))
+    return sorted(found)
+
+
+def remove_stale_temps(target: Path) -> list[Path]:
+    """Remove `stale_temps(target)`; returns what was removed. A previous folder moved aside
+    by a swap that was killed before the new one took its place is put back instead, when
+    `target` is missing."""
+    removed = stale_temps(target)
+    for path in removed:
+        if path.name.startswith(f".{target.name}.old.") and not os.path.lexists(target):
+            os.replace(path, target)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return removed
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes renames and new names in it durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file and folder below `folder`, then `folder` itself."""
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            fsync_path(Path(root) / name)
+    for root, dirs, _ in os.walk(folder, topdown=False):
+        for name in dirs:
+            fsync_path(Path(root) / name)
+    fsync_path(folder)
 
 
 def replace_dir(src: Path, dst: Path) -> None:
@@ -96,7 +178,9 @@ def replace_dir(src: Path, dst: Path) -> None:
     if not dst.exists():
         os.replace(src, dst)
         return
-    old = dst.with_name(f".{dst.name}.old.{os.getpid()}")
+    old = dst.with_name(f".{dst.name}.old.{_HOST}.{os.getpid()}")
+    if old.exists():  # left by an earlier swap of this process that could not finish
+        shutil.rmtree(old, ignore_errors=True)
     os.replace(dst, old)
     try:
         os.replace(src, dst)
