@@ -376,3 +376,206 @@ def test_accelerate_style_launch_on_loopback(tmp_path, subprocess_env):
         assert s == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                      "MASTER_ADDR": "127.0.0.1", "ACCELERATE_MIXED_PRECISION": "bf16",
                      "ACCELERATE_USE_CPU": "True", "MESHFIT_CPU": "1", "sum": 3.0}
+
+
+# ------------------------------------------------------ the job's processes end with it
+# Workers that import nothing heavy: each writes its PID and waits to be ended.
+SLEEPER = """
+import os, pathlib, sys, time
+pathlib.Path(sys.argv[1], f"pid{os.environ['RANK']}").write_text(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def _start_sleepers(tmp_path, env, nproc=2, extra=()):
+    import time
+
+    import psutil
+
+    script = tmp_path / "sleep.py"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen([*MESHFIT, "launch", "--nproc", str(nproc), *extra, str(script),
+                             str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60  # the launcher imports torch (~5 s on a loaded machine)
+    files = [tmp_path / f"pid{r}" for r in range(nproc)]
+    while not all(f.exists() and f.read_text() for f in files) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(f.exists() for f in files), proc.communicate(timeout=30)
+    workers = [psutil.Process(int(f.read_text())) for f in files]
+    assert all(w.is_running() for w in workers)
+    return proc, workers
+
+
+def _gone(workers, seconds: float) -> list:
+    """The workers still running after `seconds` (psutil checks the PID and its start time,
+    so a reused PID does not count)."""
+    import psutil
+
+    _, alive = psutil.wait_procs(workers, timeout=seconds)
+    return [w for w in alive if w.status() != psutil.STATUS_ZOMBIE]
+
+
+def _end(proc, workers):
+    """Only what this test started, by PID."""
+    for p in workers:
+        if p.is_running():
+            p.kill()
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path, subprocess_env):
+    """kill -9 of the launcher (its workers are in sessions of their own, so nothing else
+    reaches them): the kernel's parent-death signal ends them."""
+    import signal
+
+    proc, workers = _start_sleepers(tmp_path, subprocess_env, extra=["--max-restarts", "1"])
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        # bound: the kernel signals at once; 30 s covers a machine under heavy load
+        assert _gone(workers, 30) == []
+    finally:
+        _end(proc, workers)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_and_sigterm_end_the_job_with_one_line(sig, tmp_path, subprocess_env):
+    import signal
+
+    proc, workers = _start_sleepers(tmp_path, subprocess_env)
+    try:
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=60)  # bound: the agent waits up to 30 s per worker
+        assert _gone(workers, 5) == []
+    finally:
+        _end(proc, workers)
+    assert proc.returncode == 128 + getattr(signal, sig)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [f"meshfit launch: stopped by {sig}; the workers were ended"], err
+
+
+FIRST_FAILURE = """
+import os, sys, time
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("rank one broke: the data shard is missing")
+    time.sleep(120)  # ended by the agent once rank 1 has failed
+
+main()
+"""
+
+
+def test_failure_summary_names_the_rank_that_failed_first(tmp_path, subprocess_env):
+    """Rank 1 fails; rank 0 is then stopped by the agent (exit code -15) and also counts as
+    failed: the summary names rank 1, its exit code and its error's last lines (from
+    torch's error file, written by ``@record``)."""
+    script = tmp_path / "first.py"
+    script.write_text(FIRST_FAILURE)
+    proc = subprocess.run([*MESHFIT, "launch", "--nproc", "2", str(script)],
+                          env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("meshfit launch:")]
+    assert len(ours) == 1, proc.stderr
+    assert ours[0].startswith("meshfit launch: 2 worker(s) failed; first: rank 1 exit code 1: ")
+    assert "RuntimeError: rank one broke: the data shard is missing" in ours[0]
+
+
+def test_master_port_in_use_is_refused_before_starting(tmp_path, cli_refusal):
+    """Also with --max-restarts, where the agent used to wait on the port forever."""
+    import socket
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for extra in ([], ["--max-restarts", "1"]):
+            line = cli_refusal("launch", "--nproc", "2", *extra, "--master-port", port,
+                               str(script))
+            assert f"--master-port={port}: 127.0.0.1:{port} is not free" in line, line
+        line = cli_refusal("train", "--nproc", "2", "--max-restarts", "1", "--master-port", port,
+                           "--out", str(tmp_path / "run"))
+        assert f"--master-port={port}: 127.0.0.1:{port} is not free" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("environ,match", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "RANK=0, WORLD_SIZE=2 set in the environment"),
+    ({"LOCAL_RANK": "1"}, "LOCAL_RANK=1 set in the environment"),
+])
+def test_inherited_rank_variables_are_refused_by_meshfit_train(environ, match, tmp_path,
+                                                                cli_refusal, monkeypatch):
+    """`meshfit train --nproc 1` trains in this process: WORLD_SIZE=2 left in the environment
+    used to make it wait for a second rank until the process-group timeout."""
+    for k, v in environ.items():
+        monkeypatch.setenv(k, v)
+    line = cli_refusal("train", "--nproc", "1", "--train.steps=2", "--out",
+                       str(tmp_path / "run"))
+    assert match in line and "meshfit train starts its own processes" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("environ,match", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK is not"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 is not in 0..1 (WORLD_SIZE=2)"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+     "LOCAL_RANK=2, LOCAL_WORLD_SIZE=2 do not fit WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "2", "RANK": "1"}, "WORLD_SIZE=2 needs MASTER_ADDR and MASTER_PORT"),
+    ({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE=0 must be >= 1"),
+])
+def test_inconsistent_launcher_variables_are_refused_by_init(environ, match, monkeypatch):
+    from meshfit.distributed import init
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for k, v in environ.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError) as err:
+        init(backend="gloo", cpu=True)
+    assert match in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_rank_that_never_joins_is_a_bounded_one_line_error(monkeypatch):
+    """Rank 0 of 2 alone: init waits timeout_s for rank 1, not forever (nor the 30 min
+    default), and says so in one line."""
+    from meshfit.distributed import init
+
+    for k, v in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(TimeoutError) as err:
+        init(backend="gloo", timeout_s=1, cpu=True)
+    assert "rank 0: the 2 ranks did not all join the process group within timeout_s=1 s" \
+        in str(err.value) and "\n" not in str(err.value)
+
+
+def test_help_and_refusals_do_not_import_torch():
+    """`meshfit --help`, `meshfit train --help`, `meshfit launch --help` and a refused launch
+    argument are answered before torch is imported (importing it takes seconds)."""
+    code = ("import sys, contextlib, io\n"
+            "from meshfit.train import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()), "
+            "contextlib.redirect_stderr(io.StringIO()):\n"
+            "    for argv in (['--help'], ['train', '--help'], ['launch', '--help'],\n"
+            "                 ['train', '--nproc', '0'], ['launch', '--nproc', '0', 'x.py']):\n"
+            "        try:\n"
+            "            cli.main(argv)\n"
+            "        except SystemExit:\n"
+            "            pass\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout

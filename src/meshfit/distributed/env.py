@@ -107,7 +107,7 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, *,
                 # device_id binds NCCL's communicator eagerly to this rank's GPU.
                 device_id=device if device.type == "cuda" else None,
                 **_attempt_store(rank, world_size, restart, timeout))
-        except dist.DistStoreError as err:  # a rank never arrived: bounded by timeout_s
+        except (dist.DistStoreError, dist.DistNetworkError) as err:  # bounded by timeout_s
             raise TimeoutError(
                 f"rank {rank}: the {world_size} ranks did not all join the process group "
                 f"within timeout_s={timeout_s:g} s ({str(err).splitlines()[0]}); another rank "

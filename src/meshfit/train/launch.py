@@ -242,10 +242,16 @@ def _enter_worker(argv: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def _first_failures():
-    """PIDs of the workers that had failed when the agent began stopping the rest: the agent
-    terminates the others (exit code -15) and reports them as failed too, with timestamps
-    of one-second resolution."""
+def _stopping_workers():
+    """How the agent stops its workers, adjusted; yields the PIDs of the workers that had
+    failed when it began stopping the rest (it terminates the others, exit code -15, and
+    reports them as failed too, with timestamps of one-second resolution).
+
+    The agent passes the signal it got on to the workers: a Ctrl-C (SIGINT) would raise
+    KeyboardInterrupt in every Python worker, one traceback each. They get SIGTERM instead
+    (`meshfit train`'s workers treat both alike: checkpoint, one line)."""
+    import signal
+
     from torch.distributed.elastic.multiprocessing import api
 
     real = api.SubprocessContext._close
@@ -255,6 +261,8 @@ def _first_failures():
         if not getattr(self, "_meshfit_closing", False):
             self._meshfit_closing = True
             first.update(f.pid for f in self._failures.values())
+        if death_sig == signal.SIGINT:
+            death_sig = signal.SIGTERM
         return real(self, death_sig, timeout)
 
     api.SubprocessContext._close = _close
@@ -354,7 +362,7 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     ours = cfg.nnodes == 1 and cfg.max_restarts > 0
     attempts = cfg.max_restarts + 1 if ours else 1
     try:
-        with loopback_stores(), _quiet_agent(), _first_failures() as first:
+        with loopback_stores(), _quiet_agent(), _stopping_workers() as first:
             for attempt in range(attempts):
                 if ours:
                     os.environ[RESTART_ENV] = str(attempt)
