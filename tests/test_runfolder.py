@@ -426,3 +426,27 @@ def test_model_save_killed_then_next_save_cleans(tmp_path):
     assert _weight(target) == 1.0
     _save(target, 2.0)
     assert [p.name for p in tmp_path.iterdir()] == ["model"] and _weight(target) == 2.0
+
+
+def test_csv_tracker_rows_whole_or_absent_on_a_full_disk(tmp_path, monkeypatch):
+    from meshfit.tracking import CSVTracker
+
+    tracker = CSVTracker("run", tmp_path)
+    tracker.log({"loss": 2.0}, step=1)
+    tracker.log({"loss": 1.5}, step=2)
+    before = tracker.path.read_bytes()
+    real_write, real_fsync = os.write, os.fsync
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data[:3])) if
+                        len(data) > 3 else (_ for _ in ()).throw(full))
+    with pytest.raises(WriteFailed, match="metrics.csv.*ENOSPC"):
+        tracker.log({"loss": 1.0}, step=3)  # an appended row
+    monkeypatch.setattr(os, "write", real_write)
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(full))
+    with pytest.raises(WriteFailed, match="metrics.csv.*ENOSPC"):
+        tracker.log({"loss": 1.0, "lr": 0.1}, step=3)  # a new column: the file rewritten
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert tracker.path.read_bytes() == before and _listing(tmp_path) == ["metrics.csv"]
+    tracker.log({"loss": 1.0, "lr": 0.1}, step=3)
+    assert tracker.path.read_text().splitlines() == ["step,loss,lr", "1,2.0,", "2,1.5,",
+                                                     "3,1.0,0.1"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import enum
 import importlib.util
+import io
 import json
 import math
 import numbers
@@ -187,40 +188,48 @@ class MLflowTracker(Tracker):
 
 class CSVTracker(Tracker):
     """``<logging_dir>/metrics.csv``: a ``step`` column and one column per key seen so far;
-    a new key rewrites the file once with the wider header."""
+    a new key rewrites the file once with the wider header (atomically: a temporary file,
+    then a rename), other rows are appended whole or not at all."""
 
     name, requires = "csv", ""
 
     def __init__(self, run_name: str, logging_dir, **kwargs) -> None:
+        from meshfit.train.runfolder import atomic_write_text
+
         super().__init__(run_name, logging_dir)
         self.logging_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.logging_dir / "metrics.csv"
         self.columns: list[str] = ["step"]
         self.rows: list[dict[str, Any]] = []
-        self.path.write_text("step\n")
+        atomic_write_text(self.path, "step\n")
 
     @property
     def tracker(self):
         return self.path
 
     def store_init_configuration(self, config) -> None:
-        (self.logging_dir / "config.json").write_text(
-            json.dumps(flatten_config(config), indent=1) + "\n")
+        from meshfit.train.runfolder import atomic_write_text
+
+        atomic_write_text(self.logging_dir / "config.json",
+                          json.dumps(flatten_config(config), indent=1) + "\n")
 
     def log(self, values, step=None, **kwargs) -> None:
+        from meshfit.train.runfolder import append_line, atomic_write_text
+
         row = {"step": step, **{k: v for k, v in values.items()
                                 if isinstance(v, (numbers.Number, str))}}
-        self.rows.append(row)
         new = [k for k in row if k not in self.columns]
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.columns + new)
         if new:
+            writer.writeheader()
+            writer.writerows(self.rows + [row])
+            atomic_write_text(self.path, text.getvalue())
             self.columns += new
-            with self.path.open("w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=self.columns)
-                writer.writeheader()
-                writer.writerows(self.rows)
         else:
-            with self.path.open("a", newline="") as fh:
-                csv.DictWriter(fh, fieldnames=self.columns).writerow(row)
+            writer.writerow(row)
+            append_line(self.path, text.getvalue().encode("utf-8"))
+        self.rows.append(row)
 
 
 TRACKERS: dict[str, type[Tracker]] = {t.name: t for t in (
