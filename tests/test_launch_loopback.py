@@ -13,8 +13,12 @@ import psutil
 import pytest
 
 SCRIPT = """
-import sys, time, pathlib, torch.distributed as dist
+import os, sys, time, pathlib, torch.distributed as dist
 from meshfit.distributed import init
+if sys.argv[3] == "fail-first" and os.environ.get("MESHFIT_RESTART_COUNT") == "0":
+    if os.environ["RANK"] == "1":
+        sys.exit(3)  # the first attempt fails; the restarted group is the one checked
+    time.sleep(60)  # ended by the agent
 env = init()
 dist.barrier()
 if env.rank == 0:
@@ -40,12 +44,14 @@ def _listening(pid: int) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("extra", [[], ["--max-restarts", "1"]], ids=["static", "c10d"])
-def test_single_node_job_listens_on_loopback_only(extra, tmp_path, subprocess_env):
+@pytest.mark.parametrize("extra,mode", [([], "once"), (["--max-restarts", "1"], "fail-first")],
+                         ids=["static", "restarted"])
+def test_single_node_job_listens_on_loopback_only(extra, mode, tmp_path, subprocess_env):
+    """Also after a restart: the failed attempt's store and the new one's."""
     script, up, done = tmp_path / "job.py", tmp_path / "up", tmp_path / "done"
     script.write_text(SCRIPT)
     proc = subprocess.Popen([sys.executable, "-m", "meshfit.train.cli", "launch", "--nproc", "2",
-                             *extra, str(script), str(up), str(done)], env=subprocess_env,
+                             *extra, str(script), str(up), str(done), mode], env=subprocess_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -60,5 +66,7 @@ def test_single_node_job_listens_on_loopback_only(extra, tmp_path, subprocess_en
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
+    if mode == "fail-first":
+        assert "first: rank 1 exit code 3; restarting the group (1 of 1)" in err, err
     assert addresses, "no listening socket found: the check would prove nothing"
     assert all(ipaddress.ip_address(a).is_loopback for a in addresses), addresses
