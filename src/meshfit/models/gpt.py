@@ -256,7 +256,7 @@ class GPT(nn.Module):
     """
 
     fused_loss: str = "auto"
-    loss_chunk_tokens: int = 4096
+    loss_chunk_tokens: int = 1024
     FUSED_LOSS_MIN_BYTES = 64 * 2**20
 
     def __init__(self, config: GPTConfig) -> None:
