@@ -156,3 +156,12 @@ def test_cache_problem_reads_every_chunk(built, monkeypatch):
         fh.write(bytes([last[0] ^ 0x80]))
     problem = cache_mod.cache_problem(first.path, first.meta, first.tokenizer, 0.02)
     assert problem is not None and "failed its checksum" in problem
+
+
+@pytest.mark.parametrize("text, said", [("{", "is not JSON"), ("[1, 2]", "not a JSON object")])
+def test_unreadable_sidecar_is_one_line_then_rebuilt(built, text, said):
+    data, cache, first, builds = built
+    _sidecar(first).write_text(text)
+    again, messages = _load_quietly(data, cache)
+    assert len(messages) == 1 and said in messages[0] and str(first.path) in messages[0]
+    assert builds == [1] and again.train.tobytes() == first.train.tobytes()

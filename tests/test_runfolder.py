@@ -86,6 +86,9 @@ def test_out_that_is_a_file_or_under_a_file(tmp_path):
     with pytest.raises(ValueError) as err:
         check_run_folder(f / "sub" / "run", resume=False, overwrite=False)
     assert f"{f} is a file" in _one_line(err)
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="is a broken symbolic link"):
+        check_run_folder(tmp_path / "link", resume=False, overwrite=False)
 
 
 def test_too_long_name_and_path(tmp_path):

@@ -148,8 +148,9 @@ def load_tokens(
         source = find_corpus(path)
     key = _cache_key(source, tok, val_fraction)
     stem = folder / f"{source.slug}-{key[:16]}"
-    meta = _read_meta(stem, key)
-    problem = None if meta is None else cache_problem(_paths(stem)[0], meta, tok, val_fraction)
+    meta, problem = _read_meta(stem, key)
+    if meta is not None:
+        problem = cache_problem(_paths(stem)[0], meta, tok, val_fraction)
     if problem is not None:
         warnings.warn(f"data: token cache {_paths(stem)[0]} {problem}; rebuilding it from "
                       f"{source.description}", stacklevel=2)
@@ -183,22 +184,31 @@ def _paths(stem: Path) -> tuple[Path, Path]:
     return stem.with_name(stem.name + ".bin"), stem.with_name(stem.name + ".json")
 
 
-def _read_meta(stem: Path, key: str) -> dict[str, Any] | None:
-    """The sidecar if it commits a complete ``.bin`` for ``key``; ``None`` means rebuild."""
+def _read_meta(stem: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the sidecar if it commits a ``.bin`` for ``key``, what is wrong with the sidecar);
+    ``(None, None)`` means nothing committed yet (build), a problem means damage (warn, then
+    rebuild)."""
     bin_path, json_path = _paths(stem)
     try:
-        meta = json.loads(json_path.read_text(encoding="utf-8"))
+        text = json_path.read_text(encoding="utf-8")
         size = bin_path.stat().st_size
-    except (OSError, ValueError):
-        return None
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("key") != key:
-        return None
+    except OSError:
+        return None, None  # never committed (or gone): build
+    try:
+        meta = json.loads(text)
+    except ValueError as err:
+        return None, f"has a sidecar {json_path.name} that is not JSON ({err})"
+    if not isinstance(meta, dict):
+        return None, f"has a sidecar {json_path.name} that is not a JSON object"
+    if meta.get("format") != _FORMAT or meta.get("key") != key:
+        return None, None  # another layout's: replaced silently
     try:
         expected = int(meta["n_tokens"]) * np.dtype(meta["dtype"]).itemsize
     except (KeyError, TypeError, ValueError):
-        return meta  # a damaged sidecar: cache_problem says what is wrong
-    # A .bin of another size under this sidecar: torn, or its write never committed.
-    return meta if size == expected or "checksum" in meta else None
+        return meta, None  # a damaged sidecar: cache_problem says what is wrong
+    # A .bin of another size under a sidecar without a checksum: torn by an older meshfit's
+    # write; with one, cache_problem names it.
+    return (meta if size == expected or "checksum" in meta else None), None
 
 
 def cache_problem(bin_path: Path, meta: dict[str, Any], tok: Tokenizer,

@@ -31,7 +31,8 @@ LOCK_FILE = ".meshfit.lock"
 RUN_MARKERS = ("metrics.jsonl", "config.toml", "checkpoints")
 """Any of these in OUT means a run has written there."""
 RUN_OUTPUTS = ("metrics.jsonl", "config.toml", "checkpoints", "model", "adapter", "tracking",
-               "pipeline.json", "pipeline_timings.jsonl", "pipeline_chart.png", "metrics.png")
+               "pipeline.json", "pipeline_timings.jsonl", "pipeline_chart.png", "metrics.png",
+               "metrics.jsonl.tmp")  # the last: the temporary name of earlier versions
 """What `meshfit train` (and `meshfit plot` / `meshfit pipeline-chart` by default) write into
 OUT; ``--overwrite`` removes these and the temporary files beside them, nothing else."""
 _TEMP_PREFIXES = tuple(f".{name}." for name in RUN_OUTPUTS)
@@ -75,8 +76,9 @@ def check_run_folder(out: Path, *, resume: bool, overwrite: bool) -> None:
         raise ValueError(f"{flag}: {existing} is a file, not a folder, so no run folder can be "
                          "made under it; give an --out whose parents are folders")
     if existing == absolute and not absolute.is_dir():
-        raise ValueError(f"{flag} is a file, not a folder; give the path of a folder (new or "
-                         "a run's) as --out")
+        what = "a broken symbolic link" if absolute.is_symlink() else "a file, not a folder"
+        raise ValueError(f"{flag} is {what}; give the path of a folder (new or a run's) as "
+                         "--out")
     name_max = os.pathconf(existing, "PC_NAME_MAX")
     for part in absolute.parts:
         if len(os.fsencode(part)) > name_max:
