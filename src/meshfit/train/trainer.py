@@ -55,7 +55,7 @@ def preflight(cfg: RunConfig, world_size: int | None = None,
     # The model's vocabulary is the tokenizer's for the reference GPT (the gpt2 preset's
     # 50257 becomes 256 on bytes); other models must hold the tokenizer's ids.
     vocab_size = cfg.vocab_size()
-    model = check_model_source(cfg, vocab_size)
+    model = _checked_model(cfg, vocab_size, check_model_source)
     shape = None
     if cfg.model.source == "preset":
         model_cfg = cfg.model_config()
@@ -82,6 +82,28 @@ def preflight(cfg: RunConfig, world_size: int | None = None,
         return warnings
     return warnings + shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
                                    d_model=shape[0], d_ff=shape[1], vocab_size=shape[2])
+
+
+def _checked_model(cfg: RunConfig, vocab_size: int, check):
+    """`check(cfg, vocab_size)` (the model built on the meta device), with what a user's
+    model source raises while being read or built (an unreadable or malformed config.json,
+    a factory that is not a function, a library's multi-line message) as one line naming the
+    [model] key."""
+    source = cfg.model.source
+    if source == "preset":
+        return check(cfg, vocab_size)
+    field = f"model.{source}={getattr(cfg.model, source)!r}"
+    try:
+        return check(cfg, vocab_size)
+    except ValueError as err:
+        text = " ".join(str(err).split())
+        if text == str(err):
+            raise
+        raise ValueError(text if text.startswith("model.") else f"{field}: {text}") from None
+    except (OSError, TypeError, KeyError, AttributeError) as err:
+        text = " ".join(str(err).split()) or type(err).__name__
+        raise ValueError(f"{field}: the model cannot be built ({type(err).__name__}: {text}); "
+                         "check that source") from None
 
 
 def _data_source(cfg: RunConfig) -> str:
