@@ -20,6 +20,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Self
 
@@ -55,6 +56,15 @@ def _nearest_existing(path: Path) -> Path:
     return Path(path.anchor or ".")
 
 
+def _pathconf(path: Path, name: str, default: int) -> int:
+    """The file system's limit `name` at `path` (POSIX's minimum guess when it has none)."""
+    try:
+        value = os.pathconf(path, name)
+    except (OSError, ValueError):
+        return default
+    return value if value > 0 else default
+
+
 def _reason(err: OSError) -> str:
     """An OSError's reason in words: "No space left on device (ENOSPC)"."""
     name = errno.errorcode.get(err.errno or 0)
@@ -79,13 +89,13 @@ def check_run_folder(out: Path, *, resume: bool, overwrite: bool) -> None:
         what = "a broken symbolic link" if absolute.is_symlink() else "a file, not a folder"
         raise ValueError(f"{flag} is {what}; give the path of a folder (new or a run's) as "
                          "--out")
-    name_max = os.pathconf(existing, "PC_NAME_MAX")
+    name_max = _pathconf(existing, "PC_NAME_MAX", 255)
     for part in absolute.parts:
         if len(os.fsencode(part)) > name_max:
             raise ValueError(f"{flag}: the name {part[:40]!r}... is {len(os.fsencode(part))} "
                              f"bytes, longer than the {name_max} this file system allows; "
                              "give a shorter --out")
-    path_max = os.pathconf(existing, "PC_PATH_MAX")
+    path_max = _pathconf(existing, "PC_PATH_MAX", 4096)
     if len(os.fsencode(str(absolute))) + 64 > path_max:  # room for checkpoints/step-N/...
         raise ValueError(f"{flag} is {len(os.fsencode(str(absolute)))} bytes long; with the "
                          f"files a run writes under it that exceeds the {path_max} this system "
@@ -134,6 +144,20 @@ def _lock_holder(folder: Path) -> str | None:
         os.close(fd)
 
 
+def _flock_briefly(fd: int, patience_s: float = 0.25) -> None:
+    """LOCK_EX without waiting for a holder, but through `check_run_folder`'s probe of
+    another process (a shared lock held for microseconds); BlockingIOError if held."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 class RunLock:
     """Hold ``OUT/.meshfit.lock`` (creating OUT) while a run writes to OUT. A second run gets
     a one-line ValueError naming the first one's PID. With `overwrite`, once locked, the
@@ -154,7 +178,7 @@ class RunLock:
             raise ValueError(f"{flag}: cannot create {self.path}: {_reason(err)}; give an --out "
                              "you can write to") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_briefly(fd)
         except BlockingIOError:
             pid = _read_pid(fd)
             os.close(fd)
