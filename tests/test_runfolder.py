@@ -453,3 +453,15 @@ def test_csv_tracker_rows_whole_or_absent_on_a_full_disk(tmp_path, monkeypatch):
     tracker.log({"loss": 1.0, "lr": 0.1}, step=3)
     assert tracker.path.read_text().splitlines() == ["step,loss,lr", "1,2.0,", "2,1.5,",
                                                      "3,1.0,0.1"]
+
+
+def test_temp_file_sibling_is_found_once_its_writer_is_dead(tmp_path, monkeypatch):
+    target = tmp_path / "model.safetensors"
+    mine = saved.temp_sibling(target, file=True)
+    assert mine.is_file() and mine.parent == tmp_path and saved.stale_temps(target) == []
+    ended = _dead_pid()
+    monkeypatch.setattr(os, "getpid", lambda: ended)  # as named by a process that has ended
+    dead = saved.temp_sibling(target, file=True)
+    monkeypatch.undo()
+    assert saved.stale_temps(target) == [dead]
+    assert saved.remove_stale_temps(target) == [dead] and sorted(tmp_path.iterdir()) == [mine]

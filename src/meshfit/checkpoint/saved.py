@@ -101,11 +101,16 @@ def save_model_folder(folder, state: dict[str, torch.Tensor], model: nn.Module, 
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
 
 
-def temp_sibling(target: Path) -> Path:
-    """A new, empty temporary folder beside `target` (same file system, so a rename puts it
-    in place), named after `target`, this host and this process."""
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp.{_HOST}.{os.getpid()}.",
-                                 dir=target.parent))
+def temp_sibling(target: Path, *, file: bool = False) -> Path:
+    """A new, empty temporary folder (`file`: file) beside `target` (same file system, so a
+    rename puts it in place), named after `target`, this host and this process, so that
+    `remove_stale_temps(target)` finds it if the process is killed before removing it."""
+    prefix = f".{target.name}.tmp.{_HOST}.{os.getpid()}."
+    if not file:
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    fd, name = tempfile.mkstemp(prefix=prefix, dir=target.parent)
+    os.close(fd)
+    return Path(name)
 
 
 def _alive(pid: int) -> bool:
