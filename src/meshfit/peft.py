@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 
@@ -34,6 +33,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from meshfit.checkpoint.saved import fsync_path, fsync_tree, remove_stale_temps, temp_sibling
 from meshfit.checkpoint.saved import replace_dir as _replace_dir
 from meshfit.models.gpt import GPT
 
@@ -160,10 +160,13 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
             return Path(directory)
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    remove_stale_temps(target)  # of a save that was killed
+    tmp = temp_sibling(target)
     try:
         pm.save_pretrained(str(tmp), safe_serialization=True, state_dict=state)
+        fsync_tree(tmp)
         _replace_dir(tmp, target)
+        fsync_path(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
     return target
