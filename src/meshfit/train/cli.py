@@ -176,7 +176,7 @@ def cmd_train(argv: list[str]) -> int:
         return launch.run(launch_cfg, ["meshfit.train.cli", "train", "--worker", "--config",
                                        str(resolved), "--out", str(out),
                                        *(["--resume"] if ns.resume else [])], module=True,
-                          env=env, prog="meshfit train")
+                          env=env, prog="meshfit train", say_stopped=False)
 
 
 def _record_error(err: BaseException) -> None:

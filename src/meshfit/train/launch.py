@@ -330,8 +330,11 @@ def failure_summary(failures: dict, first: set[int]) -> str:
 
 
 def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
-        env: dict[str, str] | None = None, prog: str = "meshfit launch") -> int:
+        env: dict[str, str] | None = None, prog: str = "meshfit launch",
+        say_stopped: bool = True) -> int:
     """Start the job through torch.distributed.run and wait; returns the exit code.
+    `prog` begins the launcher's lines; `say_stopped=False` leaves the line about a signal
+    to workers that print their own (`meshfit train`'s main rank).
 
     Each worker runs through `_enter_worker`, so it dies with this process. A single-node
     job with --max-restarts is restarted by meshfit: after a failure the whole group is
@@ -386,9 +389,10 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     except SignalException as err:  # the agent passed the signal on to the workers
         import signal
 
-        name = signal.Signals(err.sigval).name
-        print(f"{prog}: stopped by {name}; the workers were ended", file=sys.stderr,
-              flush=True)
+        if say_stopped:
+            name = signal.Signals(err.sigval).name
+            print(f"{prog}: stopped by {name}; the workers were ended", file=sys.stderr,
+                  flush=True)
         return 128 + int(err.sigval)
     finally:
         for name in (LAUNCHER_PID_ENV, RESTART_ENV):
