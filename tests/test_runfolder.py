@@ -409,26 +409,36 @@ def test_model_save_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):
     assert ("fsync", str(tmp_path)) in events[rename:]  # the rename made durable
 
 
-def test_model_save_killed_then_next_save_cleans(tmp_path):
-    """kill -9 in the middle of a save (os._exit: no cleanup runs), then a normal save."""
-    target = _save(tmp_path / "model", 1.0)
+def test_save_killed_inside_safetensors_then_next_save_cleans(tmp_path):
+    """kill -9 while safetensors writes (Accelerator.save_model's write_safetensors; os._exit:
+    no cleanup runs) leaves its temporary file in a folder of ours; the next save removes it
+    and the previous file stays whole meanwhile."""
+    import torch
+    from safetensors.torch import load_file
+
+    from meshfit.checkpoint.export import write_safetensors
+
+    target = tmp_path / "model.safetensors"
+    write_safetensors({"w": torch.ones(3)}, target)
     code = ("import os, sys, torch\n"
-            "from meshfit.checkpoint import export, saved\n"
-            "real = export.write_safetensors\n"
-            "def dies(state, path):\n"
-            "    real(state, path)\n"
+            "from pathlib import Path\n"
+            "import safetensors.torch as st\n"
+            "from meshfit.checkpoint.export import write_safetensors\n"
+            "def dies(tensors, filename, metadata=None):\n"
+            "    Path(filename).with_name('.tmpkilled').write_bytes(b'x' * 1000)  # half done\n"
             "    os._exit(9)\n"
-            "export.write_safetensors = dies\n"
-            "m = torch.nn.Linear(4, 4)\n"
-            "saved.save_model_folder(sys.argv[1], m.state_dict(), m, factory='m:f')\n")
+            "st.save_file = dies\n"
+            "write_safetensors({'w': torch.zeros(3)}, Path(sys.argv[1]))\n")
     child = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True,
                            text=True, timeout=300)  # generous: torch's import on a busy machine
     assert child.returncode == 9, child.stderr
-    left = sorted(p.name for p in tmp_path.iterdir())
-    assert len(left) == 2 and left[0].startswith(f".model.tmp.{saved._HOST}.")  # the leftover
-    assert _weight(target) == 1.0
-    _save(target, 2.0)
-    assert [p.name for p in tmp_path.iterdir()] == ["model"] and _weight(target) == 2.0
+    (left,) = [p for p in tmp_path.iterdir() if p != target]
+    assert left.name.startswith(f".model.safetensors.tmp.{saved._HOST}.")
+    assert [p.name for p in left.iterdir()] == [".tmpkilled"]
+    assert load_file(str(target))["w"].tolist() == [1.0, 1.0, 1.0]
+    write_safetensors({"w": torch.full((3,), 2.0)}, target)
+    assert sorted(tmp_path.iterdir()) == [target]
+    assert load_file(str(target))["w"].tolist() == [2.0, 2.0, 2.0]
 
 
 def test_csv_tracker_rows_whole_or_absent_on_a_full_disk(tmp_path, monkeypatch):
@@ -465,3 +475,23 @@ def test_temp_file_sibling_is_found_once_its_writer_is_dead(tmp_path, monkeypatc
     monkeypatch.undo()
     assert saved.stale_temps(target) == [dead]
     assert saved.remove_stale_temps(target) == [dead] and sorted(tmp_path.iterdir()) == [mine]
+
+
+def test_write_safetensors_removes_a_killed_saves_temp_and_keeps_modes(tmp_path, monkeypatch):
+    """Accelerator.save_model's file: a temporary file of a dead writer goes on the next
+    save; the new file and folder get the usual modes (not mkstemp's 0600 / mkdtemp's 0700)."""
+    import torch
+
+    from meshfit.checkpoint.export import write_safetensors
+
+    target = tmp_path / "model.safetensors"
+    ended = _dead_pid()
+    monkeypatch.setattr(os, "getpid", lambda: ended)
+    leftover = saved.temp_sibling(target)
+    (leftover / ".tmpjIylrP").write_bytes(b"\0" * 4096)  # safetensors' own, of a killed save
+    monkeypatch.undo()
+    write_safetensors({"w": torch.ones(2)}, target)
+    assert sorted(tmp_path.iterdir()) == [target]
+    assert target.stat().st_mode & 0o777 == 0o666 & ~_umask()
+    folder = _save(tmp_path / "model")
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~_umask()

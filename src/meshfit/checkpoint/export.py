@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -85,10 +86,14 @@ def canonical(state: dict[str, torch.Tensor], manifest: Manifest, index: int,
 
 
 def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
-    """Write `state` as safetensors, atomically (a temporary file, fsync, rename). Tensors
+    """Write `state` as safetensors, atomically (a temporary file, fsync, rename, fsync of
+    the folder; the temporary files of a killed earlier save are removed first). Tensors
     sharing storage (tied weights) are written as separate copies, which safetensors
     requires; both names load back into the tied model."""
     from safetensors.torch import save_file
+
+    from meshfit.checkpoint.saved import fsync_path, remove_stale_temps, temp_sibling
+    from meshfit.train.runfolder import new_file_mode
 
     seen: set[int] = set()
     tensors = {}
@@ -98,14 +103,20 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
         tensors[name] = tensor.clone() if storage in seen else tensor.contiguous()
         seen.add(storage)
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    remove_stale_temps(path)  # of a save that was killed
+    # safetensors writes its own ".tmpXXXXXX" beside the file it is given and renames it
+    # (mode 0600, no fsync): inside a temporary folder of ours, a kill leaves it where
+    # remove_stale_temps finds it.
+    folder = temp_sibling(path)
     try:
+        tmp = folder / path.name
         save_file(tensors, str(tmp), metadata={"format": "pt"})
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
+        os.chmod(tmp, new_file_mode(path))
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     finally:
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
     return path
 
 

@@ -104,12 +104,20 @@ _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
 def temp_sibling(target: Path, *, file: bool = False) -> Path:
     """A new, empty temporary folder (`file`: file) beside `target` (same file system, so a
     rename puts it in place), named after `target`, this host and this process, so that
-    `remove_stale_temps(target)` finds it if the process is killed before removing it."""
+    `remove_stale_temps(target)` finds it if the process is killed before removing it. Its
+    mode is `target`'s, or a new file's (folder's) under the umask."""
+    from meshfit.train.runfolder import new_file_mode
+
     prefix = f".{target.name}.tmp.{_HOST}.{os.getpid()}."
     if not file:
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+        os.chmod(tmp, new_file_mode(target, folder=True))  # mkdtemp's is 0700
+        return tmp
     fd, name = tempfile.mkstemp(prefix=prefix, dir=target.parent)
-    os.close(fd)
+    try:
+        os.fchmod(fd, new_file_mode(target))  # mkstemp's is 0600
+    finally:
+        os.close(fd)
     return Path(name)
 
 

@@ -26,7 +26,7 @@ from typing import Self
 
 __all__ = ["LOCK_FILE", "RUN_MARKERS", "RUN_OUTPUTS", "RunLock", "WriteFailed",
            "append_line", "atomic_write_bytes", "atomic_write_text", "check_run_folder",
-           "remove_run_outputs"]
+           "new_file_mode", "remove_run_outputs"]
 
 LOCK_FILE = ".meshfit.lock"
 RUN_MARKERS = ("metrics.jsonl", "config.toml", "checkpoints")
@@ -237,12 +237,13 @@ def _umask() -> int:
     return 0o022
 
 
-def _new_file_mode(path: Path) -> int:
-    """The mode `path` keeps when replaced: its own, or what open() would give a new file."""
+def new_file_mode(path: Path, *, folder: bool = False) -> int:
+    """The mode `path` keeps when replaced: its own, or what open() (`folder`: mkdir) would
+    give a new one under this process's umask."""
     try:
         return os.stat(path).st_mode & 0o7777
     except OSError:
-        return 0o666 & ~_umask()
+        return (0o777 if folder else 0o666) & ~_umask()
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -265,7 +266,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), _new_file_mode(path))  # mkstemp's is 0600
+            os.fchmod(fh.fileno(), new_file_mode(path))  # mkstemp's is 0600
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
