@@ -41,7 +41,7 @@ import os, sys, pathlib, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 out, use_mesh = pathlib.Path(sys.argv[1]), sys.argv[2] == "mesh"
 rank = int(os.environ["RANK"])
-attempt = os.environ.get("MESHFIT_RESTART_COUNT") or os.environ["TORCHELASTIC_RESTART_COUNT"]
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
 dist.init_process_group("gloo")
 group = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)).get_group() if use_mesh else None
 t = torch.ones(4)

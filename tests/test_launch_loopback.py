@@ -15,7 +15,7 @@ import pytest
 SCRIPT = """
 import os, sys, time, pathlib, torch.distributed as dist
 from meshfit.distributed import init
-if sys.argv[3] == "fail-first" and os.environ.get("MESHFIT_RESTART_COUNT") == "0":
+if sys.argv[3] == "fail-first" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
     if os.environ["RANK"] == "1":
         sys.exit(3)  # the first attempt fails; the restarted group is the one checked
     time.sleep(60)  # ended by the agent

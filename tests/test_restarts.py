@@ -20,7 +20,7 @@ import os, signal, sys, pathlib, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 out = pathlib.Path(sys.argv[1])
 kills = int(sys.argv[2])
-rank, attempt = int(os.environ["RANK"]), int(os.environ["MESHFIT_RESTART_COUNT"])
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
 t = torch.ones(3)

@@ -96,9 +96,7 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, *,
         return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device,
                        backend=None)
     chosen = backend or ("nccl" if cuda else "gloo")
-    # torchrun's agent counts its own restarts; `meshfit launch` restarts single-node jobs
-    # with a new agent each time and counts them in MESHFIT_RESTART_COUNT.
-    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0) + _env_int("MESHFIT_RESTART_COUNT", 0)
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         try:

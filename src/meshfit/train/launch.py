@@ -220,16 +220,23 @@ def master_port_in_use(cfg: LaunchConfig) -> None:
 
 LAUNCHER_PID_ENV = "MESHFIT_LAUNCHER_PID"
 RESTART_ENV = "MESHFIT_RESTART_COUNT"
-"""The attempt of a single-node job that meshfit restarted itself (0 on the first); read by
-`meshfit.distributed.init` with torchrun's own TORCHELASTIC_RESTART_COUNT."""
+MAX_RESTARTS_ENV = "MESHFIT_MAX_RESTARTS"
+"""The attempt of a single-node job that meshfit restarts itself (0 on the first) and the
+restarts allowed: `_enter_worker` hands them to the worker as torchrun's own
+TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS (each attempt's agent counts 0)."""
 
 
 def _enter_worker(argv: list[str]) -> None:
     """``python -m meshfit.train.launch ARGS``: how the agent starts each worker. Asks Linux to
     SIGKILL this process when the launcher dies (PR_SET_PDEATHSIG; kept across exec), checks
     that the launcher was not already gone before that took effect, then replaces itself with
-    ``python -u ARGS``, the command torchrun would have run: same PID, same environment."""
+    ``python -u ARGS``, the command torchrun would have run: same PID, same environment
+    (with the restart count of the whole job where meshfit restarts it)."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
+    restart, most = os.environ.pop(RESTART_ENV, ""), os.environ.pop(MAX_RESTARTS_ENV, "")
+    if restart.isdigit() and most.isdigit():
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = restart
+        os.environ["TORCHELASTIC_MAX_RESTARTS"] = most
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
@@ -369,6 +376,7 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
             for attempt in range(attempts):
                 if ours:
                     os.environ[RESTART_ENV] = str(attempt)
+                    os.environ[MAX_RESTARTS_ENV] = str(cfg.max_restarts)
                     once = dataclasses.replace(
                         cfg, max_restarts=0, master_port=cfg.master_port if attempt == 0
                         else None)
@@ -395,7 +403,7 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
                   flush=True)
         return 128 + int(err.sigval)
     finally:
-        for name in (LAUNCHER_PID_ENV, RESTART_ENV):
+        for name in (LAUNCHER_PID_ENV, RESTART_ENV, MAX_RESTARTS_ENV):
             os.environ.pop(name, None)
     return 1
 
