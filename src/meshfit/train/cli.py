@@ -136,6 +136,11 @@ def cmd_train(argv: list[str]) -> int:
         except (ValueError, TimeoutError) as err:  # one line, in the launcher's summary too
             _record_error(err)
             raise
+        except Exception as err:  # a traceback: its last lines in the launcher's summary
+            import traceback
+
+            _record_error(err, traceback.format_exc().strip().splitlines()[-3:])
+            raise
         from meshfit.distributed import init
 
         import torch.distributed as dist
@@ -179,18 +184,17 @@ def cmd_train(argv: list[str]) -> int:
                           env=env, prog="meshfit train", say_stopped=False)
 
 
-def _record_error(err: BaseException) -> None:
-    """A worker's one-line error in torch's error file (TORCHELASTIC_ERROR_FILE), where the
-    launcher's failure summary reads it."""
+def _record_error(err: BaseException, lines: list[str] | None = None) -> None:
+    """A worker's error in torch's error file (TORCHELASTIC_ERROR_FILE), where the launcher's
+    failure summary reads it: its one line, or the given last lines of its traceback."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     import json
 
+    text = "\n".join(lines) if lines else (str(err).splitlines() or [type(err).__name__])[0]
     try:
-        Path(path).write_text(json.dumps({"message": str(err).splitlines()[0] if str(err)
-                                          else type(err).__name__,
-                                          "timestamp": int(time.time())}))
+        Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
     except OSError:
         pass  # the summary then gives the exit code alone
 
