@@ -7,9 +7,14 @@ meshfit does not re-implement the launcher: it builds torchrun's argument list a
   29500 on every interface, which collides between jobs);
 * ``--gpus 0,2`` chooses the devices and their order, as the multi-GPU guide does by hand with
   ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``;
-* every argument is checked before any process starts.
+* every argument is checked before any process starts (a --master-port in use included);
+* a single-node job with ``--max-restarts`` is restarted by meshfit, the whole group with a new
+  agent on a fresh loopback port per attempt (multi-node jobs keep torchrun's restarts);
+* workers die with the launcher (Linux's parent-death signal), Ctrl-C or SIGTERM end the job
+  with one line, and a failure is summed up in one line naming the rank that failed first.
 
-The workers see exactly torchrun's environment, so a script written for torchrun runs
+The workers see exactly torchrun's environment (started through `_enter_worker`, which
+execs the same command), so a script written for torchrun runs
 unchanged under `meshfit launch` and the other way round.
 
 `accelerate launch`'s common flags are accepted beside meshfit's own, with Accelerate's
