@@ -400,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as err:  # a bounded wait ran out (e.g. ranks that never joined)
         print(f"meshfit {argv[0]}: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before a run's own handler was installed
+        print(f"meshfit {argv[0]}: stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+        return 128 + 2
 
 
 if __name__ == "__main__":
