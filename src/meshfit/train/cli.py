@@ -22,8 +22,16 @@ from pathlib import Path
 from meshfit.train import launch
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: a ValueError that `main` prints as
+    ``meshfit CMD: error: ...`` (argparse itself prints the whole usage block first)."""
+
+    def error(self, message: str):
+        raise ValueError(f"{message} (`{self.prog} --help` lists the options)")
+
+
 def _launch_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="meshfit launch", allow_abbrev=False,
         description="Start a training script on N processes per node (torch.distributed.run). "
                     "accelerate launch's common flags work too; inside a SLURM job the nodes, "
@@ -56,7 +64,7 @@ def _say(command: str, notes: list[str]) -> None:
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="meshfit train", allow_abbrev=False,
         description="Train the reference GPT (default: the tiny preset on the Python standard "
                     "library's source). Options --section.key=value override the config.")
@@ -230,7 +238,7 @@ def _collect_overrides(rest: list[str]) -> list[str]:
 
 
 def _pipeline_chart_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="meshfit pipeline-chart", allow_abbrev=False,
         description="Draw a pipeline-parallel run's schedule (one row per pp rank) and print "
                     "its measured bubble beside the theoretical one.")
@@ -254,7 +262,7 @@ def cmd_pipeline_chart(argv: list[str]) -> int:
 
 
 def _export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="meshfit export", allow_abbrev=False,
         description="Write a checkpoint's model as one safetensors file (or a Hugging Face "
                     "folder), offline, in one process, whatever layout and number of "
@@ -310,7 +318,7 @@ def cmd_eval(argv: list[str]) -> int:
 def _plot_parser() -> argparse.ArgumentParser:
     from meshfit.train.plot import DPI, FIGSIZE
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="meshfit plot", allow_abbrev=False,
         description="Draw runs of `meshfit train` from their metrics.jsonl, overlaid and "
                     "labelled with their folder names: loss and validation loss, learning "
@@ -337,7 +345,7 @@ def cmd_plot(argv: list[str]) -> int:
 
 
 def cmd_env(argv: list[str]) -> int:
-    argparse.ArgumentParser(
+    _Parser(
         prog="meshfit env", allow_abbrev=False,
         description="Print the versions of meshfit, Python, torch, CUDA/cuDNN/NCCL, the "
                     "devices, the distributed backends, the libraries meshfit works with and "
