@@ -428,7 +428,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-port", type=int, default=None,
                         help="rendezvous port (default: a free port, single node)")
     parser.add_argument("--max-restarts", type=int, default=0,
-                        help="restart the group this often after a worker fails")
+                        help="restart the whole group this often after a worker fails "
+                             "(single node: by meshfit, on a fresh port each time)")
     parser.add_argument("--gpus", default=None, help="CUDA devices in order, e.g. 0,2")
     parser.add_argument("--no-slurm", action="store_true",
                         help="ignore SLURM_* variables (default: inside a SLURM job, take the "
