@@ -621,6 +621,22 @@ def test_unreadable_corpus_file(refuse, tmp_path, cache_dir, monkeypatch):
     _check(line, ["data.path=", "locked", "a.txt", "Permission denied"], tmp_path)
 
 
+def test_unlistable_corpus_folder(refuse, tmp_path, cache_dir, monkeypatch):
+    _write(tmp_path, {"corpus/a.txt": TEXT, "corpus/sub/b.txt": TEXT})
+    real = os.scandir
+
+    def scandir(path="."):  # a folder without read permission, for a user who is not root
+        if Path(path) == tmp_path / "corpus" / "sub":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    line = refuse(_train_argv([f"--data.path={tmp_path / 'corpus'}",  # enough without sub/
+                               f"--data.cache_dir={cache_dir}", "--train.seq_len=16",
+                               "--train.micro_batch_size=2", "--train.global_batch_size=4"]))
+    _check(line, ["data.path=", "cannot list", "sub", "Permission denied"], tmp_path)
+
+
 def test_unreadable_config_file(refuse, tmp_path, monkeypatch):
     _write(tmp_path, {"locked.toml": "[train]\nsteps = 3\n"})
     _deny(monkeypatch, "read_bytes", tmp_path / "locked.toml")
@@ -734,7 +750,7 @@ PENDING_OTHERS = [
 def test_catalogue_size():
     """Issue 16 asks for at least 100 bad inputs."""
     count = (len(T) + len(TOML) + len(CONFIG_FILES) + len(LAUNCH) + len(CHART) + len(OTHER)
-             + len(SURROUNDINGS) + 2 + len(ACCELERATOR))
+             + len(SURROUNDINGS) + 3 + len(ACCELERATOR))
     assert count >= 110, count
 
 
@@ -785,7 +801,7 @@ def test_train_with_a_batch_larger_than_the_data_stops(tmp_path, cache_dir, monk
         return original(self)
 
     monkeypatch.setattr(PreparedDataLoader, "__iter__", counted)
-    (tmp_path / "a.txt").write_text(TEXT)  # 1,058 training tokens: 66 windows of 16
+    (tmp_path / "a.txt").write_text(TEXT)  # 1,060 training tokens: 66 windows of 16
     cfg = build_config({
         "data": {"path": str(tmp_path / "a.txt"), "cache_dir": str(cache_dir)},
         "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "d_ff": 64},

@@ -77,7 +77,8 @@ def find_corpus(path: str | os.PathLike[str] | None) -> Corpus:
     if p.is_file():
         return Corpus(root=p.parent, description=f"file {p}", slug=_slug(p.name),
                       files=(_source_file(p, p.parent),))
-    files = tuple(_source_file(f, p) for f in _walk(p, suffix=None, skip=frozenset()))
+    files = tuple(_source_file(f, p) for f in _walk(p, suffix=None, skip=frozenset(),
+                                                    strict=f"data.path={str(path)!r}"))
     if not files:
         raise ValueError(
             f"data.path={str(path)!r} is a folder with no (non-hidden) files; put text files "
@@ -104,14 +105,22 @@ def _stdlib_corpus() -> Corpus:
                   files=files)
 
 
-def _walk(root: Path, *, suffix: str | None, skip: frozenset[str]) -> list[Path]:
+def _walk(root: Path, *, suffix: str | None, skip: frozenset[str],
+          strict: str | None = None) -> list[Path]:
     """Files under ``root`` sorted by relative path, skipping hidden entries and ``skip``.
 
     Hidden files go too (``.DS_Store``, ``.gitignore``): they are metadata, not text.
-    Symlinked folders are not followed, so a link loop cannot hang the walk.
+    Symlinked folders are not followed, so a link loop cannot hang the walk. With `strict`
+    (the setting's name and value, for the message), a folder that cannot be listed is a
+    one-line ValueError instead of silently missing text.
     """
+
+    def unlisted(err: OSError) -> None:
+        raise ValueError(f"{strict}: cannot list {err.filename} ({err.strerror or err}); make "
+                         "it readable or point data.path elsewhere")
+
     found: list[tuple[str, Path]] = []
-    for folder, dirs, names in os.walk(root):
+    for folder, dirs, names in os.walk(root, onerror=unlisted if strict else None):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip]
         for name in names:
             if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
