@@ -599,6 +599,39 @@ def test_surroundings(argv, setup, wanted, refuse, tmp_path, monkeypatch):
     _check(line, [w.replace("PORT", port) for w in wanted], tmp_path)
 
 
+# ------------------------------------------------------------------ datasets on disk
+HF_DATASETS = [  # (id, the dataset's columns, train arguments, substrings)
+    ("hf_dataset without the text column", {"body": ["def f(x): return x"] * 50}, [],
+     ["data.text_column='text'", "['body']"]),
+    ("hf_dataset text column of numbers", {"text": list(range(50))}, [],
+     ["data.text_column='text'", "int64"]),
+    ("hf_dataset text column all empty", {"text": [""] * 5}, [],
+     ["data.hf_dataset=", "no text", "5 rows"]),
+    ("hf_dataset smaller than a global batch", {"text": ["ab"] * 5}, [],
+     ["data.hf_dataset=", "0 training windows", "train.global_batch_size=32"]),
+    ("hf_dataset with data.text_column of another row",
+     {"text": ["def f(x): return x"] * 50, "id": list(range(50))}, ["--data.text_column=id"],
+     ["data.text_column='id'", "int64"]),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_datasets(tmp_path_factory):
+    datasets = pytest.importorskip("datasets")
+    root = tmp_path_factory.mktemp("hf-datasets")
+    for name, columns, _, _ in HF_DATASETS:
+        datasets.Dataset.from_dict(columns).save_to_disk(str(root / name.replace(" ", "_")))
+    return root
+
+
+@pytest.mark.parametrize("name,args,wanted",
+                         [pytest.param(n, a, w, id=n) for n, _, a, w in HF_DATASETS])
+def test_hf_dataset(name, args, wanted, hf_datasets, refuse, tmp_path):
+    folder = hf_datasets / name.replace(" ", "_")
+    line = refuse(_train_argv([f"--data.hf_dataset={folder}", "--data.cache_dir={c}", *args]))
+    _check(line, wanted, tmp_path)
+
+
 # ------------------------------------------------------------------ unreadable inputs
 def _deny(monkeypatch, method: str, target: Path) -> None:
     """Path.`method` raises PermissionError for `target` and below (as chmod 000 would for a
@@ -779,7 +812,7 @@ PENDING_OTHERS = [
 def test_catalogue_size():
     """Issue 16 asks for at least 100 bad inputs."""
     count = (len(T) + len(TOML) + len(CONFIG_FILES) + len(LAUNCH) + len(CHART) + len(OTHER)
-             + len(SURROUNDINGS) + 3 + len(ACCELERATOR)
+             + len(SURROUNDINGS) + len(HF_DATASETS) + 3 + len(ACCELERATOR)
              + len(MISUSE))
     assert count >= 110, count
 
