@@ -121,6 +121,8 @@ def check_data(cfg: RunConfig, world_size: int) -> None:
     and the workers reuse it) and hold one global batch of training windows and the
     validation windows the evaluation needs; one-line ValueError otherwise. A training split
     smaller than one batch per data-parallel rank would give every epoch zero batches."""
+    from meshfit.data import DEFAULT_VAL_FRACTION
+
     t = cfg.train
     source = _data_source(cfg)
     try:
@@ -156,7 +158,8 @@ def check_data(cfg: RunConfig, world_size: int) -> None:
             f"{source} gives {val_windows} validation windows of train.seq_len={t.seq_len} "
             f"tokens ({n_val} tokens), fewer than {unit}; lower train.seq_len"
             f"{' or train.micro_batch_size' if dims.pp > 1 else ''}, or give more data "
-            "(validation takes whole files, or the last 2% of the tokens)")
+            f"(validation takes whole files, or the last {DEFAULT_VAL_FRACTION:.0%} of the "
+            "tokens)")
 
 
 def lr_lambda(cfg: RunConfig):
