@@ -783,7 +783,18 @@ MISUSE = [  # (id, what is done with a single-process Accelerator, substrings)
      ["'median'", "sum, mean, min, max"]),
     ("load_state of a missing folder", lambda acc, tmp: acc.load_state(str(tmp / "no_ckpt")),
      ["load_state", "no_ckpt", "is not a folder"]),
+    ("save_model to a file", lambda acc, tmp: acc.save_model(
+        acc.prepare(torch.nn.Linear(2, 2)), _blocker(tmp)), ["save_model", "afile", "is a file"]),
+    ("save_model under a file", lambda acc, tmp: acc.save_model(
+        acc.prepare(torch.nn.Linear(2, 2)), _blocker(tmp) / "model"),
+     ["save_model", "afile/model", "is a file"]),
 ]
+
+
+def _blocker(tmp: Path) -> Path:
+    """A file where a folder is wanted (the only thing a misuse case may leave behind)."""
+    (tmp / "afile").write_text("mine\n")
+    return tmp / "afile"
 
 
 @pytest.mark.parametrize("do,wanted", [pytest.param(d, w, id=i) for i, d, w in MISUSE])
@@ -798,7 +809,9 @@ def test_accelerator_misuse(do, wanted, tmp_path, monkeypatch):
     assert "\n" not in message, message
     for w in wanted:
         assert w in message, f"{w!r} not in {message!r}"
-    assert list(tmp_path.iterdir()) == []
+    left = {p.name: p for p in tmp_path.iterdir()}
+    assert set(left) <= {"afile"}, left
+    assert "afile" not in left or left["afile"].read_text() == "mine\n"
 
 
 # ------------------------------------------------------------------ still to be fixed

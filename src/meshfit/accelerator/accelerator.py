@@ -1008,9 +1008,22 @@ class Accelerator:
         """Write `get_state_dict(model)` to ``save_directory/model.safetensors`` from the main
         process (atomically: a temporary file, then os.replace); call on every rank.
         Tensors sharing storage (tied weights) are written as separate copies, which
-        safetensors requires; both names load back into the tied model."""
+        safetensors requires; both names load back into the tied model. A
+        `save_directory` that is a file (or lies under one) is refused on every rank, before
+        anything is gathered or written."""
+        folder = Path(save_directory)
+        blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
+                       None) if self.is_main_process else None
+        flag = torch.tensor([0 if blocked is None else 1], device=self.device)
+        if self.env.is_distributed:  # the main process's file system decides for everyone
+            torch.distributed.broadcast(flag, src=0)
+        if flag.item():
+            where = f"{str(blocked)!r} is a file" if blocked is not None else \
+                "it is a file, or lies under one, on the main process"
+            raise ValueError(f"save_model: save_directory={str(folder)!r} cannot be a folder: "
+                             f"{where}; give a folder path")
         state = self.get_state_dict(model)
-        path = Path(save_directory) / "model.safetensors"
+        path = folder / "model.safetensors"
         if self.is_main_process:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_safetensors(state, path)
