@@ -558,17 +558,21 @@ def test_a_rank_that_never_joins_is_a_bounded_one_line_error(monkeypatch):
         in str(err.value) and "\n" not in str(err.value)
 
 
-def test_help_and_refusals_do_not_import_torch():
-    """`meshfit --help`, `meshfit train --help`, `meshfit launch --help` and a refused launch
-    argument are answered before torch is imported (importing it takes seconds)."""
+def test_help_and_refusals_do_not_import_torch(tmp_path):
+    """`meshfit --help`, `meshfit train --help`, `meshfit launch --help` and refused arguments
+    (launch flags, a config value, an --out that is a file) are answered before torch is
+    imported (importing it takes seconds)."""
+    (tmp_path / "file").write_text("")
     code = ("import sys, contextlib, io\n"
             "from meshfit.train import cli\n"
             "with contextlib.redirect_stdout(io.StringIO()), "
             "contextlib.redirect_stderr(io.StringIO()):\n"
             "    for argv in (['--help'], ['train', '--help'], ['launch', '--help'],\n"
-            "                 ['train', '--nproc', '0'], ['launch', '--nproc', '0', 'x.py']):\n"
+            "                 ['train', '--nproc', '0'], ['launch', '--nproc', '0', 'x.py'],\n"
+            "                 ['train', '--train.steps=abc'],\n"
+            f"                 ['train', '--out', {str(tmp_path / 'file')!r}]):\n"
             "        try:\n"
-            "            cli.main(argv)\n"
+            "            assert cli.main(argv) in (0, 2), argv\n"
             "        except SystemExit:\n"
             "            pass\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
