@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -583,3 +585,35 @@ def test_help_and_refusals_do_not_import_torch(tmp_path):
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_train_on_two_nodes_shares_one_run_folder(tmp_path, subprocess_env):
+    """Two `meshfit train` launchers as nodes 0 and 1 of one job, one --out (a shared file
+    system): node 0 claims and locks the folder, node 1 joins its run instead of refusing a
+    folder that holds a run or a lock; one metrics file, written by global rank 0."""
+    out = tmp_path / "run"
+    port = str(free_port())
+    small = ["--train.steps=2", "--train.eval_every=0", "--train.log_every=1",
+             "--train.global_batch_size=4", "--train.micro_batch_size=2",
+             "--train.seq_len=32", "--train.eval_batches=1", "--model.n_layer=1",
+             f"--data.cache_dir={tmp_path / 'cache'}"]
+    nodes = []
+    for rank in range(2):
+        nodes.append(subprocess.Popen(
+            [*MESHFIT, "train", "--nnodes", "2", "--node-rank", str(rank), "--nproc", "1",
+             "--master-addr", "127.0.0.1", "--master-port", port, "--out", str(out), *small],
+            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        if rank == 0:  # node 1 comes once node 0 holds the folder, as on a real cluster
+            deadline = time.monotonic() + 60
+            while not (out / "config.toml").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+    try:
+        logs = [n.communicate(timeout=240)[0] for n in nodes]
+    finally:
+        for n in nodes:  # only the processes this test started
+            if n.poll() is None:
+                n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(logs)
+    steps = [json.loads(x).get("step") for x in (out / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(x)]
+    assert steps == [1, 2]

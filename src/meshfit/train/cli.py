@@ -14,6 +14,7 @@ are one line naming the option, the value and the fix.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -159,7 +160,10 @@ def cmd_train(argv: list[str]) -> int:
     cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
     from meshfit.train.runfolder import RunLock, atomic_write_text, check_run_folder
 
-    check_run_folder(out, resume=ns.resume, overwrite=ns.overwrite)  # writes nothing
+    # Node 0 claims the run folder (lock, existing run, --overwrite); the other nodes of a
+    # multi-node job join its run and only check that they can write there.
+    claim = launch_cfg.node_rank == 0
+    check_run_folder(out, resume=ns.resume, overwrite=ns.overwrite, claim=claim)
     from meshfit.train.trainer import preflight
 
     # this machine's device, kernels and libraries; layouts the guide advises against
@@ -182,9 +186,18 @@ def cmd_train(argv: list[str]) -> int:
         except Preempted as stopped:
             return _stopped(stopped)
         return 0
-    # The launcher holds the run folder's lock for the whole job; its workers take none.
-    with RunLock(out, overwrite=ns.overwrite):
-        resolved = out / "config.toml"
+    # Node 0's launcher holds the run folder's lock for the whole job; workers take none.
+    # Another node writes its workers' config into a folder of its own (node 0 may be
+    # clearing the run folder for --overwrite at the same moment).
+    with contextlib.ExitStack() as stack:
+        if claim:
+            stack.enter_context(RunLock(out, overwrite=ns.overwrite))
+            resolved = out / "config.toml"
+        else:
+            import tempfile
+
+            resolved = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="meshfit-config-"))) / "config.toml"
         atomic_write_text(resolved, cfg.to_toml())
         return launch.run(launch_cfg, ["meshfit.train.cli", "train", "--worker", "--config",
                                        str(resolved), "--out", str(out),

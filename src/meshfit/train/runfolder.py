@@ -72,9 +72,12 @@ def _reason(err: OSError) -> str:
     return f"{text} ({name})" if name else text
 
 
-def check_run_folder(out: Path, *, resume: bool, overwrite: bool) -> None:
+def check_run_folder(out: Path, *, resume: bool, overwrite: bool, claim: bool = True) -> None:
     """Refuse a run folder the run could not or should not write into, with a one-line
-    ValueError naming ``--out=...``, the problem and the fix. Writes nothing."""
+    ValueError naming ``--out=...``, the problem and the fix. Writes nothing.
+
+    `claim` False (a node other than node 0 of a multi-node job, joining the run node 0
+    claims): only whether the folder can be written is checked, not whether a run holds it."""
     out = Path(out)
     flag = f"--out={str(out)!r}"
     if resume and overwrite:
@@ -106,8 +109,8 @@ def check_run_folder(out: Path, *, resume: bool, overwrite: bool) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{flag}: {existing} is not writable by this user (permission "
                          "denied); give an --out in a folder you can write to")
-    if existing != absolute:
-        return  # a new folder: nothing more to check
+    if existing != absolute or not claim:
+        return  # a new folder, or node 0's run: nothing more to check
     holder = _lock_holder(absolute)
     if holder is not None:
         raise ValueError(f"{flag}: a run (PID {holder}) is writing to this folder now (it holds "
