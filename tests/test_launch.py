@@ -617,3 +617,24 @@ def test_train_on_two_nodes_shares_one_run_folder(tmp_path, subprocess_env):
     steps = [json.loads(x).get("step") for x in (out / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(x)]
     assert steps == [1, 2]
+
+
+def test_meshfit_warnings_print_as_one_line(capsys, monkeypatch):
+    """The `meshfit` command shows meshfit's own warnings (e.g. a token cache rebuilt after
+    failing its checksum) as one prefixed line; other libraries' keep Python's format."""
+    import warnings
+
+    from meshfit.data import cache
+    from meshfit.train import cli
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after
+    cli._one_line_warnings("meshfit train")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn_explicit("data: token cache x.bin failed\n its checksum", UserWarning,
+                               filename=cache.__file__, lineno=1)
+        warnings.warn_explicit("elsewhere", UserWarning, filename="/elsewhere/lib.py",
+                               lineno=3)
+    err = capsys.readouterr().err
+    assert "meshfit train: warning: data: token cache x.bin failed its checksum\n" in err
+    assert "/elsewhere/lib.py:3: UserWarning: elsewhere" in err

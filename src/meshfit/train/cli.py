@@ -399,6 +399,24 @@ def _help() -> str:
     return "\n".join(lines)
 
 
+def _one_line_warnings(prefix: str) -> None:
+    """meshfit's own warnings (a rebuilt token cache, a skipped file, ...) as one line
+    ``<prefix>: warning: <message>`` on stderr, without Python's source-line echo; other
+    libraries' warnings keep Python's format."""
+    import warnings
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not os.path.abspath(filename).startswith(package):
+            return shown(message, category, filename, lineno, file, line)
+        text = " ".join(str(message).split())
+        print(f"{prefix}: warning: {text}", file=file or sys.stderr, flush=True)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
@@ -413,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(_help())
         return 0
+    _one_line_warnings(f"meshfit {argv[0]}")
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ValueError as err:
