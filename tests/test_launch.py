@@ -637,4 +637,4 @@ def test_meshfit_warnings_print_as_one_line(capsys, monkeypatch):
                                lineno=3)
     err = capsys.readouterr().err
     assert "meshfit train: warning: data: token cache x.bin failed its checksum\n" in err
-    assert "/elsewhere/lib.py:3: UserWarning: elsewhere" in err
+    assert "elsewhere" not in err  # left to Python's (here pytest's) own warning display
