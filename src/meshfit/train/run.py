@@ -97,13 +97,16 @@ class StopOnSignal:
     """SIGTERM or SIGINT (a cluster preempting the job, Ctrl-C): the ranks finish the current
     optimizer step, write a checkpoint and stop; a second signal ends the process at once.
     Ranks may get the signal at different moments, so after each step they agree on it (one
-    tiny all-reduce of the signal number, MAX)."""
+    tiny all-reduce of the signal number, MAX). On GPUs that all-reduce runs on the host,
+    over a gloo group of the same ranks, so reading its result never waits for the device's
+    queued work (a per-step host synchronisation would stall the GPU pipeline)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signum = 0
         self.previous = {}
+        self.group = None  # the host-side group on GPUs, made at the first (collective) check
         if threading.current_thread() is threading.main_thread():  # handlers live there
             for sig in self.SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._handle)
@@ -117,8 +120,11 @@ class StopOnSignal:
     def requested(self, acc: Accelerator) -> int:
         if not acc.env.is_distributed:
             return self.signum
-        flag = torch.tensor([self.signum], device=acc.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        dist = torch.distributed
+        if acc.device.type != "cpu" and self.group is None:
+            self.group = dist.new_group(backend="gloo")  # every rank checks at the same step
+        flag = torch.tensor([self.signum], device="cpu" if self.group else acc.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(flag.item())
 
     def restore(self) -> None:
