@@ -5,7 +5,23 @@ variables (RANK, WORLD_SIZE, LOCAL_RANK, ...). Everything else receives a `DistE
 `ParallelDims` or a `DeviceMesh` explicitly.
 """
 
-from meshfit.distributed.dims import AXES, ParallelDims
-from meshfit.distributed.env import DistEnv, cpu_requested, init
+from __future__ import annotations
 
+import importlib
+
+from meshfit.distributed.dims import AXES, ParallelDims
+
+# env.py imports torch: its names load on first use, so that the mesh axes (dims.py, no
+# torch) can be read and checked without it.
+_LAZY = {"DistEnv": "env", "cpu_requested": "env", "init": "env"}
 __all__ = ["AXES", "DistEnv", "ParallelDims", "cpu_requested", "init"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"meshfit.distributed.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'meshfit.distributed' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
