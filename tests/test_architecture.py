@@ -8,7 +8,7 @@ deferred import is still a dependency). Layers, bottom to top:
     1  meshfit.models, meshfit.data            models with their plans as data; token data
     2  meshfit.parallel, optim, memory, peft,  the techniques; distributed checkpoints;
        meshfit.checkpoint, meshfit.plan,       memory estimates and the layout planner;
-       meshfit.tracking                        experiment trackers
+       meshfit.tracking, optim_names           experiment trackers; optimizer names
     3  meshfit.accelerator, meshfit.utils      the facade for users' loops; Accelerate's names
     4  meshfit.train                           config, trainer, command line
 """
@@ -21,7 +21,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [("meshfit._quiet", 0), ("meshfit.distributed", 0), ("meshfit.models", 1),
           ("meshfit.data", 1), ("meshfit.parallel", 2), ("meshfit.optim", 2),
-          ("meshfit.memory", 2), ("meshfit.peft", 2), ("meshfit.checkpoint", 2),
+          ("meshfit.optim_names", 2), ("meshfit.memory", 2), ("meshfit.peft", 2),
+          ("meshfit.checkpoint", 2),
           ("meshfit.plan", 2), ("meshfit.tracking", 2),
           ("meshfit.accelerator", 3), ("meshfit.utils", 3),
           ("meshfit.train", 4)]
@@ -132,3 +133,30 @@ def test_top_level_package_imports_nothing_eagerly():
 def test_the_graph_sees_deferred_imports():
     # A function-level import is an edge too: the facade defers its pipeline import.
     assert "meshfit.parallel.pp" in _graph()["meshfit.accelerator.accelerator"]
+
+
+# What `meshfit.train.config` imports when it loads: a config is read and refused before torch
+# loads (tests/test_fast_start.py runs the refusals; this names the module that broke it).
+TORCH_FREE = ["meshfit", "meshfit.train", "meshfit.train.config", "meshfit.distributed",
+              "meshfit.distributed.dims", "meshfit.models", "meshfit.models.config",
+              "meshfit.models.factory", "meshfit.optim_names", "meshfit.parallel",
+              "meshfit.parallel.options", "meshfit.parallel.layout", "meshfit.parallel.pp",
+              "meshfit.parallel.pp.bubble"]
+
+
+def test_config_modules_import_no_torch_at_load():
+    modules = _modules()
+    eager = []
+    for name in TORCH_FREE:
+        for node in ast.parse(modules[name].read_text()).body:  # module level: not functions,
+            if isinstance(node, ast.Import):                      # not TYPE_CHECKING blocks
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert not node.level, f"{name}: relative import"
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                           else node.module for a in node.names]
+            else:
+                continue
+            eager += [f"{name} -> {t}" for t in targets if t == "torch" or t.startswith(
+                "torch.") or (t.startswith("meshfit") and t not in TORCH_FREE)]
+    assert eager == []

@@ -39,17 +39,15 @@ import importlib.util
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from torch import nn
 
 from meshfit.distributed.tensors import local_tensor, storage_bytes
+from meshfit.optim_names import OPTIMIZERS, OptimizerName
 
 __all__ = ["OPTIMIZERS", "OptimizerName", "StateReport", "build", "format_report", "param_groups", "state_bytes"]
-
-OptimizerName = Literal["adamw", "adamw_fused", "adafactor", "adamw_8bit", "sgd"]
-OPTIMIZERS = get_args(OptimizerName)
 
 # Normalisation layers by type; modules whose class name ends in "Norm" (LlamaRMSNorm,
 # T5LayerNorm, ...) count too, as Hugging Face's ALL_LAYERNORM_LAYERS list intends.

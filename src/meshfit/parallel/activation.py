@@ -43,19 +43,16 @@ from __future__ import annotations
 
 import copyreg
 import functools
-from typing import Literal, get_args
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from meshfit.models.gpt import GPT
+from meshfit.parallel.options import CheckpointMode, CheckpointPolicy, check_checkpointing
 
 __all__ = ["CheckpointMode", "CheckpointPolicy", "SAVED_OPS", "apply_activation_checkpointing",
            "check_checkpointing", "find_blocks", "is_checkpointed"]
-
-CheckpointMode = Literal["none", "full", "selective"]
-CheckpointPolicy = Literal["block", "op"]
 
 _aten = torch.ops.aten
 # Outputs kept by policy="op": the matmuls and attention, whose recompute costs most FLOPs
@@ -136,26 +133,6 @@ def is_checkpointed(module: nn.Module) -> bool:
     """Whether `module` runs under checkpointing set by `apply_activation_checkpointing`
     (the meshfit wrapper or HF's per-layer flag)."""
     return isinstance(module, _CheckpointedMixin) or bool(getattr(module, "gradient_checkpointing", False))
-
-
-# --------------------------------------------------------------------------- validation
-_FIELDS = ("activation_checkpointing", "activation_checkpointing_every",
-           "activation_checkpointing_policy")
-
-
-def check_checkpointing(mode: object, every: object, policy: object, *,
-                        names: tuple[str, str, str] = _FIELDS, where: str = "") -> None:
-    """One-line ValueError for a mode, interval or policy that checkpointing does not know;
-    `names` spell the three fields as the caller's user wrote them."""
-    if mode not in get_args(CheckpointMode):
-        raise ValueError(f"{where}{names[0]}={mode!r} is not one of "
-                         f"{', '.join(get_args(CheckpointMode))}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"{where}{names[1]}={every!r} must be an integer >= 1 (1 "
-                         "checkpoints every block)")
-    if policy not in get_args(CheckpointPolicy):
-        raise ValueError(f"{where}{names[2]}={policy!r} is not one of "
-                         f"{', '.join(get_args(CheckpointPolicy))}")
 
 
 # --------------------------------------------------------------------------- the wrapper

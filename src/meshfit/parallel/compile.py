@@ -20,19 +20,16 @@ FSDP's dynamo-disabled hooks skips the frame, and no kernel is produced), which 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 import torch._dynamo
 from torch import nn
 
 from meshfit.parallel.activation import find_blocks
+from meshfit.parallel.options import CompileScope, check_backend_mode, check_compile_args
 
 __all__ = ["CompileScope", "CompileStats", "apply_compile", "check_compile_args", "compile_stats"]
-
-CompileScope = Literal["block", "model"]
-# Debug backends that torch._dynamo.list_backends() hides but that are useful in tests.
-_DEBUG_BACKENDS = ("eager", "aot_eager")
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", mode: str | None = None,
@@ -75,42 +72,8 @@ def compile_stats() -> CompileStats:
                         graph_breaks=sum(counters["graph_break"].values()))
 
 
-def check_compile_args(backend: object, mode: str | None, *, scope: object = "block",
-                       compile: bool = True, prefix: str = "") -> None:
-    """One-line ValueError for a scope, backend or mode torch.compile does not know, naming
-    the fields `{prefix}compile_scope` / `compile_backend` / `compile_mode` (prefix e.g.
-    "train."). The backend and mode are checked only when `compile` is on."""
-    if scope not in get_args(CompileScope):
-        raise ValueError(f"{prefix}compile_scope={scope!r} is not one of "
-                         f"{', '.join(get_args(CompileScope))}")
-    if compile:
-        _check_backend_mode(backend, mode, f"{prefix}compile_backend", f"{prefix}compile_mode")
-
-
 def _validate(backend: object, mode: str | None, scope: str) -> None:
     if scope not in get_args(CompileScope):
         raise ValueError(f"apply_compile: scope={scope!r} is not one of "
                          f"{', '.join(get_args(CompileScope))}")
-    _check_backend_mode(backend, mode, "backend", "mode", where="apply_compile: ")
-
-
-def _check_backend_mode(backend, mode, backend_field: str, mode_field: str, where: str = "") -> None:
-    if not callable(backend):  # torch.compile also takes a backend function
-        backends = sorted(set(torch._dynamo.list_backends()) | {"inductor", *_DEBUG_BACKENDS})
-        registered = torch._dynamo.list_backends(exclude_tags=())  # with the debug ones
-        if backend not in backends and backend not in registered:
-            raise ValueError(
-                f"{where}{backend_field}={backend!r} is not a torch.compile backend; use one of {backends}"
-            )
-    if mode is None:
-        return
-    if backend != "inductor":
-        raise ValueError(
-            f"{where}{mode_field}={mode!r} applies to the inductor backend only, but "
-            f"{backend_field}={backend!r}; drop {mode_field} or use {backend_field}='inductor'"
-        )
-    from torch._inductor import list_mode_options  # heavy import: only when a mode is given
-
-    modes = list(list_mode_options())
-    if mode not in modes:
-        raise ValueError(f"{where}{mode_field}={mode!r} is not an inductor mode; use None or one of {modes}")
+    check_backend_mode(backend, mode, "backend", "mode", where="apply_compile: ")

@@ -52,11 +52,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
-
-import torch
+from typing import TYPE_CHECKING, Literal, get_args
 
 from meshfit.distributed.dims import AXES, ParallelDims
+
+if TYPE_CHECKING:  # torch loads when a model or a mesh is at hand: a layout is checked without it
+    import torch
 
 __all__ = ["AVAILABLE_AXES", "Candidate", "Engine", "Layout", "LayoutCosts", "MixedPrecision",
            "ModelFacts", "Offload", "ZERO_STAGES", "check_options", "precision_dtype"]
@@ -67,12 +68,13 @@ _DP_AXES = ("dp_replicate", "dp_shard")
 ZERO_STAGES = (0, 1, 2, 3)
 Offload = Literal["none", "cpu"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
-_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def precision_dtype(mode: str) -> torch.dtype | None:
     """The low-precision compute dtype of a `MixedPrecision` mode (None for "no")."""
-    return _PRECISION_DTYPES.get(mode)
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
 
 
 class Engine(enum.Enum):

@@ -20,13 +20,14 @@ except ModuleNotFoundError:  # Python 3.10
 
 from typing import get_args
 
-from meshfit.distributed import AXES, ParallelDims
-from meshfit.models.config import AttentionBackend
-from meshfit.optim import OPTIMIZERS
-from meshfit.parallel.activation import CheckpointMode, CheckpointPolicy
-from meshfit.parallel.compile import CompileScope, check_compile_args
+# No torch below: a bad value is refused before torch loads (the modules that build and run
+# the model are imported where they are used).
+from meshfit.distributed.dims import AXES, ParallelDims
+from meshfit.models.config import AttentionBackend, GPTConfig
+from meshfit.optim_names import OPTIMIZERS
 from meshfit.parallel.layout import Layout, ModelFacts, check_options
-from meshfit.parallel.pp import SCHEDULES
+from meshfit.parallel.options import (SCHEDULES, CheckpointMode, CheckpointPolicy, CompileScope,
+                                      check_compile_args)
 
 # How `meshfit train` spells the layout's fields in its errors (see `meshfit.parallel.layout`).
 LAYOUT_NAMES = {
@@ -128,8 +129,6 @@ class ModelConfig:
     launch; the reference GPT only)."""
 
     def __post_init__(self) -> None:
-        from meshfit.models import GPTConfig
-
         if self.preset not in GPTConfig.preset_names():
             raise ValueError(f"model.preset={self.preset!r} is not a preset; use one of "
                              f"{', '.join(GPTConfig.preset_names())}")
@@ -569,8 +568,6 @@ class RunConfig:
     def model_config(self):
         """The reference GPT's config for this run: [model] over its preset, train.seq_len as
         the context, the tokenizer's vocabulary."""
-        from meshfit.models import GPTConfig
-
         return GPTConfig.preset(self.model.preset, max_seq_len=self.train.seq_len,
                                 vocab_size=self.vocab_size(), **self.model.overrides())
 
@@ -645,6 +642,11 @@ class RunConfig:
             layout.check_model(facts, seq_len=self.train.seq_len, schedule=self.parallel.schedule,
                                microbatches=self.microbatches(world_size),
                                virtual_stages=self.parallel.virtual_stages, names=LAYOUT_NAMES)
+        from meshfit.models.factory import import_object
+
+        for name in ("factory", "tp_plan", "pipeline_plan"):  # a missing module or name, named
+            if getattr(self.model, name):                    # before the model is built
+                import_object(getattr(self.model, name), f"model.{name}")
         return layout
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

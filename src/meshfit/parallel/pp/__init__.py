@@ -11,17 +11,33 @@ Llama and GPT-2).
     pipeline.py  `Pipeline`: one batch per `step`, tied weights kept equal, clipping, export
     build.py     `build_pipeline`: stages + schedule for this rank
     bubble.py    idle time measured from timings, and the textbook figure
+
+Names load on first use: the bubble figures and the schedule names need no torch
+(`meshfit pipeline-chart` reads a finished run without it).
 """
 
-from meshfit.parallel.pp.bubble import (bubble_fraction, bubble_ratio, gather_timings,
-                                        theoretical_bubble)
-from meshfit.parallel.pp.build import build_pipeline
-from meshfit.parallel.pp.pipeline import Pipeline
-from meshfit.parallel.pp.schedule import (SCHEDULES, check_pipeline, pipeline_problem,
-                                          stage_placement)
-from meshfit.parallel.pp.split import StageBlocks, block_times, build_stage_module, split_points
+from __future__ import annotations
 
-__all__ = ["SCHEDULES", "Pipeline", "StageBlocks", "block_times", "bubble_fraction",
-           "bubble_ratio", "build_pipeline", "build_stage_module", "check_pipeline",
-           "gather_timings", "pipeline_problem", "split_points", "stage_placement",
-           "theoretical_bubble"]
+import importlib
+
+_EXPORTS = {
+    "SCHEDULES": "meshfit.parallel.options",
+    **{n: "meshfit.parallel.pp.bubble" for n in ("bubble_fraction", "bubble_ratio",
+                                                 "gather_timings", "theoretical_bubble")},
+    "build_pipeline": "meshfit.parallel.pp.build", "Pipeline": "meshfit.parallel.pp.pipeline",
+    **{n: "meshfit.parallel.pp.schedule" for n in ("check_pipeline", "pipeline_problem",
+                                                   "stage_placement")},
+    **{n: "meshfit.parallel.pp.split" for n in ("StageBlocks", "block_times",
+                                                "build_stage_module", "split_points")},
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'meshfit.parallel.pp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

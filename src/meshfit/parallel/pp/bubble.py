@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-import torch.distributed as dist
-
-from meshfit.parallel.pp.schedule import SCHEDULES
+from meshfit.parallel.options import SCHEDULES
 
 __all__ = ["bubble_fraction", "bubble_ratio", "gather_timings", "theoretical_bubble"]
 
 
 def gather_timings(pipeline) -> list[dict]:
     """Every pp rank's timings, on every rank (an all-gather of Python objects)."""
+    import torch.distributed as dist  # here: the bubble figures of a finished run need no torch
+
     out: list = [None] * dist.get_world_size(pipeline.pp_group)
     dist.all_gather_object(out, pipeline.timings or [], group=pipeline.pp_group)
     return [t for rank_timings in out for t in rank_timings]

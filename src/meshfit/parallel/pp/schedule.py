@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, \
     ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
+from meshfit.parallel.options import SCHEDULES
+
 __all__ = ["SCHEDULES", "TORCH_SCHEDULES", "TokenCrossEntropy", "check_batch", "check_pipeline",
            "pipeline_problem", "stage_placement"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 _DEFAULT_V = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                    "interleaved_1f1b": ScheduleInterleaved1F1B,

@@ -1,0 +1,11 @@
+"""The optimizers `meshfit.optim.build` makes, by name, without torch: a config names one
+and is checked before torch loads. `meshfit.optim` re-exports both names."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+__all__ = ["OPTIMIZERS", "OptimizerName"]
+
+OptimizerName = Literal["adamw", "adamw_fused", "adafactor", "adamw_8bit", "sgd"]
+OPTIMIZERS = get_args(OptimizerName)

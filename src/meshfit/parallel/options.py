@@ -1,0 +1,88 @@
+"""The techniques' option names and their checks, without torch: a config is read and
+refused before torch loads (`meshfit train --train.activation_checkpointing=all` answers in
+a fraction of a second). The modules of the techniques re-export these names.
+
+    CheckpointMode, CheckpointPolicy, check_checkpointing   activation.py
+    CompileScope, check_compile_args                         compile.py
+    SCHEDULES                                                pp/schedule.py
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+__all__ = ["CheckpointMode", "CheckpointPolicy", "CompileScope", "SCHEDULES",
+           "check_checkpointing", "check_compile_args"]
+
+CheckpointMode = Literal["none", "full", "selective"]
+CheckpointPolicy = Literal["block", "op"]
+CompileScope = Literal["block", "model"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+"""Pipeline schedules by name (`meshfit.parallel.pp.schedule.TORCH_SCHEDULES` maps each to
+torch's class)."""
+
+# Debug backends that torch._dynamo.list_backends() hides but that are useful in tests.
+_DEBUG_BACKENDS = ("eager", "aot_eager")
+# Names accepted without asking torch (each is registered by every torch 2.x); any other
+# backend or mode is looked up in torch's registry, which imports torch._dynamo.
+_COMMON_BACKENDS = ("inductor", *_DEBUG_BACKENDS)
+_COMMON_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+_CHECKPOINT_FIELDS = ("activation_checkpointing", "activation_checkpointing_every",
+                      "activation_checkpointing_policy")
+
+
+def check_checkpointing(mode: object, every: object, policy: object, *,
+                        names: tuple[str, str, str] = _CHECKPOINT_FIELDS,
+                        where: str = "") -> None:
+    """One-line ValueError for a mode, interval or policy that checkpointing does not know;
+    `names` spell the three fields as the caller's user wrote them."""
+    if mode not in get_args(CheckpointMode):
+        raise ValueError(f"{where}{names[0]}={mode!r} is not one of "
+                         f"{', '.join(get_args(CheckpointMode))}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"{where}{names[1]}={every!r} must be an integer >= 1 (1 "
+                         "checkpoints every block)")
+    if policy not in get_args(CheckpointPolicy):
+        raise ValueError(f"{where}{names[2]}={policy!r} is not one of "
+                         f"{', '.join(get_args(CheckpointPolicy))}")
+
+
+def check_compile_args(backend: object, mode: str | None, *, scope: object = "block",
+                       compile: bool = True, prefix: str = "") -> None:
+    """One-line ValueError for a scope, backend or mode torch.compile does not know, naming
+    the fields `{prefix}compile_scope` / `compile_backend` / `compile_mode` (prefix e.g.
+    "train."). The backend and mode are checked only when `compile` is on."""
+    if scope not in get_args(CompileScope):
+        raise ValueError(f"{prefix}compile_scope={scope!r} is not one of "
+                         f"{', '.join(get_args(CompileScope))}")
+    if compile:
+        check_backend_mode(backend, mode, f"{prefix}compile_backend", f"{prefix}compile_mode")
+
+
+def check_backend_mode(backend: object, mode: str | None, backend_field: str, mode_field: str,
+                       where: str = "") -> None:
+    """One-line ValueError for a torch.compile backend or inductor mode torch does not know
+    (torch is imported only for a name outside the common ones)."""
+    if not callable(backend) and backend not in _COMMON_BACKENDS:  # a function is a backend too
+        import torch._dynamo
+
+        backends = sorted(set(torch._dynamo.list_backends()) | {"inductor", *_DEBUG_BACKENDS})
+        registered = torch._dynamo.list_backends(exclude_tags=())  # with the debug ones
+        if backend not in backends and backend not in registered:
+            raise ValueError(f"{where}{backend_field}={backend!r} is not a torch.compile "
+                             f"backend; use one of {backends}")
+    if mode is None:
+        return
+    if backend != "inductor":
+        raise ValueError(
+            f"{where}{mode_field}={mode!r} applies to the inductor backend only, but "
+            f"{backend_field}={backend!r}; drop {mode_field} or use {backend_field}='inductor'")
+    if mode in _COMMON_MODES:
+        return
+    from torch._inductor import list_mode_options  # heavy import: only for an unusual mode
+
+    modes = list(list_mode_options())
+    if mode not in modes:
+        raise ValueError(f"{where}{mode_field}={mode!r} is not an inductor mode; use None or "
+                         f"one of {modes}")
