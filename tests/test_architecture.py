@@ -4,7 +4,8 @@ cycles, and a top-level package that imports nothing until asked.
 Every `import` and `from ... import` statement counts, also the ones inside functions (a
 deferred import is still a dependency). Layers, bottom to top:
 
-    0  meshfit._quiet, meshfit.distributed     processes, devices, mesh axes, collectives
+    0  meshfit._quiet, meshfit._files,         processes, devices, mesh axes, collectives;
+       meshfit.distributed                     files written atomically
     1  meshfit.models, meshfit.data            models with their plans as data; token data
     2  meshfit.parallel, optim, memory, peft,  the techniques; distributed checkpoints;
        meshfit.checkpoint, meshfit.plan,       memory estimates and the layout planner;
@@ -19,7 +20,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-LAYERS = [("meshfit._quiet", 0), ("meshfit.distributed", 0), ("meshfit.models", 1),
+LAYERS = [("meshfit._quiet", 0), ("meshfit._files", 0), ("meshfit.distributed", 0), ("meshfit.models", 1),
           ("meshfit.data", 1), ("meshfit.parallel", 2), ("meshfit.optim", 2),
           ("meshfit.optim_names", 2), ("meshfit.memory", 2), ("meshfit.peft", 2),
           ("meshfit.checkpoint", 2),

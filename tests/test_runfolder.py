@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from meshfit import _files
 from meshfit.checkpoint import saved
 from meshfit.train import runfolder
 from meshfit.train.config import RunConfig
@@ -355,7 +356,7 @@ def _weight(target: Path) -> float:
 
 def test_model_save_removes_stale_temps_of_dead_saves_only(tmp_path):
     target = _save(tmp_path / "model")
-    dead, host = _dead_pid(), saved._HOST
+    dead, host = _dead_pid(), _files._HOST
     stale = [tmp_path / f".model.tmp.{host}.{dead}.k2j3abcd",
              tmp_path / f".model.old.{host}.{dead}"]
     kept = [tmp_path / f".model.tmp.{host}.{os.getpid()}.zzzzzzzz",  # a live save's
@@ -372,7 +373,7 @@ def test_model_save_removes_stale_temps_of_dead_saves_only(tmp_path):
 
 def test_model_swap_killed_between_renames_is_put_back(tmp_path):
     target = _save(tmp_path / "model", 3.0)
-    aside = tmp_path / f".model.old.{saved._HOST}.{_dead_pid()}"
+    aside = tmp_path / f".model.old.{_files._HOST}.{_dead_pid()}"
     os.replace(target, aside)  # where a kill between replace_dir's two renames leaves it
     assert saved.remove_stale_temps(target) == [aside]
     assert _weight(target) == 3.0 and not aside.exists()
@@ -433,7 +434,7 @@ def test_save_killed_inside_safetensors_then_next_save_cleans(tmp_path):
                            text=True, timeout=300)  # generous: torch's import on a busy machine
     assert child.returncode == 9, child.stderr
     (left,) = [p for p in tmp_path.iterdir() if p != target]
-    assert left.name.startswith(f".model.safetensors.tmp.{saved._HOST}.")
+    assert left.name.startswith(f".model.safetensors.tmp.{_files._HOST}.")
     assert [p.name for p in left.iterdir()] == [".tmpkilled"]
     assert load_file(str(target))["w"].tolist() == [1.0, 1.0, 1.0]
     write_safetensors({"w": torch.full((3,), 2.0)}, target)

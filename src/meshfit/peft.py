@@ -33,8 +33,8 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from meshfit.checkpoint.saved import fsync_path, fsync_tree, remove_stale_temps, temp_sibling
-from meshfit.checkpoint.saved import replace_dir as _replace_dir
+from meshfit._files import fsync_path, fsync_tree, remove_stale_temps, temp_sibling
+from meshfit._files import replace_dir as _replace_dir
 from meshfit.models.gpt import GPT
 
 try:

@@ -194,7 +194,7 @@ class CSVTracker(Tracker):
     name, requires = "csv", ""
 
     def __init__(self, run_name: str, logging_dir, **kwargs) -> None:
-        from meshfit.train.runfolder import atomic_write_text
+        from meshfit._files import atomic_write_text
 
         super().__init__(run_name, logging_dir)
         self.logging_dir.mkdir(parents=True, exist_ok=True)
@@ -208,13 +208,13 @@ class CSVTracker(Tracker):
         return self.path
 
     def store_init_configuration(self, config) -> None:
-        from meshfit.train.runfolder import atomic_write_text
+        from meshfit._files import atomic_write_text
 
         atomic_write_text(self.logging_dir / "config.json",
                           json.dumps(flatten_config(config), indent=1) + "\n")
 
     def log(self, values, step=None, **kwargs) -> None:
-        from meshfit.train.runfolder import append_line, atomic_write_text
+        from meshfit._files import append_line, atomic_write_text
 
         row = {"step": step, **{k: v for k, v in values.items()
                                 if isinstance(v, (numbers.Number, str))}}

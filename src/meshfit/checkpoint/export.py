@@ -92,8 +92,7 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
     requires; both names load back into the tied model."""
     from safetensors.torch import save_file
 
-    from meshfit.checkpoint.saved import fsync_path, remove_stale_temps, temp_sibling
-    from meshfit.train.runfolder import new_file_mode
+    from meshfit._files import fsync_path, new_file_mode, remove_stale_temps, temp_sibling
 
     seen: set[int] = set()
     tensors = {}

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import re
 import shutil
-import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from meshfit._files import (fsync_path, fsync_tree, remove_stale_temps, replace_dir,
+                            stale_temps, temp_sibling)
 
 __all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "fsync_tree", "load_model_folder",
            "remove_stale_temps", "replace_dir", "save_model_folder", "stale_temps",
@@ -93,114 +92,6 @@ def save_model_folder(folder, state: dict[str, torch.Tensor], model: nn.Module, 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-# Temporary siblings: ".<name>.tmp.<host>.<pid>.<random>" (a folder being written) and
-# ".<name>.old.<host>.<pid>" (the previous folder during the swap). Host and PID say whether
-# the writer still lives; the random part never holds a dot.
-_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
-
-
-def temp_sibling(target: Path, *, file: bool = False) -> Path:
-    """A new, empty temporary folder (`file`: file) beside `target` (same file system, so a
-    rename puts it in place), named after `target`, this host and this process, so that
-    `remove_stale_temps(target)` finds it if the process is killed before removing it. Its
-    mode is `target`'s, or a new file's (folder's) under the umask."""
-    from meshfit.train.runfolder import new_file_mode
-
-    prefix = f".{target.name}.tmp.{_HOST}.{os.getpid()}."
-    if not file:
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
-        os.chmod(tmp, new_file_mode(target, folder=True))  # mkdtemp's is 0700
-        return tmp
-    fd, name = tempfile.mkstemp(prefix=prefix, dir=target.parent)
-    try:
-        os.fchmod(fd, new_file_mode(target))  # mkstemp's is 0600
-    finally:
-        os.close(fd)
-    return Path(name)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
-def stale_temps(target: Path) -> list[Path]:
-    """Temporary siblings of `target` left by saves on this host whose process has ended
-    (killed mid-save: no cleanup ran). Those of live processes and of other hosts (a shared
-    file system) are not listed."""
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.(?:tmp|old)\.([A-Za-z0-9-]+)\.(\d+)"
-                         r"(?:\.[a-z0-9_]+)?")
-    found = []
-    try:
-        entries = list(os.scandir(target.parent))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match and match[1] == _HOST and not _alive(int(match[2])):
-            found.append(Path(entry.path))
-    return sorted(found)
-
-
-def remove_stale_temps(target: Path) -> list[Path]:
-    """Remove `stale_temps(target)`; returns what was removed. A previous folder moved aside
-    by a swap that was killed before the new one took its place is put back instead, when
-    `target` is missing."""
-    removed = stale_temps(target)
-    for path in removed:
-        if path.name.startswith(f".{target.name}.old.") and not os.path.lexists(target):
-            os.replace(path, target)
-        elif path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    return removed
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder's fsync makes renames and new names in it durable)."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(folder: Path) -> None:
-    """fsync every file and folder below `folder`, then `folder` itself."""
-    for root, dirs, files in os.walk(folder):
-        for name in files:
-            fsync_path(Path(root) / name)
-    for root, dirs, _ in os.walk(folder, topdown=False):
-        for name in dirs:
-            fsync_path(Path(root) / name)
-    fsync_path(folder)
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Put the folder `src` in place of `dst` (an existing `dst` is kept if that fails)."""
-    # rename(2) cannot replace a non-empty directory, so move the old one aside first and put
-    # it back if the second rename fails.
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    old = dst.with_name(f".{dst.name}.old.{_HOST}.{os.getpid()}")
-    if old.exists():  # left by an earlier swap of this process that could not finish
-        shutil.rmtree(old, ignore_errors=True)
-    os.replace(dst, old)
-    try:
-        os.replace(src, dst)
-    except BaseException:
-        os.replace(old, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def build_from_config(config: dict[str, Any], *, device="cpu") -> nn.Module:

@@ -15,14 +15,16 @@ processes.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Self
+
+from meshfit._files import (WriteFailed, append_line, atomic_write_bytes, atomic_write_text,
+                            new_file_mode)
+from meshfit._files import _reason
 
 __all__ = ["LOCK_FILE", "RUN_MARKERS", "RUN_OUTPUTS", "RunLock", "WriteFailed",
            "append_line", "atomic_write_bytes", "atomic_write_text", "check_run_folder",
@@ -37,15 +39,6 @@ RUN_OUTPUTS = ("metrics.jsonl", "config.toml", "checkpoints", "model", "adapter"
 """What `meshfit train` (and `meshfit plot` / `meshfit pipeline-chart` by default) write into
 OUT; ``--overwrite`` removes these and the temporary files beside them, nothing else."""
 _TEMP_PREFIXES = tuple(f".{name}." for name in RUN_OUTPUTS)
-
-
-class WriteFailed(OSError, ValueError):
-    """A file of the run could not be written (full disk, file too large, read-only file
-    system, no permission): one line naming the path and the reason. An OSError with the
-    original errno, and a ValueError, so `meshfit` prints it as its one-line error."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -63,13 +56,6 @@ def _pathconf(path: Path, name: str, default: int) -> int:
     except (OSError, ValueError):
         return default
     return value if value > 0 else default
-
-
-def _reason(err: OSError) -> str:
-    """An OSError's reason in words: "No space left on device (ENOSPC)"."""
-    name = errno.errorcode.get(err.errno or 0)
-    text = err.strerror or str(err)
-    return f"{text} ({name})" if name else text
 
 
 def check_run_folder(out: Path, *, resume: bool, overwrite: bool, claim: bool = True) -> None:
@@ -229,92 +215,3 @@ def remove_run_outputs(out: Path) -> list[str]:
     return sorted(removed)
 
 
-def _umask() -> int:
-    """This process's umask, read without changing it (Linux: /proc/self/status)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
-def new_file_mode(path: Path, *, folder: bool = False) -> int:
-    """The mode `path` keeps when replaced: its own, or what open() (`folder`: mkdir) would
-    give a new one under this process's umask."""
-    try:
-        return os.stat(path).st_mode & 0o7777
-    except OSError:
-        return (0o777 if folder else 0o666) & ~_umask()
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace `path` by `data` atomically: a temporary file in the same folder, written,
-    flushed and fsynced, renamed over `path`, then the folder fsynced. A reader sees the old
-    file or the new one, never part of one. The temporary file is removed on every exit path;
-    a failing write (a full disk, a file too large, a read-only file system, no permission)
-    raises `WriteFailed` (one line) naming `path` and the reason, and leaves the old file
-    intact."""
-    path = Path(path)
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), new_file_mode(path))  # mkstemp's is 0600
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        _fsync_dir(path.parent)
-    except OSError as err:
-        raise WriteFailed(err.errno, f"cannot write {path}: {_reason(err)}; the previous "
-                                     "file (if any) is unchanged") from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-
-
-def append_line(path: Path, data: bytes) -> None:
-    """Append `data` (one whole line) to `path`: on an O_APPEND descriptor, so it lands after
-    everything else; if the write fails part-way (a full disk, RLIMIT_FSIZE), the file is cut
-    back to its previous length, so the line is whole or absent, and `WriteFailed` names the
-    path and the reason. Meant for a file one process writes (the run folder is locked)."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as err:
-        raise WriteFailed(err.errno, f"cannot append to {path}: {_reason(err)}") from None
-    try:
-        before = os.fstat(fd).st_size
-        done = 0
-        try:
-            while done < len(data):  # a short write: the next one says why (or completes it)
-                done += os.write(fd, data[done:])
-        except OSError as err:
-            if done:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, before)
-            raise WriteFailed(err.errno, f"cannot append to {path}: {_reason(err)}; the lines "
-                                         "before this one are intact") from None
-        except BaseException:
-            if done < len(data):
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, before)
-            raise
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """`atomic_write_bytes` of `text` encoded as UTF-8."""
-    atomic_write_bytes(path, text.encode("utf-8"))
