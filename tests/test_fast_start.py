@@ -40,6 +40,13 @@ CASES = [  # (argv, a substring of the error line); {t}: a folder of the test's
     (["launch", "--nproc", "-3", "{t}/script.py"], "--nproc=-3"),
     (["launch", "--master-port", "70000", "{t}/script.py"], "--master-port=70000"),
     (["launch", "{t}/no_script.py"], "no_script.py"),
+    (["generate", "{t}", "--prompt", ""], "--prompt=''"),
+    (["generate", "{t}"], "--prompt"),  # argparse: a required option missing
+    (["eval", "{t}", "--batch-size", "0"], "--batch-size=0"),
+    (["eval", "{t}", "--batches", "x"], "'x'"),
+    (["export"], "CKPT_OR_RUN"),
+    (["estimate", "gpt2", "--world-size", "0"], "--world-size=0"),
+    (["estimate", "gpt2", "--layout", "tp=x"], "tp='x'"),
 ]
 
 _RUNNER = textwrap.dedent("""

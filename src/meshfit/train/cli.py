@@ -21,14 +21,10 @@ import time
 from pathlib import Path
 
 from meshfit.train import launch
+from meshfit.train.args import OneLineParser
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line: a ValueError that `main` prints as
-    ``meshfit CMD: error: ...`` (argparse itself prints the whole usage block first)."""
-
-    def error(self, message: str):
-        raise ValueError(f"{message} (`{self.prog} --help` lists the options)")
+_Parser = OneLineParser
 
 
 def _launch_parser() -> argparse.ArgumentParser:
@@ -120,7 +116,7 @@ def cmd_train(argv: list[str]) -> int:
         _refuse_inherited_ranks()
         launch_cfg, env, notes = launch.config_from_args(ns)
         launch.master_port_in_use(launch_cfg)
-    from meshfit.train.config import load_config  # imports torch: after the arguments
+    from meshfit.train.config import load_config
 
     if ns.resume and not ns.worker:
         cfg = _resumed_config(ns, overrides)
@@ -290,15 +286,18 @@ def _export_parser() -> argparse.ArgumentParser:
 
 
 def cmd_export(argv: list[str]) -> int:
+    ns = _export_parser().parse_args(argv)
     from meshfit.checkpoint.export import export
 
-    ns = _export_parser().parse_args(argv)
     path = export(ns.source, ns.to, ns.out)
     print(f"meshfit export: wrote {path}")
     return 0
 
 
 def cmd_generate(argv: list[str]) -> int:
+    from meshfit.train.generate_args import check_generate_args
+
+    check_generate_args(argv)  # refusals before torch is imported
     from meshfit.train.generate import cmd_generate as run
 
     return run(argv)
@@ -323,6 +322,9 @@ def cmd_calibrate(argv: list[str]) -> int:
 
 
 def cmd_eval(argv: list[str]) -> int:
+    from meshfit.train.generate_args import check_eval_args
+
+    check_eval_args(argv)  # refusals before torch is imported
     from meshfit.train.generate import cmd_eval as run
 
     return run(argv)

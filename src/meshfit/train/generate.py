@@ -16,7 +16,6 @@ text. Decoding stops after `max_new_tokens` or at the tokenizer's end-of-sequenc
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -26,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshfit.train.generate_args import (_check_sampling, _generate_parser, check_eval_args)
 
 __all__ = ["generate", "generate_ids", "evaluate_loss", "resolve_model", "cmd_generate",
            "cmd_eval"]
@@ -65,16 +66,6 @@ def context_length(model: nn.Module) -> int | None:
 def _logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     out = model(idx) if not _is_hf(model) else model(input_ids=idx)
     return getattr(out, "logits", out)
-
-
-def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens={max_new_tokens!r} must be an integer >= 0")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-            and temperature >= 0):
-        raise ValueError(f"--temperature={temperature!r} must be a number >= 0 (0: greedy)")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"--top-k={top_k!r} must be an integer >= 0 (0: no top-k cut)")
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
@@ -295,30 +286,6 @@ def _load(path: str, device: str | None):
     return model, tokenizer, folder, run
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", metavar="RUN_OR_MODEL",
-                   help="a meshfit train run folder (uses RUN/model/) or a model folder")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N (default: cuda when available, unless MESHFIT_CPU=1)")
-
-
-def _generate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="meshfit generate", allow_abbrev=False,
-        description="Print a prompt and the model's continuation of it.")
-    _common(p)
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                   help="tokens to add at most (default 200; fewer if the model writes EOS)")
-    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                   help="sampling temperature; 0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K",
-                   help="sample among the K most likely tokens only; 0 = all (default)")
-    p.add_argument("--seed", type=int, default=0, metavar="S",
-                   help="the sampling seed: same seed, same text (default 0)")
-    return p
-
-
 def cmd_generate(argv: list[str]) -> int:
     ns = _generate_parser().parse_args(argv)
     if not ns.prompt:
@@ -332,36 +299,10 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-def _eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="meshfit eval", allow_abbrev=False,
-        description="Print the model's loss and perplexity on held-out text: by default the "
-                    "validation split of the run's own data (the built-in corpus's for a "
-                    "model folder outside a run).")
-    _common(p)
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="a text file or folder to evaluate on instead, all of it, tokenized "
-                        "with the model folder's tokenizer")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N",
-                   help="window length (default: the run's train.seq_len; for a model folder "
-                        "the model's context, at most 1024)")
-    p.add_argument("--batches", type=int, default=8, metavar="N",
-                   help="batches to evaluate (default 8); 0 = every window of the data")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B",
-                   help="windows per batch (default 8)")
-    return p
-
-
 def cmd_eval(argv: list[str]) -> int:
     from meshfit.data import load_tokens
 
-    ns = _eval_parser().parse_args(argv)
-    if ns.seq_len is not None and ns.seq_len < 1:
-        raise ValueError(f"--seq-len={ns.seq_len} must be >= 1")
-    if ns.batches < 0:
-        raise ValueError(f"--batches={ns.batches} must be >= 0 (0: every window)")
-    if ns.batch_size < 1:
-        raise ValueError(f"--batch-size={ns.batch_size} must be >= 1")
+    ns = check_eval_args(argv)
     if ns.data is not None and not Path(ns.data).expanduser().exists():
         raise ValueError(f"--data={ns.data!r} does not exist; give a text file or a folder of "
                          "text files")

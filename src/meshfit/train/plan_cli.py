@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from meshfit.train.args import OneLineParser
+
 __all__ = ["cmd_calibrate", "cmd_estimate", "cmd_plan", "parse_layout"]
 
 GiB = 2**30
@@ -88,7 +90,7 @@ def _positive(name: str, value: int | None) -> None:
 
 # ---------------------------------------------------------------------------- estimate
 def _estimate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="meshfit estimate", allow_abbrev=False,
         description="Per-rank bytes of parameters, gradients, optimizer state, activations and "
                     "buffers of a training step, for one layout or one of each family.")
@@ -133,13 +135,12 @@ def _families(world: int, shape, ns) -> list:
 
 
 def cmd_estimate(argv: list[str]) -> int:
-    from meshfit.memory import LayoutSpec, estimate
-    from meshfit.memory.estimate import resolve_layout
-
     ns = _estimate_parser().parse_args(argv)
     for name in ("--world-size", "--micro-batch-size", "--vocab-size", "--gpus-per-node"):
         _positive(name, getattr(ns, name.lstrip("-").replace("-", "_")))
     fields = parse_layout(ns.layout) if ns.layout else None
+    from meshfit.memory import LayoutSpec, estimate  # torch: after the arguments' refusals
+    from meshfit.memory.estimate import resolve_layout
     if fields is not None and "zero_stage" not in fields and fields.get("dp_shard", 1) > 1:
         fields["zero_stage"] = 3  # as meshfit train: dp_shard > 1 shards with ZeRO-3
     shape = _shape(ns)
@@ -207,7 +208,7 @@ def _check_model(shape, spec, seq_len: int) -> None:
 def _plan_parser() -> argparse.ArgumentParser:
     from meshfit.plan import DEVICES, INTERCONNECTS, NETWORKS
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="meshfit plan", allow_abbrev=False,
         description="Rank the layouts of a cluster that fit in memory by predicted step time, "
                     "with the multi-GPU guide's reason; --out writes a config for meshfit "
