@@ -76,6 +76,39 @@ def _worker(fn, rank, world_size, port, args, queue, environ):
             dist.destroy_process_group()
 
 
+def descendants(pid: int) -> list[int]:
+    """Every living process below `pid` (children, their children, ...), read from /proc.
+    torchrun starts each worker in a session of its own, so killing the launcher's process
+    group leaves its workers running; a test that gives up on a launch ends these too."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (only processes this test started)."""
+    import signal
+
+    for victim in [*descendants(pid), pid]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on `world_size` new gloo ranks (forked from a
     fork server that has imported torch and meshfit); returns each rank's (picklable)

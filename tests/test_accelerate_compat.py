@@ -15,8 +15,6 @@ bitwise equal; the bound asserted is rtol 1e-6 with atol 1e-7 for floating-point
 from __future__ import annotations
 
 import math
-import os
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_subprocess_env
+from conftest import kill_tree, make_subprocess_env
 
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
@@ -53,8 +51,8 @@ def _launch(framework: str, world: int, out: Path, env: dict) -> str:
     try:
         output, _ = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers, ours only
-        output, _ = proc.communicate()
+        kill_tree(proc.pid)  # the launcher and its workers (in sessions of their own), ours only
+        output, _ = proc.communicate(timeout=60)
         raise AssertionError(f"{framework} on {world} process(es) timed out:\n{output[-3000:]}")
     assert proc.returncode == 0, f"{framework} on {world} process(es):\n{output[-3000:]}"
     return output
