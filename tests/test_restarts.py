@@ -29,6 +29,7 @@ for step in range(8):
     if rank == 1 and attempt < kills and step == 2:
         os.kill(os.getpid(), signal.SIGKILL)
 (out / f"rank{rank}-attempt{attempt}").write_text(str(t.tolist()))
+dist.barrier()  # without it gloo often aborts at teardown (torch 2.13), restarts or not
 dist.destroy_process_group()
 """
 
