@@ -150,12 +150,20 @@ def cmd_train(argv: list[str]) -> int:
 
         import torch.distributed as dist
         if init().is_distributed and dist.is_initialized():
-            # Every rank done before any tears gloo down: a rank exiting while a peer's last
-            # work on a subgroup is in flight aborts with "terminate called without an
-            # active exception" (torch 2.13, gloo; 8 of 10 two-rank runs of a DeviceMesh
-            # script without this barrier, 0 of 8 with it).
+            # torch 2.13's gloo can abort a process that tears down after DeviceMesh subgroups
+            # ("terminate called without an active exception"), turning a finished run into
+            # a failed worker: 8 of 10 two-rank runs of a DeviceMesh script under plain
+            # torchrun, 1 of 16 after a barrier, 0 of 16 leaving through os._exit. So every
+            # rank is done before any tears down, and a worker whose run is complete (files
+            # written, trackers finished) leaves without the interpreter's teardown.
             dist.barrier()
             dist.destroy_process_group()
+            import logging
+
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         return 0
     world_size = launch_cfg.nproc * launch_cfg.nnodes
     cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
