@@ -1210,7 +1210,9 @@ class Accelerator:
 
     def wait_for_everyone(self) -> None:
         if self.env.is_distributed:
-            dist.barrier()
+            from meshfit.distributed.settle import barrier
+
+            barrier()
 
     @contextlib.contextmanager
     def main_process_first(self):
@@ -1399,7 +1401,13 @@ class Accelerator:
             tracker.finish()
         self.wait_for_checkpoint()
         if self.env.is_distributed and dist.is_initialized():
-            dist.barrier()
+            # A barrier on every group, its Work kept by this thread: the model's DDP Reducer,
+            # collected later, may own the last reference to a group, and the group's
+            # destructor then waits for its gloo threads while holding the GIL
+            # (meshfit.distributed.settle).
+            from meshfit.distributed.settle import settle_all
+
+            settle_all()
             dist.destroy_process_group()
 
     def __repr__(self) -> str:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from meshfit.checkpoint import state as ckstate
 from meshfit.checkpoint.store import (CheckpointError, Manifest, commit, load_dcp, save_dcp,
                                      save_dcp_async, saved_keys, verify)
+from meshfit.distributed.settle import barrier as settled_barrier
 
 # Functions here take the `Accelerator` ("acc") whose prepared objects they save; they are
 # its implementation, not a layer of their own (not imported here: it imports this module).
@@ -295,4 +296,4 @@ def _load_rng(acc: Accelerator, manifest: Manifest, load) -> None:
     load(part)
     ckstate.set_rng_state(part["rng"][key])
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        settled_barrier()

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfit.distributed.settle import barrier as settled_barrier
+
 __all__ = ["CheckpointError", "Manifest", "commit", "is_complete", "latest", "list_complete",
            "load_dcp", "prune", "save_dcp", "save_dcp_async", "saved_keys", "verify"]
 
@@ -141,7 +143,7 @@ def save_dcp(state: dict[str, Any], folder: Path, *, process_group=None) -> Path
     if _rank() == 0:
         tmp.mkdir(parents=True)
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        settled_barrier()
     distributed = dist.is_available() and dist.is_initialized()
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
@@ -163,7 +165,7 @@ def save_dcp_async(state: dict[str, Any], folder: Path, *, process_group):
         tmp.mkdir(parents=True)
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:
-        dist.barrier()
+        settled_barrier()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=process_group,
@@ -202,7 +204,7 @@ def commit(tmp: Path, folder: Path, manifest: Manifest) -> Path:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        settled_barrier()
     return folder
 
 

@@ -154,9 +154,12 @@ def cmd_train(argv: list[str]) -> int:
             # ("terminate called without an active exception"), turning a finished run into
             # a failed worker: 8 of 10 two-rank runs of a DeviceMesh script under plain
             # torchrun, 1 of 16 after a barrier, 0 of 16 leaving through os._exit. So every
-            # rank is done before any tears down, and a worker whose run is complete (files
+            # rank is done with every group before any tears down (settle_all: no gloo
+            # thread needs the GIL afterwards), and a worker whose run is complete (files
             # written, trackers finished) leaves without the interpreter's teardown.
-            dist.barrier()
+            from meshfit.distributed.settle import settle_all
+
+            settle_all()
             dist.destroy_process_group()
             import logging
 
