@@ -63,7 +63,9 @@ def _worker(fn, rank, world_size, port, args, queue, environ):
 
         init(backend="gloo")
         result = fn(rank, world_size, *args)
-        dist.barrier()
+        from meshfit.distributed.settle import settle_all
+
+        settle_all()  # no gloo thread needs the GIL when the groups go (see settle.py)
         # Serialised by torch.save: tensors sent through the queue as shared memory would
         # vanish with this process.
         buf = io.BytesIO()
