@@ -231,15 +231,18 @@ def _stall(rank, world_size):
     from meshfit.train.run import Stalled, collective_deadline
 
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
-    if rank == 1:
-        time.sleep(6)  # a rank that hangs past the deadline
-        return None
     try:
-        with collective_deadline(rank, 2, lambda: "step 7"):
-            dist.all_reduce(torch.ones(1), group=group)
-    except Stalled as err:
-        return str(err)
-    return None
+        if rank == 1:
+            time.sleep(6)  # a rank that hangs past the deadline
+            return None
+        try:
+            with collective_deadline(rank, 2, lambda: "step 7"):
+                dist.all_reduce(torch.ones(1), group=group)
+        except Stalled as err:
+            return str(err)
+        return None
+    finally:
+        dist.destroy_process_group(group)  # timed out: no barrier can pass on it any more
 
 
 def test_a_hung_rank_is_named_not_waited_for():
