@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 60.0
@@ -62,23 +64,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def trial(script: Path, end: str, env: dict) -> tuple[str, float, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), end]
@@ -88,10 +73,11 @@ def trial(script: Path, end: str, env: dict) -> tuple[str, float, str]:
     try:
         out, _ = proc.communicate(timeout=BOUND_S)
     except subprocess.TimeoutExpired:
-        for pid in [*descendants(proc.pid), proc.pid]:  # ours only, by PID
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
+        launcher = psutil.Process(proc.pid)
+        for victim in [*launcher.children(recursive=True), launcher]:
+            try:  # ours only, by PID
+                victim.kill()
+            except psutil.NoSuchProcess:
                 pass
         proc.communicate()
         return "hang", time.perf_counter() - began, ""
