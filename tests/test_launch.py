@@ -107,6 +107,8 @@ def test_max_restarts_restarts_the_group_after_a_failure(tmp_path, subprocess_en
         "dist.init_process_group('gloo')\n"
         "dist.barrier()\n"
         f"open(os.path.join({str(tmp_path)!r}, f'done{{rank}}-{{attempt}}'), 'w').close()\n"
+        "from meshfit.distributed.settle import settle_all\n"
+        "settle_all()\n"  # a clean teardown on gloo (meshfit.distributed.settle)
         "dist.destroy_process_group()\n")
     proc = subprocess.run([*MESHFIT, "launch", "--nproc", "2", "--max-restarts", "1", str(flaky)],
                           env=subprocess_env, capture_output=True, text=True, timeout=120)
@@ -356,6 +358,8 @@ out = {k: os.environ.get(k) for k in keys}
 out["sum"] = t.item()
 with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
     json.dump(out, f)
+from meshfit.distributed.settle import settle_all
+settle_all()  # a clean teardown on gloo (meshfit.distributed.settle)
 dist.destroy_process_group()
 """
 

@@ -27,7 +27,8 @@ pathlib.Path(sys.argv[2]).exists() or time.sleep(0)
 deadline = time.time() + 60
 while not pathlib.Path(sys.argv[2]).exists() and time.time() < deadline:
     time.sleep(0.05)
-dist.barrier()
+from meshfit.distributed.settle import settle_all
+settle_all()  # a clean teardown on gloo (meshfit.distributed.settle)
 dist.destroy_process_group()
 """
 

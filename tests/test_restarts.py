@@ -30,9 +30,11 @@ for step in range(8):
         os.kill(os.getpid(), signal.SIGKILL)
 (out / f"rank{rank}-attempt{attempt}").write_text(str(t.tolist()))
 # torch 2.13's gloo sometimes aborts while the interpreter tears down after a DeviceMesh
-# ("terminate called without an active exception"), restarts or not: under plain torchrun 8 of
-# 10 runs without the barrier, 1 of 16 with it, 0 of 16 leaving through os._exit as below.
-dist.barrier()
+# ("terminate called without an active exception"), restarts or not: settle_all, then
+# os._exit, as meshfit train's workers leave (benchmarks/teardown.py: 5 of 32 runs aborted
+# after a plain barrier, 0 of 32 after settle_all).
+from meshfit.distributed.settle import settle_all
+settle_all()
 dist.destroy_process_group()
 sys.stdout.flush()
 os._exit(0)
