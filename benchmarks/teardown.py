@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from meshfit.distributed.spawn import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
@@ -57,11 +58,6 @@ elif end == "settle":
 dist.destroy_process_group()
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trial(script: Path, end: str, env: dict) -> tuple[str, float, str]:

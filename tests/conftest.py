@@ -6,7 +6,6 @@ if it leaks a process group, a child process, torchrun's environment variables o
 
 from __future__ import annotations
 
-import io
 import multiprocessing as mp
 import os
 import sys
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshfit.train.launch import free_port
+from meshfit.distributed.spawn import SpawnError, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -31,8 +30,10 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
 # run of the suite. Each rank is still a new process forked from that clean server, which
 # never initialises a process group, runs an operator or starts a thread of its own; the
 # rank then takes the parent's current environment and fresh random seeds, as a spawned
-# interpreter would (`_worker`). Modules the server cannot import are left to the ranks.
-_PRELOAD = ["torch", "torch.distributed", "meshfit", "meshfit.accelerator", "conftest",
+# interpreter would (`meshfit.distributed.spawn`). Modules the server cannot import are left
+# to the ranks.
+_PRELOAD = ["torch", "torch.distributed", "meshfit", "meshfit.accelerator",
+            "meshfit.distributed.spawn", "conftest",
             "reference",
             # the Hugging Face models of reference.py: ~1.6 s more per rank that builds one
             "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
@@ -46,36 +47,6 @@ def _mp_context():
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(_PRELOAD)
     return _context
-
-
-def _worker(fn, rank, world_size, port, args, queue, environ):
-    os.environ.clear()  # the parent's environment now, not the fork server's at its start
-    os.environ.update(environ)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), MESHFIT_CPU="1")  # gloo + CPU even beside GPUs
-    torch.seed()  # a random seed of its own, as a new interpreter has (forked: the server's)
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    torch.set_num_threads(1)  # 2 cores: one thread per rank, as torchrun sets OMP_NUM_THREADS
-    try:
-        from meshfit.distributed import init
-
-        init(backend="gloo")
-        result = fn(rank, world_size, *args)
-        from meshfit.distributed.settle import settle_all
-
-        settle_all()  # no gloo thread needs the GIL when the groups go (see settle.py)
-        # Serialised by torch.save: tensors sent through the queue as shared memory would
-        # vanish with this process.
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # report any failure to the parent with its traceback
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def descendants(pid: int) -> list[int]:
@@ -112,38 +83,15 @@ def kill_tree(pid: int) -> None:
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on `world_size` new gloo ranks (forked from a
-    fork server that has imported torch and meshfit); returns each rank's (picklable)
-    result, in rank order. `fn` must be a module-level function."""
-    ctx = _mp_context()
-    queue = ctx.Queue()
-    port = free_port()
-    environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, environ))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    errors = []
+    """Run ``fn(rank, world_size, *args)`` on `world_size` new gloo ranks on the CPU (forked
+    from a fork server that has imported torch and meshfit; `meshfit.distributed.spawn`);
+    returns each rank's (picklable) result, in rank order. `fn` must be a module-level
+    function."""
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=5 if errors or len(results) < world_size else 30)
-            if p.is_alive():  # only our own children, by their PID
-                p.kill()
-                p.join()
-    if errors:
-        raise AssertionError("a rank failed:\n" + "\n".join(errors))
-    if len(results) < world_size:
-        raise AssertionError(f"only {len(results)} of {world_size} ranks reported back")
-    return [results[r] for r in range(world_size)]
+        return spawn(fn, world_size, *args, timeout=timeout, context=_mp_context(),
+                     backend="gloo", cpu=True)
+    except SpawnError as err:
+        raise AssertionError(str(err)) from None
 
 
 # ---------------------------------------------------------------- several cases, one spawn

@@ -38,7 +38,7 @@ FRAMEWORKS = ("accelerate", "meshfit")
 
 def _launch(framework: str, world: int, out: Path, env: dict) -> str:
     """Run the driver; returns its combined output (the test fails on a non-zero exit)."""
-    from meshfit.train.launch import free_port
+    from meshfit.distributed.spawn import free_port
 
     driver = [str(SCRIPTS / "driver.py"), "--framework", framework, "--out", str(out)]
     if world == 1:

@@ -67,6 +67,43 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(path, name, modules) for name, path in modules.items()}
 
 
+def _package(name: str) -> str:
+    """The package a module belongs to: meshfit.parallel.tp.styles -> meshfit.parallel."""
+    return ".".join(name.split(".")[:2])
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for dep in graph.get(node, ()):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return cycles
+
+
 def _layer(name: str) -> int | None:
     for prefix, layer in LAYERS:
         if name == prefix or name.startswith(prefix + "."):
@@ -92,35 +129,51 @@ def test_models_name_no_parallel_code():
 
 
 def test_no_import_cycles():
-    graph = _graph()
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    cycles = []
+    assert _cycles(_graph()) == []
 
-    def visit(node: str) -> None:  # Tarjan's strongly connected components
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        for dep in graph.get(node, ()):
-            if dep not in index:
-                visit(dep)
-                low[node] = min(low[node], low[dep])
-            elif dep in stack:
-                low[node] = min(low[node], index[dep])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                top = stack.pop()
-                component.append(top)
-                if top == node:
-                    break
-            if len(component) > 1:
-                cycles.append(sorted(component))
 
-    for node in graph:
-        if node not in index:
-            visit(node)
-    assert cycles == []
+def test_no_cycle_between_packages():
+    """Packages of one layer may import each other, but not both ways round (a cycle that
+    no module-level check sees: parallel -> checkpoint in one module, checkpoint -> parallel
+    in another)."""
+    packages: dict[str, set[str]] = {}
+    for a, deps in _graph().items():
+        packages.setdefault(_package(a), set()).update(
+            _package(b) for b in deps if _package(b) != _package(a) and b != "meshfit")
+    assert _cycles(packages) == []
+
+
+def test_the_package_cycle_check_finds_one():
+    # The negative control: a two-package loop through different modules is reported.
+    graph = {"meshfit.a.x": {"meshfit.b.y"}, "meshfit.b.z": {"meshfit.a.w"}}
+    packages: dict[str, set[str]] = {}
+    for a, deps in graph.items():
+        packages.setdefault(_package(a), set()).update(_package(b) for b in deps)
+    assert _cycles(packages) == [["meshfit.a", "meshfit.b"]]
+
+
+def _private_imports() -> list[str]:
+    """`from meshfit.<package>... import _name` in a module of another package."""
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            if not base.startswith("meshfit") or _package(base) == _package(name):
+                continue
+            found += [f"{name} <- {base}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_private_name_is_imported_from_another_package():
+    assert _private_imports() == []
 
 
 def test_top_level_package_imports_nothing_eagerly():

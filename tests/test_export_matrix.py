@@ -272,13 +272,12 @@ def test_head_grouped_c_attn_is_caught(reference):
     re-grouping the one-process run's weights for tp=2) loads with strict=True without
     complaint and misses the trained logits by far more than ATOL; `canonical_state` puts it
     back exactly."""
-    from meshfit.parallel.tp import canonical_state
-    from meshfit.parallel.tp.styles import _fuse_order
+    from meshfit.models.plans.regroup import canonical_state, group_columns
 
     ref_state, ref_logits = reference["gpt2"]
     names = {k: (3, 2, v.ndim - 1) for k, v in ref_state.items() if ".attn.c_attn." in k}
     assert len(names) == 4  # weight and bias of 2 blocks
-    grouped = {k: _fuse_order(v, 3, 2, names[k][2], inverse=False) if k in names else v
+    grouped = {k: group_columns(v, 3, 2, names[k][2]) if k in names else v
                for k, v in ref_state.items()}
     gap = _gap(_logits_of("gpt2", grouped), ref_logits)
     print(f"head-grouped c_attn: logits {gap:.2e}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshfit.train.launch import free_port
+from meshfit.distributed.spawn import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_steps.py"
 MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]

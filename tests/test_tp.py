@@ -29,7 +29,8 @@ from conftest import case_result, run_cases, selected
 from reference import MODELS, token_batches
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.plans import gpt_plan
-from meshfit.parallel.tp import apply_tp, tp_cross_entropy, unfuse_columns
+from meshfit.models.plans.regroup import unfuse_columns
+from meshfit.parallel.tp import apply_tp, tp_cross_entropy
 
 STEPS, B, T, VOCAB = 5, 2, 16, 256
 LOSS_RTOL, GRAD_ATOL = 1e-9, 1e-10  # fp64, summation order only (see module docstring)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 __all__ = ["WriteFailed", "append_line", "atomic_write_bytes", "atomic_write_text",
            "fsync_dir", "fsync_path", "fsync_tree", "new_file_mode", "remove_stale_temps",
-           "replace_dir", "stale_temps", "temp_sibling"]
+           "os_reason", "replace_dir", "stale_temps", "temp_sibling"]
 
 
 class WriteFailed(OSError, ValueError):
@@ -37,7 +37,7 @@ class WriteFailed(OSError, ValueError):
         return str(self.strerror)
 
 
-def _reason(err: OSError) -> str:
+def os_reason(err: OSError) -> str:
     """An OSError's reason in words: "No space left on device (ENOSPC)"."""
     name = errno.errorcode.get(err.errno or 0)
     text = err.strerror or str(err)
@@ -93,7 +93,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp = None
         fsync_dir(path.parent)
     except OSError as err:
-        raise WriteFailed(err.errno, f"cannot write {path}: {_reason(err)}; the previous "
+        raise WriteFailed(err.errno, f"cannot write {path}: {os_reason(err)}; the previous "
                                      "file (if any) is unchanged") from None
     finally:
         if tmp is not None:
@@ -109,7 +109,7 @@ def append_line(path: Path, data: bytes) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as err:
-        raise WriteFailed(err.errno, f"cannot append to {path}: {_reason(err)}") from None
+        raise WriteFailed(err.errno, f"cannot append to {path}: {os_reason(err)}") from None
     try:
         before = os.fstat(fd).st_size
         done = 0
@@ -120,7 +120,7 @@ def append_line(path: Path, data: bytes) -> None:
             if done:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, before)
-            raise WriteFailed(err.errno, f"cannot append to {path}: {_reason(err)}; the lines "
+            raise WriteFailed(err.errno, f"cannot append to {path}: {os_reason(err)}; the lines "
                                          "before this one are intact") from None
         except BaseException:
             if done < len(data):

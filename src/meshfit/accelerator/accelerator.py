@@ -749,6 +749,7 @@ class Accelerator:
         rank feeds its own batch. `record_timings=True` keeps every step's per-micro-batch
         timings in ``pipeline.timings`` (and synchronises CUDA around each): turn it off
         with ``pipeline.record_timings(False)`` after the steps you want to chart."""
+        from meshfit.checkpoint.pretrained import stage_filler
         from meshfit.parallel.layout import ModelFacts
         from meshfit.parallel.pp import build_pipeline
 
@@ -762,7 +763,8 @@ class Accelerator:
             model, self.layout.axis_mesh(self.mesh, "pp"), schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, loss_fn=loss_fn,
             points=points, balance=balance, times=times, record_timings=record_timings,
-            init_seed=init_seed, parallelize=self._prepare_module, plan=plan)
+            init_seed=init_seed, parallelize=self._prepare_module, plan=plan,
+            fill_stage=stage_filler(model))
         self._models.extend(pipeline.wrapped_modules)
         self._checkpointed_models.append(pipeline)
         self._pipeline_params.update(id(p) for p in pipeline.parameters())

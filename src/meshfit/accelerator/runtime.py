@@ -158,7 +158,7 @@ def runtime_for(layout: Layout, env: DistEnv, mesh=None) -> Runtime:
 def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from meshfit.parallel.tp import canonical_state, regrouped_params
+    from meshfit.models.plans.regroup import canonical_state, regrouped_params
 
     # A collective: every rank all-gathers; with cpu_offload=True torch fills the result on
     # rank 0 only and returns an empty dict elsewhere. Fused q|k|v weights split head-grouped

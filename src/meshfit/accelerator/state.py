@@ -107,15 +107,17 @@ def _hf_configs(models) -> list[dict | None]:
 def _regrouped(models) -> int:
     """The TP degree a fused q|k|v projection was regrouped for (GPT-2's c_attn under tp;
     1: none): such weights are stored head-grouped for that degree."""
-    return max([getattr(m, "_meshfit_regrouped_for_tp", 1) for ms in models for root in ms
-                for m in root.modules()] or [1])
+    from meshfit.models.plans.regroup import regrouped_tp
+
+    return max([regrouped_tp(m) for ms in models for root in ms for m in root.modules()]
+               or [1])
 
 
 def _regrouped_names(models) -> list[dict[str, list[int]]]:
     """Each model's head-grouped parameters by full-model name: ``[chunks, tp, dim]`` (see
-    `meshfit.parallel.tp.regrouped_params`), over all ranks; what `meshfit export` needs
+    `meshfit.models.plans.regroup.regrouped_params`), over all ranks; what `meshfit export` needs
     to write them in the model's own layout."""
-    from meshfit.parallel.tp import regrouped_params
+    from meshfit.models.plans.regroup import regrouped_params
 
     mine = []
     for modules in models:

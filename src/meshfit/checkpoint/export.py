@@ -74,7 +74,7 @@ def canonical(state: dict[str, torch.Tensor], manifest: Manifest, index: int,
               folder: Path) -> dict[str, torch.Tensor]:
     """The model's own layout: fused q|k|v weights that tensor parallel stored head-grouped
     (GPT-2's c_attn; the manifest lists them) are put back as the plain model has them."""
-    from meshfit.parallel.tp import canonical_state
+    from meshfit.models.plans.regroup import canonical_state
 
     tp = manifest.model.get("regrouped_for_tp", 1)
     names = (manifest.model.get("regrouped") or [{}] * (index + 1))[index]

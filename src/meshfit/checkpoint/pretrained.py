@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 __all__ = ["PRETRAINED_ATTR", "check_folder", "load_into", "meta_model", "pretrained_folder",
-           "tied_names", "to_empty"]
+           "stage_filler", "tied_names", "to_empty"]
 
 PRETRAINED_ATTR = "_meshfit_pretrained"
 
@@ -250,7 +251,7 @@ def load_into(model: nn.Module, folder, *, buffers: dict[str, torch.Tensor] | No
     it is tied to; default: the ties within `model`)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from meshfit.parallel.tp.styles import _fuse_order, regrouped_params
+    from meshfit.models.plans.regroup import group_columns, regrouped_params
 
     folder = check_folder(folder)
     files = _Files(folder)
@@ -286,7 +287,7 @@ def load_into(model: nn.Module, folder, *, buffers: dict[str, torch.Tensor] | No
         full = _whole(source, local.dtype)
         if name in regrouped:
             chunks, tp, dim = regrouped[name]
-            full = _fuse_order(full, chunks, tp, dim, inverse=False)
+            full = group_columns(full, chunks, tp, dim)
         part = distribute_tensor(full.to(local.device), tensor.device_mesh, tensor.placements,
                                  src_data_rank=None)
         local.copy_(part.to_local())
@@ -294,6 +295,23 @@ def load_into(model: nn.Module, folder, *, buffers: dict[str, torch.Tensor] | No
         raise ValueError(f"hf_model={str(folder)!r}: the safetensors hold no "
                          f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; the "
                          "folder's weights do not match its config.json")
+
+
+def stage_filler(model: nn.Module) -> Callable[[nn.Module, torch.device], None] | None:
+    """For a model built by `meta_model`: ``fill(stage, device)``, which materialises a
+    pipeline stage cut from it on `device` and reads only that stage's tensors from the
+    folder (`meshfit.parallel.pp.build_pipeline(fill_stage=...)`); None for other models."""
+    folder = pretrained_folder(model)
+    if folder is None:
+        return None
+    aliases = tied_names(model)  # a stage may hold a tied head without its embedding
+
+    def fill(stage: nn.Module, device: torch.device) -> None:
+        buffers = {n: b.detach().clone() for n, b in stage.named_buffers() if not b.is_meta}
+        to_empty(stage, device)
+        load_into(stage, folder, buffers=buffers, aliases=aliases)
+
+    return fill
 
 
 def to_empty(model: nn.Module, device) -> None:

@@ -39,6 +39,8 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from meshfit.distributed.spawn import free_port
+
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
@@ -73,13 +75,6 @@ class LaunchConfig:
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("--master-port is required with --nnodes > 1: every node must "
                              "name the same port on --master-addr")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def parse_gpus(text: str, flag: str = "--gpus") -> tuple[int, ...]:

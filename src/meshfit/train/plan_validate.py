@@ -38,12 +38,8 @@ the measured fields None (a plan for 8 GPUs cannot run on 4 processes).
 
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
-import os
 import statistics
 import time
-import traceback
 
 __all__ = ["validate"]
 
@@ -103,64 +99,16 @@ def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: 
 
 # ---------------------------------------------------------------------------- the processes
 def _spawn(nproc: int, args: tuple, timeout_s: float) -> list:
-    """`_run_plans(*args)` on `nproc` spawned ranks (or in this process for one); each
+    """`_run_plans(rank, nproc, *args)` on `nproc` spawned ranks (or in this process for one); each
     rank's result, in rank order."""
-    import torch
-
     if nproc == 1:
-        return [_run_plans(0, *args)]
-    from meshfit.train.launch import free_port
+        return [_run_plans(0, 1, *args)]
+    from meshfit.distributed.spawn import SpawnError, spawn
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, args, queue))
-             for r in range(nproc)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    error = None
     try:
-        deadline = time.monotonic() + timeout_s
-        while len(results) < nproc and error is None:
-            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                error = f"rank {rank}: {payload}"
-    finally:
-        for p in procs:
-            p.join(timeout=30 if error is None else 5)
-            if p.is_alive():  # our own children only, by their handle
-                p.kill()
-                p.join()
-    if error is not None:
-        raise RuntimeError(f"plan validation failed on {error}")
-    return [results[r] for r in range(nproc)]
-
-
-def _rank_main(rank: int, world: int, port: int, args: tuple, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    import torch
-    import torch.distributed as dist
-
-    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: one intra-op thread per rank
-        torch.set_num_threads(1)
-    try:
-        from meshfit.distributed import init
-
-        init()
-        out = _run_plans(rank, *args)
-        buf = io.BytesIO()
-        torch.save(out, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return spawn(_run_plans, nproc, *args, timeout=timeout_s)
+    except SpawnError as err:
+        raise RuntimeError(f"plan validation failed: {err}") from None
 
 
 def _build(model: str, seed: int = 0):
@@ -199,7 +147,8 @@ def _loss(model, x, y):
 
 
 
-def _run_plans(rank, jobs, model_spec, seq_len, global_batch_size, dtype, steps, optimizer):
+def _run_plans(rank, world_size, jobs, model_spec, seq_len, global_batch_size, dtype, steps,
+               optimizer):
     out = {}
     for i, layout in jobs:
         out[i] = _run_one(rank, layout, model_spec, seq_len, global_batch_size, dtype, steps,

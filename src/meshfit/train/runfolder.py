@@ -24,7 +24,7 @@ from typing import Self
 
 from meshfit._files import (WriteFailed, append_line, atomic_write_bytes, atomic_write_text,
                             new_file_mode)
-from meshfit._files import _reason
+from meshfit._files import os_reason
 
 __all__ = ["LOCK_FILE", "RUN_MARKERS", "RUN_OUTPUTS", "RunLock", "WriteFailed",
            "append_line", "atomic_write_bytes", "atomic_write_text", "check_run_folder",
@@ -164,7 +164,7 @@ class RunLock:
             self.out.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            raise ValueError(f"{flag}: cannot create {self.path}: {_reason(err)}; give an --out "
+            raise ValueError(f"{flag}: cannot create {self.path}: {os_reason(err)}; give an --out "
                              "you can write to") from None
         try:
             _flock_briefly(fd)

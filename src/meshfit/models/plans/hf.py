@@ -9,7 +9,7 @@ parallel the residual stream stays a DTensor (``local_output=False``): the model
 reads the sequence length from the embedding output to build positions and masks, which must
 be the global length. GPT-2's fused ``c_attn`` (q|k|v in one Conv1D) is re-laid out so that
 each rank holds q, k and v of its own heads (``fused=3``); the global view of that weight is
-then head-grouped, and `meshfit.parallel.tp.unfuse_columns` restores the HF layout.
+then head-grouped, and `meshfit.models.plans.regroup.unfuse_columns` restores the HF layout.
 
 Pipeline parallel: a stage is the model itself with the blocks of other stages removed
 (the kept ones under their original indices), its forward called with ``inputs_embeds`` on

@@ -27,16 +27,19 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
                    times: Sequence[float] | None = None,
                    record_timings: bool = True, init_seed: int = 0,
                    parallelize: Callable[[nn.Module], nn.Module] | None = None,
-                   plan: PipelinePlan | None = None) -> Pipeline:
+                   plan: PipelinePlan | None = None,
+                   fill_stage: Callable[[nn.Module, torch.device], None] | None = None
+                   ) -> Pipeline:
     """Cut `model` into stages over the 1-D `pp_mesh` and return this rank's `Pipeline`.
 
     `model`: the full model, identical on every rank (built from one seed), or built on the
     meta device: then each stage is materialised on the mesh's device and filled by the
     plan's `init_weights` with ``torch.Generator().manual_seed(init_seed)``, the values the
-    full model gets from the same call. `plan`: where the blocks are (`PipelinePlan`);
-    default the built-in plan of the model's type. `model` is not modified. Stages are copied out of it
-    (`build_stage_module`) and moved to the mesh's device; build the optimizer afterwards on
-    `pipeline.parameters()`.
+    full model gets from the same call, or by ``fill_stage(stage, device)`` when given (a
+    saved model read stage by stage: `meshfit.checkpoint.pretrained.stage_filler`).
+    `plan`: where the blocks are (`PipelinePlan`); default the built-in plan of the model's
+    type. `model` is not modified. Stages are copied out of it (`build_stage_module`) and
+    moved to the mesh's device; build the optimizer afterwards on `pipeline.parameters()`.
     `points`: where stages begin (`split_points`), else balanced by `balance`/`times`.
     `loss_fn`: None for token cross-entropy on logits (targets [B, T], ignore_index -100,
     normalised by the whole batch's counted tokens, so the result equals the single-process
@@ -71,10 +74,7 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     modules = [build_stage_module(model, s, num_stages, points, plan=plan)
                for s in placement[pp_rank]]
     if any(p.is_meta for m in modules for p in m.parameters()):
-        from meshfit.checkpoint.pretrained import pretrained_folder, tied_names
-
-        materialize(modules, plan, device, init_seed, pretrained=pretrained_folder(model),
-                    aliases=tied_names(model))
+        materialize(modules, plan, device, init_seed, fill=fill_stage)
     else:
         _check_same_weights(model, group)
         modules = [m.to(device) for m in modules]

@@ -85,7 +85,7 @@ class Pipeline:
         on global rank 0, {} elsewhere; a collective: call on every rank."""
         from torch.distributed.tensor import DTensor
 
-        from meshfit.parallel.tp import canonical_state, regrouped_params
+        from meshfit.models.plans.regroup import canonical_state, regrouped_params
 
         mine = {}
         for m in self.modules:  # full_tensor: collectives inside this stage's tp/dp groups

@@ -17,7 +17,7 @@ import copy
 import functools
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -242,19 +242,15 @@ def _set(model: nn.Module, path: str, value) -> None:
 
 
 def materialize(stages: list[nn.Module], plan: PipelinePlan, device: torch.device,
-                seed: int, *, pretrained: str | None = None,
-                aliases: dict[str, str] | None = None) -> None:
+                seed: int, *, fill: Callable[[nn.Module, torch.device], None] | None = None
+                ) -> None:
     """Meta stages -> real ones holding exactly the values of the full model, through the
-    plan's `init_weights` with ``torch.Generator().manual_seed(seed)``, or read from the
-    `pretrained` model folder (each stage only its own tensors; `aliases`: the full model's
-    tied names, see `meshfit.checkpoint.pretrained.load_into`)."""
-    if pretrained is not None:
-        from meshfit.checkpoint.pretrained import load_into, to_empty
-
+    plan's `init_weights` with ``torch.Generator().manual_seed(seed)``, or through
+    ``fill(stage, device)`` (e.g. reading each stage's own tensors from a saved model:
+    `meshfit.checkpoint.pretrained.stage_filler`)."""
+    if fill is not None:
         for s in stages:
-            buffers = {n: b.detach().clone() for n, b in s.named_buffers() if not b.is_meta}
-            to_empty(s, device)
-            load_into(s, pretrained, buffers=buffers, aliases=aliases)
+            fill(s, device)
         return
     if plan.init_weights is None:
         raise ValueError("the model is on the meta device and its pipeline plan has no "

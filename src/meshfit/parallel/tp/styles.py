@@ -21,11 +21,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
     PrepareModuleOutput, RowwiseParallel, SequenceParallel
 
 from meshfit.models.plans.base import Style
+from meshfit.models.plans.regroup import group_columns, mark_regrouped
 
 __all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "ReplicateParallel",
-           "ReplicateLocal",
-           "SequenceParallelBroadcast", "canonical_state", "planned_placement", "regrouped_params",
-           "to_torch_style", "unfuse_columns"]
+           "ReplicateLocal", "SequenceParallelBroadcast", "planned_placement", "to_torch_style"]
 
 
 # ---------------------------------------------------------------------------- styles
@@ -124,58 +123,15 @@ def _is_conv1d(module: nn.Module) -> bool:
     return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
 
 
-def _fuse_order(t: torch.Tensor, chunks: int, tp: int, dim: int, inverse: bool) -> torch.Tensor:
-    if chunks == 1:
-        return t
-    dim = dim % t.ndim
-    n = t.shape[dim] // (chunks * tp)
-    outer, inner = (chunks, tp) if not inverse else (tp, chunks)
-    shaped = t.unflatten(dim, (outer, inner, n)).transpose(dim, dim + 1)
-    return shaped.flatten(dim, dim + 2).contiguous()
-
-
-def unfuse_columns(t: torch.Tensor, chunks: int, tp: int, dim: int = -1) -> torch.Tensor:
-    """Undo the head-grouped layout of a fused projection: the global tensor of a parameter
-    split by `Conv1DColwiseParallel(fused=chunks)` on `tp` ranks holds its `dim` as
-    [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank-major); this returns [q | k | v], the layout of
-    the original model (and of its checkpoints)."""
-    return _fuse_order(t, chunks, tp, dim, inverse=True)
-
-
-def regrouped_params(model: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """Every parameter of `model` whose global layout is head-grouped (a fused projection
-    split by `Conv1DColwiseParallel(fused=...)`), by state-dict name: ``(chunks, tp, dim)``
-    for `unfuse_columns`. Empty for a model without such layers."""
-    out = {}
-    for mod_name, module in model.named_modules():
-        tp = getattr(module, "_meshfit_regrouped_for_tp", 1)
-        if tp == 1:
-            continue
-        for p_name, p in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{p_name}" if mod_name else p_name
-            out[name] = (module._meshfit_fused, tp, p.ndim - 1)
-    return out
-
-
-def canonical_state(state: dict, regrouped: dict[str, tuple[int, int, int]]) -> dict:
-    """`state` (whole tensors, e.g. a gathered state dict) with the head-grouped entries
-    listed by `regrouped_params` put back in the original model's layout: what a plain
-    single-device model of the same class loads. Other entries are returned as they are."""
-    out = dict(state)
-    for name, (chunks, tp, dim) in regrouped.items():
-        if name in out:
-            out[name] = unfuse_columns(out[name], chunks, tp, dim)
-    return out
-
-
 class Conv1DColwiseParallel(ColwiseParallel):
     """ColwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(1); bias Shard(0)).
 
     `fused=3` is for a fused q|k|v projection (GPT-2's `c_attn`): a plain column split would
     give rank 0 all of q and half of k. The columns are first regrouped rank-major, so each
     rank receives q, k and v of its own heads, contiguous, and the module's `split(d / T)`
-    works on the local output. The parameter's global layout is then the regrouped one; use
-    `unfuse_columns` to get the original layout back (e.g. to save an HF checkpoint).
+    works on the local output. The parameter's global layout is then the regrouped one;
+    `meshfit.models.plans.regroup` puts it back in the original layout (e.g. to save an HF
+    checkpoint).
     """
 
     def __init__(self, *, fused: int = 1, **kwargs) -> None:
@@ -187,13 +143,12 @@ class Conv1DColwiseParallel(ColwiseParallel):
         for p_name, p in list(module.named_parameters(recurse=False)):
             dim = p.ndim - 1  # weight [in, out] -> out is dim 1; bias [out] -> dim 0
             with torch.no_grad():
-                full = _fuse_order(p.detach(), self.fused, tp, dim, inverse=False)
+                full = group_columns(p.detach(), self.fused, tp, dim)
             module.register_parameter(p_name, nn.Parameter(
                 distribute_tensor(full, mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
                 requires_grad=p.requires_grad))
         if self.fused > 1:  # the parameters' global layout now depends on the TP degree
-            module._meshfit_regrouped_for_tp = tp
-            module._meshfit_fused = self.fused
+            mark_regrouped(module, self.fused, tp)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not _is_conv1d(module):
