@@ -4,8 +4,9 @@ cycles, and a top-level package that imports nothing until asked.
 Every `import` and `from ... import` statement counts, also the ones inside functions (a
 deferred import is still a dependency). Layers, bottom to top:
 
-    0  meshfit._quiet, meshfit._files,         processes, devices, mesh axes, collectives;
-       meshfit.distributed                     files written atomically
+    0  meshfit._quiet, meshfit._files,         processes, devices, mesh axes, collectives,
+       meshfit._lazy, meshfit.distributed      the spawner; files written atomically; names
+                                               imported on first use
     1  meshfit.models, meshfit.data            models with their plans as data; token data
     2  meshfit.parallel, optim, memory, peft,  the techniques; distributed checkpoints;
        meshfit.checkpoint, meshfit.plan,       memory estimates and the layout planner;
@@ -20,7 +21,8 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-LAYERS = [("meshfit._quiet", 0), ("meshfit._files", 0), ("meshfit.distributed", 0), ("meshfit.models", 1),
+LAYERS = [("meshfit._quiet", 0), ("meshfit._files", 0), ("meshfit._lazy", 0),
+          ("meshfit.distributed", 0), ("meshfit.models", 1),
           ("meshfit.data", 1), ("meshfit.parallel", 2), ("meshfit.optim", 2),
           ("meshfit.optim_names", 2), ("meshfit.memory", 2), ("meshfit.peft", 2),
           ("meshfit.checkpoint", 2),
@@ -124,7 +126,8 @@ def test_layers_import_downwards_only():
 def test_models_name_no_parallel_code():
     # Plans are data: models import nothing from the techniques, the facade or the trainer.
     bad = [f"{a} -> {b}" for a, deps in _graph().items() if a.startswith("meshfit.models")
-           for b in deps if not b.startswith(("meshfit.models", "meshfit.distributed"))]
+           for b in deps if not b.startswith(("meshfit.models", "meshfit.distributed",
+                                              "meshfit._lazy"))]
     assert bad == []
 
 
@@ -177,10 +180,12 @@ def test_no_private_name_is_imported_from_another_package():
 
 
 def test_top_level_package_imports_nothing_eagerly():
-    """`import meshfit.models` runs meshfit/__init__.py first; it must not pull in the rest."""
+    """`import meshfit.models` runs meshfit/__init__.py first; it must not pull in the rest
+    (only `meshfit._lazy`, the standard-library helper that defers the others)."""
     tree = ast.parse((SRC / "meshfit" / "__init__.py").read_text())
     eager = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-             and any("meshfit" in (getattr(n, "module", None) or a.name) for a in n.names)]
+             and any("meshfit" in (getattr(n, "module", None) or a.name) for a in n.names)
+             and getattr(n, "module", None) != "meshfit._lazy"]
     assert eager == []
 
 
@@ -191,7 +196,7 @@ def test_the_graph_sees_deferred_imports():
 
 # What `meshfit.train.config` imports when it loads: a config is read and refused before torch
 # loads (tests/test_fast_start.py runs the refusals; this names the module that broke it).
-TORCH_FREE = ["meshfit", "meshfit.train", "meshfit.train.config", "meshfit.distributed",
+TORCH_FREE = ["meshfit", "meshfit._lazy", "meshfit.train", "meshfit.train.config", "meshfit.distributed",
               "meshfit.distributed.dims", "meshfit.models", "meshfit.models.config",
               "meshfit.models.factory", "meshfit.optim_names", "meshfit.parallel",
               "meshfit.parallel.options", "meshfit.parallel.layout", "meshfit.parallel.pp",

@@ -13,7 +13,7 @@ The package is layered; each layer imports only the ones below it:
 
 from __future__ import annotations
 
-import importlib
+from meshfit._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -27,13 +27,4 @@ _EXPORTS.update({name: "meshfit.accelerator.compat" for name in (
     "DistributedDataParallelKwargs", "FullyShardedDataParallelPlugin", "GradScalerKwargs",
     "InitProcessGroupKwargs", "ProfileKwargs", "find_executable_batch_size")})
 __all__ = [*_EXPORTS, "__version__"]
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'meshfit' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -14,8 +14,7 @@ variables (RANK, WORLD_SIZE, LOCAL_RANK, ...). Everything else receives a `DistE
 
 from __future__ import annotations
 
-import importlib
-
+from meshfit._lazy import lazy_exports
 from meshfit.distributed.dims import AXES, ParallelDims
 
 # env.py imports torch: its names load on first use, so that the mesh axes (dims.py, no
@@ -25,12 +24,5 @@ _LAZY = {"DistEnv": "env", "cpu_requested": "env", "init": "env", "SpawnError": 
 __all__ = ["AXES", "DistEnv", "ParallelDims", "SpawnError", "cpu_requested", "free_port", "init",
            "spawn"]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"meshfit.distributed.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'meshfit.distributed' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(
+    __name__, {name: f"{__name__}.{module}" for name, module in _LAZY.items()}, globals())

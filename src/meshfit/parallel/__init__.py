@@ -14,7 +14,7 @@ Names are imported on first use (`from meshfit.parallel import apply_tp` loads o
 
 from __future__ import annotations
 
-import importlib
+from meshfit._lazy import lazy_exports
 
 _EXPORTS = {
     "Layout": "layout", "Engine": "layout", "ModelFacts": "layout",
@@ -25,13 +25,5 @@ _EXPORTS = {
     "clip_grad_norm_": "clip",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"meshfit.parallel.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'meshfit.parallel' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(
+    __name__, {name: f"{__name__}.{module}" for name, module in _EXPORTS.items()}, globals())

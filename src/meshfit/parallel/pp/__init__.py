@@ -18,7 +18,7 @@ Names load on first use: the bubble figures and the schedule names need no torch
 
 from __future__ import annotations
 
-import importlib
+from meshfit._lazy import lazy_exports
 
 _EXPORTS = {
     "SCHEDULES": "meshfit.parallel.options",
@@ -31,13 +31,4 @@ _EXPORTS = {
                                                 "build_stage_module", "split_points")},
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'meshfit.parallel.pp' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
