@@ -2,12 +2,17 @@
 `Layout` that decides which of them a job uses; `parallelize`, which applies them in order.
 
     layout.py       `Layout`: the one decision (engine, mesh axes, rules, warnings, costs)
+    rules.py        the rules it applies, each written once; the engine and axes it picks
+    costs.py        `LayoutCosts`: how the engine divides and copies the model states
+    mesh.py         the layout's `DeviceMesh` and the sub-meshes taken by axis name
     parallelize.py  `parallelize(model, layout, options)`: TP -> checkpointing -> compile ->
                     data-parallel wrapper
     ddp.py, zero1.py, fsdp.py     data parallel: DDP, ZeRO-1, ZeRO-2/3 (FSDP2)
     tp/, pp/        tensor (+ sequence) parallel, pipeline parallel
+    ep.py           expert parallel: a mixture-of-experts block's experts split over ranks
     activation.py, compile.py     activation checkpointing, torch.compile
     clip.py         gradient-norm clipping across shards, meshes and stages
+    options.py      the techniques' option names and their checks, without torch
 
 Names are imported on first use (`from meshfit.parallel import apply_tp` loads only tp/).
 """

@@ -49,83 +49,31 @@ gathering, reducing and data-loader sharding use the flattened group of both axe
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
-from meshfit.distributed.dims import AXES, ParallelDims
+from meshfit.distributed.dims import ParallelDims
+from meshfit.parallel import mesh as meshes
+from meshfit.parallel.costs import LayoutCosts, costs_for
+from meshfit.parallel.rules import (DP_AXES, ZERO_STAGES, Engine, Request, engine_for,
+                                    first_problem, layout_warnings, mesh_axes_for, namer,
+                                    options_problem)
 
 if TYPE_CHECKING:  # torch loads when a model or a mesh is at hand: a layout is checked without it
     import torch
 
-__all__ = ["AVAILABLE_AXES", "Candidate", "Engine", "Layout", "LayoutCosts", "MixedPrecision",
-           "ModelFacts", "Offload", "ZERO_STAGES", "check_options", "precision_dtype"]
-
-# Axes whose techniques exist today; the others are planned (see the README's feature table).
-AVAILABLE_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
-_DP_AXES = ("dp_replicate", "dp_shard")
-ZERO_STAGES = (0, 1, 2, 3)
-Offload = Literal["none", "cpu"]
-MixedPrecision = Literal["no", "bf16", "fp16"]
+# Engine and LayoutCosts (rules.py, costs.py) are part of what a `Layout` holds.
+__all__ = ["Candidate", "Engine", "Layout", "LayoutCosts", "ModelFacts", "check_options",
+           "precision_dtype"]
 
 
 def precision_dtype(mode: str) -> torch.dtype | None:
-    """The low-precision compute dtype of a `MixedPrecision` mode (None for "no")."""
+    """The low-precision compute dtype of a mixed-precision mode (None for "no")."""
     import torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
 
-
-class Engine(enum.Enum):
-    """What keeps the data-parallel replicas in step."""
-
-    NONE = "none"
-    """No data-parallel wrapper: one process, or tensor/pipeline parallel alone."""
-    DDP = "ddp"
-    """DistributedDataParallel over every data-parallel rank (ZeRO stage 0)."""
-    ZERO1 = "zero1"
-    """DDP + ZeroRedundancyOptimizer partitioning the optimizer state over ``dp_shard``."""
-    FSDP2 = "fsdp2"
-    """``fully_shard`` over ``dp_shard`` (HSDP with ``dp_replicate``): stages 2/3, and stage 1
-    of a tensor- or pipeline-parallel model."""
-    FSDP2_REPLICATE = "fsdp2_replicate"
-    """``fully_shard`` over ``dp_replicate`` with a shard group of one: stage 0 of a tensor- or
-    pipeline-parallel model (DDP does not take DTensor parameters)."""
-
-
-# Field names in errors are the Accelerator's keywords unless the caller passes its own
-# spellings (`meshfit train` passes its config keys: `meshfit.train.config.LAYOUT_NAMES`).
-def _namer(names: Mapping[str, str] | None):
-    names = names or {}
-    return lambda key: names.get(key, key)
-
-
-# ----------------------------------------------------------------------------- the options
-def _options_problem(*, zero_stage, offload, sync_each_batch, mixed_precision,
-                     sequence_parallel, loss_parallel, n, dims=None) -> str | None:
-    """Values that are wrong whatever the layout."""
-    if dims is not None and not isinstance(dims, ParallelDims):
-        return f"{n('parallel')}={dims!r} must be a meshfit.ParallelDims"
-    if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
-        return (f"{n('zero_stage')}={zero_stage!r} must be 0 (DDP), 1, 2 or 3 (unset: 3 when "
-                "dp_shard > 1, else 0)")
-    if offload not in get_args(Offload):
-        return f"{n('offload')}={offload!r} is not one of 'none', 'cpu'"
-    if offload == "cpu" and zero_stage is not None and zero_stage < 3:
-        return (f"{n('offload')}='cpu' needs zero_stage=3 (FSDP2 offloads the sharded "
-                f"parameters and their state), got {n('zero_stage')}={zero_stage}; set "
-                "zero_stage=3 or offload='none'")
-    if not (sync_each_batch is True or sync_each_batch is False or sync_each_batch == "auto"):
-        return f"{n('sync_each_batch')}={sync_each_batch!r} must be true, false or 'auto'"
-    if mixed_precision not in get_args(MixedPrecision):
-        return (f"{n('mixed_precision')}={mixed_precision!r} is not a precision meshfit knows; "
-                f"use one of {', '.join(repr(v) for v in get_args(MixedPrecision))}")
-    for key, value in (("sequence_parallel", sequence_parallel),
-                       ("loss_parallel", loss_parallel)):
-        if not isinstance(value, bool):
-            return f"{n(key)}={value!r} must be true or false"
-    return None
 
 
 def check_options(*, parallel=None, zero_stage=None, offload="none", sync_each_batch=False,
@@ -133,211 +81,13 @@ def check_options(*, parallel=None, zero_stage=None, offload="none", sync_each_b
                   names: Mapping[str, str] | None = None) -> None:
     """One-line ValueError for an option value that is wrong whatever the layout (usable
     before the world size is known, e.g. when a config file is read)."""
-    problem = _options_problem(dims=parallel, zero_stage=zero_stage, offload=offload,
+    problem = options_problem(dims=parallel, zero_stage=zero_stage, offload=offload,
                                sync_each_batch=sync_each_batch, mixed_precision=mixed_precision,
                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                               n=_namer(names))
+                               n=namer(names))
     if problem:
         raise ValueError(problem)
 
-
-# ----------------------------------------------------------------------------- the rules
-@dataclass(frozen=True)
-class _Request:
-    dims: ParallelDims  # resolved
-    stage: int
-    offload: str
-    mixed_precision: str
-    sequence_parallel: bool
-    loss_parallel: bool
-    ddp_kwargs: bool
-    engine: Engine
-
-
-def _axes_available(r: _Request, n) -> str | None:
-    planned = [a for a in r.dims.enabled() if a not in AVAILABLE_AXES]
-    if planned:
-        sizes = ", ".join(f"{a}={getattr(r.dims, a)}" for a in planned)
-        return (f"{n('parallel')}: {sizes}: this axis is not yet available in meshfit; use the "
-                "data-parallel axes (dp_replicate, dp_shard), tp, pp and ep for now")
-    return None
-
-
-def _ep_rules(r: _Request, n) -> str | None:
-    if r.dims.ep == 1:
-        return None
-    if r.dims.tp > 1:
-        return (f"{n('ep')}={r.dims.ep} with {n('tp')}={r.dims.tp} is not yet available in "
-                "meshfit (the experts would have to be replicated or split over the "
-                "tensor-parallel ranks); use ep with the data-parallel axes and pp, or tp "
-                "without ep")
-    if r.stage == 0:
-        return (f"{n('zero_stage')}=0 with {n('ep')}={r.dims.ep}: expert parallelism runs on "
-                f"the sharded data-parallel ranks (FSDP2); use zero_stage 1, 2 or 3")
-    return None
-
-
-def _stage_needs_shards(r: _Request, n) -> str | None:
-    if r.stage > 0 and r.dims.dp_shard == 1:
-        return (f"{n('zero_stage')}={r.stage} shards over the dp_shard axis, which has size 1; "
-                f"set {n('dp_shard')} > 1 or zero_stage=0")
-    if r.stage == 0 and r.dims.dp_shard > 1:
-        return (f"{n('zero_stage')}=0 (DDP) shards nothing, but {n('dp_shard')}="
-                f"{r.dims.dp_shard}; use dp_replicate for plain data parallel, or zero_stage "
-                "1, 2 or 3")
-    return None
-
-
-def _offload_needs_stage3(r: _Request, n) -> str | None:
-    if r.offload == "cpu" and r.stage < 3:
-        return (f"{n('offload')}='cpu' needs zero_stage=3, and this layout resolves to "
-                f"zero_stage={r.stage}; set {n('dp_shard')} > 1 and zero_stage=3, or "
-                "offload='none'")
-    return None
-
-
-def _tp_options_need_tp(r: _Request, n) -> str | None:
-    for key in ("sequence_parallel", "loss_parallel"):
-        if getattr(r, key) and r.dims.tp == 1:
-            return f"{n(key)}=true needs {n('tp')} > 1 (tensor parallel); set tp or drop it"
-    return None
-
-
-def _not_yet_with_pp(r: _Request, n) -> str | None:
-    if r.dims.pp == 1:
-        return None
-    if r.loss_parallel:
-        return (f"{n('loss_parallel')}=true with {n('pp')} > 1 is not yet available in meshfit "
-                "(the last stage would hand vocabulary-sharded logits to the schedule); set "
-                "loss_parallel=false")
-    if r.mixed_precision == "fp16":
-        return (f"{n('mixed_precision')}='fp16' with {n('pp')} > 1 is not yet available in "
-                "meshfit (the loss scale would have to agree across stages); use 'bf16'")
-    if r.offload != "none":
-        return (f"{n('offload')}={r.offload!r} with {n('pp')} > 1 is not yet available in "
-                "meshfit (the stages' tied gradients and norm are combined on the device); "
-                "use offload='none'")
-    return None
-
-
-def _ddp_kwargs_need_ddp(r: _Request, n) -> str | None:
-    # A single process (engine NONE) accepts them: the same script runs DDP on more ranks.
-    model_parallel = r.dims.tp > 1 or r.dims.pp > 1
-    if r.ddp_kwargs and (model_parallel or r.stage >= 2):
-        if model_parallel and r.dims.dp == 1:
-            engine = "a layout without a data-parallel axis"
-        elif model_parallel:
-            engine = "FSDP2 (the data-parallel engine under tp/pp > 1)"
-        else:
-            engine = f"FSDP2 (zero_stage={r.stage})"
-        return f"{n('ddp_kwargs')} apply to DDP, which {engine} does not use; drop them"
-    return None
-
-
-_RULES = (_axes_available, _ep_rules, _stage_needs_shards, _offload_needs_stage3, _tp_options_need_tp,
-          _not_yet_with_pp, _ddp_kwargs_need_ddp)
-
-
-def _warnings(dims: ParallelDims, stage: int, local_world_size: int | None) -> tuple[str, ...]:
-    """Layouts that work but that the guide advises against, each with the reason."""
-    out = []
-    if local_world_size and dims.tp > 1 and (dims.tp > local_world_size
-                                             or local_world_size % dims.tp):
-        out.append(
-            f"tp={dims.tp} with {local_world_size} processes per node: tensor-parallel groups "
-            "cross nodes, so every block's all-reduces go over the slower inter-node link "
-            "(Megatron-LM keeps tp within a node); use a tp that divides the processes per "
-            "node and put the rest on pp or the data-parallel axes")
-    if dims.pp > 1 and stage >= 2:
-        why = (f"zero_stage={stage} with pp={dims.pp}: a pipeline runs a backward per "
-               "micro-batch, so gradients sharded per micro-batch would cost a reduce-scatter "
-               "each; torch's schedules keep whole gradients until the last micro-batch "
-               "instead (DeepSpeed refuses ZeRO-2/3 with its pipeline engine for this reason)")
-        if stage == 2:
-            out.append(why + ", which makes stage 2 the same as zero_stage=1 here")
-        else:
-            out.append(why + ", and stage 3 re-gathers every stage's parameters for each "
-                       "micro-batch's forward and backward; prefer zero_stage=1")
-    return tuple(out)
-
-
-def _engine(dims: ParallelDims, stage: int, distributed: bool) -> Engine:
-    if not distributed:
-        return Engine.NONE
-    model_parallel = dims.tp > 1 or dims.pp > 1 or dims.ep > 1
-    if model_parallel and dims.dp == 1:
-        return Engine.NONE
-    if model_parallel:
-        return Engine.FSDP2_REPLICATE if dims.dp_shard == 1 else Engine.FSDP2
-    if stage >= 2:
-        return Engine.FSDP2
-    return Engine.DDP if stage == 0 else Engine.ZERO1
-
-
-def _mesh_axes(dims: ParallelDims) -> tuple[str, ...]:
-    # Axes of size 1 are dropped, except the data-parallel ones: with tp or pp both are kept
-    # (the data-parallel wrapper of a model-parallel model is FSDP2 over the 2-D
-    # (dp_replicate, dp_shard) sub-mesh); otherwise dp_replicate is kept when no data-parallel
-    # axis is larger, so that a one-process job still has a mesh to pass around.
-    keep = set(_DP_AXES) if dims.tp > 1 or dims.pp > 1 else set()
-    if not any(a in _DP_AXES for a in dims.enabled()):
-        keep.add("dp_replicate")
-    return tuple(a for a in AXES if getattr(dims, a) > 1 or a in keep)
-
-
-# ----------------------------------------------------------------------------- costs
-@dataclass(frozen=True, kw_only=True)
-class LayoutCosts:
-    """How the data-parallel engine divides and copies the model states on one rank, as
-    multipliers of the model's own sizes (tensor parallel divides them further by the TP
-    plan; `meshfit.memory.zero_formula` is the same arithmetic without tp/pp)."""
-
-    param_shards: int
-    """Ranks a parameter is split over between steps (FSDP2: dp_shard, at stage 2 too)."""
-    grad_shards: int
-    """Ranks a synchronised gradient is split over after the reduction."""
-    optimizer_shards: int
-    """Ranks the optimizer state is split over (stage >= 1: dp_shard)."""
-    optimizer_partition: Literal["none", "whole_parameters", "elements"]
-    """ZeRO-1 partitions whole parameters greedily (uneven when a few tensors dominate);
-    FSDP2 splits every parameter per element (balanced)."""
-    whole_grads_until_boundary: bool
-    """Gradients are kept whole while accumulating micro-batches (reduced on the last)."""
-    gathered_params: Literal["none", "one_block", "all_blocks"]
-    """Parameters gathered during the step: one block at a time (stage 3) or every block
-    from its forward to its backward (stage 2, stage 1 under tp/pp)."""
-    extra_param_copies: int
-    """Parameter copies held beyond the engine's own during the step (replicate-only FSDP2
-    copies the parameters into an unsharded buffer from forward to backward: 1)."""
-    host_offload: bool
-    """Sharded parameters, gradients and optimizer state live in host memory."""
-    grad_reduction: Literal["none", "all_reduce", "reduce_scatter", "reduce_scatter+all_reduce"]
-    """The gradient collective of one optimizer step (HSDP: reduce-scatter inside a shard
-    group, all-reduce across the replicas)."""
-
-
-def _costs(dims: ParallelDims, engine: Engine, stage: int, offload: bool) -> LayoutCosts:
-    fsdp = engine in (Engine.FSDP2, Engine.FSDP2_REPLICATE)
-    shards = dims.dp_shard if fsdp else 1
-    if engine is Engine.NONE:
-        reduction = "none"
-    elif engine is Engine.FSDP2 and dims.dp_replicate > 1:
-        reduction = "reduce_scatter+all_reduce"
-    elif engine is Engine.FSDP2:
-        reduction = "reduce_scatter"
-    else:
-        reduction = "all_reduce"
-    gathered = "none"
-    if engine is Engine.FSDP2:
-        gathered = "one_block" if stage == 3 else "all_blocks"
-    return LayoutCosts(
-        param_shards=shards, grad_shards=shards,
-        optimizer_shards=dims.dp_shard if stage >= 1 else 1,
-        optimizer_partition="elements" if engine is Engine.FSDP2 else
-        "whole_parameters" if engine is Engine.ZERO1 else "none",
-        whole_grads_until_boundary=not fsdp or stage < 2, gathered_params=gathered,
-        extra_param_copies=1 if engine is Engine.FSDP2_REPLICATE else 0,
-        host_offload=offload, grad_reduction=reduction)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -374,6 +124,8 @@ class ModelFacts:
 
         return cls(n_blocks=len(pipeline_plan.blocks_of(model)), divisible=divisible,
                    experts=tuple(m.n_experts for m in moe_modules([model])))
+
+
 
 
 # ----------------------------------------------------------------------------- the layout
@@ -425,8 +177,8 @@ class Layout:
     def _decide(cls, dims, world_size, *, distributed, zero_stage, offload, mixed_precision,
                 sequence_parallel, loss_parallel, ddp_kwargs, local_world_size,
                 names) -> Layout | str:
-        n = _namer(names)
-        problem = _options_problem(dims=dims, zero_stage=zero_stage, offload=offload,
+        n = namer(names)
+        problem = options_problem(dims=dims, zero_stage=zero_stage, offload=offload,
                                    sync_each_batch=False, mixed_precision=mixed_precision,
                                    sequence_parallel=sequence_parallel,
                                    loss_parallel=loss_parallel, n=n)
@@ -434,24 +186,19 @@ class Layout:
             return problem
         dims = (dims or ParallelDims()).resolve(world_size)  # its own size checks
         stage = zero_stage if zero_stage is not None else (3 if dims.dp_shard > 1 else 0)
-        engine = _engine(dims, stage, distributed)
-        request = _Request(dims, stage, offload, mixed_precision, sequence_parallel,
-                           loss_parallel, ddp_kwargs, engine)
-        for rule in _RULES:
-            problem = rule(request, n)
-            if problem:
-                return problem
+        engine = engine_for(dims, stage, distributed)
+        request = Request(dims, stage, offload, mixed_precision, sequence_parallel,
+                          loss_parallel, ddp_kwargs, engine)
+        problem = first_problem(request, n)
+        if problem:
+            return problem
         return cls(dims=dims, engine=engine, zero_stage=stage, offload=offload == "cpu",
                    mixed_precision=mixed_precision, sequence_parallel=sequence_parallel,
-                   loss_parallel=loss_parallel, mesh_axes=_mesh_axes(dims),
-                   warnings=_warnings(dims, stage, local_world_size),
-                   costs=_costs(dims, engine, stage, offload == "cpu"))
+                   loss_parallel=loss_parallel, mesh_axes=mesh_axes_for(dims),
+                   warnings=layout_warnings(dims, stage, local_world_size),
+                   costs=costs_for(dims, engine, stage, offload == "cpu"))
 
     # ------------------------------------------------------------------ facts
-    @property
-    def is_data_parallel(self) -> bool:
-        return self.engine is not Engine.NONE
-
     @property
     def is_fsdp(self) -> bool:
         return self.engine in (Engine.FSDP2, Engine.FSDP2_REPLICATE)
@@ -475,7 +222,7 @@ class Layout:
     @property
     def dp_axes(self) -> tuple[str, ...]:
         """The mesh axes whose ranks see different data (flattened into one group)."""
-        return tuple(a for a in _DP_AXES if a in self.mesh_axes)
+        return tuple(a for a in DP_AXES if a in self.mesh_axes)
 
     @property
     def fsdp_axes(self) -> tuple[str, ...]:
@@ -483,7 +230,7 @@ class Layout:
         replicate-only keeps a size-1 shard axis, a size-1 replicate axis is dropped."""
         if self.dims.dp_replicate == 1 and self.dims.dp_shard > 1:
             return ("dp_shard",)
-        return _DP_AXES
+        return DP_AXES
 
     def _forward_collective(self) -> tuple[str, int, str] | None:
         if self.dims.pp > 1:
@@ -495,13 +242,6 @@ class Layout:
         if self.zero_stage >= 2:
             return "zero_stage", self.zero_stage, "FSDP's all-gathers in forward"
         return None
-
-    @property
-    def forward_collectives(self) -> str | None:
-        """Why this layout's forward pass communicates (None: it does not). A rank that
-        fails in such a forward (say, out of memory) leaves the others waiting."""
-        found = self._forward_collective()
-        return None if found is None else f"{found[0]}={found[1]}: {found[2]}"
 
     def describe(self) -> str:
         """e.g. ``"ZeRO-3 (FSDP2) on dp_shard 4 x tp 2"``."""
@@ -531,7 +271,7 @@ class Layout:
         from meshfit.models.plans import divisibility_problem
         from meshfit.parallel.pp import pipeline_problem
 
-        n, tp, pp, ep = _namer(names), self.dims.tp, self.dims.pp, self.dims.ep
+        n, tp, pp, ep = namer(names), self.dims.tp, self.dims.pp, self.dims.ep
         if ep > 1:
             if not facts.experts:
                 return (f"{n('ep')}={ep} needs a mixture-of-experts model, and this one has no "
@@ -562,7 +302,7 @@ class Layout:
         others in a collective."""
         found = self._forward_collective()
         if found:
-            n, (key, value, why) = _namer(names), found
+            n, (key, value, why) = namer(names), found
             raise ValueError(f"{n('find_batch_size')}=true is not supported with {n(key)}="
                              f"{value}: {why} would leave the other ranks waiting when one runs "
                              f"out of memory; set {n('find_batch_size')}=false and size the "
@@ -571,51 +311,23 @@ class Layout:
     # ------------------------------------------------------------------ the mesh
     def build_mesh(self, device_type: str):
         """The `DeviceMesh` of this layout over the default process group (a collective)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        ep = self.dims.ep
-        names, shape = [], []
-        for a in self.mesh_axes:
-            if a == "ep":
-                continue
-            if a == "dp_shard" and ep > 1:
-                # ep is the inner part of dp_shard: each group of ep consecutive dp_shard
-                # ranks splits the experts; "dp_shard" is the flattened whole.
-                names += ["dp_shard_mod_ep", "ep"]
-                shape += [self.dims.dp_shard // ep, ep]
-            else:
-                names.append(a)
-                shape.append(getattr(self.dims, a))
-        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-        if ep > 1:
-            mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
-        return mesh
+        return meshes.build_mesh(self, device_type)
 
     def dp_mesh(self, mesh):
         """The 1-D mesh of all data-parallel ranks (dp_replicate x dp_shard flattened)."""
-        axes = self.dp_axes
-        return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)._flatten("dp")
+        return meshes.dp_mesh(self, mesh)
 
     def fsdp_mesh(self, mesh):
-        axes = self.fsdp_axes
-        return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)
+        """FSDP2's mesh over `fsdp_axes`."""
+        return meshes.fsdp_mesh(self, mesh)
 
     def expert_fsdp_mesh(self, mesh):
-        """Under ep: the mesh FSDP2 shards the experts over, the data-parallel ranks that hold
-        the same experts ((dp_replicate, dp_shard / ep), sizes of 1 dropped); None when no
-        rank but this one holds them (dp_replicate = 1, dp_shard = ep)."""
-        if mesh is None or self.dims.ep == 1:
-            return None
-        axes = tuple(a for a, size in (("dp_replicate", self.dims.dp_replicate),
-                                       ("dp_shard_mod_ep", self.dims.dp_shard // self.dims.ep))
-                     if size > 1)
-        if not axes:
-            return None
-        return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)
+        """Under ep: the mesh FSDP2 shards the experts over (see `meshfit.parallel.mesh`)."""
+        return meshes.expert_fsdp_mesh(self, mesh)
 
     def axis_mesh(self, mesh, axis: str):
         """The 1-D sub-mesh of `axis` ("tp", "pp", "dp_shard"), or None without that axis."""
-        return _slice(mesh, axis) if mesh is not None and axis in self.mesh_axes else None
+        return meshes.axis_mesh(self, mesh, axis)
 
     # ------------------------------------------------------------------ enumeration
     @classmethod
@@ -643,17 +355,6 @@ class Layout:
                         yield Candidate(dims=dims, options=options,
                                         layout=None if isinstance(out, str) else out,
                                         refused=out if isinstance(out, str) else None)
-
-
-def _slice(mesh, axes):
-    """``mesh[axes]``. Under ep, ``dp_shard`` is the flattened (dp_shard_mod_ep, ep) pair,
-    and torch 2.13 warns on every slice of a flattened dimension that it "will be
-    deprecated in PT 2.11" — while still supporting it; the warning is not the user's."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-        return mesh[axes]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,80 @@
+"""A layout's `DeviceMesh` and the sub-meshes each technique runs on.
+
+The mesh is built once per job (`build_mesh`, a collective over the default group) with the
+layout's named axes, outermost first (`Layout.mesh_axes`); every technique then takes its
+sub-mesh by name and receives it explicitly. With expert parallelism, ``dp_shard`` is made of
+two mesh dimensions, ``(dp_shard_mod_ep, ep)``, flattened back into ``dp_shard``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the layout module imports this one
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["axis_mesh", "build_mesh", "dp_mesh", "expert_fsdp_mesh", "fsdp_mesh"]
+
+
+def build_mesh(layout, device_type: str) -> DeviceMesh:
+    """The `DeviceMesh` of `layout` over the default process group (a collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ep = layout.dims.ep
+    names, shape = [], []
+    for a in layout.mesh_axes:
+        if a == "ep":
+            continue
+        if a == "dp_shard" and ep > 1:
+            # ep is the inner part of dp_shard: each group of ep consecutive dp_shard
+            # ranks splits the experts; "dp_shard" is the flattened whole.
+            names += ["dp_shard_mod_ep", "ep"]
+            shape += [layout.dims.dp_shard // ep, ep]
+        else:
+            names.append(a)
+            shape.append(getattr(layout.dims, a))
+    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    if ep > 1:
+        mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
+    return mesh
+
+
+def dp_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of all data-parallel ranks (dp_replicate x dp_shard flattened)."""
+    axes = layout.dp_axes
+    return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)._flatten("dp")
+
+
+def fsdp_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP2's mesh (`Layout.fsdp_axes`): 1-D, or 2-D (replicate, shard) for HSDP."""
+    axes = layout.fsdp_axes
+    return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)
+
+
+def expert_fsdp_mesh(layout, mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """Under ep: the mesh FSDP2 shards the experts over, the data-parallel ranks that hold
+    the same experts ((dp_replicate, dp_shard / ep), sizes of 1 dropped); None when no
+    rank but this one holds them (dp_replicate = 1, dp_shard = ep)."""
+    dims = layout.dims
+    if mesh is None or dims.ep == 1:
+        return None
+    axes = tuple(a for a, size in (("dp_replicate", dims.dp_replicate),
+                                   ("dp_shard_mod_ep", dims.dp_shard // dims.ep)) if size > 1)
+    if not axes:
+        return None
+    return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)
+
+
+def axis_mesh(layout, mesh: DeviceMesh | None, axis: str) -> DeviceMesh | None:
+    """The 1-D sub-mesh of `axis` ("tp", "pp", "dp_shard"), or None without that axis."""
+    return _slice(mesh, axis) if mesh is not None and axis in layout.mesh_axes else None
+
+
+def _slice(mesh, axes):
+    """``mesh[axes]``. Under ep, ``dp_shard`` is the flattened (dp_shard_mod_ep, ep) pair,
+    and torch 2.13 warns on every slice of a flattened dimension that it "will be
+    deprecated in PT 2.11" — while still supporting it; the warning is not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[axes]

@@ -1,0 +1,236 @@
+"""The layout rules: every check of a requested layout, each written once.
+
+A rule is a function of the request (the resolved mesh sizes, the ZeRO stage and the options
+that change the data-parallel engine) that returns its refusal as one line naming the field,
+the value and the fix, or None. `meshfit.parallel.layout.Layout.resolve` runs the option
+checks, then every rule in order, and builds the layout from the first request that passes;
+nothing else re-validates a layout. Also here: which engine a layout runs on, which mesh axes
+it keeps, and the warnings the guide gives for layouts that work but are not advised.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from meshfit.distributed.dims import AXES, ParallelDims
+
+__all__ = ["AVAILABLE_AXES", "DP_AXES", "Engine", "MixedPrecision", "Offload", "Request",
+           "ZERO_STAGES", "engine_for", "first_problem", "layout_warnings", "mesh_axes_for",
+           "namer", "options_problem"]
+
+# Axes whose techniques exist today; the others are planned (see the README's feature table).
+AVAILABLE_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
+DP_AXES = ("dp_replicate", "dp_shard")
+ZERO_STAGES = (0, 1, 2, 3)
+Offload = Literal["none", "cpu"]
+MixedPrecision = Literal["no", "bf16", "fp16"]
+
+
+class Engine(enum.Enum):
+    """What keeps the data-parallel replicas in step."""
+
+    NONE = "none"
+    """No data-parallel wrapper: one process, or tensor/pipeline parallel alone."""
+    DDP = "ddp"
+    """DistributedDataParallel over every data-parallel rank (ZeRO stage 0)."""
+    ZERO1 = "zero1"
+    """DDP + ZeroRedundancyOptimizer partitioning the optimizer state over ``dp_shard``."""
+    FSDP2 = "fsdp2"
+    """``fully_shard`` over ``dp_shard`` (HSDP with ``dp_replicate``): stages 2/3, and stage 1
+    of a tensor- or pipeline-parallel model."""
+    FSDP2_REPLICATE = "fsdp2_replicate"
+    """``fully_shard`` over ``dp_replicate`` with a shard group of one: stage 0 of a tensor- or
+    pipeline-parallel model (DDP does not take DTensor parameters)."""
+
+
+# Field names in errors are the Accelerator's keywords unless the caller passes its own
+# spellings (`meshfit train` passes its config keys: `meshfit.train.config.LAYOUT_NAMES`).
+def namer(names: Mapping[str, str] | None):
+    names = names or {}
+    return lambda key: names.get(key, key)
+
+
+# ----------------------------------------------------------------------------- the options
+def options_problem(*, zero_stage, offload, sync_each_batch, mixed_precision,
+                    sequence_parallel, loss_parallel, n, dims=None) -> str | None:
+    """Values that are wrong whatever the layout."""
+    if dims is not None and not isinstance(dims, ParallelDims):
+        return f"{n('parallel')}={dims!r} must be a meshfit.ParallelDims"
+    if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
+        return (f"{n('zero_stage')}={zero_stage!r} must be 0 (DDP), 1, 2 or 3 (unset: 3 when "
+                "dp_shard > 1, else 0)")
+    if offload not in get_args(Offload):
+        return f"{n('offload')}={offload!r} is not one of 'none', 'cpu'"
+    if offload == "cpu" and zero_stage is not None and zero_stage < 3:
+        return (f"{n('offload')}='cpu' needs zero_stage=3 (FSDP2 offloads the sharded "
+                f"parameters and their state), got {n('zero_stage')}={zero_stage}; set "
+                "zero_stage=3 or offload='none'")
+    if not (sync_each_batch is True or sync_each_batch is False or sync_each_batch == "auto"):
+        return f"{n('sync_each_batch')}={sync_each_batch!r} must be true, false or 'auto'"
+    if mixed_precision not in get_args(MixedPrecision):
+        return (f"{n('mixed_precision')}={mixed_precision!r} is not a precision meshfit knows; "
+                f"use one of {', '.join(repr(v) for v in get_args(MixedPrecision))}")
+    for key, value in (("sequence_parallel", sequence_parallel),
+                       ("loss_parallel", loss_parallel)):
+        if not isinstance(value, bool):
+            return f"{n(key)}={value!r} must be true or false"
+    return None
+
+
+# ----------------------------------------------------------------------------- the rules
+@dataclass(frozen=True)
+class Request:
+    dims: ParallelDims  # resolved
+    stage: int
+    offload: str
+    mixed_precision: str
+    sequence_parallel: bool
+    loss_parallel: bool
+    ddp_kwargs: bool
+    engine: Engine
+
+
+def _axes_available(r: Request, n) -> str | None:
+    planned = [a for a in r.dims.enabled() if a not in AVAILABLE_AXES]
+    if planned:
+        sizes = ", ".join(f"{a}={getattr(r.dims, a)}" for a in planned)
+        return (f"{n('parallel')}: {sizes}: this axis is not yet available in meshfit; use the "
+                "data-parallel axes (dp_replicate, dp_shard), tp, pp and ep for now")
+    return None
+
+
+def _ep_rules(r: Request, n) -> str | None:
+    if r.dims.ep == 1:
+        return None
+    if r.dims.tp > 1:
+        return (f"{n('ep')}={r.dims.ep} with {n('tp')}={r.dims.tp} is not yet available in "
+                "meshfit (the experts would have to be replicated or split over the "
+                "tensor-parallel ranks); use ep with the data-parallel axes and pp, or tp "
+                "without ep")
+    if r.stage == 0:
+        return (f"{n('zero_stage')}=0 with {n('ep')}={r.dims.ep}: expert parallelism runs on "
+                f"the sharded data-parallel ranks (FSDP2); use zero_stage 1, 2 or 3")
+    return None
+
+
+def _stage_needs_shards(r: Request, n) -> str | None:
+    if r.stage > 0 and r.dims.dp_shard == 1:
+        return (f"{n('zero_stage')}={r.stage} shards over the dp_shard axis, which has size 1; "
+                f"set {n('dp_shard')} > 1 or zero_stage=0")
+    if r.stage == 0 and r.dims.dp_shard > 1:
+        return (f"{n('zero_stage')}=0 (DDP) shards nothing, but {n('dp_shard')}="
+                f"{r.dims.dp_shard}; use dp_replicate for plain data parallel, or zero_stage "
+                "1, 2 or 3")
+    return None
+
+
+def _offload_needs_stage3(r: Request, n) -> str | None:
+    if r.offload == "cpu" and r.stage < 3:
+        return (f"{n('offload')}='cpu' needs zero_stage=3, and this layout resolves to "
+                f"zero_stage={r.stage}; set {n('dp_shard')} > 1 and zero_stage=3, or "
+                "offload='none'")
+    return None
+
+
+def _tp_options_need_tp(r: Request, n) -> str | None:
+    for key in ("sequence_parallel", "loss_parallel"):
+        if getattr(r, key) and r.dims.tp == 1:
+            return f"{n(key)}=true needs {n('tp')} > 1 (tensor parallel); set tp or drop it"
+    return None
+
+
+def _not_yet_with_pp(r: Request, n) -> str | None:
+    if r.dims.pp == 1:
+        return None
+    if r.loss_parallel:
+        return (f"{n('loss_parallel')}=true with {n('pp')} > 1 is not yet available in meshfit "
+                "(the last stage would hand vocabulary-sharded logits to the schedule); set "
+                "loss_parallel=false")
+    if r.mixed_precision == "fp16":
+        return (f"{n('mixed_precision')}='fp16' with {n('pp')} > 1 is not yet available in "
+                "meshfit (the loss scale would have to agree across stages); use 'bf16'")
+    if r.offload != "none":
+        return (f"{n('offload')}={r.offload!r} with {n('pp')} > 1 is not yet available in "
+                "meshfit (the stages' tied gradients and norm are combined on the device); "
+                "use offload='none'")
+    return None
+
+
+def _ddp_kwargs_need_ddp(r: Request, n) -> str | None:
+    # A single process (engine NONE) accepts them: the same script runs DDP on more ranks.
+    model_parallel = r.dims.tp > 1 or r.dims.pp > 1
+    if r.ddp_kwargs and (model_parallel or r.stage >= 2):
+        if model_parallel and r.dims.dp == 1:
+            engine = "a layout without a data-parallel axis"
+        elif model_parallel:
+            engine = "FSDP2 (the data-parallel engine under tp/pp > 1)"
+        else:
+            engine = f"FSDP2 (zero_stage={r.stage})"
+        return f"{n('ddp_kwargs')} apply to DDP, which {engine} does not use; drop them"
+    return None
+
+
+_RULES = (_axes_available, _ep_rules, _stage_needs_shards, _offload_needs_stage3,
+          _tp_options_need_tp, _not_yet_with_pp, _ddp_kwargs_need_ddp)
+
+
+def first_problem(request: Request, n) -> str | None:
+    """The refusal of the first rule `request` breaks (None: it breaks none); `n` spells the
+    fields as the caller's user writes them (`namer`)."""
+    for rule in _RULES:
+        problem = rule(request, n)
+        if problem:
+            return problem
+    return None
+
+
+def layout_warnings(dims: ParallelDims, stage: int, local_world_size: int | None
+                    ) -> tuple[str, ...]:
+    """Layouts that work but that the guide advises against, each with the reason."""
+    out = []
+    if local_world_size and dims.tp > 1 and (dims.tp > local_world_size
+                                             or local_world_size % dims.tp):
+        out.append(
+            f"tp={dims.tp} with {local_world_size} processes per node: tensor-parallel groups "
+            "cross nodes, so every block's all-reduces go over the slower inter-node link "
+            "(Megatron-LM keeps tp within a node); use a tp that divides the processes per "
+            "node and put the rest on pp or the data-parallel axes")
+    if dims.pp > 1 and stage >= 2:
+        why = (f"zero_stage={stage} with pp={dims.pp}: a pipeline runs a backward per "
+               "micro-batch, so gradients sharded per micro-batch would cost a reduce-scatter "
+               "each; torch's schedules keep whole gradients until the last micro-batch "
+               "instead (DeepSpeed refuses ZeRO-2/3 with its pipeline engine for this reason)")
+        if stage == 2:
+            out.append(why + ", which makes stage 2 the same as zero_stage=1 here")
+        else:
+            out.append(why + ", and stage 3 re-gathers every stage's parameters for each "
+                       "micro-batch's forward and backward; prefer zero_stage=1")
+    return tuple(out)
+
+
+def engine_for(dims: ParallelDims, stage: int, distributed: bool) -> Engine:
+    if not distributed:
+        return Engine.NONE
+    model_parallel = dims.tp > 1 or dims.pp > 1 or dims.ep > 1
+    if model_parallel and dims.dp == 1:
+        return Engine.NONE
+    if model_parallel:
+        return Engine.FSDP2_REPLICATE if dims.dp_shard == 1 else Engine.FSDP2
+    if stage >= 2:
+        return Engine.FSDP2
+    return Engine.DDP if stage == 0 else Engine.ZERO1
+
+
+def mesh_axes_for(dims: ParallelDims) -> tuple[str, ...]:
+    # Axes of size 1 are dropped, except the data-parallel ones: with tp or pp both are kept
+    # (the data-parallel wrapper of a model-parallel model is FSDP2 over the 2-D
+    # (dp_replicate, dp_shard) sub-mesh); otherwise dp_replicate is kept when no data-parallel
+    # axis is larger, so that a one-process job still has a mesh to pass around.
+    keep = set(DP_AXES) if dims.tp > 1 or dims.pp > 1 else set()
+    if not any(a in DP_AXES for a in dims.enabled()):
+        keep.add("dp_replicate")
+    return tuple(a for a in AXES if getattr(dims, a) > 1 or a in keep)
+
