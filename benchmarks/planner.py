@@ -71,19 +71,19 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 # ---------------------------------------------------------------------------- (a)
 FAMILIES = [  # (label, pp, dp_replicate, dp_shard, tp, zero_stage, offload, sp)
-    ("DDP 4", 1, 4, 1, 1, 0, False, False),
-    ("ZeRO-1 4", 1, 1, 4, 1, 1, False, False),
-    ("ZeRO-2 4", 1, 1, 4, 1, 2, False, False),
-    ("ZeRO-3 4", 1, 1, 4, 1, 3, False, False),
-    ("ZeRO-3 4 + offload", 1, 1, 4, 1, 3, True, False),
-    ("HSDP 2 x 2", 1, 2, 2, 1, 3, False, False),
-    ("TP 4", 1, 1, 1, 4, 0, False, False),
-    ("TP 4 + SP", 1, 1, 1, 4, 0, False, True),
-    ("DP 2 x TP 2", 1, 2, 1, 2, 0, False, False),
-    ("ZeRO-3 2 x TP 2", 1, 1, 2, 2, 3, False, False),
-    ("PP 4", 4, 1, 1, 1, 0, False, False),
-    ("PP 2 x DP 2", 2, 2, 1, 1, 0, False, False),
-    ("PP 2 x TP 2", 2, 1, 1, 2, 0, False, False),
+    ("DDP 4", 1, 4, 1, 1, 0, "none", False),
+    ("ZeRO-1 4", 1, 1, 4, 1, 1, "none", False),
+    ("ZeRO-2 4", 1, 1, 4, 1, 2, "none", False),
+    ("ZeRO-3 4", 1, 1, 4, 1, 3, "none", False),
+    ("ZeRO-3 4 + offload", 1, 1, 4, 1, 3, "cpu", False),
+    ("HSDP 2 x 2", 1, 2, 2, 1, 3, "none", False),
+    ("TP 4", 1, 1, 1, 4, 0, "none", False),
+    ("TP 4 + SP", 1, 1, 1, 4, 0, "none", True),
+    ("DP 2 x TP 2", 1, 2, 1, 2, 0, "none", False),
+    ("ZeRO-3 2 x TP 2", 1, 1, 2, 2, 3, "none", False),
+    ("PP 4", 4, 1, 1, 1, 0, "none", False),
+    ("PP 2 x DP 2", 2, 2, 1, 1, 0, "none", False),
+    ("PP 2 x TP 2", 2, 1, 1, 2, 0, "none", False),
 ]
 
 

@@ -197,11 +197,11 @@ def test_the_graph_sees_deferred_imports():
 # What `meshfit.train.config` imports when it loads: a config is read and refused before torch
 # loads (tests/test_fast_start.py runs the refusals; this names the module that broke it).
 TORCH_FREE = ["meshfit", "meshfit._lazy", "meshfit.train", "meshfit.train.config",
-              "meshfit.distributed", "meshfit.distributed.dims", "meshfit.models", "meshfit.models.config",
-              "meshfit.models.factory", "meshfit.optim_names", "meshfit.parallel",
-              "meshfit.parallel.options", "meshfit.parallel.layout", "meshfit.parallel.rules",
-              "meshfit.parallel.costs", "meshfit.parallel.mesh", "meshfit.parallel.pp",
-              "meshfit.parallel.pp.bubble"]
+              "meshfit.distributed", "meshfit.distributed.dims", "meshfit.models",
+              "meshfit.models.config", "meshfit.models.factory", "meshfit.optim_names",
+              "meshfit.parallel", "meshfit.parallel.options", "meshfit.parallel.layout",
+              "meshfit.parallel.rules", "meshfit.parallel.costs", "meshfit.parallel.mesh",
+              "meshfit.parallel.request", "meshfit.parallel.pp", "meshfit.parallel.pp.bubble"]
 
 
 def test_config_modules_import_no_torch_at_load():

@@ -83,7 +83,7 @@ LAYOUTS = {
     "zero2": (2, dict(dp_shard=2), dict(zero_stage=2), False, dict(dp_shard=2, zero_stage=2)),
     "zero3": (2, dict(dp_shard=2), dict(zero_stage=3), False, dict(dp_shard=2, zero_stage=3)),
     "zero3-offload": (2, dict(dp_shard=2), dict(zero_stage=3, offload="cpu"), False,
-                      dict(dp_shard=2, zero_stage=3, offload=True)),
+                      dict(dp_shard=2, zero_stage=3, offload="cpu")),
     "tp2": (2, dict(tp=2), {}, False, dict(tp=2)),
     "tp2-sp": (2, dict(tp=2), dict(sequence_parallel=True), False,
                dict(tp=2, sequence_parallel=True)),
@@ -159,9 +159,9 @@ def _predicted(name):
     spec = LayoutSpec(micro_batch_size=MICRO, **LAYOUTS[name][4])
     est = estimate(ModelShape.of("tiny"), spec, seq_len=SEQ, dtype="fp32", attention="flash")
     states = est
-    if spec.offload:  # on the device: nothing; in host memory: the same shares as without
+    if spec.offload == "cpu":  # on the device: nothing; in host memory: the shares without
         states = estimate(ModelShape.of("tiny"), LayoutSpec(
-            micro_batch_size=MICRO, **{**LAYOUTS[name][4], "offload": False}), seq_len=SEQ,
+            micro_batch_size=MICRO, **{**LAYOUTS[name][4], "offload": "none"}), seq_len=SEQ,
             dtype="fp32", attention="flash")
         assert (est.params, est.grads, est.optimizer) == (0, 0, 0)
         assert est.host == pytest.approx(states.params + states.grads + states.optimizer)

@@ -97,7 +97,7 @@ def test_model_states_follow_the_layout_engine():
     assert (z1.params, z1.grads, z1.optimizer) == (4 * p, 4 * p, 2 * p)
     z3 = estimate(shape, LayoutSpec(dp_shard=4, zero_stage=3), seq_len=128)
     assert (z3.params, z3.grads, z3.optimizer) == (p, p, 2 * p)
-    off = estimate(shape, LayoutSpec(dp_shard=4, zero_stage=3, offload=True), seq_len=128)
+    off = estimate(shape, LayoutSpec(dp_shard=4, zero_stage=3, offload="cpu"), seq_len=128)
     assert off.params + off.grads + off.optimizer == 0 and off.host == 4 * p
     tp = estimate(shape, LayoutSpec(tp=4), seq_len=128)
     replicated = p * (1 - shape.tp_split)
@@ -323,7 +323,7 @@ def test_expert_parallel_divides_the_routed_experts(preset, experts):
                     seq_len=128)
     assert hsdp.params == pytest.approx(4 * (D / 4 + X / 8), rel=1e-12)
     # ep = dp_shard, no replicas, CPU offload: the experts FSDP2 leaves out stay on the device.
-    off = estimate(shape, LayoutSpec(dp_shard=4, ep=4, zero_stage=3, offload=True),
+    off = estimate(shape, LayoutSpec(dp_shard=4, ep=4, zero_stage=3, offload="cpu"),
                    seq_len=128)
     assert (off.params, off.grads, off.optimizer) == pytest.approx((X, X, 2 * X), rel=1e-12)
     assert off.host == pytest.approx(16 * D / 4, rel=1e-12)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["AXES", "MESH_AXES", "ParallelDims"]
+__all__ = ["AXES", "MESH_AXES", "MeshSizes", "ParallelDims"]
 
 # Mesh axes in the order torchtitan lays them out: pipeline outermost (crosses nodes most
 # cheaply: one activation per micro-batch), tensor parallel innermost (needs the fastest
@@ -23,8 +23,9 @@ MESH_AXES = AXES[:-1]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelDims:
-    """The size of each parallel axis. Their product is the number of processes.
+class MeshSizes:
+    """The size of each parallel axis, declared once for every type that carries them
+    (`ParallelDims`, `meshfit.parallel.request.LayoutRequest`, the estimator's `LayoutSpec`).
 
     A size of -1 means "all the ranks the other axes leave"; at most one axis may be -1.
     The default puts every rank on ``dp_replicate``: plain data parallel (DDP).
@@ -43,6 +44,17 @@ class ParallelDims:
     ep: int = 1
     """Expert-parallel ranks for mixture-of-experts layers: a divisor of ``dp_shard`` (the
     experts are split over groups of ``ep`` data-parallel ranks; not part of the product)."""
+
+    def sizes(self) -> dict[str, int]:
+        """{axis: size} for every axis of `AXES`."""
+        return {name: getattr(self, name) for name in AXES}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims(MeshSizes):
+    """The size of each parallel axis (`MeshSizes`), validated. Their product is the number
+    of processes."""
+
     world_size: int | None = None
     """Number of processes; None: resolved from the process group by `resolve`."""
 
@@ -96,7 +108,7 @@ class ParallelDims:
         """A copy with -1 replaced by the remaining ranks and the product checked."""
         auto = [n for n in MESH_AXES if getattr(self, n) == -1]
         self._check_product(world_size, auto)
-        sizes = {n: getattr(self, n) for n in AXES}
+        sizes = self.sizes()
         for name in auto:
             sizes[name] = world_size // self._fixed_product()
         if sizes["dp_shard"] % sizes["ep"]:

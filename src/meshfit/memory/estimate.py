@@ -93,6 +93,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from meshfit.memory.shape import ModelShape
+from meshfit.parallel.request import LayoutRequest
+from meshfit.parallel.rules import default_zero_stage
 
 __all__ = ["ActivationBytes", "Estimate", "LayoutSpec", "activation_bytes", "estimate",
            "model_state_bytes"]
@@ -101,7 +103,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_fused": 8.0, "adamw_8bit": 2.0, "sgd": 4.0,
                    "adafactor": 0.0}
 Checkpointing = Literal["none", "selective", "full"]
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 def model_state_bytes(n_params: float, dp: int = 1, zero_stage: int = 0, *,
@@ -151,25 +152,29 @@ def model_state_bytes(n_params: float, dp: int = 1, zero_stage: int = 0, *,
 
 
 @dataclass(frozen=True, kw_only=True)
-class LayoutSpec:
-    """A layout as the estimate and the planner describe it (the JSON's ``layout``)."""
+class LayoutSpec(LayoutRequest):
+    """A layout as the estimate and the planner describe it (the JSON's ``layout``): a
+    `LayoutRequest` made concrete, with the micro-batch and checkpointing it runs with.
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    """Expert-parallel ranks: a divisor of dp_shard (carved out of it, not part of the world
-    size, as `meshfit.ParallelDims`); each holds 1/ep of every MoE block's routed experts."""
-    zero_stage: int = 0
-    offload: bool = False
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual_stages: int = 1
+    Concrete: a spec describes its own world, so the axis left to "the remaining ranks"
+    (-1) has 1, an unset ZeRO stage is the one `meshfit train` takes
+    (`meshfit.parallel.rules.default_zero_stage`), and unset pipeline micro-batches and
+    virtual stages are 1. Under ``ep`` (a divisor of dp_shard, carved out of it, not part of
+    the world size) each rank holds 1/ep of every MoE block's routed experts."""
+
     activation_checkpointing: Checkpointing = "none"
     micro_batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the request's own checks
+        concrete = {axis: 1 for axis, size in self.sizes().items() if size == -1}
+        dp_shard = concrete.get("dp_shard", self.dp_shard)
+        concrete.update(zero_stage=self.zero_stage if self.zero_stage is not None
+                        else default_zero_stage(dp_shard),
+                        microbatches=self.microbatches or 1,
+                        virtual_stages=self.virtual_stages or 1)
+        for name, value in concrete.items():
+            object.__setattr__(self, name, value)  # frozen: set once, while being built
 
     @property
     def world_size(self) -> int:
@@ -182,7 +187,7 @@ class LayoutSpec:
     def to_json(self) -> dict:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
                 "pp": self.pp, "ep": self.ep, "zero_stage": self.zero_stage,
-                "offload": self.offload,
+                "offload": self.offload == "cpu",
                 "sequence_parallel": self.sequence_parallel,
                 "schedule": self.schedule if self.pp > 1 else None,
                 "microbatches": self.microbatches if self.pp > 1 else None,
@@ -194,7 +199,8 @@ class LayoutSpec:
                                                       "ep") if getattr(self, k) > 1]
         text = " x ".join(parts) or "one process"
         if self.zero_stage:
-            text += f", ZeRO-{self.zero_stage}" + (" + CPU offload" if self.offload else "")
+            text += f", ZeRO-{self.zero_stage}" + (" + CPU offload" if self.offload == "cpu"
+                                                   else "")
         if self.sequence_parallel:
             text += ", SP"
         if self.pp > 1:
@@ -460,13 +466,7 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype
 def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):
     """The `meshfit.parallel.layout.Layout` of `layout` (its rules; a one-line ValueError
     for a layout meshfit refuses)."""
-    from meshfit.distributed import ParallelDims
     from meshfit.parallel.layout import Layout
 
-    dims = ParallelDims(pp=layout.pp, dp_replicate=layout.dp_replicate,
-                        dp_shard=layout.dp_shard, tp=layout.tp, ep=layout.ep)
-    return Layout.resolve(dims, layout.world_size, distributed=layout.world_size > 1,
-                          zero_stage=layout.zero_stage, offload="cpu" if layout.offload
-                          else "none", mixed_precision="no" if dtype == "fp32" else dtype,
-                          sequence_parallel=layout.sequence_parallel,
-                          loss_parallel=layout.loss_parallel)
+    return Layout.of(layout, layout.world_size, distributed=layout.world_size > 1,
+                     mixed_precision="no" if dtype == "fp32" else dtype)

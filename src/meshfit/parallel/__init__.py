@@ -1,6 +1,7 @@
 """Parallel techniques, one per module, each a plain function over a model and a mesh; the
 `Layout` that decides which of them a job uses; `parallelize`, which applies them in order.
 
+    request.py      `LayoutRequest`: mesh sizes and layout options, as a user asks for them
     layout.py       `Layout`: the one decision (engine, mesh axes, rules, warnings, costs)
     rules.py        the rules it applies, each written once; the engine and axes it picks
     costs.py        `LayoutCosts`: how the engine divides and copies the model states
@@ -22,7 +23,7 @@ from __future__ import annotations
 from meshfit._lazy import lazy_exports
 
 _EXPORTS = {
-    "Layout": "layout", "Engine": "layout", "ModelFacts": "layout",
+    "Layout": "layout", "Engine": "layout", "ModelFacts": "layout", "LayoutRequest": "request",
     "ModelOptions": "parallelize", "parallelize": "parallelize",
     "apply_ddp": "ddp", "apply_zero1": "zero1", "apply_fsdp": "fsdp",
     "apply_tp": "tp", "tp_cross_entropy": "tp", "build_pipeline": "pp", "Pipeline": "pp",

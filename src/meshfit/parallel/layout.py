@@ -56,12 +56,14 @@ from typing import TYPE_CHECKING
 from meshfit.distributed.dims import ParallelDims
 from meshfit.parallel import mesh as meshes
 from meshfit.parallel.costs import LayoutCosts, costs_for
-from meshfit.parallel.rules import (DP_AXES, ZERO_STAGES, Engine, Request, engine_for,
-                                    first_problem, layout_warnings, mesh_axes_for, namer,
-                                    options_problem)
+from meshfit.parallel.rules import (DP_AXES, ZERO_STAGES, Engine, Request, default_zero_stage,
+                                    engine_for, first_problem, layout_warnings, mesh_axes_for,
+                                    namer, options_problem)
 
 if TYPE_CHECKING:  # torch loads when a model or a mesh is at hand: a layout is checked without it
     import torch
+
+    from meshfit.parallel.request import LayoutRequest
 
 # Engine and LayoutCosts (rules.py, costs.py) are part of what a `Layout` holds.
 __all__ = ["Candidate", "Engine", "Layout", "LayoutCosts", "ModelFacts", "check_options",
@@ -174,6 +176,19 @@ class Layout:
         return out
 
     @classmethod
+    def of(cls, request: LayoutRequest, world_size: int = 1, *, distributed: bool = True,
+           mixed_precision: str = "no", ddp_kwargs: Mapping | None = None,
+           local_world_size: int | None = None,
+           names: Mapping[str, str] | None = None) -> Layout:
+        """The layout of a `LayoutRequest` on `world_size` processes (as `resolve`)."""
+        return cls.resolve(request.dims(), world_size, distributed=distributed,
+                           zero_stage=request.zero_stage, offload=request.offload,
+                           mixed_precision=mixed_precision,
+                           sequence_parallel=request.sequence_parallel,
+                           loss_parallel=request.loss_parallel, ddp_kwargs=ddp_kwargs,
+                           local_world_size=local_world_size, names=names)
+
+    @classmethod
     def _decide(cls, dims, world_size, *, distributed, zero_stage, offload, mixed_precision,
                 sequence_parallel, loss_parallel, ddp_kwargs, local_world_size,
                 names) -> Layout | str:
@@ -185,7 +200,7 @@ class Layout:
         if problem:
             return problem
         dims = (dims or ParallelDims()).resolve(world_size)  # its own size checks
-        stage = zero_stage if zero_stage is not None else (3 if dims.dp_shard > 1 else 0)
+        stage = zero_stage if zero_stage is not None else default_zero_stage(dims.dp_shard)
         engine = engine_for(dims, stage, distributed)
         request = Request(dims, stage, offload, mixed_precision, sequence_parallel,
                           loss_parallel, ddp_kwargs, engine)

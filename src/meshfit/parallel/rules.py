@@ -18,8 +18,8 @@ from typing import Literal, get_args
 from meshfit.distributed.dims import AXES, ParallelDims
 
 __all__ = ["AVAILABLE_AXES", "DP_AXES", "Engine", "MixedPrecision", "Offload", "Request",
-           "ZERO_STAGES", "engine_for", "first_problem", "layout_warnings", "mesh_axes_for",
-           "namer", "options_problem"]
+           "ZERO_STAGES", "default_zero_stage", "engine_for", "first_problem", "layout_warnings",
+           "mesh_axes_for", "namer", "options_problem"]
 
 # Axes whose techniques exist today; the others are planned (see the README's feature table).
 AVAILABLE_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
@@ -209,6 +209,12 @@ def layout_warnings(dims: ParallelDims, stage: int, local_world_size: int | None
             out.append(why + ", and stage 3 re-gathers every stage's parameters for each "
                        "micro-batch's forward and backward; prefer zero_stage=1")
     return tuple(out)
+
+
+def default_zero_stage(dp_shard: int) -> int:
+    """The ZeRO stage of a request that names none: 3 (FSDP2) when the dp_shard axis shards,
+    else 0 (DDP)."""
+    return 3 if dp_shard > 1 else 0
 
 
 def engine_for(dims: ParallelDims, stage: int, distributed: bool) -> Engine:

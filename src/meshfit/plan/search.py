@@ -172,7 +172,7 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
         if R > 1:
             dp += cluster.collective("all_reduce", local * 4 / S, R, dp_span)
     offload = 0.0
-    if layout.offload:
+    if layout.offload == "cpu":
         est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)
         offload = 2 * est.host / cluster.device.host_link + est.host / 20e9
     exposed_dp = max(0.0, dp - 0.8 * compute)
@@ -291,7 +291,7 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
                     spec = LayoutSpec(
                         dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp,
                         zero_stage=cand.options["zero_stage"],
-                        offload=cand.options["offload"] == "cpu",
+                        offload=cand.options["offload"],
                         sequence_parallel=cand.options["sequence_parallel"],
                         schedule=schedule, microbatches=m if d.pp > 1 else 1,
                         virtual_stages=v, activation_checkpointing=ckpt,

@@ -41,7 +41,8 @@ def parse_layout(text: str):
             if kind is bool:
                 if value.lower() not in ("true", "false", "1", "0", "cpu", "none"):
                     raise ValueError
-                out[key] = value.lower() in ("true", "1", "cpu")
+                on = value.lower() in ("true", "1", "cpu")
+                out[key] = ("cpu" if on else "none") if key == "offload" else on
             else:
                 out[key] = kind(value)
         except ValueError:
@@ -119,7 +120,7 @@ def _families(world: int, shape, ns) -> list:
     out = [("DDP", LayoutSpec(dp_replicate=world, **base))]
     for stage in (1, 2, 3):
         out.append((f"ZeRO-{stage}", LayoutSpec(dp_shard=world, zero_stage=stage, **base)))
-    out.append(("ZeRO-3 + offload", LayoutSpec(dp_shard=world, zero_stage=3, offload=True,
+    out.append(("ZeRO-3 + offload", LayoutSpec(dp_shard=world, zero_stage=3, offload="cpu",
                                                 **base)))
     out.append((f"TP {world} + SP", LayoutSpec(tp=world, sequence_parallel=True, **base)))
     m = max(world, 2 * world)
@@ -141,8 +142,6 @@ def cmd_estimate(argv: list[str]) -> int:
     fields = parse_layout(ns.layout) if ns.layout else None
     from meshfit.memory import LayoutSpec, estimate  # torch: after the arguments' refusals
     from meshfit.memory.estimate import resolve_layout
-    if fields is not None and "zero_stage" not in fields and fields.get("dp_shard", 1) > 1:
-        fields["zero_stage"] = 3  # as meshfit train: dp_shard > 1 shards with ZeRO-3
     shape = _shape(ns)
     rows = []
     if fields is not None:
@@ -328,7 +327,7 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
         model = {"hf_config": str(Path(ns.model).resolve())}
     parallel = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
                 "tp": lay.tp, "zero_stage": lay.zero_stage,
-                "offload": "cpu" if lay.offload else "none",
+                "offload": lay.offload,
                 "sequence_parallel": lay.sequence_parallel}
     if lay.pp > 1:
         parallel.update(schedule=lay.schedule, microbatches=lay.microbatches,
