@@ -24,7 +24,7 @@ from meshfit._lazy import lazy_exports
 
 _EXPORTS = {
     "Layout": "layout", "Engine": "layout", "ModelFacts": "layout", "LayoutRequest": "request",
-    "ModelOptions": "parallelize", "parallelize": "parallelize",
+    "ModelOptions": "options", "parallelize": "parallelize",
     "apply_ddp": "ddp", "apply_zero1": "zero1", "apply_fsdp": "fsdp",
     "apply_tp": "tp", "tp_cross_entropy": "tp", "build_pipeline": "pp", "Pipeline": "pp",
     "apply_activation_checkpointing": "activation", "apply_compile": "compile",

@@ -2,6 +2,7 @@
 refused before torch loads (`meshfit train --train.activation_checkpointing=all` answers in
 a fraction of a second). The modules of the techniques re-export these names.
 
+    ModelOptions                                             parallelize.py
     CheckpointMode, CheckpointPolicy, check_checkpointing   activation.py
     CompileScope, check_compile_args                         compile.py
     SCHEDULES                                                pp/schedule.py
@@ -9,10 +10,12 @@ a fraction of a second). The modules of the techniques re-export these names.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
-__all__ = ["CheckpointMode", "CheckpointPolicy", "CompileScope", "SCHEDULES",
-           "check_checkpointing", "check_compile_args"]
+__all__ = ["CheckpointMode", "CheckpointPolicy", "CompileScope", "ModelOptions", "SCHEDULES",
+           "check_checkpointing", "check_compile_args", "compile_mode"]
 
 CheckpointMode = Literal["none", "full", "selective"]
 CheckpointPolicy = Literal["block", "op"]
@@ -86,3 +89,60 @@ def check_backend_mode(backend: object, mode: str | None, backend_field: str, mo
     if mode not in modes:
         raise ValueError(f"{where}{mode_field}={mode!r} is not an inductor mode; use None or "
                          f"one of {modes}")
+
+
+def compile_mode(mode: str | None) -> str | None:
+    """torch.compile's own default is mode=None; "default" is its name in meshfit's options
+    (TOML has no null), and it is accepted with any backend."""
+    return None if mode in (None, "default") else mode
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    """What `meshfit.parallel.parallelize` does to a model besides the layout: activation
+    checkpointing, compile, a tensor-parallel plan and DDP's own keywords. Declared once:
+    `Accelerator` takes these fields as keywords and `meshfit train`'s ``[train]`` section
+    carries the first seven (`meshfit.train.config.TrainConfig` is a `ModelOptions`; the
+    fields whose metadata has ``"toml": None`` are not config keys). Validated when built,
+    before any process group, model or file exists."""
+
+    activation_checkpointing: CheckpointMode = "none"
+    """"none", "full" (every block) or "selective" (see the two options below)."""
+    activation_checkpointing_every: int = 2
+    """selective with policy "block": checkpoint every this many blocks."""
+    activation_checkpointing_policy: CheckpointPolicy = "block"
+    """selective: "block" (every n-th block) or "op" (keep matrix-product outputs, recompute
+    the rest)."""
+    compile: bool = False
+    """torch.compile the model."""
+    compile_backend: str = "inductor"
+    """torch.compile backend: inductor, aot_eager, eager, ..."""
+    compile_mode: str = "default"
+    """inductor mode: default, reduce-overhead, max-autotune, ..."""
+    compile_scope: CompileScope = "block"
+    """"block" (each transformer block) or "model" (the whole model)."""
+    tp_plan: Any = field(default=None, metadata={"toml": None})
+    """A `meshfit.models.plans.TPPlan` or {module pattern: style}; None: the model's
+    built-in plan (`meshfit.parallel.tp.apply_tp`)."""
+    ddp_kwargs: Mapping[str, Any] = field(default_factory=dict, metadata={"toml": None})
+    """Extra keyword arguments for DistributedDataParallel (bucket_cap_mb, ...)."""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self, prefix: str = "") -> None:
+        """One-line ValueError for a value the techniques do not know; `prefix` spells the
+        fields as the caller's user writes them (e.g. "train.")."""
+        check_checkpointing(self.activation_checkpointing, self.activation_checkpointing_every,
+                            self.activation_checkpointing_policy, where=prefix)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"{prefix}compile={self.compile!r} must be True or False")
+        check_compile_args(self.compile_backend, compile_mode(self.compile_mode),
+                           scope=self.compile_scope, compile=self.compile, prefix=prefix)
+        if not isinstance(self.ddp_kwargs, Mapping):
+            raise ValueError(f"{prefix}ddp_kwargs={self.ddp_kwargs!r} must be a dict of "
+                             "DistributedDataParallel keyword arguments")
+
+    def model_options(self) -> ModelOptions:
+        """These options as a plain `ModelOptions` (from a type that extends it)."""
+        return ModelOptions(**{f.name: getattr(self, f.name) for f in fields(ModelOptions)})

@@ -25,58 +25,13 @@ pipeline stage; nothing else applies a technique to a model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 from torch import nn
 
-from meshfit.parallel.activation import CheckpointMode, CheckpointPolicy
-from meshfit.parallel.compile import CompileScope
 from meshfit.parallel.layout import Engine, Layout
+from meshfit.parallel.options import ModelOptions, compile_mode
 
-__all__ = ["ModelOptions", "parallelize"]
-
-
-def _mode(mode: str | None) -> str | None:
-    """torch.compile's own default is mode=None; "default" is its name in meshfit's options
-    (TOML has no null), and it is accepted with any backend."""
-    return None if mode in (None, "default") else mode
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelOptions:
-    """What `parallelize` does to a model besides the layout: activation checkpointing,
-    compile, a tensor-parallel plan and DDP's own keywords. Validated when built, before any
-    process group, model or file exists."""
-
-    activation_checkpointing: CheckpointMode = "none"
-    activation_checkpointing_every: int = 2
-    activation_checkpointing_policy: CheckpointPolicy = "block"
-    compile: bool = False
-    compile_backend: str = "inductor"
-    compile_mode: str = "default"
-    compile_scope: CompileScope = "block"
-    tp_plan: Any = None
-    """A `meshfit.models.plans.TPPlan` or {module pattern: style}; None: the model's
-    built-in plan (`meshfit.parallel.tp.apply_tp`)."""
-    ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for DistributedDataParallel (bucket_cap_mb, ...)."""
-
-    def __post_init__(self) -> None:
-        from meshfit.parallel.activation import check_checkpointing
-        from meshfit.parallel.compile import check_compile_args
-
-        check_checkpointing(self.activation_checkpointing, self.activation_checkpointing_every,
-                            self.activation_checkpointing_policy)
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile={self.compile!r} must be True or False")
-        check_compile_args(self.compile_backend, _mode(self.compile_mode),
-                           scope=self.compile_scope, compile=self.compile)
-        if not isinstance(self.ddp_kwargs, Mapping):
-            raise ValueError(f"ddp_kwargs={self.ddp_kwargs!r} must be a dict of "
-                             "DistributedDataParallel keyword arguments")
+__all__ = ["parallelize"]
 
 
 def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelOptions(), *,
@@ -119,7 +74,8 @@ def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelO
     if options.compile:
         from meshfit.parallel.compile import apply_compile
 
-        apply_compile(model, backend=options.compile_backend, mode=_mode(options.compile_mode),
+        apply_compile(model, backend=options.compile_backend,
+                      mode=compile_mode(options.compile_mode),
                       scope=options.compile_scope)
     # 5. The data-parallel wrapper, outermost.
     if layout.engine in (Engine.DDP, Engine.ZERO1):
