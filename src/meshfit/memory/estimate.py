@@ -385,7 +385,21 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZER_BYTES)}")
     resolved = resolve_layout(layout, dtype)
-    costs, t, ep = resolved.costs, layout.tp, layout.ep
+    _check_experts(shape, layout.ep)
+    rank = _RankParams.of(shape, layout)
+    params, grads, optimizer_bytes, host = _model_states(shape, rank, resolved.costs,
+                                                         optimizer)
+    buffers = _buffers(shape, layout, rank, resolved, dtype)
+    activations, acts = _activations(shape, layout, rank.blocks, seq_len, dtype, attention)
+    return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
+                    activations=activations, buffers=buffers, host=host,
+                    detail={"blocks_on_rank": rank.blocks, "per_block_activation": acts.per_block,
+                            "in_flight": in_flight(layout), "engine": resolved.engine.value,
+                            "expert_params_on_rank": rank.experts / rank.ep if rank.ep > 1
+                            else None})
+
+
+def _check_experts(shape: ModelShape, ep: int) -> None:
     if ep > 1 and not shape.expert_params:
         raise ValueError(f"ep={ep} needs a mixture-of-experts model whose routed experts "
                          f"meshfit splits (the reference GPT's MoE blocks, e.g. the moe-tiny "
@@ -393,16 +407,42 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype
     if ep > 1 and shape.n_experts % ep:
         raise ValueError(f"ep={ep} must divide the number of experts ({shape.n_experts}): "
                          f"each ep rank holds n_experts / ep of them")
-    stage_params, blocks = _stage_params(shape, layout)
-    local = stage_params * (shape.tp_split / t + (1 - shape.tp_split))
-    block_local = shape.block_params * (shape.tp_split / t + (1 - shape.tp_split))
-    # Expert parallelism (tp = 1: Layout refuses ep with tp): the routed experts are split
-    # over ep ranks, then sharded over `group` ranks holding the same experts; 0 without ep
-    # (the experts then count as every other parameter, exactly as before).
-    experts = _stage_experts(shape, layout, blocks)
-    block_experts = float(shape.block_expert_params) if ep > 1 else 0.0
-    group = _expert_group(layout)
-    dense = local - experts
+
+
+@dataclass(frozen=True)
+class _RankParams:
+    """The parameter counts of the worst rank, before the data-parallel engine divides them.
+
+    Expert parallelism (tp = 1: Layout refuses ep with tp): the routed experts are split
+    over ep ranks, then sharded over `group` ranks holding the same experts; 0 without ep
+    (the experts then count as every other parameter)."""
+
+    blocks: int  # transformer blocks on the worst pipeline rank
+    local: float  # its parameters after the tensor-parallel split
+    block_local: float  # one block's, after the tensor-parallel split
+    experts: float  # its routed-expert parameters, before the ep split
+    block_experts: float  # one block's routed experts (0 without ep)
+    group: int  # ranks that shard one rank's experts (`_expert_group`)
+    ep: int
+
+    @property
+    def dense(self) -> float:
+        return self.local - self.experts
+
+    @classmethod
+    def of(cls, shape: ModelShape, layout: LayoutSpec) -> _RankParams:
+        stage_params, blocks = _stage_params(shape, layout)
+        kept = shape.tp_split / layout.tp + (1 - shape.tp_split)
+        return cls(blocks=blocks, local=stage_params * kept, block_local=shape.block_params * kept,
+                   experts=_stage_experts(shape, layout, blocks),
+                   block_experts=float(shape.block_expert_params) if layout.ep > 1 else 0.0,
+                   group=_expert_group(layout), ep=layout.ep)
+
+
+def _model_states(shape: ModelShape, rank: _RankParams, costs, optimizer: str
+                  ) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer state, host) bytes on the device of the worst rank."""
+    dense, experts, ep, group = rank.dense, rank.experts, rank.ep, rank.group
 
     def shares(nbytes, divisor: int) -> list[float]:
         """This rank's bytes (`nbytes` of a parameter count) of a state the engine splits
@@ -425,28 +465,42 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype
                    for dense_part, expert_part in states)
         states = [[0.0, expert_part if on_device else 0.0] for _, expert_part in states]
     params, grads, optimizer_bytes = (sum(parts) for parts in states)
+    return params, grads, optimizer_bytes, host
+
+
+def _buffers(shape: ModelShape, layout: LayoutSpec, rank: _RankParams, resolved,
+             dtype: str) -> float:
+    """Gathered parameters, whole gradients and low-precision weight copies of the step."""
+    costs, ep, group = resolved.costs, rank.ep, rank.group
     gathered_dtype = DTYPE_BYTES[dtype] if resolved.param_dtype is not None else 4
     # One block as FSDP2 gathers it: under ep its unit of experts gathers this rank's
     # n_experts / ep (none when FSDP2 leaves them out)
-    block_gathered = block_local - block_experts + (block_experts / ep if group > 1 else 0.0)
+    block_gathered = rank.block_local - rank.block_experts + (
+        rank.block_experts / ep if group > 1 else 0.0)
     buffers = 0.0
     if costs.gathered_params == "one_block":  # the current block and the prefetched next
         buffers += 2 * block_gathered * gathered_dtype + block_gathered * 4  # + reduce-scatter
     elif costs.gathered_params == "all_blocks" or costs.extra_param_copies:
-        buffers += blocks * block_gathered * gathered_dtype + block_gathered * 4
+        buffers += rank.blocks * block_gathered * gathered_dtype + block_gathered * 4
     if layout.pp > 1 and resolved.is_fsdp:
         # torch's schedules turn gradient sync off until the last micro-batch: the stage's
         # unsharded gradients accumulate whole beside the sharded ones
-        buffers += (dense + (experts / ep if group > 1 else 0.0)) * 4
-    autocast = DTYPE_BYTES[dtype] < 4
-    if autocast and resolved.param_dtype is None:
+        buffers += (rank.dense + (rank.experts / ep if group > 1 else 0.0)) * 4
+    if DTYPE_BYTES[dtype] < 4 and resolved.param_dtype is None:
         # autocast's low-precision copies of the weights, kept from forward to backward
         # (FSDP2 gathers in the low precision instead: counted above)
-        buffers += local * DTYPE_BYTES[dtype]
+        buffers += rank.local * DTYPE_BYTES[dtype]
     elif resolved.param_dtype is not None and ep > 1 and group == 1:
         # experts FSDP2 leaves out stay fp32; the MoE casts them to the activations' dtype
         # in forward and keeps the copies for backward
-        buffers += experts / ep * DTYPE_BYTES[dtype]
+        buffers += rank.experts / ep * DTYPE_BYTES[dtype]
+    return buffers
+
+
+def _activations(shape: ModelShape, layout: LayoutSpec, blocks: int, seq_len: int,
+                 dtype: str, attention: str) -> tuple[float, ActivationBytes]:
+    """Peak saved activations of the worst rank, and their parts."""
+    autocast = DTYPE_BYTES[dtype] < 4
     acts = activation_bytes(shape, layout, seq_len=seq_len, dtype=dtype, attention=attention,
                             blocks_on_rank=blocks, gathered_linear_inputs=True,
                             autocast=autocast)
@@ -456,11 +510,7 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype
         head = _head_bytes(shape, layout, layout.micro_batch_size * seq_len,
                            DTYPE_BYTES[dtype], residual)
         activations = max(activations, acts.blocks + acts.recompute_peak + head)
-    return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
-                    activations=activations, buffers=buffers, host=host,
-                    detail={"blocks_on_rank": blocks, "per_block_activation": acts.per_block,
-                            "in_flight": in_flight(layout), "engine": resolved.engine.value,
-                            "expert_params_on_rank": experts / ep if ep > 1 else None})
+    return activations, acts
 
 
 def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):
