@@ -32,6 +32,7 @@ throughput and the collectives' figures with measured ones.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from meshfit.memory.estimate import (DTYPE_BYTES, Estimate, LayoutSpec, estimate,
@@ -246,71 +247,32 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
     """Rank every legal layout of `cluster` for `model` that fits in memory with `margin`
     (a share of the device's memory kept free: allocator caching, workspaces)."""
     from meshfit.parallel.layout import Layout, ModelFacts
-    from meshfit.parallel.pp import SCHEDULES
 
     shape = ModelShape.of(model) if isinstance(model, str) else model
-    if not 0 <= margin < 1:
-        raise ValueError(f"margin={margin!r} must be in [0, 1)")
-    if seq_len < 1 or global_batch_size < 1:
-        raise ValueError("seq_len and global_batch_size must be >= 1")
-    if shape.max_seq_len is not None and seq_len > shape.max_seq_len:
-        raise ValueError(f"--seq-len={seq_len} is longer than the model's "
-                         f"{shape.max_seq_len} positions")
+    _check_request(shape, seq_len, global_batch_size, margin)
     budget = cluster.device.memory * (1 - margin)
-    world = cluster.world_size
     scene, facts = scenario(shape, cluster, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                             budget=budget)
     model_facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible)
     plans: list[Plan] = []
     considered = refused = too_big = 0
     precision = "no" if dtype == "fp32" else dtype
-    for cand in Layout.candidates(world, model_facts, mixed_precision=precision,
+    for cand in Layout.candidates(cluster.world_size, model_facts, mixed_precision=precision,
                                   local_world_size=cluster.gpus_per_node, seq_len=seq_len):
         d = cand.dims
-        if cand.layout is None or d.tp > cluster.gpus_per_node or \
-                cluster.gpus_per_node % d.tp:
-            refused += 1
+        if cand.layout is None or cluster.gpus_per_node % d.tp or global_batch_size % d.dp:
+            refused += 1  # (tp must divide a node's GPUs, so it never exceeds them)
             continue
-        dp = d.dp_replicate * d.dp_shard
-        if global_batch_size % dp:
-            refused += 1
-            continue
-        per_dp = global_batch_size // dp
-        for mbs in _micro_batches(per_dp):
-            m = per_dp // mbs
-            schedules = [("1f1b", 1)] if d.pp == 1 else [
-                (s, 2 if s in ("interleaved_1f1b", "zero_bubble") else 1) for s in SCHEDULES]
-            for schedule, v in schedules:
-                if d.pp > 1:
-                    try:
-                        cand.layout.check_model(model_facts, seq_len=seq_len, schedule=schedule,
-                                                microbatches=m, virtual_stages=v)
-                    except ValueError:
-                        continue
-                for ckpt in checkpointing:
-                    spec = LayoutSpec(
-                        dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp,
-                        zero_stage=cand.options["zero_stage"],
-                        offload=cand.options["offload"],
-                        sequence_parallel=cand.options["sequence_parallel"],
-                        schedule=schedule, microbatches=m if d.pp > 1 else 1,
-                        virtual_stages=v, activation_checkpointing=ckpt,
-                        micro_batch_size=mbs)
-                    considered += 1
-                    est = estimate(shape, spec, seq_len=seq_len, dtype=dtype,
-                                   optimizer=optimizer, attention=attention)
-                    if est.total > budget:
-                        too_big += 1
-                        continue
-                    step, terms = predict(shape, spec, cluster, seq_len=seq_len,
-                                          global_batch_size=global_batch_size, dtype=dtype,
-                                          est=est)
-                    tokens = global_batch_size * seq_len / step
-                    peak = cluster.device.flops[dtype] * world
-                    mfu = shape.flops_per_token(seq_len) * tokens / peak
-                    plans.append(Plan(estimate=est, step_time_s=step, tokens_per_s=tokens,
-                                      mfu=mfu, why=_why(spec, scene, est, terms),
-                                      breakdown=terms))
+        for spec in _specs(cand, model_facts, global_batch_size // d.dp, seq_len,
+                           checkpointing):
+            considered += 1
+            est = estimate(shape, spec, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                           attention=attention)
+            if est.total > budget:
+                too_big += 1
+                continue
+            plans.append(_plan(shape, spec, cluster, est, scene, seq_len=seq_len,
+                               global_batch_size=global_batch_size, dtype=dtype))
     plans.sort(key=lambda p: (p.step_time_s, p.estimate.total))
     if not plans:
         raise ValueError(_impossible(shape, cluster, budget, seq_len=seq_len, dtype=dtype,
@@ -318,6 +280,52 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
     return SearchResult(model=shape, cluster=cluster, plans=plans[:top] if top else plans,
                         considered=considered, refused=refused, too_big=too_big,
                         scenario=scene)
+
+
+def _check_request(shape: ModelShape, seq_len: int, global_batch_size: int,
+                   margin: float) -> None:
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin={margin!r} must be in [0, 1)")
+    if seq_len < 1 or global_batch_size < 1:
+        raise ValueError("seq_len and global_batch_size must be >= 1")
+    if shape.max_seq_len is not None and seq_len > shape.max_seq_len:
+        raise ValueError(f"--seq-len={seq_len} is longer than the model's "
+                         f"{shape.max_seq_len} positions")
+
+
+def _specs(cand, model_facts, per_dp: int, seq_len: int,
+           checkpointing: tuple[str, ...]) -> Iterator[LayoutSpec]:
+    """Every way to run a legal candidate layout on `per_dp` sequences per data-parallel
+    rank: each micro-batch size, each pipeline schedule the blocks allow (with pp), each
+    checkpointing mode."""
+    from meshfit.parallel.pp import SCHEDULES
+
+    d = cand.dims
+    for mbs in _micro_batches(per_dp):
+        m = per_dp // mbs
+        schedules = [("1f1b", 1)] if d.pp == 1 else [
+            (s, 2 if s in ("interleaved_1f1b", "zero_bubble") else 1) for s in SCHEDULES]
+        for schedule, v in schedules:
+            if d.pp > 1 and cand.layout.model_problem(model_facts, seq_len=seq_len,
+                                                      schedule=schedule, microbatches=m,
+                                                      virtual_stages=v):
+                continue
+            for ckpt in checkpointing:
+                yield LayoutSpec(**d.sizes(), **cand.options, schedule=schedule,
+                                 microbatches=m if d.pp > 1 else 1, virtual_stages=v,
+                                 activation_checkpointing=ckpt, micro_batch_size=mbs)
+
+
+def _plan(shape: ModelShape, spec: LayoutSpec, cluster: Cluster, est: Estimate, scene: str,
+          *, seq_len: int, global_batch_size: int, dtype: str) -> Plan:
+    """A layout that fits, with its predicted step time, throughput, MFU and the reason."""
+    step, terms = predict(shape, spec, cluster, seq_len=seq_len,
+                          global_batch_size=global_batch_size, dtype=dtype, est=est)
+    tokens = global_batch_size * seq_len / step
+    mfu = shape.flops_per_token(seq_len) * tokens / (cluster.device.flops[dtype] *
+                                                     cluster.world_size)
+    return Plan(estimate=est, step_time_s=step, tokens_per_s=tokens, mfu=mfu,
+                why=_why(spec, scene, est, terms), breakdown=terms)
 
 
 def _impossible(shape: ModelShape, cluster: Cluster, budget: float, *, seq_len: int,
