@@ -61,8 +61,8 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
                          "pass mesh['pp']")
     plan = resolve_plan(model, plan)
     pp = pp_mesh.size()
-    v = check_pipeline(len(plan.blocks_of(model)), pp, schedule=schedule, microbatches=microbatches,
-                       virtual_stages=virtual_stages)
+    v = check_pipeline(len(plan.blocks_of(model)), pp, schedule=schedule,
+                       microbatches=microbatches, virtual_stages=virtual_stages)
     num_stages = pp * v
     points = split_points(model, num_stages, balance=balance, times=times, points=points,
                           plan=plan)
@@ -70,14 +70,8 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     placement = stage_placement(schedule, pp, v)
     device = torch.device("cuda", torch.cuda.current_device()) \
         if pp_mesh.device_type == "cuda" else torch.device(pp_mesh.device_type)
-
-    modules = [build_stage_module(model, s, num_stages, points, plan=plan)
-               for s in placement[pp_rank]]
-    if any(p.is_meta for m in modules for p in m.parameters()):
-        materialize(modules, plan, device, init_seed, fill=fill_stage)
-    else:
-        _check_same_weights(model, group)
-        modules = [m.to(device) for m in modules]
+    modules = _stage_modules(model, plan, placement[pp_rank], num_stages, points, device,
+                             group, init_seed=init_seed, fill_stage=fill_stage)
     runs = [parallelize(m) for m in modules] if parallelize is not None else modules
     modules = [r.module if isinstance(r, nn.parallel.DistributedDataParallel) else r
                for r in runs]
@@ -88,13 +82,10 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     stages = [TimedStage(m, s, num_stages, device, group=group, log=timings, info=info,
                           clock=lambda: anchor_wall + time.perf_counter() - anchor_perf)
               for m, s in zip(runs, placement[pp_rank])]
-    if loss_fn is None:
-        loss = TokenCrossEntropy()
-    else:
-        loss = MicrobatchMean(loss_fn, microbatches)
-    cls = TORCH_SCHEDULES[schedule]
-    sched = cls(stages[0] if v == 1 else stages, n_microbatches=microbatches, loss_fn=loss,
-                scale_grads=False)
+    loss = TokenCrossEntropy() if loss_fn is None else MicrobatchMean(loss_fn, microbatches)
+    sched = TORCH_SCHEDULES[schedule](stages[0] if v == 1 else stages,
+                                      n_microbatches=microbatches, loss_fn=loss,
+                                      scale_grads=False)
     last_rank = next(r for r, held in enumerate(placement) if num_stages - 1 in held)
 
     return Pipeline(modules, stages, sched, name=schedule, pp_group=group, pp_rank=pp_rank,
@@ -102,6 +93,20 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
                     loss_fn=loss, last_rank=last_rank,
                     tied=ties(model, plan, placement, num_stages, points), timings=timings,
                     step_info=info, virtual_stages=v, placement=placement)
+
+
+def _stage_modules(model: nn.Module, plan: PipelinePlan, held: Sequence[int], num_stages: int,
+                   points, device: torch.device, group, *, init_seed: int,
+                   fill_stage) -> list[nn.Module]:
+    """This rank's stage modules, cut out of `model` and put on `device` with the full
+    model's values (a meta-device model's stages materialised; otherwise the ranks' copies
+    checked to be the same)."""
+    modules = [build_stage_module(model, s, num_stages, points, plan=plan) for s in held]
+    if any(p.is_meta for m in modules for p in m.parameters()):
+        materialize(modules, plan, device, init_seed, fill=fill_stage)
+        return modules
+    _check_same_weights(model, group)
+    return [m.to(device) for m in modules]
 
 
 def _check_same_weights(model: nn.Module, group) -> None:
