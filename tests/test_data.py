@@ -242,17 +242,17 @@ def test_crash_mid_write_leaves_nothing_trusted(tmp_path, monkeypatch):
 def test_bin_without_sidecar_or_truncated_bin_is_rebuilt(tmp_path, monkeypatch):
     data = _make_folder(tmp_path)
     cache = tmp_path / "cache"
-    real_write = cache_mod._atomic_write
+    real_write = cache_mod.atomic_write
 
     def crash_before_sidecar(dest, fill):
         if dest.suffix == ".json":
             raise KeyboardInterrupt  # BaseException: the temp file must still go
         real_write(dest, fill)
 
-    monkeypatch.setattr(cache_mod, "_atomic_write", crash_before_sidecar)
+    monkeypatch.setattr(cache_mod, "atomic_write", crash_before_sidecar)
     with pytest.raises(KeyboardInterrupt):
         load_tokens(data, cache_dir=cache, val_fraction=0)
-    monkeypatch.setattr(cache_mod, "_atomic_write", real_write)
+    monkeypatch.setattr(cache_mod, "atomic_write", real_write)
     assert [n[-4:] for n in _cache_files(cache)] == [".bin"]  # data, but no commit marker
 
     builds = []

@@ -21,11 +21,13 @@ import re
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
-__all__ = ["WriteFailed", "append_line", "atomic_write_bytes", "atomic_write_text",
-           "fsync_dir", "fsync_path", "fsync_tree", "new_file_mode", "remove_stale_temps",
-           "os_reason", "replace_dir", "stale_temps", "temp_sibling"]
+__all__ = ["WriteFailed", "append_line", "atomic_write", "atomic_write_bytes",
+           "atomic_write_text", "fsync_dir", "fsync_path", "fsync_tree", "new_file_mode",
+           "os_reason", "remove_stale_temps", "replace_dir", "stale_temps", "temp_sibling"]
 
 
 class WriteFailed(OSError, ValueError):
@@ -73,20 +75,20 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace `path` by `data` atomically: a temporary file in the same folder, written,
-    flushed and fsynced, renamed over `path`, then the folder fsynced. A reader sees the old
-    file or the new one, never part of one. The temporary file is removed on every exit path;
-    a failing write (a full disk, a file too large, a read-only file system, no permission)
-    raises `WriteFailed` (one line) naming `path` and the reason, and leaves the old file
-    intact."""
+def atomic_write(path: Path, fill: Callable[[BinaryIO], object]) -> None:
+    """Replace `path` by what ``fill(file)`` writes, atomically: a temporary file in the same
+    folder, filled, flushed and fsynced, renamed over `path`, then the folder fsynced. A
+    reader sees the old file or the new one, never part of one. The temporary file is removed
+    on every exit path; a failing write (a full disk, a file too large, a read-only file
+    system, no permission) raises `WriteFailed` (one line) naming `path` and the reason, and
+    leaves the old file intact."""
     path = Path(path)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as fh:
             os.fchmod(fh.fileno(), new_file_mode(path))  # mkstemp's is 0600
-            fh.write(data)
+            fill(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -99,6 +101,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`atomic_write` of `data`."""
+    atomic_write(path, lambda fh: fh.write(data))
 
 
 def append_line(path: Path, data: bytes) -> None:

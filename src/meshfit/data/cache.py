@@ -46,7 +46,6 @@ import hashlib
 import json
 import mmap
 import os
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -56,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfit._files import atomic_write
 from meshfit.data.corpus import Corpus, SourceFile, find_corpus, is_validation
 from meshfit.data.hf import HFSource, open_hf_dataset
 from meshfit.data.tokenizer import (
@@ -397,7 +397,7 @@ def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem:
         for ids in val_docs:
             put(ids)
 
-    _atomic_write(bin_path, write_bin)
+    atomic_write(bin_path, write_bin)
     n_val = sum(a.size for a in val_docs)
     n_tokens = n_train + n_val
     if n_tokens == 0:
@@ -447,31 +447,8 @@ def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem:
         "build_seconds": round(time.perf_counter() - start, 3),
     }
     payload = json.dumps(meta, indent=1).encode("utf-8")
-    _atomic_write(json_path, lambda out: out.write(payload))
+    atomic_write(json_path, lambda out: out.write(payload))
     return meta
-
-
-def _atomic_write(dest: Path, fill) -> None:
-    """Call ``fill(file)`` on a private temp file next to ``dest``, then rename it over
-    ``dest``. The temp name starts with a dot and ends in ``.tmp``, so it can never be taken
-    for a cache file, and it is removed if ``fill`` raises. fsync before the rename, or a
-    power loss could leave the new name pointing at data still in the page cache; the folder
-    after it, so the rename is on disk too."""
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            fill(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    folder = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(folder)  # the rename itself reaches the disk
-    finally:
-        os.close(folder)
 
 
 def _open(stem: Path, meta: dict[str, Any], tok: Tokenizer) -> TokenSplits:
