@@ -28,9 +28,10 @@ from torch.utils.data import DataLoader
 
 from meshfit import distributed as mdist
 from meshfit.accelerator import export, models, processes, trackers
+from meshfit.accelerator.attributes import AcceleratorAttributes
 from meshfit.accelerator.arguments import UNSET, Arguments, read_arguments, resolve_layout
 from meshfit.accelerator.compat import (AutocastKwargs, DataLoaderConfiguration,
-                                        DistributedType, FullyShardedDataParallelPlugin,
+                                        FullyShardedDataParallelPlugin,
                                         GradientAccumulationPlugin, ProfileKwargs,
                                         ProjectConfiguration)
 from meshfit.accelerator.compat.operations import pad_across_processes
@@ -40,7 +41,6 @@ from meshfit.accelerator.precision import Precision, empty_device_cache, set_tf3
 from meshfit.accelerator.prepared import (GradientState, ParameterMap, PreparedOptimizer,
                                           PreparedScheduler, rebuild_optimizer,
                                           repoint_scheduler, unscale_gradients)
-from meshfit.accelerator.processes import AcceleratorState
 from meshfit.accelerator.runtime import Runtime, runtime_for
 from meshfit.accelerator.shuffle import sync_global_generators
 from meshfit.distributed import DistEnv, ParallelDims
@@ -56,7 +56,7 @@ def _is_scheduler(obj: Any) -> bool:
         hasattr(obj, "step") and hasattr(obj, "get_last_lr") and hasattr(obj, "optimizer"))
 
 
-class Accelerator:
+class Accelerator(AcceleratorAttributes):
     """Runs a user's training loop on one device or data parallel across processes.
 
     The positional and keyword arguments up to ``parallelism_config`` are Hugging Face
@@ -160,148 +160,6 @@ class Accelerator:
         self._custom: list[Any] = []  # register_for_checkpointing
         self._pending_save = None  # an asynchronous save not yet committed
         self._save_group = None  # the process group asynchronous saves write with
-
-    # ----------------------------------------------------------------- where we are
-    @property
-    def device(self) -> torch.device:
-        return self.env.device
-
-    @property
-    def process_index(self) -> int:
-        return self.env.rank
-
-    @property
-    def local_process_index(self) -> int:
-        return self.env.local_rank
-
-    @property
-    def num_processes(self) -> int:
-        return self.env.world_size
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.env.rank == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.env.local_rank == 0
-
-    @property
-    def mixed_precision(self) -> str:
-        return self.precision.mode
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.grad_state.num_steps
-
-    @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, k: int) -> None:
-        """Change k between optimizer steps (e.g. after a batch-size search)."""
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"gradient_accumulation_steps={k!r} must be an integer >= 1")
-        self.grad_state.num_steps = k
-        self.grad_state.step = 0
-
-    @property
-    def sync_gradients(self) -> bool:
-        """True on micro-batches whose backward synchronises gradients (and so on which the
-        prepared optimizer steps)."""
-        return self.grad_state.sync_gradients
-
-    @property
-    def mesh(self):
-        """The layout's `DeviceMesh` (None for a single process without a process group)."""
-        return self.runtime.mesh
-
-    @property
-    def zero_stage(self) -> int:
-        """The resolved ZeRO stage (0: DDP or a single process)."""
-        return self.layout.zero_stage
-
-    # ----------------------------------------------------------------- Accelerate's state
-    @property
-    def state(self) -> AcceleratorState:
-        return AcceleratorState(self)
-
-    @property
-    def gradient_state(self) -> GradientState:
-        """Accumulation state: ``sync_gradients``, ``num_steps``, ``end_of_dataloader``,
-        ``remainder``, ``active_dataloader``, ``in_dataloader``."""
-        return self.grad_state
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """NO, FSDP, MULTI_GPU, MULTI_CPU, ... (`meshfit.accelerator.processes`)."""
-        return processes.distributed_type(self.env, self.layout)
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.distributed_type != DistributedType.NO and self.num_processes > 1
-
-    @property
-    def multi_device(self) -> bool:
-        """Distributed over several accelerators (not CPUs, not FSDP), as Accelerate's."""
-        return self.use_distributed and self.distributed_type not in (
-            DistributedType.FSDP, DistributedType.MULTI_CPU)
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.process_index == self.num_processes - 1
-
-    @property
-    def step(self) -> int:
-        """Micro-batches since the last synchronising one (Accelerate's ``step``)."""
-        return self.grad_state.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.grad_state.step = value
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped (fp16 overflow): the learning rate
-        should then not change (prepared schedulers do not step)."""
-        return any(opt.step_was_skipped for opt in self._optimizers)
-
-    @property
-    def split_batches(self) -> bool:
-        return self.dataloader_config.split_batches
-
-    @property
-    def dispatch_batches(self):
-        return self.dataloader_config.dispatch_batches
-
-    @property
-    def even_batches(self) -> bool:
-        return self.dataloader_config.even_batches
-
-    @even_batches.setter
-    def even_batches(self, value: bool) -> None:
-        self.dataloader_config.even_batches = value
-
-    @property
-    def use_seedable_sampler(self) -> bool:
-        return self.dataloader_config.use_seedable_sampler
-
-    @property
-    def non_blocking(self) -> bool:
-        return self.dataloader_config.non_blocking
-
-    @property
-    def use_stateful_dataloader(self) -> bool:
-        return self.dataloader_config.use_stateful_dataloader
-
-    @property
-    def project_dir(self):
-        return self.project_configuration.project_dir
-
-    @property
-    def logging_dir(self):
-        return self.project_configuration.logging_dir
-
-    @property
-    def save_iteration(self) -> int:
-        return self.project_configuration.iteration
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, *objects: Any, device_placement=None) -> Any:

@@ -1,8 +1,6 @@
 """Process control and collectives for the `Accelerator`: Accelerate's calls that make the
 processes of a job agree, wait for each other or exchange results.
 
-    AcceleratorState          ``accelerator.state`` (Accelerate's attribute names)
-    distributed_type          NO, FSDP, MULTI_GPU, MULTI_CPU, ... of a layout on a process
     gather, gather_for_metrics, reduce, share
                               results of the data-parallel ranks
     triggered                 whether any process set its trigger (set_trigger/check_trigger)
@@ -36,70 +34,9 @@ from meshfit.accelerator.compat.handlers import ProfileKwargs
 from meshfit.accelerator.compat.operations import gather_object, is_all_tensors
 from meshfit.distributed import DistEnv
 from meshfit.distributed import collectives as ops
-from meshfit.parallel.layout import Layout
 
-__all__ = ["AcceleratorState", "distributed_type", "first", "gather", "gather_for_metrics",
-           "join_uneven_inputs", "profile", "reduce", "release", "run_if", "share",
-           "triggered", "wait_for_everyone"]
-
-
-class AcceleratorState:
-    """``accelerator.state``: where this process stands (Accelerate's attribute names)."""
-
-    def __init__(self, accelerator):
-        self._acc = accelerator
-
-    distributed_type = property(lambda self: self._acc.distributed_type)
-    num_processes = property(lambda self: self._acc.num_processes)
-    process_index = property(lambda self: self._acc.process_index)
-    local_process_index = property(lambda self: self._acc.local_process_index)
-    device = property(lambda self: self._acc.device)
-    mixed_precision = property(lambda self: self._acc.mixed_precision)
-    is_main_process = property(lambda self: self._acc.is_main_process)
-    is_local_main_process = property(lambda self: self._acc.is_local_main_process)
-    is_last_process = property(lambda self: self._acc.is_last_process)
-    use_distributed = property(lambda self: self._acc.use_distributed)
-    backend = property(lambda self: self._acc.env.backend)
-    fsdp_plugin = property(lambda self: self._acc.fsdp_plugin)
-    deepspeed_plugin = None
-    initialized = True
-
-    def wait_for_everyone(self) -> None:
-        self._acc.wait_for_everyone()
-
-    def print(self, *args, **kwargs) -> None:
-        self._acc.print(*args, **kwargs)
-
-    def split_between_processes(self, inputs, apply_padding: bool = False):
-        return self._acc.split_between_processes(inputs, apply_padding=apply_padding)
-
-    def main_process_first(self):
-        return self._acc.main_process_first()
-
-    def local_main_process_first(self):
-        return self._acc.local_main_process_first()
-
-    def __repr__(self) -> str:
-        return (f"Distributed environment: {self.distributed_type}\n"
-                f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
-                f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
-                f"Mixed precision type: {self.mixed_precision}\n")
-
-
-_BY_DEVICE = {"cuda": DistributedType.MULTI_GPU, "cpu": DistributedType.MULTI_CPU,
-              "xpu": DistributedType.MULTI_XPU, "npu": DistributedType.MULTI_NPU,
-              "mlu": DistributedType.MULTI_MLU, "hpu": DistributedType.MULTI_HPU}
-
-
-def distributed_type(env: DistEnv, layout: Layout) -> DistributedType:
-    """NO on one process; FSDP when the layout shards with FSDP2 (ZeRO-2/3, and every
-    data-parallel layout with tp or pp); MULTI_GPU, MULTI_CPU, ... (by device) for DDP and
-    ZeRO-1."""
-    if not env.is_distributed or env.world_size == 1:
-        return DistributedType.NO
-    if layout.is_fsdp:
-        return DistributedType.FSDP
-    return _BY_DEVICE.get(env.device.type, DistributedType.MULTI_GPU)
+__all__ = ["first", "gather", "gather_for_metrics", "join_uneven_inputs", "profile", "reduce",
+           "release", "run_if", "share", "triggered", "wait_for_everyone"]
 
 
 # ----------------------------------------------------------------------------- results
