@@ -165,7 +165,8 @@ class Accelerator(AcceleratorAttributes):
     def prepare(self, *objects: Any, device_placement=None) -> Any:
         """Prepare models, optimizers, dataloaders and LR schedulers, in any order; returns
         them in the order given (a single object when one is given); other objects are
-        returned as they are. `device_placement`: see the constructor."""
+        returned as they are. `device_placement`: as the constructor's (False on the CPU
+        only)."""
         if device_placement is not None and not device_placement and \
                 self.device.type != "cpu":
             raise ValueError("prepare(device_placement=False) is available on the CPU only")
@@ -397,8 +398,8 @@ class Accelerator(AcceleratorAttributes):
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module):
         """One micro-batch of gradient accumulation: gradients sync only on the k-th one
-        and on the data loader's last (with sync_each_batch=True, on every one: see the
-        constructor)."""
+        and on the data loader's last (with sync_each_batch=True, on every one: see
+        `meshfit.accelerator.arguments`)."""
         self.grad_state.advance()
         with contextlib.ExitStack() as stack:
             if not self.grad_state.sync_gradients and self.sync_each_batch is not True:

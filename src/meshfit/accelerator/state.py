@@ -12,10 +12,18 @@ manifest, the model's parameter names and shapes against the saved ones, then re
 this job's layout (DDP, ZeRO-1/2/3, TP, PP and their combinations, any world size).
 
 With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folder is
-``project_dir/checkpoints/checkpoint_<iteration>`` (the oldest beyond ``total_limit`` are
-deleted first, by the main process) and `load_state` without a folder reads the newest, as
-with Accelerate. An asynchronous save copies the state to host memory and writes it in the
-background (over a gloo group of its own) while training goes on; `finish_save` commits it.
+``project_dir/checkpoints/checkpoint_<save_iteration>`` (the oldest beyond ``total_limit`` are
+deleted first, by the main process; a folder given to `save_state` is then ignored) and
+`load_state` without a folder reads the newest, as with Accelerate. An asynchronous save
+(``async_save=True``) copies the state to host memory and writes it in the background (over
+a gloo group of its own) while training goes on; it is committed by `finish_save`
+(`Accelerator.wait_for_checkpoint`, or the next save, `load_state`, `end_training`). The
+format is always DCP's (``safe_serialization`` is accepted and has no effect).
+
+As with Accelerate, `load_state` leaves prepared data loaders as they are (a resuming script
+skips batches itself with `skip_first_batches`), unless the loaders are stateful
+(``DataLoaderConfiguration(use_stateful_dataloader=True)``): then each continues where it
+stood, in the same order.
 
     save_state, finish_save, load_state   the Accelerator's methods of those names
     check_registrable                     what `register_for_checkpointing` accepts

@@ -28,7 +28,7 @@ class DataLoaderConfiguration:
         global batch is batch_size x processes); True: the loader's batch is the global one,
         cut into equal slices (batch_size must divide by the number of processes).
     dispatch_batches: None or False (True is not supported: every meshfit rank reads its own
-        batches; for an IterableDataset, see `meshfit.accelerator.loader`).
+        batches; for an IterableDataset, see `meshfit.accelerator.stream`).
     even_batches: True: when the global batch does not divide the dataset, the last round is
         completed with samples from the start of the epoch so that every process gets the
         same number of full batches; False: the short last batch goes to its process alone.
