@@ -39,7 +39,7 @@ from meshfit.accelerator.compat.utilities import release_memory
 from meshfit.accelerator.loader import PreparedDataLoader
 from meshfit.accelerator.precision import Precision, empty_device_cache, set_tf32
 from meshfit.accelerator.prepared import (GradientState, ParameterMap, PreparedOptimizer,
-                                          PreparedScheduler, rebuild_optimizer,
+                                          PreparedScheduler, kind_of, rebuild_optimizer,
                                           repoint_scheduler, unscale_gradients)
 from meshfit.accelerator.runtime import Runtime, runtime_for
 from meshfit.accelerator.shuffle import sync_global_generators
@@ -49,11 +49,6 @@ from meshfit.parallel.clip import clip_grad_norm_
 __all__ = ["Accelerator"]
 
 log = logging.getLogger("meshfit")
-
-
-def _is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
-        hasattr(obj, "step") and hasattr(obj, "get_last_lr") and hasattr(obj, "optimizer"))
 
 
 class Accelerator(AcceleratorAttributes):
@@ -172,25 +167,13 @@ class Accelerator(AcceleratorAttributes):
             raise ValueError("prepare(device_placement=False) is available on the CPU only")
         # Models first so that wrapping happens before optimizers and schedulers are wrapped;
         # results are put back in the caller's order.
-        kinds = [self._kind(obj) for obj in objects]
+        kinds = [kind_of(obj) for obj in objects]
         out: list[Any] = list(objects)
         for kind in ("model", "optimizer", "dataloader", "scheduler"):
             for i, obj in enumerate(objects):
                 if kinds[i] == kind:
                     out[i] = getattr(self, f"prepare_{kind}")(obj)
         return out[0] if len(out) == 1 else tuple(out)
-
-    @staticmethod
-    def _kind(obj: Any) -> str:
-        if isinstance(obj, torch.nn.Module):
-            return "model"
-        if isinstance(obj, torch.optim.Optimizer):
-            return "optimizer"
-        if isinstance(obj, (DataLoader, PreparedDataLoader)):
-            return "dataloader"
-        if _is_scheduler(obj):
-            return "scheduler"
-        return "other"
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Apply the layout to `model` (`meshfit.parallel.parallelize`: place, tensor

@@ -5,6 +5,7 @@ With ``gradient_accumulation_steps=k`` a user's loop calls ``optimizer.step()`` 
 ``optimizer.zero_grad()`` on every micro-batch (as the seed's loop does); the wrappers make
 those calls no-ops except on the k-th micro-batch, where gradients have been synchronised.
 
+    kind_of             which of `prepare`'s kinds an object is
     GradientState       the accumulation bookkeeping (``accelerator.gradient_state``)
     PreparedOptimizer   steps on boundaries; fp16 steps go through the GradScaler
     PreparedScheduler   steps with the optimizer (Accelerate's per-process rule)
@@ -29,9 +30,28 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.data import DataLoader
+
+from meshfit.accelerator.loader import PreparedDataLoader
 
 __all__ = ["GradientState", "ParameterMap", "PreparedOptimizer", "PreparedScheduler",
-           "rebuild_optimizer", "repoint_scheduler", "unscale_gradients"]
+           "kind_of", "rebuild_optimizer", "repoint_scheduler", "unscale_gradients"]
+
+
+def kind_of(obj) -> str:
+    """Which of `Accelerator.prepare`'s kinds `obj` is: "model", "optimizer", "dataloader",
+    "scheduler" (an LR scheduler, or an object with its ``step``, ``get_last_lr`` and
+    ``optimizer``) or "other" (returned as it is)."""
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, (DataLoader, PreparedDataLoader)):
+        return "dataloader"
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+            hasattr(obj, "step") and hasattr(obj, "get_last_lr") and hasattr(obj, "optimizer")):
+        return "scheduler"
+    return "other"
 
 
 @dataclass
