@@ -16,6 +16,8 @@ import torch
 from meshfit.distributed.collectives import apply_to_tensors
 from meshfit.parallel.layout import check_options, precision_dtype
 
+__all__ = ["Precision", "empty_device_cache", "set_tf32"]
+
 
 def set_tf32(enabled: bool) -> bool:
     """Let fp32 matrix products and cuDNN convolutions use TF32 tensor cores (10-bit mantissa

@@ -1,8 +1,26 @@
-"""Optimizer and LR scheduler wrappers that act only on gradient-accumulation boundaries.
+"""Optimizer and LR scheduler wrappers that act only on gradient-accumulation boundaries,
+and what `Accelerator.prepare` does to optimizers built before the model was sharded.
 
 With ``gradient_accumulation_steps=k`` a user's loop calls ``optimizer.step()`` and
 ``optimizer.zero_grad()`` on every micro-batch (as the seed's loop does); the wrappers make
 those calls no-ops except on the k-th micro-batch, where gradients have been synchronised.
+
+    kind_of             which of `prepare`'s kinds an object is
+    GradientState       the accumulation bookkeeping (``accelerator.gradient_state``)
+    PreparedOptimizer   steps on boundaries; fp16 steps go through the GradScaler
+    PreparedScheduler   steps with the optimizer (Accelerate's per-process rule)
+    unscale_gradients   the fp16 loss scale divided out once per optimizer step
+    ParameterMap, rebuild_optimizer, repoint_scheduler
+                        optimizers re-pointed at the parameters sharding replaced
+
+An optimizer built before `prepare(model)` under zero_stage 2/3 holds the unsharded
+parameters that ``fully_shard`` replaced: a new optimizer of the same class is built over the
+sharded parameters of the same names, with the same defaults and per-group hyper-parameters
+(it must not have stepped yet; the old one keeps the old parameters alive until it is
+dropped). Built after `prepare(model)`, it already holds the sharded parameters and is used
+as is. Under zero_stage 1 it becomes a ZeroRedundancyOptimizer of its class
+(`meshfit.accelerator.runtime`). LR schedulers built on a replaced optimizer are moved to the
+new one.
 """
 
 from __future__ import annotations
@@ -12,6 +30,28 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.data import DataLoader
+
+from meshfit.accelerator.loader import PreparedDataLoader
+
+__all__ = ["GradientState", "ParameterMap", "PreparedOptimizer", "PreparedScheduler",
+           "kind_of", "rebuild_optimizer", "repoint_scheduler", "unscale_gradients"]
+
+
+def kind_of(obj) -> str:
+    """Which of `Accelerator.prepare`'s kinds `obj` is: "model", "optimizer", "dataloader",
+    "scheduler" (an LR scheduler, or an object with its ``step``, ``get_last_lr`` and
+    ``optimizer``) or "other" (returned as it is)."""
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, (DataLoader, PreparedDataLoader)):
+        return "dataloader"
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+            hasattr(obj, "step") and hasattr(obj, "get_last_lr") and hasattr(obj, "optimizer")):
+        return "scheduler"
+    return "other"
 
 
 @dataclass
@@ -56,6 +96,27 @@ class GradientState:
     @property
     def plugin_kwargs(self) -> dict:
         return {"num_steps": self.num_steps, "sync_with_dataloader": self.sync_with_dataloader}
+
+    def advance(self) -> None:
+        """A micro-batch begins (`Accelerator.accumulate`). Accelerate's rule: the last batch
+        of the innermost loader ends the window and restarts the count; otherwise every
+        num_steps-th micro-batch does."""
+        if self.sync_with_dataloader and self.end_of_dataloader:
+            self.step = 0
+            self.sync_gradients = True
+        else:
+            self.step += 1
+            self.sync_gradients = self.step % self.num_steps == 0
+
+    def leave(self, loader) -> None:
+        """`loader`'s iteration stopped: the loader iterated around it (if any) decides the
+        boundary again. (An evaluation loader read out inside a training epoch hands the
+        boundary back to the training loader; left as it was, its read-out state made every
+        following micro-batch an optimizer step.)"""
+        for i in range(len(self.loaders) - 1, -1, -1):
+            if self.loaders[i] is loader:
+                del self.loaders[i]
+                break
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -188,6 +249,23 @@ class PreparedScheduler:
                     "steps_per_optimizer_step"):
             raise AttributeError(name)
         return getattr(self.scheduler, name)
+
+
+def unscale_gradients(scaler: torch.amp.GradScaler, prepared: list[PreparedOptimizer],
+                      optimizer=None) -> None:
+    """Divide `scaler`'s loss scale out of the gradients of `optimizer` (a prepared one or
+    the optimizer it wraps, or a list of them; None: every one of `prepared`), once per
+    optimizer step each."""
+    chosen = prepared if optimizer is None else (
+        list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+    for opt in chosen:
+        if not isinstance(opt, PreparedOptimizer):
+            opt = next((o for o in prepared if o.optimizer is opt), None)
+            if opt is None:
+                continue
+        if not opt.unscaled:
+            scaler.unscale_(opt.optimizer)
+            opt.unscaled = True
 
 
 # ---------------------------------------------------------------- re-pointing by name

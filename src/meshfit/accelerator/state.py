@@ -10,11 +10,30 @@ It is one DCP checkpoint (`meshfit.checkpoint.store`): each rank writes its own 
 folder is committed atomically with a manifest, and loading checks the files against the
 manifest, the model's parameter names and shapes against the saved ones, then reshards to
 this job's layout (DDP, ZeRO-1/2/3, TP, PP and their combinations, any world size).
+
+With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folder is
+``project_dir/checkpoints/checkpoint_<save_iteration>`` (the oldest beyond ``total_limit`` are
+deleted first, by the main process; a folder given to `save_state` is then ignored) and
+`load_state` without a folder reads the newest, as with Accelerate. An asynchronous save
+(``async_save=True``) copies the state to host memory and writes it in the background (over
+a gloo group of its own) while training goes on; it is committed by `finish_save`
+(`Accelerator.wait_for_checkpoint`, or the next save, `load_state`, `end_training`). The
+format is always DCP's (``safe_serialization`` is accepted and has no effect).
+
+As with Accelerate, `load_state` leaves prepared data loaders as they are (a resuming script
+skips batches itself with `skip_first_batches`), unless the loaders are stateful
+(``DataLoaderConfiguration(use_stateful_dataloader=True)``): then each continues where it
+stood, in the same order.
+
+    save_state, finish_save, load_state   the Accelerator's methods of those names
+    check_registrable                     what `register_for_checkpointing` accepts
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +48,8 @@ from meshfit.distributed.settle import barrier as settled_barrier
 # Functions here take the `Accelerator` ("acc") whose prepared objects they save; they are
 # its implementation, not a layer of their own (not imported here: it imports this module).
 Accelerator = Any
+
+__all__ = ["check_registrable", "finish_save", "load_state", "save_state"]
 
 log = logging.getLogger("meshfit")
 
@@ -170,13 +191,74 @@ def _collect(acc: Accelerator, models) -> dict[str, Any]:
     return state
 
 
+def check_registrable(obj: Any) -> None:
+    """Refuse an object `register_for_checkpointing` cannot save and load."""
+    if not (callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))):
+        raise ValueError(f"register_for_checkpointing: {type(obj).__name__} has no "
+                         "state_dict() and load_state_dict(); register objects that do")
+
+
 def save_state(acc: Accelerator, output_dir, *, step: int | None = None,
                async_save: bool = False) -> Path:
+    """Write the checkpoint into `output_dir`, or the next automatically named folder (then
+    `output_dir` is ignored), and count the save (``save_iteration``). Every rank calls it."""
+    config = acc.project_configuration
+    if config.automatic_checkpoint_naming:
+        output_dir = _automatic_folder(acc)
+    elif output_dir is None:
+        raise ValueError("save_state() needs an output_dir (or ProjectConfiguration("
+                         "automatic_checkpoint_naming=True))")
+    folder = _write(acc, output_dir, step=step, async_save=async_save)
+    config.iteration += 1
+    return folder
+
+
+def _number(path: Path) -> int:
+    found = re.findall(r"(\d+)", path.name)
+    return int(found[-1]) if found else -1
+
+
+def _automatic_folder(acc: Accelerator) -> Path:
+    """``project_dir/checkpoints/checkpoint_<iteration>``, after the main process deleted the
+    oldest folders beyond ``total_limit``; every rank waits for it."""
+    config = acc.project_configuration
+    if config.project_dir is None:
+        raise ValueError("automatic_checkpoint_naming needs a project_dir")
+    root = Path(config.project_dir) / "checkpoints"
+    if acc.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        folders = sorted((p for p in root.iterdir() if p.is_dir()), key=_number)
+        if config.total_limit is not None and len(folders) + 1 > config.total_limit:
+            for old in folders[: len(folders) + 1 - config.total_limit]:
+                shutil.rmtree(old)
+    folder = root / f"checkpoint_{config.iteration}"
+    if folder.exists():
+        raise ValueError(f"Checkpoint directory {folder} ({config.iteration}) already "
+                         "exists. Please manually override `self.save_iteration` with what "
+                         "iteration to start with.")
+    acc.wait_for_everyone()
+    return folder
+
+
+def _newest_folder(acc: Accelerator) -> Path:
+    """The automatically named checkpoint folder with the highest number."""
+    if not acc.project_configuration.automatic_checkpoint_naming:
+        raise ValueError("No input_dir provided and automatic checkpoint naming is "
+                         "disabled.")
+    root = Path(acc.project_dir) / "checkpoints"
+    folders = [p for p in root.iterdir() if p.is_dir() and re.search(r"\d+", p.name)]
+    if not folders:
+        raise ValueError(f"load_state(): {root} holds no checkpoint")
+    return max(folders, key=lambda p: int(re.findall(r"(\d+)", p.name)[-1]))
+
+
+def _write(acc: Accelerator, output_dir, *, step: int | None, async_save: bool) -> Path:
     """Write the checkpoint into `output_dir` (atomically: a temporary folder beside it,
-    renamed once every rank has written and the manifest is in). Every rank calls it.
-    `async_save`: copy the state to host memory, write it in the background and return; the
-    checkpoint is committed by `finish_save` (called by the next save_state and by
-    load_state / end_training)."""
+    renamed once every rank has written and the manifest is in). `async_save`: copy the
+    state to host memory, write it in the background and return; the checkpoint is
+    committed by `finish_save` (called by the next save_state and by load_state /
+    end_training)."""
     from meshfit import __version__
 
     finish_save(acc)  # one save in flight at a time
@@ -211,12 +293,15 @@ def finish_save(acc: Accelerator) -> Path | None:
     return commit(tmp, folder, manifest)
 
 
-def load_state(acc: Accelerator, input_dir, *, loaders: bool = True) -> Manifest:
-    """Fill every prepared and registered object from the checkpoint in `input_dir` (any
-    layout, any world size); returns its manifest. Every rank calls it. `loaders`: also put
-    the data loaders back where they stood (stateful loaders)."""
+def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Manifest:
+    """Fill every prepared and registered object from the checkpoint in `input_dir` (None:
+    the newest automatically named one; any layout, any world size); returns its manifest.
+    Every rank calls it. `loaders`: also put the data loaders back where they stood
+    (stateful loaders)."""
+    if input_dir is None:
+        input_dir = _newest_folder(acc)
     finish_save(acc)
-    folder = Path(input_dir)
+    folder = Path(input_dir).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"load_state: {folder} is not a folder; give a checkpoint "
                               "written by save_state")

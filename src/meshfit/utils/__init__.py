@@ -1,26 +1,8 @@
 """The names scripts written for Hugging Face Accelerate import from ``accelerate.utils``:
 ``from meshfit.utils import set_seed, DataLoaderConfiguration, ...`` (see
-`meshfit.accelerator.compat` for what each does in meshfit)."""
+`meshfit.accelerator.compat` for what each does in meshfit).
 
-from meshfit.accelerator.compat import (AutocastKwargs, DataLoaderConfiguration,
-                                        DDPCommunicationHookType, DistributedDataParallelKwargs,
-                                        DistributedType, DynamoBackend,
-                                        FullyShardedDataParallelPlugin, GradientAccumulationPlugin,
-                                        GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler,
-                                        LoggerType, PrecisionType, ProfileKwargs,
-                                        ProjectConfiguration, RNGType, broadcast,
-                                        broadcast_object_list, clear_device_cache,
-                                        find_executable_batch_size, gather, gather_object,
-                                        pad_across_processes, reduce, release_memory,
-                                        send_to_device, set_seed, should_reduce_batch_size)
+The list of names is `meshfit.accelerator.compat`'s own ``__all__`` (one list, not a copy)."""
 
-__all__ = [
-    "AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration",
-    "DistributedDataParallelKwargs", "DistributedType", "DynamoBackend",
-    "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin",
-    "InitProcessGroupKwargs", "KwargsHandler", "LoggerType", "PrecisionType", "ProfileKwargs",
-    "ProjectConfiguration", "RNGType", "broadcast", "broadcast_object_list",
-    "clear_device_cache", "find_executable_batch_size", "gather", "gather_object",
-    "pad_across_processes", "reduce", "release_memory", "send_to_device", "set_seed",
-    "should_reduce_batch_size",
-]
+from meshfit.accelerator.compat import *  # noqa: F401,F403 - exactly compat.__all__
+from meshfit.accelerator.compat import __all__  # noqa: F401

@@ -1,0 +1,503 @@
+"""The `Accelerator`'s arguments, translated: pure functions from what a script passes (and
+the environment variables Accelerate reads) to meshfit's options, checked before any process
+group, model or file exists. Nothing here joins a process group or keeps state.
+
+    read_arguments(given, environ) -> Arguments   every check and translation, in the order
+                                                  the constructor has always made them
+    resolve_layout(arguments, env) -> Layout      the layout request on this job's processes
+    sort_handlers, init_kwargs, UNSET             the pieces, for their own tests
+
+`Arguments` is made of small frozen dataclasses, one per consumer:
+
+    LayoutRequest     parallel, zero_stage, offload, sync_each_batch, sequence_parallel,
+                      loss_parallel: what `Layout.resolve` decides from (built in one place,
+                      `_layout_request`)
+    ModelOptions      what `parallelize` does besides the layout (`meshfit.parallel.parallelize`)
+    PrecisionOptions  mixed precision, GradScaler/autocast keywords, tf32
+    LoopOptions       accumulation, scheduler stepping, device cache, rng_types, data loaders
+    ProcessOptions    device placement, cpu, the process group's keywords
+    Handlers          the ``kwargs_handlers`` by kind
+
+The arguments up to ``parallelism_config`` are Hugging Face Accelerate 1.15's, with its
+defaults and meaning (a script written for Accelerate runs with ``accelerate`` replaced by
+``meshfit`` in its imports); the keyword-only ones after them are meshfit's own.
+
+Accelerate's arguments:
+    device_placement: True (batches and models go to the device); False is accepted on the
+        CPU only (where nothing moves).
+    split_batches: ignored, as by Accelerate 1.15 (a warning says so); use
+        ``dataloader_config=DataLoaderConfiguration(split_batches=True)``.
+    mixed_precision: None (the environment's ``ACCELERATE_MIXED_PRECISION``, else ``"no"``),
+        ``"no"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scaling).
+        Master weights and optimizer state stay fp32.
+    gradient_accumulation_steps: micro-batches per optimizer step (k). Inside `accumulate`,
+        `backward` divides the loss by k and gradients are synchronised only on every k-th
+        micro-batch (or the dataloader's last one).
+    cpu: run on the CPU (gloo) even where CUDA is available; None (meshfit's default): the
+        environment's ``MESHFIT_CPU``, else False; ``ACCELERATE_USE_CPU=true`` in the
+        environment (``accelerate launch --cpu``) means True, as for Accelerate.
+    dataloader_config: a `meshfit.utils.DataLoaderConfiguration` (split_batches,
+        even_batches, use_seedable_sampler, data_seed, use_stateful_dataloader; see
+        `meshfit.accelerator.loader`).
+    fsdp_plugin: a `meshfit.utils.FullyShardedDataParallelPlugin`: every process shards the
+        model with FSDP2 (ZeRO-3, or ZeRO-2 for SHARD_GRAD_OP); instead of
+        ``parallel``/``zero_stage``. Its mixed precision, CPU offload and activation
+        checkpointing become the Accelerator's.
+    deepspeed_plugin, torch_tp_plugin, megatron_lm_plugin, dynamo_plugin, deepspeed_plugins,
+        parallelism_config: not available (None only); meshfit's ``parallel=ParallelDims(...)``,
+        ``zero_stage`` and ``compile`` do their work.
+    rng_types: generators synchronised from process 0 at the start of each pass over a
+        prepared loader: ``["generator"]`` (default: the shuffling generator), also
+        ``"torch"`` and ``"cuda"`` (the global ones).
+    log_with: tracker names (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"csv"``,
+        ``"all"``, `LoggerType` values) or tracker objects, started by `init_trackers` on the
+        main process (`meshfit.accelerator.trackers`).
+    project_dir, project_config: where trackers and automatically named checkpoints go
+        (`meshfit.utils.ProjectConfiguration`).
+    gradient_accumulation_plugin: instead of ``gradient_accumulation_steps``
+        (`meshfit.utils.GradientAccumulationPlugin`; its ``sync_each_batch`` is meshfit's).
+    step_scheduler_with_optimizer: True: a prepared LR scheduler steps only with the optimizer
+        (see ``step_scheduler_per_process``); False: on every call.
+    kwargs_handlers: `DistributedDataParallelKwargs` (DDP's arguments and communication hook),
+        `InitProcessGroupKwargs` (backend, timeout), `GradScalerKwargs`, `AutocastKwargs`,
+        `ProfileKwargs`.
+    dynamo_backend: ``torch.compile`` the whole prepared model with this backend (``"no"``:
+        not at all).
+
+meshfit's arguments:
+    step_scheduler_per_process: True (Accelerate's rule): each optimizer step advances a
+        prepared scheduler once per data-parallel process (once when batches are split),
+        because scripts size their schedules in one process's batches; False: once per
+        optimizer step, for schedules that count optimizer steps (`meshfit train`).
+    tf32: True/False switch TF32 tensor cores for fp32 matrix products on or off (NVIDIA
+        Ampere and newer; no effect elsewhere); None leaves PyTorch's process-wide setting.
+    activation_checkpointing: ``"none"``, ``"full"`` (every transformer block recomputes its
+        activations in backward) or ``"selective"`` (every ``activation_checkpointing_every``-th
+        block with policy ``"block"``, or every block keeping matrix-product outputs with
+        policy ``"op"``); see `meshfit.parallel.activation`.
+    compile: ``torch.compile`` prepared models, per transformer block (``compile_scope=
+        "block"``, the default) or whole (``"model"``), with ``compile_backend`` and
+        ``compile_mode``; see `meshfit.parallel.compile`.
+    empty_cache_steps: release the device allocator's cached blocks every this many optimizer
+        steps (0: never), as Transformers' ``torch_empty_cache_steps``.
+    parallel: the layout (`ParallelDims`); default: every process a DDP replica.
+        ``ParallelDims(dp_shard=N)`` shards over N ranks (ZeRO); with ``dp_replicate=M`` too,
+        M groups of N (hybrid sharding, HSDP). All M x N ranks see different data. ``tp=T``
+        splits every block over T ranks (Megatron-style, `apply_tp`), composed with any
+        data-parallel axes (see `meshfit.parallel.layout`); ``pp=P`` cuts the model into
+        stages: use `prepare_pipeline` instead of ``prepare(model)``. The layout is decided
+        once, in the constructor (``accelerator.layout``, a `meshfit.Layout`).
+    zero_stage: with dp_shard > 1, what is sharded over the dp_shard ranks (ZeRO,
+        Rajbhandari et al. 2020); default 3 when dp_shard > 1, else 0. 0: nothing (DDP).
+        1: optimizer state (DDP + ZeroRedundancyOptimizer, applied in `prepare_optimizer`).
+        2: gradients and optimizer state (FSDP2 with reshard_after_forward=False; FSDP2 also
+        keeps parameters sharded between steps, see `meshfit.parallel.fsdp`). 3: parameters
+        too, gathered per block just in time (FSDP2). Under 2 and 3, mixed precision is FSDP's
+        MixedPrecisionPolicy (parameters gathered and computed in bf16/fp16, gradients reduced
+        in fp32, fp32 master weights and outputs) instead of autocast. With tp or pp > 1 every
+        data-parallel stage runs on FSDP2 (0: replicate-only, 1: whole gradients until the
+        boundary, sharded optimizer state), so FSDP's mixed-precision policy applies to all of
+        them (see `meshfit.parallel.layout`).
+    offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in host
+        memory (ZeRO-Offload; zero_stage=3 only); ``"none"``.
+    sync_each_batch: under accumulation with zero_stage 2/3, False skips the reduce-scatter on
+        non-boundary micro-batches (fewer collectives; FSDP then holds full unsharded
+        gradients, Ψ·4 bytes per rank, until the boundary); True reduce-scatters every
+        micro-batch (sharded gradients accumulate: Ψ·4/N bytes); ``"auto"`` picks True when
+        the unsharded gradients would take more than a quarter of the free memory (CUDA free
+        memory, host available memory on CPU) on any rank, and logs the choice once (when the
+        first model is prepared; the ``sync_each_batch`` attribute then holds it). Under DDP
+        and ZeRO-1 gradients are full-size anyway, so "auto" means False there.
+    sequence_parallel: with tp > 1, split the residual stream on the sequence dimension
+        between the tensor-parallel blocks (norms and dropout run on T/tp positions;
+        Korthikanti et al. 2022); the sequence length must divide by tp.
+    loss_parallel: with tp > 1, the output head keeps its logits sharded on the vocabulary and
+        the reference GPT's ``model(idx, targets)`` loss is computed without gathering them
+        (`meshfit.parallel.tp.tp_cross_entropy` for other losses; see `apply_tp`).
+    tp_plan: with tp > 1, how to split a model that has no built-in plan: a
+        `meshfit.models.plans.TPPlan` or ``{module pattern: Style or ParallelStyle}`` (see
+        `meshfit.parallel.tp.apply_tp`); None: the model type's built-in plan.
+    ddp_kwargs: extra keyword arguments for DistributedDataParallel (``bucket_cap_mb``,
+        ``find_unused_parameters``, ``static_graph``, ...); they take precedence over a
+        DistributedDataParallelKwargs handler's.
+    env: an existing `DistEnv`; default: `meshfit.distributed.init()`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshfit.accelerator.compat.handlers import (AutocastKwargs, DistributedDataParallelKwargs,
+                                                 GradScalerKwargs, InitProcessGroupKwargs,
+                                                 KwargsHandler, ProfileKwargs)
+from meshfit.accelerator.compat.plugins import (DataLoaderConfiguration,
+                                                FullyShardedDataParallelPlugin,
+                                                ProjectConfiguration)
+from meshfit.accelerator.trackers import tracker_list
+from meshfit.distributed import DistEnv, ParallelDims
+from meshfit.parallel.layout import Layout, check_options
+from meshfit.parallel.parallelize import ModelOptions
+
+__all__ = ["Arguments", "HANDLER_TYPES", "Handlers", "LayoutRequest", "LoopOptions",
+           "PrecisionOptions", "ProcessOptions", "UNSET", "init_kwargs", "read_arguments",
+           "resolve_layout", "sort_handlers"]
+
+UNSET = object()  # an argument not given (Accelerate's split_batches)
+
+# Accelerate's arguments meshfit has no counterpart for: None only.
+_UNAVAILABLE = ("deepspeed_plugin", "deepspeed_plugins", "torch_tp_plugin",
+                "megatron_lm_plugin", "dynamo_plugin", "parallelism_config")
+HANDLER_TYPES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, GradScalerKwargs,
+                 AutocastKwargs, ProfileKwargs)
+_TRUE = ("1", "true", "yes")  # ACCELERATE_USE_CPU values that mean True
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutRequest:
+    """How the script asks for the job to be laid out; `resolve_layout` decides it on this
+    job's processes (`meshfit.parallel.layout.Layout.resolve`). Checked when built
+    (`check_options`) with the techniques' own rules."""
+
+    parallel: ParallelDims | None = None
+    zero_stage: int | None = None
+    offload: str = "none"
+    sync_each_batch: bool | str = False
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionOptions:
+    """`meshfit.accelerator.precision.Precision`'s arguments, and the TF32 switch."""
+
+    mode: str = "no"
+    scaler_kwargs: dict | None = None  # GradScalerKwargs' fields set (None: no handler)
+    autocast_kwargs: dict | None = None  # AutocastKwargs' fields set (None: no handler)
+    tf32: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopOptions:
+    """How the user's loop is driven: accumulation, scheduler stepping, device cache release
+    and the prepared data loaders."""
+
+    gradient_accumulation_steps: int = 1
+    sync_with_dataloader: bool = True
+    adjust_scheduler: bool = False
+    step_scheduler_with_optimizer: bool = True
+    step_scheduler_per_process: bool = True
+    empty_cache_steps: int = 0
+    rng_types: tuple[str, ...] = ("generator",)
+    dataloader_config: DataLoaderConfiguration = field(default_factory=DataLoaderConfiguration)
+    """The user's object itself (the Accelerator's ``even_batches`` setter changes it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessOptions:
+    """Where this process runs: device placement, and `meshfit.distributed.init`'s
+    arguments (``cpu``, and ``backend`` / ``timeout_s`` from InitProcessGroupKwargs)."""
+
+    device_placement: bool = True
+    cpu: bool | None = None
+    init_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Handlers:
+    """``kwargs_handlers`` by kind (None: not given)."""
+
+    ddp: DistributedDataParallelKwargs | None = None
+    init: InitProcessGroupKwargs | None = None
+    scaler: GradScalerKwargs | None = None
+    autocast: AutocastKwargs | None = None
+    profile: ProfileKwargs | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arguments:
+    """Everything the Accelerator's arguments say, translated (`read_arguments`)."""
+
+    layout: LayoutRequest
+    model: ModelOptions
+    precision: PrecisionOptions
+    loop: LoopOptions
+    process: ProcessOptions
+    handlers: Handlers
+    fsdp_plugin: FullyShardedDataParallelPlugin | None = None
+    project_configuration: ProjectConfiguration
+    log_with: tuple = ()  # tracker names (lower case) and tracker objects
+    warnings: tuple[str, ...] = ()  # for the caller to issue (without the "meshfit: " prefix)
+
+
+# ----------------------------------------------------------------------------- the whole
+def read_arguments(given: Mapping[str, Any],
+                   environ: Mapping[str, str] | None = None) -> Arguments:
+    """`given`: every argument of `Accelerator.__init__` by name (``env`` aside); `environ`:
+    the environment variables (default ``os.environ``). Returns the translation, or raises
+    the one-line error of the first argument that is wrong, in the constructor's order."""
+    environ = os.environ if environ is None else environ
+    _check_types(given)
+    steps, plugin, sync_each_batch = _accumulation(given)
+    _check_loop_numbers(given)
+    mixed_precision = _mixed_precision(given["mixed_precision"], environ)
+    handlers = sort_handlers(given["kwargs_handlers"])
+    ddp_kwargs = given["ddp_kwargs"]
+    if handlers.ddp is not None:
+        ddp_kwargs = {**handlers.ddp.to_kwargs(), **(ddp_kwargs or {})}
+    compiling = _dynamo(given)
+    mixed_precision, offload, checkpointing = _fsdp_plugin(given, mixed_precision)
+    loop = LoopOptions(
+        gradient_accumulation_steps=steps,
+        sync_with_dataloader=plugin.get("sync_with_dataloader", True),
+        adjust_scheduler=plugin.get("adjust_scheduler", False),
+        step_scheduler_with_optimizer=given["step_scheduler_with_optimizer"],
+        step_scheduler_per_process=given["step_scheduler_per_process"],
+        empty_cache_steps=given["empty_cache_steps"],
+        dataloader_config=_dataloader_config(given["dataloader_config"]),
+        rng_types=_rng_types(given["rng_types"]))
+    project = _project_configuration(given["project_dir"], given["project_config"])
+    log_with = tuple(tracker_list(given["log_with"]))
+    layout = _layout_request(given, offload=offload, sync_each_batch=sync_each_batch,
+                             mixed_precision=mixed_precision)
+    model = ModelOptions(
+        activation_checkpointing=checkpointing,
+        activation_checkpointing_every=given["activation_checkpointing_every"],
+        activation_checkpointing_policy=given["activation_checkpointing_policy"],
+        **compiling, tp_plan=given["tp_plan"], ddp_kwargs=dict(ddp_kwargs or {}))
+    process = ProcessOptions(device_placement=given["device_placement"],
+                             cpu=_cpu(given["cpu"], environ),
+                             init_kwargs=init_kwargs(handlers.init))
+    precision = PrecisionOptions(
+        mode=mixed_precision, tf32=given["tf32"],
+        scaler_kwargs=None if handlers.scaler is None else handlers.scaler.to_kwargs(),
+        autocast_kwargs=None if handlers.autocast is None else handlers.autocast.to_kwargs())
+    return Arguments(layout=layout, model=model, precision=precision, loop=loop, process=process,
+                     handlers=handlers, fsdp_plugin=given["fsdp_plugin"],
+                     project_configuration=project, log_with=log_with,
+                     warnings=_warnings(given))
+
+
+def resolve_layout(arguments: Arguments, env: DistEnv) -> Layout:
+    """The job's `Layout`: the request on `env`'s processes (after refusing
+    ``device_placement=False`` off the CPU).
+
+    Accelerate's FSDP plugin shards over every process when there is more than one (ZeRO-3,
+    or 2 for SHARD_GRAD_OP; NO_SHARD: the default layout, DDP); on one process it asks for
+    nothing, and its sharding strategy is not even read."""
+    request, plugin = arguments.layout, arguments.fsdp_plugin
+    parallel, zero_stage = request.parallel, request.zero_stage
+    if plugin is not None and env.world_size > 1:
+        zero_stage = plugin.zero_stage()
+        if zero_stage:
+            parallel = ParallelDims(dp_replicate=1, dp_shard=-1)
+        else:
+            zero_stage = None
+    if not arguments.process.device_placement and env.device.type != "cpu":
+        raise ValueError("Accelerator(device_placement=False) is available on the CPU only; "
+                         f"this process runs on {env.device}")
+    # The one decision of how this job is laid out (every rule lives in Layout).
+    return Layout.resolve(
+        parallel, env.world_size, distributed=env.is_distributed, zero_stage=zero_stage,
+        offload=request.offload, mixed_precision=arguments.precision.mode,
+        sequence_parallel=request.sequence_parallel, loss_parallel=request.loss_parallel,
+        ddp_kwargs=arguments.model.ddp_kwargs,
+        local_world_size=env.local_world_size if env.is_distributed else None)
+
+
+# ----------------------------------------------------------------------------- the parts
+def _check_types(given: Mapping[str, Any]) -> None:
+    for name in _UNAVAILABLE:
+        if given[name] is not None:
+            raise ValueError(f"Accelerator({name}=...) is not available in meshfit; lay the "
+                             "job out with parallel=ParallelDims(...) and zero_stage=, or "
+                             "fsdp_plugin=FullyShardedDataParallelPlugin(...); compile with "
+                             "dynamo_backend= or compile=True")
+    device_placement, cpu = given["device_placement"], given["cpu"]
+    ddp_kwargs, project_dir = given["ddp_kwargs"], given["project_dir"]
+    if not isinstance(device_placement, bool):
+        raise ValueError(f"device_placement={device_placement!r} must be True or False")
+    if cpu is not None and not isinstance(cpu, bool):
+        raise ValueError(f"cpu={cpu!r} must be True, False or None (the environment's "
+                         "MESHFIT_CPU)")
+    if ddp_kwargs is not None and not isinstance(ddp_kwargs, dict):
+        raise ValueError(f"ddp_kwargs={ddp_kwargs!r} must be a dict of DistributedDataParallel "
+                         "arguments, e.g. {'find_unused_parameters': True}")
+    if project_dir is not None and not isinstance(project_dir, (str, os.PathLike)):
+        raise ValueError(f"project_dir={project_dir!r} must be a path (str or os.PathLike) "
+                         "or None")
+    if not isinstance(given["step_scheduler_with_optimizer"], bool) or \
+            not isinstance(given["step_scheduler_per_process"], bool):
+        raise ValueError("step_scheduler_with_optimizer and step_scheduler_per_process must "
+                         "be True or False")
+
+
+def _warnings(given: Mapping[str, Any]) -> tuple[str, ...]:
+    if given["split_batches"] is UNSET:
+        return ()
+    return ("Accelerator(split_batches=...) is ignored, as by Accelerate 1.15; pass "
+            "dataloader_config=DataLoaderConfiguration(split_batches=...)",)
+
+
+def _accumulation(given: Mapping[str, Any]) -> tuple[int, dict, bool | str]:
+    """(micro-batches per step, GradientAccumulationPlugin's fields set, sync_each_batch)."""
+    steps, sync_each_batch = given["gradient_accumulation_steps"], given["sync_each_batch"]
+    plugin = {}
+    if given["gradient_accumulation_plugin"] is not None:
+        if steps != 1:
+            raise ValueError("You can only pass one of `gradient_accumulation_steps` and "
+                             "`gradient_accumulation_plugin`. Please only pass in the "
+                             "created `GradientAccumulationPlugin` object.")
+        # Only the fields set to other than their defaults, read with GradientState's
+        # defaults, as Accelerate reads them: adjust_scheduler (default True) reads False.
+        plugin = given["gradient_accumulation_plugin"].to_kwargs()
+        steps = plugin.get("num_steps", 1)
+        if plugin.get("sync_each_batch", False) and sync_each_batch is False:
+            sync_each_batch = True
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={steps!r} must be an integer >= 1 (1 "
+                         "means no accumulation)")
+    return steps, plugin, sync_each_batch
+
+
+def _check_loop_numbers(given: Mapping[str, Any]) -> None:
+    empty_cache_steps, tf32 = given["empty_cache_steps"], given["tf32"]
+    if isinstance(empty_cache_steps, bool) or not isinstance(empty_cache_steps, int) or \
+            empty_cache_steps < 0:
+        raise ValueError(f"empty_cache_steps={empty_cache_steps!r} must be an integer >= 0 "
+                         "(0: never)")
+    if tf32 is not None and not isinstance(tf32, bool):
+        raise ValueError(f"tf32={tf32!r} must be True, False or None (leave as it is)")
+
+
+def _mixed_precision(mixed_precision: Any, environ: Mapping[str, str]) -> str:
+    """The mode asked for; None: ``ACCELERATE_MIXED_PRECISION`` (what `accelerate launch
+    --mixed_precision` sets), else "no". Checked later, with the layout's options."""
+    if mixed_precision is None:
+        mixed_precision = environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    return str(mixed_precision)
+
+
+def sort_handlers(handlers) -> Handlers:
+    """``kwargs_handlers`` by kind; one of each, of the kinds meshfit knows."""
+    out: dict[type, KwargsHandler] = {}
+    for handler in handlers or ():
+        kind = next((k for k in HANDLER_TYPES if isinstance(handler, k)), None)
+        if kind is None:
+            raise ValueError(f"kwargs_handlers: {handler!r} ({type(handler).__name__}) is not "
+                             "available; use "
+                             f"{', '.join(k.__name__ for k in HANDLER_TYPES)}")
+        if kind in out:
+            # Accelerate's message names the class as it prints; meshfit's classes print
+            # as where scripts import them from (they were defined there until the split).
+            raise ValueError(f"You can only pass one <class 'meshfit.accelerator.compat."
+                             f"{kind.__name__}'> in `kwargs_handlers`.")
+        out[kind] = handler
+    return Handlers(ddp=out.get(DistributedDataParallelKwargs),
+                    init=out.get(InitProcessGroupKwargs), scaler=out.get(GradScalerKwargs),
+                    autocast=out.get(AutocastKwargs), profile=out.get(ProfileKwargs))
+
+
+def _dynamo(given: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelOptions' compile fields; Accelerate's ``dynamo_backend`` compiles the whole model
+    with that backend (lower case, as Accelerate passes it to torch.compile)."""
+    backend = given["dynamo_backend"]
+    if backend is not None and str(backend).upper() != "NO":
+        return {"compile": True, "compile_backend": str(backend).lower(),
+                "compile_scope": "model", "compile_mode": given["compile_mode"]}
+    return {"compile": given["compile"], "compile_backend": given["compile_backend"],
+            "compile_scope": given["compile_scope"], "compile_mode": given["compile_mode"]}
+
+
+def _fsdp_plugin(given: Mapping[str, Any], mixed_precision: str) -> tuple[str, str, str]:
+    """(mixed_precision, offload, activation_checkpointing) with Accelerate's FSDP plugin's
+    settings applied; its sharding waits for the world size (`resolve_layout`)."""
+    plugin = given["fsdp_plugin"]
+    offload, checkpointing = given["offload"], given["activation_checkpointing"]
+    if plugin is None:
+        return mixed_precision, offload, checkpointing
+    if not isinstance(plugin, FullyShardedDataParallelPlugin):
+        raise TypeError("`fsdp_plugin` must be a FullyShardedDataParallelPlugin object.")
+    if given["parallel"] is not None or given["zero_stage"] is not None:
+        raise ValueError("Accelerator(fsdp_plugin=...) lays the job out itself; pass "
+                         "either fsdp_plugin or parallel=/zero_stage=")
+    wanted = plugin.mixed_precision()
+    if wanted is not None and mixed_precision not in ("no", wanted):
+        raise ValueError(f"mixed_precision={mixed_precision!r} and the FSDP plugin's "
+                         f"mixed_precision_policy ({wanted}) disagree; give one")
+    if wanted is not None:
+        mixed_precision = wanted
+    if plugin.offload() == "cpu":
+        offload = "cpu"
+    if plugin.activation_checkpointing and checkpointing == "none":
+        checkpointing = "full"
+    return mixed_precision, offload, checkpointing
+
+
+def _dataloader_config(config: DataLoaderConfiguration | None) -> DataLoaderConfiguration:
+    config = config or DataLoaderConfiguration()
+    if config.dispatch_batches:
+        raise ValueError("DataLoaderConfiguration(dispatch_batches=True) is not available in "
+                         "meshfit: every process reads its own batches; leave it None")
+    return config
+
+
+def _rng_types(rng_types) -> tuple[str, ...]:
+    out = ("generator",) if rng_types is None else tuple(str(r) for r in rng_types)
+    unknown = sorted(set(out) - {"generator", "torch", "cuda"})
+    if unknown:
+        raise ValueError(f"rng_types {unknown} are not available; use 'generator', 'torch' "
+                         "or 'cuda'")
+    return out
+
+
+def _project_configuration(project_dir, project_config) -> ProjectConfiguration:
+    """`project_config` (the user's object, its directories filled in from `project_dir` as
+    Accelerate fills them) or a new one."""
+    config = project_config if project_config is not None \
+        else ProjectConfiguration(project_dir=project_dir)
+    if project_dir is not None and config.project_dir is None:
+        config.set_directories(project_dir)
+    return config
+
+
+def _layout_request(given: Mapping[str, Any], *, offload: str, sync_each_batch: bool | str,
+                    mixed_precision: str) -> LayoutRequest:
+    """The layout request: the one place it is built, checked before any process group or
+    model work, with the techniques' own rules (the mixed precision too, with them)."""
+    request = LayoutRequest(
+        parallel=given["parallel"], zero_stage=given["zero_stage"], offload=offload,
+        sync_each_batch=sync_each_batch, sequence_parallel=given["sequence_parallel"],
+        loss_parallel=given["loss_parallel"])
+    check_options(parallel=request.parallel, zero_stage=request.zero_stage,
+                  offload=request.offload, sync_each_batch=request.sync_each_batch,
+                  mixed_precision=mixed_precision, sequence_parallel=request.sequence_parallel,
+                  loss_parallel=request.loss_parallel)
+    return request
+
+
+def _cpu(cpu: bool | None, environ: Mapping[str, str]) -> bool | None:
+    """``cpu``, or True when ``ACCELERATE_USE_CPU`` says so (`accelerate launch --cpu`);
+    None is left to `meshfit.distributed.init` (``MESHFIT_CPU``)."""
+    if environ.get("ACCELERATE_USE_CPU", "").strip().lower() in _TRUE:
+        return True
+    return cpu
+
+
+def init_kwargs(handler: InitProcessGroupKwargs | None) -> dict:
+    """`meshfit.distributed.init`'s arguments from an InitProcessGroupKwargs (only the
+    fields set to other than their defaults)."""
+    if handler is None:
+        return {}
+    given = handler.to_kwargs()
+    if given.get("init_method") is not None:
+        raise ValueError("InitProcessGroupKwargs(init_method=...) is not available: meshfit "
+                         "joins the process group torchrun (meshfit launch) describes")
+    out = {}
+    if "backend" in given and given["backend"] is not None:
+        out["backend"] = given["backend"]
+    if "timeout" in given and given["timeout"] is not None:
+        out["timeout_s"] = given["timeout"].total_seconds()
+    return out

@@ -1,0 +1,132 @@
+"""How `Accelerator.prepare_model` and `prepare_pipeline` lay a user's model out.
+
+    check_model       refusals before anything is wrapped: a pipeline layout, experts that
+                      expert parallel cannot split, parameters on the meta device
+    lay_out           `parallelize` one module (a whole model or a pipeline stage), then run
+                      its forward under autocast unless the engine computes in low precision
+                      itself (FSDP's policy)
+    load_pretrained   a meta-device model marked by `meshfit.checkpoint.pretrained.meta_model`,
+                      read whole or per shard
+    build             a pipeline: `model` cut into stages over ``mesh["pp"]``, this rank's
+                      laid out
+
+`parallelize` (`meshfit.parallel.parallelize`) places the model, applies tensor parallel,
+activation checkpointing and compile, then the data-parallel wrapper. The weights must be
+initialised before: sharding a meta-device model and initialising the shards afterwards
+gives every rank the same random shard on CPU meshes, so a model with meta parameters is
+refused unless it comes from `meta_model` (then each rank reads what it holds).
+
+A pipeline (`meshfit.parallel.pp.Pipeline`) is driven with ``loss = pipeline.step(inputs,
+targets, scale=1/k)`` inside ``accelerator.accumulate()`` (k = gradient_accumulation_steps),
+then the prepared optimizer's ``step``; evaluated with ``pipeline.eval_loss``. The optimizer
+is built afterwards on ``pipeline.parameters()`` and prepared. Each stage module goes through
+what `prepare(model)` does to a model (tensor parallel on ``mesh["tp"]``, activation
+checkpointing and compile, then the data-parallel wrapper, which is FSDP2 for every
+data-parallel layout with pp: see `meshfit.parallel.layout`), so that DP+PP, DP+PP+TP and
+ZeRO+PP+TP are one call. Arguments as `meshfit.parallel.pp.build_pipeline` (schedules gpipe,
+1f1b, interleaved_1f1b, zero_bubble; `microbatches` per pipeline step: the global batch is
+micro-batch x microbatches x data-parallel degree x k; `plan`: where the blocks are, default
+the built-in plan of the model's type, see `meshfit.models.plans.pipeline_plan_for`). Every
+rank passes the same full model (built from one seed) or a meta-device one (materialised per
+stage from `init_seed`); with data parallel, each data-parallel rank feeds its own batch.
+`record_timings=True` keeps every step's per-micro-batch timings in ``pipeline.timings``
+(and synchronises CUDA around each): turn it off with ``pipeline.record_timings(False)``
+after the steps you want to chart.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from meshfit.accelerator.precision import Precision
+from meshfit.accelerator.runtime import Runtime
+from meshfit.parallel.layout import Layout
+from meshfit.parallel.parallelize import ModelOptions, parallelize
+
+__all__ = ["build", "check_model", "lay_out", "load_pretrained"]
+
+
+def check_model(model: torch.nn.Module, layout: Layout) -> str | None:
+    """Refuse a model `prepare(model)` cannot lay out; returns its pretrained folder (None:
+    an ordinary model, with initialised weights)."""
+    pp, ep = layout.dims.pp, layout.dims.ep
+    if pp > 1:
+        raise ValueError(f"prepare(model) with pp={pp}: a pipeline layout splits the model "
+                         "into stages; use "
+                         "accelerator.prepare_pipeline(model, schedule=..., microbatches=...)")
+    from meshfit.checkpoint.pretrained import pretrained_folder
+
+    if ep > 1:
+        from meshfit.parallel.ep import moe_modules
+        from meshfit.parallel.layout import ModelFacts
+
+        layout.check_model(ModelFacts(n_blocks=1, experts=tuple(
+            m.n_experts for m in moe_modules([model]))))
+    folder = pretrained_folder(model)
+    if folder is None and any(p.is_meta for p in model.parameters()):
+        raise ValueError("prepare(model): the model has parameters on the meta device; "
+                         "materialise it (to_empty + init_weights) before prepare, or "
+                         "build it with meshfit.checkpoint.pretrained.meta_model(folder) to "
+                         "load a saved model into each rank's shards")
+    return folder
+
+
+def lay_out(module: torch.nn.Module, layout: Layout, options: ModelOptions, *, mesh,
+            device: torch.device, precision: Precision) -> torch.nn.Module:
+    """`parallelize` one module (a whole model or a pipeline stage), then run its forward
+    under autocast unless the engine computes in low precision itself (FSDP's policy)."""
+    wrapped = parallelize(module, layout, options, mesh=mesh, device=device)
+    if not layout.owns_mixed_precision:
+        precision.wrap_forward(wrapped)
+    return wrapped
+
+
+def load_pretrained(model: torch.nn.Module, folder: str, *, layout: Layout, runtime: Runtime,
+                    device: torch.device,
+                    lay_out: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
+    """A meta-device model marked by `meshfit.checkpoint.pretrained.meta_model`: under FSDP2
+    (ZeRO-2/3, and every layout with tensor parallel) it is laid out on the meta device
+    and each rank then reads only its shard of every tensor; under the layouts that keep
+    whole parameters on every rank (one process, DDP, ZeRO-1) each rank reads them
+    whole, then the model is laid out as usual (`lay_out`)."""
+    from meshfit.checkpoint.pretrained import load_into, to_empty
+
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
+    if not layout.is_fsdp:
+        to_empty(model, device)
+        load_into(model, folder, buffers=buffers)
+        return lay_out(model)
+    wrapped = lay_out(model)
+    inner = runtime.unwrap(wrapped)
+    to_empty(inner, "cpu" if layout.offload else device)
+    load_into(inner, folder, buffers=buffers)
+    if layout.offload:  # sharded parameters stay in host memory; buffers go to the device
+        for module in inner.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+    return wrapped
+
+
+def build(model: torch.nn.Module, layout: Layout, options: ModelOptions, *, mesh,
+          lay_out: Callable[[torch.nn.Module], torch.nn.Module], microbatches: int,
+          schedule: str, virtual_stages: int | None, plan, **pipeline_kwargs):
+    """The `Pipeline` of `model` over ``mesh["pp"]`` with this rank's stages laid out by
+    `lay_out` (see this module's docstring); `pipeline_kwargs`: `build_pipeline`'s points,
+    balance, times, loss_fn, record_timings, init_seed."""
+    from meshfit.checkpoint.pretrained import stage_filler
+    from meshfit.parallel.layout import ModelFacts
+    from meshfit.parallel.pp import build_pipeline
+
+    if layout.dims.pp == 1:
+        raise ValueError("prepare_pipeline needs a pipeline axis: Accelerator(parallel="
+                         "ParallelDims(pp=P, ...)) with P > 1; use prepare(model) otherwise")
+    facts = ModelFacts.of(model, pipeline_plan=plan, tp_plan=options.tp_plan)
+    layout.check_model(facts, schedule=schedule,
+                       microbatches=microbatches, virtual_stages=virtual_stages)
+    return build_pipeline(
+        model, layout.axis_mesh(mesh, "pp"), schedule=schedule, microbatches=microbatches,
+        virtual_stages=virtual_stages, plan=plan, parallelize=lay_out,
+        fill_stage=stage_filler(model), **pipeline_kwargs)

@@ -1,0 +1,207 @@
+"""Process control and collectives for the `Accelerator`: Accelerate's calls that make the
+processes of a job agree, wait for each other or exchange results.
+
+    gather, gather_for_metrics, reduce, share
+                              results of the data-parallel ranks
+    triggered                 whether any process set its trigger (set_trigger/check_trigger)
+    wait_for_everyone, first  barriers; the main (or each node's first) process first
+    run_if                    on_main_process & co.: a function that runs on one process only
+    join_uneven_inputs        DDP's Join for loaders whose ranks hold different numbers of
+                              batches
+    profile                   torch.profiler around a block, a Chrome trace per process
+    release                   end_training's release of the process group
+
+Results are exchanged over the data-parallel group (``runtime.dp_group``): ranks that see
+different data. With tensor or pipeline parallel, the ranks of one tensor-parallel group
+share their batch, so gathering over every process would repeat samples. Barriers, the
+trigger and the process group's release act on every process. Without a process group (one
+process) every collective returns its input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshfit.accelerator.compat.enums import DistributedType
+from meshfit.accelerator.compat.handlers import ProfileKwargs
+from meshfit.accelerator.compat.operations import gather_object, is_all_tensors
+from meshfit.distributed import DistEnv
+from meshfit.distributed import collectives as ops
+
+__all__ = ["first", "gather", "gather_for_metrics", "join_uneven_inputs", "profile", "reduce",
+           "release", "run_if", "share", "triggered", "wait_for_everyone"]
+
+
+# ----------------------------------------------------------------------------- results
+def gather(tensor: Any, group) -> Any:
+    """Concatenate tensors (a nest of them) from every rank of `group` along dim 0, in rank
+    order; 0-dim tensors give one row per rank. Tensors may differ in their first dimension.
+    Tensors that require grad are gathered as values (the result does not require grad), as
+    with Accelerate."""
+    if not is_all_tensors(tensor):
+        raise TypeError("gather: unsupported types in the data; it takes tensors or nested "
+                        "lists/tuples/dicts of tensors (gather_object for the rest)")
+    return ops.gather(ops.apply_to_tensors(lambda t: t.detach(), tensor), group)
+
+
+def gather_for_metrics(input_data: Any, use_gather_object: bool, *, group, group_size: int,
+                       end_of_dataloader: bool, remainder: int) -> Any:
+    """`gather` (or, for objects that are not tensors or with `use_gather_object`,
+    `meshfit.utils.gather_object`), minus the samples that completed the data loader's last
+    round: on its last batch (`end_of_dataloader`) only the first `remainder` gathered items
+    are kept (the padding of ``even_batches``: see `meshfit.accelerator.sampler`)."""
+    use_gather_object = use_gather_object or not is_all_tensors(input_data)
+    if use_gather_object:
+        data = gather_object(input_data, group=group) if group_size > 1 else input_data
+    else:
+        data = gather(input_data, group)
+    if not end_of_dataloader or remainder <= 0:
+        return data
+    if use_gather_object:
+        return data[:remainder]
+    return ops.apply_to_tensors(lambda t: t[:remainder], data)
+
+
+def reduce(tensor: Any, reduction: str, group) -> Any:
+    """All-reduce tensors (a nest of them) over `group`: ``"sum"``, ``"mean"``, ``"max"``,
+    ``"min"`` or ``"none"`` (a copy); returns new tensors."""
+    if reduction == "none":
+        return ops.apply_to_tensors(lambda t: t.clone(), tensor)
+    return ops.reduce(tensor, reduction, group)
+
+
+def share(inputs, n: int, rank: int, *, apply_padding: bool, device: torch.device):
+    """Rank `rank` of `n`'s contiguous share of `inputs` (a list, tuple, tensor or a dict of
+    them; the first ranks take one more when it does not divide), padded with the last item
+    to equal length if `apply_padding` (tensors padded on `device`)."""
+    if n == 1:
+        return inputs
+    length = len(inputs)
+    if isinstance(inputs, dict):
+        length = len(inputs[next(iter(inputs))])
+        if not all(len(v) == length for v in inputs.values()):
+            raise ValueError("All values in the dictionary must have the same length")
+    per, extra = divmod(length, n)
+    start = rank * per + min(rank, extra)
+    end = start + per + (1 if rank < extra else 0)
+    longest = per + (1 if extra > 0 else 0)
+
+    def split(values):
+        if isinstance(values, (list, tuple, torch.Tensor)):
+            part = values[start:end]
+            if apply_padding:
+                if isinstance(part, torch.Tensor):
+                    fill = values[-1:].to(device).expand(longest - len(part), *values.shape[1:])
+                    part = torch.cat([part.to(device), fill])
+                else:
+                    part = part + type(part)([values[-1]] * (longest - len(part)))
+            return part
+        if isinstance(values, dict):
+            return {k: split(v) for k, v in values.items()}
+        return values
+
+    return split(inputs)
+
+
+def triggered(flag: torch.Tensor | None, env: DistEnv) -> bool:
+    """Whether any process's `flag` (set_trigger's tensor; None: not set) is set: a
+    collective over every process."""
+    flag = torch.tensor(0, device=env.device) if flag is None else flag.clone()
+    if env.is_distributed and env.world_size > 1:
+        dist.all_reduce(flag)
+    return flag.item() >= 1
+
+
+# ----------------------------------------------------------------------------- waiting
+def wait_for_everyone(env: DistEnv) -> None:
+    """A barrier over every process (`meshfit.distributed.settle.barrier`)."""
+    if env.is_distributed:
+        from meshfit.distributed.settle import barrier
+
+        barrier()
+
+
+@contextlib.contextmanager
+def first(is_first: bool, env: DistEnv):
+    """The processes for which `is_first` holds run the block first, then the others."""
+    if not is_first:
+        wait_for_everyone(env)
+    yield
+    if is_first:
+        wait_for_everyone(env)
+
+
+def run_if(run: bool, function):
+    """`function`, called only where `run` holds (None elsewhere)."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if run:
+            return function(*args, **kwargs)
+        return None
+    return wrapper
+
+
+@contextlib.contextmanager
+def join_uneven_inputs(joinables, even_batches: bool | None, *, loaders: list,
+                       default_even_batches: bool, kind: DistributedType, use_distributed: bool):
+    """``torch.distributed.algorithms.Join`` over `joinables` for data loaders whose ranks
+    hold different numbers of batches; `even_batches` overrides the prepared `loaders`'
+    setting inside the block. Under DDP, on GPUs and (unlike Accelerate, where it does
+    nothing there) on CPUs."""
+    from torch.distributed.algorithms import Join
+
+    if not use_distributed or kind == DistributedType.FSDP:
+        if use_distributed:
+            warnings.warn("meshfit: join_uneven_inputs acts under DDP only; no effect here",
+                          UserWarning, stacklevel=3)
+        yield joinables
+        return
+    saved = []
+    if even_batches is not None:
+        for loader in loaders:
+            if loader.batch_sampler is not None:
+                saved.append((loader, loader.batch_sampler.even_batches))
+                loader.batch_sampler.even_batches = even_batches
+    else:
+        even_batches = default_even_batches
+    try:
+        with Join(joinables, enable=not even_batches, throw_on_early_termination=False):
+            yield joinables
+    finally:
+        for loader, value in saved:
+            loader.batch_sampler.even_batches = value
+
+
+@contextlib.contextmanager
+def profile(handler: ProfileKwargs, env: DistEnv):
+    """``torch.profiler.profile`` configured by `handler` around the block (yields the
+    profiler); with ``output_trace_dir`` each process writes ``profile_<rank>.json`` (a
+    Chrome trace) there, then waits for the others."""
+    with handler.build() as profiler:
+        yield profiler
+    if handler.output_trace_dir is None:
+        return
+    os.makedirs(handler.output_trace_dir, exist_ok=True)
+    profiler.export_chrome_trace(os.path.join(handler.output_trace_dir,
+                                              f"profile_{env.rank}.json"))
+    wait_for_everyone(env)
+
+
+def release(env: DistEnv) -> None:
+    """Release the process group (end of the script)."""
+    if env.is_distributed and dist.is_initialized():
+        # A barrier on every group, its Work kept by this thread: the model's DDP Reducer,
+        # collected later, may own the last reference to a group, and the group's
+        # destructor then waits for its gloo threads while holding the GIL
+        # (meshfit.distributed.settle).
+        from meshfit.distributed.settle import settle_all
+
+        settle_all()
+        dist.destroy_process_group()

@@ -1,0 +1,180 @@
+"""Map-style datasets sharded over the data-parallel ranks as Hugging Face Accelerate shards
+them: `ShardedBatchSampler`, one rank's batches of sample indices.
+
+The epoch's sample order is drawn as the loader's own ``RandomSampler`` would draw it (or
+``range(n)`` without shuffling; see `meshfit.accelerator.shuffle`) and cut into batches of the
+loader's ``batch_size``, as its ``BatchSampler`` would; with ``split_batches=False``
+(Accelerate's default) rank r of n takes batches r, r + n, r + 2n, ... (each rank receives
+batches of ``batch_size``, the global batch is ``batch_size x n``), with
+``split_batches=True`` every batch is cut into n equal slices. Gathering the ranks' outputs
+in rank order restores the global order. When the global batch does not divide the dataset:
+
+- ``even_batches=True`` (default): the last round is completed with samples from the start of
+  the epoch, so that every rank receives the same number of full batches; the duplicates sit
+  at the end of the gathered last round, where `Accelerator.gather_for_metrics` drops them
+  (``remainder`` = ``len(dataset) % total_batch_size`` real samples).
+- ``even_batches=False``: the short last batch goes to its rank alone; ranks may receive
+  different numbers of batches (see `Accelerator.join_uneven_inputs`).
+- ``drop_last=True``: the incomplete round is dropped.
+
+On one data-parallel rank nothing is sharded or padded: the batches are the loader's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.utils.data import Sampler
+
+__all__ = ["ShardedBatchSampler"]
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """One rank's batches of sample indices (see this module's docstring).
+
+    `shuffle` is None (the dataset's order) or a callable ``order(n) -> list[int]`` that draws
+    an epoch's permutation and is called once per pass, when the first batch is asked for;
+    `after_order` (optional) is called when the order has been read out (the second draw of
+    torch's RandomSampler)."""
+
+    def __init__(self, num_samples: int, batch_size: int, *, num_replicas: int, rank: int,
+                 order=None, after_order=None, drop_last: bool = False,
+                 even_batches: bool = True, split_batches: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank={rank} must be in [0, num_replicas={num_replicas})")
+        if split_batches and batch_size % num_replicas:
+            raise ValueError(f"split_batches=True: the batch size ({batch_size}) must be a "
+                             f"multiple of the number of processes ({num_replicas})")
+        self.num_samples, self.loader_batch_size = num_samples, batch_size
+        self.num_replicas, self.rank = num_replicas, rank
+        self.order, self.after_order = order, after_order
+        self.drop_last, self.even_batches = drop_last, even_batches
+        self.split_batches = split_batches and num_replicas > 1
+        self.skip = 0  # batches the next iteration leaves out (to resume inside an epoch)
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch on this rank."""
+        return self.loader_batch_size // self.num_replicas if self.split_batches \
+            else self.loader_batch_size
+
+    @property
+    def round_size(self) -> int:
+        """Samples of all ranks per batch (the loader's ``total_batch_size``)."""
+        return self.loader_batch_size if self.split_batches \
+            else self.loader_batch_size * self.num_replicas
+
+    def _global_batches(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.loader_batch_size
+        return math.ceil(self.num_samples / self.loader_batch_size)
+
+    def __len__(self) -> int:
+        batches, n = self._global_batches(), self.num_replicas
+        if n == 1 or self.split_batches or batches % n == 0:
+            return batches if (n == 1 or self.split_batches) else batches // n
+        if self.drop_last:
+            return batches // n
+        if self.even_batches:
+            return batches // n + 1
+        return batches // n + (1 if self.rank < batches % n else 0)
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the last round of an epoch (0: the rounds are full); -1 with
+        drop_last, where nothing is padded."""
+        return -1 if self.drop_last else self.num_samples % self.round_size
+
+    # ------------------------------------------------------------- the global order
+    def _indices(self):
+        """The epoch's sample order, drawn lazily as torch's samplers draw it."""
+        if self.order is None:
+            yield from range(self.num_samples)
+            return
+        yield from self.order(self.num_samples)
+        if self.after_order is not None:
+            self.after_order(self.num_samples)
+
+    def _batches(self):
+        """The loader's own batches (its BatchSampler over the epoch's order)."""
+        batch: list[int] = []
+        for i in self._indices():
+            batch.append(i)
+            if len(batch) == self.loader_batch_size:
+                yield batch
+                batch = []
+        if batch and not self.drop_last:
+            yield batch
+
+    # ------------------------------------------------------------- one rank's share
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        if self.num_replicas == 1:
+            shards = self._batches()
+        elif self.split_batches:
+            shards = self._split()
+        else:
+            shards = self._by_batch()
+        for i, batch in enumerate(shards):
+            if i >= skip:
+                yield batch
+
+    def _by_batch(self):
+        """Rank r takes every n-th batch, from the r-th; a round is handed out only when all
+        of its batches are full (even_batches: the last round is completed from the start)."""
+        n, r, bs = self.num_replicas, self.rank, self.loader_batch_size
+        start: list[int] = []  # the first n batches' samples, to complete the last round
+        mine = None
+        idx, batch = -1, []
+        for idx, batch in enumerate(self._batches()):
+            if not self.drop_last and idx < n:
+                start += batch
+            if idx % n == r:
+                mine = batch
+            if idx % n == n - 1 and len(batch) == bs:
+                yield mine
+                mine = None
+        if self.drop_last or not start:
+            return
+        if not self.even_batches:
+            if mine:
+                yield mine
+            return
+        if mine and len(mine) == bs:
+            yield mine
+        while len(start) < n * bs:  # fewer samples than one round
+            start += start
+        if len(batch) == bs:  # the last batch was full: its round continues after it
+            batch, idx = [], idx + 1
+        taken = 0
+        while idx % n != 0 or batch:
+            end = taken + bs - len(batch)
+            batch = batch + start[taken:end]
+            if idx % n == r:
+                yield batch
+            taken = end
+            batch, idx = [], idx + 1
+
+    def _split(self):
+        """Every batch cut into n equal slices; a short last batch is completed from the
+        epoch's first batch (even_batches) or sliced as far as it goes."""
+        n, r, bs = self.num_replicas, self.rank, self.loader_batch_size
+        per = bs // n
+        first: list[int] = []
+        batch: list[int] = []
+        for idx, batch in enumerate(self._batches()):
+            if idx == 0:
+                first = batch
+            if len(batch) == bs:
+                yield batch[per * r: per * (r + 1)]
+        if self.drop_last or not first or len(batch) == bs:
+            return
+        if not self.even_batches:
+            if len(batch) > per * r:
+                yield batch[per * r: per * (r + 1)]
+            return
+        while len(first) < bs:
+            first = first + first
+        yield (batch + first)[per * r: per * (r + 1)]

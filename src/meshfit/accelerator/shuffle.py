@@ -1,0 +1,170 @@
+"""Where a prepared map-style loader's epoch order comes from: `Shuffle`, built by
+`shuffle_for`, and the random-generator helpers the loaders share.
+
+Shuffling draws from the generators that Accelerate draws from, at the same moments, so that
+a seeded script sees the same samples in the same order under Accelerate and meshfit:
+
+- the loader's ``generator`` (a copy of it, taken when prepared), carried from epoch to epoch;
+- with several data-parallel ranks and no generator: a generator seeded, when the loader is
+  prepared, from the global torch generator (one draw);
+- on one rank without a generator: a seed drawn from the global torch generator at the start
+  of each pass, as ``RandomSampler`` does;
+- ``use_seedable_sampler``: a generator seeded ``data_seed + epoch`` each epoch.
+
+With more than one process, a carried generator's state is broadcast from rank 0 at the start
+of every pass (Accelerate's ``rng_types=["generator"]``), so every rank draws the same order.
+Each pass draws one permutation, then a second one when the order is read out, and the inner
+``DataLoader`` draws its workers' base seed from the loader's generator (or the global one)
+when each pass starts, as torch's own loader does.
+
+`Shuffle.state` / `Shuffle.load` are the part of a loader's saved position that reproduces
+the order of the pass being read (see `meshfit.accelerator.loader`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+
+__all__ = ["Shuffle", "broadcast_state", "clone_generator", "draw_seed", "shuffle_for",
+           "sync_global_generators"]
+
+
+def draw_seed(generator: torch.Generator | None = None) -> int:
+    """One int64 drawn as torch's RandomSampler and DataLoader draw their seeds."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def clone_generator(generator: torch.Generator) -> torch.Generator:
+    """A new generator on `generator`'s device, in its state."""
+    copy = torch.Generator(device=generator.device)
+    copy.set_state(generator.get_state())
+    return copy
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def broadcast_state(state: torch.Tensor) -> torch.Tensor:
+    """Process 0's generator state (a CPU byte tensor) on every process."""
+    if _world() == 1:
+        return state
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    moved = state.to(device)
+    dist.broadcast(moved, src=0)
+    return moved.cpu()
+
+
+def sync_global_generators(rng_types, device: torch.device) -> None:
+    """Give every process process 0's global torch generator (``"torch"`` in `rng_types`)
+    and CUDA generator (``"cuda"``, on a CUDA `device`), as Accelerate's loaders do at the
+    start of each pass (``rng_types``). Call on every process of a distributed job."""
+    if "torch" in rng_types:
+        torch.set_rng_state(broadcast_state(torch.get_rng_state()))
+    if "cuda" in rng_types and device.type == "cuda":
+        torch.cuda.set_rng_state(broadcast_state(torch.cuda.get_rng_state()))
+
+
+class Shuffle:
+    """Where a map-style loader's epoch order comes from (see this module's docstring):
+    ``"carried"`` (a generator carried from epoch to epoch), ``"global"`` (a seed drawn from
+    the global torch generator each pass) or ``"seedable"`` (``seed + epoch``).
+
+    `pass_state` is what reproduces the order of the pass being read (the carried
+    generator's state when the pass drew it, or the pass's seed); `resume`, set by
+    `PreparedDataLoader.load_state_dict`, is used instead at the next draw."""
+
+    def __init__(self, mode: str, generator: torch.Generator | None, *, seed: int | None = None,
+                 sync: bool = True):
+        self.mode, self.generator, self.initial_seed, self.sync = mode, generator, seed, sync
+        self.epoch = 0
+        self.pass_state = None
+        self.resume = None
+
+    def start_pass(self, epoch: int) -> None:
+        """Before a pass's DataLoader iterator is made: every process takes process 0's
+        carried generator (Accelerate's ``synchronize_rng_states(["generator"])``)."""
+        self.epoch = epoch
+        if self.mode == "carried" and self.sync and self.resume is None and _world() > 1:
+            self.generator.set_state(broadcast_state(self.generator.get_state()))
+
+    def order(self, n: int) -> list[int]:
+        if self.mode == "seedable":
+            if self.generator is None:
+                self.generator = torch.Generator()
+                self.generator.manual_seed(self.initial_seed)
+            self.generator.manual_seed(self.epoch + self.initial_seed)
+            return torch.randperm(n, generator=self.generator).tolist()
+        if self.mode == "carried":
+            if self.resume is not None:
+                self.generator.set_state(self.resume)
+                self.resume = None
+            self.pass_state = self.generator.get_state()
+            return torch.randperm(n, generator=self.generator).tolist()
+        seed = self.resume if self.resume is not None else draw_seed()
+        self.resume = None
+        if self.sync and _world() > 1:  # every process takes process 0's draw
+            seed = int(broadcast_state(torch.tensor([seed], dtype=torch.int64)).item())
+        self.pass_state = seed
+        local = torch.Generator()
+        local.manual_seed(seed)
+        self.generator = local
+        return torch.randperm(n, generator=local).tolist()
+
+    def after_order(self, n: int) -> None:
+        """torch's RandomSampler draws a second, empty slice of a permutation when its order
+        is read out; so do we, to leave the generator where it leaves it."""
+        if self.generator is not None:
+            torch.randperm(n, generator=self.generator)
+
+    def state(self, mid_pass: bool) -> dict:
+        """``{"seed": int, "generator": uint8 tensor}``: what restores the order of the pass
+        being read (`mid_pass`) or of the next one (-1 and a 1-byte tensor: nothing)."""
+        seed, state = -1, torch.zeros(1, dtype=torch.uint8)
+        if self.mode == "carried":
+            state = self.pass_state if mid_pass and self.pass_state is not None \
+                else self.generator.get_state()
+        elif self.mode == "global" and mid_pass and self.pass_state is not None:
+            seed = int(self.pass_state)
+        return {"seed": seed, "generator": state}
+
+    def load(self, state: dict, mid_pass: bool) -> None:
+        generator = state.get("generator")
+        if self.mode == "carried" and generator is not None and generator.numel() > 1:
+            if mid_pass:
+                self.resume = generator.clone()
+            else:
+                self.generator.set_state(generator.clone())
+        elif self.mode == "global" and mid_pass and int(state.get("seed", -1)) >= 0:
+            self.resume = int(state["seed"])
+
+
+def shuffle_for(loader: DataLoader, num_replicas: int, *, seedable: bool, data_seed: int | None,
+                sync: bool) -> tuple[Shuffle | None, torch.Generator | None]:
+    """The `Shuffle` of `loader`'s sampler (None: the dataset's order), and the generator
+    the inner DataLoader draws its workers' base seeds from (a copy of the loader's, shared
+    with the shuffle, or None: the global one)."""
+    sampler = loader.sampler
+    if not isinstance(sampler, (RandomSampler, SequentialSampler)):
+        raise ValueError(f"prepare(dataloader): sampler {type(sampler).__name__} is not "
+                         "supported yet; use shuffle=True or shuffle=False")
+    user = loader.generator
+    generator = clone_generator(user) if user is not None else None
+    if not isinstance(sampler, RandomSampler):
+        return None, generator
+    if sampler.replacement or sampler.num_samples != len(loader.dataset):
+        raise ValueError("prepare(dataloader): a RandomSampler with replacement or "
+                         "num_samples is not supported yet; use shuffle=True")
+    if seedable:
+        seed = data_seed if data_seed is not None else torch.random.initial_seed()
+        return Shuffle("seedable", generator, seed=seed, sync=sync), generator
+    if generator is not None:
+        return Shuffle("carried", generator, sync=sync), generator
+    if num_replicas > 1:  # seeded now from the global generator, as Accelerate does
+        carried = torch.Generator()
+        carried.manual_seed(draw_seed())
+        return Shuffle("carried", carried, sync=sync), generator
+    return Shuffle("global", None, sync=sync), generator

@@ -1,0 +1,143 @@
+"""Streams (a DataLoader over an ``IterableDataset``) sharded over the data-parallel ranks:
+`StreamShard`, and `stream_loader`, the DataLoader of one pass over it.
+
+A stream has no index to permute, so it is sharded by position instead: item i of the stream
+(counted from its start) goes to rank ``i % world``, and a rank's items are cut into batches
+of ``batch_size``, so batch b of every rank comes from round b, items
+``[b x round, (b+1) x round)`` with ``round = batch_size x world`` (gathered in rank order, a
+round's items arrive as rank 0's every-world-th item, then rank 1's, ...: the round's items,
+interleaved). This is meshfit's own scheme, not Accelerate's (which reads a stream on rank 0
+only and sends each rank its slice). Every rank (and, with ``num_workers > 0``, every worker)
+iterates the whole stream and keeps only its own items; worker w of W keeps the rank's
+batches ``b % W == w``, which the DataLoader hands out in order, so the batches are the same
+with any number of workers. The stream is therefore read ``world x max(1, num_workers)``
+times and must yield the same items in the same order each time (a dataset that splits
+itself between DataLoader workers, as a ``datasets`` ``IterableDataset`` does, is iterated
+with the worker information hidden, so it too yields the whole stream). Because every rank
+sees the whole stream, every rank also knows where it ends: a batch is handed out only once
+the stream has reached the end of its round, so all ranks stop after the same number of
+batches with no collective and no ``__len__``. The tail that does not fill a round is dropped
+(``drop_last=True``), or (``drop_last=False``) shared as a last, smaller batch of
+``tail // world`` items per rank, dropping at most ``world - 1`` items. Nothing is padded, so
+``gather_for_metrics`` has nothing to trim.
+
+A stream cannot seek: a resumed one is re-read from its start and its first items dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+__all__ = ["StreamShard", "stream_loader"]
+
+
+class StreamShard(IterableDataset):
+    """One rank's batches of a stream (see this module's docstring): yields
+    ``(items per rank in the batch, collated batch)`` for the rank's batches, this worker's
+    share of them, after skipping the stream's first ``skip`` items."""
+
+    def __init__(self, dataset, batch_size: int, *, num_replicas: int, rank: int,
+                 drop_last: bool, collate_fn, skip: int = 0, epoch: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank={rank} must be in [0, num_replicas={num_replicas})")
+        self.dataset, self.batch_size = dataset, batch_size
+        self.num_replicas, self.rank, self.drop_last = num_replicas, rank, drop_last
+        self.collate_fn, self.skip, self.epoch = collate_fn, skip, epoch
+
+    @property
+    def round_size(self) -> int:
+        return self.batch_size * self.num_replicas
+
+    def batches(self, n_items: int) -> int:
+        """Batches per rank for a stream of ``n_items`` items (after the skip)."""
+        full, tail = divmod(n_items, self.round_size)
+        return full + (0 if self.drop_last or tail < self.num_replicas else 1)
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self.epoch)
+        n, rank, size = self.num_replicas, self.rank, self.round_size
+        stream = _hidden_workers(self.dataset)
+        for _ in range(self.skip):  # a stream cannot seek: read and drop
+            if next(stream, _END) is _END:
+                return
+        mine: list = []
+        count = 0
+        for i, item in enumerate(stream):
+            count = i + 1
+            batch, pos = divmod(i, size)
+            if batch % workers != worker:
+                continue
+            if pos % n == rank:
+                mine.append(item)
+            if pos == size - 1:  # the round is complete on every rank: hand it out
+                yield len(mine), self.collate_fn(mine)
+                mine = []
+        tail = count % size
+        keep = tail // n  # equal on every rank; the last tail % n items are dropped
+        if mine and not self.drop_last and keep and (count // size) % workers == worker:
+            yield keep, self.collate_fn(mine[:keep])
+
+
+_END = object()
+
+
+def _hidden_workers(dataset):
+    """Iterate ``dataset`` with ``get_worker_info()`` reporting None (while ``iter`` and each
+    ``next`` run), so a dataset that would split itself between DataLoader workers yields
+    the whole stream (the shard splits it)."""
+    from torch.utils.data._utils import worker as worker_mod
+
+    if not hasattr(worker_mod, "_worker_info"):  # pragma: no cover - other torch layouts
+        yield from dataset
+        return
+    saved = worker_mod._worker_info
+    worker_mod._worker_info = None
+    try:
+        it = iter(dataset)
+    finally:
+        worker_mod._worker_info = saved
+    while True:
+        saved = worker_mod._worker_info
+        worker_mod._worker_info = None
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        finally:
+            worker_mod._worker_info = saved
+        yield item
+
+
+class _Unpack:
+    """The DataLoader's collate_fn for a StreamShard: batches arrive already collated."""
+
+    def __call__(self, item):
+        return item
+
+
+def stream_loader(shard: StreamShard, base: DataLoader, device: torch.device,
+                  epoch: int) -> DataLoader:
+    """One pass's DataLoader over a fresh copy of `shard` (with its skip, and `epoch`), with
+    the user's loader `base`'s workers and memory pinning (workers pickle the shard when they
+    start, so its skip and epoch must be set before; they are started afresh each pass)."""
+    fresh = StreamShard(shard.dataset, shard.batch_size, num_replicas=shard.num_replicas,
+                        rank=shard.rank, drop_last=shard.drop_last,
+                        collate_fn=shard.collate_fn, skip=shard.skip, epoch=epoch)
+    return DataLoader(
+        fresh,
+        batch_size=None,
+        num_workers=base.num_workers,
+        collate_fn=_Unpack(),
+        pin_memory=base.pin_memory and device.type == "cuda",
+        timeout=base.timeout,
+        worker_init_fn=base.worker_init_fn,
+        multiprocessing_context=base.multiprocessing_context,
+        prefetch_factor=base.prefetch_factor if base.num_workers > 0 else None,
+        persistent_workers=False,
+    )
