@@ -1,7 +1,8 @@
 """The ``meshfit`` command line: each command's arguments, checked before any process starts
 or any file is written, and what it prints. The work itself is in the packages below
-(`meshfit.train`, `meshfit.launch`, `meshfit.plan`, `meshfit.checkpoint`, ...); nothing
-imports this package.
+(`meshfit.train`, `meshfit.launch`, `meshfit.plan`, `meshfit.checkpoint`, ...), which never
+import this one; ``python -m meshfit`` (`meshfit.__main__`) and the console script run
+`main.main`.
 
     main.py       ``meshfit COMMAND``: the table of commands, --help, --version, and how a
                   command's error ends it (one line, exit code 2)

@@ -2,8 +2,9 @@
 
 `measure` runs on every rank of a job at once (the command, `meshfit.cli.calibrate`, starts
 N processes through meshfit's launcher, or runs one here), and rank 0 writes one JSON file
-that the layout planner reads with `load_calibration`. Device and backend are chosen as `meshfit.distributed.init` does: CUDA and
-NCCL where CUDA is available, the CPU and gloo otherwise or with ``--cpu`` / ``MESHFIT_CPU=1``.
+that the layout planner reads with `load_calibration`. Device and backend are chosen as
+`meshfit.distributed.init` does: CUDA and NCCL where CUDA is available, the CPU and gloo
+otherwise or with ``--cpu`` / ``MESHFIT_CPU=1``.
 
 The file (schema 1)::
 

@@ -19,7 +19,6 @@ text. Decoding stops after `max_new_tokens` or at the tokenizer's end-of-sequenc
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from pathlib import Path
