@@ -10,8 +10,8 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
     | tee "$out/env.txt"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
     | tee "$out/test_cuda.log"
-timeout 90 python3 -m meshfit.train.cli train --nproc 1 --out "$out/tiny" 2>&1 | tail -3
-timeout 120 python3 -m meshfit.train.cli train --nproc 1 --out "$out/gpt2" --model.preset=gpt2 \
+timeout 90 python3 -m meshfit train --nproc 1 --out "$out/tiny" 2>&1 | tail -3
+timeout 120 python3 -m meshfit train --nproc 1 --out "$out/gpt2" --model.preset=gpt2 \
     --train.steps=60 --train.global_batch_size=32 --train.micro_batch_size=16 \
     --train.seq_len=1024 --train.mixed_precision=bf16 --train.eval_every=30 \
     --train.log_every=10 2>&1 | tail -3

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, machine_markdown, write_results  # noqa: E402
 
 MiB = 2**20
-MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit"]
 NPROC = 4
 EPS = (1, 2, 4)
 
@@ -108,7 +108,7 @@ def train(out: Path, nproc: int, overrides: list[str], *, cpu: bool, timeout: fl
     """One `meshfit train` run; its metrics.jsonl lines and wall time. `may_fail`: a failed
     run is returned with its one-line error ("failed") and the steps it logged."""
     cmd = [*MESHFIT, "train", "--nproc", str(nproc), "--out", str(out), *overrides]
-    print("$ " + " ".join(cmd[2:]).replace("meshfit.train.cli", "meshfit"), flush=True)
+    print("$ " + " ".join(cmd[2:]), flush=True)
     started = time.time()
     proc = subprocess.run(cmd, env=_env(cpu), capture_output=True, text=True, timeout=timeout)
     wall = time.time() - started

@@ -96,7 +96,7 @@ def part_a(args) -> tuple[str, dict]:
     if cal_path is None:
         cal_path = str(Path(tempfile.mkdtemp()) / "calibration.json")
         env = dict(os.environ, MESHFIT_CPU="1")
-        subprocess.run([sys.executable, "-m", "meshfit.train.cli", "calibrate", "--nproc",
+        subprocess.run([sys.executable, "-m", "meshfit", "calibrate", "--nproc",
                         str(args.nproc), "--out", cal_path], check=True, env=env)
     calibration = load_calibration(cal_path)
     model, seq, batch, dtype = "tiny", 256, 16, "fp32"

@@ -108,7 +108,7 @@ def trial(mode: str, tmp: Path, cache: Path) -> dict:
     out = tmp / "run"
     out.mkdir()
     if mode == "train":
-        cmd = [sys.executable, "-m", "meshfit.train.cli", "train", "--nproc", "2",
+        cmd = [sys.executable, "-m", "meshfit", "train", "--nproc", "2",
                "--max-restarts", "2", "--out", str(out / "train"),
                f"--data.cache_dir={cache}", *TRAIN]
 
@@ -118,7 +118,7 @@ def trial(mode: str, tmp: Path, cache: Path) -> dict:
     else:
         script = tmp / "job.py"
         script.write_text(SCRIPT)
-        cmd = [sys.executable, "-m", "meshfit.train.cli", "launch", "--nproc", "2",
+        cmd = [sys.executable, "-m", "meshfit", "launch", "--nproc", "2",
                "--max-restarts", "2", str(script), str(out), mode]
 
         def ready():

@@ -51,7 +51,7 @@ def train_run(out: Path, model: str, micro: int, seq_len: int, steps: int, log_e
     """One `meshfit train` run; its logged training lines and final validation loss."""
     if out.exists():
         shutil.rmtree(out)
-    cmd = [sys.executable, "-m", "meshfit.train.cli", "train", "--nproc", "1", "--out",
+    cmd = [sys.executable, "-m", "meshfit", "train", "--nproc", "1", "--out",
            str(out), f"--model.factory=throughput_models:{FACTORIES[model]}",
            f"--train.steps={steps}", f"--train.global_batch_size={micro}",
            f"--train.micro_batch_size={micro}", f"--train.seq_len={seq_len}",

@@ -32,7 +32,7 @@ COMMON = ["--train.eval_every=0", "--train.eval_batches=1", "--train.seq_len=128
 
 def _run(folder: Path, name: str, steps: int, nproc: int, extra: list[str]) -> list[dict]:
     out = folder / name
-    cmd = [sys.executable, "-m", "meshfit.train.cli", "train", "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "meshfit", "train", "--nproc", str(nproc),
            "--out", str(out), f"--train.steps={steps}", f"--data.cache_dir={folder / 'cache'}",
            *COMMON, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

@@ -214,7 +214,9 @@ def cli_refusal(capsys, monkeypatch):
     AssertionError, so arguments that are wrongly accepted fail the test instead of training.
     MESHFIT_CPU=1 as in `subprocess_env`: device checks see the CPU even beside GPUs.
     The hygiene fixture checks for process groups, children and threads left behind."""
-    from meshfit.train import cli, launch, trainer
+    import meshfit.cli.main as cli
+    from meshfit import launch
+    from meshfit.train import trainer
 
     def started(*args, **kwargs):
         raise AssertionError(f"the arguments were accepted: it would have started {args}")

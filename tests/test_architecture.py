@@ -28,7 +28,8 @@ LAYERS = [("meshfit._quiet", 0), ("meshfit._files", 0), ("meshfit._lazy", 0),
           ("meshfit.checkpoint", 2),
           ("meshfit.plan", 2), ("meshfit.tracking", 2),
           ("meshfit.accelerator", 3), ("meshfit.utils", 3),
-          ("meshfit.train", 4)]
+          ("meshfit.train", 4), ("meshfit.launch", 4), ("meshfit.cli", 4),
+          ("meshfit.__main__", 4)]
 
 
 def _modules() -> dict[str, Path]:
@@ -194,14 +195,23 @@ def test_the_graph_sees_deferred_imports():
     assert "meshfit.parallel.pp" in _graph()["meshfit.accelerator.accelerator"]
 
 
-# What `meshfit.train.config` imports when it loads: a config is read and refused before torch
-# loads (tests/test_fast_start.py runs the refusals; this names the module that broke it).
-TORCH_FREE = ["meshfit", "meshfit._lazy", "meshfit.train", "meshfit.train.config",
-              "meshfit.distributed", "meshfit.distributed.dims", "meshfit.models",
-              "meshfit.models.config", "meshfit.models.factory", "meshfit.optim_names",
-              "meshfit.parallel", "meshfit.parallel.options", "meshfit.parallel.layout",
-              "meshfit.parallel.rules", "meshfit.parallel.costs", "meshfit.parallel.mesh",
-              "meshfit.parallel.request", "meshfit.parallel.pp", "meshfit.parallel.pp.bubble"]
+# What the `meshfit` command imports when it loads, up to reading a config and checking it for a
+# world size: arguments and configs are refused before torch loads (tests/test_fast_start.py
+# runs the refusals; this names the module that broke it).
+TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
+              "meshfit.cli.parser", "meshfit.cli.launch", "meshfit.cli.train",
+              "meshfit.cli.generate", "meshfit.cli.plan", "meshfit.cli.calibrate",
+              "meshfit.cli.charts", "meshfit.cli.env", "meshfit.launch", "meshfit.launch.config",
+              "meshfit.launch.network", "meshfit.launch.resolve", "meshfit.launch.slurm",
+              "meshfit.launch.torchrun", "meshfit.launch.workers", "meshfit.train",
+              "meshfit.train.config", "meshfit.train.checks", "meshfit.train.model_config",
+              "meshfit.train.configfile", "meshfit.train.preflight", "meshfit.train.sampling",
+              "meshfit.distributed", "meshfit.distributed.dims", "meshfit.distributed.spawn",
+              "meshfit.models", "meshfit.models.config", "meshfit.models.factory",
+              "meshfit.optim_names", "meshfit.parallel", "meshfit.parallel.options",
+              "meshfit.parallel.layout", "meshfit.parallel.rules", "meshfit.parallel.costs",
+              "meshfit.parallel.mesh", "meshfit.parallel.request", "meshfit.parallel.pp",
+              "meshfit.parallel.pp.bubble", "meshfit._lazy"]
 
 
 def test_config_modules_import_no_torch_at_load():

@@ -459,7 +459,9 @@ def refuse(tmp_path, cache_dir, capsys, monkeypatch):
     worker was started and os.environ is unchanged."""
     import torch.distributed.run as torchrun
 
-    from meshfit.train import cli, launch, trainer
+    import meshfit.cli.main as cli
+    from meshfit import launch
+    from meshfit.train import trainer
 
     def started(*args, **kwargs):
         raise AssertionError(f"the input was accepted: it would have started {args}")
@@ -864,7 +866,7 @@ def test_train_with_a_batch_larger_than_the_data_stops(tmp_path, cache_dir, monk
     """The hang of issue 16 (a micro-batch larger than the data: the batch generator spun on
     an empty loader), reproduced through `train` itself, which skips the CLI's preflight:
     it now ends in a ValueError naming the numbers."""
-    from meshfit.train.config import build_config
+    from meshfit.train.configfile import build_config
     from meshfit.train.trainer import train
 
     from meshfit.accelerator.loader import PreparedDataLoader

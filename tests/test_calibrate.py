@@ -10,15 +10,14 @@ import sys
 
 import pytest
 
-from meshfit.plan import calibrate as cal
+from meshfit.cli import calibrate as cal
+from meshfit.cli.calibrate import cmd_calibrate, parse_sizes
 from meshfit.plan.calibrate import (
     KINDS,
     Calibration,
     CollectiveFit,
-    cmd_calibrate,
     fit_latency_bandwidth,
     load_calibration,
-    parse_sizes,
 )
 
 _FITS = {"all_reduce": (1e9, 50e-6), "all_gather": (2e9, 40e-6), "reduce_scatter": (3e9, 30e-6),
@@ -127,7 +126,7 @@ def test_parse_sizes():
 ])
 def test_bad_arguments_are_refused_before_any_process_starts(args, match, tmp_path,
                                                              monkeypatch):
-    from meshfit.train import launch
+    from meshfit import launch
 
     def started(*a, **k):
         raise AssertionError("a process or a measurement was started")
@@ -147,7 +146,7 @@ def test_bad_arguments_are_refused_before_any_process_starts(args, match, tmp_pa
 def test_more_processes_than_gpus_is_refused(tmp_path, monkeypatch):
     import torch
 
-    from meshfit.train import launch
+    from meshfit import launch
 
     monkeypatch.delenv("MESHFIT_CPU", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -162,7 +161,7 @@ def test_more_processes_than_gpus_is_refused(tmp_path, monkeypatch):
 def test_two_gloo_ranks_write_a_calibration(tmp_path, subprocess_env):
     out = tmp_path / "cal.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "meshfit.train.cli", "calibrate", "--nproc", "2", "--cpu", "--out",
+        [sys.executable, "-m", "meshfit", "calibrate", "--nproc", "2", "--cpu", "--out",
          str(out), "--sizes", "4K", "64K", "1M"],
         env=subprocess_env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -139,7 +139,7 @@ def test_bad_calls():
 def test_export_a_transformers_model_for_from_pretrained(tmp_path):
     import transformers
 
-    from meshfit.train.cli import main
+    from meshfit.cli.main import main
     from reference import hf_llama
 
     acc = Accelerator()
@@ -157,7 +157,7 @@ def test_export_a_transformers_model_for_from_pretrained(tmp_path):
 
 
 def test_export_refuses_hf_for_other_models(saved, tmp_path, capsys):
-    from meshfit.train.cli import main
+    from meshfit.cli.main import main
 
     folder, _ = saved
     assert main(["export", str(folder), str(tmp_path / "hf"), "--to", "hf"]) == 2

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from meshfit.train.cli import COMMANDS, SUMMARIES, main
+from meshfit.cli.main import COMMANDS, SUMMARIES, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -190,7 +190,7 @@ def _train(out, args, env):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "meshfit.train.cli", "train", "--nproc", "2",
+    proc = subprocess.run([sys.executable, "-m", "meshfit", "train", "--nproc", "2",
                            "--out", str(out), *args],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -52,7 +52,9 @@ CASES = [  # (argv, a substring of the error line); {t}: a folder of the test's
 _RUNNER = textwrap.dedent("""
     import contextlib, io, json, sys
 
-    from meshfit.train import cli, launch, runfolder
+    import meshfit.cli.main as cli
+    from meshfit import launch
+    from meshfit.train import runfolder
 
     def started(*args, **kwargs):
         raise AssertionError("the input was accepted: a run would have started")

@@ -14,7 +14,7 @@ import torch
 from meshfit.distributed.spawn import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_steps.py"
-MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit"]
 
 
 def _run(cmd, env, timeout=120):
@@ -133,7 +133,7 @@ def test_bad_launch_arguments_fail_before_starting(args, match, tmp_path, cli_re
 
 
 def test_gpu_environment_orders_devices():
-    from meshfit.train.launch import gpu_environment
+    from meshfit.launch import gpu_environment
 
     env = gpu_environment((2, 0), nproc=2, available=4)
     assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,0"}
@@ -146,7 +146,8 @@ def test_gpu_environment_orders_devices():
 # the refusals; one real 2-process launch with accelerate's flags at the end.
 
 def _resolve(args, environ=None):
-    from meshfit.train import cli, launch
+    from meshfit import launch
+    from meshfit.cli import launch as cli
 
     ns = cli._launch_parser().parse_args([*args, "train.py"])
     return launch.config_from_args(ns, {} if environ is None else environ)
@@ -197,7 +198,7 @@ def test_accelerate_flags_map_onto_launch_settings(args, expected, env):
     (" node[1,3-4] ", ["node1", "node3", "node4"]),
 ])
 def test_slurm_node_list_is_expanded_in_python(text, hosts):
-    from meshfit.train.launch import expand_nodelist
+    from meshfit.launch import expand_nodelist
 
     assert expand_nodelist(text) == hosts
 
@@ -209,7 +210,7 @@ def test_slurm_node_list_is_expanded_in_python(text, hosts):
     ("node[1-99999999]", "longer than"),
 ])
 def test_bad_slurm_node_lists_are_one_line_errors(text, match):
-    from meshfit.train.launch import expand_nodelist
+    from meshfit.launch import expand_nodelist
 
     with pytest.raises(ValueError) as err:
         expand_nodelist(text)
@@ -218,7 +219,7 @@ def test_bad_slurm_node_lists_are_one_line_errors(text, match):
 
 
 def test_slurm_tasks_per_node_counts():
-    from meshfit.train.launch import expand_tasks_per_node
+    from meshfit.launch import expand_tasks_per_node
 
     assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     assert expand_tasks_per_node("8") == [8]
@@ -266,7 +267,8 @@ def test_slurm_variables_give_the_launch_settings(args, environ, expected):
 
 def test_slurm_derivation_is_printed_before_launching(no_slurm_env, tmp_path, capsys):
     """`meshfit launch` with no flags in an srun step: what it took from SLURM, one line."""
-    from meshfit.train import cli, launch
+    import meshfit.cli.main as cli
+    from meshfit import launch
 
     for k, v in _STEP.items():
         no_slurm_env.setenv(k, v)
@@ -570,7 +572,7 @@ def test_help_and_refusals_do_not_import_torch(tmp_path):
     imported (importing it takes seconds)."""
     (tmp_path / "file").write_text("")
     code = ("import sys, contextlib, io\n"
-            "from meshfit.train import cli\n"
+            "import meshfit.cli.main as cli\n"
             "with contextlib.redirect_stdout(io.StringIO()), "
             "contextlib.redirect_stderr(io.StringIO()):\n"
             "    for argv in (['--help'], ['train', '--help'], ['launch', '--help'],\n"
@@ -629,7 +631,7 @@ def test_meshfit_warnings_print_as_one_line(capsys, monkeypatch):
     import warnings
 
     from meshfit.data import cache
-    from meshfit.train import cli
+    import meshfit.cli.main as cli
 
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after
     cli._one_line_warnings("meshfit train")

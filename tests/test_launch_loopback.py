@@ -51,7 +51,7 @@ def test_single_node_job_listens_on_loopback_only(extra, mode, tmp_path, subproc
     """Also after a restart: the failed attempt's store and the new one's."""
     script, up, done = tmp_path / "job.py", tmp_path / "up", tmp_path / "done"
     script.write_text(SCRIPT)
-    proc = subprocess.Popen([sys.executable, "-m", "meshfit.train.cli", "launch", "--nproc", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "meshfit", "launch", "--nproc", "2",
                              *extra, str(script), str(up), str(done), mode], env=subprocess_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

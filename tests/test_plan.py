@@ -188,7 +188,7 @@ def test_plans_fit_with_the_margin_and_are_ranked():
 
 # ---------------------------------------------------------------------------- commands
 def test_estimate_json_schema(capsys):
-    from meshfit.train.cli import main
+    from meshfit.cli.main import main
 
     assert main(["estimate", "gpt2", "--world-size", "4", "--seq-len", "1024", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -204,8 +204,8 @@ def test_estimate_json_schema(capsys):
 
 
 def test_plan_json_and_out_config_that_meshfit_train_accepts(capsys, tmp_path):
-    from meshfit.train.cli import main
-    from meshfit.train.config import load_config
+    from meshfit.cli.main import main
+    from meshfit.train.configfile import load_config
 
     out = tmp_path / "plan.toml"
     assert main(["plan", "gpt2", "--gpus-per-node", "4", "--gpu", "a100", "--gpu-memory",
@@ -252,7 +252,7 @@ def test_flops_per_token_matches_the_reference_gpt():
 def test_plan_validate_prints_predicted_beside_measured(capsys, monkeypatch):
     """The flag's wiring (the measuring itself: tests/test_estimate_measured.py)."""
     from meshfit.train import plan_validate
-    from meshfit.train.cli import main
+    from meshfit.cli.main import main
 
     seen = {}
 
@@ -273,7 +273,7 @@ def test_plan_validate_prints_predicted_beside_measured(capsys, monkeypatch):
 
 
 def test_mixture_of_experts_counts_total_and_active(capsys):
-    from meshfit.train.cli import main
+    from meshfit.cli.main import main
 
     shape = ModelShape.of("mixtral-8x7b")
     assert (shape.params, shape.active_params) == (46_702_792_704, 12_879_925_248)

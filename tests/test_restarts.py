@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit"]
 
 # Rank 1 kills itself with SIGKILL after its 3rd all-reduce in attempts 0 and 1 (a worker
 # killed by the kernel: no exit handler, no error file); attempt 2 runs through. The result

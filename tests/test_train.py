@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from meshfit.train.config import RunConfig, load_config
+from meshfit.train.config import RunConfig
+from meshfit.train.configfile import load_config
 
-MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit"]
 SMALL = ["--train.steps=12", "--train.eval_every=6", "--train.log_every=3",
          "--train.global_batch_size=8", "--train.micro_batch_size=4", "--train.seq_len=64",
          "--train.eval_batches=2", "--model.n_layer=2"]
@@ -116,7 +117,7 @@ def test_bad_train_input_fails_before_launch(args, match, tmp_path, cli_refusal)
 # The entry points themselves, in a fresh interpreter: the installed `meshfit` command and
 # `python -m meshfit.train.cli` (every other bad input calls main() in-process, above and in
 # test_zero.py, test_train_parallel.py and test_launch.py).
-@pytest.mark.parametrize("entry", ["meshfit", "python -m meshfit.train.cli"])
+@pytest.mark.parametrize("entry", ["meshfit", "python -m meshfit"])
 def test_entry_points_refuse_bad_input_in_one_line(entry, tmp_path, subprocess_env):
     if entry == "meshfit":
         script = Path(sys.executable).with_name("meshfit")

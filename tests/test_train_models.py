@@ -98,7 +98,7 @@ def files(tmp_path_factory):
 
 
 def _config(files, case: str, nproc: int):
-    from meshfit.train.config import build_config
+    from meshfit.train.configfile import build_config
 
     data = {"path": str(files / "text"), "tokenizer": str(files / "tok"),
             "cache_dir": str(files / "cache")}
@@ -340,7 +340,7 @@ def test_the_main_job_needs_no_optional_library(tmp_path, subprocess_env):
     code = ("import sys\n"
             "for name in ('peft', 'transformers', 'datasets'):\n"
             "    sys.modules[name] = None  # import fails as if not installed\n"
-            "from meshfit.train.cli import main\n"
+            "from meshfit.cli.main import main\n"
             f"sys.exit(main(['train', '--out', {str(tmp_path / 'run')!r}, '--train.steps=2', "
             "'--train.eval_every=0', '--train.global_batch_size=4', '--train.micro_batch_size=4', "
             "'--train.seq_len=32', '--model.n_layer=1', '--train.eval_batches=1', "

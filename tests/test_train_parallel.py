@@ -21,7 +21,7 @@ import pytest
 
 from conftest import make_subprocess_env
 
-MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit"]
 BASE = ["--train.steps=8", "--train.eval_every=0", "--train.log_every=1",
         "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.seq_len=32",
         "--train.eval_batches=1", "--model.n_layer=4", "--model.d_model=64",

@@ -22,7 +22,7 @@ import sys
 import psutil
 import pytest
 
-MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit"]
 RUN = ["--train.steps=6", "--train.log_every=1", "--train.eval_every=0",
        "--train.eval_batches=1", "--train.global_batch_size=8", "--train.micro_batch_size=4",
        "--train.seq_len=32", "--model.n_layer=2", "--checkpoint.every=2", "--checkpoint.keep=2",
@@ -96,7 +96,7 @@ def test_resume_continues_the_run_in_another_layout(runs, layout):
     (["--resume", "--nproc", "2"], "holds no complete checkpoint"),
 ])
 def test_resume_refuses_what_it_cannot_do(args, message, tmp_path, capsys):
-    from meshfit.train.cli import main
+    from meshfit.cli.main import main
 
     out = tmp_path / "run"
     out.mkdir()
@@ -205,7 +205,7 @@ def test_a_killed_worker_is_restarted_and_the_run_equals_the_uninterrupted_one(
 
 
 def test_a_diverging_run_stops_with_the_step_and_the_rank(tmp_path, capsys, one_thread):
-    from meshfit.train.cli import main
+    from meshfit.cli.main import main
 
     args = ["train", "--out", str(tmp_path / "run"), f"--data.cache_dir={tmp_path / 'cache'}",
             "--train.steps=30", "--train.log_every=2", "--train.eval_every=0",

@@ -447,7 +447,7 @@ def test_bad_zero_arguments(kwargs, match):
 
 
 # ---------------------------------------------------------------- meshfit train
-MESHFIT = [sys.executable, "-m", "meshfit.train.cli"]
+MESHFIT = [sys.executable, "-m", "meshfit"]
 
 
 @pytest.mark.parametrize("stage,extra", [

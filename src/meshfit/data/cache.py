@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from meshfit._files import atomic_write
-from meshfit.data.corpus import Corpus, SourceFile, find_corpus, is_validation
+from meshfit.data.corpus import Corpus, SourceFile, data_source, find_corpus, is_validation
 from meshfit.data.hf import HFSource, open_hf_dataset
 from meshfit.data.tokenizer import (
     ByteTokenizer,
@@ -132,10 +132,7 @@ def load_tokens(
             f"data.val_fraction={val_fraction!r} must be in [0, 1); use e.g. 0.02, or 0 for "
             "no validation split"
         )
-    if hf_dataset is not None and str(hf_dataset) != "" and path is not None \
-            and str(path) != "":
-        raise ValueError(f"data.path={str(path)!r} and data.hf_dataset={str(hf_dataset)!r} "
-                         "are mutually exclusive; set only one of them")
+    data_source(path, hf_dataset)  # not both; a data.path that exists
     tok = as_tokenizer(tokenizer)
     document_separator(tok)  # refuse a tokenizer without a separator before any work
     # "" means default too: that is how an unset config string arrives.

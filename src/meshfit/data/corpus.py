@@ -19,7 +19,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SourceFile", "Corpus", "stdlib_corpus_files", "find_corpus", "is_validation"]
+__all__ = ["SourceFile", "Corpus", "stdlib_corpus_files", "data_source", "find_corpus",
+           "is_validation"]
 
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
 
@@ -63,17 +64,35 @@ def stdlib_corpus_files() -> list[Path]:
     return [f.path for f in _stdlib_corpus().files]
 
 
+def data_source(path: str | os.PathLike[str] | None = None,
+                hf_dataset: str | os.PathLike[str] | None = None) -> str:
+    """The rule for where a run's text comes from, and that source named as an error
+    message spells it: ``data.hf_dataset=...`` (a ``datasets`` dataset on disk), else
+    ``data.path=...`` (a text file or folder, which must exist), else the built-in corpus
+    (``None`` and ``""`` are unset); never both. One-line ValueError otherwise."""
+    path = "" if path is None else str(path)
+    hf_dataset = "" if hf_dataset is None else str(hf_dataset)
+    if hf_dataset and path:
+        raise ValueError(f"data.path={path!r} and data.hf_dataset={hf_dataset!r} "
+                         "are mutually exclusive; set only one of them")
+    if hf_dataset:
+        return f"data.hf_dataset={hf_dataset!r}"
+    if not path:
+        return "the built-in corpus (data.path unset)"
+    if not Path(path).expanduser().exists():
+        raise ValueError(
+            f"data.path={path!r} does not exist; give a text file or a folder of text "
+            "files, or leave it empty for the built-in corpus"
+        )
+    return f"data.path={path!r}"
+
+
 def find_corpus(path: str | os.PathLike[str] | None) -> Corpus:
     """The built-in corpus for ``None``/``""``, else the user's text file or folder."""
     if path is None or str(path) == "":
         return _stdlib_corpus()
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ValueError(
-            f"data.path={str(path)!r} does not exist; give a text file or a folder of text "
-            "files, or leave it empty for the built-in corpus"
-        )
-    p = p.resolve()
+    data_source(path)  # one that exists
+    p = Path(path).expanduser().resolve()
     if p.is_file():
         return Corpus(root=p.parent, description=f"file {p}", slug=_slug(p.name),
                       files=(_source_file(p, p.parent),))

@@ -7,7 +7,8 @@
 
     devices.py    what a device, an interconnect and a network are assumed to do
     search.py     enumeration (meshfit's `Layout.candidates`), memory fit, cost model, ranking
-    calibrate.py  `meshfit calibrate`: this machine's measured throughput and collectives
+    calibrate.py  this machine's measured throughput and collectives (`measure`, and the
+                  file's loader; the `meshfit calibrate` command is `meshfit.cli.calibrate`)
 """
 
 from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, Link, parse_bytes

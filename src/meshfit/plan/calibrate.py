@@ -1,10 +1,10 @@
-"""`meshfit calibrate`: measure this machine's compute, memory and collective speeds.
+"""This machine measured: its compute, memory and collective speeds (`meshfit calibrate`).
 
-``meshfit calibrate [--nproc N] [--out calibration.json] [--sizes S ...] [--cpu]`` starts
-itself on N processes (through meshfit's launcher; N=1 runs in this process), measures while
-all of them run at once, and rank 0 writes one JSON file that the layout planner reads with
-`load_calibration`. Device and backend are chosen as `meshfit.distributed.init` does: CUDA and
-NCCL where CUDA is available, the CPU and gloo otherwise or with ``--cpu`` / ``MESHFIT_CPU=1``.
+`measure` runs on every rank of a job at once (the command, `meshfit.cli.calibrate`, starts
+N processes through meshfit's launcher, or runs one here), and rank 0 writes one JSON file
+that the layout planner reads with `load_calibration`. Device and backend are chosen as
+`meshfit.distributed.init` does: CUDA and NCCL where CUDA is available, the CPU and gloo
+otherwise or with ``--cpu`` / ``MESHFIT_CPU=1``.
 
 The file (schema 1)::
 
@@ -46,18 +46,18 @@ The file (schema 1)::
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
 import os
-import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+__all__ = ["DTYPES", "KINDS", "SCHEMA", "Calibration", "CollectiveFit", "bus_factor",
+           "fit_latency_bandwidth", "load_calibration", "measure"]
 
 SCHEMA = 1
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -224,117 +224,6 @@ def fit_latency_bandwidth(nbytes, seconds, factor: float = 1.0) -> dict[str, Any
 # command line
 
 
-_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2,
-          "MIB": 1024**2, "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
-
-
-def parse_sizes(items: list[str]) -> tuple[int, ...]:
-    """``["4K,64K", "1M"]`` -> sorted distinct byte counts (K/M/G are binary: KiB, MiB, GiB)."""
-    fix = "give at least two byte sizes, e.g. --sizes 4K 64K 1M 16M"
-    out = set()
-    for text in (p for item in items for p in item.split(",")):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-        if not m or m.group(2).upper() not in _UNITS:
-            raise ValueError(f"--sizes value {text!r} is not a byte size; {fix}")
-        size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-        if size < 4:
-            raise ValueError(f"--sizes value {text!r} is under 4 bytes (one fp32 element); {fix}")
-        out.add(size)
-    if len(out) < 2:
-        raise ValueError(f"--sizes={' '.join(items)!r} names {len(out)} distinct size(s); a fit "
-                         f"needs two or more: {fix}")
-    return tuple(sorted(out))
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="meshfit calibrate", allow_abbrev=False,
-        description="Measure matmul FLOP/s, memory bandwidth and collective bandwidth and "
-                    "latency on N processes of this machine; write them as JSON for the "
-                    "layout planner.")
-    p.add_argument("--nproc", default="1", help="processes to run at once (default 1; "
-                   "collectives need 2 or more)")
-    p.add_argument("--out", default="calibration.json", help="the JSON file to write")
-    p.add_argument("--sizes", nargs="+", default=None,
-                   help="collective sizes in bytes, e.g. 4K 64K 1M (default 4K..64M by 4x on "
-                        "the CPU, 16K..1G on GPUs)")
-    p.add_argument("--cpu", action="store_true",
-                   help="measure the CPU with gloo even where CUDA is available "
-                        "(also MESHFIT_CPU=1)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return p
-
-
-def _validate(ns) -> tuple[int, Path, tuple[int, ...] | None, bool]:
-    import torch
-    import torch.distributed as dist
-
-    from meshfit.distributed import cpu_requested
-
-    try:
-        nproc = int(ns.nproc)
-    except ValueError:
-        raise ValueError(f"--nproc={ns.nproc!r} is not an integer; e.g. --nproc 2") from None
-    if nproc < 1:
-        raise ValueError(f"--nproc={nproc} must be >= 1 (the processes to run at once)")
-    cpu = cpu_requested(True if ns.cpu else None)
-    cuda = torch.cuda.is_available() and not cpu
-    if nproc > 1:
-        if not dist.is_available():
-            raise ValueError(f"--nproc={nproc} needs torch.distributed, which this torch build "
-                             "lacks; use --nproc 1")
-        if cuda:
-            count = torch.cuda.device_count()
-            if nproc > count:
-                raise ValueError(f"--nproc={nproc} is more than the {count} visible CUDA "
-                                 f"device(s); use --nproc {count} or less (one per GPU), or "
-                                 "--cpu to measure the CPU")
-            if not dist.is_nccl_available():
-                raise ValueError(f"--nproc={nproc} on CUDA needs NCCL, which this torch build "
-                                 "lacks; use --nproc 1 or --cpu")
-        elif not dist.is_gloo_available():
-            raise ValueError(f"--nproc={nproc} on the CPU needs gloo, which this torch build "
-                             "lacks; use --nproc 1")
-    out = Path(ns.out).absolute()
-    if out.is_dir():
-        raise ValueError(f"--out={ns.out!r} is a folder; give a file name, e.g. "
-                         f"{Path(ns.out) / 'calibration.json'}")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out={ns.out!r}: folder {out.parent} does not exist; create it or "
-                         "give another --out")
-    sizes = parse_sizes(ns.sizes) if ns.sizes is not None else None
-    return nproc, out, sizes, cpu
-
-
-def cmd_calibrate(argv: list[str], *, launch=None) -> int:
-    """`meshfit calibrate`: check the arguments, then measure here (one process, or as one
-    of the workers) or start --nproc workers through `launch(nproc, module_args)` (the
-    command layer passes meshfit's launcher: `meshfit.train.plan_cli.cmd_calibrate`)."""
-    ns = _parser().parse_args(argv)
-    nproc, out, sizes, cpu = _validate(ns)  # before any process starts
-    if ns.worker or nproc == 1:
-        return _worker(out, sizes, cpu)
-    if launch is None:
-        raise ValueError(f"--nproc={nproc} starts worker processes: run it as "
-                         f"`meshfit calibrate --nproc {nproc}`")
-    # No --nproc here: torchrun's parser would take it for an abbreviation of its own
-    # --nproc-per-node. The workers learn the world size from their environment.
-    script = ["meshfit.plan.calibrate", "--worker", "--out", str(out)]
-    if sizes is not None:
-        script += ["--sizes", *map(str, sizes)]
-    if cpu:
-        script.append("--cpu")
-    return launch(nproc, script)
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        return cmd_calibrate(list(sys.argv[1:] if argv is None else argv))
-    except ValueError as err:
-        print(f"meshfit calibrate: error: {err}", file=sys.stderr)
-        return 2
-
-
 # ---------------------------------------------------------------------------------------
 # measuring (every rank runs the same steps, so sizes and repeat counts must agree)
 
@@ -491,7 +380,12 @@ def _collectives(r: _Ranks, sizes: tuple[int, ...]) -> tuple[dict, dict]:
     return fits, raw
 
 
-def _worker(out: Path, sizes: tuple[int, ...] | None, cpu: bool) -> int:
+def measure(out: Path, sizes: tuple[int, ...] | None = None,
+            cpu: bool = False) -> dict | None:
+    """Measure on every rank of this job (one process, or each of the launched workers,
+    calling it at once): rank 0 writes `out` (atomically) and returns what it wrote, the
+    other ranks None. `sizes`: the collectives' sizes in bytes (default: 4 KiB .. 64 MiB on
+    the CPU, 16 KiB .. 1 GiB on GPUs); `cpu`: the CPU and gloo even beside CUDA."""
     import torch
     import torch.distributed as dist
 
@@ -525,43 +419,9 @@ def _worker(out: Path, sizes: tuple[int, ...] | None, cpu: bool) -> int:
             tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(result, indent=1) + "\n")
             os.replace(tmp, out)
-            print(_table(result, out), flush=True)
         if r.group:
             dist.barrier()
     finally:
         if env.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
-    return 0
-
-
-def _si(value: float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""),
-                          (1e-3, "m"), (1e-6, "µ")):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value * 1e9:.3g} n{unit}"
-
-
-def _table(result: dict, out: Path) -> str:
-    raw = result["raw"]
-    lines = [(f"meshfit calibrate: {result['world_size']} process(es) on {result['device']}, "
-              f"{result['backend']}, torch {result['torch']} -> {out}")]
-    for d in DTYPES:
-        rows = raw["matmul"][d]
-        size = f"(n={rows[-1]['n']})" if rows else ""
-        lines.append(f"  matmul {d:<5} {_si(result['matmul_flops'][d], 'FLOP/s'):>14} {size}")
-    lines.append(f"  memory copy  {_si(result['memory_bandwidth'], 'B/s'):>14}")
-    lines.append(f"  {'collective':<15}{'bus bandwidth':>14}{'latency':>12}{'R²':>8}")
-    for kind in KINDS:
-        fit = result["collectives"][kind]
-        r2 = raw["collectives"].get(kind, {}).get("r2")
-        lines.append(f"  {kind:<15}{_si(fit['bus_bandwidth'], 'B/s'):>14}"
-                     f"{_si(fit['latency'], 's'):>12}"
-                     f"{'-' if r2 is None else f'{r2:.4f}':>8}")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result if env.rank == 0 else None

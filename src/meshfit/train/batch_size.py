@@ -68,25 +68,11 @@ def find_executable_batch_size(function: Callable | None = None, *, starting_bat
     out-of-memory propagate unchanged.
     """
     if function is None:
-        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
+        return functools.partial(find_executable_batch_size,
+                                 starting_batch_size=starting_batch_size,
                                  effective_batch_size=effective_batch_size,
                                  min_batch_size=min_batch_size)
-    for name, value in (("starting_batch_size", starting_batch_size),
-                        ("min_batch_size", min_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    if effective_batch_size is not None:
-        if isinstance(effective_batch_size, bool) or not isinstance(effective_batch_size, int) \
-                or effective_batch_size < 1:
-            raise ValueError(f"effective_batch_size={effective_batch_size!r} must be an "
-                             "integer >= 1")
-        if effective_batch_size % starting_batch_size:
-            raise ValueError(f"starting_batch_size={starting_batch_size} must divide "
-                             f"effective_batch_size={effective_batch_size}; start at a divisor")
-    params = list(inspect.signature(function).parameters)
-    if len(params) < 2:
-        raise TypeError(f"{function.__name__} must take (micro_batch_size, "
-                        "gradient_accumulation_steps, ...) as its first two arguments")
+    _check_sizes(function, starting_batch_size, effective_batch_size, min_batch_size)
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -111,6 +97,27 @@ def find_executable_batch_size(function: Callable | None = None, *, starting_bat
                 batch = smaller
 
     return wrapper
+
+
+def _check_sizes(function: Callable, starting_batch_size: int,
+                 effective_batch_size: int | None, min_batch_size: int) -> None:
+    """`find_executable_batch_size`'s arguments, checked before the first attempt."""
+    for name, value in (("starting_batch_size", starting_batch_size),
+                        ("min_batch_size", min_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if effective_batch_size is not None:
+        if isinstance(effective_batch_size, bool) or not isinstance(effective_batch_size, int) \
+                or effective_batch_size < 1:
+            raise ValueError(f"effective_batch_size={effective_batch_size!r} must be an "
+                             "integer >= 1")
+        if effective_batch_size % starting_batch_size:
+            raise ValueError(f"starting_batch_size={starting_batch_size} must divide "
+                             f"effective_batch_size={effective_batch_size}; start at a divisor")
+    params = list(inspect.signature(function).parameters)
+    if len(params) < 2:
+        raise TypeError(f"{function.__name__} must take (micro_batch_size, "
+                        "gradient_accumulation_steps, ...) as its first two arguments")
 
 
 def _tile(device: torch.device | None) -> int:

@@ -1,195 +1,36 @@
-"""Run configuration: frozen dataclasses, read from TOML plus ``--section.key=value`` overrides.
+"""A run's configuration: frozen dataclasses, one per [section] of the TOML file, each value
+checked in ``__post_init__`` with an error that names the field, the value and the fix.
 
-Every field has one spelling; unknown sections and keys are rejected and listed, and each value
-is checked in ``__post_init__`` with an error that names the field, the value and the fix.
+Every field has one spelling; `meshfit.train.configfile` reads them from TOML plus
+``--section.key=value`` overrides (unknown sections and keys are rejected and listed).
+`RunConfig` adds the figures that follow from its fields (accumulation, micro-batches, the
+`Layout`); what needs more than the fields — the tokenizer, the token splits, the checks
+against a world size — it hands to `meshfit.train.tokens` and `meshfit.train.preflight`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
-from typing import get_args
+from typing import Any, get_args
 
 # No torch below: a bad value is refused before torch loads (the modules that build and run
 # the model are imported where they are used).
 from meshfit.distributed.dims import AXES, ParallelDims
-from meshfit.models.config import AttentionBackend, GPTConfig
+from meshfit.models.config import GPTConfig
 from meshfit.optim_names import OPTIMIZERS
-from meshfit.parallel.layout import Layout, ModelFacts, check_options
+from meshfit.parallel.layout import Layout, check_options
 from meshfit.parallel.options import (SCHEDULES, CheckpointMode, CheckpointPolicy, CompileScope,
                                       check_compile_args)
+from meshfit.train.checks import (LAYOUT_NAMES, check_bool, check_choice, check_number,
+                                  check_positive)
+from meshfit.train.model_config import ModelConfig
 
-# How `meshfit train` spells the layout's fields in its errors (see `meshfit.parallel.layout`).
-LAYOUT_NAMES = {
-    **{k: f"parallel.{k}" for k in (*AXES, "zero_stage", "offload", "sync_each_batch",
-                                     "sequence_parallel", "loss_parallel", "schedule",
-                                     "microbatches", "virtual_stages")},
-    "parallel": "parallel", "mixed_precision": "train.mixed_precision",
-    "find_batch_size": "train.find_batch_size", "seq_len": "train.seq_len"}
-
-
-def _positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and (
-        value >= 0 if allow_zero else value >= 1)
-    if not ok:
-        bound = ">= 0" if allow_zero else ">= 1"
-        raise ValueError(f"{section}.{name}={value!r} must be an integer {bound}")
-
-
-def _number(section: str, name: str, value: Any, lo: float, hi: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            lo <= value <= hi) or math.isnan(value):
-        raise ValueError(f"{section}.{name}={value!r} must be a number in [{lo}, {hi}]")
-
-
-def _choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{section}.{name}={value!r} is not one of {', '.join(choices)}")
-
-
-def _bool(section: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{section}.{name}={value!r} must be true or false")
-
-
-_MOE_FIELDS = ("n_experts", "top_k", "moe_every", "moe_d_ff", "shared_experts", "router",
-               "capacity_factor", "aux_loss_coef", "router_z_loss_coef")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """[model]: what to train. One source: a reference GPT `preset` (size fields left unset
-    take the preset's), a Hugging Face `hf_config` (random weights from the seed) or
-    `hf_model` (its weights), or the user's own `factory`."""
-
-    preset: str = "tiny"
-    """A `GPTConfig.preset` name: tiny, gpt2, llama-1b, llama-7b, llama-70b (used when none of
-    hf_config, hf_model and factory is given)."""
-    hf_config: str = ""
-    """A Hugging Face config.json (or a folder holding one): that causal LM, built with
-    random weights (transformers' init, from train.seed). No download."""
-    hf_model: str = ""
-    """A local Hugging Face model folder (config.json + safetensors, as save_pretrained
-    writes it): built on the meta device, each rank reading only the slices its layout
-    needs."""
-    factory: str = ""
-    """"module:function" returning your own nn.Module (module importable from the current
-    folder or PYTHONPATH); called with the keyword arguments it declares among vocab_size and
-    max_seq_len. Its forward takes token ids [B, T] and returns logits [B, T, V] (or an
-    object with .logits)."""
-    tp_plan: str = ""
-    """"module:PLAN" — the tensor-parallel plan of a model without a built-in one: a
-    `meshfit.models.plans.TPPlan`, a {module pattern: style} dict, or a function of the model
-    returning either (built-in: the reference GPT, Llama, Qwen2, Mistral, GPT-2)."""
-    pipeline_plan: str = ""
-    """"module:PLAN" — where pipeline stages are cut for a model without a built-in plan: a
-    `meshfit.models.plans.PipelinePlan` or a function of the model returning one."""
-    n_layer: int | None = None
-    """Transformer blocks (None: the preset's)."""
-    n_head: int | None = None
-    """Attention heads (None: the preset's)."""
-    d_model: int | None = None
-    """Hidden size (None: the preset's)."""
-    d_ff: int | None = None
-    """MLP hidden size (None: the preset's)."""
-    dropout: float | None = None
-    """Dropout probability (None: the preset's)."""
-    n_experts: int | None = None
-    """Mixture of experts: routed experts per MoE block (0: dense; None: the preset's, e.g.
-    moe-tiny's 8). See `meshfit.models.GPTConfig` for this and the next fields."""
-    top_k: int | None = None
-    """Experts each token is routed to (<= n_experts)."""
-    moe_every: int | None = None
-    """Every this many blocks is an MoE block (1: all)."""
-    moe_d_ff: int | None = None
-    """Hidden width of each expert (None: d_ff)."""
-    shared_experts: int | None = None
-    """0 or 1: a dense expert every token also passes through."""
-    router: str | None = None
-    """"softmax_topk" or "sigmoid_topk"."""
-    capacity_factor: float | None = None
-    """> 0: each expert keeps at most capacity_factor x its even share of the assignments
-    (the rest are dropped and counted); unset: dropless."""
-    aux_loss_coef: float | None = None
-    """Weight of the load-balancing loss (Switch / GShard)."""
-    router_z_loss_coef: float | None = None
-    """Weight of the router z-loss (ST-MoE)."""
-    attention_backend: str = "auto"
-    """SDPA kernel: auto, math, flash, efficient or cudnn (checked on the device before
-    launch; the reference GPT only)."""
-
-    def __post_init__(self) -> None:
-        if self.preset not in GPTConfig.preset_names():
-            raise ValueError(f"model.preset={self.preset!r} is not a preset; use one of "
-                             f"{', '.join(GPTConfig.preset_names())}")
-        for name in ("n_layer", "n_head", "d_model", "d_ff"):
-            if getattr(self, name) is not None:
-                _positive("model", name, getattr(self, name))
-        if self.dropout is not None:
-            _number("model", "dropout", self.dropout, 0.0, 0.99)
-        _choice("model", "attention_backend", self.attention_backend, get_args(AttentionBackend))
-        for name in ("hf_config", "hf_model", "factory", "tp_plan", "pipeline_plan"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"model.{name}={getattr(self, name)!r} must be a string")
-        given = [n for n in ("hf_config", "hf_model", "factory") if getattr(self, n)]
-        if len(given) > 1:
-            raise ValueError(f"model.{given[0]} and model.{given[1]} are both set; give one "
-                             "source of the model")
-        sized = [n for n in ("n_layer", "n_head", "d_model", "d_ff", "dropout", *_MOE_FIELDS)
-                 if getattr(self, n) is not None]
-        if given and sized:
-            raise ValueError(f"model.{sized[0]}={getattr(self, sized[0])!r} sizes the reference "
-                             f"GPT, but the model comes from model.{given[0]}; change the size "
-                             "in that model's config instead")
-        if self.hf_config:
-            path = Path(self.hf_config).expanduser()
-            if not (path.is_file() or (path / "config.json").is_file()):
-                raise ValueError(f"model.hf_config={self.hf_config!r} is neither a config.json "
-                                 "file nor a folder holding one")
-        if self.hf_model:
-            from meshfit.checkpoint.pretrained import check_folder
-
-            check_folder(self.hf_model, "model.hf_model")
-        for name in ("factory", "tp_plan", "pipeline_plan"):
-            spec = getattr(self, name)
-            module, sep, attr = spec.partition(":")
-            if spec and not (sep and module and attr):
-                raise ValueError(f"model.{name}={spec!r} must look like module:attribute, e.g. "
-                                 "mymodels:build_model")
-
-        if not given:  # the GPTConfig's own checks (top_k <= n_experts, ...), named here
-            try:
-                gpt = GPTConfig.preset(self.preset, **{n: getattr(self, n) for n in _MOE_FIELDS
-                                                       if getattr(self, n) is not None})
-            except (ValueError, TypeError) as err:
-                raise ValueError(str(err).replace("GPTConfig.", "model.")) from None
-            routed = [n for n in _MOE_FIELDS if n != "n_experts" and getattr(self, n) is not None]
-            if routed and not gpt.n_experts:
-                raise ValueError(f"model.{routed[0]}={getattr(self, routed[0])!r} configures "
-                                 f"mixture-of-experts blocks, but model.preset={self.preset!r} "
-                                 "has none (n_experts=0); set model.n_experts or use the "
-                                 "moe-tiny preset")
-
-    @property
-    def source(self) -> str:
-        """Which field gives the model: preset, hf_config, hf_model or factory."""
-        return next((n for n in ("hf_config", "hf_model", "factory") if getattr(self, n)),
-                    "preset")
-
-    def overrides(self) -> dict[str, Any]:
-        keep = ("n_layer", "n_head", "d_model", "d_ff", "dropout", "attention_backend",
-                *_MOE_FIELDS)
-        return {name: getattr(self, name) for name in keep if getattr(self, name) is not None}
+__all__ = ["LAYOUT_NAMES", "CheckpointConfig", "DataConfig", "LogConfig", "ModelConfig",
+           "OptimConfig", "ParallelConfig", "PeftConfig", "RunConfig", "TrainConfig",
+           "toml_name"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,21 +91,22 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len",
                      "eval_batches", "log_every"):
-            _positive("train", name, getattr(self, name))
-        _positive("train", "timeout_s", self.timeout_s)
+            check_positive("train", name, getattr(self, name))
+        check_positive("train", "timeout_s", self.timeout_s)
         for name in ("warmup_steps", "seed", "eval_every", "empty_cache_steps"):
-            _positive("train", name, getattr(self, name), allow_zero=True)
-        _positive("train", "activation_checkpointing_every", self.activation_checkpointing_every)
-        _number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _number("train", "grad_clip", self.grad_clip, 0.0, 1e9)
+            check_positive("train", name, getattr(self, name), allow_zero=True)
+        check_positive("train", "activation_checkpointing_every",
+                       self.activation_checkpointing_every)
+        check_number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_number("train", "grad_clip", self.grad_clip, 0.0, 1e9)
         check_options(mixed_precision=self.mixed_precision, names=LAYOUT_NAMES)
         for name in ("tf32", "compile", "find_batch_size"):
-            _bool("train", name, getattr(self, name))
-        _choice("train", "activation_checkpointing", self.activation_checkpointing,
+            check_bool("train", name, getattr(self, name))
+        check_choice("train", "activation_checkpointing", self.activation_checkpointing,
                 get_args(CheckpointMode))
-        _choice("train", "activation_checkpointing_policy", self.activation_checkpointing_policy,
-                get_args(CheckpointPolicy))
-        _choice("train", "compile_scope", self.compile_scope, get_args(CompileScope))
+        check_choice("train", "activation_checkpointing_policy",
+                     self.activation_checkpointing_policy, get_args(CheckpointPolicy))
+        check_choice("train", "compile_scope", self.compile_scope, get_args(CompileScope))
         check_compile_args(self.compile_backend,
                            None if self.compile_mode == "default" else self.compile_mode,
                            scope=self.compile_scope, compile=self.compile, prefix="train.")
@@ -291,11 +133,11 @@ class OptimConfig:
     """SGD momentum."""
 
     def __post_init__(self) -> None:
-        _choice("optim", "optimizer", self.optimizer, OPTIMIZERS)
-        _number("optim", "lr", self.lr, 1e-12, 10.0)
-        _number("optim", "weight_decay", self.weight_decay, 0.0, 10.0)
-        _number("optim", "eps", self.eps, 0.0, 1.0)
-        _number("optim", "momentum", self.momentum, 0.0, 1.0)
+        check_choice("optim", "optimizer", self.optimizer, OPTIMIZERS)
+        check_number("optim", "lr", self.lr, 1e-12, 10.0)
+        check_number("optim", "weight_decay", self.weight_decay, 0.0, 10.0)
+        check_number("optim", "eps", self.eps, 0.0, 1.0)
+        check_number("optim", "momentum", self.momentum, 0.0, 1.0)
         betas = self.betas
         if not isinstance(betas, (list, tuple)) or len(betas) != 2 or any(
                 isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1
@@ -324,11 +166,11 @@ class PeftConfig:
     (OUT/model/) beside the adapter (OUT/adapter/)."""
 
     def __post_init__(self) -> None:
-        _choice("peft", "method", self.method, ("none", "lora"))
-        _bool("peft", "merge", self.merge)
-        _positive("peft", "r", self.r)
-        _number("peft", "alpha", self.alpha, 1e-12, 1e6)
-        _number("peft", "dropout", self.dropout, 0.0, 0.99)
+        check_choice("peft", "method", self.method, ("none", "lora"))
+        check_bool("peft", "merge", self.merge)
+        check_positive("peft", "r", self.r)
+        check_number("peft", "alpha", self.alpha, 1e-12, 1e6)
+        check_number("peft", "dropout", self.dropout, 0.0, 0.99)
         if isinstance(self.target_modules, str) or not all(
                 isinstance(m, str) for m in self.target_modules):
             raise ValueError(f"peft.target_modules={self.target_modules!r} must be a list of "
@@ -363,10 +205,10 @@ class DataConfig:
     without CUDA)."""
 
     def __post_init__(self) -> None:
-        _positive("data", "num_workers", self.num_workers, allow_zero=True)
-        _positive("data", "prefetch_factor", self.prefetch_factor)
+        check_positive("data", "num_workers", self.num_workers, allow_zero=True)
+        check_positive("data", "prefetch_factor", self.prefetch_factor)
         for name in ("persistent_workers", "pin_memory"):
-            _bool("data", name, getattr(self, name))
+            check_bool("data", name, getattr(self, name))
         for name in ("path", "cache_dir"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"data.{name}={getattr(self, name)!r} must be a path (a string)")
@@ -377,6 +219,9 @@ class DataConfig:
                 raise ValueError(f"data.cache_dir={self.cache_dir!r}: {above} is a file, not a "
                                  "folder; give a folder for the token caches (it is created "
                                  "if missing)")
+        # The data source's rule (data.path exists, never with data.hf_dataset) is
+        # `meshfit.data.corpus.data_source`'s, repeated here: importing meshfit.data loads
+        # torch, and a config is refused before torch loads.
         if self.path and not Path(self.path).expanduser().exists():
             raise ValueError(f"data.path={self.path!r} does not exist; give a text file or a "
                              "folder of text files, or leave it empty for the built-in corpus")
@@ -439,7 +284,7 @@ class ParallelConfig:
                       sync_each_batch=self.sync_each_batch,
                       sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
                       names=LAYOUT_NAMES)
-        _choice("parallel", "schedule", self.schedule, SCHEDULES)
+        check_choice("parallel", "schedule", self.schedule, SCHEDULES)
         for name in ("microbatches", "virtual_stages"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -448,6 +293,7 @@ class ParallelConfig:
                                  "unset)")
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
+        """The mesh axes' sizes (`world_size`: to resolve the -1 of dp_replicate)."""
         return ParallelDims(world_size=world_size, **{n: getattr(self, n) for n in AXES})
 
 
@@ -466,9 +312,9 @@ class CheckpointConfig:
     (manifest, rename) at the next save or at the end."""
 
     def __post_init__(self) -> None:
-        _positive("checkpoint", "every", self.every, allow_zero=True)
-        _positive("checkpoint", "keep", self.keep)
-        _bool("checkpoint", "async", self.async_save)
+        check_positive("checkpoint", "every", self.every, allow_zero=True)
+        check_positive("checkpoint", "keep", self.keep)
+        check_bool("checkpoint", "async", self.async_save)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -507,7 +353,8 @@ class LogConfig:
             load_calibration(self.calibration)  # one line if missing or of another schema
 
 
-def _toml_name(f) -> str:
+def toml_name(f) -> str:
+    """A field's key in the TOML file (`with` and `async` are Python keywords)."""
     return f.metadata.get("toml", f.name)
 
 
@@ -573,14 +420,9 @@ class RunConfig:
 
     def tokenizer(self):
         """The run's tokenizer ([data] tokenizer: bytes, or a Hugging Face tokenizer)."""
-        from meshfit.data import ByteTokenizer
+        from meshfit.train.tokens import run_tokenizer
 
-        spec = getattr(self.data, "tokenizer", "bytes")
-        if spec in ("", "bytes"):
-            return ByteTokenizer()
-        from meshfit.data import load_tokenizer
-
-        return load_tokenizer(spec)
+        return run_tokenizer(self.data)
 
     def vocab_size(self) -> int:
         """Token ids the run's tokenizer gives (the reference GPT's vocabulary)."""
@@ -589,72 +431,24 @@ class RunConfig:
     def load_tokens(self):
         """The run's token splits ([data]: text files, a datasets dataset or the built-in
         corpus, through the run's tokenizer; cached)."""
-        from meshfit.data import load_tokens
+        from meshfit.train.tokens import load_run_tokens
 
-        d = self.data
-        extra = {}
-        if hasattr(d, "hf_dataset"):
-            extra = dict(tokenizer=self.tokenizer(), hf_dataset=d.hf_dataset or None,
-                         text_column=d.text_column)
-        return load_tokens(d.path or None, cache_dir=d.cache_dir or None, **extra)
+        return load_run_tokens(self.data)
 
     def validate_for(self, world_size: int, local_world_size: int | None = None) -> Layout:
         """Checks that need the number of processes (run before launching any); returns the
-        run's layout."""
-        layout = self.layout(world_size, local_world_size)
-        self.grad_accumulation(world_size)
-        if self.train.find_batch_size:
-            layout.check_batch_probe(names=LAYOUT_NAMES)
-        if layout.dims.ep > 1 and self.peft.method != "none":
-            raise ValueError(f"peft.method={self.peft.method!r} with parallel.ep > 1 is not yet "
-                             "available (LoRA adapts linear layers; the experts are stacked "
-                             "weights split over the ep ranks); use peft.method='none' or ep=1")
-        if layout.dims.tp > 1 or layout.dims.pp > 1 or layout.dims.ep > 1:
-            if self.peft.method != "none":
-                raise ValueError(f"peft.method={self.peft.method!r} with parallel.tp/pp > 1 is "
-                                 "not yet available: LoRA wraps each adapted linear in a "
-                                 "peft LoraLayer (its weight moves to base_layer), which the "
-                                 "tensor-parallel plans and pipeline stages do not name; use "
-                                 "peft.method='none' or tp = pp = 1 (data parallel and ZeRO "
-                                 "work with LoRA)")
-            from meshfit.train.models import check_model_source, plans, resolve_plan
+        run's layout (`meshfit.train.preflight.check_layout`)."""
+        from meshfit.train.preflight import check_layout
 
-            model = check_model_source(self, self.vocab_size())  # on the meta device
-            from meshfit.models.plans import has_builtin_plans
-
-            tp_plan, pp_plan = (resolve_plan(p, model) for p in plans(self))
-            builtin, name = has_builtin_plans(model), type(model).__name__
-            if layout.dims.tp > 1 and tp_plan is None and not builtin:
-                raise ValueError(f"parallel.tp={layout.dims.tp}: {name} has no built-in "
-                                 "tensor-parallel plan; give one as model.tp_plan = "
-                                 "\"module:PLAN\" (a TPPlan or {module pattern: style}; in "
-                                 "your own loop: Accelerator(tp_plan=PLAN))")
-            if layout.dims.pp > 1 and pp_plan is None and not builtin:
-                raise ValueError(f"parallel.pp={layout.dims.pp}: {name} has no built-in "
-                                 "pipeline plan; give one as model.pipeline_plan = "
-                                 "\"module:PLAN\" (a PipelinePlan; in your own loop: "
-                                 "accelerator.prepare_pipeline(model, plan=PLAN, ...))")
-            if layout.dims.pp == 1 and pp_plan is None and not builtin:
-                facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible",
-                                                                       ())))
-            else:
-                facts = ModelFacts.of(model, pipeline_plan=pp_plan, tp_plan=tp_plan)
-            layout.check_model(facts, seq_len=self.train.seq_len, schedule=self.parallel.schedule,
-                               microbatches=self.microbatches(world_size),
-                               virtual_stages=self.parallel.virtual_stages, names=LAYOUT_NAMES)
-        from meshfit.models.factory import import_object
-
-        for name in ("factory", "tp_plan", "pipeline_plan"):  # a missing module or name, named
-            if getattr(self.model, name):                    # before the model is built
-                import_object(getattr(self.model, name), f"model.{name}")
-        return layout
+        return check_layout(self, world_size, local_world_size)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Sections and keys as the TOML file spells them."""
-        return {s.name: {_toml_name(f): dataclasses.asdict(getattr(self, s.name))[f.name]
+        return {s.name: {toml_name(f): dataclasses.asdict(getattr(self, s.name))[f.name]
                          for f in fields(getattr(self, s.name))} for s in fields(self)}
 
     def to_toml(self) -> str:
+        """The whole config as a TOML file (unset fields left out: they mean the default)."""
         lines = []
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
@@ -663,77 +457,3 @@ class RunConfig:
                     lines.append(f"{key} = {json.dumps(value)}")
             lines.append("")
         return "\n".join(lines)
-
-
-_SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
-
-
-def _parse_value(text: str) -> Any:
-    """A TOML literal (3, 1e-3, true, "x") or, failing that, the bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def build_config(data: dict[str, Any]) -> RunConfig:
-    """A validated RunConfig from nested dicts; unknown sections/keys are listed in the error."""
-    unknown_sections = sorted(set(data) - set(_SECTIONS))
-    if unknown_sections:
-        raise ValueError(f"unknown config section(s) {', '.join(unknown_sections)}; known: "
-                         f"{', '.join(_SECTIONS)}")
-    sections = {}
-    for name, factory in _SECTIONS.items():
-        values = data.get(name, {})
-        if not isinstance(values, dict):
-            raise ValueError(f"config section [{name}] must be a table of keys, not "
-                             f"{name} = {values!r}; write [{name}] followed by key = value lines")
-        cls = type(factory())
-        known = {_toml_name(f): f.name for f in fields(cls) if f.init}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"unknown key(s) in [{name}]: {', '.join(unknown)}; known keys: "
-                             f"{', '.join(sorted(known))}")
-        sections[name] = cls(**{known[k]: v for k, v in values.items()})
-    return RunConfig(**sections)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = (), *,
-                allowed: tuple[str, ...] | None = None) -> RunConfig:
-    """Read a TOML file (optional) and apply ``--section.key=value`` overrides (only of the
-    sections in `allowed`, when given)."""
-    data: dict[str, dict[str, Any]] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            what = "is a folder" if path.is_dir() else "does not exist"
-            raise ValueError(f"--config={str(path)!r} {what}; give a TOML file")
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except OSError as err:
-            raise ValueError(f"--config={str(path)!r} cannot be read ({err.strerror or err}); "
-                             "give a readable TOML file") from None
-        except UnicodeDecodeError as err:
-            raise ValueError(f"--config={str(path)!r} is not UTF-8 text (byte {err.start}); "
-                             "give a TOML file") from None
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as err:
-            reason = " ".join(str(err).split())  # one line, with its line and column
-            raise ValueError(f"--config={str(path)!r} is not valid TOML: {reason}") from None
-    for item in overrides:
-        key, sep, value = item.removeprefix("--").partition("=")
-        section, dot, name = key.partition(".")
-        if not sep or not dot or not section or not name:
-            raise ValueError(f"override {item!r} must look like --section.key=value, "
-                             "e.g. --train.steps=100")
-        if allowed is not None and section not in allowed:
-            raise ValueError(f"override {item!r}: a resumed run keeps its saved config except "
-                             f"[{'], ['.join(allowed)}]; start a new run to change {key}")
-        table = data.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ValueError(f"override {item!r}: {section} = {table!r} in the config is a value, "
-                             f"not a [{section}] table of keys; write [{section}] followed by "
-                             "key = value lines")
-        table[name] = _parse_value(value)
-    return build_config(data)

@@ -12,11 +12,13 @@ and one token is drawn from a generator seeded with `seed`, so the same seed giv
 text. Decoding stops after `max_new_tokens` or at the tokenizer's end-of-sequence token
 (when it has one; the byte tokenizer has none). Past the reference GPT's context
 (`max_seq_len`) the window slides: the cache is rebuilt from the last half-context tokens.
+
+`load_model` loads what RUN_OR_MODEL names; the commands' arguments and printing are in
+`meshfit.cli.generate`.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from pathlib import Path
@@ -26,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfit.train.generate_args import (_check_sampling, _generate_parser, check_eval_args)
+from meshfit.train.sampling import check_sampling
 
-__all__ = ["generate", "generate_ids", "evaluate_loss", "resolve_model", "cmd_generate",
-           "cmd_eval"]
+__all__ = ["context_length", "evaluate_loss", "generate", "generate_ids", "load_model",
+           "resolve_model"]
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -89,7 +91,7 @@ def generate_ids(model: nn.Module, prompt_ids, *, max_new_tokens: int = 200,
                  eos_id: int | None = None) -> torch.Tensor:
     """The new token ids (1-D int64, at most `max_new_tokens`, without the EOS token) that
     `model` appends to `prompt_ids` (1-D, at least one id). See the module docstring."""
-    _check_sampling(max_new_tokens, temperature, top_k)
+    check_sampling(max_new_tokens, temperature, top_k)
     device = _device(model)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(device)
     if prompt.numel() == 0:
@@ -237,7 +239,7 @@ def evaluate_loss(model: nn.Module, tokens, seq_len: int, *, batches: int = 8,
     return (total / count).item(), count
 
 
-# ---------------------------------------------------------------------------- the CLI
+# ---------------------------------------------------------------------------- loading
 def resolve_model(path: str) -> tuple[Path, Path | None]:
     """(model folder, run folder or None) for RUN_OR_MODEL: a run folder (its model/), a
     model folder, or a run's model/ folder (its run is the parent)."""
@@ -264,8 +266,9 @@ def _default_device() -> str:
     return "cuda"
 
 
-def _load(path: str, device: str | None):
-    """(model, tokenizer, model folder, run folder) for RUN_OR_MODEL."""
+def load_model(path: str, device: str | None):
+    """(model, tokenizer, model folder, run folder) for RUN_OR_MODEL, on `device` (default:
+    cuda when available, unless MESHFIT_CPU=1)."""
     from meshfit.checkpoint.saved import load_model_folder
 
     folder, run = resolve_model(path)
@@ -284,65 +287,3 @@ def _load(path: str, device: str | None):
 
         tokenizer = ByteTokenizer()  # a 256-token model without tokenizer files: bytes
     return model, tokenizer, folder, run
-
-
-def cmd_generate(argv: list[str]) -> int:
-    ns = _generate_parser().parse_args(argv)
-    if not ns.prompt:
-        raise ValueError("--prompt='' is empty; give the text to continue, e.g. "
-                         "--prompt 'def main('")
-    _check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
-    model, tokenizer, _, _ = _load(ns.source, ns.device)
-    text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
-                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)
-    print(ns.prompt + text)
-    return 0
-
-
-def cmd_eval(argv: list[str]) -> int:
-    from meshfit.data import load_tokens
-
-    ns = check_eval_args(argv)
-    if ns.data is not None and not Path(ns.data).expanduser().exists():
-        raise ValueError(f"--data={ns.data!r} does not exist; give a text file or a folder of "
-                         "text files")
-    folder, run = resolve_model(ns.source)  # fail on a bad folder before loading anything
-    cfg = None
-    if run is not None:
-        from meshfit.train.config import load_config
-
-        try:
-            cfg = load_config(run / "config.toml")
-        except ValueError as err:
-            if ns.data is None:
-                raise ValueError(f"{run / 'config.toml'}: {err}; or give --data PATH") from None
-    model, tokenizer, folder, run = _load(ns.source, ns.device)
-    ctx = context_length(model)
-    seq_len = ns.seq_len
-    if seq_len is None:
-        seq_len = cfg.train.seq_len if cfg is not None else min(ctx or 1024, 1024)
-    if ctx is not None and seq_len > ctx:
-        raise ValueError(f"--seq-len={seq_len} exceeds the model's context of {ctx} tokens; "
-                         f"use --seq-len {ctx} or less")
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and tokenizer.vocab_size > vocab:
-        raise ValueError(f"RUN_OR_MODEL={ns.source!r}: the tokenizer has {tokenizer.vocab_size} "
-                         f"ids but the model only {vocab}; save the model with its own tokenizer")
-    cache_dir = (cfg.data.cache_dir or None) if cfg is not None else None
-    if ns.data is not None:  # all of the given text
-        tokens = load_tokens(ns.data, tokenizer=tokenizer, cache_dir=cache_dir,
-                             val_fraction=0.0).train
-        where = f"--data={ns.data!r} holds"
-    elif cfg is not None and callable(getattr(cfg, "load_tokens", None)):
-        tokens = cfg.load_tokens().val  # the run's own split: its source, tokenizer, fraction
-    else:  # the validation split of the run's data (the built-in corpus outside a run)
-        path = (cfg.data.path or None) if cfg is not None else None
-        tokens = load_tokens(path, tokenizer=tokenizer, cache_dir=cache_dir).val
-        where = "the validation split holds"
-    if tokens.size < seq_len + 1:
-        raise ValueError(f"--seq-len={seq_len}: {where} only {tokens.size} tokens, fewer than "
-                         "one window of seq_len + 1; lower --seq-len or give more --data")
-    loss, n = evaluate_loss(model, tokens, seq_len, batches=ns.batches,
-                            batch_size=ns.batch_size)
-    print(f"loss {loss:.6f} perplexity {math.exp(min(loss, 700.0)):.4f} on {n} tokens")
-    return 0

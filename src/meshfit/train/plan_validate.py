@@ -145,8 +145,6 @@ def _loss(model, x, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-
-
 def _run_plans(rank, world_size, jobs, model_spec, seq_len, global_batch_size, dtype, steps,
                optimizer):
     out = {}
@@ -157,27 +155,18 @@ def _run_plans(rank, world_size, jobs, model_spec, seq_len, global_batch_size, d
 
 
 def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, optimizer):
+    """One plan's layout on this rank: `steps` optimizer steps on random tokens; its median
+    step time after the first and its peak bytes."""
     import torch
-    import torch.distributed as dist
     from torch import nn
 
-    from meshfit import Accelerator, ParallelDims, optim
-    from meshfit.memory import net_peak_bytes, rank_report
+    from meshfit import optim
 
     pp = lay["pp"]
-    dp = lay["dp_replicate"] * lay["dp_shard"]
     m = lay["microbatches"] if pp > 1 else 1
-    mbs = lay["micro_batch_size"]
-    accum = global_batch_size // dp // (mbs * m)
-    dims = ParallelDims(pp=pp, dp_replicate=lay["dp_replicate"], dp_shard=lay["dp_shard"],
-                        tp=lay["tp"])
-    acc = Accelerator(parallel=dims, zero_stage=lay["zero_stage"],
-                      offload="cpu" if lay["offload"] else "none",
-                      sequence_parallel=lay["sequence_parallel"],
-                      loss_parallel=lay["loss_parallel"],
-                      mixed_precision="no" if dtype == "fp32" else dtype,
-                      activation_checkpointing=lay["activation_checkpointing"],
-                      gradient_accumulation_steps=accum)
+    accum = global_batch_size // (lay["dp_replicate"] * lay["dp_shard"]) // (
+        lay["micro_batch_size"] * m)
+    acc = _accelerator(lay, dtype, accum)
     model = _build(model_spec)
     vocab = model.config.vocab_size  # GPTConfig and transformers configs alike
     if pp > 1:
@@ -189,20 +178,44 @@ def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, op
         prepared = measured = acc.prepare(model)
     opt = acc.prepare(optim.build(optimizer, measured, lr=1e-4))
     g = torch.Generator().manual_seed(1000 + acc.runtime.dp_rank)
-    rows = mbs * m
     batches = []
     for _ in range(accum):
-        tokens = torch.randint(0, vocab, (rows, seq_len + 1), generator=g).to(acc.device)
+        tokens = torch.randint(0, vocab, (lay["micro_batch_size"] * m, seq_len + 1),
+                               generator=g).to(acc.device)
         batches.append((tokens[:, :-1], tokens[:, 1:]))
 
-    def micro_step(x, y):
-        with acc.accumulate():
-            if pp > 1:
-                prepared.step(x, y, scale=1 / accum)
-            else:
-                acc.backward(_loss(prepared, x, y))
-            opt.step()
-            opt.zero_grad()
+    def forward_backward(x, y):
+        if pp > 1:
+            prepared.step(x, y, scale=1 / accum)
+        else:
+            acc.backward(_loss(prepared, x, y))
+
+    times = _timed_steps(acc, opt, batches, forward_backward, steps)
+    return {"device": acc.device.type, "step_s": statistics.median(times[1:]),
+            "peak_bytes": _peak_bytes(acc, opt, measured, batches[0], forward_backward),
+            "rank": rank}
+
+
+def _accelerator(lay: dict, dtype: str, accum: int):
+    """The plan's layout as an `Accelerator`."""
+    from meshfit import Accelerator, ParallelDims
+
+    dims = ParallelDims(pp=lay["pp"], dp_replicate=lay["dp_replicate"],
+                        dp_shard=lay["dp_shard"], tp=lay["tp"])
+    return Accelerator(parallel=dims, zero_stage=lay["zero_stage"],
+                       offload="cpu" if lay["offload"] else "none",
+                       sequence_parallel=lay["sequence_parallel"],
+                       loss_parallel=lay["loss_parallel"],
+                       mixed_precision="no" if dtype == "fp32" else dtype,
+                       activation_checkpointing=lay["activation_checkpointing"],
+                       gradient_accumulation_steps=accum)
+
+
+def _timed_steps(acc, opt, batches, forward_backward, steps: int) -> list[float]:
+    """Seconds of each of `steps` optimizer steps, every rank waiting for the others at both
+    ends; on CUDA the peak memory is counted from the last step's start."""
+    import torch
+    import torch.distributed as dist
 
     cuda = acc.device.type == "cuda"
     times = []
@@ -214,29 +227,36 @@ def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, op
             dist.barrier()
         start = time.perf_counter()
         for x, y in batches:
-            micro_step(x, y)
+            with acc.accumulate():
+                forward_backward(x, y)
+                opt.step()
+                opt.zero_grad()
         if cuda:
             torch.cuda.synchronize()
         if dist.is_initialized():
             dist.barrier()
         times.append(time.perf_counter() - start)
-    if cuda:
-        peak = torch.cuda.max_memory_allocated(acc.device)
-    else:
-        # Model states with the gradients present (one more forward and backward, not
-        # stepped), then the largest net allocation of another, as the estimate counts.
-        x, y = batches[0]
+    return times
 
-        def forward_backward():
-            with acc.accumulate():
-                if pp > 1:
-                    prepared.step(x, y, scale=1 / accum)
-                else:
-                    acc.backward(_loss(prepared, x, y))
 
-        forward_backward()
-        states = rank_report(measured, opt).total_bytes
-        peak = states + net_peak_bytes(forward_backward)
-        opt.zero_grad()
-    return {"device": acc.device.type, "step_s": statistics.median(times[1:]),
-            "peak_bytes": peak, "rank": rank}
+def _peak_bytes(acc, opt, measured, batch, forward_backward) -> int:
+    """This rank's peak bytes as the estimate counts them: on CUDA the allocator's peak over
+    the last step; on the CPU the model states with the gradients present (one more forward
+    and backward, not stepped), then the largest net allocation of another."""
+    import torch
+
+    from meshfit.memory import net_peak_bytes, rank_report
+
+    if acc.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(acc.device)
+    x, y = batch
+
+    def once():
+        with acc.accumulate():
+            forward_backward(x, y)
+
+    once()
+    states = rank_report(measured, opt).total_bytes
+    peak = states + net_peak_bytes(once)
+    opt.zero_grad()
+    return peak

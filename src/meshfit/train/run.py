@@ -19,7 +19,7 @@ from meshfit.train.config import RunConfig
 from meshfit.train.runfolder import append_line, atomic_write_text
 
 __all__ = ["Checkpoints", "Diverged", "MetricsWriter", "Preempted", "Stalled", "StopOnSignal",
-           "Window", "collective_deadline"]
+           "Window", "collective_deadline", "find_checkpoint", "newest_checkpoint"]
 
 
 class Window:
@@ -133,6 +133,22 @@ class StopOnSignal:
         self.previous = {}
 
 
+def newest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root` (None: there is none)."""
+    from meshfit.checkpoint import latest
+
+    return latest(root)
+
+
+def find_checkpoint(root: Path) -> Path:
+    """The newest complete checkpoint under `root`, for --resume (one line if none)."""
+    folder = newest_checkpoint(root)
+    if folder is None:
+        raise ValueError(f"--resume: {root} holds no complete checkpoint; train with "
+                         "--checkpoint.every=N to write some")
+    return folder
+
+
 class Checkpoints:
     """The run's checkpoints, ``OUT/checkpoints/step-<N>/`` ([checkpoint] every, keep)."""
 
@@ -166,21 +182,9 @@ class Checkpoints:
         if self.acc.wait_for_checkpoint() is not None:
             self._prune()
 
-    def newest(self) -> Path | None:
-        from meshfit.checkpoint import latest
-
-        return latest(self.root)
-
-    def find(self) -> Path:
-        folder = self.newest()
-        if folder is None:
-            raise ValueError(f"--resume: {self.root} holds no complete checkpoint; train with "
-                             "--checkpoint.every=N to write some")
-        return folder
-
     def resume(self) -> int:
         """Load the newest complete checkpoint; returns its step."""
-        folder = self.find()
+        folder = find_checkpoint(self.root)
         manifest = self.acc.load_state(folder)
         self.acc.print(f"meshfit train: resuming from {folder} (step {manifest.step} of "
                        f"{self.steps}, saved by {manifest.world_size} process(es))")

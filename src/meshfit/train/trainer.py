@@ -1,31 +1,279 @@
 """`meshfit train`: the config-driven training loop, read top to bottom.
 
 Built on `Accelerator`: the same prepare/accumulate/backward calls a user's own loop makes.
-Rank 0 writes ``metrics.jsonl`` (one JSON object per logged step, evaluation lines carry
-``val_loss``) and the resolved ``config.toml`` in the run folder.
+`train` sets the run up (data, model, the Accelerator with the model's plans, optimizer,
+loaders), then `_steps` runs it: each step accumulates, steps the optimizer and the schedule,
+and logs, evaluates, checkpoints and answers a stop signal when due. Rank 0 writes
+``metrics.jsonl`` (one JSON object per logged step, evaluation lines carry ``val_loss``) and
+the resolved ``config.toml`` in the run folder. What the loop trains (a model, or this rank's
+pipeline stages) is behind `meshfit.train.adapters`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Subset
 
 from meshfit.accelerator import Accelerator
-from meshfit.train.config import RunConfig
-from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, StopOnSignal, Window,
-                               collective_deadline)
 from meshfit.data import TokenDataset
 from meshfit.distributed import DistEnv, init
 from meshfit.parallel.ep import moe_modules
+from meshfit.train.adapters import PIPELINE_TIMED_STEPS, ModelSteps, prepare_steps
+from meshfit.train.config import RunConfig
+from meshfit.train.models import build_model, plans, resolve_plan, write_final_model
 from meshfit.train.observe import RunReporter, timed_batches
-from meshfit.train.models import (build_model, loss_function, plans, resolve_plan,
-                                  write_final_model)
+from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, StopOnSignal, Window,
+                               collective_deadline, find_checkpoint, newest_checkpoint)
+
+__all__ = ["build_accelerator", "build_optimizer", "lr_lambda", "train"]
+
+
+def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
+          resume: bool = False) -> dict:
+    """Train the model of [model] as `cfg` says, then write its weights to ``out_dir/model``
+    (or the LoRA adapter to ``out_dir/adapter``); returns the last metrics. Call on every rank.
+    `resume`: continue from the newest complete checkpoint in ``out_dir/checkpoints``."""
+    t = cfg.train
+    env = env or init(timeout_s=t.timeout_s)
+    resume = _resumes(env, out_dir / "checkpoints", resume)  # fails fast, before any build
+    with _rank_zero_first(env):  # rank 0 builds the token cache, the others reuse it
+        splits = cfg.load_tokens()
+    torch.manual_seed(t.seed)
+    model = build_model(cfg, splits.vocab_size)
+    acc = build_accelerator(cfg, env, tp_plan=resolve_plan(plans(cfg)[0], model))
+    # Parallelise first, then build the optimizer over the prepared parameters (torchtitan's
+    # order: a fused optimizer checks the parameters' device when it is built; under ZeRO-2/3
+    # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
+    chunks = cfg.microbatches(env.world_size)
+    trained = prepare_steps(acc, cfg, model, chunks)
+    exchanges = _timed_exchanges(trained)
+    micro = t.micro_batch_size
+    if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
+        micro, _ = _find_micro_batch(acc, trained, t.seq_len, splits.vocab_size, micro,
+                                     acc.gradient_accumulation_steps)
+    optimizer = build_optimizer(trained.params, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    train_loader, val_loader = _loaders(acc, cfg, splits, trained, micro * chunks, micro)
+    optimizer, train_loader, val_loader, scheduler = acc.prepare(
+        optimizer, train_loader, val_loader, scheduler)
+    acc.print(_banner(acc, model, trained, micro, splits.train.shape[0], out_dir))
+    checkpoints = Checkpoints(acc, cfg, out_dir / "checkpoints")
+    start = checkpoints.resume() if resume else 0
+    main_out = out_dir if acc.is_main_process else None
+    wait = [0.0]  # seconds spent waiting for batches in this window
+    loop = _Loop(
+        acc=acc, cfg=cfg, trained=trained, optimizer=optimizer, scheduler=scheduler,
+        val_loader=val_loader, out_dir=out_dir, exchanges=exchanges, checkpoints=checkpoints,
+        accum=acc.gradient_accumulation_steps,
+        writer=MetricsWriter(main_out, cfg, after_step=start),
+        progress=RunReporter(acc, cfg, main_out, model, t.steps),
+        batches=timed_batches(_batches(train_loader, _loader_name(
+            train_loader, t.seq_len, micro * chunks, acc.runtime.dp_size)), wait),
+        wait=wait, window=Window(acc, t.global_batch_size * t.seq_len))
+    last = _steps(loop, start)
+    with collective_deadline(acc.process_index, t.timeout_s, "writing the final model"):
+        written = write_final_model(acc, trained.exported, model, cfg, splits.tokenizer,
+                                    out_dir, splits.vocab_size)
+    for folder in written:
+        acc.print(f"meshfit train: wrote {folder}")
+    acc.print(f"done: loss {last.get('loss')}, val_loss {last.get('val_loss')}")
+    acc.wait_for_everyone()
+    return last
+
+
+# ------------------------------------------------------------------------------ the loop
+@dataclass(frozen=True, kw_only=True)
+class _Loop:
+    """What the loop's steps share, built once by `train`."""
+
+    acc: Accelerator
+    cfg: RunConfig
+    trained: object
+    """The step adapter (`meshfit.train.adapters`)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    val_loader: object
+    out_dir: Path
+    exchanges: list
+    """Expert-parallel exchanges, timed for the routing metrics."""
+    checkpoints: Checkpoints
+    accum: int
+    """Micro-batches per optimizer step on each rank."""
+    writer: MetricsWriter
+    progress: RunReporter
+    batches: object
+    """The endless stream of training batches."""
+    wait: list
+    """[seconds spent waiting for batches in this window]."""
+    window: Window
+
+
+def _steps(loop: _Loop, start: int) -> dict:
+    """Optimizer steps start + 1 .. train.steps (an evaluation first on a new run); returns
+    the last metrics. A stop signal ends the run with a checkpoint (`Preempted`)."""
+    t, acc = loop.cfg.train, loop.acc
+    last = {"step": start}
+    if start == 0:
+        last = _validation(loop, start)
+    loop.window.restart()  # the first window begins after that evaluation
+    stop = StopOnSignal()
+    step = start + 1  # the step in progress, for a timeout's message
+    with collective_deadline(acc.process_index, t.timeout_s, lambda: f"step {step}"):
+        for step in range(start + 1, t.steps + 1):
+            logged = step % t.log_every == 0 or step == t.steps
+            grad_norm = _optimizer_step(loop, logged)
+            loop.trained.after_step(step, loop.out_dir)
+            if step == PIPELINE_TIMED_STEPS and acc.device.type == "cuda":
+                for ep in loop.exchanges:  # timing synchronises the device around each one
+                    ep.timing = False
+            if logged:
+                last = _log(loop, step, grad_norm)
+            if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+                last.update(_untimed(loop, lambda: _validation(loop, step)))
+            if loop.checkpoints.due(step):
+                _untimed(loop, lambda: loop.checkpoints.save(step))
+            _stop_if_asked(loop, stop, step)
+    stop.restore()
+    loop.checkpoints.finish()
+    loop.progress.finish()
+    return last
+
+
+def _optimizer_step(loop: _Loop, logged: bool) -> float | None:
+    """One optimizer step: forward and backward over its micro-batches, the gradients
+    clipped, the optimizer and the schedule stepped. Returns the gradient norm of a logged
+    step (measured even without clipping), else None."""
+    t, acc, trained = loop.cfg.train, loop.acc, loop.trained
+    grad_norm = None
+    for _ in range(loop.accum):
+        x, y = next(loop.batches)
+        with trained.accumulate():
+            loss = trained.forward_backward(x, y, loop.accum)
+            if acc.sync_gradients and (t.grad_clip > 0 or logged):
+                norm = trained.clip(t.grad_clip if t.grad_clip > 0 else math.inf)
+                grad_norm = float(norm) if logged else None
+            loop.optimizer.step()
+            loop.scheduler.step()
+            loop.optimizer.zero_grad()
+        loop.window.add(loss)
+    loop.window.steps += 1
+    return grad_norm
+
+
+def _log(loop: _Loop, step: int, grad_norm: float | None) -> dict:
+    """The window's metrics line (loss, throughput, per-step figures, MoE routing), written
+    and shown; a new window begins."""
+    window_s = time.perf_counter() - loop.window.start
+    last = loop.window.close(step, loop.accum, float(loop.scheduler.get_last_lr()[0]))
+    last = loop.progress.step_figures(last, grad_norm=grad_norm, wait_s=loop.wait[0],
+                                      window_s=window_s)
+    loop.wait[0] = 0.0
+    last.update(_routing(loop.acc, loop.trained, window_s))
+    loop.writer.write(last)
+    loop.progress.report(last, step)
+    return last
+
+
+def _validation(loop: _Loop, step: int) -> dict:
+    """The validation loss after `step`, written and shown."""
+    with _exchanges_untimed(loop.exchanges):
+        val = {"step": step, "val_loss": round(_evaluate(loop.acc, loop.trained,
+                                                         loop.val_loader), 5)}
+    loop.writer.write(val)
+    loop.progress.report(val, step)
+    return val
+
+
+def _untimed(loop: _Loop, work):
+    """`work()`, its time left out of the window's training throughput."""
+    began = time.perf_counter()
+    out = work()
+    loop.window.start += time.perf_counter() - began
+    return out
+
+
+def _stop_if_asked(loop: _Loop, stop: StopOnSignal, step: int) -> None:
+    """A stop signal on any rank (every rank got here after the same step): the run ends
+    with a checkpoint of this step."""
+    signum = stop.requested(loop.acc)
+    if not signum:
+        return
+    loop.progress.finish()
+    loop.checkpoints.finish()
+    checkpoints = loop.checkpoints
+    folder = checkpoints.folder(step) if checkpoints.due(step) else \
+        checkpoints.save(step, wait=True)
+    stop.restore()
+    raise Preempted(signum, step, folder, loop.out_dir)
+
+
+# ------------------------------------------------------------------------------ the set-up
+def _resumes(env: DistEnv, root: Path, resume: bool) -> bool:
+    """Whether the run goes on from its newest complete checkpoint under `root`: asked
+    (--resume; a missing one fails here, before anything is built), or restarted by the
+    launcher after a worker failed (--max-restarts) with one to go on from."""
+    if resume:
+        find_checkpoint(root)
+        return True
+    if env.restart and newest_checkpoint(root) is not None:
+        if env.rank == 0:
+            print(f"meshfit train: restart {env.restart} of the workers")
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _rank_zero_first(env: DistEnv):
+    """Rank 0 runs the block first (it builds the token cache), then the others, as
+    `Accelerator.main_process_first` does: the Accelerator is built later, once the model
+    exists, with the model's tensor-parallel plan."""
+    from meshfit.distributed.settle import barrier
+
+    if env.is_distributed and env.rank != 0:
+        barrier()
+    yield
+    if env.is_distributed and env.rank == 0:
+        barrier()
+
+
+def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator:
+    """The `Accelerator` of a run: [train]'s single-device options, [parallel]'s layout,
+    the model's tensor-parallel plan (None: the model's built-in one)."""
+    from meshfit.accelerator.compat import DataLoaderConfiguration
+
+    t, p = cfg.train, cfg.parallel
+    return Accelerator(
+        # meshfit's own semantics where Accelerate's defaults differ: the schedule counts
+        # optimizer steps; each epoch shuffles from train.seed + epoch; --resume puts the
+        # loaders back where they stood.
+        step_scheduler_per_process=False,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed,
+                                                  use_stateful_dataloader=True),
+        gradient_accumulation_steps=cfg.grad_accumulation(env.world_size),
+        mixed_precision=t.mixed_precision, tf32=t.tf32,
+        activation_checkpointing=t.activation_checkpointing,
+        activation_checkpointing_every=t.activation_checkpointing_every,
+        activation_checkpointing_policy=t.activation_checkpointing_policy,
+        compile=t.compile, compile_backend=t.compile_backend, compile_mode=t.compile_mode,
+        compile_scope=t.compile_scope, empty_cache_steps=t.empty_cache_steps,
+        parallel=p.dims(), zero_stage=p.zero_stage, offload=p.offload,
+        sync_each_batch=p.sync_each_batch, sequence_parallel=p.sequence_parallel,
+        loss_parallel=p.loss_parallel, tp_plan=tp_plan, env=env)
+
+
+def _timed_exchanges(trained) -> list:
+    """The expert-parallel exchanges of the trained modules, timed from now: always on the
+    CPU (gloo waits anyway), on CUDA for the first steps (see `_steps`)."""
+    exchanges = [m.ep for m in moe_modules(trained.modules) if m.ep is not None]
+    for ep in exchanges:
+        ep.timing = True
+    return exchanges
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -36,130 +284,6 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
     o = cfg.optim
     return optim.build(o.optimizer, model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
                        eps=o.eps, momentum=o.momentum)
-
-
-def preflight(cfg: RunConfig, world_size: int | None = None,
-              local_world_size: int | None = None) -> list[str]:
-    """Checks that need this machine (the device the workers will use, installed libraries),
-    run before any process is launched; raises a one-line ValueError, returns warnings
-    (with `world_size`, also the layout's: `meshfit.parallel.layout.Layout.warnings`)."""
-    from meshfit import distributed as mdist
-    from meshfit.accelerator.precision import Precision
-    from meshfit.models.gpt import check_attention_backend
-    from meshfit.train.batch_size import shape_advice
-    from meshfit.train.models import check_model_source
-
-    cuda = torch.cuda.is_available() and not mdist.cpu_requested(None)
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    precision = Precision(cfg.train.mixed_precision, device)
-    # The model's vocabulary is the tokenizer's for the reference GPT (the gpt2 preset's
-    # 50257 becomes 256 on bytes); other models must hold the tokenizer's ids.
-    vocab_size = cfg.vocab_size()
-    model = _checked_model(cfg, vocab_size, check_model_source)
-    shape = None
-    if cfg.model.source == "preset":
-        model_cfg = cfg.model_config()
-        try:
-            check_attention_backend(cfg.model.attention_backend, device,
-                                    precision.dtype or torch.float32, head_dim=model_cfg.head_dim)
-        except ValueError as err:
-            raise ValueError(f"model.{err}") from None
-        shape = (model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size)
-    else:
-        c = getattr(model, "config", None)
-        width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
-        ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
-        if width and ff:
-            shape = (width, ff, getattr(c, "vocab_size", vocab_size))
-    if cfg.optim.optimizer == "adamw_8bit":
-        from meshfit import optim
-
-        optim.build("adamw_8bit", [torch.nn.Parameter(torch.zeros(1, device=device))], lr=1e-3)
-    warnings = list(cfg.layout(world_size, local_world_size).warnings) if world_size else []
-    if world_size:
-        check_data(cfg, world_size)
-    if (precision.dtype is None and not cfg.train.tf32) or shape is None:
-        return warnings
-    return warnings + shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
-                                   d_model=shape[0], d_ff=shape[1], vocab_size=shape[2])
-
-
-def _checked_model(cfg: RunConfig, vocab_size: int, check):
-    """`check(cfg, vocab_size)` (the model built on the meta device), with what a user's
-    model source raises while being read or built (an unreadable or malformed config.json,
-    a factory that is not a function, a library's multi-line message) as one line naming the
-    [model] key."""
-    source = cfg.model.source
-    if source == "preset":
-        return check(cfg, vocab_size)
-    field = f"model.{source}={getattr(cfg.model, source)!r}"
-    try:
-        return check(cfg, vocab_size)
-    except ValueError as err:
-        text = " ".join(str(err).split())
-        if text == str(err):
-            raise
-        raise ValueError(text if text.startswith("model.") else f"{field}: {text}") from None
-    except (OSError, TypeError, KeyError, AttributeError) as err:
-        text = " ".join(str(err).split()) or type(err).__name__
-        raise ValueError(f"{field}: the model cannot be built ({type(err).__name__}: {text}); "
-                         "check that source") from None
-
-
-def _data_source(cfg: RunConfig) -> str:
-    """The [data] key that names the run's text, as an error message spells it."""
-    d = cfg.data
-    if d.hf_dataset:
-        return f"data.hf_dataset={d.hf_dataset!r}"
-    if d.path:
-        return f"data.path={d.path!r}"
-    return "the built-in corpus (data.path unset)"
-
-
-def check_data(cfg: RunConfig, world_size: int) -> None:
-    """Before launch: the run's token splits can be read (the cache is built here if missing,
-    and the workers reuse it) and hold one global batch of training windows and the
-    validation windows the evaluation needs; one-line ValueError otherwise. A training split
-    smaller than one batch per data-parallel rank would give every epoch zero batches."""
-    from meshfit.data import DEFAULT_VAL_FRACTION
-
-    t = cfg.train
-    source = _data_source(cfg)
-    try:
-        splits = cfg.load_tokens()
-    except OSError as err:
-        where = err.filename or source
-        cache = cfg.data.cache_dir or "~/.cache/meshfit/tokens"
-        field = (f"data.cache_dir={cache!r}" if str(where).startswith(
-            str(Path(cache).expanduser())) else source)
-        raise ValueError(f"{field}: cannot use {where} ({err.strerror or err}); make it "
-                         "readable (and the cache folder writable) or point the setting "
-                         "elsewhere") from None
-    dims = cfg.parallel.dims().resolve(world_size)
-    chunks = cfg.microbatches(world_size)
-    rows = t.micro_batch_size * chunks  # sequences per loader batch on one rank
-    accum = cfg.grad_accumulation(world_size)
-    n_train, n_val = int(splits.train.shape[0]), int(splits.val.shape[0])
-    windows = max(0, n_train - 1) // t.seq_len
-    if windows < t.global_batch_size:
-        raise ValueError(
-            f"{source} gives {windows} training windows of train.seq_len={t.seq_len} tokens "
-            f"({n_train} tokens), fewer than one global batch needs: "
-            f"train.global_batch_size={t.global_batch_size} (train.micro_batch_size="
-            f"{t.micro_batch_size} x {chunks} micro-batch(es) x {dims.dp} data-parallel "
-            f"rank(s) x {accum} accumulation); lower train.global_batch_size or train.seq_len, "
-            "or give more data")
-    val_windows = max(0, n_val - 1) // t.seq_len
-    need_val = rows * dims.dp if dims.pp > 1 else 1
-    if val_windows < need_val:
-        unit = (f"one pipeline batch of {rows} per data-parallel rank x {dims.dp}"
-                if dims.pp > 1 else "one")
-        raise ValueError(
-            f"{source} gives {val_windows} validation windows of train.seq_len={t.seq_len} "
-            f"tokens ({n_val} tokens), fewer than {unit}; lower train.seq_len"
-            f"{' or train.micro_batch_size' if dims.pp > 1 else ''}, or give more data "
-            f"(validation takes whole files, or the last {DEFAULT_VAL_FRACTION:.0%} of the "
-            "tokens)")
 
 
 def lr_lambda(cfg: RunConfig):
@@ -175,132 +299,7 @@ def lr_lambda(cfg: RunConfig):
     return factor
 
 
-class _Model:
-    """What the loop trains when there is no pipeline: a model from `Accelerator.prepare`,
-    one forward and backward per micro-batch."""
-
-    whole_batches = False  # any number of evaluation sequences will do
-
-    def __init__(self, acc: Accelerator, model: torch.nn.Module, loss):
-        self.acc, self.model, self.loss = acc, model, loss
-        self.modules = [model]  # switched between train() and eval()
-        self.params = model  # what the optimizer's parameter groups are built from
-        self.description = ""
-        self.exported = model  # what the final weights are gathered from
-        self.moes = _gpt_moes(model)
-
-    def accumulate(self):
-        return self.acc.accumulate(self.model)
-
-    def forward_backward(self, x, y, accum: int) -> torch.Tensor:
-        loss = self.loss(self.model, x, y)
-        self.acc.backward(loss)  # divides by the accumulation steps itself
-        # A mixture of experts' loss includes its auxiliary losses (the reference GPT's MoE
-        # blocks; a transformers MoE with output_router_logits): the reported loss is the
-        # cross-entropy (as under pp), the auxiliary part is reported apart.
-        aux = [m.last_aux_loss.detach() for m in self.moes if m.last_aux_loss is not None]
-        hf_aux = getattr(self.loss, "last_aux", None)  # a transformers MoE's router loss
-        if hf_aux is not None:
-            aux.append(hf_aux)
-        return loss.detach() - sum(aux) if aux else loss
-
-    def eval_loss(self, x, y) -> torch.Tensor:
-        return self.loss(self.model, x, y)
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        return self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
-
-    def after_step(self, step: int, out_dir: Path) -> None:
-        pass
-
-
-class _Pipelined:
-    """What the loop trains under pp > 1: this rank's `Pipeline`, whose `step` runs forward
-    and backward over all of a batch's micro-batches."""
-
-    whole_batches = True  # evaluation batches are cut into micro-batches too
-
-    def __init__(self, acc: Accelerator, pipeline, cfg: RunConfig, micro: int, chunks: int):
-        self.acc, self.pipeline, self.steps = acc, pipeline, cfg.train.steps
-        self.modules = pipeline.wrapped_modules
-        self.params = torch.nn.ModuleList(pipeline.modules)  # this rank's stages
-        self.exported = pipeline
-        self.description = (f", {cfg.parallel.schedule} schedule with {chunks} micro-batches "
-                            f"of {micro} (stages begin at blocks {pipeline.points})")
-
-    def accumulate(self):
-        return self.acc.accumulate()  # the schedule synchronises on its last micro-batch
-
-    def forward_backward(self, x, y, accum: int) -> torch.Tensor:
-        return self.pipeline.step(x, y, scale=1.0 / accum)
-
-    def eval_loss(self, x, y) -> torch.Tensor:
-        return self.pipeline.eval_loss(x, y)
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        return self.acc.clip_grad_norm_(self.pipeline, max_norm)  # every stage's part
-
-    def after_step(self, step: int, out_dir: Path) -> None:
-        if step == min(self.steps, PIPELINE_TIMED_STEPS):
-            _save_pipeline_timings(self.pipeline,
-                                   out_dir if self.acc.is_main_process else None)
-
-
-@contextlib.contextmanager
-def _untimed(exchanges):
-    """Expert-parallel exchanges of an evaluation are not the training window's."""
-    saved = [ep.timing for ep in exchanges]
-    for ep in exchanges:
-        ep.timing = False
-    try:
-        yield
-    finally:
-        for ep, timing in zip(exchanges, saved):
-            ep.timing = timing
-
-
-def _gpt_moes(model: torch.nn.Module) -> list:
-    """The reference GPT's MoE blocks (their auxiliary losses are inside its loss)."""
-    from meshfit.models import GPT
-    from meshfit.parallel.ep import moe_modules
-
-    base = getattr(model, "module", model)
-    return moe_modules([base]) if isinstance(base, GPT) else []
-
-
-def _routing(acc: Accelerator, trained, elapsed_s: float) -> dict:
-    """The MoE metrics of the logged step (`meshfit.parallel.ep.routing_metrics`: the last
-    micro-batch's routing) and the share of the window spent in expert-parallel
-    all-to-alls; {} for a dense model. A collective: every rank calls it."""
-    from meshfit.parallel.ep import moe_modules, routing_metrics
-
-    if not trained.has_moe:
-        return {}
-    pp = acc.layout.axis_mesh(acc.mesh, "pp")
-    out = routing_metrics(moe_modules(trained.modules), dp_group=acc.runtime.dp_group,
-                          dp_size=acc.runtime.dp_size,
-                          pp_group=None if pp is None else pp.get_group())
-    if out and any(m.ep is not None and m.ep.timing for m in moe_modules(trained.modules)):
-        out["moe_a2a_share"] = round(min(1.0, out["moe_a2a_s"] / max(elapsed_s, 1e-9)), 4)
-    return out
-
-
-def _evaluate(acc: Accelerator, trained, loader) -> float:
-    for m in trained.modules:
-        m.eval()
-    total = torch.zeros(2, device=acc.device)
-    with torch.no_grad():
-        for x, y in loader:
-            loss = trained.eval_loss(x, y)
-            total += torch.stack([loss.detach().float().to(acc.device) * x.shape[0],
-                                  torch.tensor(float(x.shape[0]), device=acc.device)])
-    for m in trained.modules:
-        m.train()
-    total = acc.reduce(total, "sum")
-    return (total[0] / total[1]).item()
-
-
-def _find_micro_batch(acc: Accelerator, trained: _Model, seq_len: int, vocab: int,
+def _find_micro_batch(acc: Accelerator, trained: ModelSteps, seq_len: int, vocab: int,
                       micro: int, accum: int) -> tuple[int, int]:
     """The largest micro-batch (halving from `micro`) whose forward and backward fit on every
     rank, with the accumulation that keeps the global batch. Ranks agree through one MIN
@@ -332,64 +331,6 @@ def _find_micro_batch(acc: Accelerator, trained: _Model, seq_len: int, vocab: in
     return micro, accum
 
 
-def _batches(loader, what: str = "the training loader"):
-    """An endless stream of batches, epoch after epoch (each with its own shuffling).
-    Raises a one-line ValueError naming `what` when two passes in a row yield no batch
-    (the first pass after resuming at an epoch's end may be empty; two cannot be), instead
-    of looping forever."""
-    empty = 0
-    while True:
-        got = False
-        for batch in loader:
-            got, empty = True, 0
-            yield batch
-        empty = 0 if got else empty + 1
-        if empty >= 2:
-            raise ValueError(f"{what} yields no batch: an epoch holds fewer windows than one "
-                             "batch per data-parallel rank; lower train.micro_batch_size or "
-                             "train.seq_len, or give more data")
-
-
-def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator:
-    """The `Accelerator` of a run: [train]'s single-device options, [parallel]'s layout,
-    [model]'s tensor-parallel plan (None: the model's built-in one)."""
-    from meshfit.accelerator.compat import DataLoaderConfiguration
-
-    t, p = cfg.train, cfg.parallel
-    return Accelerator(
-        # meshfit's own semantics where Accelerate's defaults differ: the schedule counts
-        # optimizer steps; each epoch shuffles from train.seed + epoch; --resume puts the
-        # loaders back where they stood.
-        step_scheduler_per_process=False,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed,
-                                                  use_stateful_dataloader=True),
-        gradient_accumulation_steps=cfg.grad_accumulation(env.world_size),
-        mixed_precision=t.mixed_precision, tf32=t.tf32,
-        activation_checkpointing=t.activation_checkpointing,
-        activation_checkpointing_every=t.activation_checkpointing_every,
-        activation_checkpointing_policy=t.activation_checkpointing_policy,
-        compile=t.compile, compile_backend=t.compile_backend, compile_mode=t.compile_mode,
-        compile_scope=t.compile_scope, empty_cache_steps=t.empty_cache_steps,
-        parallel=p.dims(), zero_stage=p.zero_stage, offload=p.offload,
-        sync_each_batch=p.sync_each_batch, sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel, tp_plan=tp_plan, env=env)
-
-
-def _prepare_model(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module, chunks: int):
-    """The prepared model, or under pp > 1 this rank's pipeline: each pipeline step takes
-    micro x chunks sequences per data-parallel rank and cuts them into `chunks`
-    micro-batches (the global batch is micro x chunks x dp x accumulation)."""
-    if acc.parallel.pp == 1:
-        return _Model(acc, acc.prepare(model), loss_function(model))
-    p = cfg.parallel
-    pipeline = acc.prepare_pipeline(model, schedule=p.schedule, microbatches=chunks,
-                                    virtual_stages=p.virtual_stages,
-                                    plan=resolve_plan(plans(cfg)[1], model),
-                                    init_seed=cfg.train.seed,
-                                    record_timings=True)  # for PIPELINE_TIMED_STEPS steps
-    return _Pipelined(acc, pipeline, cfg, cfg.train.micro_batch_size, chunks)
-
-
 def _loaders(acc: Accelerator, cfg: RunConfig, splits, trained, rows: int, micro: int):
     """Training batches of `rows` sequences per data-parallel rank, shuffled from the run's
     seed, and the validation set: eval_batches micro-batches per rank, in whole pipeline
@@ -416,6 +357,30 @@ def _loaders(acc: Accelerator, cfg: RunConfig, splits, trained, rows: int, micro
     return train, val
 
 
+def _loader_name(loader, seq_len: int, rows: int, dp: int) -> str:
+    """The training loader as an error names it."""
+    return (f"the training loader ({len(loader.dataset)} windows of train.seq_len="
+            f"{seq_len} tokens, batches of {rows} per rank on {dp} data-parallel rank(s))")
+
+
+def _batches(loader, what: str = "the training loader"):
+    """An endless stream of batches, epoch after epoch (each with its own shuffling).
+    Raises a one-line ValueError naming `what` when two passes in a row yield no batch
+    (the first pass after resuming at an epoch's end may be empty; two cannot be), instead
+    of looping forever."""
+    empty = 0
+    while True:
+        got = False
+        for batch in loader:
+            got, empty = True, 0
+            yield batch
+        empty = 0 if got else empty + 1
+        if empty >= 2:
+            raise ValueError(f"{what} yields no batch: an epoch holds fewer windows than one "
+                             "batch per data-parallel rank; lower train.micro_batch_size or "
+                             "train.seq_len, or give more data")
+
+
 def _banner(acc: Accelerator, model: torch.nn.Module, trained, micro: int, tokens: int,
             out_dir: Path) -> str:
     n_params = sum(p.numel() for p in model.parameters())
@@ -431,145 +396,48 @@ def _banner(acc: Accelerator, model: torch.nn.Module, trained, micro: int, token
             f"tokens -> {out_dir}")
 
 
-def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
-          resume: bool = False) -> dict:
-    """Train the model of [model] as `cfg` says, then write its weights to ``out_dir/model``
-    (or the LoRA adapter to ``out_dir/adapter``); returns the last metrics. Call on every rank.
-    `resume`: continue from the newest complete checkpoint in ``out_dir/checkpoints``."""
-    t = cfg.train
-    env = env or init(timeout_s=t.timeout_s)
-    acc = build_accelerator(cfg, env)
-    checkpoints = Checkpoints(acc, cfg, out_dir / "checkpoints")
-    if resume:
-        checkpoints.find()  # before anything is built: a missing checkpoint fails fast
-    elif env.restart and checkpoints.newest() is not None:
-        # Restarted by the launcher after a worker failed (--max-restarts): go on from the
-        # newest complete checkpoint rather than from the start.
-        acc.print(f"meshfit train: restart {env.restart} of the workers")
-        resume = True
-    with acc.main_process_first():  # rank 0 builds the token cache, the others reuse it
-        splits = cfg.load_tokens()
-    torch.manual_seed(t.seed)
-    model = build_model(cfg, splits.vocab_size)
-    tp_plan = resolve_plan(plans(cfg)[0], model)
-    if tp_plan is not None:
-        acc.model_options = dataclasses.replace(acc.model_options, tp_plan=tp_plan)
-    # Parallelise first, then build the optimizer over the prepared parameters (torchtitan's
-    # order: a fused optimizer checks the parameters' device when it is built; under ZeRO-2/3
-    # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
-    micro, chunks = t.micro_batch_size, cfg.microbatches(env.world_size)
-    trained = _prepare_model(acc, cfg, model, chunks)
-    trained.has_moe = bool(moe_modules([model]))  # on any stage: every rank logs routing
-    exchanges = [m.ep for m in moe_modules(trained.modules) if m.ep is not None]
-    for ep in exchanges:  # timed always on the CPU (gloo waits anyway), on CUDA at first
-        ep.timing = True
-    if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
-        micro, _ = _find_micro_batch(acc, trained, t.seq_len, splits.vocab_size, micro,
-                                     acc.gradient_accumulation_steps)
-    optimizer = build_optimizer(trained.params, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    train_loader, val_loader = _loaders(acc, cfg, splits, trained, micro * chunks, micro)
-    optimizer, train_loader, val_loader, scheduler = acc.prepare(
-        optimizer, train_loader, val_loader, scheduler)
-    acc.print(_banner(acc, model, trained, micro, splits.train.shape[0], out_dir))
-    start = checkpoints.resume() if resume else 0
-    writer = MetricsWriter(out_dir if acc.is_main_process else None, cfg, after_step=start)
-
-    accum = acc.gradient_accumulation_steps
-    progress = RunReporter(acc, cfg, out_dir if acc.is_main_process else None, model, t.steps)
-    last: dict = {"step": start}
-    if start == 0:
-        with _untimed(exchanges):
-            last["val_loss"] = round(_evaluate(acc, trained, val_loader), 5)
-        writer.write(last)
-        progress.report(last, start)
-    wait = [0.0]  # seconds spent waiting for batches in this window
-    batches = timed_batches(_batches(train_loader, (
-        f"the training loader ({len(train_loader.dataset)} windows of train.seq_len="
-        f"{t.seq_len} tokens, batches of {micro * chunks} per rank on "
-        f"{acc.runtime.dp_size} data-parallel rank(s))")), wait)
-    window = Window(acc, t.global_batch_size * t.seq_len)
-    stop = StopOnSignal()
-    step = start + 1  # the step in progress, for a timeout's message
-    with collective_deadline(acc.process_index, t.timeout_s, lambda: f"step {step}"):
-        for step in range(start + 1, t.steps + 1):
-            logged = step % t.log_every == 0 or step == t.steps
-            grad_norm = None
-            for _ in range(accum):
-                x, y = next(batches)
-                with trained.accumulate():
-                    loss = trained.forward_backward(x, y, accum)
-                    if acc.sync_gradients and (t.grad_clip > 0 or logged):
-                        # the norm of a logged step is measured even without clipping
-                        norm = trained.clip(t.grad_clip if t.grad_clip > 0 else math.inf)
-                        grad_norm = float(norm) if logged else None
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
-                window.add(loss)
-            window.steps += 1
-            trained.after_step(step, out_dir)
-            if step == PIPELINE_TIMED_STEPS and acc.device.type == "cuda":
-                for ep in exchanges:  # timing synchronises the device around each exchange
-                    ep.timing = False
-            if logged:
-                window_s = time.perf_counter() - window.start
-                last = window.close(step, accum, float(scheduler.get_last_lr()[0]))
-                last = progress.step_figures(last, grad_norm=grad_norm, wait_s=wait[0],
-                                             window_s=window_s)
-                wait[0] = 0.0
-                last.update(_routing(acc, trained, window_s))
-                writer.write(last)
-                progress.report(last, step)
-            if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                began = time.perf_counter()
-                with _untimed(exchanges):
-                    val = {"step": step,
-                           "val_loss": round(_evaluate(acc, trained, val_loader), 5)}
-                writer.write(val)
-                progress.report(val, step)
-                last.update(val)
-                window.start += time.perf_counter() - began  # not training throughput
-            if checkpoints.due(step):
-                began = time.perf_counter()
-                checkpoints.save(step)
-                window.start += time.perf_counter() - began
-            signum = stop.requested(acc)
-            if signum:  # every rank got here after the same step
-                progress.finish()
-                checkpoints.finish()
-                folder = checkpoints.folder(step) if checkpoints.due(step) else \
-                    checkpoints.save(step, wait=True)
-                stop.restore()
-                raise Preempted(signum, step, folder, out_dir)
-    stop.restore()
-    checkpoints.finish()
-    progress.finish()
-    with collective_deadline(acc.process_index, t.timeout_s, "writing the final model"):
-        written = write_final_model(acc, trained.exported, model, cfg,
-                                    getattr(splits, "tokenizer", None), out_dir,
-                                    splits.vocab_size)
-    for folder in written:
-        acc.print(f"meshfit train: wrote {folder}")
-    acc.print(f"done: loss {last.get('loss')}, val_loss {last.get('val_loss')}")
-    acc.wait_for_everyone()
-    return last
+# ------------------------------------------------------------------------------ the figures
+@contextlib.contextmanager
+def _exchanges_untimed(exchanges):
+    """Expert-parallel exchanges of an evaluation are not the training window's."""
+    saved = [ep.timing for ep in exchanges]
+    for ep in exchanges:
+        ep.timing = False
+    try:
+        yield
+    finally:
+        for ep, timing in zip(exchanges, saved):
+            ep.timing = timing
 
 
-PIPELINE_TIMED_STEPS = 5
-"""Optimizer steps whose per-micro-batch timings a pipeline run records (then stops: on
-CUDA the recording synchronises the device around every forward and backward)."""
+def _routing(acc: Accelerator, trained, elapsed_s: float) -> dict:
+    """The MoE metrics of the logged step (`meshfit.parallel.ep.routing_metrics`: the last
+    micro-batch's routing) and the share of the window spent in expert-parallel
+    all-to-alls; {} for a dense model. A collective: every rank calls it."""
+    from meshfit.parallel.ep import routing_metrics
+
+    if not trained.has_moe:
+        return {}
+    pp = acc.layout.axis_mesh(acc.mesh, "pp")
+    out = routing_metrics(moe_modules(trained.modules), dp_group=acc.runtime.dp_group,
+                          dp_size=acc.runtime.dp_size,
+                          pp_group=None if pp is None else pp.get_group())
+    if out and any(m.ep is not None and m.ep.timing for m in moe_modules(trained.modules)):
+        out["moe_a2a_share"] = round(min(1.0, out["moe_a2a_s"] / max(elapsed_s, 1e-9)), 4)
+    return out
 
 
-def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:
-    """Every pp rank's timings so far into the run folder (`meshfit pipeline-chart RUN`);
-    a collective over the pp group. Recording stops afterwards."""
-    from meshfit.parallel.pp import gather_timings
-    from meshfit.train.pipeline_chart import write_run
-
-    timings = gather_timings(pipeline)
-    pipeline.record_timings(False)
-    if out_dir is not None:
-        write_run(out_dir, pipeline.meta(), timings)
-
-
+def _evaluate(acc: Accelerator, trained, loader) -> float:
+    """The mean loss over `loader`, over every data-parallel rank (a collective)."""
+    for m in trained.modules:
+        m.eval()
+    total = torch.zeros(2, device=acc.device)
+    with torch.no_grad():
+        for x, y in loader:
+            loss = trained.eval_loss(x, y)
+            total += torch.stack([loss.detach().float().to(acc.device) * x.shape[0],
+                                  torch.tensor(float(x.shape[0]), device=acc.device)])
+    for m in trained.modules:
+        m.train()
+    total = acc.reduce(total, "sum")
+    return (total[0] / total[1]).item()

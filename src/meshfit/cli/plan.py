@@ -17,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from meshfit.train.args import OneLineParser
+from meshfit.cli.parser import OneLineParser
 
-__all__ = ["cmd_calibrate", "cmd_estimate", "cmd_plan", "parse_layout"]
+__all__ = ["cmd_estimate", "cmd_plan", "parse_layout", "plan_toml"]
 
 GiB = 2**30
 _LAYOUT_KEYS = {"dp_replicate": int, "dp_shard": int, "tp": int, "pp": int, "zero_stage": int,
@@ -176,6 +176,11 @@ def cmd_estimate(argv: list[str]) -> int:
         out["layouts"] = [e.to_json() for _, e in results]
         print(json.dumps(out, indent=2))
         return 0
+    _print_estimates(ns, shape, results, refused)
+    return 0
+
+
+def _print_estimates(ns, shape, results: list, refused: list) -> None:
     active = (f", {shape.active_params:,} active per token" if shape.active_params is not None
               else "")
     print(f"{shape.name}: {shape.params:,} parameters{active} ({shape.n_layer} blocks of up "
@@ -189,7 +194,6 @@ def cmd_estimate(argv: list[str]) -> int:
             "params", "grads", "optimizer", "activations", "buffers", "total")))
     for label, reason in refused:
         print(f"{label[:34]:34} refused: {reason}")
-    return 0
 
 
 def _check_model(shape, spec, seq_len: int) -> None:
@@ -284,6 +288,15 @@ def cmd_plan(argv: list[str]) -> int:
             out["validation"] = rows
         print(json.dumps(out, indent=2))
         return 0
+    _print_plans(ns, shape, device, batch, result, plans)
+    _print_validation(rows)
+    if ns.out is not None:
+        print(f"wrote {ns.out}: meshfit train --nproc {ns.gpus_per_node} --nnodes {ns.nodes} "
+              f"--config {ns.out}")
+    return 0
+
+
+def _print_plans(ns, shape, device, batch: int, result, plans) -> None:
     print(f"{shape.name}: {shape.params:,} parameters on {ns.nodes} x {ns.gpus_per_node} "
           f"{ns.gpu} ({device.memory / GiB:.0f} GiB, {ns.interconnect}, {ns.network}); "
           f"global batch {batch} x {ns.seq_len} tokens, {ns.dtype}")
@@ -298,20 +311,20 @@ def cmd_plan(argv: list[str]) -> int:
               f"{(b['params'] + b['grads'] + b['optimizer']) / scale:.1f}, activations "
               f"{b['activations'] / scale:.1f}, buffers {b['buffers'] / scale:.1f}); step "
               f"{p.step_time_s:.3g} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}")
-    if rows:
-        print("validation (this machine): predicted vs measured per-rank bytes and step time")
-        for row in rows:
-            if row.get("skipped"):
-                print(f"   {row['layout']}: skipped ({row['skipped']})")
-                continue
-            print(f"   {row['layout']}: {row['predicted_bytes'] / GiB:.3f} vs "
-                  f"{row['measured_bytes'] / GiB:.3f} GiB ({row['bytes_error']:+.0%}), "
-                  f"{row['predicted_step_s']:.3g} vs {row['measured_step_s']:.3g} s "
-                  f"({row['time_error']:+.0%})")
-    if ns.out is not None:
-        print(f"wrote {ns.out}: meshfit train --nproc {ns.gpus_per_node} --nnodes {ns.nodes} "
-              f"--config {ns.out}")
-    return 0
+
+
+def _print_validation(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print("validation (this machine): predicted vs measured per-rank bytes and step time")
+    for row in rows:
+        if row.get("skipped"):
+            print(f"   {row['layout']}: skipped ({row['skipped']})")
+            continue
+        print(f"   {row['layout']}: {row['predicted_bytes'] / GiB:.3f} vs "
+              f"{row['measured_bytes'] / GiB:.3f} GiB ({row['bytes_error']:+.0%}), "
+              f"{row['predicted_step_s']:.3g} vs {row['measured_step_s']:.3g} s "
+              f"({row['time_error']:+.0%})")
 
 
 def plan_toml(ns, plan, global_batch_size: int) -> str:
@@ -347,15 +360,3 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
         lines.append("")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------- calibrate
-def cmd_calibrate(argv: list[str]) -> int:
-    """`meshfit calibrate`: `meshfit.plan.calibrate` measures; this starts its workers."""
-    from meshfit.plan.calibrate import cmd_calibrate as calibrate
-    from meshfit.train import launch
-
-    def start(nproc: int, module_args: list[str]) -> int:
-        return launch.run(launch.LaunchConfig(nproc=nproc), module_args, module=True)
-
-    return calibrate(argv, launch=start)

@@ -11,7 +11,9 @@ import platform
 import sys
 from importlib import metadata
 
-__all__ = ["collect", "report", "PACKAGES", "ENV_NAMES", "ENV_PREFIXES"]
+from meshfit.cli.parser import OneLineParser
+
+__all__ = ["ENV_NAMES", "ENV_PREFIXES", "PACKAGES", "cmd_env", "collect", "report"]
 
 PACKAGES = ("numpy", "safetensors", "transformers", "accelerate", "peft", "datasets",
             "tokenizers", "torchao", "bitsandbytes", "matplotlib", "tensorboard", "wandb",
@@ -106,3 +108,14 @@ def report() -> str:
     facts = collect()
     width = max(len(name) for name, _ in facts)
     return "\n".join(f"{name + ':':<{width + 1}} {value}" for name, value in facts)
+
+
+def cmd_env(argv: list[str]) -> int:
+    OneLineParser(
+        prog="meshfit env", allow_abbrev=False,
+        description="Print the versions of meshfit, Python, torch, CUDA/cuDNN/NCCL, the "
+                    "devices, the distributed backends, the libraries meshfit works with and "
+                    "the environment variables it reads: paste it into a bug report."
+    ).parse_args(argv)
+    print(report())
+    return 0

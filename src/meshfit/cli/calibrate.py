@@ -1,0 +1,165 @@
+"""``meshfit calibrate``: its arguments (checked before any process starts), its workers
+started through `meshfit.launch`, and the table it prints. The measuring itself, the file's
+schema and its loader are `meshfit.plan.calibrate`'s.
+
+    meshfit calibrate [--nproc N] [--out calibration.json] [--sizes S ...] [--cpu]
+
+starts itself on N processes (N=1 runs in this process) as ``meshfit calibrate --worker``;
+every rank measures while all of them run at once, and rank 0 writes the JSON file and
+prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from meshfit import launch
+
+__all__ = ["cmd_calibrate", "parse_sizes"]
+
+_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2,
+          "MIB": 1024**2, "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
+
+
+def parse_sizes(items: list[str]) -> tuple[int, ...]:
+    """``["4K,64K", "1M"]`` -> sorted distinct byte counts (K/M/G are binary: KiB, MiB, GiB)."""
+    fix = "give at least two byte sizes, e.g. --sizes 4K 64K 1M 16M"
+    out = set()
+    for text in (p for item in items for p in item.split(",")):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"--sizes value {text!r} is not a byte size; {fix}")
+        size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        if size < 4:
+            raise ValueError(f"--sizes value {text!r} is under 4 bytes (one fp32 element); {fix}")
+        out.add(size)
+    if len(out) < 2:
+        raise ValueError(f"--sizes={' '.join(items)!r} names {len(out)} distinct size(s); a fit "
+                         f"needs two or more: {fix}")
+    return tuple(sorted(out))
+
+
+# argparse's own parser (its errors print the usage block), as before the command moved here
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshfit calibrate", allow_abbrev=False,
+        description="Measure matmul FLOP/s, memory bandwidth and collective bandwidth and "
+                    "latency on N processes of this machine; write them as JSON for the "
+                    "layout planner.")
+    p.add_argument("--nproc", default="1", help="processes to run at once (default 1; "
+                   "collectives need 2 or more)")
+    p.add_argument("--out", default="calibration.json", help="the JSON file to write")
+    p.add_argument("--sizes", nargs="+", default=None,
+                   help="collective sizes in bytes, e.g. 4K 64K 1M (default 4K..64M by 4x on "
+                        "the CPU, 16K..1G on GPUs)")
+    p.add_argument("--cpu", action="store_true",
+                   help="measure the CPU with gloo even where CUDA is available "
+                        "(also MESHFIT_CPU=1)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _validate(ns) -> tuple[int, Path, tuple[int, ...] | None, bool]:
+    """(processes, output file, collective sizes, CPU?) from the arguments, checked against
+    this machine (devices, backends) before any process starts."""
+    import torch
+    import torch.distributed as dist
+
+    from meshfit.distributed import cpu_requested
+
+    try:
+        nproc = int(ns.nproc)
+    except ValueError:
+        raise ValueError(f"--nproc={ns.nproc!r} is not an integer; e.g. --nproc 2") from None
+    if nproc < 1:
+        raise ValueError(f"--nproc={nproc} must be >= 1 (the processes to run at once)")
+    cpu = cpu_requested(True if ns.cpu else None)
+    cuda = torch.cuda.is_available() and not cpu
+    if nproc > 1:
+        if not dist.is_available():
+            raise ValueError(f"--nproc={nproc} needs torch.distributed, which this torch build "
+                             "lacks; use --nproc 1")
+        if cuda:
+            count = torch.cuda.device_count()
+            if nproc > count:
+                raise ValueError(f"--nproc={nproc} is more than the {count} visible CUDA "
+                                 f"device(s); use --nproc {count} or less (one per GPU), or "
+                                 "--cpu to measure the CPU")
+            if not dist.is_nccl_available():
+                raise ValueError(f"--nproc={nproc} on CUDA needs NCCL, which this torch build "
+                                 "lacks; use --nproc 1 or --cpu")
+        elif not dist.is_gloo_available():
+            raise ValueError(f"--nproc={nproc} on the CPU needs gloo, which this torch build "
+                             "lacks; use --nproc 1")
+    out = Path(ns.out).absolute()
+    if out.is_dir():
+        raise ValueError(f"--out={ns.out!r} is a folder; give a file name, e.g. "
+                         f"{Path(ns.out) / 'calibration.json'}")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out={ns.out!r}: folder {out.parent} does not exist; create it or "
+                         "give another --out")
+    sizes = parse_sizes(ns.sizes) if ns.sizes is not None else None
+    return nproc, out, sizes, cpu
+
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    """`meshfit calibrate`: check the arguments, then measure here (one process, or as one
+    of the workers) or start --nproc workers, each running ``meshfit calibrate --worker``."""
+    ns = _parser().parse_args(argv)
+    nproc, out, sizes, cpu = _validate(ns)  # before any process starts
+    if ns.worker or nproc == 1:
+        return _worker(out, sizes, cpu)
+    # No --nproc here: torchrun's parser would take it for an abbreviation of its own
+    # --nproc-per-node. The workers learn the world size from their environment.
+    script = ["meshfit", "calibrate", "--worker", "--out", str(out)]
+    if sizes is not None:
+        script += ["--sizes", *map(str, sizes)]
+    if cpu:
+        script.append("--cpu")
+    return launch.run(launch.LaunchConfig(nproc=nproc), script, module=True)
+
+
+def _worker(out: Path, sizes: tuple[int, ...] | None, cpu: bool) -> int:
+    """This process's part of the measurement; the main process prints the table."""
+    from meshfit.plan.calibrate import measure
+
+    result = measure(out, sizes, cpu)
+    if result is not None:
+        print(_table(result, out), flush=True)
+    return 0
+
+
+def _si(value: float | None, unit: str) -> str:
+    """`value` with an SI prefix: 2.5e9 -> "2.5 G<unit>"."""
+    if value is None:
+        return "-"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""),
+                          (1e-3, "m"), (1e-6, "µ")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value * 1e9:.3g} n{unit}"
+
+
+def _table(result: dict, out: Path) -> str:
+    """The measured figures, one line each."""
+    from meshfit.plan.calibrate import DTYPES, KINDS
+
+    raw = result["raw"]
+    lines = [(f"meshfit calibrate: {result['world_size']} process(es) on {result['device']}, "
+              f"{result['backend']}, torch {result['torch']} -> {out}")]
+    for d in DTYPES:
+        rows = raw["matmul"][d]
+        size = f"(n={rows[-1]['n']})" if rows else ""
+        lines.append(f"  matmul {d:<5} {_si(result['matmul_flops'][d], 'FLOP/s'):>14} {size}")
+    lines.append(f"  memory copy  {_si(result['memory_bandwidth'], 'B/s'):>14}")
+    lines.append(f"  {'collective':<15}{'bus bandwidth':>14}{'latency':>12}{'R²':>8}")
+    for kind in KINDS:
+        fit = result["collectives"][kind]
+        r2 = raw["collectives"].get(kind, {}).get("r2")
+        lines.append(f"  {kind:<15}{_si(fit['bus_bandwidth'], 'B/s'):>14}"
+                     f"{_si(fit['latency'], 's'):>12}"
+                     f"{'-' if r2 is None else f'{r2:.4f}':>8}")
+    return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""``meshfit export`` (a checkpoint's model as safetensors or a Hugging Face folder, offline),
+``meshfit generate`` (sample text from a trained model) and ``meshfit eval`` (its loss and
+perplexity on held-out text): their arguments, checked before torch is imported, and what
+they print. The work is `meshfit.checkpoint.export` and `meshfit.train.generate`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from meshfit.cli.parser import OneLineParser
+from meshfit.train.sampling import check_sampling
+
+__all__ = ["check_eval_args", "check_generate_args", "cmd_eval", "cmd_export", "cmd_generate"]
+
+
+# ---------------------------------------------------------------------------- export
+def _export_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="meshfit export", allow_abbrev=False,
+        description="Write a checkpoint's model as one safetensors file (or a Hugging Face "
+                    "folder), offline, in one process, whatever layout and number of "
+                    "processes saved it.")
+    p.add_argument("source", metavar="CKPT_OR_RUN",
+                   help="a checkpoint folder, or a run folder (its newest complete checkpoint)")
+    p.add_argument("out", metavar="OUTDIR", help="where model.safetensors (and config.json) go")
+    p.add_argument("--to", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: model.safetensors; hf: also config.json, for "
+                        "transformers' from_pretrained (transformers models only)")
+    return p
+
+
+def cmd_export(argv: list[str]) -> int:
+    ns = _export_parser().parse_args(argv)
+    from meshfit.checkpoint.export import export
+
+    path = export(ns.source, ns.to, ns.out)
+    print(f"meshfit export: wrote {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- generate, eval
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="RUN_OR_MODEL",
+                   help="a meshfit train run folder (uses RUN/model/) or a model folder")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available, unless MESHFIT_CPU=1)")
+
+
+def _generate_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="meshfit generate", allow_abbrev=False,
+        description="Print a prompt and the model's continuation of it.")
+    _common(p)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                   help="tokens to add at most (default 200; fewer if the model writes EOS)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                   help="sampling temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample among the K most likely tokens only; 0 = all (default)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="the sampling seed: same seed, same text (default 0)")
+    return p
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="meshfit eval", allow_abbrev=False,
+        description="Print the model's loss and perplexity on held-out text: by default the "
+                    "validation split of the run's own data (the built-in corpus's for a "
+                    "model folder outside a run).")
+    _common(p)
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="a text file or folder to evaluate on instead, all of it, tokenized "
+                        "with the model folder's tokenizer")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help="window length (default: the run's train.seq_len; for a model folder "
+                        "the model's context, at most 1024)")
+    p.add_argument("--batches", type=int, default=8, metavar="N",
+                   help="batches to evaluate (default 8); 0 = every window of the data")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B",
+                   help="windows per batch (default 8)")
+    return p
+
+
+def check_generate_args(argv: list[str]) -> argparse.Namespace:
+    """`meshfit generate`'s arguments, checked (one-line ValueError or argparse's exit)."""
+    ns = _generate_parser().parse_args(argv)
+    if not ns.prompt:
+        raise ValueError("--prompt='' is empty; give the text to continue, e.g. "
+                         "--prompt 'def main('")
+    check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
+    return ns
+
+
+def check_eval_args(argv: list[str]) -> argparse.Namespace:
+    """`meshfit eval`'s arguments, checked (one-line ValueError or argparse's exit)."""
+    ns = _eval_parser().parse_args(argv)
+    if ns.seq_len is not None and ns.seq_len < 1:
+        raise ValueError(f"--seq-len={ns.seq_len} must be >= 1")
+    if ns.batches < 0:
+        raise ValueError(f"--batches={ns.batches} must be >= 0 (0: every window)")
+    if ns.batch_size < 1:
+        raise ValueError(f"--batch-size={ns.batch_size} must be >= 1")
+    return ns
+
+
+def cmd_generate(argv: list[str]) -> int:
+    ns = check_generate_args(argv)  # refusals before torch is imported
+    from meshfit.train.generate import generate, load_model
+
+    model, tokenizer, _, _ = load_model(ns.source, ns.device)
+    text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
+                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)
+    print(ns.prompt + text)
+    return 0
+
+
+def cmd_eval(argv: list[str]) -> int:
+    ns = check_eval_args(argv)  # refusals before torch is imported
+    from meshfit.train.generate import (context_length, evaluate_loss, load_model,
+                                        resolve_model)
+
+    if ns.data is not None and not Path(ns.data).expanduser().exists():
+        raise ValueError(f"--data={ns.data!r} does not exist; give a text file or a folder of "
+                         "text files")
+    _, run = resolve_model(ns.source)  # fail on a bad folder before loading anything
+    cfg = _run_config(run, ns.data)
+    model, tokenizer, _, _ = load_model(ns.source, ns.device)
+    seq_len = _seq_len(ns.seq_len, cfg, context_length(model))
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # any model's
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise ValueError(f"RUN_OR_MODEL={ns.source!r}: the tokenizer has {tokenizer.vocab_size} "
+                         f"ids but the model only {vocab}; save the model with its own tokenizer")
+    tokens, where = _held_out(ns.data, cfg, tokenizer)
+    if tokens.size < seq_len + 1:
+        raise ValueError(f"--seq-len={seq_len}: {where} only {tokens.size} tokens, fewer than "
+                         "one window of seq_len + 1; lower --seq-len or give more --data")
+    loss, n = evaluate_loss(model, tokens, seq_len, batches=ns.batches,
+                            batch_size=ns.batch_size)
+    print(f"loss {loss:.6f} perplexity {math.exp(min(loss, 700.0)):.4f} on {n} tokens")
+    return 0
+
+
+def _run_config(run: Path | None, data: str | None):
+    """The run's config (None outside a run); a config that no longer loads is refused
+    unless --data makes it unneeded."""
+    if run is None:
+        return None
+    from meshfit.train.configfile import load_config
+
+    try:
+        return load_config(run / "config.toml")
+    except ValueError as err:
+        if data is None:
+            raise ValueError(f"{run / 'config.toml'}: {err}; or give --data PATH") from None
+    return None
+
+
+def _seq_len(given: int | None, cfg, context: int | None) -> int:
+    """--seq-len, else the run's train.seq_len, else the model's context (at most 1024)."""
+    seq_len = given
+    if seq_len is None:
+        seq_len = cfg.train.seq_len if cfg is not None else min(context or 1024, 1024)
+    if context is not None and seq_len > context:
+        raise ValueError(f"--seq-len={seq_len} exceeds the model's context of {context} tokens; "
+                         f"use --seq-len {context} or less")
+    return seq_len
+
+
+def _held_out(data: str | None, cfg, tokenizer):
+    """The tokens to evaluate on and how an error names them: all of --data; else the run's
+    own validation split (its source, tokenizer and fraction); else the built-in corpus's."""
+    from meshfit.data import load_tokens
+
+    if data is not None:  # all of the given text
+        cache_dir = (cfg.data.cache_dir or None) if cfg is not None else None
+        tokens = load_tokens(data, tokenizer=tokenizer, cache_dir=cache_dir,
+                             val_fraction=0.0).train
+        return tokens, f"--data={data!r} holds"
+    if cfg is not None:
+        return cfg.load_tokens().val, "the validation split holds"
+    return load_tokens(tokenizer=tokenizer).val, "the validation split holds"

@@ -1,0 +1,292 @@
+"""The launch settings from the parsed flags and the environment: one resolver per setting.
+
+Each setting comes from meshfit's flag, else `accelerate launch`'s (both given and different:
+refused), else SLURM (`meshfit.launch.slurm.slurm_facts`, unless --no-slurm), else the
+default. A resolver returns its one setting (with a note where SLURM gave it) or raises the
+setting's one-line ValueError; `config_from_args` composes them, in the order their refusals
+are checked: accelerate's own rules, the flags that name one setting twice, the GPUs, SLURM,
+then nodes, this node's rank, processes per node and the rendezvous.
+
+The namespace is `meshfit launch`'s or `meshfit train`'s: meshfit's launch flags (nproc,
+nnodes, node_rank, master_addr, master_port, max_restarts, gpus, no_slurm; all None where not
+given) and, for `meshfit launch` only, accelerate's (`meshfit.cli.launch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from meshfit.launch.config import (LaunchConfig, gpu_environment, parse_gpus,
+                                   visible_cuda_devices)
+from meshfit.launch.slurm import SlurmFacts, slurm_facts
+
+__all__ = ["ACCELERATE_PRECISIONS", "AccelerateFlags", "Given", "accelerate_flags",
+           "config_from_args", "given_master_addr", "given_master_port", "given_nnodes",
+           "given_node_rank", "resolve_gpus", "resolve_master_addr", "resolve_master_port",
+           "resolve_nnodes", "resolve_node_rank", "resolve_nproc", "resolve_slurm",
+           "worker_environment"]
+
+ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+"""``accelerate launch --mixed_precision`` choices (Accelerate 1.15); meshfit runs no fp8."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AccelerateFlags:
+    """`accelerate launch`'s flags as given (None or False: not given; `meshfit train` has
+    none of them)."""
+
+    num_processes: int | None = None
+    """Processes in total over all machines (Accelerate's meaning)."""
+    num_machines: int | None = None
+    """Machines; = --nnodes."""
+    machine_rank: int | None = None
+    """This machine's rank; = --node-rank."""
+    main_process_ip: str | None = None
+    """Address of machine 0; = --master-addr."""
+    main_process_port: int | None = None
+    """Its port; = --master-port (None also for 0, which is `free_port`)."""
+    free_port: bool = False
+    """--main_process_port=0: a free port (one machine only)."""
+    mixed_precision: str | None = None
+    """The script's precision, passed on in ACCELERATE_MIXED_PRECISION."""
+    gpu_ids: str | None = None
+    """GPUs to use, or "all"; = --gpus."""
+    multi_gpu: bool = False
+    """Accepted; checks that there are GPUs and at least 2 processes."""
+    cpu: bool = False
+    """The CPU and gloo even where GPUs exist."""
+
+
+class Given(NamedTuple):
+    """One setting as the flags give it."""
+
+    value: Any
+    """None: neither flag was given."""
+    flag: str
+    """The flag and value it came from, as an error names it ("" when not given)."""
+
+
+def accelerate_flags(ns: argparse.Namespace) -> AccelerateFlags:
+    """Accelerate's flags, checked by Accelerate's own rules (and meshfit's: no fp8)."""
+    names = ("num_processes", "num_machines", "machine_rank", "main_process_ip",
+             "main_process_port", "mixed_precision", "gpu_ids")
+    given = {n: getattr(ns, n, None) for n in names}  # absent from `meshfit train`'s flags
+    cpu, multi_gpu = bool(getattr(ns, "cpu", False)), bool(getattr(ns, "multi_gpu", False))
+    if cpu and multi_gpu:  # accelerate's own rule
+        raise ValueError("--cpu and --multi_gpu exclude each other (as in accelerate launch); "
+                         "give one")
+    mp = given["mixed_precision"]
+    if mp is not None and mp not in ACCELERATE_PRECISIONS:
+        raise ValueError(f"--mixed_precision={mp!r} must be one of "
+                         f"{', '.join(ACCELERATE_PRECISIONS[:3])}")
+    if mp == "fp8":
+        raise ValueError("--mixed_precision=fp8: meshfit has no fp8 training; use bf16 or fp16")
+    for name in ("num_processes", "num_machines"):
+        if given[name] is not None and given[name] < 1:
+            raise ValueError(f"--{name}={given[name]} must be >= 1")
+    free = given["main_process_port"] == 0  # accelerate: 0 picks a free port
+    if free:
+        given["main_process_port"] = None
+    return AccelerateFlags(**given, free_port=free, multi_gpu=multi_gpu, cpu=cpu)
+
+
+def _pick(name: str, mine, mine_flag: str, theirs, theirs_flag: str) -> Given:
+    """The value of one setting given as meshfit's flag and/or accelerate's; both given with
+    different values is refused."""
+    if mine is not None and theirs is not None and mine != theirs:
+        raise ValueError(f"{mine_flag}={mine} and {theirs_flag}={theirs} both set {name} and "
+                         "disagree; give one of them")
+    if mine is not None:
+        return Given(mine, f"{mine_flag}={mine}")
+    if theirs is not None:
+        return Given(theirs, f"{theirs_flag}={theirs}")
+    return Given(None, "")
+
+
+# ------------------------------------------------------------------- what the flags give
+def given_nnodes(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
+    return _pick("the number of nodes", ns.nnodes, "--nnodes", acc.num_machines,
+                 "--num_machines")
+
+
+def given_node_rank(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
+    return _pick("this node's rank", ns.node_rank, "--node-rank", acc.machine_rank,
+                 "--machine_rank")
+
+
+def given_master_addr(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
+    return _pick("the address of node 0", ns.master_addr, "--master-addr",
+                 acc.main_process_ip, "--main_process_ip")
+
+
+def given_master_port(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
+    given = _pick("the rendezvous port", ns.master_port, "--master-port",
+                  acc.main_process_port, "--main_process_port")
+    if acc.free_port and ns.master_port is not None:
+        raise ValueError(f"--master-port={ns.master_port} and --main_process_port=0 (a free "
+                         "port) disagree; give one of them")
+    return given
+
+
+def resolve_gpus(ns: argparse.Namespace, acc: AccelerateFlags) -> tuple[int, ...] | None:
+    """The CUDA devices to use, in order (None: all visible ones)."""
+    gpus = parse_gpus(ns.gpus) if ns.gpus is not None else None
+    if acc.gpu_ids is not None:
+        ids = None if acc.gpu_ids.strip() == "all" else parse_gpus(acc.gpu_ids, "--gpu_ids")
+        if ns.gpus is not None and ids != gpus:
+            raise ValueError(f"--gpus={ns.gpus} and --gpu_ids={acc.gpu_ids} both choose the "
+                             "GPUs and disagree; give one of them")
+        gpus = ids
+    if acc.cpu and gpus is not None:
+        raise ValueError("--cpu runs on the CPU; drop --gpus / --gpu_ids (or --cpu)")
+    return gpus
+
+
+# ------------------------------------------------------------------- SLURM, then each setting
+def resolve_slurm(ns: argparse.Namespace, environ: Mapping[str, str]) -> SlurmFacts | None:
+    """The SLURM job this launcher runs in (None: outside SLURM, or --no-slurm); one
+    launcher per node."""
+    slurm = None if ns.no_slurm else slurm_facts(environ)
+    if slurm is not None and slurm.tasks_here is not None and slurm.tasks_here > 1:
+        raise ValueError(f"srun started {slurm.tasks_here} tasks on this node "
+                         f"(SLURM_STEP_TASKS_PER_NODE={environ['SLURM_STEP_TASKS_PER_NODE']}), "
+                         "each one a launcher; meshfit starts the processes itself: run "
+                         "`srun --ntasks-per-node=1 meshfit ...`")
+    return slurm
+
+
+def resolve_nnodes(given: Given, slurm: SlurmFacts | None,
+                   environ: Mapping[str, str]) -> tuple[int, str]:
+    """The number of nodes, and what SLURM said when it gave it."""
+    if given.value is not None or slurm is None:
+        return (1 if given.value is None else given.value), ""
+    nnodes = slurm.nnodes
+    note = f"{nnodes} node(s)" + (f" ({slurm.nodelist_var}={environ[slurm.nodelist_var]})"
+                                  if slurm.nodelist_var else "")
+    if nnodes > 1 and not slurm.in_step:
+        raise ValueError(f"this SLURM job has {nnodes} nodes but meshfit was started once, "
+                         "outside srun (no SLURM_STEP_ID): start it on every node with "
+                         "`srun --ntasks-per-node=1 meshfit ...`, or pass --nnodes 1")
+    return nnodes, note
+
+
+def _slurm_job(slurm: SlurmFacts | None, nnodes: int) -> bool:
+    """Whether this is SLURM's multi-node job, whose node rank and rendezvous SLURM gives."""
+    return slurm is not None and nnodes == slurm.nnodes and nnodes > 1
+
+
+def resolve_node_rank(given: Given, nnodes_given: Given, nnodes: int,
+                      slurm: SlurmFacts | None) -> tuple[int, str]:
+    """This node's rank among the `nnodes`."""
+    node_rank, note = given.value, ""
+    if node_rank is None and _slurm_job(slurm, nnodes):
+        node_rank = slurm.node_rank
+        note = f"this is node {node_rank} (SLURM_NODEID)"
+    node_rank = 0 if node_rank is None else node_rank
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"{given.flag or f'--node-rank={node_rank}'} must be in "
+                         f"0..{nnodes - 1} ({nnodes_given.flag or f'--nnodes={nnodes}'})")
+    return node_rank, note
+
+
+def _per_node(acc: AccelerateFlags, nnodes: int) -> int | None:
+    """Processes per node from accelerate's --num_processes (a total over the machines)."""
+    if acc.num_processes is None:
+        return None
+    total = acc.num_processes
+    if total % nnodes:
+        raise ValueError(f"--num_processes={total} is the total over all {nnodes} machines "
+                         "(accelerate's meaning) and must be a multiple of it")
+    if acc.multi_gpu and total < 2:  # accelerate's own rule
+        raise ValueError(f"--multi_gpu needs at least 2 processes; --num_processes={total}")
+    return total // nnodes
+
+
+def resolve_nproc(ns: argparse.Namespace, acc: AccelerateFlags, nnodes: int,
+                  slurm: SlurmFacts | None) -> tuple[int, str]:
+    """Processes on this node: --nproc, else --num_processes / machines, else SLURM (one per
+    GPU of this node; on CPU nodes, or with --cpu, the job's tasks per node), else 1."""
+    per_node = _per_node(acc, nnodes)
+    if ns.nproc is not None and per_node is not None and ns.nproc != per_node:
+        raise ValueError(f"--nproc={ns.nproc} (processes per node) and --num_processes="
+                         f"{acc.num_processes} ({per_node} per node over {nnodes} machine(s)) "
+                         "disagree; give one of them")
+    nproc = ns.nproc if ns.nproc is not None else per_node
+    if nproc is not None or slurm is None:
+        return (1 if nproc is None else nproc), ""
+    if slurm.gpus_on_node and not acc.cpu:
+        return slurm.gpus_on_node, \
+            f"{slurm.gpus_on_node} process(es) per node (SLURM_GPUS_ON_NODE)"
+    if slurm.tasks_per_node:
+        return slurm.tasks_per_node, \
+            f"{slurm.tasks_per_node} process(es) per node (SLURM_NTASKS_PER_NODE)"
+    return 1, ""
+
+
+def resolve_master_addr(given: Given, nnodes: int, slurm: SlurmFacts | None) -> tuple[str, str]:
+    """The address of node 0 (loopback for a single node)."""
+    if given.value is None and _slurm_job(slurm, nnodes) and slurm.master_addr is not None:
+        return slurm.master_addr, \
+            f"rendezvous host {slurm.master_addr} ({slurm.master_addr_from})"
+    return given.value or "127.0.0.1", ""
+
+
+def resolve_master_port(given: Given, acc: AccelerateFlags, nnodes: int,
+                        slurm: SlurmFacts | None) -> tuple[int | None, str]:
+    """The rendezvous port (None: a free one, single node only)."""
+    port, note = given.value, ""
+    if port is None and not acc.free_port and _slurm_job(slurm, nnodes):
+        port, note = slurm.master_port, f"port {slurm.master_port} ({slurm.master_port_from})"
+    if acc.free_port and nnodes > 1:
+        raise ValueError("--main_process_port=0 (a free port) works on one machine only: every "
+                         "machine must name the same port")
+    return port, note
+
+
+def _check_multi_gpu(acc: AccelerateFlags) -> None:
+    if acc.multi_gpu and visible_cuda_devices() == 0:
+        raise ValueError("--multi_gpu: this machine has no CUDA devices; drop it (meshfit "
+                         "launch starts the processes either way) or use --cpu")
+
+
+def worker_environment(gpus: tuple[int, ...] | None, nproc: int,
+                       acc: AccelerateFlags) -> dict[str, str]:
+    """What the workers' environment gains: the chosen GPUs, and accelerate's
+    --mixed_precision and --cpu as Accelerate passes them (--cpu also MESHFIT_CPU=1)."""
+    env = gpu_environment(gpus, nproc, visible_cuda_devices()) if gpus else {}
+    if acc.mixed_precision is not None:
+        env["ACCELERATE_MIXED_PRECISION"] = acc.mixed_precision
+    if acc.cpu:
+        env.update(ACCELERATE_USE_CPU="True", MESHFIT_CPU="1")
+    return env
+
+
+def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] | None = None
+                     ) -> tuple[LaunchConfig, dict[str, str], list[str]]:
+    """Validated launch settings, the extra worker environment, and lines saying what was
+    taken from SLURM (print them before starting); raises a one-line ValueError."""
+    environ = os.environ if environ is None else environ
+    acc = accelerate_flags(ns)
+    nnodes_given, rank_given = given_nnodes(ns, acc), given_node_rank(ns, acc)
+    addr_given, port_given = given_master_addr(ns, acc), given_master_port(ns, acc)
+    gpus = resolve_gpus(ns, acc)
+    slurm = resolve_slurm(ns, environ)
+    nnodes, nodes_note = resolve_nnodes(nnodes_given, slurm, environ)
+    node_rank, rank_note = resolve_node_rank(rank_given, nnodes_given, nnodes, slurm)
+    nproc, nproc_note = resolve_nproc(ns, acc, nnodes, slurm)
+    addr, addr_note = resolve_master_addr(addr_given, nnodes, slurm)
+    port, port_note = resolve_master_port(port_given, acc, nnodes, slurm)
+    _check_multi_gpu(acc)
+    cfg = LaunchConfig(nproc=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=addr,
+                       master_port=port, max_restarts=ns.max_restarts, gpus=gpus)
+    env = worker_environment(gpus, cfg.nproc, acc)
+    derived = [n for n in (nodes_note, rank_note, nproc_note, addr_note, port_note) if n]
+    notes = []
+    if slurm is not None and derived:
+        step = " step" if slurm.in_step else " (batch script, no srun step)"
+        notes.append(f"SLURM job {slurm.job_id}{step}: " + ", ".join(derived))
+    return cfg, env, notes

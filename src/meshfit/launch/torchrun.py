@@ -1,0 +1,140 @@
+"""torchrun's argument list for a `LaunchConfig`, and the job run through
+``torch.distributed.run`` in this process (meshfit does not re-implement the launcher).
+
+A single-node job with ``--max-restarts`` is restarted by meshfit, the whole group with a new
+agent on a fresh loopback port per attempt (multi-node jobs keep torchrun's restarts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from meshfit.distributed.spawn import free_port
+from meshfit.launch.config import LaunchConfig
+from meshfit.launch.network import is_loopback, loopback_stores
+from meshfit.launch.workers import (LAUNCHER_PID_ENV, MAX_RESTARTS_ENV, RESTART_ENV,
+                                    failure_summary, quiet_agent, stopping_workers)
+
+__all__ = ["WORKER_ENTRY", "run", "torchrun_args"]
+
+WORKER_ENTRY = "meshfit.launch"
+"""The module torch's agent runs for each worker (`meshfit.launch.workers.enter_worker`,
+through the package's ``__main__``), which then execs the worker's own command."""
+
+
+def torchrun_args(cfg: LaunchConfig, script: list[str], *, module: bool = False) -> list[str]:
+    """torchrun's argument list for `cfg` followed by the script (or module) and its args."""
+    port = cfg.master_port or free_port(cfg.master_addr)
+    args = [f"--nnodes={cfg.nnodes}", f"--nproc-per-node={cfg.nproc}",
+            f"--max-restarts={cfg.max_restarts}"]
+    if cfg.max_restarts == 0:
+        # Static rendezvous: node ranks as given, the store on master_addr (loopback by
+        # default, so a single-node job is not joined from outside).
+        args += [f"--node-rank={cfg.node_rank}", f"--master-addr={cfg.master_addr}",
+                 f"--master-port={port}"]
+    else:
+        # The c10d rendezvous can restart the whole group after a failure (--max-restarts);
+        # it assigns node ranks itself.
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.master_addr}:{port}"]
+        if cfg.nnodes == 1:
+            args.append(f"--local-addr={cfg.master_addr}")
+    if module:
+        args.append("-m")
+    return args + script
+
+
+def _cores() -> int:
+    """Cores this process may run on (a SLURM job's or a container's share), else all."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _say_where(cfg: LaunchConfig, target: list[str], prog: str) -> None:
+    """A multi-node job's rendezvous is reachable from other machines by design: say where."""
+    args = torchrun_args(cfg, target, module=True)
+    port = next(a.split("=", 1)[1] for a in args
+                if a.startswith(("--master-port=", "--rdzv-endpoint=")))
+    where = port if ":" in port else f"{cfg.master_addr}:{port}"
+    listens = "on loopback only" if is_loopback(cfg.master_addr) else "on every interface"
+    print(f"{prog}: node {cfg.node_rank} of {cfg.nnodes}; the rendezvous store "
+          f"is on {where} (node 0 listens there {listens})", file=sys.stderr)
+
+
+def _attempt_args(cfg: LaunchConfig, target: list[str], attempt: int, ours: bool) -> list[str]:
+    """torchrun's arguments for one attempt. Where meshfit restarts the group itself
+    (`ours`), each attempt is a job without restarts of its own, on the given port first
+    and a fresh one afterwards, told its attempt through the worker's environment."""
+    if not ours:
+        return torchrun_args(cfg, target, module=True)
+    os.environ[RESTART_ENV] = str(attempt)
+    os.environ[MAX_RESTARTS_ENV] = str(cfg.max_restarts)
+    once = dataclasses.replace(cfg, max_restarts=0,
+                               master_port=cfg.master_port if attempt == 0 else None)
+    return torchrun_args(once, target, module=True)
+
+
+def _attempts(cfg: LaunchConfig, target: list[str], prog: str) -> int:
+    """Run the job's attempts until one succeeds or none is left; the exit code."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    parser = torchrun.get_args_parser()
+    ours = cfg.nnodes == 1 and cfg.max_restarts > 0
+    attempts = cfg.max_restarts + 1 if ours else 1
+    with loopback_stores(), quiet_agent(), stopping_workers() as first:
+        for attempt in range(attempts):
+            try:
+                torchrun.run(parser.parse_args(_attempt_args(cfg, target, attempt, ours)))
+                return 0
+            except ChildFailedError as err:
+                summary = failure_summary(err.failures, first)
+                first.clear()
+                if attempt + 1 == attempts:
+                    print(f"{prog}: {summary}", file=sys.stderr, flush=True)
+                    return 1
+                print(f"{prog}: {summary}; restarting the group ({attempt + 1} of "
+                      f"{cfg.max_restarts}) on a fresh port", file=sys.stderr, flush=True)
+    return 1
+
+
+def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
+        env: dict[str, str] | None = None, prog: str = "meshfit launch",
+        say_stopped: bool = True) -> int:
+    """Start the job through torch.distributed.run and wait; returns the exit code.
+    `prog` begins the launcher's lines; `say_stopped=False` leaves the line about a signal
+    to workers that print their own (`meshfit train`'s main rank).
+
+    Each worker runs through `meshfit.launch.workers.enter_worker`, so it dies with this
+    process. A single-node job with --max-restarts is restarted by meshfit: after a failure
+    the whole group is started again by a new agent on a fresh loopback port, so no key,
+    address or listener of the failed attempt is seen by the next one (torch 2.13's in-agent
+    restart reuses the store, and measured 0 of 3 recoveries of a gloo script after
+    ``kill -9`` of a worker). Multi-node jobs keep torchrun's own restarts (c10d
+    rendezvous)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    os.environ.update(env or {})
+    # torchrun sets one thread per worker (with a warning) when this is unset; share the
+    # node's cores among the workers instead, which is the same on small machines.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // cfg.nproc)))
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    target = [WORKER_ENTRY, *(["-m"] if module else []), *script]
+    if cfg.nnodes > 1:
+        _say_where(cfg, target, prog)
+    try:
+        return _attempts(cfg, target, prog)
+    except SignalException as err:  # the agent passed the signal on to the workers
+        import signal
+
+        if say_stopped:
+            name = signal.Signals(err.sigval).name
+            print(f"{prog}: stopped by {name}; the workers were ended", file=sys.stderr,
+                  flush=True)
+        return 128 + int(err.sigval)
+    finally:
+        for name in (LAUNCHER_PID_ENV, RESTART_ENV, MAX_RESTARTS_ENV):
+            os.environ.pop(name, None)

@@ -1,0 +1,51 @@
+"""The checks every [section] of a run's config applies to its values, and how `meshfit
+train` spells the layout's fields in its errors. No torch: a bad value is refused before
+torch loads.
+
+Each check raises a one-line ValueError naming ``section.key``, the value and what it must be.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from meshfit.distributed.dims import AXES
+
+__all__ = ["LAYOUT_NAMES", "check_bool", "check_choice", "check_number", "check_positive"]
+
+# How `meshfit train` spells the layout's fields in its errors (see `meshfit.parallel.layout`).
+LAYOUT_NAMES = {
+    **{k: f"parallel.{k}" for k in (*AXES, "zero_stage", "offload", "sync_each_batch",
+                                     "sequence_parallel", "loss_parallel", "schedule",
+                                     "microbatches", "virtual_stages")},
+    "parallel": "parallel", "mixed_precision": "train.mixed_precision",
+    "find_batch_size": "train.find_batch_size", "seq_len": "train.seq_len"}
+
+
+def check_positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
+    """An integer >= 1 (>= 0 with `allow_zero`; True and False are not integers here)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and (
+        value >= 0 if allow_zero else value >= 1)
+    if not ok:
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"{section}.{name}={value!r} must be an integer {bound}")
+
+
+def check_number(section: str, name: str, value: Any, lo: float, hi: float) -> None:
+    """A number in [lo, hi] (not NaN, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            lo <= value <= hi) or math.isnan(value):
+        raise ValueError(f"{section}.{name}={value!r} must be a number in [{lo}, {hi}]")
+
+
+def check_choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """One of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{section}.{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def check_bool(section: str, name: str, value: Any) -> None:
+    """true or false (TOML's booleans, not 0 and 1)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{section}.{name}={value!r} must be true or false")

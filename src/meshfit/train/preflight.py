@@ -1,0 +1,221 @@
+"""`meshfit train`'s checks before any process is launched: each one a one-line ValueError
+naming the config key, so that a run that cannot work never starts.
+
+* `check_layout`: what needs the number of processes (`RunConfig.validate_for`): the layout,
+  the accumulation, LoRA with model parallelism, the model's plans; no torch unless the
+  layout splits the model (its structure is then built on the meta device);
+* `preflight`: what needs this machine: the device the workers will use (attention kernel,
+  8-bit optimizer), the model source, the data (`check_data`: readable, and enough of it for
+  one global batch and the evaluation); returns warnings (the layout's, tensor-core shapes).
+
+No module-level torch: `check_layout` runs before torch loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshfit.parallel.layout import Layout, ModelFacts
+from meshfit.train.checks import LAYOUT_NAMES
+
+__all__ = ["check_data", "check_layout", "preflight"]
+
+
+# --------------------------------------------------------------------- with the world size
+def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> Layout:
+    """Checks of `cfg` (a `RunConfig`) that need the number of processes; returns the run's
+    layout."""
+    layout = cfg.layout(world_size, local_world_size)
+    cfg.grad_accumulation(world_size)
+    if cfg.train.find_batch_size:
+        layout.check_batch_probe(names=LAYOUT_NAMES)
+    _check_peft(cfg, layout)
+    if layout.dims.tp > 1 or layout.dims.pp > 1 or layout.dims.ep > 1:
+        _check_model_split(cfg, layout, world_size)
+    from meshfit.models.factory import import_object
+
+    for name in ("factory", "tp_plan", "pipeline_plan"):  # a missing module or name, named
+        if getattr(cfg.model, name):                     # before the model is built
+            import_object(getattr(cfg.model, name), f"model.{name}")
+    return layout
+
+
+def _check_peft(cfg, layout: Layout) -> None:
+    """LoRA works with data parallelism and ZeRO, not (yet) with tp, pp or ep."""
+    method = cfg.peft.method
+    if layout.dims.ep > 1 and method != "none":
+        raise ValueError(f"peft.method={method!r} with parallel.ep > 1 is not yet "
+                         "available (LoRA adapts linear layers; the experts are stacked "
+                         "weights split over the ep ranks); use peft.method='none' or ep=1")
+    if (layout.dims.tp > 1 or layout.dims.pp > 1) and method != "none":
+        raise ValueError(f"peft.method={method!r} with parallel.tp/pp > 1 is "
+                         "not yet available: LoRA wraps each adapted linear in a "
+                         "peft LoraLayer (its weight moves to base_layer), which the "
+                         "tensor-parallel plans and pipeline stages do not name; use "
+                         "peft.method='none' or tp = pp = 1 (data parallel and ZeRO "
+                         "work with LoRA)")
+
+
+def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
+    """The model (on the meta device) has the plans its tp / pp need, and its sizes divide
+    as the layout cuts them."""
+    from meshfit.models.plans import has_builtin_plans
+    from meshfit.train.models import check_model_source, plans, resolve_plan
+
+    model = check_model_source(cfg, cfg.vocab_size())  # on the meta device
+    tp_plan, pp_plan = (resolve_plan(p, model) for p in plans(cfg))
+    builtin, name, dims = has_builtin_plans(model), type(model).__name__, layout.dims
+    if dims.tp > 1 and tp_plan is None and not builtin:
+        raise ValueError(f"parallel.tp={dims.tp}: {name} has no built-in "
+                         "tensor-parallel plan; give one as model.tp_plan = "
+                         "\"module:PLAN\" (a TPPlan or {module pattern: style}; in "
+                         "your own loop: Accelerator(tp_plan=PLAN))")
+    if dims.pp > 1 and pp_plan is None and not builtin:
+        raise ValueError(f"parallel.pp={dims.pp}: {name} has no built-in "
+                         "pipeline plan; give one as model.pipeline_plan = "
+                         "\"module:PLAN\" (a PipelinePlan; in your own loop: "
+                         "accelerator.prepare_pipeline(model, plan=PLAN, ...))")
+    if dims.pp == 1 and pp_plan is None and not builtin:
+        # a dict plan has no divisible sizes to name
+        facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible", ())))
+    else:
+        facts = ModelFacts.of(model, pipeline_plan=pp_plan, tp_plan=tp_plan)
+    layout.check_model(facts, seq_len=cfg.train.seq_len, schedule=cfg.parallel.schedule,
+                       microbatches=cfg.microbatches(world_size),
+                       virtual_stages=cfg.parallel.virtual_stages, names=LAYOUT_NAMES)
+
+
+# --------------------------------------------------------------------- with this machine
+def preflight(cfg, world_size: int | None = None,
+              local_world_size: int | None = None) -> list[str]:
+    """Checks that need this machine (the device the workers will use, installed libraries),
+    run before any process is launched; raises a one-line ValueError, returns warnings
+    (with `world_size`, also the layout's: `meshfit.parallel.layout.Layout.warnings`)."""
+    import torch
+
+    from meshfit import distributed as mdist
+    from meshfit.accelerator.precision import Precision
+    from meshfit.train.batch_size import shape_advice
+
+    cuda = torch.cuda.is_available() and not mdist.cpu_requested(None)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    precision = Precision(cfg.train.mixed_precision, device)
+    shape = _matmul_shape(cfg, device, precision.dtype or torch.float32)
+    if cfg.optim.optimizer == "adamw_8bit":
+        from meshfit import optim
+
+        optim.build("adamw_8bit", [torch.nn.Parameter(torch.zeros(1, device=device))], lr=1e-3)
+    warnings = list(cfg.layout(world_size, local_world_size).warnings) if world_size else []
+    if world_size:
+        check_data(cfg, world_size)
+    if (precision.dtype is None and not cfg.train.tf32) or shape is None:
+        return warnings
+    return warnings + shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
+                                   d_model=shape[0], d_ff=shape[1], vocab_size=shape[2])
+
+
+def _matmul_shape(cfg, device, dtype) -> tuple[int, int, int] | None:
+    """The model checked (built on the meta device) and its (width, MLP width, vocabulary),
+    the sizes tensor cores want in multiples; None where a model's config does not say. The
+    reference GPT's attention kernel is checked on `device` too."""
+    from meshfit.models.gpt import check_attention_backend
+    from meshfit.train.models import check_model_source
+
+    # The model's vocabulary is the tokenizer's for the reference GPT (the gpt2 preset's
+    # 50257 becomes 256 on bytes); other models must hold the tokenizer's ids.
+    vocab_size = cfg.vocab_size()
+    model = _checked_model(cfg, vocab_size, check_model_source)
+    if cfg.model.source == "preset":
+        model_cfg = cfg.model_config()
+        try:
+            check_attention_backend(cfg.model.attention_backend, device, dtype,
+                                    head_dim=model_cfg.head_dim)
+        except ValueError as err:
+            raise ValueError(f"model.{err}") from None
+        return model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size
+    c = getattr(model, "config", None)  # a user's model may have no config, or other names
+    width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
+    ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
+    return (width, ff, getattr(c, "vocab_size", vocab_size)) if width and ff else None
+
+
+def _checked_model(cfg, vocab_size: int, check):
+    """`check(cfg, vocab_size)` (the model built on the meta device), with what a user's
+    model source raises while being read or built (an unreadable or malformed config.json,
+    a factory that is not a function, a library's multi-line message) as one line naming the
+    [model] key."""
+    source = cfg.model.source
+    if source == "preset":
+        return check(cfg, vocab_size)
+    field = f"model.{source}={getattr(cfg.model, source)!r}"
+    try:
+        return check(cfg, vocab_size)
+    except ValueError as err:
+        text = " ".join(str(err).split())
+        if text == str(err):
+            raise
+        raise ValueError(text if text.startswith("model.") else f"{field}: {text}") from None
+    except (OSError, TypeError, KeyError, AttributeError) as err:
+        text = " ".join(str(err).split()) or type(err).__name__
+        raise ValueError(f"{field}: the model cannot be built ({type(err).__name__}: {text}); "
+                         "check that source") from None
+
+
+def check_data(cfg, world_size: int) -> None:
+    """Before launch: the run's token splits can be read (the cache is built here if missing,
+    and the workers reuse it) and hold one global batch of training windows and the
+    validation windows the evaluation needs; one-line ValueError otherwise. A training split
+    smaller than one batch per data-parallel rank would give every epoch zero batches."""
+    from meshfit.train.tokens import source_name
+
+    source = source_name(cfg.data)
+    splits = _readable_tokens(cfg, source)
+    t = cfg.train
+    dims = cfg.parallel.dims().resolve(world_size)
+    chunks = cfg.microbatches(world_size)
+    accum = cfg.grad_accumulation(world_size)
+    n_train, n_val = int(splits.train.shape[0]), int(splits.val.shape[0])
+    windows = max(0, n_train - 1) // t.seq_len
+    if windows < t.global_batch_size:
+        raise ValueError(
+            f"{source} gives {windows} training windows of train.seq_len={t.seq_len} tokens "
+            f"({n_train} tokens), fewer than one global batch needs: "
+            f"train.global_batch_size={t.global_batch_size} (train.micro_batch_size="
+            f"{t.micro_batch_size} x {chunks} micro-batch(es) x {dims.dp} data-parallel "
+            f"rank(s) x {accum} accumulation); lower train.global_batch_size or train.seq_len, "
+            "or give more data")
+    _check_validation_windows(cfg, source, n_val, dims, rows=t.micro_batch_size * chunks)
+
+
+def _readable_tokens(cfg, source: str):
+    """The run's token splits; a file that cannot be read or written is one line naming the
+    [data] key it comes from."""
+    try:
+        return cfg.load_tokens()
+    except OSError as err:
+        where = err.filename or source
+        cache = cfg.data.cache_dir or "~/.cache/meshfit/tokens"
+        field = (f"data.cache_dir={cache!r}" if str(where).startswith(
+            str(Path(cache).expanduser())) else source)
+        raise ValueError(f"{field}: cannot use {where} ({err.strerror or err}); make it "
+                         "readable (and the cache folder writable) or point the setting "
+                         "elsewhere") from None
+
+
+def _check_validation_windows(cfg, source: str, n_val: int, dims, rows: int) -> None:
+    """The validation split holds one window (under pp: one pipeline batch of `rows` per
+    data-parallel rank)."""
+    from meshfit.data import DEFAULT_VAL_FRACTION
+
+    t = cfg.train
+    val_windows = max(0, n_val - 1) // t.seq_len
+    need_val = rows * dims.dp if dims.pp > 1 else 1
+    if val_windows < need_val:
+        unit = (f"one pipeline batch of {rows} per data-parallel rank x {dims.dp}"
+                if dims.pp > 1 else "one")
+        raise ValueError(
+            f"{source} gives {val_windows} validation windows of train.seq_len={t.seq_len} "
+            f"tokens ({n_val} tokens), fewer than {unit}; lower train.seq_len"
+            f"{' or train.micro_batch_size' if dims.pp > 1 else ''}, or give more data "
+            f"(validation takes whole files, or the last {DEFAULT_VAL_FRACTION:.0%} of the "
+            "tokens)")
