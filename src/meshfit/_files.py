@@ -81,20 +81,24 @@ def atomic_write(path: Path, fill: Callable[[BinaryIO], object]) -> None:
     reader sees the old file or the new one, never part of one. The temporary file is removed
     on every exit path; a failing write (a full disk, a file too large, a read-only file
     system, no permission) raises `WriteFailed` (one line) naming `path` and the reason, and
-    leaves the old file intact."""
+    leaves the old file intact; an error of a file `fill` reads is raised as it is."""
     path = Path(path)
-    tmp = None
+    tmp, filling = None, False
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as fh:
             os.fchmod(fh.fileno(), new_file_mode(path))  # mkstemp's is 0600
+            filling = True
             fill(fh)
+            filling = False
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         tmp = None
         fsync_dir(path.parent)
     except OSError as err:
+        if filling and err.filename is not None:
+            raise  # a file the filler reads, as it was raised (writing this one names no file)
         raise WriteFailed(err.errno, f"cannot write {path}: {os_reason(err)}; the previous "
                                      "file (if any) is unchanged") from None
     finally:
