@@ -477,6 +477,10 @@ def refuse(tmp_path, cache_dir, capsys, monkeypatch):
     for k in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(k)
     _write(tmp_path, FILES)
+    # torch sets TORCHINDUCTOR_CACHE_DIR when torch._dynamo is first imported (refusing an
+    # unusual compile mode imports it): imported here, so that only meshfit's own changes to
+    # os.environ count below.
+    import torch._dynamo  # noqa: F401
 
     def call(argv: list[str], extra: dict | None = None) -> str:
         _write(tmp_path, {k: _value(v) for k, v in (extra or {}).items()})
