@@ -9,31 +9,18 @@ and packed windows streamed from text too big to cache.
     stream = TokenStream(lambda: read_texts(), "my_tokenizer/", seq_len=256)  # no cache
 """
 
-from meshfit.data.cache import DEFAULT_CACHE_DIR, DEFAULT_VAL_FRACTION, TokenSplits, load_tokens
-from meshfit.data.corpus import stdlib_corpus_files
-from meshfit.data.dataset import TokenDataset
-from meshfit.data.stream import TokenStream
-from meshfit.data.tokenizer import (
-    ByteTokenizer,
-    HFTokenizer,
-    Tokenizer,
-    as_tokenizer,
-    document_separator,
-    load_tokenizer,
-)
+from meshfit._lazy import lazy_exports
 
-__all__ = [
-    "DEFAULT_CACHE_DIR",
-    "DEFAULT_VAL_FRACTION",
-    "ByteTokenizer",
-    "HFTokenizer",
-    "TokenDataset",
-    "TokenSplits",
-    "TokenStream",
-    "Tokenizer",
-    "as_tokenizer",
-    "document_separator",
-    "load_tokenizer",
-    "load_tokens",
-    "stdlib_corpus_files",
-]
+# Names load on first use: `meshfit.data.corpus` (the data-source rule) is read by a config
+# check before torch loads, and the datasets, streams and tokenizers import torch.
+_EXPORTS = {
+    **{n: "meshfit.data.cache" for n in ("DEFAULT_CACHE_DIR", "DEFAULT_VAL_FRACTION",
+                                         "TokenSplits", "load_tokens")},
+    "stdlib_corpus_files": "meshfit.data.corpus", "TokenDataset": "meshfit.data.dataset",
+    "TokenStream": "meshfit.data.stream",
+    **{n: "meshfit.data.tokenizer" for n in ("ByteTokenizer", "HFTokenizer", "Tokenizer",
+                                             "as_tokenizer", "document_separator",
+                                             "load_tokenizer")},
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

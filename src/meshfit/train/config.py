@@ -19,6 +19,7 @@ from typing import Any, get_args
 # No torch below: a bad value is refused before torch loads (the modules that build and run
 # the model are imported where they are used).
 from meshfit.distributed.dims import AXES, ParallelDims
+from meshfit.data.corpus import data_source
 from meshfit.models.config import GPTConfig
 from meshfit.optim_names import OPTIMIZERS
 from meshfit.parallel.layout import Layout, check_options
@@ -219,25 +220,17 @@ class DataConfig:
                 raise ValueError(f"data.cache_dir={self.cache_dir!r}: {above} is a file, not a "
                                  "folder; give a folder for the token caches (it is created "
                                  "if missing)")
-        # The data source's rule (data.path exists, never with data.hf_dataset) is
-        # `meshfit.data.corpus.data_source`'s, repeated here: importing meshfit.data loads
-        # torch, and a config is refused before torch loads.
-        if self.path and not Path(self.path).expanduser().exists():
-            raise ValueError(f"data.path={self.path!r} does not exist; give a text file or a "
-                             "folder of text files, or leave it empty for the built-in corpus")
         if not isinstance(self.tokenizer, str):
             raise ValueError(f'data.tokenizer={self.tokenizer!r} must be "bytes" or a path to a '
                              "Hugging Face tokenizer folder or tokenizer.json file")
+        if not isinstance(self.hf_dataset, str):
+            raise ValueError(f"data.hf_dataset={self.hf_dataset!r} must be a path (a string); "
+                             "leave it empty to train on data.path")
+        data_source(self.path, self.hf_dataset)  # data.path exists, never with hf_dataset
         if self.tokenizer not in ("", "bytes") and \
                 not Path(self.tokenizer).expanduser().exists():
             raise ValueError(f"data.tokenizer={self.tokenizer!r} does not exist; give \"bytes\", "
                              "a Hugging Face tokenizer folder or a tokenizer.json file")
-        if not isinstance(self.hf_dataset, str):
-            raise ValueError(f"data.hf_dataset={self.hf_dataset!r} must be a path (a string); "
-                             "leave it empty to train on data.path")
-        if self.hf_dataset and self.path:
-            raise ValueError(f"data.path={self.path!r} and data.hf_dataset={self.hf_dataset!r} "
-                             "are mutually exclusive; set only one of them")
         if self.hf_dataset and not Path(self.hf_dataset).expanduser().exists():
             raise ValueError(f"data.hf_dataset={self.hf_dataset!r} does not exist; give a "
                              "folder written by save_to_disk or a local data folder/file")
