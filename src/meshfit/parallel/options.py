@@ -143,6 +143,7 @@ class ModelOptions:
             raise ValueError(f"{prefix}ddp_kwargs={self.ddp_kwargs!r} must be a dict of "
                              "DistributedDataParallel keyword arguments")
 
-    def model_options(self) -> ModelOptions:
-        """These options as a plain `ModelOptions` (from a type that extends it)."""
-        return ModelOptions(**{f.name: getattr(self, f.name) for f in fields(ModelOptions)})
+    def keywords(self) -> dict[str, Any]:
+        """The `ModelOptions` fields of these options (of a type that extends it too), as
+        keyword arguments: ``ModelOptions(**cfg.train.keywords())``, ``Accelerator(**...)``."""
+        return {f.name: getattr(self, f.name) for f in fields(ModelOptions)}

@@ -33,17 +33,19 @@ class LayoutRequest(MeshSizes):
     sync_each_batch: bool | str = False
     """Stages 2/3 under accumulation: reduce-scatter every micro-batch (true: less memory),
     only on the last (false: fewer collectives), or "auto" (decided from free memory)."""
+    schedule: str = "1f1b"
+    """pp > 1: "gpipe", "1f1b", "interleaved_1f1b" or "zero_bubble"."""
+    microbatches: int | None = None
+    """pp > 1: micro-batches ("chunks") per pipeline step; the global batch is
+    micro_batch_size x microbatches x data-parallel ranks x accumulation. Unset: all of the
+    accumulation (`meshfit train`), i.e. global_batch_size / (micro_batch_size x
+    data-parallel ranks)."""
+    virtual_stages: int | None = None
+    """pp > 1: stages per rank (unset: 1, or 2 for interleaved_1f1b and zero_bubble)."""
     sequence_parallel: bool = False
     """tp > 1: norms and dropout on a sequence shard (the sequence length must divide by tp)."""
     loss_parallel: bool = False
     """tp > 1: the loss on vocabulary-sharded logits, never gathering them (not with pp)."""
-    schedule: str = "1f1b"
-    """pp > 1: "gpipe", "1f1b", "interleaved_1f1b" or "zero_bubble"."""
-    microbatches: int | None = None
-    """pp > 1: micro-batches ("chunks") per pipeline step (unset: the caller decides; `meshfit
-    train` takes the whole accumulation)."""
-    virtual_stages: int | None = None
-    """pp > 1: stages per rank (unset: 1, or 2 for interleaved_1f1b and zero_bubble)."""
 
     def __post_init__(self) -> None:
         self.check()

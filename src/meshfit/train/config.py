@@ -14,29 +14,30 @@ import dataclasses
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 # No torch below: a bad value is refused before torch loads (the modules that build and run
 # the model are imported where they are used).
-from meshfit.distributed.dims import AXES, ParallelDims
 from meshfit.data.corpus import data_source
 from meshfit.models.config import GPTConfig
 from meshfit.optim_names import OPTIMIZERS
 from meshfit.parallel.layout import Layout, check_options
-from meshfit.parallel.options import (SCHEDULES, CheckpointMode, CheckpointPolicy, CompileScope,
-                                      check_compile_args)
+from meshfit.parallel.options import ModelOptions
+from meshfit.parallel.request import LayoutRequest
 from meshfit.train.checks import (LAYOUT_NAMES, check_bool, check_choice, check_number,
                                   check_positive)
 from meshfit.train.model_config import ModelConfig
 
 __all__ = ["LAYOUT_NAMES", "CheckpointConfig", "DataConfig", "LogConfig", "ModelConfig",
            "OptimConfig", "ParallelConfig", "PeftConfig", "RunConfig", "TrainConfig",
-           "toml_name"]
+           "config_fields", "toml_name"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """[train]: the optimisation loop."""
+class TrainConfig(ModelOptions):
+    """[train]: the optimisation loop, and how each block is checkpointed and compiled (the
+    fields of `meshfit.parallel.options.ModelOptions`, spelled as `Accelerator`'s keywords:
+    activation_checkpointing, _every, _policy, compile, compile_backend, _mode, _scope)."""
 
     steps: int = 400
     """Optimizer steps."""
@@ -64,21 +65,6 @@ class TrainConfig:
     """"no", "bf16" or "fp16"."""
     tf32: bool = False
     """TF32 tensor cores for fp32 matrix products (NVIDIA Ampere and newer)."""
-    activation_checkpointing: str = "none"
-    """"none", "full" (every block) or "selective" (see the two keys below)."""
-    activation_checkpointing_every: int = 2
-    """selective with policy "block": checkpoint every this many blocks."""
-    activation_checkpointing_policy: str = "block"
-    """selective: "block" (every n-th block) or "op" (keep matrix-product outputs, recompute
-    the rest)."""
-    compile: bool = False
-    """torch.compile the model."""
-    compile_backend: str = "inductor"
-    """torch.compile backend: inductor, aot_eager, eager, ..."""
-    compile_mode: str = "default"
-    """inductor mode: default, reduce-overhead, max-autotune, ..."""
-    compile_scope: str = "block"
-    """"block" (each transformer block) or "model" (the whole model)."""
     empty_cache_steps: int = 0
     """Release the device allocator's cache every this many steps (0: never)."""
     find_batch_size: bool = False
@@ -96,21 +82,12 @@ class TrainConfig:
         check_positive("train", "timeout_s", self.timeout_s)
         for name in ("warmup_steps", "seed", "eval_every", "empty_cache_steps"):
             check_positive("train", name, getattr(self, name), allow_zero=True)
-        check_positive("train", "activation_checkpointing_every",
-                       self.activation_checkpointing_every)
         check_number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_number("train", "grad_clip", self.grad_clip, 0.0, 1e9)
         check_options(mixed_precision=self.mixed_precision, names=LAYOUT_NAMES)
-        for name in ("tf32", "compile", "find_batch_size"):
+        for name in ("tf32", "find_batch_size"):
             check_bool("train", name, getattr(self, name))
-        check_choice("train", "activation_checkpointing", self.activation_checkpointing,
-                get_args(CheckpointMode))
-        check_choice("train", "activation_checkpointing_policy",
-                     self.activation_checkpointing_policy, get_args(CheckpointPolicy))
-        check_choice("train", "compile_scope", self.compile_scope, get_args(CompileScope))
-        check_compile_args(self.compile_backend,
-                           None if self.compile_mode == "default" else self.compile_mode,
-                           scope=self.compile_scope, compile=self.compile, prefix="train.")
+        self.check(prefix="train.")  # the ModelOptions fields
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a "
                              f"multiple of train.micro_batch_size={self.micro_batch_size}")
@@ -240,54 +217,13 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """[parallel]: sizes of the mesh axes (see `meshfit.ParallelDims`) and ZeRO sharding
-    (see `meshfit.Accelerator`)."""
-
-    pp: int = 1
-    dp_replicate: int = -1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    zero_stage: int | None = None
-    """0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters) over the
-    dp_shard ranks; unset: 3 when dp_shard > 1, else 0."""
-    offload: str = "none"
-    """"cpu": sharded parameters, gradients and optimizer state in host memory (stage 3)."""
-    sync_each_batch: bool | str = False
-    """Stages 2/3 under accumulation: reduce-scatter every micro-batch (true: less memory),
-    only on the last (false: fewer collectives), or "auto" (decided from free memory)."""
-    schedule: str = "1f1b"
-    """pp > 1: "gpipe", "1f1b", "interleaved_1f1b" or "zero_bubble"."""
-    microbatches: int | None = None
-    """pp > 1: micro-batches ("chunks") per pipeline step; the global batch is
-    micro_batch_size x microbatches x data-parallel ranks x accumulation. Unset: all of the
-    accumulation, i.e. global_batch_size / (micro_batch_size x data-parallel ranks)."""
-    virtual_stages: int | None = None
-    """pp > 1: stages per rank (unset: 1, or 2 for interleaved_1f1b and zero_bubble)."""
-    sequence_parallel: bool = False
-    """tp > 1: norms and dropout on a sequence shard (train.seq_len must divide by tp)."""
-    loss_parallel: bool = False
-    """tp > 1: the loss on vocabulary-sharded logits, never gathering them (not with pp)."""
+class ParallelConfig(LayoutRequest):
+    """[parallel]: a `meshfit.parallel.request.LayoutRequest` (the mesh sizes of
+    `meshfit.ParallelDims`, ZeRO sharding, the pipeline schedule; see `meshfit.Accelerator`),
+    its errors naming the config keys."""
 
     def __post_init__(self) -> None:
-        self.dims()  # ParallelDims validates each size
-        check_options(zero_stage=self.zero_stage, offload=self.offload,
-                      sync_each_batch=self.sync_each_batch,
-                      sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
-                      names=LAYOUT_NAMES)
-        check_choice("parallel", "schedule", self.schedule, SCHEDULES)
-        for name in ("microbatches", "virtual_stages"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"parallel.{name}={value!r} must be a positive integer (or "
-                                 "unset)")
-
-    def dims(self, world_size: int | None = None) -> ParallelDims:
-        """The mesh axes' sizes (`world_size`: to resolve the -1 of dp_replicate)."""
-        return ParallelDims(world_size=world_size, **{n: getattr(self, n) for n in AXES})
+        self.check(LAYOUT_NAMES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,9 +282,15 @@ class LogConfig:
             load_calibration(self.calibration)  # one line if missing or of another schema
 
 
-def toml_name(f) -> str:
-    """A field's key in the TOML file (`with` and `async` are Python keywords)."""
+def toml_name(f) -> str | None:
+    """A field's key in the TOML file (`with` and `async` are Python keywords; None: not a
+    config key, e.g. `ModelOptions.tp_plan`, which [model] names instead)."""
     return f.metadata.get("toml", f.name)
+
+
+def config_fields(section) -> list:
+    """The fields of a section (class or instance) that are keys of the TOML file."""
+    return [f for f in fields(section) if f.init and toml_name(f) is not None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -438,7 +380,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Sections and keys as the TOML file spells them."""
         return {s.name: {toml_name(f): dataclasses.asdict(getattr(self, s.name))[f.name]
-                         for f in fields(getattr(self, s.name))} for s in fields(self)}
+                         for f in config_fields(getattr(self, s.name))} for s in fields(self)}
 
     def to_toml(self) -> str:
         """The whole config as a TOML file (unset fields left out: they mean the default)."""

@@ -15,7 +15,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from meshfit.train.config import RunConfig, toml_name
+from meshfit.train.config import RunConfig, config_fields, toml_name
 
 __all__ = ["build_config", "load_config"]
 
@@ -43,7 +43,7 @@ def build_config(data: dict[str, Any]) -> RunConfig:
             raise ValueError(f"config section [{name}] must be a table of keys, not "
                              f"{name} = {values!r}; write [{name}] followed by key = value lines")
         cls = type(factory())
-        known = {toml_name(f): f.name for f in fields(cls) if f.init}
+        known = {toml_name(f): f.name for f in config_fields(cls)}
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"unknown key(s) in [{name}]: {', '.join(unknown)}; known keys: "

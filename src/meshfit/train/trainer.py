@@ -256,15 +256,11 @@ def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=t.seed,
                                                   use_stateful_dataloader=True),
         gradient_accumulation_steps=cfg.grad_accumulation(env.world_size),
-        mixed_precision=t.mixed_precision, tf32=t.tf32,
-        activation_checkpointing=t.activation_checkpointing,
-        activation_checkpointing_every=t.activation_checkpointing_every,
-        activation_checkpointing_policy=t.activation_checkpointing_policy,
-        compile=t.compile, compile_backend=t.compile_backend, compile_mode=t.compile_mode,
-        compile_scope=t.compile_scope, empty_cache_steps=t.empty_cache_steps,
+        mixed_precision=t.mixed_precision, tf32=t.tf32, empty_cache_steps=t.empty_cache_steps,
+        **{**t.keywords(), "tp_plan": tp_plan},  # [train]'s ModelOptions, the model's plan
         parallel=p.dims(), zero_stage=p.zero_stage, offload=p.offload,
         sync_each_batch=p.sync_each_batch, sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel, tp_plan=tp_plan, env=env)
+        loss_parallel=p.loss_parallel, env=env)
 
 
 def _timed_exchanges(trained) -> list:
