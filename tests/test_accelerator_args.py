@@ -325,7 +325,7 @@ def test_the_layout_request_carries_the_layout_arguments():
     dims = ParallelDims(dp_shard=2, tp=2)
     args = read(parallel=dims, zero_stage=2, offload="none", sync_each_batch="auto",
                 sequence_parallel=True, loss_parallel=True)
-    assert args.layout == LayoutRequest(parallel=dims, zero_stage=2, offload="none",
+    assert args.layout == LayoutRequest(dp_shard=2, tp=2, zero_stage=2, offload="none",
                                         sync_each_batch="auto", sequence_parallel=True,
                                         loss_parallel=True)
     layout = resolve_layout(args, env_of(4))

@@ -9,10 +9,10 @@ group, model or file exists. Nothing here joins a process group or keeps state.
 
 `Arguments` is made of small frozen dataclasses, one per consumer:
 
-    LayoutRequest     parallel, zero_stage, offload, sync_each_batch, sequence_parallel,
-                      loss_parallel: what `Layout.resolve` decides from (built in one place,
-                      `_layout_request`)
-    ModelOptions      what `parallelize` does besides the layout (`meshfit.parallel.parallelize`)
+    LayoutRequest     parallel's sizes, zero_stage, offload, sync_each_batch, sequence and
+                      loss parallel (`meshfit.parallel.request`: the type `meshfit train`'s
+                      [parallel] is too), built in one place, `_layout_request`
+    ModelOptions      what `parallelize` does besides the layout (`meshfit.parallel.options`)
     PrecisionOptions  mixed precision, GradScaler/autocast keywords, tf32
     LoopOptions       accumulation, scheduler stepping, device cache, rng_types, data loaders
     ProcessOptions    device placement, cpu, the process group's keywords
@@ -125,6 +125,7 @@ meshfit's arguments:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -139,7 +140,8 @@ from meshfit.accelerator.compat.plugins import (DataLoaderConfiguration,
 from meshfit.accelerator.trackers import tracker_list
 from meshfit.distributed import DistEnv, ParallelDims
 from meshfit.parallel.layout import Layout, check_options
-from meshfit.parallel.parallelize import ModelOptions
+from meshfit.parallel.options import ModelOptions
+from meshfit.parallel.request import LayoutRequest
 
 __all__ = ["Arguments", "HANDLER_TYPES", "Handlers", "LayoutRequest", "LoopOptions",
            "PrecisionOptions", "ProcessOptions", "UNSET", "init_kwargs", "read_arguments",
@@ -153,20 +155,6 @@ _UNAVAILABLE = ("deepspeed_plugin", "deepspeed_plugins", "torch_tp_plugin",
 HANDLER_TYPES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, GradScalerKwargs,
                  AutocastKwargs, ProfileKwargs)
 _TRUE = ("1", "true", "yes")  # ACCELERATE_USE_CPU values that mean True
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayoutRequest:
-    """How the script asks for the job to be laid out; `resolve_layout` decides it on this
-    job's processes (`meshfit.parallel.layout.Layout.resolve`). Checked when built
-    (`check_options`) with the techniques' own rules."""
-
-    parallel: ParallelDims | None = None
-    zero_stage: int | None = None
-    offload: str = "none"
-    sync_each_batch: bool | str = False
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,23 +276,18 @@ def resolve_layout(arguments: Arguments, env: DistEnv) -> Layout:
     or 2 for SHARD_GRAD_OP; NO_SHARD: the default layout, DDP); on one process it asks for
     nothing, and its sharding strategy is not even read."""
     request, plugin = arguments.layout, arguments.fsdp_plugin
-    parallel, zero_stage = request.parallel, request.zero_stage
     if plugin is not None and env.world_size > 1:
         zero_stage = plugin.zero_stage()
-        if zero_stage:
-            parallel = ParallelDims(dp_replicate=1, dp_shard=-1)
-        else:
-            zero_stage = None
+        sizes = ParallelDims(dp_replicate=1, dp_shard=-1).sizes() if zero_stage else {}
+        request = dataclasses.replace(request, **sizes, zero_stage=zero_stage or None)
     if not arguments.process.device_placement and env.device.type != "cpu":
         raise ValueError("Accelerator(device_placement=False) is available on the CPU only; "
                          f"this process runs on {env.device}")
     # The one decision of how this job is laid out (every rule lives in Layout).
-    return Layout.resolve(
-        parallel, env.world_size, distributed=env.is_distributed, zero_stage=zero_stage,
-        offload=request.offload, mixed_precision=arguments.precision.mode,
-        sequence_parallel=request.sequence_parallel, loss_parallel=request.loss_parallel,
-        ddp_kwargs=arguments.model.ddp_kwargs,
-        local_world_size=env.local_world_size if env.is_distributed else None)
+    return Layout.of(request, env.world_size, distributed=env.is_distributed,
+                     mixed_precision=arguments.precision.mode,
+                     ddp_kwargs=arguments.model.ddp_kwargs,
+                     local_world_size=env.local_world_size if env.is_distributed else None)
 
 
 # ----------------------------------------------------------------------------- the parts
@@ -467,15 +450,11 @@ def _layout_request(given: Mapping[str, Any], *, offload: str, sync_each_batch: 
                     mixed_precision: str) -> LayoutRequest:
     """The layout request: the one place it is built, checked before any process group or
     model work, with the techniques' own rules (the mixed precision too, with them)."""
-    request = LayoutRequest(
-        parallel=given["parallel"], zero_stage=given["zero_stage"], offload=offload,
-        sync_each_batch=sync_each_batch, sequence_parallel=given["sequence_parallel"],
-        loss_parallel=given["loss_parallel"])
-    check_options(parallel=request.parallel, zero_stage=request.zero_stage,
-                  offload=request.offload, sync_each_batch=request.sync_each_batch,
-                  mixed_precision=mixed_precision, sequence_parallel=request.sequence_parallel,
-                  loss_parallel=request.loss_parallel)
-    return request
+    options = dict(zero_stage=given["zero_stage"], offload=offload,
+                   sync_each_batch=sync_each_batch, sequence_parallel=given["sequence_parallel"],
+                   loss_parallel=given["loss_parallel"])
+    check_options(parallel=given["parallel"], mixed_precision=mixed_precision, **options)
+    return LayoutRequest.of(given["parallel"], **options)
 
 
 def _cpu(cpu: bool | None, environ: Mapping[str, str]) -> bool | None:

@@ -43,7 +43,8 @@ import torch
 from meshfit.accelerator.precision import Precision
 from meshfit.accelerator.runtime import Runtime
 from meshfit.parallel.layout import Layout
-from meshfit.parallel.parallelize import ModelOptions, parallelize
+from meshfit.parallel.options import ModelOptions
+from meshfit.parallel.parallelize import parallelize
 
 __all__ = ["build", "check_model", "lay_out", "load_pretrained"]
 
