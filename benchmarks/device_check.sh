@@ -8,7 +8,7 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" \
     | tee "$out/env.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_cuda.py 2>&1 \
     | tee "$out/test_cuda.log"
 timeout 90 python3 -m meshfit train --nproc 1 --out "$out/tiny" 2>&1 | tail -3
 timeout 120 python3 -m meshfit train --nproc 1 --out "$out/gpt2" --model.preset=gpt2 \

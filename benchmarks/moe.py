@@ -12,7 +12,7 @@ time, and load balance with and without the auxiliary loss.
     the end (and along the way), the last training loss, the token count.
 (b) Per-rank bytes of expert parallelism on 4 processes, dp_shard 4, ep 1/2/4, ZeRO-1 and
     ZeRO-3, fp32 AdamW: moe-tiny through `Accelerator(parallel=ParallelDims(dp_shard=4,
-    ep=E), zero_stage=Z)`, measured as tests/test_estimate_measured.py measures (one
+    ep=E), zero_stage=Z)`, measured as tests/memory/test_estimate_measured.py measures (one
     optimizer step, one more forward and backward keeping the gradients, then
     `meshfit.memory.rank_report` for the model states and the profiler's largest net
     allocation of a forward and backward for the step's peak; on CUDA the allocator's peak)
@@ -367,7 +367,7 @@ def memory_worker(path: str, seq_len: int, batch: int) -> None:
 
 
 def _measure_layout(stage: int, ep: int, seq_len: int, micro: int) -> dict:
-    """One layout of (b), measured as tests/test_estimate_measured.py measures; the worst
+    """One layout of (b), measured as tests/memory/test_estimate_measured.py measures; the worst
     rank's figures beside the estimate."""
     import torch
 

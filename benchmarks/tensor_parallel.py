@@ -18,7 +18,7 @@ Per variant, on each computing rank:
   beside the ideal 1/t of tp1's bytes and the plan's own expectation, which keeps the
   replicated parameters (norms, position table, row-parallel biases) whole on every rank;
 * activations of one forward (with the loss): bytes of the tensors autograd saves for
-  backward (`saved_tensors_hooks`, as tests/test_checkpointing.py counts them; DTensors opened
+  backward (`saved_tensors_hooks`, as tests/parallel/test_activation_checkpointing.py counts them; DTensors opened
   to their local shard, parameters and repeated storages excluded);
 * step time: forward + backward + AdamW(fused) step + zero_grad, slowest rank, median over
   the measured steps, after warm-up; variants interleaved in rounds (order rotated).

@@ -205,7 +205,7 @@ def python() -> str:
 
 @pytest.fixture
 def cli_refusal(capsys, monkeypatch):
-    """Call ``meshfit ARGS`` in this process (`meshfit.train.cli.main`) with arguments that
+    """Call ``meshfit ARGS`` in this process (`meshfit.cli.main.main`) with arguments that
     must be refused before anything starts, and return the refusal's one stderr line.
 
     Checks what a subprocess run would show: exit code 2 and exactly one line on stderr; and

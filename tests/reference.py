@@ -90,7 +90,7 @@ def hf_gpt2(*, n_layer: int = 2, seed: int = 0, dtype: torch.dtype = torch.float
 def hf_qwen2(*, n_layer: int = 2, seed: int = 0, dtype: torch.dtype = torch.float64):
     """Hugging Face `Qwen2ForCausalLM` at test size (as `hf_llama`: GQA with 4 heads and 2
     key/value heads; Qwen2 adds biases to q/k/v). Not in `MODELS`: tests that iterate it
-    cover Llama's layout already; tests/test_export_matrix.py uses it by name."""
+    cover Llama's layout already; tests/checkpoint/test_export_matrix.py uses it by name."""
     import transformers
 
     torch.manual_seed(seed)

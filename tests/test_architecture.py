@@ -1,5 +1,6 @@
 """The package's shape, read from its source: layers that import downwards only, no import
-cycles, and a top-level package that imports nothing until asked.
+cycles between modules or between packages, no private name used across packages, and a
+top-level package that imports nothing until asked.
 
 Every `import` and `from ... import` statement counts, also the ones inside functions (a
 deferred import is still a dependency). Layers, bottom to top:
@@ -12,7 +13,11 @@ deferred import is still a dependency). Layers, bottom to top:
        meshfit.checkpoint, meshfit.plan,       memory estimates and the layout planner;
        meshfit.tracking, optim_names           experiment trackers; optimizer names
     3  meshfit.accelerator, meshfit.utils      the facade for users' loops; Accelerate's names
-    4  meshfit.train                           config, trainer, command line
+    4  meshfit.train, meshfit.launch,          the commands: meshfit train (config, preflight,
+       meshfit.cli, meshfit.__main__           loop), the launcher, every subcommand's CLI
+
+Packages of one layer may import each other, but never both ways round, and no module
+imports a private name (``_x``) from another package.
 """
 
 from __future__ import annotations
@@ -196,7 +201,7 @@ def test_the_graph_sees_deferred_imports():
 
 
 # What the `meshfit` command imports when it loads, up to reading a config and checking it for a
-# world size: arguments and configs are refused before torch loads (tests/test_fast_start.py
+# world size: arguments and configs are refused before torch loads (tests/cli/test_fast_start.py
 # runs the refusals; this names the module that broke it).
 TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
               "meshfit.cli.parser", "meshfit.cli.launch", "meshfit.cli.train",

@@ -1,10 +1,10 @@
 """A catalogue of bad inputs: every one is refused with one line before anything starts.
 
-Each case calls `meshfit.train.cli.main` in this process (or builds an `Accelerator`) and
+Each case calls `meshfit.cli.main.main` in this process (or builds an `Accelerator`) and
 checks what a user would see and what must not happen: exit code 2 and exactly one stderr
 line ``meshfit CMD: error: ...`` that names the option or config key and the offending
 value; no file or folder created in the test's folder (no run folder); no worker started
-(`meshfit.train.launch.run`, torch's launcher and the in-process trainer are replaced by
+(`meshfit.launch.run`, torch's launcher and the in-process trainer are replaced by
 functions that fail the test); os.environ left as it was. Token caches go to a folder
 outside the test's folder (building one is what the first rank would do anyway).
 """

@@ -2,13 +2,13 @@
 
 The package is layered; each layer imports only the ones below it:
 
-    distributed/   processes, devices, mesh axes, collectives          (torch only)
+    distributed/   processes, devices, mesh axes, collectives, the spawner      (torch only)
     models/, data/ the reference models with their parallel plans; token data
-    parallel/      one technique per file, the `Layout` decision and `parallelize`
-    optim, memory, peft
+    parallel/      the layout request and decision, one technique per file, `parallelize`
+    optim, memory, peft, checkpoint, plan, tracking
     accelerator/   the `Accelerator` facade for users' own loops (Accelerate's calls)
     utils/         the names scripts written for Accelerate import from accelerate.utils
-    train/         `meshfit train` / `meshfit launch`: config, trainer, command line
+    train/, launch/, cli/   `meshfit train`, the launcher, every subcommand's command line
 """
 
 from __future__ import annotations

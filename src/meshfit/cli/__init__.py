@@ -16,5 +16,5 @@ import this one; ``python -m meshfit`` (`meshfit.__main__`) and the console scri
     env.py        ``meshfit env``: versions, devices and variables for a bug report
 
 No module imports torch when it loads: a bad argument is refused before torch is imported
-(tests/test_fast_start.py).
+(tests/cli/test_fast_start.py).
 """

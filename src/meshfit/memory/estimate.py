@@ -50,7 +50,7 @@ inputs, the two linear inputs and the dropout masks (the paper's 10·s·b·h rep
 Sequence parallel divides the norm inputs and the masks too, but in `estimate` not the two
 linear inputs: torch's SequenceParallel (what meshfit runs) all-gathers a block's
 sequence-sharded input before the column-parallel linears and autograd saves the gathered
-tensor (measured in tests/test_estimate_measured.py); the paper's eq. 4 assumes Megatron-LM,
+tensor (measured in tests/memory/test_estimate_measured.py); the paper's eq. 4 assumes Megatron-LM,
 which saves the shard and gathers again in backward (`activation_bytes`'s default,
 ``gathered_linear_inputs=False``, gives that form). Full checkpointing keeps each block's
 input (h) and recomputes one block at a time in backward (one block's activations more at
@@ -68,7 +68,7 @@ current one and the prefetched next; stage 2 and replicate-only FSDP2: every blo
 from forward to backward) and the reduce-scatter output of one block's gradients; DDP's
 buckets alias the gradients (`gradient_as_bucket_view`), so they cost nothing more.
 
-Also counted, found by measuring (tests/test_estimate_measured.py): the loss's backward holds
+Also counted, found by measuring (tests/memory/test_estimate_measured.py): the loss's backward holds
 3V fp32 per token (log-softmax output, its gradient and the logits' gradient); FSDP2 under a
 pipeline accumulates the stage's gradients unsharded until the last micro-batch (+ the
 stage's local parameters x 4 B of buffers); autocast (bf16/fp16 over fp32 masters) keeps the

@@ -2,7 +2,7 @@
 
 The config is pure data: it can count parameters and FLOPs in closed form without building a
 model, so estimators (memory, MFU) can run for a 70B model on a laptop. The closed forms here
-are cross-checked against the built model in tests/test_models.py.
+are cross-checked against the built model in tests/models/test_models.py.
 """
 
 from __future__ import annotations

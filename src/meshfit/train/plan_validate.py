@@ -27,7 +27,7 @@ What is measured, per plan:
   states `meshfit.memory.rank_report` counts (parameters, gradients, optimizer state,
   buffers, after a step, gradients kept) plus the largest net allocation during one more
   forward and backward, from the profiler's allocation and free events in time order
-  (tests/test_estimate_measured.py measures the same way and states its tolerances).
+  (tests/memory/test_estimate_measured.py measures the same way and states its tolerances).
   ``predicted_bytes`` is the plan's per-rank total; on the CPU, plus its offloaded bytes
   (host and device memory are one there).
 - ``bytes_error`` and ``time_error``: (predicted - measured) / measured.

@@ -5,7 +5,7 @@ Each 2-process layout run is compared with the same run on one process: the same
 order and global batch (the data-parallel ranks of a step together read the 8 sequences one
 process reads in its 4 accumulated micro-batches). fp32 (the trainer's dtype), dropout off:
 the layouts sum in other orders only (~1e-7 relative per operation), and over 4 AdamW steps
-the logged losses stay within 1e-4 relative (as tests/test_train_parallel.py measures),
+the logged losses stay within 1e-4 relative (as tests/train/test_train_parallel.py measures),
 while a layout that loads the wrong slice of a weight, drops a micro-batch or mis-scales
 the loss differs from the first step by > 1e-2.
 

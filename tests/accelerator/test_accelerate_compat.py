@@ -1,6 +1,6 @@
-"""Accelerate drop-in, by difference: the scripts of ``tests/compat_scripts`` (written for
-Hugging Face Accelerate, in the style of its examples) run under Accelerate as written and
-under meshfit with ``accelerate`` replaced by ``meshfit`` in their imports, on 1 process
+"""Accelerate drop-in, by difference: the scripts of ``tests/accelerator/compat_scripts``
+(written for Hugging Face Accelerate, in the style of its examples) run under Accelerate as
+written and under meshfit with ``accelerate`` replaced by ``meshfit`` in their imports, on 1 process
 (plain ``python``) and on 2 (``torch.distributed.run``, gloo on 127.0.0.1), and give the same
 results: per-step losses, learning rates, which samples each process saw, gathered metrics,
 checkpoints resumed, tracked scalars, final parameters.

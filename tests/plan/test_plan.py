@@ -5,7 +5,7 @@ the reference presets and from transformers configs), the ZeRO paper's worked ex
 (Rajbhandari et al. 2020: Ψ = 7.5B, N_d = 64 -> 120, 31.4, 16.6, 1.9 GB), Korthikanti et
 al. (2022)'s activation formula per transformer layer (eq. 2-4) for GPT's shape, and the
 multi-GPU guide's decision tree (one scenario per branch). Measured bytes on live layouts
-are in tests/test_estimate_measured.py.
+are in tests/memory/test_estimate_measured.py.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def test_flops_per_token_matches_the_reference_gpt():
 
 
 def test_plan_validate_prints_predicted_beside_measured(capsys, monkeypatch):
-    """The flag's wiring (the measuring itself: tests/test_estimate_measured.py)."""
+    """The flag's wiring (the measuring itself: tests/memory/test_estimate_measured.py)."""
     from meshfit.train import plan_validate
     from meshfit.cli.main import main
 

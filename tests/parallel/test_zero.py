@@ -179,7 +179,7 @@ def _stages_worker(rank, world, out_dir):
 
 def _zero_greedy(numels: list[int], world: int) -> list[list[int]]:
     """ZeroRedundancyOptimizer's partition: whole tensors, largest first, each to the rank
-    with the fewest elements so far (see tests/test_memory.py)."""
+    with the fewest elements so far (see tests/memory/test_memory.py)."""
     parts: list[list[int]] = [[] for _ in range(world)]
     for n in sorted(numels, reverse=True):
         parts[min(range(world), key=lambda r: sum(parts[r]))].append(n)

@@ -25,7 +25,7 @@ from meshfit.data import (
 )
 from meshfit.data.corpus import is_validation, stdlib_root
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _cache_files(folder: Path) -> list[str]:

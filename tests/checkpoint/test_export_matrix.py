@@ -84,7 +84,7 @@ LAYOUTS = {
 FAMILY_AGNOSTIC = ("ddp", "zero1", "zero2")
 # The guide's DP + PP + TP on 8 ranks, for the reference GPT only: its training against one
 # process lives here, in the 8-rank spawn this file starts anyway (it was a separate 8-rank
-# spawn in tests/test_composition.py); GPT-2's head-grouped c_attn across stages is
+# spawn in tests/parallel/test_composition.py); GPT-2's head-grouped c_attn across stages is
 # zero1xpp2xtp2-gpt2's.
 GPT_ONLY = ("ddpxpp2xtp2",)
 CASES = [(layout, family) for layout in LAYOUTS for family in FAMILIES

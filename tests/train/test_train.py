@@ -115,7 +115,7 @@ def test_bad_train_input_fails_before_launch(args, match, tmp_path, cli_refusal)
 
 
 # The entry points themselves, in a fresh interpreter: the installed `meshfit` command and
-# `python -m meshfit.train.cli` (every other bad input calls main() in-process, above and in
+# `python -m meshfit` (every other bad input calls main() in-process, above and in
 # test_zero.py, test_train_parallel.py and test_launch.py).
 @pytest.mark.parametrize("entry", ["meshfit", "python -m meshfit"])
 def test_entry_points_refuse_bad_input_in_one_line(entry, tmp_path, subprocess_env):

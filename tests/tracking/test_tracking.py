@@ -1,6 +1,6 @@
 """Experiment trackers (`meshfit.tracking`) through their real libraries, read back with
 those libraries' own readers; bad tracker names and missing libraries refused in one line.
-(`meshfit train`'s [log] section and its per-step figures: tests/test_train.py.)"""
+(`meshfit train`'s [log] section and its per-step figures: tests/train/test_train.py.)"""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Tolerances: float64 throughout. A pipeline changes only the order of sums (micro
 gradients accumulated one after another, a tied weight's copies added across ranks), ~1e-16
 relative per operation; Adam divides by sqrt(v), which amplifies that to ~1e-14 on the
 parameters after a few steps of a model this size. Losses must agree to rtol 1e-10 and
-parameters to atol 1e-10, as in tests/test_pp.py: a real mistake (a stage adding positions
+parameters to atol 1e-10, as in tests/parallel/test_pp.py: a real mistake (a stage adding positions
 twice, a skipped final norm, tied copies drifting apart) misses by more than 1e-3.
 """
 

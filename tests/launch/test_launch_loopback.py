@@ -1,6 +1,6 @@
 """A single-node job is reachable on loopback only: every socket the launcher and its workers
 listen on (the rendezvous store, gloo's pairs) is bound to 127.0.0.0/8. PyTorch's TCPStore
-alone would listen on every interface; `meshfit.train.launch.loopback_stores` binds it."""
+alone would listen on every interface; `meshfit.launch.loopback_stores` binds it."""
 
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ LAYOUTS = {
 ACCUMULATE_CLIP = (dict(pp=2, dp_replicate=2), dict(gradient_accumulation_steps=2),
                    dict(schedule="1f1b", microbatches=2), 0.5)
 # The guide's 3-D layouts on 8 ranks (DP + PP + TP and ZeRO-1 + PP + TP, 2 x 2 x 2, 1f1b)
-# are trained against one process in tests/test_export_matrix.py (ddpxpp2xtp2-gpt and
+# are trained against one process in tests/checkpoint/test_export_matrix.py (ddpxpp2xtp2-gpt and
 # zero1xpp2xtp2-gpt/-gpt2: every exported weight against the one-process run), in the 8-rank
 # group that file starts for its exports, rather than in a second group of 8 ranks here.
 
