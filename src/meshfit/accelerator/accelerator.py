@@ -1,21 +1,17 @@
-"""`Accelerator`: a thin facade for users' own training loops.
+"""`Accelerator`: a thin facade for users' own training loops, speaking Hugging Face
+Accelerate's calls (``prepare``, ``backward``, ``accumulate``, ``no_sync``,
+``gather_for_metrics``, ...) over ``torch.distributed`` itself.
 
-It speaks Hugging Face Accelerate's calls (``prepare``, ``backward``, ``accumulate``,
-``no_sync``, ``gather_for_metrics``, ...), but it is a layer over ``torch.distributed``
-itself: its arguments are translated once (`meshfit.accelerator.arguments`), the `Layout`
-(decided once, in the constructor) says how the job is laid out, `parallelize` applies it to
-each model or pipeline stage, the engine's `Runtime` answers for it while the loop runs
-(groups, ``no_sync``, export), `Precision` handles autocast and loss scaling, and the
-prepared optimizer/scheduler/dataloader objects implement accumulation boundaries and
-sharding. The rest is delegated, method by method, to the module that does the work:
-`processes` (collectives, barriers, process control), `trackers`, `state` (checkpoints to
-resume from) and `export` (the whole model out).
+Its arguments are translated once (`arguments`); the `Layout`, decided once in the
+constructor, is applied to each model or pipeline stage (`models`); the engine's `Runtime`
+answers for it while the loop runs; `Precision` handles autocast and loss scaling; the
+prepared objects (`prepared`, `loader`) implement accumulation boundaries and sharding. The
+rest is delegated, method by method, to the module that does the work.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import warnings
@@ -54,13 +50,9 @@ log = logging.getLogger("meshfit")
 class Accelerator(AcceleratorAttributes):
     """Runs a user's training loop on one device or data parallel across processes.
 
-    The positional and keyword arguments up to ``parallelism_config`` are Hugging Face
-    Accelerate 1.15's, with its defaults and meaning (a script written for Accelerate runs
-    with ``accelerate`` replaced by ``meshfit`` in its imports); the keyword-only ones after
-    them are meshfit's own: the layout (``parallel=ParallelDims(...)``, ``zero_stage``,
-    ``offload``, ``sync_each_batch``, ``sequence_parallel``, ``loss_parallel``, ``tp_plan``),
-    activation checkpointing, compile, TF32 and the scheduler's stepping. Each argument is
-    described in `meshfit.accelerator.arguments`, which translates them.
+    The arguments up to ``parallelism_config`` are Hugging Face Accelerate 1.15's; the
+    keyword-only ones after them are meshfit's own. Each is described, and translated, in
+    `meshfit.accelerator.arguments`.
     """
 
     def __init__(self, device_placement: bool = True, split_batches: Any = UNSET,
@@ -96,7 +88,6 @@ class Accelerator(AcceleratorAttributes):
             warnings.warn(f"meshfit: {message}", UserWarning, stacklevel=2)
         self._keep_options(arguments)
         self.env = env or mdist.init(cpu=arguments.process.cpu, **arguments.process.init_kwargs)
-        # The one decision of how this job is laid out (every rule lives in Layout).
         self.layout = resolve_layout(arguments, self.env)
         self.parallel = self.layout.dims
         for message in self.layout.warnings:
@@ -140,9 +131,6 @@ class Accelerator(AcceleratorAttributes):
         self._params = ParameterMap()  # parameters replaced by sharding, for optimizers
         self._pipeline_params: set[int] = set()  # ids of prepared pipeline stages' parameters
         self._replaced: dict[int, tuple[Any, torch.optim.Optimizer]] = {}  # user opt -> new
-        # Loaders being iterated, innermost last (an evaluation loop inside training): the
-        # innermost one's end decides the accumulation boundary, as Accelerate's
-        # GradientState does with its active dataloaders.
         self.grad_state = GradientState(num_steps=loop.gradient_accumulation_steps,
                                         sync_with_dataloader=loop.sync_with_dataloader,
                                         adjust_scheduler=loop.adjust_scheduler)
@@ -176,10 +164,8 @@ class Accelerator(AcceleratorAttributes):
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Apply the layout to `model` (`meshfit.parallel.parallelize`: place, tensor
-        parallel, checkpoint, compile, then the data-parallel wrapper) and return the module
-        to train. Its weights must be initialised before, or it must come from
-        `meshfit.checkpoint.pretrained.meta_model` (`meshfit.accelerator.models`)."""
+        """Apply the layout to `model` and return the module to train; its weights must be
+        initialised, or it must come from `meta_model` (`meshfit.accelerator.models`)."""
         folder = models.check_model(model, self.layout)
         before = dict(model.named_parameters())
         wrapped = self._prepare_module(model) if folder is None else models.load_pretrained(
@@ -203,10 +189,8 @@ class Accelerator(AcceleratorAttributes):
                          schedule: str = "1f1b", virtual_stages: int | None = None,
                          points=None, balance: str = "params", times=None, loss_fn=None,
                          record_timings: bool = False, init_seed: int = 0, plan=None):
-        """Cut `model` into pipeline stages over ``mesh["pp"]`` and prepare this rank's;
-        returns a `meshfit.parallel.pp.Pipeline` (drive it with ``pipeline.step(inputs,
-        targets, scale=1/k)`` inside ``accumulate()``; build the optimizer afterwards on
-        ``pipeline.parameters()``). See `meshfit.accelerator.models`."""
+        """Cut `model` into pipeline stages over ``mesh["pp"]`` and prepare this rank's; returns
+        a `meshfit.parallel.pp.Pipeline` (how to drive it: `meshfit.accelerator.models`)."""
         pipeline = models.build(
             model, self.layout, self.model_options, mesh=self.mesh,
             lay_out=self._prepare_module, microbatches=microbatches, schedule=schedule,
@@ -225,14 +209,12 @@ class Accelerator(AcceleratorAttributes):
         self.print(message)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
-        """Wrap `optimizer` so that it steps on accumulation boundaries only; built before
-        `prepare(model)` under zero_stage 2/3 it is rebuilt over the sharded parameters, under
-        zero_stage 1 it becomes a ZeroRedundancyOptimizer (`meshfit.accelerator.prepared`).
-        Pass LR schedulers built on it to `prepare` too: they are moved to the new one."""
+        """Wrap `optimizer` so that it steps on accumulation boundaries only, re-pointed at
+        sharded parameters if need be (`meshfit.accelerator.prepared`)."""
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
-        if self._pipeline_params and not any(id(p) in self._pipeline_params
-                                             for g in optimizer.param_groups for p in g["params"]):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self._pipeline_params and not any(id(p) in self._pipeline_params for p in params):
             raise ValueError("prepare(optimizer): none of its parameters belong to the prepared "
                              "pipeline's stages (an optimizer built before prepare_pipeline "
                              "holds the full model's); build it on pipeline.parameters()")
@@ -269,15 +251,12 @@ class Accelerator(AcceleratorAttributes):
         if isinstance(loader, PreparedDataLoader):
             return loader
         config = self.dataloader_config
-        prepared = PreparedDataLoader(loader, device=self.device,
-                                      num_replicas=self.runtime.dp_size,
-                                      rank=self.runtime.dp_rank, on_iter=self._set_active_loader,
-                                      on_end=self.grad_state.leave,
-                                      even_batches=config.even_batches,
-                                      split_batches=config.split_batches,
-                                      seedable=config.use_seedable_sampler,
-                                      data_seed=config.data_seed,
-                                      sync_generator="generator" in self.rng_types)
+        prepared = PreparedDataLoader(
+            loader, device=self.device, num_replicas=self.runtime.dp_size,
+            rank=self.runtime.dp_rank, on_iter=self._set_active_loader,
+            on_end=self.grad_state.leave, even_batches=config.even_batches,
+            split_batches=config.split_batches, seedable=config.use_seedable_sampler,
+            data_seed=config.data_seed, sync_generator="generator" in self.rng_types)
         self._loaders.append(prepared)
         return prepared
 
@@ -288,11 +267,10 @@ class Accelerator(AcceleratorAttributes):
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> torch.nn.Module:
-        """The user's original module, without the data-parallel wrapper (under FSDP2 the
-        module itself: its parameters stay sharded DTensors; use `get_state_dict`).
-        `keep_torch_compile=False` also removes a whole-model ``torch.compile`` wrapper;
-        `keep_fp32_wrapper` is accepted (meshfit's autocast wrapper is part of the
-        module)."""
+        """The user's module without the data-parallel wrapper (under FSDP2 its parameters
+        stay sharded DTensors: use `get_state_dict`); `keep_torch_compile=False` also removes
+        a whole-model ``torch.compile``; `keep_fp32_wrapper` is accepted (meshfit's autocast
+        wrapper is part of the module)."""
         module = self.runtime.unwrap(model)
         if not keep_torch_compile and hasattr(module, "_orig_mod"):
             module = module._orig_mod
@@ -311,10 +289,8 @@ class Accelerator(AcceleratorAttributes):
     def save_state(self, output_dir: str | os.PathLike | None = None,
                    safe_serialization: bool = True, *, step: int | None = None,
                    async_save: bool = False, **save_model_func_kwargs) -> Path:
-        """Write everything prepared and registered into `output_dir`, a sharded checkpoint
-        committed atomically (`async_save`: in the background); call on every rank. See
-        `meshfit.accelerator.state` (``safe_serialization`` is accepted: the format is
-        always DCP's)."""
+        """Write everything prepared and registered into `output_dir` (a sharded checkpoint;
+        `async_save`: in the background); call on every rank (`meshfit.accelerator.state`)."""
         from meshfit.accelerator.state import save_state
 
         return save_state(self, output_dir, step=step, async_save=async_save)
@@ -334,18 +310,16 @@ class Accelerator(AcceleratorAttributes):
     def load_state(self, input_dir: str | os.PathLike | None = None,
                    load_kwargs: dict | None = None, **load_model_func_kwargs):
         """Restore what `save_state` wrote into the objects prepared (and registered) in the
-        same order, whatever the layout and number of processes that saved it; returns the
-        checkpoint's manifest. Call on every rank after preparing everything. Data loaders
-        are put back only when stateful, as with Accelerate; see `meshfit.accelerator.state`."""
+        same order, on any layout; returns the checkpoint's manifest. Call on every rank after
+        preparing everything (`meshfit.accelerator.state`)."""
         from meshfit.accelerator.state import load_state
 
         return load_state(self, input_dir, loaders=self.use_stateful_dataloader)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0):
         """The prepared `dataloader`, whose next iteration leaves out its first `num_batches`
-        batches (of every rank), its order drawn as for a whole pass; as Accelerate's, for
-        a script resuming inside an epoch. (Stateful loaders are already positioned by
-        `load_state`; calling this with the same count changes nothing.)"""
+        batches, as Accelerate's (for a script resuming inside an epoch; stateful loaders are
+        already positioned by `load_state`: the same count again changes nothing)."""
         if not isinstance(dataloader, PreparedDataLoader):
             raise ValueError("skip_first_batches takes a dataloader returned by prepare()")
         dataloader.skip_first_batches(num_batches)
@@ -353,13 +327,13 @@ class Accelerator(AcceleratorAttributes):
 
     # ----------------------------------------------------------------- export
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state dict, on CPU, on the main process; ``{}`` on the others
-        (a collective: call on every rank; `meshfit.accelerator.export`)."""
+        """The whole model's state dict on the main process, ``{}`` on the others (a
+        collective; `meshfit.accelerator.export`)."""
         return export.get_state_dict(model, self.runtime)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike) -> Path:
-        """Write `get_state_dict(model)` to ``save_directory/model.safetensors`` from the main
-        process; call on every rank (`meshfit.accelerator.export`)."""
+        """Write `get_state_dict(model)` to ``save_directory/model.safetensors``; call on every
+        rank (`meshfit.accelerator.export`)."""
         return export.save_model(model, save_directory, runtime=self.runtime, env=self.env)
 
     def save(self, obj: Any, f, safe_serialization: bool = False) -> None:
@@ -380,9 +354,8 @@ class Accelerator(AcceleratorAttributes):
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module):
-        """One micro-batch of gradient accumulation: gradients sync only on the k-th one
-        and on the data loader's last (with sync_each_batch=True, on every one: see
-        `meshfit.accelerator.arguments`)."""
+        """One micro-batch of gradient accumulation: gradients sync only on the k-th one and
+        on the data loader's last (with sync_each_batch=True, on every one)."""
         self.grad_state.advance()
         with contextlib.ExitStack() as stack:
             if not self.grad_state.sync_gradients and self.sync_each_batch is not True:
@@ -408,11 +381,8 @@ class Accelerator(AcceleratorAttributes):
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0
                         ) -> torch.Tensor:
-        """Clip the (unscaled, synchronised) gradients' total norm; returns the norm.
-
-        Works on sharded (DTensor) gradients: the norm is completed across the shards, and
-        gradients on different meshes are combined per mesh (`meshfit.parallel.clip`).
-        Pass a `Pipeline` (from `prepare_pipeline`) to clip the whole pipelined model."""
+        """Clip the (unscaled, synchronised) gradients' total norm, also sharded (DTensor)
+        ones (`meshfit.parallel.clip`) and a whole `Pipeline`'s; returns the norm."""
         self.unscale_gradients()
         from meshfit.parallel.pp import Pipeline
 
@@ -431,13 +401,12 @@ class Accelerator(AcceleratorAttributes):
 
     # ----------------------------------------------------------------- collectives
     def gather(self, tensor: Any) -> Any:
-        """Concatenate tensors (a nest of them) from every data-parallel rank along dim 0, in
-        rank order, as values (`meshfit.accelerator.processes`)."""
+        """Tensors of every data-parallel rank, concatenated (`meshfit.accelerator.processes`)."""
         return processes.gather(tensor, self.runtime.dp_group)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """`gather` (or `meshfit.utils.gather_object`), minus the samples that completed the
-        data loader's last round (`meshfit.accelerator.processes`)."""
+        """`gather` (or `gather_object`), minus the padding of the loader's last round
+        (`meshfit.accelerator.processes`)."""
         state = self.grad_state
         return processes.gather_for_metrics(
             input_data, use_gather_object, group=self.runtime.dp_group,
@@ -445,9 +414,8 @@ class Accelerator(AcceleratorAttributes):
             remainder=state.remainder)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """All-reduce tensors over the data-parallel ranks: ``"sum"``, ``"mean"``, ``"max"``,
-        ``"min"`` or ``"none"``; `scale` is applied by Accelerate on TPUs only, and ignored
-        here likewise (`meshfit.accelerator.processes`)."""
+        """All-reduce tensors over the data-parallel ranks; `scale` is applied by Accelerate on
+        TPUs only, and ignored here likewise (`meshfit.accelerator.processes`)."""
         return processes.reduce(tensor, reduction, self.runtime.dp_group)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0,
@@ -458,8 +426,7 @@ class Accelerator(AcceleratorAttributes):
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs, apply_padding: bool = False):
-        """This data-parallel rank's contiguous share of `inputs`
-        (`meshfit.accelerator.processes.share`)."""
+        """This data-parallel rank's share of `inputs` (`meshfit.accelerator.processes`)."""
         yield processes.share(inputs, self.runtime.dp_size, self.runtime.dp_rank,
                               apply_padding=apply_padding, device=self.device)
 
@@ -487,34 +454,25 @@ class Accelerator(AcceleratorAttributes):
         return processes.first(self.is_local_main_process, self.env)
 
     def on_main_process(self, function=None):
-        """Decorator: run `function` on the main process only (None elsewhere)."""
-        if function is None:
-            return functools.partial(self.on_main_process)
+        """Decorator: run `function` on the main process only (None elsewhere); so do the
+        other ``on_*`` decorators on theirs."""
         return processes.run_if(self.is_main_process, function)
 
     def on_local_main_process(self, function=None):
-        if function is None:
-            return functools.partial(self.on_local_main_process)
         return processes.run_if(self.is_local_main_process, function)
 
     def on_last_process(self, function):
         return processes.run_if(self.is_last_process, function)
 
     def on_process(self, function=None, process_index: int | None = None):
-        if function is None:
-            return functools.partial(self.on_process, process_index=process_index)
         return processes.run_if(self.process_index == process_index, function)
 
     def on_local_process(self, function=None, local_process_index: int | None = None):
-        if function is None:
-            return functools.partial(self.on_local_process,
-                                     local_process_index=local_process_index)
         return processes.run_if(self.local_process_index == local_process_index, function)
 
     def profile(self, profile_handler: ProfileKwargs | None = None):
-        """``torch.profiler.profile`` around the block (yields the profiler), configured by
-        `profile_handler` or the constructor's `ProfileKwargs`
-        (`meshfit.accelerator.processes`)."""
+        """``torch.profiler.profile`` around the block, configured by `profile_handler` or the
+        constructor's `ProfileKwargs` (`meshfit.accelerator.processes`)."""
         return processes.profile(profile_handler or self.profile_handler or ProfileKwargs(),
                                  self.env)
 
@@ -557,8 +515,7 @@ class Accelerator(AcceleratorAttributes):
         return trackers.get_tracker(self.trackers, name, unwrap)
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
-        """Log `values` to every tracker, on the main process only
-        (`meshfit.accelerator.trackers`)."""
+        """Log `values` to every tracker, on the main process (`meshfit.accelerator.trackers`)."""
         if self.is_main_process:
             trackers.log(self.trackers, values, step, log_kwargs)
 

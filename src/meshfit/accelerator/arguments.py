@@ -1,61 +1,41 @@
-"""The `Accelerator`'s arguments, translated: pure functions from what a script passes (and
-the environment variables Accelerate reads) to meshfit's options, checked before any process
-group, model or file exists. Nothing here joins a process group or keeps state.
-
-    read_arguments(given, environ) -> Arguments   every check and translation, in the order
-                                                  the constructor has always made them
-    resolve_layout(arguments, env) -> Layout      the layout request on this job's processes
-    sort_handlers, init_kwargs, UNSET             the pieces, for their own tests
-
-`Arguments` is made of small frozen dataclasses, one per consumer:
-
-    LayoutRequest     parallel's sizes, zero_stage, offload, sync_each_batch, sequence and
-                      loss parallel (`meshfit.parallel.request`: the type `meshfit train`'s
-                      [parallel] is too), built in one place, `_layout_request`
-    ModelOptions      what `parallelize` does besides the layout (`meshfit.parallel.options`)
-    PrecisionOptions  mixed precision, GradScaler/autocast keywords, tf32
-    LoopOptions       accumulation, scheduler stepping, device cache, rng_types, data loaders
-    ProcessOptions    device placement, cpu, the process group's keywords
-    Handlers          the ``kwargs_handlers`` by kind
+"""The `Accelerator`'s arguments, translated by pure functions (`read_arguments`, then
+`resolve_layout` on the job's processes) from what a script passes, and the environment
+variables Accelerate reads, into small frozen options, one per consumer: the layout request
+(`meshfit.parallel.request.LayoutRequest`, the type of `meshfit train`'s [parallel] too),
+`ModelOptions`, `PrecisionOptions`, `LoopOptions`, `ProcessOptions` and `Handlers`. Checked
+before any process group, model or file exists; nothing here keeps state.
 
 The arguments up to ``parallelism_config`` are Hugging Face Accelerate 1.15's, with its
 defaults and meaning (a script written for Accelerate runs with ``accelerate`` replaced by
 ``meshfit`` in its imports); the keyword-only ones after them are meshfit's own.
 
 Accelerate's arguments:
-    device_placement: True (batches and models go to the device); False is accepted on the
-        CPU only (where nothing moves).
-    split_batches: ignored, as by Accelerate 1.15 (a warning says so); use
+    device_placement: True (batches and models go to the device); False on the CPU only.
+    split_batches: ignored, as by Accelerate 1.15 (with a warning); use
         ``dataloader_config=DataLoaderConfiguration(split_batches=True)``.
-    mixed_precision: None (the environment's ``ACCELERATE_MIXED_PRECISION``, else ``"no"``),
-        ``"no"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scaling).
-        Master weights and optimizer state stay fp32.
+    mixed_precision: None (``ACCELERATE_MIXED_PRECISION``, else ``"no"``), ``"no"``,
+        ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scaling). Master weights
+        and optimizer state stay fp32.
     gradient_accumulation_steps: micro-batches per optimizer step (k). Inside `accumulate`,
         `backward` divides the loss by k and gradients are synchronised only on every k-th
         micro-batch (or the dataloader's last one).
-    cpu: run on the CPU (gloo) even where CUDA is available; None (meshfit's default): the
-        environment's ``MESHFIT_CPU``, else False; ``ACCELERATE_USE_CPU=true`` in the
-        environment (``accelerate launch --cpu``) means True, as for Accelerate.
-    dataloader_config: a `meshfit.utils.DataLoaderConfiguration` (split_batches,
-        even_batches, use_seedable_sampler, data_seed, use_stateful_dataloader; see
-        `meshfit.accelerator.loader`).
-    fsdp_plugin: a `meshfit.utils.FullyShardedDataParallelPlugin`: every process shards the
-        model with FSDP2 (ZeRO-3, or ZeRO-2 for SHARD_GRAD_OP); instead of
-        ``parallel``/``zero_stage``. Its mixed precision, CPU offload and activation
-        checkpointing become the Accelerator's.
+    cpu: run on the CPU (gloo) even where CUDA is available; None: ``MESHFIT_CPU``, else
+        False; ``ACCELERATE_USE_CPU=true`` (``accelerate launch --cpu``) means True.
+    dataloader_config: a `meshfit.utils.DataLoaderConfiguration` (see there).
+    fsdp_plugin: a `meshfit.utils.FullyShardedDataParallelPlugin` (see there), instead of
+        ``parallel``/``zero_stage``.
     deepspeed_plugin, torch_tp_plugin, megatron_lm_plugin, dynamo_plugin, deepspeed_plugins,
-        parallelism_config: not available (None only); meshfit's ``parallel=ParallelDims(...)``,
-        ``zero_stage`` and ``compile`` do their work.
+        parallelism_config: None only; ``parallel``, ``zero_stage`` and ``compile`` do their
+        work.
     rng_types: generators synchronised from process 0 at the start of each pass over a
-        prepared loader: ``["generator"]`` (default: the shuffling generator), also
-        ``"torch"`` and ``"cuda"`` (the global ones).
+        prepared loader: ``["generator"]`` (default: the shuffling one), ``"torch"``,
+        ``"cuda"`` (the global ones).
     log_with: tracker names (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"csv"``,
-        ``"all"``, `LoggerType` values) or tracker objects, started by `init_trackers` on the
-        main process (`meshfit.accelerator.trackers`).
+        ``"all"``, `LoggerType` values) or tracker objects (`meshfit.accelerator.trackers`).
     project_dir, project_config: where trackers and automatically named checkpoints go
         (`meshfit.utils.ProjectConfiguration`).
     gradient_accumulation_plugin: instead of ``gradient_accumulation_steps``
-        (`meshfit.utils.GradientAccumulationPlugin`; its ``sync_each_batch`` is meshfit's).
+        (`meshfit.utils.GradientAccumulationPlugin`).
     step_scheduler_with_optimizer: True: a prepared LR scheduler steps only with the optimizer
         (see ``step_scheduler_per_process``); False: on every call.
     kwargs_handlers: `DistributedDataParallelKwargs` (DDP's arguments and communication hook),
@@ -70,34 +50,31 @@ meshfit's arguments:
         because scripts size their schedules in one process's batches; False: once per
         optimizer step, for schedules that count optimizer steps (`meshfit train`).
     tf32: True/False switch TF32 tensor cores for fp32 matrix products on or off (NVIDIA
-        Ampere and newer; no effect elsewhere); None leaves PyTorch's process-wide setting.
+        Ampere and newer); None leaves PyTorch's process-wide setting.
     activation_checkpointing: ``"none"``, ``"full"`` (every transformer block recomputes its
         activations in backward) or ``"selective"`` (every ``activation_checkpointing_every``-th
         block with policy ``"block"``, or every block keeping matrix-product outputs with
         policy ``"op"``); see `meshfit.parallel.activation`.
-    compile: ``torch.compile`` prepared models, per transformer block (``compile_scope=
-        "block"``, the default) or whole (``"model"``), with ``compile_backend`` and
-        ``compile_mode``; see `meshfit.parallel.compile`.
+    compile: ``torch.compile`` prepared models per transformer block (``compile_scope=
+        "block"``) or whole (``"model"``), with ``compile_backend`` and ``compile_mode``; see
+        `meshfit.parallel.compile`.
     empty_cache_steps: release the device allocator's cached blocks every this many optimizer
         steps (0: never), as Transformers' ``torch_empty_cache_steps``.
-    parallel: the layout (`ParallelDims`); default: every process a DDP replica.
-        ``ParallelDims(dp_shard=N)`` shards over N ranks (ZeRO); with ``dp_replicate=M`` too,
-        M groups of N (hybrid sharding, HSDP). All M x N ranks see different data. ``tp=T``
-        splits every block over T ranks (Megatron-style, `apply_tp`), composed with any
-        data-parallel axes (see `meshfit.parallel.layout`); ``pp=P`` cuts the model into
-        stages: use `prepare_pipeline` instead of ``prepare(model)``. The layout is decided
-        once, in the constructor (``accelerator.layout``, a `meshfit.Layout`).
-    zero_stage: with dp_shard > 1, what is sharded over the dp_shard ranks (ZeRO,
-        Rajbhandari et al. 2020); default 3 when dp_shard > 1, else 0. 0: nothing (DDP).
-        1: optimizer state (DDP + ZeroRedundancyOptimizer, applied in `prepare_optimizer`).
-        2: gradients and optimizer state (FSDP2 with reshard_after_forward=False; FSDP2 also
-        keeps parameters sharded between steps, see `meshfit.parallel.fsdp`). 3: parameters
-        too, gathered per block just in time (FSDP2). Under 2 and 3, mixed precision is FSDP's
-        MixedPrecisionPolicy (parameters gathered and computed in bf16/fp16, gradients reduced
-        in fp32, fp32 master weights and outputs) instead of autocast. With tp or pp > 1 every
-        data-parallel stage runs on FSDP2 (0: replicate-only, 1: whole gradients until the
-        boundary, sharded optimizer state), so FSDP's mixed-precision policy applies to all of
-        them (see `meshfit.parallel.layout`).
+    parallel: the layout (`ParallelDims`), decided once in the constructor
+        (``accelerator.layout``); default: every process a DDP replica. ``dp_shard=N`` shards
+        over N ranks (ZeRO); with ``dp_replicate=M``, M groups of N (HSDP); all M x N ranks
+        see different data. ``tp=T`` splits every block over T ranks (Megatron-style,
+        `apply_tp`), with any data-parallel axes; ``pp=P`` cuts the model into stages (use
+        `prepare_pipeline`). See `meshfit.parallel.layout`.
+    zero_stage: what is sharded over the dp_shard ranks (ZeRO, Rajbhandari et al. 2020);
+        default 3 when dp_shard > 1, else 0. 0: nothing (DDP). 1: optimizer state (DDP +
+        ZeroRedundancyOptimizer, in `prepare_optimizer`). 2: gradients and optimizer state
+        (FSDP2 with reshard_after_forward=False; parameters also stay sharded between steps,
+        see `meshfit.parallel.fsdp`). 3: parameters too, gathered per block just in time.
+        Under 2 and 3, and with tp or pp > 1 (where every data-parallel stage runs on FSDP2;
+        0: replicate-only, 1: whole gradients until the boundary), mixed precision is FSDP's
+        MixedPrecisionPolicy (bf16/fp16 compute, fp32 gradient reduction, master weights and
+        outputs) instead of autocast.
     offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in host
         memory (ZeRO-Offload; zero_stage=3 only); ``"none"``.
     sync_each_batch: under accumulation with zero_stage 2/3, False skips the reduce-scatter on
@@ -105,21 +82,20 @@ meshfit's arguments:
         gradients, Ψ·4 bytes per rank, until the boundary); True reduce-scatters every
         micro-batch (sharded gradients accumulate: Ψ·4/N bytes); ``"auto"`` picks True when
         the unsharded gradients would take more than a quarter of the free memory (CUDA free
-        memory, host available memory on CPU) on any rank, and logs the choice once (when the
-        first model is prepared; the ``sync_each_batch`` attribute then holds it). Under DDP
+        memory, host available memory on CPU) on any rank, and logs the choice when the
+        first model is prepared (the ``sync_each_batch`` attribute then holds it). Under DDP
         and ZeRO-1 gradients are full-size anyway, so "auto" means False there.
     sequence_parallel: with tp > 1, split the residual stream on the sequence dimension
         between the tensor-parallel blocks (norms and dropout run on T/tp positions;
         Korthikanti et al. 2022); the sequence length must divide by tp.
     loss_parallel: with tp > 1, the output head keeps its logits sharded on the vocabulary and
         the reference GPT's ``model(idx, targets)`` loss is computed without gathering them
-        (`meshfit.parallel.tp.tp_cross_entropy` for other losses; see `apply_tp`).
+        (`meshfit.parallel.tp.tp_cross_entropy` for other losses).
     tp_plan: with tp > 1, how to split a model that has no built-in plan: a
         `meshfit.models.plans.TPPlan` or ``{module pattern: Style or ParallelStyle}`` (see
-        `meshfit.parallel.tp.apply_tp`); None: the model type's built-in plan.
-    ddp_kwargs: extra keyword arguments for DistributedDataParallel (``bucket_cap_mb``,
-        ``find_unused_parameters``, ``static_graph``, ...); they take precedence over a
-        DistributedDataParallelKwargs handler's.
+        `apply_tp`); None: the model type's built-in plan.
+    ddp_kwargs: extra DistributedDataParallel arguments (``bucket_cap_mb``,
+        ``find_unused_parameters``, ...), over a DistributedDataParallelKwargs handler's.
     env: an existing `DistEnv`; default: `meshfit.distributed.init()`.
 """
 
@@ -270,11 +246,8 @@ def read_arguments(given: Mapping[str, Any],
 
 def resolve_layout(arguments: Arguments, env: DistEnv) -> Layout:
     """The job's `Layout`: the request on `env`'s processes (after refusing
-    ``device_placement=False`` off the CPU).
-
-    Accelerate's FSDP plugin shards over every process when there is more than one (ZeRO-3,
-    or 2 for SHARD_GRAD_OP; NO_SHARD: the default layout, DDP); on one process it asks for
-    nothing, and its sharding strategy is not even read."""
+    ``device_placement=False`` off the CPU). As Accelerate's, the FSDP plugin shards over every
+    process when there is more than one; on one process its sharding is not even read."""
     request, plugin = arguments.layout, arguments.fsdp_plugin
     if plugin is not None and env.world_size > 1:
         zero_stage = plugin.zero_stage()
@@ -386,12 +359,11 @@ def sort_handlers(handlers) -> Handlers:
 def _dynamo(given: Mapping[str, Any]) -> dict[str, Any]:
     """ModelOptions' compile fields; Accelerate's ``dynamo_backend`` compiles the whole model
     with that backend (lower case, as Accelerate passes it to torch.compile)."""
+    names = ("compile", "compile_backend", "compile_scope", "compile_mode")
     backend = given["dynamo_backend"]
     if backend is not None and str(backend).upper() != "NO":
-        return {"compile": True, "compile_backend": str(backend).lower(),
-                "compile_scope": "model", "compile_mode": given["compile_mode"]}
-    return {"compile": given["compile"], "compile_backend": given["compile_backend"],
-            "compile_scope": given["compile_scope"], "compile_mode": given["compile_mode"]}
+        return dict(zip(names, (True, str(backend).lower(), "model", given["compile_mode"])))
+    return {name: given[name] for name in names}
 
 
 def _fsdp_plugin(given: Mapping[str, Any], mixed_precision: str) -> tuple[str, str, str]:
@@ -475,8 +447,8 @@ def init_kwargs(handler: InitProcessGroupKwargs | None) -> dict:
         raise ValueError("InitProcessGroupKwargs(init_method=...) is not available: meshfit "
                          "joins the process group torchrun (meshfit launch) describes")
     out = {}
-    if "backend" in given and given["backend"] is not None:
+    if given.get("backend") is not None:
         out["backend"] = given["backend"]
-    if "timeout" in given and given["timeout"] is not None:
+    if given.get("timeout") is not None:
         out["timeout_s"] = given["timeout"].total_seconds()
     return out

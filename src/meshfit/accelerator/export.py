@@ -1,20 +1,13 @@
 """The whole model out of a training job: `Accelerator.get_state_dict`, `save_model` and
-`save`.
-
-    get_state_dict   the whole model's state dict, on CPU, on the main process ({} elsewhere)
-    save_model       that dict as ``model.safetensors``, written once, atomically
-    save             any object, written once (per node with save_on_each_node)
+`save` (checkpoints to resume from: `meshfit.accelerator.state`).
 
 Under zero_stage 2/3 and tensor parallel the state dict is a collective (each parameter is
 all-gathered: `torch.distributed.checkpoint`'s get_model_state_dict with
 full_state_dict=True, cpu_offload=True, which fills rank 0 only; see
 `meshfit.accelerator.runtime`); call these on every rank. Names are the user's module's (no
 DDP/FSDP/compile prefixes), values fp32 master weights; the dict loads into a plain
-single-device model with ``load_state_dict``. A `Pipeline` gives the whole model's dict too
-(every stage's part, gathered to rank 0). Like Accelerate's method of that name, except that
-Accelerate returns the dict on every rank under DDP.
-
-For checkpoints to resume from (sharded, any layout), see `meshfit.accelerator.state`.
+single-device model. A `Pipeline` gives the whole model's dict too. Like Accelerate's
+method of that name, except that Accelerate returns the dict on every rank under DDP.
 """
 
 from __future__ import annotations
@@ -34,8 +27,8 @@ __all__ = ["get_state_dict", "save", "save_model"]
 
 
 def get_state_dict(model: torch.nn.Module, runtime: Runtime) -> dict[str, torch.Tensor]:
-    """`model`'s whole state dict on CPU on global rank 0, ``{}`` elsewhere (a prepared
-    model under `runtime`, or a `Pipeline`): a collective, call on every rank."""
+    """`model`'s (prepared under `runtime`, or a `Pipeline`) whole state dict on CPU on
+    global rank 0, ``{}`` elsewhere."""
     from meshfit.parallel.pp import Pipeline
 
     if isinstance(model, Pipeline):
@@ -46,10 +39,9 @@ def get_state_dict(model: torch.nn.Module, runtime: Runtime) -> dict[str, torch.
 def save_model(model: torch.nn.Module, save_directory: str | os.PathLike, *, runtime: Runtime,
                env: DistEnv) -> Path:
     """Write `get_state_dict(model)` to ``save_directory/model.safetensors`` from the main
-    process (atomically: a temporary file, then os.replace); call on every rank. Tensors
-    sharing storage (tied weights) are written as separate copies, which safetensors
-    requires; both names load back into the tied model. A `save_directory` that is a file
-    (or lies under one) is refused on every rank, before anything is gathered or written."""
+    process, atomically. Tied weights are written as separate copies (safetensors requires
+    it); both names load back into the tied model. A `save_directory` that is (or lies under)
+    a file is refused on every rank, before anything is gathered or written."""
     folder = Path(save_directory)
     main = env.rank == 0
     blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),

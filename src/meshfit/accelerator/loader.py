@@ -1,19 +1,13 @@
 """`PreparedDataLoader`: a data loader prepared for data parallel training, sharded as
-Hugging Face Accelerate shards it, whose batches arrive on the device one step ahead.
-
-What each rank reads is decided elsewhere; this module puts it together:
-
-    sampler.py   map-style datasets: `ShardedBatchSampler` (Accelerate's sharding, padding
-                 of the last round with ``even_batches``, ``split_batches``)
-    stream.py    an ``IterableDataset``: `StreamShard`, sharded by position (meshfit's own)
-    shuffle.py   the epoch's order: the generators Accelerate draws from, synchronised from
-                 rank 0
+Hugging Face Accelerate shards it (`sampler`; a stream: `stream`; the order: `shuffle`),
+whose batches arrive on the device one step ahead.
 
 A loader's position is the epoch being read and the samples of all ranks handed out in it
 (for a stream: its items consumed), plus the shuffling generator's state at the start of the
-pass: it means the same on any number of ranks. `Accelerator.load_state` restores it when the
-loaders are stateful (``DataLoaderConfiguration(use_stateful_dataloader=True)``); a stream is
-re-read from its start and skipped to its position, it cannot seek.
+pass: the order is the epoch's permutation (or the stream) cut into global batches, so the
+position means the same on any number of ranks. `Accelerator.load_state` restores it when the
+loaders are stateful (``DataLoaderConfiguration(use_stateful_dataloader=True)``); a stream
+cannot seek: it is re-read from its start and skipped to its position.
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from meshfit.accelerator.sampler import ShardedBatchSampler
 from meshfit.accelerator.shuffle import Shuffle, clone_generator, draw_seed, shuffle_for
-from meshfit.accelerator.stream import StreamShard, stream_loader
+from meshfit.accelerator.stream import StreamShard, stream_loader, worker_options
 from meshfit.distributed.collectives import apply_to_tensors
 
 __all__ = ["LoaderState", "PreparedDataLoader"]
@@ -50,14 +44,10 @@ class PreparedDataLoader:
 
     The loader's ``num_workers``, ``prefetch_factor``, ``persistent_workers``,
     ``worker_init_fn``, ``collate_fn``, ``timeout`` and ``generator`` (a copy) are kept;
-    ``pin_memory`` is honoured where it helps (a CUDA device) and dropped elsewhere.
-    `even_batches`, `split_batches`, `seedable` (with `data_seed`) and `sync_generator` are
-    `meshfit.utils.DataLoaderConfiguration`'s and the Accelerator's ``rng_types`` (see
-    `meshfit.accelerator.sampler` and `meshfit.accelerator.shuffle`).
-
-    A loader over an ``IterableDataset`` (a stream) is sharded by position (see
-    `meshfit.accelerator.stream`); its workers are started afresh for each pass
-    (``persistent_workers`` is not kept), since each pass re-reads the stream with that
+    ``pin_memory`` where it helps (a CUDA device). `even_batches`, `split_batches`,
+    `seedable` (with `data_seed`) are `meshfit.utils.DataLoaderConfiguration`'s,
+    `sync_generator` the Accelerator's ``rng_types``. A stream's workers are started afresh
+    for each pass (``persistent_workers`` is not kept): each pass re-reads it with that
     pass's skip and epoch.
     """
 
@@ -98,18 +88,10 @@ class PreparedDataLoader:
         self.batch_sampler = self._make_batch_sampler(loader, num_replicas, rank,
                                                       even_batches=even_batches,
                                                       split_batches=split_batches)
-        self.loader = DataLoader(
-            loader.dataset,
-            batch_sampler=self.batch_sampler,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory and device.type == "cuda",
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
-            persistent_workers=loader.persistent_workers,
-        )
+        self.loader = DataLoader(loader.dataset, batch_sampler=self.batch_sampler,
+                                 collate_fn=loader.collate_fn,
+                                 persistent_workers=loader.persistent_workers,
+                                 **worker_options(loader, device))
 
     def _make_batch_sampler(self, loader: DataLoader, num_replicas: int, rank: int, *,
                             even_batches: bool, split_batches: bool) -> ShardedBatchSampler:
@@ -123,9 +105,12 @@ class PreparedDataLoader:
             after_order=None if shuffle is None else shuffle.after_order,
             drop_last=loader.drop_last, even_batches=even_batches, split_batches=split_batches)
 
-    @property
-    def dataset(self):
-        return self.base.dataset
+    dataset = property(lambda self: self.base.dataset)
+    total_dataset_length = property(lambda self: len(self.dataset))
+    end_of_dataloader = property(lambda self: self.state.end_of_dataloader)
+    remainder = property(lambda self: self.state.remainder)
+    iteration = property(lambda self: self._epoch,
+                         doc="Passes read out so far (Accelerate's name; `set_epoch` sets it).")
 
     @property
     def batch_size(self) -> int:
@@ -136,23 +121,6 @@ class PreparedDataLoader:
     def total_batch_size(self) -> int:
         """Samples of all data-parallel ranks per batch."""
         return (self.batch_sampler if self.stream is None else self.stream).round_size
-
-    @property
-    def total_dataset_length(self) -> int:
-        return len(self.dataset)
-
-    @property
-    def end_of_dataloader(self) -> bool:
-        return self.state.end_of_dataloader
-
-    @property
-    def remainder(self) -> int:
-        return self.state.remainder
-
-    @property
-    def iteration(self) -> int:
-        """Passes read out so far (Accelerate's name; `set_epoch` sets it)."""
-        return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch of the next iteration (otherwise each pass read out advances it);
@@ -171,10 +139,9 @@ class PreparedDataLoader:
         return len(self.batch_sampler)
 
     def skip_first_batches(self, num_batches: int) -> None:
-        """Leave out the first `num_batches` batches (of this rank; a round of all ranks
-        each) of the next iteration, as a resumed run does for what it had already consumed;
-        the order is drawn as for a whole pass. A stream is re-read from its start and its
-        first ``num_batches x total_batch_size`` items are read and dropped."""
+        """Leave out the first `num_batches` batches (rounds of all ranks) of the next
+        iteration, its order drawn as for a whole pass (a stream: its first ``num_batches x
+        total_batch_size`` items are read and dropped)."""
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
             raise ValueError(f"num_batches={num_batches!r} must be an integer >= 0")
         if self.stream is not None:
@@ -183,11 +150,8 @@ class PreparedDataLoader:
         self.batch_sampler.skip = num_batches
 
     def state_dict(self) -> dict:
-        """Where reading stands, by global position: the epoch being read, the samples of
-        all ranks handed out in it, and what reproduces its shuffle (``seed``,
-        ``generator``; see `Shuffle.state`). The order of samples is the epoch's permutation
-        (for a stream: the stream) cut into batches of `total_batch_size`, so the position
-        means the same on any number of ranks."""
+        """Where reading stands (see this module's docstring): ``epoch``, ``samples`` and, for
+        a shuffled loader, ``seed`` and ``generator`` (`Shuffle.state`)."""
         epoch, batches = self._position
         if self.stream is not None:
             return {"epoch": epoch, "samples": batches}  # a stream counts items directly
@@ -198,9 +162,8 @@ class PreparedDataLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at `state`'s position: the next iteration reads that epoch, in the same
-        order, from the sample after the last one handed out (which must fall on a batch
-        boundary of this job's global batch; a stream is re-read and skipped to it, at any
-        boundary)."""
+        order, from the sample after the last one handed out (on a boundary of this job's
+        global batch; a stream's at any)."""
         epoch, samples = int(state["epoch"]), int(state["samples"])
         if self.stream is not None:
             if samples < 0:
@@ -248,56 +211,27 @@ class PreparedDataLoader:
 
         return apply_to_tensors(own, batch)
 
-    def _iter_stream(self):
+    def __iter__(self):
         try:
-            yield from self._iter_stream_body()
+            yield from (self._iter_batches() if self.stream is None else self._iter_stream())
         finally:
             if self._on_end is not None:
                 self._on_end(self)
 
-    def _iter_stream_body(self):
+    def _iter_stream(self):
         handed = self.stream.skip  # items of the stream consumed, all ranks together
         loader = stream_loader(self.stream, self.base, self.device, self._epoch)
         self.stream.skip = 0
-        self._position = (self._epoch, handed)
+        epoch = self._epoch
+        self._position = (epoch, handed)
         self._epoch += 1
         self.state.end_of_dataloader = False
         self.state.remainder = -1  # nothing is padded
         if self._on_iter is not None:
             self._on_iter(self)
         n = self.stream.num_replicas
-        it = iter(loader)
-        try:
-            count, batch = next(it)
-        except StopIteration:
-            self._position = (self._epoch, 0)
-            return
-        current = (count, self._to_device(batch))
-        while True:
-            try:
-                count, batch = next(it)
-                upcoming = (count, self._to_device(batch))
-            except StopIteration:
-                self.state.end_of_dataloader = True
-                handed += current[0] * n
-                self._position = (self._position[0], handed)
-                yield self._ready(current[1])
-                self._position = (self._epoch, 0)  # the stream is read out
-                return
-            handed += current[0] * n
-            self._position = (self._position[0], handed)
-            yield self._ready(current[1])
-            current = upcoming
-
-    def __iter__(self):
-        if self.stream is not None:
-            yield from self._iter_stream()
-            return
-        try:
-            yield from self._iter_batches()
-        finally:
-            if self._on_end is not None:
-                self._on_end(self)
+        yield from self._ahead(((count * n, batch) for count, batch in loader), epoch, handed)
+        self._position = (self._epoch, 0)  # the stream is read out
 
     def _iter_batches(self):
         # Accelerate's order: synchronise the carried generator, begin (remainder known),
@@ -329,22 +263,27 @@ class PreparedDataLoader:
             it = iter(self.loader)
         finally:
             self.loader.generator = None
-        try:
-            current = self._to_device(next(it))
-        except StopIteration:
-            return
-        while True:
-            try:
-                upcoming = self._to_device(next(it))
-            except StopIteration:
-                self.state.end_of_dataloader = True
-                handed += 1
+        if (yield from self._ahead(((1, batch) for batch in it), epoch, handed)):
+            self._epoch = epoch + 1
+            self._position = (self._epoch, 0)  # the epoch is read out
+
+    def _ahead(self, batches, epoch: int, handed: int):
+        """Hand out `batches` ((how far each moves the position, batch) pairs) one ahead: the
+        next one's copy to the device starts before the current one is handed out, and the
+        last one is known (``end_of_dataloader``). Keeps the position (`epoch`, `handed`);
+        returns whether any batch came."""
+        current = None
+        for count, batch in batches:
+            upcoming = (count, self._to_device(batch))
+            if current is not None:
+                handed += current[0]
                 self._position = (epoch, handed)
-                yield self._ready(current)
-                self._epoch = epoch + 1
-                self._position = (self._epoch, 0)  # the epoch is read out
-                return
-            handed += 1
-            self._position = (epoch, handed)
-            yield self._ready(current)
+                yield self._ready(current[1])
             current = upcoming
+        if current is None:
+            return False
+        self.state.end_of_dataloader = True
+        handed += current[0]
+        self._position = (epoch, handed)
+        yield self._ready(current[1])
+        return True

@@ -1,15 +1,5 @@
 """How `Accelerator.prepare_model` and `prepare_pipeline` lay a user's model out.
 
-    check_model       refusals before anything is wrapped: a pipeline layout, experts that
-                      expert parallel cannot split, parameters on the meta device
-    lay_out           `parallelize` one module (a whole model or a pipeline stage), then run
-                      its forward under autocast unless the engine computes in low precision
-                      itself (FSDP's policy)
-    load_pretrained   a meta-device model marked by `meshfit.checkpoint.pretrained.meta_model`,
-                      read whole or per shard
-    build             a pipeline: `model` cut into stages over ``mesh["pp"]``, this rank's
-                      laid out
-
 `parallelize` (`meshfit.parallel.parallelize`) places the model, applies tensor parallel,
 activation checkpointing and compile, then the data-parallel wrapper. The weights must be
 initialised before: sharding a meta-device model and initialising the shards afterwards
@@ -18,20 +8,18 @@ refused unless it comes from `meta_model` (then each rank reads what it holds).
 
 A pipeline (`meshfit.parallel.pp.Pipeline`) is driven with ``loss = pipeline.step(inputs,
 targets, scale=1/k)`` inside ``accelerator.accumulate()`` (k = gradient_accumulation_steps),
-then the prepared optimizer's ``step``; evaluated with ``pipeline.eval_loss``. The optimizer
-is built afterwards on ``pipeline.parameters()`` and prepared. Each stage module goes through
-what `prepare(model)` does to a model (tensor parallel on ``mesh["tp"]``, activation
-checkpointing and compile, then the data-parallel wrapper, which is FSDP2 for every
-data-parallel layout with pp: see `meshfit.parallel.layout`), so that DP+PP, DP+PP+TP and
-ZeRO+PP+TP are one call. Arguments as `meshfit.parallel.pp.build_pipeline` (schedules gpipe,
-1f1b, interleaved_1f1b, zero_bubble; `microbatches` per pipeline step: the global batch is
-micro-batch x microbatches x data-parallel degree x k; `plan`: where the blocks are, default
-the built-in plan of the model's type, see `meshfit.models.plans.pipeline_plan_for`). Every
-rank passes the same full model (built from one seed) or a meta-device one (materialised per
-stage from `init_seed`); with data parallel, each data-parallel rank feeds its own batch.
-`record_timings=True` keeps every step's per-micro-batch timings in ``pipeline.timings``
-(and synchronises CUDA around each): turn it off with ``pipeline.record_timings(False)``
-after the steps you want to chart.
+then the prepared optimizer's ``step``, built afterwards on ``pipeline.parameters()``;
+evaluated with ``pipeline.eval_loss``. Each stage goes through what `prepare(model)` does
+(the data-parallel wrapper is FSDP2 for every data-parallel layout with pp: see
+`meshfit.parallel.layout`), so that DP+PP, DP+PP+TP and ZeRO+PP+TP are one call. Arguments
+as `meshfit.parallel.pp.build_pipeline` (schedules gpipe, 1f1b, interleaved_1f1b,
+zero_bubble; `microbatches` per pipeline step: the global batch is micro-batch x
+microbatches x data-parallel degree x k; `plan`: where the blocks are, default
+`meshfit.models.plans.pipeline_plan_for`). Every rank passes the same full model (built from
+one seed) or a meta-device one (materialised per stage from `init_seed`); with data
+parallel, each data-parallel rank feeds its own batch. `record_timings=True` keeps every
+step's per-micro-batch timings in ``pipeline.timings`` (and synchronises CUDA around each):
+turn it off with ``pipeline.record_timings(False)`` after the steps you want to chart.
 """
 
 from __future__ import annotations
@@ -88,10 +76,9 @@ def load_pretrained(model: torch.nn.Module, folder: str, *, layout: Layout, runt
                     device: torch.device,
                     lay_out: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
     """A meta-device model marked by `meshfit.checkpoint.pretrained.meta_model`: under FSDP2
-    (ZeRO-2/3, and every layout with tensor parallel) it is laid out on the meta device
-    and each rank then reads only its shard of every tensor; under the layouts that keep
-    whole parameters on every rank (one process, DDP, ZeRO-1) each rank reads them
-    whole, then the model is laid out as usual (`lay_out`)."""
+    (ZeRO-2/3, and every layout with tensor parallel) laid out on the meta device, then each
+    rank reads only its shards; otherwise (whole parameters on every rank) read whole, then
+    laid out (`lay_out`)."""
     from meshfit.checkpoint.pretrained import load_into, to_empty
 
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
@@ -114,9 +101,8 @@ def load_pretrained(model: torch.nn.Module, folder: str, *, layout: Layout, runt
 def build(model: torch.nn.Module, layout: Layout, options: ModelOptions, *, mesh,
           lay_out: Callable[[torch.nn.Module], torch.nn.Module], microbatches: int,
           schedule: str, virtual_stages: int | None, plan, **pipeline_kwargs):
-    """The `Pipeline` of `model` over ``mesh["pp"]`` with this rank's stages laid out by
-    `lay_out` (see this module's docstring); `pipeline_kwargs`: `build_pipeline`'s points,
-    balance, times, loss_fn, record_timings, init_seed."""
+    """The `Pipeline` of `model` over ``mesh["pp"]``, this rank's stages laid out by `lay_out`
+    (see this module's docstring); `pipeline_kwargs`: the rest of `build_pipeline`'s."""
     from meshfit.checkpoint.pretrained import stage_filler
     from meshfit.parallel.layout import ModelFacts
     from meshfit.parallel.pp import build_pipeline

@@ -5,22 +5,13 @@ With ``gradient_accumulation_steps=k`` a user's loop calls ``optimizer.step()`` 
 ``optimizer.zero_grad()`` on every micro-batch (as the seed's loop does); the wrappers make
 those calls no-ops except on the k-th micro-batch, where gradients have been synchronised.
 
-    kind_of             which of `prepare`'s kinds an object is
-    GradientState       the accumulation bookkeeping (``accelerator.gradient_state``)
-    PreparedOptimizer   steps on boundaries; fp16 steps go through the GradScaler
-    PreparedScheduler   steps with the optimizer (Accelerate's per-process rule)
-    unscale_gradients   the fp16 loss scale divided out once per optimizer step
-    ParameterMap, rebuild_optimizer, repoint_scheduler
-                        optimizers re-pointed at the parameters sharding replaced
-
 An optimizer built before `prepare(model)` under zero_stage 2/3 holds the unsharded
 parameters that ``fully_shard`` replaced: a new optimizer of the same class is built over the
-sharded parameters of the same names, with the same defaults and per-group hyper-parameters
-(it must not have stepped yet; the old one keeps the old parameters alive until it is
-dropped). Built after `prepare(model)`, it already holds the sharded parameters and is used
-as is. Under zero_stage 1 it becomes a ZeroRedundancyOptimizer of its class
-(`meshfit.accelerator.runtime`). LR schedulers built on a replaced optimizer are moved to the
-new one.
+sharded parameters of the same names (`rebuild_optimizer`; the old one keeps the old
+parameters alive until it is dropped), and LR schedulers built on it are moved to the new
+one. Built after `prepare(model)`, it already holds the sharded parameters and is used as
+is. Under zero_stage 1 it becomes a ZeroRedundancyOptimizer of its class
+(`meshfit.accelerator.runtime`).
 """
 
 from __future__ import annotations
@@ -142,13 +133,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value):
         self.optimizer.param_groups = value
 
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.grad_state.sync_gradients:
@@ -194,14 +180,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
 class PreparedScheduler:
     """Steps the user's LR scheduler on optimizer steps only, as Accelerate's
-    AcceleratedScheduler does, and not at all when an fp16 step was skipped for overflow.
-
-    `steps_per_optimizer_step`: how often each optimizer step advances the schedule.
-    Accelerate's rule (``step_scheduler_with_optimizer=True``, batches not split) is the
-    number of data-parallel processes: a script sizes its schedule in batches of one
-    process, and every optimizer step consumes one batch per process. meshfit's own
-    (``Accelerator(step_scheduler_per_process=False)``, or ``split_batches=True``) is 1:
-    the schedule counts optimizer steps. `with_optimizer=False` steps on every call."""
+    AcceleratedScheduler does, and not at all when an fp16 step was skipped for overflow;
+    `steps_per_optimizer_step` times each (the Accelerator's ``step_scheduler_per_process``:
+    `meshfit.accelerator.arguments`). `with_optimizer=False` steps on every call."""
 
     def __init__(self, scheduler, optimizers: list[PreparedOptimizer],
                  grad_state: GradientState, *, with_optimizer: bool = True,
@@ -229,22 +210,8 @@ class PreparedScheduler:
                 break
             self.scheduler.step(*args, **kwargs)
 
-    def get_lr(self):
-        return self.scheduler.get_lr()
-
-    def print_lr(self, *args, **kwargs):
-        return self.scheduler.print_lr(*args, **kwargs)
-
-    def get_last_lr(self):
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self):
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
     def __getattr__(self, name):
+        # The rest is the scheduler's: get_lr, get_last_lr, state_dict, load_state_dict, ...
         if name in ("scheduler", "optimizers", "grad_state", "step_with_optimizer",
                     "steps_per_optimizer_step"):
             raise AttributeError(name)
@@ -268,15 +235,10 @@ def unscale_gradients(scaler: torch.amp.GradScaler, prepared: list[PreparedOptim
             opt.unscaled = True
 
 
-# ---------------------------------------------------------------- re-pointing by name
 class ParameterMap:
-    """Which Parameters `prepare` replaced, by name.
-
-    ``fully_shard`` swaps every Parameter of a module for a new DTensor Parameter with the
-    same name; an optimizer built before `prepare` still holds the old ones. Recorded per
-    prepared model: old parameter -> its name -> the new parameter of that name. Weak
-    references only, so a recorded model's old (full-size) parameters are freed as soon as
-    nothing else holds them."""
+    """Which Parameters `prepare` replaced (``fully_shard`` swaps each for a DTensor Parameter
+    of the same name): old parameter -> its name -> the new one. Weak references only, so a
+    model's old (full-size) parameters are freed as soon as nothing else holds them."""
 
     def __init__(self) -> None:
         self._replaced: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
@@ -307,11 +269,9 @@ class ParameterMap:
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, params: ParameterMap
                       ) -> torch.optim.Optimizer:
     """`optimizer` itself if none of its parameters was replaced by `prepare`; otherwise a
-    new optimizer of the same class over the replacements (matched by name), with the same
-    constructor defaults and, per param group, the same hyper-parameters and other keys
-    (e.g. a scheduler's ``initial_lr``). Parameters that were not replaced are kept.
-
-    The optimizer must not have stepped yet: its state belongs to the old parameters."""
+    new optimizer of the same class over the replacements (the others kept), with the same
+    constructor defaults and per-group keys (hyper-parameters, a scheduler's
+    ``initial_lr``). It must not have stepped yet: its state belongs to the old parameters."""
     from meshfit.parallel.zero1 import constructor_kwargs
 
     groups = []
@@ -336,12 +296,10 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, params: ParameterMap
 
 
 def repoint_scheduler(scheduler, optimizer: torch.optim.Optimizer) -> None:
-    """Make an LR scheduler built on a replaced optimizer drive `optimizer` instead.
-
-    The param groups were copied with their ``lr`` and ``initial_lr``, so the schedule goes
-    on unchanged. The scheduler's check that ``optimizer.step()`` runs before
-    ``scheduler.step()`` wraps the optimizer's step at construction; the same marker is put
-    on the new optimizer's step."""
+    """Make an LR scheduler built on a replaced optimizer drive `optimizer` instead (the param
+    groups were copied with ``lr`` and ``initial_lr``: the schedule goes on unchanged). The
+    scheduler's check that ``optimizer.step()`` runs first wraps the optimizer's step at
+    construction; the same marker is put on the new optimizer's step."""
     scheduler.optimizer = optimizer
     step = optimizer.step
     if hasattr(step, "_wrapped_by_lr_sched"):

@@ -1,16 +1,6 @@
 """Process control and collectives for the `Accelerator`: Accelerate's calls that make the
 processes of a job agree, wait for each other or exchange results.
 
-    gather, gather_for_metrics, reduce, share
-                              results of the data-parallel ranks
-    triggered                 whether any process set its trigger (set_trigger/check_trigger)
-    wait_for_everyone, first  barriers; the main (or each node's first) process first
-    run_if                    on_main_process & co.: a function that runs on one process only
-    join_uneven_inputs        DDP's Join for loaders whose ranks hold different numbers of
-                              batches
-    profile                   torch.profiler around a block, a Chrome trace per process
-    release                   end_training's release of the process group
-
 Results are exchanged over the data-parallel group (``runtime.dp_group``): ranks that see
 different data. With tensor or pipeline parallel, the ranks of one tensor-parallel group
 share their batch, so gathering over every process would repeat samples. Barriers, the
@@ -39,12 +29,10 @@ __all__ = ["first", "gather", "gather_for_metrics", "join_uneven_inputs", "profi
            "release", "run_if", "share", "triggered", "wait_for_everyone"]
 
 
-# ----------------------------------------------------------------------------- results
 def gather(tensor: Any, group) -> Any:
     """Concatenate tensors (a nest of them) from every rank of `group` along dim 0, in rank
-    order; 0-dim tensors give one row per rank. Tensors may differ in their first dimension.
-    Tensors that require grad are gathered as values (the result does not require grad), as
-    with Accelerate."""
+    order (0-dim tensors: one row per rank; first dimensions may differ), as values (no
+    grad), as with Accelerate."""
     if not is_all_tensors(tensor):
         raise TypeError("gather: unsupported types in the data; it takes tensors or nested "
                         "lists/tuples/dicts of tensors (gather_object for the rest)")
@@ -53,10 +41,9 @@ def gather(tensor: Any, group) -> Any:
 
 def gather_for_metrics(input_data: Any, use_gather_object: bool, *, group, group_size: int,
                        end_of_dataloader: bool, remainder: int) -> Any:
-    """`gather` (or, for objects that are not tensors or with `use_gather_object`,
-    `meshfit.utils.gather_object`), minus the samples that completed the data loader's last
-    round: on its last batch (`end_of_dataloader`) only the first `remainder` gathered items
-    are kept (the padding of ``even_batches``: see `meshfit.accelerator.sampler`)."""
+    """`gather` (`meshfit.utils.gather_object` for objects that are not tensors, or with
+    `use_gather_object`); on the loader's last batch (`end_of_dataloader`) only the first
+    `remainder` items are kept (the rest is ``even_batches``' padding: see `sampler`)."""
     use_gather_object = use_gather_object or not is_all_tensors(input_data)
     if use_gather_object:
         data = gather_object(input_data, group=group) if group_size > 1 else input_data
@@ -119,7 +106,6 @@ def triggered(flag: torch.Tensor | None, env: DistEnv) -> bool:
     return flag.item() >= 1
 
 
-# ----------------------------------------------------------------------------- waiting
 def wait_for_everyone(env: DistEnv) -> None:
     """A barrier over every process (`meshfit.distributed.settle.barrier`)."""
     if env.is_distributed:
@@ -138,8 +124,12 @@ def first(is_first: bool, env: DistEnv):
         wait_for_everyone(env)
 
 
-def run_if(run: bool, function):
-    """`function`, called only where `run` holds (None elsewhere)."""
+def run_if(run: bool, function=None):
+    """`function`, called only where `run` holds (None elsewhere); without `function`, the
+    decorator that makes it."""
+    if function is None:
+        return functools.partial(run_if, run)
+
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         if run:
@@ -151,10 +141,9 @@ def run_if(run: bool, function):
 @contextlib.contextmanager
 def join_uneven_inputs(joinables, even_batches: bool | None, *, loaders: list,
                        default_even_batches: bool, kind: DistributedType, use_distributed: bool):
-    """``torch.distributed.algorithms.Join`` over `joinables` for data loaders whose ranks
-    hold different numbers of batches; `even_batches` overrides the prepared `loaders`'
-    setting inside the block. Under DDP, on GPUs and (unlike Accelerate, where it does
-    nothing there) on CPUs."""
+    """``torch.distributed.algorithms.Join`` over `joinables` for loaders whose ranks hold
+    different numbers of batches; `even_batches` overrides the prepared `loaders`' inside the
+    block. Under DDP, on GPUs and (unlike Accelerate, which does nothing there) CPUs."""
     from torch.distributed.algorithms import Join
 
     if not use_distributed or kind == DistributedType.FSDP:
@@ -182,8 +171,7 @@ def join_uneven_inputs(joinables, even_batches: bool | None, *, loaders: list,
 @contextlib.contextmanager
 def profile(handler: ProfileKwargs, env: DistEnv):
     """``torch.profiler.profile`` configured by `handler` around the block (yields the
-    profiler); with ``output_trace_dir`` each process writes ``profile_<rank>.json`` (a
-    Chrome trace) there, then waits for the others."""
+    profiler); each process then writes its Chrome trace to ``output_trace_dir``, if set."""
     with handler.build() as profiler:
         yield profiler
     if handler.output_trace_dir is None:

@@ -9,7 +9,8 @@ ZeRO-1's partitions and FSDP2's shards), ``scheduler``, ``scaler`` (fp16), ``dat
 It is one DCP checkpoint (`meshfit.checkpoint.store`): each rank writes its own shards, the
 folder is committed atomically with a manifest, and loading checks the files against the
 manifest, the model's parameter names and shapes against the saved ones, then reshards to
-this job's layout (DDP, ZeRO-1/2/3, TP, PP and their combinations, any world size).
+this job's layout (DDP, ZeRO-1/2/3, TP, PP and their combinations, any world size). The
+format is always DCP's (``safe_serialization`` is accepted and has no effect).
 
 With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folder is
 ``project_dir/checkpoints/checkpoint_<save_iteration>`` (the oldest beyond ``total_limit`` are
@@ -17,16 +18,12 @@ deleted first, by the main process; a folder given to `save_state` is then ignor
 `load_state` without a folder reads the newest, as with Accelerate. An asynchronous save
 (``async_save=True``) copies the state to host memory and writes it in the background (over
 a gloo group of its own) while training goes on; it is committed by `finish_save`
-(`Accelerator.wait_for_checkpoint`, or the next save, `load_state`, `end_training`). The
-format is always DCP's (``safe_serialization`` is accepted and has no effect).
+(`Accelerator.wait_for_checkpoint`, or the next save, `load_state`, `end_training`).
 
 As with Accelerate, `load_state` leaves prepared data loaders as they are (a resuming script
 skips batches itself with `skip_first_batches`), unless the loaders are stateful
 (``DataLoaderConfiguration(use_stateful_dataloader=True)``): then each continues where it
 stood, in the same order.
-
-    save_state, finish_save, load_state   the Accelerator's methods of those names
-    check_registrable                     what `register_for_checkpointing` accepts
 """
 
 from __future__ import annotations
@@ -147,27 +144,23 @@ def _regrouped_names(models) -> list[dict[str, list[int]]]:
             root = getattr(root, "module", root)  # (DDP never holds TP layers; FSDP2 is in place)
             found.update({k: list(v) for k, v in regrouped_params(root).items()})
         mine.append(found)
-    if not (dist.is_available() and dist.is_initialized()):
-        return mine
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return [{k: v for part in everyone for k, v in part[i].items()} for i in range(len(mine))]
+    return _over_ranks(mine)
 
 
 def _shapes(models) -> list[dict[str, list[int]]]:
     """Each model's parameter names and global shapes, over all ranks (a pipeline rank
     holds only its stages' part)."""
-    mine = [{k: list(v.shape) for k, v in ckstate.model_state(m).items()
-             if isinstance(v, torch.Tensor)} for m in models]
+    return _over_ranks([{k: list(v.shape) for k, v in ckstate.model_state(m).items()
+                         if isinstance(v, torch.Tensor)} for m in models])
+
+
+def _over_ranks(mine: list[dict]) -> list[dict]:
+    """Each model's dict (`mine`: this rank's), merged over all ranks."""
     if not (dist.is_available() and dist.is_initialized()):
         return mine
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return [{k: v for part in everyone for k, v in part[i].items()} for i in range(len(mine))]
-
-
-def _rank(acc: Accelerator) -> int:
-    return acc.env.rank
 
 
 def _collect(acc: Accelerator, models) -> dict[str, Any]:
@@ -185,7 +178,7 @@ def _collect(acc: Accelerator, models) -> dict[str, Any]:
         state[f"custom_{i}"] = obj.state_dict()
     if acc.precision.scaler is not None:
         state["scaler"] = acc.precision.scaler.state_dict()
-    state["rng"] = {f"rank{_rank(acc)}": ckstate.rng_state()}
+    state["rng"] = {f"rank{acc.env.rank}": ckstate.rng_state()}
     state["accelerator"] = {"optimizer_steps": acc._optimizer_steps,
                             "micro_step": acc.grad_state.step}
     return state
@@ -250,7 +243,7 @@ def _newest_folder(acc: Accelerator) -> Path:
     folders = [p for p in root.iterdir() if p.is_dir() and re.search(r"\d+", p.name)]
     if not folders:
         raise ValueError(f"load_state(): {root} holds no checkpoint")
-    return max(folders, key=lambda p: int(re.findall(r"(\d+)", p.name)[-1]))
+    return max(folders, key=_number)
 
 
 def _write(acc: Accelerator, output_dir, *, step: int | None, async_save: bool) -> Path:
@@ -295,9 +288,8 @@ def finish_save(acc: Accelerator) -> Path | None:
 
 def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Manifest:
     """Fill every prepared and registered object from the checkpoint in `input_dir` (None:
-    the newest automatically named one; any layout, any world size); returns its manifest.
-    Every rank calls it. `loaders`: also put the data loaders back where they stood
-    (stateful loaders)."""
+    the newest automatically named one); returns its manifest. `loaders`: also put the data
+    loaders back where they stood (stateful loaders)."""
     if input_dir is None:
         input_dir = _newest_folder(acc)
     finish_save(acc)
@@ -325,32 +317,31 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
                                      lambda template, key=key: load({key: template}),
                                      alias=_alias(acc, manifest, folder, key))
     for i, sched in enumerate(acc._schedulers):
-        part = {_key("scheduler", i): sched.scheduler.state_dict()}
-        load(part)
-        sched.scheduler.load_state_dict(part[_key("scheduler", i)])
+        _restore(load, _key("scheduler", i), sched.scheduler)
     saved = saved_keys(folder) if loaders else set()
     for i, loader in enumerate(acc._loaders if loaders else ()):
         key = _key("dataloader", i)
         # Only the fields the checkpoint holds (older ones have no shuffle state).
-        template = {k: v for k, v in loader.state_dict().items()
-                    if any(s == f"{key}.{k}" or s.startswith(f"{key}.{k}.") for s in saved)}
-        part = {key: template}
-        load(part)
-        loader.load_state_dict(part[key])
+        fields = {k: v for k, v in loader.state_dict().items()
+                  if any(s == f"{key}.{k}" or s.startswith(f"{key}.{k}.") for s in saved)}
+        _restore(load, key, loader, fields)
     for i, obj in enumerate(acc._custom):
-        part = {f"custom_{i}": obj.state_dict()}
-        load(part)
-        obj.load_state_dict(part[f"custom_{i}"])
+        _restore(load, f"custom_{i}", obj)
     if acc.precision.scaler is not None:
-        part = {"scaler": acc.precision.scaler.state_dict()}
-        load(part)
-        acc.precision.scaler.load_state_dict(part["scaler"])
+        _restore(load, "scaler", acc.precision.scaler)
     counters = {"accelerator": {"optimizer_steps": 0, "micro_step": 0}}
     load(counters)
     acc._optimizer_steps = int(counters["accelerator"]["optimizer_steps"])
     acc.grad_state.step = int(counters["accelerator"]["micro_step"])
     _load_rng(acc, manifest, load)
     return manifest
+
+
+def _restore(load, key: str, obj, template: dict | None = None) -> None:
+    """Load `key` into `obj` (its ``state_dict()``, or `template`, says what to read)."""
+    part = {key: obj.state_dict() if template is None else template}
+    load(part)
+    obj.load_state_dict(part[key])
 
 
 def _check_models(folder: Path, manifest: Manifest, models) -> None:
@@ -372,7 +363,7 @@ def _check_models(folder: Path, manifest: Manifest, models) -> None:
 
 
 def _load_rng(acc: Accelerator, manifest: Manifest, load) -> None:
-    key = f"rank{_rank(acc)}"
+    key = f"rank{acc.env.rank}"
     if manifest.world_size != acc.num_processes:
         # Another world size: rank r's generators did not exist. Random draws (dropout)
         # continue from this job's own seeds; everything else resumes exactly.

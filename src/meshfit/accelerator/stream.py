@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-__all__ = ["StreamShard", "stream_loader"]
+__all__ = ["StreamShard", "stream_loader", "worker_options"]
 
 
 class StreamShard(IterableDataset):
@@ -129,15 +129,14 @@ def stream_loader(shard: StreamShard, base: DataLoader, device: torch.device,
     fresh = StreamShard(shard.dataset, shard.batch_size, num_replicas=shard.num_replicas,
                         rank=shard.rank, drop_last=shard.drop_last,
                         collate_fn=shard.collate_fn, skip=shard.skip, epoch=epoch)
-    return DataLoader(
-        fresh,
-        batch_size=None,
-        num_workers=base.num_workers,
-        collate_fn=_Unpack(),
-        pin_memory=base.pin_memory and device.type == "cuda",
-        timeout=base.timeout,
-        worker_init_fn=base.worker_init_fn,
-        multiprocessing_context=base.multiprocessing_context,
-        prefetch_factor=base.prefetch_factor if base.num_workers > 0 else None,
-        persistent_workers=False,
-    )
+    return DataLoader(fresh, batch_size=None, collate_fn=_Unpack(), persistent_workers=False,
+                      **worker_options(base, device))
+
+
+def worker_options(base: DataLoader, device: torch.device) -> dict:
+    """The user's loader `base`'s worker settings for an inner DataLoader, and its memory
+    pinning where it helps (a CUDA device)."""
+    return dict(num_workers=base.num_workers, pin_memory=base.pin_memory and device.type == "cuda",
+                timeout=base.timeout, worker_init_fn=base.worker_init_fn,
+                multiprocessing_context=base.multiprocessing_context,
+                prefetch_factor=base.prefetch_factor if base.num_workers > 0 else None)

@@ -1,16 +1,10 @@
 """Experiment trackers for the `Accelerator` (``log_with``, `init_trackers`, `log`,
 `get_tracker`), as Accelerate runs them: on the main process only.
 
-    tracker_list    ``log_with`` as a list of names and tracker objects (checked)
-    start           build and start them (`meshfit.tracking.build_trackers` for names), and
-                    record the run's configuration
-    get_tracker     one by name; elsewhere than on the main process, one that does nothing
-    log             values to every tracker
-
 The trackers themselves live in `meshfit.tracking` (TensorBoard, W&B, MLflow, CSV, ...); a
 tracker object made by the user (with ``.name``, ``.log``, ``.store_init_configuration``,
-``.finish``) is used as it is, started with its ``start()`` if it has one. The Accelerator
-keeps the list of running trackers (``accelerator.trackers``); these functions act on it.
+``.finish``) is used as it is, started with its ``start()`` if it has one. These functions
+act on the Accelerator's list of running trackers (``accelerator.trackers``).
 """
 
 from __future__ import annotations
@@ -60,9 +54,8 @@ class _BlankTracker:
 def start(trackers: list, log_with: list, project_name: str, config: dict | None = None,
           init_kwargs: dict | None = None, *, project_dir: str | os.PathLike | None,
           logging_dir: str | os.PathLike | None) -> None:
-    """Append the trackers of `log_with` to `trackers` and start them, then record `config`
-    as the run's hyper-parameters on every tracker in `trackers`. `init_kwargs`: ``{tracker
-    name: {its keyword arguments}}``. The main process calls it."""
+    """Append the trackers of `log_with` to `trackers` and start them (`init_kwargs`:
+    ``{tracker name: {its keyword arguments}}``), then record `config` on every one."""
     from meshfit.tracking import build_trackers
 
     for item in log_with:
@@ -93,11 +86,6 @@ def get_tracker(trackers: list, name: str, unwrap: bool = False):
 
 def log(trackers: list, values: dict, step: int | None = None,
         log_kwargs: dict | None = None) -> None:
-    """Log `values` to every tracker; `log_kwargs`: ``{tracker name: {keyword arguments of
-    its log}}``. The main process calls it."""
+    """Log `values` to every tracker (`log_kwargs`: ``{tracker name: {its log's keywords}}``)."""
     for tracker in trackers:
-        extra = (log_kwargs or {}).get(tracker.name, {})
-        if extra:
-            tracker.log(values, step=step, **extra)
-        else:
-            tracker.log(values, step=step)
+        tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
