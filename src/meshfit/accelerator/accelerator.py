@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from meshfit import distributed as mdist
-from meshfit.accelerator import export, models, processes, trackers
+from meshfit.accelerator import export, models, processes, state, trackers
 from meshfit.accelerator.attributes import AcceleratorAttributes
 from meshfit.accelerator.arguments import UNSET, Arguments, read_arguments, resolve_layout
 from meshfit.accelerator.compat import (AutocastKwargs, DataLoaderConfiguration,
@@ -146,10 +146,9 @@ class Accelerator(AcceleratorAttributes):
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, *objects: Any, device_placement=None) -> Any:
-        """Prepare models, optimizers, dataloaders and LR schedulers, in any order; returns
-        them in the order given (a single object when one is given); other objects are
-        returned as they are. `device_placement`: as the constructor's (False on the CPU
-        only)."""
+        """Prepare models, optimizers, dataloaders and LR schedulers, given in any order;
+        returns them (and other objects as they are) in that order, a single one alone.
+        `device_placement`: as the constructor's (False on the CPU only)."""
         if device_placement is not None and not device_placement and \
                 self.device.type != "cpu":
             raise ValueError("prepare(device_placement=False) is available on the CPU only")
@@ -278,12 +277,10 @@ class Accelerator(AcceleratorAttributes):
 
     # ----------------------------------------------------------------- checkpoints
     def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and load these objects (anything with ``state_dict`` and
-        ``load_state_dict``) with `save_state` / `load_state`, in the order registered."""
-        from meshfit.accelerator.state import check_registrable
-
+        """Save and load these objects (with ``state_dict`` and ``load_state_dict``) with
+        `save_state` / `load_state`, in the order registered."""
         for obj in objects:
-            check_registrable(obj)
+            state.check_registrable(obj)
             self._custom.append(obj)
 
     def save_state(self, output_dir: str | os.PathLike | None = None,
@@ -291,9 +288,7 @@ class Accelerator(AcceleratorAttributes):
                    async_save: bool = False, **save_model_func_kwargs) -> Path:
         """Write everything prepared and registered into `output_dir` (a sharded checkpoint;
         `async_save`: in the background); call on every rank (`meshfit.accelerator.state`)."""
-        from meshfit.accelerator.state import save_state
-
-        return save_state(self, output_dir, step=step, async_save=async_save)
+        return state.save_state(self, output_dir, step=step, async_save=async_save)
 
     @property
     def checkpoint_in_flight(self) -> Path | None:
@@ -303,18 +298,14 @@ class Accelerator(AcceleratorAttributes):
     def wait_for_checkpoint(self) -> Path | None:
         """Commit an asynchronous `save_state` once its files are written (a collective);
         returns its folder (None when no save was in flight)."""
-        from meshfit.accelerator.state import finish_save
-
-        return finish_save(self)
+        return state.finish_save(self)
 
     def load_state(self, input_dir: str | os.PathLike | None = None,
                    load_kwargs: dict | None = None, **load_model_func_kwargs):
         """Restore what `save_state` wrote into the objects prepared (and registered) in the
         same order, on any layout; returns the checkpoint's manifest. Call on every rank after
         preparing everything (`meshfit.accelerator.state`)."""
-        from meshfit.accelerator.state import load_state
-
-        return load_state(self, input_dir, loaders=self.use_stateful_dataloader)
+        return state.load_state(self, input_dir, loaders=self.use_stateful_dataloader)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0):
         """The prepared `dataloader`, whose next iteration leaves out its first `num_batches`

@@ -1,9 +1,8 @@
 """The `Accelerator`'s arguments, translated by pure functions (`read_arguments`, then
 `resolve_layout` on the job's processes) from what a script passes, and the environment
-variables Accelerate reads, into small frozen options, one per consumer: the layout request
-(`meshfit.parallel.request.LayoutRequest`, the type of `meshfit train`'s [parallel] too),
-`ModelOptions`, `PrecisionOptions`, `LoopOptions`, `ProcessOptions` and `Handlers`. Checked
-before any process group, model or file exists; nothing here keeps state.
+variables Accelerate reads, into small frozen options, one per consumer (the layout request
+is `meshfit.parallel.request.LayoutRequest`, the type of `meshfit train`'s [parallel] too).
+Checked before any process group, model or file exists; nothing here keeps state.
 
 The arguments up to ``parallelism_config`` are Hugging Face Accelerate 1.15's, with its
 defaults and meaning (a script written for Accelerate runs with ``accelerate`` replaced by
@@ -14,50 +13,36 @@ Accelerate's arguments:
     split_batches: ignored, as by Accelerate 1.15 (with a warning); use
         ``dataloader_config=DataLoaderConfiguration(split_batches=True)``.
     mixed_precision: None (``ACCELERATE_MIXED_PRECISION``, else ``"no"``), ``"no"``,
-        ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scaling). Master weights
-        and optimizer state stay fp32.
-    gradient_accumulation_steps: micro-batches per optimizer step (k). Inside `accumulate`,
-        `backward` divides the loss by k and gradients are synchronised only on every k-th
-        micro-batch (or the dataloader's last one).
+        ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scaling).
+    gradient_accumulation_steps: micro-batches per optimizer step (k; see `accumulate`).
     cpu: run on the CPU (gloo) even where CUDA is available; None: ``MESHFIT_CPU``, else
         False; ``ACCELERATE_USE_CPU=true`` (``accelerate launch --cpu``) means True.
-    dataloader_config: a `meshfit.utils.DataLoaderConfiguration` (see there).
-    fsdp_plugin: a `meshfit.utils.FullyShardedDataParallelPlugin` (see there), instead of
-        ``parallel``/``zero_stage``.
+    dataloader_config, fsdp_plugin (instead of ``parallel``/``zero_stage``), project_config
+        (with ``project_dir``: where trackers and automatic checkpoints go),
+        gradient_accumulation_plugin: the objects of those names in `meshfit.utils`.
     deepspeed_plugin, torch_tp_plugin, megatron_lm_plugin, dynamo_plugin, deepspeed_plugins,
         parallelism_config: None only; ``parallel``, ``zero_stage`` and ``compile`` do their
         work.
     rng_types: generators synchronised from process 0 at the start of each pass over a
-        prepared loader: ``["generator"]`` (default: the shuffling one), ``"torch"``,
-        ``"cuda"`` (the global ones).
+        prepared loader: ``"generator"`` (the default, the shuffling one), ``"torch"``,
+        ``"cuda"``.
     log_with: tracker names (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"csv"``,
         ``"all"``, `LoggerType` values) or tracker objects (`meshfit.accelerator.trackers`).
-    project_dir, project_config: where trackers and automatically named checkpoints go
-        (`meshfit.utils.ProjectConfiguration`).
-    gradient_accumulation_plugin: instead of ``gradient_accumulation_steps``
-        (`meshfit.utils.GradientAccumulationPlugin`).
     step_scheduler_with_optimizer: True: a prepared LR scheduler steps only with the optimizer
         (see ``step_scheduler_per_process``); False: on every call.
-    kwargs_handlers: `DistributedDataParallelKwargs` (DDP's arguments and communication hook),
-        `InitProcessGroupKwargs` (backend, timeout), `GradScalerKwargs`, `AutocastKwargs`,
-        `ProfileKwargs`.
-    dynamo_backend: ``torch.compile`` the whole prepared model with this backend (``"no"``:
-        not at all).
+    kwargs_handlers: `DistributedDataParallelKwargs`, `InitProcessGroupKwargs`,
+        `GradScalerKwargs`, `AutocastKwargs`, `ProfileKwargs` (`meshfit.utils`).
+    dynamo_backend: ``torch.compile`` the whole prepared model with it (``"no"``: not at all).
 
-meshfit's arguments:
+meshfit's arguments (besides `ModelOptions`' fields: activation checkpointing, compile,
+``tp_plan``, and ``ddp_kwargs``, which take precedence over a DistributedDataParallelKwargs
+handler's):
     step_scheduler_per_process: True (Accelerate's rule): each optimizer step advances a
         prepared scheduler once per data-parallel process (once when batches are split),
         because scripts size their schedules in one process's batches; False: once per
         optimizer step, for schedules that count optimizer steps (`meshfit train`).
-    tf32: True/False switch TF32 tensor cores for fp32 matrix products on or off (NVIDIA
-        Ampere and newer); None leaves PyTorch's process-wide setting.
-    activation_checkpointing: ``"none"``, ``"full"`` (every transformer block recomputes its
-        activations in backward) or ``"selective"`` (every ``activation_checkpointing_every``-th
-        block with policy ``"block"``, or every block keeping matrix-product outputs with
-        policy ``"op"``); see `meshfit.parallel.activation`.
-    compile: ``torch.compile`` prepared models per transformer block (``compile_scope=
-        "block"``) or whole (``"model"``), with ``compile_backend`` and ``compile_mode``; see
-        `meshfit.parallel.compile`.
+    tf32: switch TF32 tensor cores for fp32 matrix products on or off
+        (`meshfit.accelerator.precision.set_tf32`); None leaves PyTorch's setting.
     empty_cache_steps: release the device allocator's cached blocks every this many optimizer
         steps (0: never), as Transformers' ``torch_empty_cache_steps``.
     parallel: the layout (`ParallelDims`), decided once in the constructor
@@ -69,12 +54,10 @@ meshfit's arguments:
     zero_stage: what is sharded over the dp_shard ranks (ZeRO, Rajbhandari et al. 2020);
         default 3 when dp_shard > 1, else 0. 0: nothing (DDP). 1: optimizer state (DDP +
         ZeroRedundancyOptimizer, in `prepare_optimizer`). 2: gradients and optimizer state
-        (FSDP2 with reshard_after_forward=False; parameters also stay sharded between steps,
-        see `meshfit.parallel.fsdp`). 3: parameters too, gathered per block just in time.
-        Under 2 and 3, and with tp or pp > 1 (where every data-parallel stage runs on FSDP2;
-        0: replicate-only, 1: whole gradients until the boundary), mixed precision is FSDP's
-        MixedPrecisionPolicy (bf16/fp16 compute, fp32 gradient reduction, master weights and
-        outputs) instead of autocast.
+        (FSDP2). 3: parameters too, gathered per block just in time. Under 2 and 3, and with
+        tp or pp > 1 (every data-parallel stage then runs on FSDP2; 0: replicate-only, 1:
+        whole gradients until the boundary), mixed precision is FSDP's policy instead of
+        autocast (`meshfit.parallel.fsdp`).
     offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in host
         memory (ZeRO-Offload; zero_stage=3 only); ``"none"``.
     sync_each_batch: under accumulation with zero_stage 2/3, False skips the reduce-scatter on
@@ -85,17 +68,11 @@ meshfit's arguments:
         memory, host available memory on CPU) on any rank, and logs the choice when the
         first model is prepared (the ``sync_each_batch`` attribute then holds it). Under DDP
         and ZeRO-1 gradients are full-size anyway, so "auto" means False there.
-    sequence_parallel: with tp > 1, split the residual stream on the sequence dimension
-        between the tensor-parallel blocks (norms and dropout run on T/tp positions;
-        Korthikanti et al. 2022); the sequence length must divide by tp.
-    loss_parallel: with tp > 1, the output head keeps its logits sharded on the vocabulary and
-        the reference GPT's ``model(idx, targets)`` loss is computed without gathering them
-        (`meshfit.parallel.tp.tp_cross_entropy` for other losses).
-    tp_plan: with tp > 1, how to split a model that has no built-in plan: a
-        `meshfit.models.plans.TPPlan` or ``{module pattern: Style or ParallelStyle}`` (see
-        `apply_tp`); None: the model type's built-in plan.
-    ddp_kwargs: extra DistributedDataParallel arguments (``bucket_cap_mb``,
-        ``find_unused_parameters``, ...), over a DistributedDataParallelKwargs handler's.
+    sequence_parallel: with tp > 1, norms and dropout run on T/tp positions of the sequence
+        (Korthikanti et al. 2022); the sequence length must divide by tp.
+    loss_parallel: with tp > 1, the reference GPT's ``model(idx, targets)`` loss is computed
+        on vocabulary-sharded logits, never gathered (other losses:
+        `meshfit.parallel.tp.tp_cross_entropy`).
     env: an existing `DistEnv`; default: `meshfit.distributed.init()`.
 """
 
@@ -131,6 +108,8 @@ _UNAVAILABLE = ("deepspeed_plugin", "deepspeed_plugins", "torch_tp_plugin",
 HANDLER_TYPES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, GradScalerKwargs,
                  AutocastKwargs, ProfileKwargs)
 _TRUE = ("1", "true", "yes")  # ACCELERATE_USE_CPU values that mean True
+_SPLIT_BATCHES = ("Accelerator(split_batches=...) is ignored, as by Accelerate 1.15; pass "
+                  "dataloader_config=DataLoaderConfiguration(split_batches=...)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,8 +210,11 @@ def read_arguments(given: Mapping[str, Any],
         activation_checkpointing_every=given["activation_checkpointing_every"],
         activation_checkpointing_policy=given["activation_checkpointing_policy"],
         **compiling, tp_plan=given["tp_plan"], ddp_kwargs=dict(ddp_kwargs or {}))
+    # ACCELERATE_USE_CPU (`accelerate launch --cpu`) means True; None is left to
+    # `meshfit.distributed.init` (MESHFIT_CPU).
+    use_cpu = environ.get("ACCELERATE_USE_CPU", "").strip().lower() in _TRUE
     process = ProcessOptions(device_placement=given["device_placement"],
-                             cpu=_cpu(given["cpu"], environ),
+                             cpu=True if use_cpu else given["cpu"],
                              init_kwargs=init_kwargs(handlers.init))
     precision = PrecisionOptions(
         mode=mixed_precision, tf32=given["tf32"],
@@ -241,7 +223,7 @@ def read_arguments(given: Mapping[str, Any],
     return Arguments(layout=layout, model=model, precision=precision, loop=loop, process=process,
                      handlers=handlers, fsdp_plugin=given["fsdp_plugin"],
                      project_configuration=project, log_with=log_with,
-                     warnings=_warnings(given))
+                     warnings=() if given["split_batches"] is UNSET else (_SPLIT_BATCHES,))
 
 
 def resolve_layout(arguments: Arguments, env: DistEnv) -> Layout:
@@ -288,13 +270,6 @@ def _check_types(given: Mapping[str, Any]) -> None:
             not isinstance(given["step_scheduler_per_process"], bool):
         raise ValueError("step_scheduler_with_optimizer and step_scheduler_per_process must "
                          "be True or False")
-
-
-def _warnings(given: Mapping[str, Any]) -> tuple[str, ...]:
-    if given["split_batches"] is UNSET:
-        return ()
-    return ("Accelerator(split_batches=...) is ignored, as by Accelerate 1.15; pass "
-            "dataloader_config=DataLoaderConfiguration(split_batches=...)",)
 
 
 def _accumulation(given: Mapping[str, Any]) -> tuple[int, dict, bool | str]:
@@ -427,14 +402,6 @@ def _layout_request(given: Mapping[str, Any], *, offload: str, sync_each_batch: 
                    loss_parallel=given["loss_parallel"])
     check_options(parallel=given["parallel"], mixed_precision=mixed_precision, **options)
     return LayoutRequest.of(given["parallel"], **options)
-
-
-def _cpu(cpu: bool | None, environ: Mapping[str, str]) -> bool | None:
-    """``cpu``, or True when ``ACCELERATE_USE_CPU`` says so (`accelerate launch --cpu`);
-    None is left to `meshfit.distributed.init` (``MESHFIT_CPU``)."""
-    if environ.get("ACCELERATE_USE_CPU", "").strip().lower() in _TRUE:
-        return True
-    return cpu
 
 
 def init_kwargs(handler: InitProcessGroupKwargs | None) -> dict:

@@ -21,10 +21,8 @@ __all__ = ["Precision", "empty_device_cache", "set_tf32"]
 
 def set_tf32(enabled: bool) -> bool:
     """Let fp32 matrix products and cuDNN convolutions use TF32 tensor cores (10-bit mantissa
-    inputs, fp32 accumulation; NVIDIA Ampere and newer). Returns whether the hardware has them.
-
-    The setting is process-wide, as PyTorch's own flags are; on hardware without TF32 it has no
-    effect."""
+    inputs, fp32 accumulation; NVIDIA Ampere and newer, no effect elsewhere), process-wide as
+    PyTorch's own flags are. Returns whether the hardware has them."""
     if not isinstance(enabled, bool):
         raise ValueError(f"tf32={enabled!r} must be True or False")
     torch.backends.cuda.matmul.allow_tf32 = enabled
@@ -61,8 +59,7 @@ def _check_autocast_runs(device_type: str, dtype: torch.dtype, mode: str) -> Non
 
 class Precision:
     """Autocast context and (for fp16) a GradScaler for one device type; `scaler_kwargs`
-    and `autocast_kwargs` are GradScalerKwargs' / AutocastKwargs' fields (``enabled``,
-    ``cache_enabled``) passed to torch."""
+    and `autocast_kwargs`: GradScalerKwargs' / AutocastKwargs' fields, passed to torch."""
 
     def __init__(self, mode: str, device: torch.device, *, scaler_kwargs: dict | None = None,
                  autocast_kwargs: dict | None = None):

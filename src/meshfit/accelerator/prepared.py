@@ -50,18 +50,12 @@ class GradientState:
     """Gradient-accumulation bookkeeping shared by the accelerator and its wrappers
     (``accelerator.gradient_state``, with Accelerate's attribute names)."""
 
-    num_steps: int = 1
-    """Micro-batches per optimizer step (gradient_accumulation_steps)."""
-    step: int = 0
-    """Micro-batches seen since the last synchronising one."""
-    sync_gradients: bool = True
-    """Whether the current micro-batch ends an accumulation window."""
-    sync_with_dataloader: bool = True
-    """Whether the last micro-batch of a data loader ends the window (and resets `step`)."""
-    adjust_scheduler: bool = False
-    """Accelerate's flag (its effective default is False): no effect on learning rates."""
-    loaders: list = field(default_factory=list)
-    """Prepared loaders being iterated, innermost last (an evaluation loop inside training)."""
+    num_steps: int = 1  # micro-batches per optimizer step (gradient_accumulation_steps)
+    step: int = 0  # micro-batches seen since the last synchronising one
+    sync_gradients: bool = True  # whether the current micro-batch ends an accumulation window
+    sync_with_dataloader: bool = True  # whether a data loader's last batch ends the window
+    adjust_scheduler: bool = False  # Accelerate's (effectively False): no effect on the lr
+    loaders: list = field(default_factory=list)  # loaders being iterated, innermost last
 
     @property
     def active_dataloader(self):
@@ -101,9 +95,8 @@ class GradientState:
 
     def leave(self, loader) -> None:
         """`loader`'s iteration stopped: the loader iterated around it (if any) decides the
-        boundary again. (An evaluation loader read out inside a training epoch hands the
-        boundary back to the training loader; left as it was, its read-out state made every
-        following micro-batch an optimizer step.)"""
+        boundary again (an evaluation loader read out inside a training epoch, left active,
+        made every following micro-batch an optimizer step)."""
         for i in range(len(self.loaders) - 1, -1, -1):
             if self.loaders[i] is loader:
                 del self.loaders[i]

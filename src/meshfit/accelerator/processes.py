@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from meshfit.accelerator.compat.enums import DistributedType
 from meshfit.accelerator.compat.handlers import ProfileKwargs
-from meshfit.accelerator.compat.operations import gather_object, is_all_tensors
+from meshfit.accelerator.compat.operations import check_tensors, gather_object, is_all_tensors
 from meshfit.distributed import DistEnv
 from meshfit.distributed import collectives as ops
+from meshfit.distributed.settle import barrier, settle_all
 
 __all__ = ["first", "gather", "gather_for_metrics", "join_uneven_inputs", "profile", "reduce",
            "release", "run_if", "share", "triggered", "wait_for_everyone"]
@@ -33,9 +34,7 @@ def gather(tensor: Any, group) -> Any:
     """Concatenate tensors (a nest of them) from every rank of `group` along dim 0, in rank
     order (0-dim tensors: one row per rank; first dimensions may differ), as values (no
     grad), as with Accelerate."""
-    if not is_all_tensors(tensor):
-        raise TypeError("gather: unsupported types in the data; it takes tensors or nested "
-                        "lists/tuples/dicts of tensors (gather_object for the rest)")
+    check_tensors(tensor, "gather", " (gather_object for the rest)")
     return ops.gather(ops.apply_to_tensors(lambda t: t.detach(), tensor), group)
 
 
@@ -109,8 +108,6 @@ def triggered(flag: torch.Tensor | None, env: DistEnv) -> bool:
 def wait_for_everyone(env: DistEnv) -> None:
     """A barrier over every process (`meshfit.distributed.settle.barrier`)."""
     if env.is_distributed:
-        from meshfit.distributed.settle import barrier
-
         barrier()
 
 
@@ -132,9 +129,7 @@ def run_if(run: bool, function=None):
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        if run:
-            return function(*args, **kwargs)
-        return None
+        return function(*args, **kwargs) if run else None
     return wrapper
 
 
@@ -189,7 +184,5 @@ def release(env: DistEnv) -> None:
         # collected later, may own the last reference to a group, and the group's
         # destructor then waits for its gloo threads while holding the GIL
         # (meshfit.distributed.settle).
-        from meshfit.distributed.settle import settle_all
-
         settle_all()
         dist.destroy_process_group()

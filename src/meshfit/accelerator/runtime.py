@@ -1,20 +1,8 @@
-"""What each data-parallel engine does while a loop runs, after `parallelize` has applied it.
-
-The `Layout` decides the engine once; `runtime_for` picks the matching runtime by that enum
-(never by matching strings) and the `Accelerator` delegates to it:
-
-    Runtime         no data-parallel wrapper (one process, or tensor/pipeline parallel
-                    alone): nothing to synchronise.
-    DDPRuntime      DDP: `no_sync` is DDP's own, the user's module is `.module`.
-    ZeRO1Runtime    DDP + ZeroRedundancyOptimizer over the ``dp_shard`` ranks, built in
-                    `prepare_optimizer`.
-    FSDPRuntime     FSDP2 (also replicate-only): `no_sync` turns off the reduce-scatter,
-                    `sync_each_batch="auto"` is decided from free memory, the full state
-                    dict is all-gathered.
-
-Each answers: over which group data-parallel results are gathered (`dp_group`), how
-gradients are kept from syncing (`no_sync`), what becomes of the optimizer, what the user's
-module is under the wrapper, and how the whole model's state dict is collected.
+"""What each data-parallel engine does while a loop runs, after `parallelize` has applied it:
+over which group data-parallel results are gathered (`dp_group`), how gradients are kept from
+syncing (`no_sync`), what becomes of the optimizer, what the user's module is under the
+wrapper, and how the whole model's state dict is collected. The `Layout` decides the engine
+once; `runtime_for` picks the runtime by that enum (never by matching strings).
 """
 
 from __future__ import annotations
@@ -37,7 +25,8 @@ AUTO_SYNC_FREE_FRACTION = 0.25
 
 
 class Runtime:
-    """No data-parallel wrapper: models are left as `parallelize` made them."""
+    """No data-parallel wrapper (one process, or tensor/pipeline parallel alone): models are
+    left as `parallelize` made them, nothing to synchronise."""
 
     def __init__(self, layout: Layout, env: DistEnv, mesh=None):
         self.layout, self.env, self.mesh = layout, env, mesh
@@ -76,11 +65,12 @@ class Runtime:
         it is a collective (tensor-parallel parameters are gathered): call on every rank."""
         if self.mesh is not None:
             return _gathered_state_dict(self.unwrap(model))
-        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+        return _cpu_state_dict(self.unwrap(model))
 
 
 class DDPRuntime(Runtime):
-    """Replicated data parallel over every data-parallel rank (ZeRO stage 0)."""
+    """Replicated data parallel over every data-parallel rank (ZeRO stage 0): `no_sync` is
+    DDP's own, the user's module is `.module`."""
 
     def no_sync(self, model: torch.nn.Module):
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -95,7 +85,7 @@ class DDPRuntime(Runtime):
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if self.env.rank != 0:  # every replica holds the same weights
             return {}
-        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+        return _cpu_state_dict(self.unwrap(model))
 
 
 class ZeRO1Runtime(DDPRuntime):
@@ -115,9 +105,9 @@ class ZeRO1Runtime(DDPRuntime):
 
 
 class FSDPRuntime(Runtime):
-    """FSDP2 over ``dp_shard`` (HSDP with ``dp_replicate``), or replicate-only under tp/pp;
-    see `meshfit.parallel.fsdp`. Parameters become DTensors: optimizers built before
-    `prepare` are re-pointed by the accelerator, by parameter name."""
+    """FSDP2 over ``dp_shard`` (HSDP with ``dp_replicate``), or replicate-only under tp/pp
+    (`meshfit.parallel.fsdp`): `no_sync` turns off the reduce-scatter, ``sync_each_batch=
+    "auto"`` is decided from free memory, the full state dict is all-gathered."""
 
     def no_sync(self, model: torch.nn.Module):
         from torch.distributed.fsdp import FSDPModule
@@ -153,6 +143,10 @@ def runtime_for(layout: Layout, env: DistEnv, mesh=None) -> Runtime:
     """The runtime of `layout`'s engine on this process (`mesh`: the layout's device mesh,
     None for a single process without a process group)."""
     return _RUNTIMES[layout.engine](layout, env, mesh)
+
+
+def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

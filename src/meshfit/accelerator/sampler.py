@@ -1,13 +1,12 @@
 """Map-style datasets sharded over the data-parallel ranks as Hugging Face Accelerate shards
 them: `ShardedBatchSampler`, one rank's batches of sample indices.
 
-The epoch's sample order is drawn as the loader's own ``RandomSampler`` would draw it (or
-``range(n)`` without shuffling; see `meshfit.accelerator.shuffle`) and cut into batches of the
-loader's ``batch_size``, as its ``BatchSampler`` would; with ``split_batches=False``
-(Accelerate's default) rank r of n takes batches r, r + n, r + 2n, ... (each rank receives
-batches of ``batch_size``, the global batch is ``batch_size x n``), with
-``split_batches=True`` every batch is cut into n equal slices. Gathering the ranks' outputs
-in rank order restores the global order. When the global batch does not divide the dataset:
+The epoch's order (`meshfit.accelerator.shuffle`, or ``range(n)``) is cut into batches of
+the loader's ``batch_size``, as its ``BatchSampler`` would; with ``split_batches=False``
+(Accelerate's default) rank r of n takes batches r, r + n, r + 2n, ... (the global batch is
+``batch_size x n``), with ``split_batches=True`` every batch is cut into n equal slices.
+Gathering the ranks' outputs in rank order restores the global order. When the global batch
+does not divide the dataset:
 
 - ``even_batches=True`` (default): the last round is completed with samples from the start of
   the epoch, so that every rank receives the same number of full batches; the duplicates sit
@@ -30,12 +29,10 @@ __all__ = ["ShardedBatchSampler"]
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
-    """One rank's batches of sample indices (see this module's docstring).
-
-    `shuffle` is None (the dataset's order) or a callable ``order(n) -> list[int]`` that draws
-    an epoch's permutation and is called once per pass, when the first batch is asked for;
-    `after_order` (optional) is called when the order has been read out (the second draw of
-    torch's RandomSampler)."""
+    """One rank's batches of sample indices (see this module's docstring). `order` is None
+    (the dataset's order) or ``order(n) -> list[int]``, called once per pass when the first
+    batch is asked for; `after_order` (optional) when the order has been read out (the
+    second draw of torch's RandomSampler)."""
 
     def __init__(self, num_samples: int, batch_size: int, *, num_replicas: int, rank: int,
                  order=None, after_order=None, drop_last: bool = False,
@@ -73,9 +70,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         batches, n = self._global_batches(), self.num_replicas
-        if n == 1 or self.split_batches or batches % n == 0:
-            return batches if (n == 1 or self.split_batches) else batches // n
-        if self.drop_last:
+        if n == 1 or self.split_batches:
+            return batches
+        if self.drop_last or batches % n == 0:
             return batches // n
         if self.even_batches:
             return batches // n + 1
@@ -87,7 +84,6 @@ class ShardedBatchSampler(Sampler[list[int]]):
         drop_last, where nothing is padded."""
         return -1 if self.drop_last else self.num_samples % self.round_size
 
-    # ------------------------------------------------------------- the global order
     def _indices(self):
         """The epoch's sample order, drawn lazily as torch's samplers draw it."""
         if self.order is None:
@@ -108,7 +104,6 @@ class ShardedBatchSampler(Sampler[list[int]]):
         if batch and not self.drop_last:
             yield batch
 
-    # ------------------------------------------------------------- one rank's share
     def __iter__(self):
         skip, self.skip = self.skip, 0
         if self.num_replicas == 1:

@@ -16,9 +16,6 @@ of every pass (Accelerate's ``rng_types=["generator"]``), so every rank draws th
 Each pass draws one permutation, then a second one when the order is read out, and the inner
 ``DataLoader`` draws its workers' base seed from the loader's generator (or the global one)
 when each pass starts, as torch's own loader does.
-
-`Shuffle.state` / `Shuffle.load` are the part of a loader's saved position that reproduces
-the order of the pass being read (see `meshfit.accelerator.loader`).
 """
 
 from __future__ import annotations
@@ -69,13 +66,11 @@ def sync_global_generators(rng_types, device: torch.device) -> None:
 
 
 class Shuffle:
-    """Where a map-style loader's epoch order comes from (see this module's docstring):
-    ``"carried"`` (a generator carried from epoch to epoch), ``"global"`` (a seed drawn from
-    the global torch generator each pass) or ``"seedable"`` (``seed + epoch``).
-
-    `pass_state` is what reproduces the order of the pass being read (the carried
-    generator's state when the pass drew it, or the pass's seed); `resume`, set by
-    `PreparedDataLoader.load_state_dict`, is used instead at the next draw."""
+    """Where a map-style loader's epoch order comes from: ``"carried"``, ``"global"`` or
+    ``"seedable"`` (see this module's docstring). `pass_state` reproduces the order of the
+    pass being read (the carried generator's state when the pass drew it, or the pass's
+    seed); `resume` (from a loader's saved position: `state` / `load`) is used instead at the
+    next draw."""
 
     def __init__(self, mode: str, generator: torch.Generator | None, *, seed: int | None = None,
                  sync: bool = True):

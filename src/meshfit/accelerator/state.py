@@ -28,9 +28,11 @@ stood, in the same order.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -106,19 +108,14 @@ def _alias(acc: Accelerator, manifest: Manifest, folder: Path, key: str):
 
 def _hf_configs(models) -> list[dict | None]:
     """Each model's transformers config (for `meshfit export --to hf`), None for others."""
-    import json
-    import sys
-
+    hf = sys.modules.get("transformers")
     out = []
-    for modules in models:
-        hf = sys.modules.get("transformers")
-        model = modules[0]
+    for model in (modules[0] for modules in models):
+        config = None
         if hf is not None and isinstance(model, hf.PreTrainedModel):
             config = json.loads(model.config.to_json_string())
             config["architectures"] = [type(model).__name__]
-            out.append(config)
-        else:
-            out.append(None)
+        out.append(config)
     return out
 
 

@@ -1,30 +1,28 @@
 """Streams (a DataLoader over an ``IterableDataset``) sharded over the data-parallel ranks:
 `StreamShard`, and `stream_loader`, the DataLoader of one pass over it.
 
-A stream has no index to permute, so it is sharded by position instead: item i of the stream
-(counted from its start) goes to rank ``i % world``, and a rank's items are cut into batches
-of ``batch_size``, so batch b of every rank comes from round b, items
-``[b x round, (b+1) x round)`` with ``round = batch_size x world`` (gathered in rank order, a
-round's items arrive as rank 0's every-world-th item, then rank 1's, ...: the round's items,
-interleaved). This is meshfit's own scheme, not Accelerate's (which reads a stream on rank 0
-only and sends each rank its slice). Every rank (and, with ``num_workers > 0``, every worker)
-iterates the whole stream and keeps only its own items; worker w of W keeps the rank's
-batches ``b % W == w``, which the DataLoader hands out in order, so the batches are the same
-with any number of workers. The stream is therefore read ``world x max(1, num_workers)``
-times and must yield the same items in the same order each time (a dataset that splits
-itself between DataLoader workers, as a ``datasets`` ``IterableDataset`` does, is iterated
-with the worker information hidden, so it too yields the whole stream). Because every rank
-sees the whole stream, every rank also knows where it ends: a batch is handed out only once
-the stream has reached the end of its round, so all ranks stop after the same number of
-batches with no collective and no ``__len__``. The tail that does not fill a round is dropped
-(``drop_last=True``), or (``drop_last=False``) shared as a last, smaller batch of
-``tail // world`` items per rank, dropping at most ``world - 1`` items. Nothing is padded, so
-``gather_for_metrics`` has nothing to trim.
-
-A stream cannot seek: a resumed one is re-read from its start and its first items dropped.
+A stream has no index to permute, so it is sharded by position: item i goes to rank
+``i % world`` and a rank's items are cut into batches of ``batch_size``, so batch b of every
+rank comes from round b, items ``[b x round, (b+1) x round)`` with ``round = batch_size x
+world`` (gathered in rank order: the round's items, interleaved). This is meshfit's own
+scheme, not Accelerate's (which reads a stream on rank 0 only and sends each rank its
+slice). Every rank (and every DataLoader worker) iterates the whole stream and keeps only its
+own items; worker w of W keeps the rank's batches ``b % W == w``, which the DataLoader hands
+out in order, so the batches are the same with any number of workers. The stream is
+therefore read ``world x max(1, num_workers)`` times and must yield the same items in the
+same order each time (a dataset that splits itself between workers, as a ``datasets``
+``IterableDataset`` does, is iterated with the worker information hidden). Because every rank
+sees the whole stream, every rank knows where it ends: a batch is handed out only once the
+stream has reached the end of its round, so all ranks stop after the same number of batches
+with no collective and no ``__len__``. The tail that does not fill a round is dropped
+(``drop_last=True``) or shared as a last, smaller batch of ``tail // world`` items per rank
+(dropping at most ``world - 1`` items). Nothing is padded: ``gather_for_metrics`` has
+nothing to trim. A stream cannot seek: a resumed one is re-read and its first items dropped.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -89,47 +87,44 @@ _END = object()
 
 def _hidden_workers(dataset):
     """Iterate ``dataset`` with ``get_worker_info()`` reporting None (while ``iter`` and each
-    ``next`` run), so a dataset that would split itself between DataLoader workers yields
-    the whole stream (the shard splits it)."""
+    ``next`` run): the whole stream, which the shard splits."""
     from torch.utils.data._utils import worker as worker_mod
 
     if not hasattr(worker_mod, "_worker_info"):  # pragma: no cover - other torch layouts
         yield from dataset
         return
-    saved = worker_mod._worker_info
-    worker_mod._worker_info = None
-    try:
-        it = iter(dataset)
-    finally:
-        worker_mod._worker_info = saved
-    while True:
-        saved = worker_mod._worker_info
-        worker_mod._worker_info = None
+
+    @contextlib.contextmanager
+    def hidden():
+        saved, worker_mod._worker_info = worker_mod._worker_info, None
         try:
-            item = next(it)
-        except StopIteration:
-            return
+            yield
         finally:
             worker_mod._worker_info = saved
+
+    with hidden():
+        it = iter(dataset)
+    while True:
+        with hidden():
+            item = next(it, _END)
+        if item is _END:
+            return
         yield item
 
 
-class _Unpack:
+def _unpack(item):
     """The DataLoader's collate_fn for a StreamShard: batches arrive already collated."""
-
-    def __call__(self, item):
-        return item
+    return item
 
 
 def stream_loader(shard: StreamShard, base: DataLoader, device: torch.device,
                   epoch: int) -> DataLoader:
-    """One pass's DataLoader over a fresh copy of `shard` (with its skip, and `epoch`), with
-    the user's loader `base`'s workers and memory pinning (workers pickle the shard when they
-    start, so its skip and epoch must be set before; they are started afresh each pass)."""
+    """One pass's DataLoader over a fresh copy of `shard` (with its skip, and `epoch`: workers
+    pickle it when they start, afresh each pass), with the user's loader `base`'s workers."""
     fresh = StreamShard(shard.dataset, shard.batch_size, num_replicas=shard.num_replicas,
                         rank=shard.rank, drop_last=shard.drop_last,
                         collate_fn=shard.collate_fn, skip=shard.skip, epoch=epoch)
-    return DataLoader(fresh, batch_size=None, collate_fn=_Unpack(), persistent_workers=False,
+    return DataLoader(fresh, batch_size=None, collate_fn=_unpack, persistent_workers=False,
                       **worker_options(base, device))
 
 

@@ -3,37 +3,24 @@
 A script written for Accelerate imports these names from ``accelerate`` / ``accelerate.utils``;
 with meshfit it imports them from ``meshfit`` / ``meshfit.utils`` (which re-export this
 package's `__all__`). Names, fields, defaults and behaviour follow Accelerate 1.15; what
-meshfit does with each is said where it is used (`meshfit.accelerator.Accelerator`, and
-`meshfit.accelerator.arguments` for the translation of the configuration objects):
+meshfit does with each is said where it is used (`meshfit.accelerator.arguments` translates
+the configuration objects):
 
-    enums.py       DistributedType, LoggerType, PrecisionType, RNGType,
-                   DDPCommunicationHookType, DynamoBackend        the enums (string valued)
-    handlers.py    KwargsHandler, DistributedDataParallelKwargs, InitProcessGroupKwargs,
-                   GradScalerKwargs, AutocastKwargs, ProfileKwargs    ``kwargs_handlers``
-    plugins.py     DataLoaderConfiguration, ProjectConfiguration, GradientAccumulationPlugin,
-                   FullyShardedDataParallelPlugin     the Accelerator's configuration
-    utilities.py   set_seed, find_executable_batch_size, should_reduce_batch_size,
-                   release_memory, clear_device_cache
-    operations.py  gather, gather_object, broadcast, broadcast_object_list, reduce,
-                   pad_across_processes, send_to_device   helpers over the default group
+    enums.py       the enums (string valued)
+    handlers.py    the ``kwargs_handlers``
+    plugins.py     the Accelerator's configuration objects and FSDP plugin
+    utilities.py   seeds, device memory, batch sizes
+    operations.py  collective helpers over the default group
 """
 
 from __future__ import annotations
 
-from meshfit.accelerator.compat.enums import (DDPCommunicationHookType, DistributedType,
-                                              DynamoBackend, LoggerType, PrecisionType, RNGType)
-from meshfit.accelerator.compat.handlers import (AutocastKwargs, DistributedDataParallelKwargs,
-                                                 GradScalerKwargs, InitProcessGroupKwargs,
-                                                 KwargsHandler, ProfileKwargs)
-from meshfit.accelerator.compat.operations import (broadcast, broadcast_object_list, gather,
-                                                   gather_object, pad_across_processes, reduce,
-                                                   send_to_device)
-from meshfit.accelerator.compat.plugins import (DataLoaderConfiguration,
-                                                FullyShardedDataParallelPlugin,
-                                                GradientAccumulationPlugin, ProjectConfiguration)
-from meshfit.accelerator.compat.utilities import (clear_device_cache,
-                                                  find_executable_batch_size, release_memory,
-                                                  set_seed, should_reduce_batch_size)
+# Each module's `__all__` (Accelerate's names are the list below).
+from meshfit.accelerator.compat.enums import *  # noqa: F401,F403
+from meshfit.accelerator.compat.handlers import *  # noqa: F401,F403
+from meshfit.accelerator.compat.operations import *  # noqa: F401,F403
+from meshfit.accelerator.compat.plugins import *  # noqa: F401,F403
+from meshfit.accelerator.compat.utilities import *  # noqa: F401,F403
 
 # The one list of Accelerate's names: `meshfit.utils` exports exactly these.
 __all__ = [

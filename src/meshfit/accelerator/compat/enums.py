@@ -1,9 +1,5 @@
-"""Accelerate's enums, string valued: members compare equal to their values (as
-Accelerate's), and ``"bf16" in PrecisionType`` is True for a value of the enum.
-
-    DistributedType            how the job is distributed (``accelerator.distributed_type``)
-    LoggerType                 experiment trackers by name (``log_with``)
-    PrecisionType, RNGType, DDPCommunicationHookType, DynamoBackend
+"""Accelerate's enums, string valued: members compare equal to their values, and
+``"bf16" in PrecisionType`` is True for a value of the enum (as Accelerate's).
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ __all__ = ["DDPCommunicationHookType", "DistributedType", "DynamoBackend", "Logg
 
 
 class _Contains(enum.EnumMeta):
-    """``"bf16" in PrecisionType`` is True for a value of the enum (as Accelerate's enums)."""
+    """``value in Enum``: whether `value` is one of the enum's."""
 
     def __contains__(cls, item) -> bool:
         try:
@@ -37,12 +33,9 @@ class _StrEnum(str, enum.Enum, metaclass=_Contains):
 
 
 class DistributedType(str, enum.Enum, metaclass=_Contains):
-    """How the job is distributed (``accelerator.distributed_type``; compares equal to its
-    value, prints as ``DistributedType.NO``, as Accelerate's).
-
-    meshfit answers NO for one process, FSDP when the layout shards parameters or gradients
-    (ZeRO-2/3 on FSDP2, also under tensor or pipeline parallel), and MULTI_GPU / MULTI_CPU /
-    MULTI_XPU / ... after the device type otherwise (DDP, ZeRO-1)."""
+    """How the job is distributed (``accelerator.distributed_type``: see
+    `meshfit.accelerator.attributes.distributed_type`); prints as ``DistributedType.NO``, as
+    Accelerate's."""
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"

@@ -1,13 +1,6 @@
 """Accelerate's ``kwargs_handlers``: dataclasses whose fields set to something other than
 their default are passed on (`KwargsHandler.to_kwargs`); `meshfit.accelerator.arguments`
 says where each goes.
-
-    KwargsHandler                    the base: to_dict / to_kwargs
-    AutocastKwargs                   torch.autocast of the prepared models' forward
-    DistributedDataParallelKwargs    DDP's arguments and a communication hook
-    GradScalerKwargs                 the fp16 GradScaler
-    InitProcessGroupKwargs           the process group's backend and timeout
-    ProfileKwargs                    torch.profiler for `Accelerator.profile`
 """
 
 from __future__ import annotations

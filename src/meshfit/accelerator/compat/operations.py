@@ -2,10 +2,6 @@
 process group (Accelerate's ``PartialState``); without a process group (one process) they
 return their input, as Accelerate's do. `Accelerator.gather` & co. act over the
 data-parallel group instead (`meshfit.accelerator.processes`).
-
-    gather, gather_object, broadcast, broadcast_object_list, reduce, pad_across_processes
-    send_to_device                  move a nest of tensors to a device
-    is_all_tensors                  whether every leaf of a nest is a tensor
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshfit.distributed.collectives import apply_to_tensors
+from meshfit.distributed import collectives as ops
 
 __all__ = ["broadcast", "broadcast_object_list", "gather", "gather_object", "is_all_tensors",
            "pad_across_processes", "reduce", "send_to_device"]
@@ -36,22 +32,20 @@ def is_all_tensors(obj: Any) -> bool:
     return False
 
 
-def _check_tensors(obj: Any, what: str) -> None:
+def check_tensors(obj: Any, what: str, hint: str = "") -> None:
+    """Refuse data other than tensors (a nest of them) for the collective `what`."""
     if not is_all_tensors(obj):
         raise TypeError(f"{what}: unsupported types in the data; it takes tensors or nested "
-                        "lists/tuples/dicts of tensors")
+                        f"lists/tuples/dicts of tensors{hint}")
 
 
 def gather(tensor: Any, group=None) -> Any:
     """Concatenate tensors (a nest of them) from every process along dim 0, in rank order
-    (0-dim tensors become one row each). Tensors that require grad are gathered as plain
-    values (no autograd through the collective)."""
-    from meshfit.distributed import collectives as ops
-
-    _check_tensors(tensor, "gather")
+    (0-dim tensors become one row each), as plain values (no autograd through it)."""
+    check_tensors(tensor, "gather")
     if not _distributed():
         return tensor
-    return ops.gather(apply_to_tensors(lambda t: t.detach(), tensor), group)
+    return ops.gather(ops.apply_to_tensors(lambda t: t.detach(), tensor), group)
 
 
 def gather_object(obj: Any, group=None) -> Any:
@@ -73,7 +67,7 @@ def gather_object(obj: Any, group=None) -> Any:
 
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Tensors (a nest of them) of process `from_process`, in place on every process."""
-    _check_tensors(tensor, "broadcast")
+    check_tensors(tensor, "broadcast")
     if not _distributed():
         return tensor
 
@@ -81,7 +75,7 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
         dist.broadcast(t, src=from_process)
         return t
 
-    return apply_to_tensors(one, tensor)
+    return ops.apply_to_tensors(one, tensor)
 
 
 def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
@@ -95,7 +89,7 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0, group=None)
     """All-reduce tensors (a nest of them): "sum", "mean", "max" or "none" (no reduction);
     returns new tensors. `scale` is applied only on TPUs by Accelerate and is ignored here
     likewise."""
-    _check_tensors(tensor, "reduce")
+    check_tensors(tensor, "reduce")
     if reduction not in ("sum", "mean", "max", "none"):
         raise ValueError(f"reduction={reduction!r} is not supported; use 'sum', 'mean', 'max' "
                          "or 'none'")
@@ -111,14 +105,14 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0, group=None)
             out /= world
         return out
 
-    return apply_to_tensors(one, tensor)
+    return ops.apply_to_tensors(one, tensor)
 
 
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False,
                          group=None) -> Any:
     """Pad each tensor along `dim` to the largest size any process has (with `pad_index`, at
     the end or, with `pad_first`, at the start) so that they can be gathered."""
-    _check_tensors(tensor, "pad_across_processes")
+    check_tensors(tensor, "pad_across_processes")
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if dim >= t.dim() or dim < -t.dim():
@@ -141,7 +135,7 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         out[tuple(index)] = t
         return out
 
-    return apply_to_tensors(one, tensor)
+    return ops.apply_to_tensors(one, tensor)
 
 
 def send_to_device(tensor: Any, device, non_blocking: bool = False, skip_keys=None) -> Any:

@@ -1,10 +1,5 @@
 """Accelerate's configuration objects and plugins (fields and defaults of Accelerate 1.15);
 `meshfit.accelerator.arguments` translates them into meshfit's options.
-
-    DataLoaderConfiguration        how prepared data loaders are sharded
-    ProjectConfiguration           where trackers and automatically named checkpoints go
-    GradientAccumulationPlugin     gradient accumulation (instead of the steps argument)
-    FullyShardedDataParallelPlugin mapped onto meshfit's ZeRO-2/3 (FSDP2)
 """
 
 from __future__ import annotations
@@ -24,23 +19,15 @@ __all__ = ["DataLoaderConfiguration", "FullyShardedDataParallelPlugin",
 class DataLoaderConfiguration:
     """How `Accelerator.prepare` shards data loaders (Accelerate's fields and defaults).
 
-    split_batches: False: every process receives batches of the loader's batch_size (the
-        global batch is batch_size x processes); True: the loader's batch is the global one,
-        cut into equal slices (batch_size must divide by the number of processes).
-    dispatch_batches: None or False (True is not supported: every meshfit rank reads its own
+    split_batches, even_batches: see `meshfit.accelerator.sampler`.
+    dispatch_batches: None or False (True is not available: every meshfit rank reads its own
         batches; for an IterableDataset, see `meshfit.accelerator.stream`).
-    even_batches: True: when the global batch does not divide the dataset, the last round is
-        completed with samples from the start of the epoch so that every process gets the
-        same number of full batches; False: the short last batch goes to its process alone.
     use_seedable_sampler, data_seed: shuffle each epoch with a generator seeded
-        ``data_seed + epoch`` (``data_seed`` None: ``torch.initial_seed()`` when prepared),
-        instead of a generator carried from epoch to epoch.
+        ``data_seed + epoch`` (``data_seed`` None: ``torch.initial_seed()`` when prepared).
     non_blocking: accepted (meshfit copies batches to CUDA devices ahead, non-blocking,
         whatever the value).
-    use_stateful_dataloader: `load_state` puts every prepared loader back where it was (its
-        epoch, shuffle and position, on any number of processes); False (Accelerate's
-        default): `load_state` leaves loaders as they are and a script skips batches itself
-        (`skip_first_batches`).
+    use_stateful_dataloader: `load_state` puts every prepared loader back where it was (on
+        any number of processes); False (Accelerate's default): loaders are left as they are.
     """
 
     split_batches: bool = False
@@ -55,8 +42,7 @@ class DataLoaderConfiguration:
 @dataclass
 class ProjectConfiguration:
     """Where a run writes: ``project_dir``, ``logging_dir`` (trackers; default project_dir);
-    ``automatic_checkpoint_naming`` makes `save_state()` write
-    ``project_dir/checkpoints/checkpoint_<iteration>`` keeping at most ``total_limit``."""
+    ``automatic_checkpoint_naming``: see `meshfit.accelerator.state`."""
 
     project_dir: Optional[str] = None
     logging_dir: Optional[str] = None
@@ -77,10 +63,9 @@ class ProjectConfiguration:
 @dataclass
 class GradientAccumulationPlugin(KwargsHandler):
     """Gradient accumulation: ``num_steps`` micro-batches per optimizer step;
-    ``sync_with_dataloader``: also step at the end of each data loader;
-    ``sync_each_batch``: synchronise gradients on every micro-batch (meshfit's
-    ``sync_each_batch``). ``adjust_scheduler`` has no effect on learning rates (as in
-    Accelerate, where it only counts the scheduler's internal step counter)."""
+    ``sync_with_dataloader``: also step at the end of each data loader; ``sync_each_batch``:
+    meshfit's; ``adjust_scheduler`` has no effect on learning rates (in Accelerate it only
+    counts the scheduler's internal step counter)."""
 
     num_steps: Optional[int] = None
     adjust_scheduler: bool = True

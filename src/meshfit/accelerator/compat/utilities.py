@@ -1,9 +1,4 @@
-"""Accelerate's helpers for seeds, device memory and batch sizes.
-
-    set_seed                        seed every generator (per process with device_specific)
-    clear_device_cache, release_memory
-    should_reduce_batch_size, find_executable_batch_size   retry smaller after out-of-memory
-"""
+"""Accelerate's helpers for seeds, device memory and batch sizes."""
 
 from __future__ import annotations
 
