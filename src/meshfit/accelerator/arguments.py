@@ -84,12 +84,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshfit.accelerator.compat.handlers import (AutocastKwargs, DistributedDataParallelKwargs,
-                                                 GradScalerKwargs, InitProcessGroupKwargs,
-                                                 KwargsHandler, ProfileKwargs)
-from meshfit.accelerator.compat.plugins import (DataLoaderConfiguration,
-                                                FullyShardedDataParallelPlugin,
-                                                ProjectConfiguration)
+from meshfit.accelerator.compat.config import (AutocastKwargs, DataLoaderConfiguration,
+                                               DistributedDataParallelKwargs,
+                                               FullyShardedDataParallelPlugin, GradScalerKwargs,
+                                               InitProcessGroupKwargs, KwargsHandler,
+                                               ProfileKwargs, ProjectConfiguration)
 from meshfit.accelerator.trackers import tracker_list
 from meshfit.distributed import DistEnv, ParallelDims
 from meshfit.parallel.layout import Layout, check_options

@@ -10,7 +10,7 @@ ranks, device), ``layout`` and ``runtime``, ``precision``, ``grad_state``
 
 from __future__ import annotations
 
-from meshfit.accelerator.compat.enums import DistributedType
+from meshfit.accelerator.compat.config import DistributedType
 from meshfit.distributed import DistEnv
 from meshfit.parallel.layout import Layout
 

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshfit.accelerator.compat.enums import DistributedType
-from meshfit.accelerator.compat.handlers import ProfileKwargs
+from meshfit.accelerator.compat.config import DistributedType, ProfileKwargs
 from meshfit.accelerator.compat.operations import check_tensors, gather_object, is_all_tensors
 from meshfit.distributed import DistEnv
 from meshfit.distributed import collectives as ops

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from meshfit.accelerator.compat.enums import LoggerType
+from meshfit.accelerator.compat.config import LoggerType
 
 __all__ = ["get_tracker", "log", "start", "tracker_list"]
 

@@ -6,9 +6,7 @@ package's `__all__`). Names, fields, defaults and behaviour follow Accelerate 1.
 meshfit does with each is said where it is used (`meshfit.accelerator.arguments` translates
 the configuration objects):
 
-    enums.py       the enums (string valued)
-    handlers.py    the ``kwargs_handlers``
-    plugins.py     the Accelerator's configuration objects and FSDP plugin
+    config.py      the configuration objects: enums, ``kwargs_handlers``, plugins
     utilities.py   seeds, device memory, batch sizes
     operations.py  collective helpers over the default group
 """
@@ -16,10 +14,8 @@ the configuration objects):
 from __future__ import annotations
 
 # Each module's `__all__` (Accelerate's names are the list below).
-from meshfit.accelerator.compat.enums import *  # noqa: F401,F403
-from meshfit.accelerator.compat.handlers import *  # noqa: F401,F403
+from meshfit.accelerator.compat.config import *  # noqa: F401,F403
 from meshfit.accelerator.compat.operations import *  # noqa: F401,F403
-from meshfit.accelerator.compat.plugins import *  # noqa: F401,F403
 from meshfit.accelerator.compat.utilities import *  # noqa: F401,F403
 
 # The one list of Accelerate's names: `meshfit.utils` exports exactly these.
