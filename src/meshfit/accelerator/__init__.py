@@ -13,8 +13,8 @@
     shuffle.py       each epoch's order, from the generators Accelerate draws from
     processes.py     collectives, barriers and process control
     trackers.py      experiment trackers (log_with, init_trackers, log)
-    state.py         save_state / load_state: sharded checkpoints to resume from
-    export.py        the whole model out (get_state_dict, save_model, save)
+    state.py         what it writes: checkpoints to resume from (save_state / load_state),
+                     the whole model (get_state_dict, save_model, save)
     compat/          Accelerate's configuration objects, enums and helper functions
 """
 

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from meshfit import distributed as mdist
-from meshfit.accelerator import export, models, processes, state, trackers
+from meshfit.accelerator import models, processes, state, trackers
 from meshfit.accelerator.attributes import AcceleratorAttributes
 from meshfit.accelerator.arguments import UNSET, Arguments, read_arguments, resolve_layout
 from meshfit.accelerator.compat import (AutocastKwargs, DataLoaderConfiguration,
@@ -128,21 +128,24 @@ class Accelerator(AcceleratorAttributes):
         """What the accelerator keeps of the objects it prepares."""
         loop = arguments.loop
         self._optimizer_steps = 0
-        self._params = ParameterMap()  # parameters replaced by sharding, for optimizers
-        self._pipeline_params: set[int] = set()  # ids of prepared pipeline stages' parameters
-        self._replaced: dict[int, tuple[Any, torch.optim.Optimizer]] = {}  # user opt -> new
         self.grad_state = GradientState(num_steps=loop.gradient_accumulation_steps,
                                         sync_with_dataloader=loop.sync_with_dataloader,
                                         adjust_scheduler=loop.adjust_scheduler)
+        self._custom: list[Any] = []  # register_for_checkpointing
+        self._pending_save = None  # an asynchronous save not yet committed
+        self._save_group = None  # the process group asynchronous saves write with
+        self._forget_prepared()
+
+    def _forget_prepared(self) -> None:
+        self._params = ParameterMap()  # parameters replaced by sharding, for optimizers
+        self._pipeline_params: set[int] = set()  # ids of prepared pipeline stages' parameters
+        self._replaced: dict[int, tuple[Any, torch.optim.Optimizer]] = {}  # user opt -> new
         self._optimizers: list[PreparedOptimizer] = []
         self._models: list[torch.nn.Module] = []
         # What save_state / load_state cover, in the order prepared (Accelerate's naming).
         self._checkpointed_models: list[Any] = []  # prepared models and pipelines
         self._schedulers: list[PreparedScheduler] = []
         self._loaders: list[PreparedDataLoader] = []
-        self._custom: list[Any] = []  # register_for_checkpointing
-        self._pending_save = None  # an asynchronous save not yet committed
-        self._save_group = None  # the process group asynchronous saves write with
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, *objects: Any, device_placement=None) -> Any:
@@ -286,8 +289,7 @@ class Accelerator(AcceleratorAttributes):
     def save_state(self, output_dir: str | os.PathLike | None = None,
                    safe_serialization: bool = True, *, step: int | None = None,
                    async_save: bool = False, **save_model_func_kwargs) -> Path:
-        """Write everything prepared and registered into `output_dir` (a sharded checkpoint;
-        `async_save`: in the background); call on every rank (`meshfit.accelerator.state`)."""
+        """Checkpoint all that is prepared and registered; every rank calls it (`state`)."""
         return state.save_state(self, output_dir, step=step, async_save=async_save)
 
     @property
@@ -296,15 +298,12 @@ class Accelerator(AcceleratorAttributes):
         return None if self._pending_save is None else self._pending_save[0]
 
     def wait_for_checkpoint(self) -> Path | None:
-        """Commit an asynchronous `save_state` once its files are written (a collective);
-        returns its folder (None when no save was in flight)."""
+        """Commit an asynchronous `save_state` (a collective); returns its folder, or None."""
         return state.finish_save(self)
 
     def load_state(self, input_dir: str | os.PathLike | None = None,
                    load_kwargs: dict | None = None, **load_model_func_kwargs):
-        """Restore what `save_state` wrote into the objects prepared (and registered) in the
-        same order, on any layout; returns the checkpoint's manifest. Call on every rank after
-        preparing everything (`meshfit.accelerator.state`)."""
+        """Restore what `save_state` wrote, on any layout; every rank calls it (`state`)."""
         return state.load_state(self, input_dir, loaders=self.use_stateful_dataloader)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0):
@@ -316,16 +315,14 @@ class Accelerator(AcceleratorAttributes):
         dataloader.skip_first_batches(num_batches)
         return dataloader
 
-    # ----------------------------------------------------------------- export
+    # ----------------------------------------------------------------- the whole model
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state dict on the main process, ``{}`` on the others (a
-        collective; `meshfit.accelerator.export`)."""
-        return export.get_state_dict(model, self.runtime)
+        """The whole model's state dict, on the main process (`meshfit.accelerator.state`)."""
+        return state.get_state_dict(model, self.runtime)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike) -> Path:
-        """Write `get_state_dict(model)` to ``save_directory/model.safetensors``; call on every
-        rank (`meshfit.accelerator.export`)."""
-        return export.save_model(model, save_directory, runtime=self.runtime, env=self.env)
+        """``save_directory/model.safetensors``, on every rank (`meshfit.accelerator.state`)."""
+        return state.save_model(model, save_directory, runtime=self.runtime, env=self.env)
 
     def save(self, obj: Any, f, safe_serialization: bool = False) -> None:
         """Write `obj` to `f` once (the main process; each node's first with
@@ -333,7 +330,7 @@ class Accelerator(AcceleratorAttributes):
         for a dict of tensors with `safe_serialization`."""
         writer = self.is_local_main_process if self.project_configuration.save_on_each_node \
             else self.is_main_process
-        export.save(obj, f, writer=writer, safe_serialization=safe_serialization)
+        state.save(obj, f, writer=writer, safe_serialization=safe_serialization)
 
     # ----------------------------------------------------------------- training step
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
@@ -359,14 +356,13 @@ class Accelerator(AcceleratorAttributes):
         return self.runtime.no_sync(model)
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None):
-        """The mixed-precision context (prepared models already run their forward in it);
-        `autocast_handler` overrides the constructor's AutocastKwargs."""
+        """The mixed-precision context (prepared models' forward already runs in it);
+        `autocast_handler` overrides the constructor's."""
         return self.precision.autocast(**({} if autocast_handler is None
                                           else autocast_handler.to_kwargs()))
 
     def unscale_gradients(self, optimizer=None) -> None:
-        """Divide the fp16 loss scale out of the gradients (once per optimizer step) of
-        `optimizer` (one or a list; default: every prepared one)."""
+        """Divide the fp16 loss scale out of gradients (`meshfit.accelerator.prepared`)."""
         if self.precision.scaler is not None and self.grad_state.sync_gradients:
             unscale_gradients(self.precision.scaler, self._optimizers, optimizer)
 
@@ -396,8 +392,7 @@ class Accelerator(AcceleratorAttributes):
         return processes.gather(tensor, self.runtime.dp_group)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """`gather` (or `gather_object`), minus the padding of the loader's last round
-        (`meshfit.accelerator.processes`)."""
+        """`gather`, minus the last round's padding (`meshfit.accelerator.processes`)."""
         state = self.grad_state
         return processes.gather_for_metrics(
             input_data, use_gather_object, group=self.runtime.dp_group,
@@ -426,8 +421,8 @@ class Accelerator(AcceleratorAttributes):
         self.flag_tensor = torch.tensor(1, device=self.device)
 
     def check_trigger(self) -> bool:
-        """Whether any process called `set_trigger` since the last check (a collective over
-        every process; the mark is cleared)."""
+        """Whether any process called `set_trigger` since the last check (a collective; the
+        mark is cleared)."""
         fired = processes.triggered(self.flag_tensor, self.env)
         if fired or self.flag_tensor is None:
             self.flag_tensor = torch.tensor(0, device=self.device)
@@ -445,8 +440,7 @@ class Accelerator(AcceleratorAttributes):
         return processes.first(self.is_local_main_process, self.env)
 
     def on_main_process(self, function=None):
-        """Decorator: run `function` on the main process only (None elsewhere); so do the
-        other ``on_*`` decorators on theirs."""
+        """Decorator: run `function` on the main process only (the other ``on_*``: theirs)."""
         return processes.run_if(self.is_main_process, function)
 
     def on_local_main_process(self, function=None):
@@ -462,14 +456,12 @@ class Accelerator(AcceleratorAttributes):
         return processes.run_if(self.local_process_index == local_process_index, function)
 
     def profile(self, profile_handler: ProfileKwargs | None = None):
-        """``torch.profiler.profile`` around the block, configured by `profile_handler` or the
-        constructor's `ProfileKwargs` (`meshfit.accelerator.processes`)."""
+        """``torch.profiler`` around the block (`meshfit.accelerator.processes`)."""
         return processes.profile(profile_handler or self.profile_handler or ProfileKwargs(),
                                  self.env)
 
     def join_uneven_inputs(self, joinables, even_batches: bool | None = None):
-        """Train or evaluate on data loaders whose ranks hold different numbers of batches
-        with ``torch.distributed.algorithms.Join`` (`meshfit.accelerator.processes`)."""
+        """Join for loaders with uneven batches per rank (`meshfit.accelerator.processes`)."""
         return processes.join_uneven_inputs(
             joinables, even_batches, loaders=self._loaders,
             default_even_batches=self.even_batches, kind=self.distributed_type,
@@ -481,10 +473,7 @@ class Accelerator(AcceleratorAttributes):
         Call between two trainings with different models."""
         self.wait_for_checkpoint()
         out = release_memory(*objects)
-        self._models, self._optimizers, self._schedulers = [], [], []
-        self._loaders, self._checkpointed_models = [], []
-        self._pipeline_params, self._replaced = set(), {}
-        self._params = ParameterMap()
+        self._forget_prepared()
         self.grad_state.step = 0
         return out
 
@@ -495,8 +484,7 @@ class Accelerator(AcceleratorAttributes):
     # ----------------------------------------------------------------- trackers
     def init_trackers(self, project_name: str, config: dict | None = None,
                       init_kwargs: dict | None = None) -> None:
-        """Start the trackers of ``log_with`` on the main process and record `config`
-        (`meshfit.accelerator.trackers`)."""
+        """Start ``log_with``'s trackers on the main process (`meshfit.accelerator.trackers`)."""
         if self.is_main_process:
             trackers.start(self.trackers, self.log_with, project_name, config, init_kwargs,
                            project_dir=self.project_dir, logging_dir=self.logging_dir)

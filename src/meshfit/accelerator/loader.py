@@ -111,21 +111,15 @@ class PreparedDataLoader:
     remainder = property(lambda self: self.state.remainder)
     iteration = property(lambda self: self._epoch,
                          doc="Passes read out so far (Accelerate's name; `set_epoch` sets it).")
-
-    @property
-    def batch_size(self) -> int:
-        """Samples per batch on this rank."""
-        return (self.batch_sampler if self.stream is None else self.stream).batch_size
-
-    @property
-    def total_batch_size(self) -> int:
-        """Samples of all data-parallel ranks per batch."""
-        return (self.batch_sampler if self.stream is None else self.stream).round_size
+    _shard = property(lambda self: self.batch_sampler if self.stream is None else self.stream)
+    batch_size = property(lambda self: self._shard.batch_size,
+                          doc="Samples per batch on this rank.")
+    total_batch_size = property(lambda self: self._shard.round_size,
+                                doc="Samples of all data-parallel ranks per batch.")
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch of the next iteration (otherwise each pass read out advances it);
-        it seeds the shuffle with use_seedable_sampler, and is handed to a dataset that has
-        ``set_epoch``."""
+        """Choose the epoch of the next iteration (otherwise each pass read out advances it):
+        it seeds use_seedable_sampler's shuffle and goes to a dataset's ``set_epoch``."""
         self._epoch = epoch
 
     def __len__(self) -> int:

@@ -32,18 +32,10 @@ class Runtime:
         self.layout, self.env, self.mesh = layout, env, mesh
         self.dp_mesh = layout.dp_mesh(mesh) if mesh is not None else None
 
-    @property
-    def dp_group(self):
-        """Process group over which data-parallel ranks see different data (None: one rank)."""
-        return None if self.dp_mesh is None else self.dp_mesh.get_group()
-
-    @property
-    def dp_rank(self) -> int:
-        return 0 if self.dp_mesh is None else self.dp_mesh.get_local_rank()
-
-    @property
-    def dp_size(self) -> int:
-        return 1 if self.dp_mesh is None else self.dp_mesh.size()
+    dp_group = property(lambda self: None if self.dp_mesh is None else self.dp_mesh.get_group(),
+                        doc="Process group of the data-parallel ranks (None: one rank).")
+    dp_rank = property(lambda self: 0 if self.dp_mesh is None else self.dp_mesh.get_local_rank())
+    dp_size = property(lambda self: 1 if self.dp_mesh is None else self.dp_mesh.size())
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to step (ZeRO-1: a ZeroRedundancyOptimizer over it)."""

@@ -1,10 +1,12 @@
-"""`Accelerator.save_state` / `load_state`: everything a loop needs to continue exactly.
+"""What an `Accelerator` writes out: `save_state` / `load_state`, everything a loop needs to
+continue exactly, and the whole model (`get_state_dict`, `save_model`, `save`).
 
-Saved, per prepared object, under Accelerate's names: ``model`` (``model_1``, ... for more
-models; a pipeline's stages as one model), ``optimizer`` (its state by parameter name: also
-ZeRO-1's partitions and FSDP2's shards), ``scheduler``, ``scaler`` (fp16), ``dataloader``
-(epoch and global samples handed out), ``custom_<i>`` (`register_for_checkpointing`),
-``rng`` (each rank's generators, under its rank) and ``accelerator`` (step counters).
+A checkpoint holds, per prepared object, under Accelerate's names: ``model`` (``model_1``,
+... for more; a pipeline's stages as one model), ``optimizer`` (its state by parameter name:
+also ZeRO-1's partitions and FSDP2's shards), ``scheduler``, ``scaler`` (fp16),
+``dataloader`` (epoch and global samples handed out), ``custom_<i>``
+(`register_for_checkpointing`), ``rng`` (each rank's generators) and ``accelerator`` (step
+counters).
 
 It is one DCP checkpoint (`meshfit.checkpoint.store`): each rank writes its own shards, the
 folder is committed atomically with a manifest, and loading checks the files against the
@@ -24,12 +26,21 @@ As with Accelerate, `load_state` leaves prepared data loaders as they are (a res
 skips batches itself with `skip_first_batches`), unless the loaders are stateful
 (``DataLoaderConfiguration(use_stateful_dataloader=True)``): then each continues where it
 stood, in the same order.
+
+The whole model: under zero_stage 2/3 and tensor parallel its state dict is a collective
+(each parameter is all-gathered: `torch.distributed.checkpoint`'s get_model_state_dict with
+full_state_dict=True, cpu_offload=True, which fills rank 0 only; see
+`meshfit.accelerator.runtime`); call these on every rank. Names are the user's module's (no
+DDP/FSDP/compile prefixes), values fp32 master weights; the dict loads into a plain
+single-device model. A `Pipeline` gives the whole model's dict too. Like Accelerate's
+method of that name, except that Accelerate returns the dict on every rank under DDP.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -39,16 +50,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfit.accelerator.processes import wait_for_everyone
+from meshfit.accelerator.runtime import Runtime
 from meshfit.checkpoint import state as ckstate
+from meshfit.checkpoint.export import write_safetensors
 from meshfit.checkpoint.store import (CheckpointError, Manifest, commit, load_dcp, save_dcp,
                                      save_dcp_async, saved_keys, verify)
+from meshfit.distributed import DistEnv
 from meshfit.distributed.settle import barrier as settled_barrier
 
 # Functions here take the `Accelerator` ("acc") whose prepared objects they save; they are
 # its implementation, not a layer of their own (not imported here: it imports this module).
 Accelerator = Any
 
-__all__ = ["check_registrable", "finish_save", "load_state", "save_state"]
+__all__ = ["check_registrable", "finish_save", "get_state_dict", "load_state", "save",
+           "save_model", "save_state"]
 
 log = logging.getLogger("meshfit")
 
@@ -129,9 +145,9 @@ def _regrouped(models) -> int:
 
 
 def _regrouped_names(models) -> list[dict[str, list[int]]]:
-    """Each model's head-grouped parameters by full-model name: ``[chunks, tp, dim]`` (see
-    `meshfit.models.plans.regroup.regrouped_params`), over all ranks; what `meshfit export` needs
-    to write them in the model's own layout."""
+    """Each model's head-grouped parameters by full-model name (`regrouped_params`' ``[chunks,
+    tp, dim]``), over all ranks: what `meshfit export` needs to write them in the model's own
+    layout."""
     from meshfit.models.plans.regroup import regrouped_params
 
     mine = []
@@ -244,11 +260,8 @@ def _newest_folder(acc: Accelerator) -> Path:
 
 
 def _write(acc: Accelerator, output_dir, *, step: int | None, async_save: bool) -> Path:
-    """Write the checkpoint into `output_dir` (atomically: a temporary folder beside it,
-    renamed once every rank has written and the manifest is in). `async_save`: copy the
-    state to host memory, write it in the background and return; the checkpoint is
-    committed by `finish_save` (called by the next save_state and by load_state /
-    end_training)."""
+    """Write the checkpoint into `output_dir` (a temporary folder beside it, renamed once every
+    rank has written and the manifest is in), or start writing it (`async_save`)."""
     from meshfit import __version__
 
     finish_save(acc)  # one save in flight at a time
@@ -372,3 +385,54 @@ def _load_rng(acc: Accelerator, manifest: Manifest, load) -> None:
     ckstate.set_rng_state(part["rng"][key])
     if dist.is_available() and dist.is_initialized():
         settled_barrier()
+
+
+# ----------------------------------------------------------------------------- the model
+def get_state_dict(model: torch.nn.Module, runtime: Runtime) -> dict[str, torch.Tensor]:
+    """`model`'s (prepared under `runtime`, or a `Pipeline`) whole state dict on CPU on
+    global rank 0, ``{}`` elsewhere."""
+    from meshfit.parallel.pp import Pipeline
+
+    if isinstance(model, Pipeline):
+        return model.full_state_dict()
+    return runtime.full_state_dict(model)
+
+
+def save_model(model: torch.nn.Module, save_directory: str | os.PathLike, *, runtime: Runtime,
+               env: DistEnv) -> Path:
+    """Write `get_state_dict(model)` to ``save_directory/model.safetensors`` from the main
+    process, atomically. Tied weights are written as separate copies (safetensors requires
+    it); both names load back into the tied model. A `save_directory` that is (or lies under)
+    a file is refused on every rank, before anything is gathered or written."""
+    folder = Path(save_directory)
+    main = env.rank == 0
+    blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
+                   None) if main else None
+    flag = torch.tensor([0 if blocked is None else 1], device=env.device)
+    if env.is_distributed:  # the main process's file system decides for everyone
+        torch.distributed.broadcast(flag, src=0)
+    if flag.item():
+        where = f"{str(blocked)!r} is a file" if blocked is not None else \
+            "it is a file, or lies under one, on the main process"
+        raise ValueError(f"save_model: save_directory={str(folder)!r} cannot be a folder: "
+                         f"{where}; give a folder path")
+    state = get_state_dict(model, runtime)
+    path = folder / "model.safetensors"
+    if main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_safetensors(state, path)
+    wait_for_everyone(env)
+    return path
+
+
+def save(obj: Any, f, *, writer: bool, safe_serialization: bool = False) -> None:
+    """Write `obj` to `f` where `writer` holds: ``torch.save``, or safetensors for a dict of
+    tensors with `safe_serialization`."""
+    if not writer:
+        return
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        save_file(obj, f, metadata={"format": "pt"})
+    else:
+        torch.save(obj, f)

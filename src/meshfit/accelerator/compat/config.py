@@ -172,21 +172,22 @@ class DistributedDataParallelKwargs(KwargsHandler):
         """Register `comm_hook` (wrapped by `comm_wrapper`) on a DDP `model`."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-        hooks = {DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
-                 DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
-                 DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
-                 DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook}
-        wrappers = {DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
-                    DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper}
-        hook = hooks.get(DDPCommunicationHookType(self.comm_hook))
-        wrapper = wrappers.get(DDPCommunicationHookType(self.comm_wrapper))
+        kinds = DDPCommunicationHookType
+        power_sgd = (kinds.POWER_SGD, kinds.BATCHED_POWER_SGD)
+        hooks = {kinds.FP16: default_hooks.fp16_compress_hook,
+                 kinds.BF16: default_hooks.bf16_compress_hook,
+                 kinds.POWER_SGD: powerSGD_hook.powerSGD_hook,
+                 kinds.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook}
+        wrappers = {kinds.FP16: default_hooks.fp16_compress_wrapper,
+                    kinds.BF16: default_hooks.bf16_compress_wrapper}
+        kind = kinds(self.comm_hook)
+        hook, wrapper = hooks.get(kind), wrappers.get(kinds(self.comm_wrapper))
         if hook is None:
             return
         if wrapper is not None:
             hook = wrapper(hook)
         state = None
-        if DDPCommunicationHookType(self.comm_hook) in (DDPCommunicationHookType.POWER_SGD,
-                                                        DDPCommunicationHookType.BATCHED_POWER_SGD):
+        if kind in power_sgd:
             state = powerSGD_hook.PowerSGDState(None, **self.comm_state_option)
         model.register_comm_hook(state=state, hook=hook)
 
@@ -243,8 +244,9 @@ class ProfileKwargs(KwargsHandler):
         return known[name]
 
     def build(self) -> torch.profiler.profile:
-        activities = None if self.activities is None else [self._activity(a)
-                                                           for a in self.activities]
+        """The profiler these fields describe."""
+        activities = None if self.activities is None else list(map(self._activity,
+                                                                   self.activities))
         schedule = None if self.schedule_option is None else \
             torch.profiler.schedule(**self.schedule_option)
         return torch.profiler.profile(
