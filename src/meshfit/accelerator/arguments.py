@@ -1,8 +1,7 @@
 """The `Accelerator`'s arguments, translated by pure functions (`read_arguments`, then
-`resolve_layout` on the job's processes) from what a script passes, and the environment
-variables Accelerate reads, into small frozen options, one per consumer (the layout request
-is `meshfit.parallel.request.LayoutRequest`, the type of `meshfit train`'s [parallel] too).
-Checked before any process group, model or file exists; nothing here keeps state.
+`resolve_layout` on the job's processes) from what a script passes and the environment
+variables Accelerate reads into small frozen options, one per consumer; checked before any
+process group, model or file exists.
 
 The arguments up to ``parallelism_config`` are Hugging Face Accelerate 1.15's, with its
 defaults and meaning (a script written for Accelerate runs with ``accelerate`` replaced by
@@ -19,60 +18,46 @@ Accelerate's arguments:
         False; ``ACCELERATE_USE_CPU=true`` (``accelerate launch --cpu``) means True.
     dataloader_config, fsdp_plugin (instead of ``parallel``/``zero_stage``), project_config
         (with ``project_dir``: where trackers and automatic checkpoints go),
-        gradient_accumulation_plugin: the objects of those names in `meshfit.utils`.
+        gradient_accumulation_plugin, kwargs_handlers: the objects of `meshfit.utils`.
     deepspeed_plugin, torch_tp_plugin, megatron_lm_plugin, dynamo_plugin, deepspeed_plugins,
-        parallelism_config: None only; ``parallel``, ``zero_stage`` and ``compile`` do their
-        work.
+        parallelism_config: None only (``parallel``, ``zero_stage``, ``compile`` instead).
     rng_types: generators synchronised from process 0 at the start of each pass over a
-        prepared loader: ``"generator"`` (the default, the shuffling one), ``"torch"``,
-        ``"cuda"``.
+        prepared loader: ``"generator"`` (default: the shuffling one), ``"torch"``, ``"cuda"``.
     log_with: tracker names (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"csv"``,
         ``"all"``, `LoggerType` values) or tracker objects (`meshfit.accelerator.trackers`).
     step_scheduler_with_optimizer: True: a prepared LR scheduler steps only with the optimizer
         (see ``step_scheduler_per_process``); False: on every call.
-    kwargs_handlers: `DistributedDataParallelKwargs`, `InitProcessGroupKwargs`,
-        `GradScalerKwargs`, `AutocastKwargs`, `ProfileKwargs` (`meshfit.utils`).
     dynamo_backend: ``torch.compile`` the whole prepared model with it (``"no"``: not at all).
 
-meshfit's arguments (besides `ModelOptions`' fields: activation checkpointing, compile,
-``tp_plan``, and ``ddp_kwargs``, which take precedence over a DistributedDataParallelKwargs
-handler's):
+meshfit's arguments: `ModelOptions`' fields (activation checkpointing, compile, ``tp_plan``,
+``ddp_kwargs``: over a DistributedDataParallelKwargs handler's), `LayoutRequest`'s (the layout,
+`meshfit.parallel.request`, the type of `meshfit train`'s [parallel] too), and:
     step_scheduler_per_process: True (Accelerate's rule): each optimizer step advances a
         prepared scheduler once per data-parallel process (once when batches are split),
         because scripts size their schedules in one process's batches; False: once per
         optimizer step, for schedules that count optimizer steps (`meshfit train`).
-    tf32: switch TF32 tensor cores for fp32 matrix products on or off
-        (`meshfit.accelerator.precision.set_tf32`); None leaves PyTorch's setting.
+    tf32: switch TF32 tensor cores for fp32 matrix products on or off (`set_tf32`); None
+        leaves PyTorch's setting.
     empty_cache_steps: release the device allocator's cached blocks every this many optimizer
         steps (0: never), as Transformers' ``torch_empty_cache_steps``.
     parallel: the layout (`ParallelDims`), decided once in the constructor
         (``accelerator.layout``); default: every process a DDP replica. ``dp_shard=N`` shards
         over N ranks (ZeRO); with ``dp_replicate=M``, M groups of N (HSDP); all M x N ranks
-        see different data. ``tp=T`` splits every block over T ranks (Megatron-style,
-        `apply_tp`), with any data-parallel axes; ``pp=P`` cuts the model into stages (use
-        `prepare_pipeline`). See `meshfit.parallel.layout`.
-    zero_stage: what is sharded over the dp_shard ranks (ZeRO, Rajbhandari et al. 2020);
-        default 3 when dp_shard > 1, else 0. 0: nothing (DDP). 1: optimizer state (DDP +
-        ZeroRedundancyOptimizer, in `prepare_optimizer`). 2: gradients and optimizer state
-        (FSDP2). 3: parameters too, gathered per block just in time. Under 2 and 3, and with
-        tp or pp > 1 (every data-parallel stage then runs on FSDP2; 0: replicate-only, 1:
-        whole gradients until the boundary), mixed precision is FSDP's policy instead of
-        autocast (`meshfit.parallel.fsdp`).
-    offload: ``"cpu"`` keeps the sharded parameters, gradients and optimizer state in host
-        memory (ZeRO-Offload; zero_stage=3 only); ``"none"``.
-    sync_each_batch: under accumulation with zero_stage 2/3, False skips the reduce-scatter on
-        non-boundary micro-batches (fewer collectives; FSDP then holds full unsharded
-        gradients, Ψ·4 bytes per rank, until the boundary); True reduce-scatters every
-        micro-batch (sharded gradients accumulate: Ψ·4/N bytes); ``"auto"`` picks True when
-        the unsharded gradients would take more than a quarter of the free memory (CUDA free
-        memory, host available memory on CPU) on any rank, and logs the choice when the
-        first model is prepared (the ``sync_each_batch`` attribute then holds it). Under DDP
+        see different data. ``tp=T`` splits every block over T ranks, with any data-parallel
+        axes; ``pp=P`` cuts the model into stages (`prepare_pipeline`).
+    zero_stage: 1 is applied in `prepare_optimizer` (ZeroRedundancyOptimizer). Under 2 and 3,
+        and whenever tp or pp > 1 (every data-parallel stage then runs on FSDP2; 0:
+        replicate-only, 1: whole gradients until the boundary), mixed precision is FSDP's
+        policy instead of autocast (`meshfit.parallel.fsdp`).
+    sync_each_batch: under accumulation with zero_stage 2/3, False (fewer collectives) holds
+        full unsharded gradients, Ψ·4 bytes per rank, until the boundary; True
+        reduce-scatters every micro-batch (sharded gradients accumulate: Ψ·4/N bytes);
+        ``"auto"`` picks True when the unsharded gradients would take more than a quarter of
+        the free memory (CUDA free memory, host available memory on CPU) on any rank, and logs
+        the choice when the first model is prepared (the attribute then holds it). Under DDP
         and ZeRO-1 gradients are full-size anyway, so "auto" means False there.
-    sequence_parallel: with tp > 1, norms and dropout run on T/tp positions of the sequence
-        (Korthikanti et al. 2022); the sequence length must divide by tp.
-    loss_parallel: with tp > 1, the reference GPT's ``model(idx, targets)`` loss is computed
-        on vocabulary-sharded logits, never gathered (other losses:
-        `meshfit.parallel.tp.tp_cross_entropy`).
+    loss_parallel: computes the reference GPT's ``model(idx, targets)`` loss on sharded
+        logits; other losses: `meshfit.parallel.tp.tp_cross_entropy`.
     env: an existing `DistEnv`; default: `meshfit.distributed.init()`.
 """
 
@@ -123,8 +108,7 @@ class PrecisionOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class LoopOptions:
-    """How the user's loop is driven: accumulation, scheduler stepping, device cache release
-    and the prepared data loaders."""
+    """How the user's loop is driven: accumulation, scheduler, device cache, data loaders."""
 
     gradient_accumulation_steps: int = 1
     sync_with_dataloader: bool = True
@@ -139,8 +123,7 @@ class LoopOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class ProcessOptions:
-    """Where this process runs: device placement, and `meshfit.distributed.init`'s
-    arguments (``cpu``, and ``backend`` / ``timeout_s`` from InitProcessGroupKwargs)."""
+    """Device placement, and `meshfit.distributed.init`'s arguments (cpu, backend, timeout_s)."""
 
     device_placement: bool = True
     cpu: bool | None = None
@@ -331,8 +314,8 @@ def sort_handlers(handlers) -> Handlers:
 
 
 def _dynamo(given: Mapping[str, Any]) -> dict[str, Any]:
-    """ModelOptions' compile fields; Accelerate's ``dynamo_backend`` compiles the whole model
-    with that backend (lower case, as Accelerate passes it to torch.compile)."""
+    """ModelOptions' compile fields; ``dynamo_backend`` compiles the whole model with that
+    backend (lower case, as Accelerate passes it to torch.compile)."""
     names = ("compile", "compile_backend", "compile_scope", "compile_mode")
     backend = given["dynamo_backend"]
     if backend is not None and str(backend).upper() != "NO":
@@ -404,8 +387,7 @@ def _layout_request(given: Mapping[str, Any], *, offload: str, sync_each_batch: 
 
 
 def init_kwargs(handler: InitProcessGroupKwargs | None) -> dict:
-    """`meshfit.distributed.init`'s arguments from an InitProcessGroupKwargs (only the
-    fields set to other than their defaults)."""
+    """`meshfit.distributed.init`'s arguments from an InitProcessGroupKwargs' fields set."""
     if handler is None:
         return {}
     given = handler.to_kwargs()

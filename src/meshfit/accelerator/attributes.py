@@ -140,8 +140,7 @@ class AcceleratorAttributes:
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped (fp16 overflow): the learning rate
-        should then not change (prepared schedulers do not step)."""
+        """Whether the last optimizer step was skipped (fp16 overflow; schedulers then wait)."""
         return any(opt.step_was_skipped for opt in self._optimizers)
 
     @property

@@ -34,22 +34,13 @@ class LoaderState:
 
 
 class PreparedDataLoader:
-    """A DataLoader whose batches are this rank's shard, moved to the device.
-
-    It looks one batch ahead, so the accelerator knows when the last batch is being used
-    (gradient accumulation syncs there; gather_for_metrics trims the padding there), and so
-    the next batch's host-to-device copy is issued while the current batch computes: on CUDA
-    the copy runs on a side stream from pinned memory (``non_blocking``), and the compute
-    stream waits for it only when the batch is handed out.
-
-    The loader's ``num_workers``, ``prefetch_factor``, ``persistent_workers``,
-    ``worker_init_fn``, ``collate_fn``, ``timeout`` and ``generator`` (a copy) are kept;
-    ``pin_memory`` where it helps (a CUDA device). `even_batches`, `split_batches`,
-    `seedable` (with `data_seed`) are `meshfit.utils.DataLoaderConfiguration`'s,
-    `sync_generator` the Accelerator's ``rng_types``. A stream's workers are started afresh
-    for each pass (``persistent_workers`` is not kept): each pass re-reads it with that
-    pass's skip and epoch.
-    """
+    """A DataLoader whose batches are this rank's shard, moved to the device one batch ahead:
+    the accelerator knows when the last batch is being used (accumulation syncs there,
+    gather_for_metrics trims the padding there), and the next batch's copy overlaps the
+    current batch's compute (on CUDA: a side stream from pinned memory, waited for only when
+    the batch is handed out). The loader's workers, ``collate_fn`` and ``generator`` (a copy)
+    are kept; a stream's workers are started afresh each pass (which re-reads it). The other
+    arguments are `DataLoaderConfiguration`'s and the ``rng_types``' (``"generator"``)."""
 
     def __init__(self, loader: DataLoader, *, device: torch.device, num_replicas: int,
                  rank: int, on_iter=None, on_end=None, even_batches: bool = True,
@@ -134,8 +125,7 @@ class PreparedDataLoader:
 
     def skip_first_batches(self, num_batches: int) -> None:
         """Leave out the first `num_batches` batches (rounds of all ranks) of the next
-        iteration, its order drawn as for a whole pass (a stream: its first ``num_batches x
-        total_batch_size`` items are read and dropped)."""
+        iteration, its order drawn as for a whole pass (a stream's items read and dropped)."""
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
             raise ValueError(f"num_batches={num_batches!r} must be an integer >= 0")
         if self.stream is not None:
@@ -179,8 +169,7 @@ class PreparedDataLoader:
         self._resumed = samples > 0
 
     def _to_device(self, batch):
-        """Start copying `batch` to the device; returns (batch, event). Pass both to `_ready`
-        before using the batch."""
+        """Start copying `batch` to the device; returns (batch, event) for `_ready`."""
         if self._copy_stream is None:
             return apply_to_tensors(lambda t: t.to(self.device), batch), None
         with torch.cuda.stream(self._copy_stream):

@@ -1,25 +1,21 @@
-"""How `Accelerator.prepare_model` and `prepare_pipeline` lay a user's model out.
-
-`parallelize` (`meshfit.parallel.parallelize`) places the model, applies tensor parallel,
-activation checkpointing and compile, then the data-parallel wrapper. The weights must be
-initialised before: sharding a meta-device model and initialising the shards afterwards
-gives every rank the same random shard on CPU meshes, so a model with meta parameters is
-refused unless it comes from `meta_model` (then each rank reads what it holds).
+"""How `Accelerator.prepare_model` and `prepare_pipeline` lay a user's model out with
+`meshfit.parallel.parallelize` (place, tensor parallel, activation checkpointing, compile,
+then the data-parallel wrapper). Weights must be initialised before: sharding a meta-device
+model and initialising the shards afterwards gives every rank the same random shard on CPU
+meshes, so meta parameters are refused unless the model comes from `meta_model` (then each
+rank reads what it holds).
 
 A pipeline (`meshfit.parallel.pp.Pipeline`) is driven with ``loss = pipeline.step(inputs,
-targets, scale=1/k)`` inside ``accelerator.accumulate()`` (k = gradient_accumulation_steps),
-then the prepared optimizer's ``step``, built afterwards on ``pipeline.parameters()``;
-evaluated with ``pipeline.eval_loss``. Each stage goes through what `prepare(model)` does
-(the data-parallel wrapper is FSDP2 for every data-parallel layout with pp: see
-`meshfit.parallel.layout`), so that DP+PP, DP+PP+TP and ZeRO+PP+TP are one call. Arguments
-as `meshfit.parallel.pp.build_pipeline` (schedules gpipe, 1f1b, interleaved_1f1b,
-zero_bubble; `microbatches` per pipeline step: the global batch is micro-batch x
-microbatches x data-parallel degree x k; `plan`: where the blocks are, default
-`meshfit.models.plans.pipeline_plan_for`). Every rank passes the same full model (built from
-one seed) or a meta-device one (materialised per stage from `init_seed`); with data
-parallel, each data-parallel rank feeds its own batch. `record_timings=True` keeps every
-step's per-micro-batch timings in ``pipeline.timings`` (and synchronises CUDA around each):
-turn it off with ``pipeline.record_timings(False)`` after the steps you want to chart.
+targets, scale=1/k)`` inside ``accelerator.accumulate()``, then the prepared optimizer's
+``step`` (built afterwards on ``pipeline.parameters()``); evaluated with
+``pipeline.eval_loss``. Each stage goes through what `prepare(model)` does (the wrapper is
+FSDP2 for every data-parallel layout with pp), so DP+PP, DP+PP+TP and ZeRO+PP+TP are one
+call. Arguments as `meshfit.parallel.pp.build_pipeline` (the global batch is micro-batch x
+`microbatches` x data-parallel degree x k; `plan` default: `pipeline_plan_for`). Every rank
+passes the same full model (one seed) or a meta-device one (materialised per stage from
+`init_seed`); each data-parallel rank feeds its own batch. `record_timings=True` keeps
+per-micro-batch timings in ``pipeline.timings`` (synchronising CUDA around each): turn it off
+with ``pipeline.record_timings(False)`` after the steps you want to chart.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ __all__ = ["build", "check_model", "lay_out", "load_pretrained"]
 
 
 def check_model(model: torch.nn.Module, layout: Layout) -> str | None:
-    """Refuse a model `prepare(model)` cannot lay out; returns its pretrained folder (None:
-    an ordinary model, with initialised weights)."""
+    """Refuse a model `prepare(model)` cannot lay out; returns its pretrained folder, or None."""
     pp, ep = layout.dims.pp, layout.dims.ep
     if pp > 1:
         raise ValueError(f"prepare(model) with pp={pp}: a pipeline layout splits the model "
@@ -101,8 +96,7 @@ def load_pretrained(model: torch.nn.Module, folder: str, *, layout: Layout, runt
 def build(model: torch.nn.Module, layout: Layout, options: ModelOptions, *, mesh,
           lay_out: Callable[[torch.nn.Module], torch.nn.Module], microbatches: int,
           schedule: str, virtual_stages: int | None, plan, **pipeline_kwargs):
-    """The `Pipeline` of `model` over ``mesh["pp"]``, this rank's stages laid out by `lay_out`
-    (see this module's docstring); `pipeline_kwargs`: the rest of `build_pipeline`'s."""
+    """The `Pipeline` of `model` over ``mesh["pp"]``, this rank's stages laid out by `lay_out`."""
     from meshfit.checkpoint.pretrained import stage_filler
     from meshfit.parallel.layout import ModelFacts
     from meshfit.parallel.pp import build_pipeline

@@ -31,8 +31,7 @@ def set_tf32(enabled: bool) -> bool:
 
 
 def empty_device_cache(device: torch.device) -> None:
-    """Return the allocator's cached, unused blocks of `device` to the driver (CUDA, XPU, MPS;
-    the CPU allocator keeps no cache, so there it does nothing)."""
+    """Return the allocator's cached blocks of `device` to the driver (the CPU keeps none)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
     elif device.type == "xpu" and hasattr(torch, "xpu"):

@@ -30,9 +30,8 @@ __all__ = ["GradientState", "ParameterMap", "PreparedOptimizer", "PreparedSchedu
 
 
 def kind_of(obj) -> str:
-    """Which of `Accelerator.prepare`'s kinds `obj` is: "model", "optimizer", "dataloader",
-    "scheduler" (an LR scheduler, or an object with its ``step``, ``get_last_lr`` and
-    ``optimizer``) or "other" (returned as it is)."""
+    """"model", "optimizer", "dataloader", "scheduler" (also an object with ``step``,
+    ``get_last_lr`` and ``optimizer``) or "other": what `Accelerator.prepare` does with `obj`."""
     if isinstance(obj, torch.nn.Module):
         return "model"
     if isinstance(obj, torch.optim.Optimizer):
@@ -47,8 +46,7 @@ def kind_of(obj) -> str:
 
 @dataclass
 class GradientState:
-    """Gradient-accumulation bookkeeping shared by the accelerator and its wrappers
-    (``accelerator.gradient_state``, with Accelerate's attribute names)."""
+    """Accumulation bookkeeping shared by the accelerator and its wrappers (Accelerate's names)."""
 
     num_steps: int = 1  # micro-batches per optimizer step (gradient_accumulation_steps)
     step: int = 0  # micro-batches seen since the last synchronising one
@@ -73,8 +71,7 @@ class GradientState:
 
     @property
     def remainder(self) -> int:
-        """Real samples in the innermost loader's last round (0: full; -1: none or no
-        loader), as Accelerate's ``gradient_state.remainder``."""
+        """Real samples in the innermost loader's last round (0: full; -1: none, or no loader)."""
         loader = self.active_dataloader
         return -1 if loader is None else loader.state.remainder
 
@@ -213,9 +210,8 @@ class PreparedScheduler:
 
 def unscale_gradients(scaler: torch.amp.GradScaler, prepared: list[PreparedOptimizer],
                       optimizer=None) -> None:
-    """Divide `scaler`'s loss scale out of the gradients of `optimizer` (a prepared one or
-    the optimizer it wraps, or a list of them; None: every one of `prepared`), once per
-    optimizer step each."""
+    """Divide `scaler`'s loss scale out of `optimizer`'s gradients once per step (a prepared
+    one or the one it wraps, or a list; None: all `prepared`)."""
     chosen = prepared if optimizer is None else (
         list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
     for opt in chosen:

@@ -30,9 +30,8 @@ __all__ = ["first", "gather", "gather_for_metrics", "join_uneven_inputs", "profi
 
 
 def gather(tensor: Any, group) -> Any:
-    """Concatenate tensors (a nest of them) from every rank of `group` along dim 0, in rank
-    order (0-dim tensors: one row per rank; first dimensions may differ), as values (no
-    grad), as with Accelerate."""
+    """`meshfit.utils.gather` over `group` (first dimensions may differ; no grad, as with
+    Accelerate)."""
     check_tensors(tensor, "gather", " (gather_object for the rest)")
     return ops.gather(ops.apply_to_tensors(lambda t: t.detach(), tensor), group)
 
@@ -96,8 +95,7 @@ def share(inputs, n: int, rank: int, *, apply_padding: bool, device: torch.devic
 
 
 def triggered(flag: torch.Tensor | None, env: DistEnv) -> bool:
-    """Whether any process's `flag` (set_trigger's tensor; None: not set) is set: a
-    collective over every process."""
+    """Whether any process's `flag` (set_trigger's; None: not set) is set: a collective."""
     flag = torch.tensor(0, device=env.device) if flag is None else flag.clone()
     if env.is_distributed and env.world_size > 1:
         dist.all_reduce(flag)

@@ -53,8 +53,8 @@ class Runtime:
                        "synchronisation between micro-batches costs no memory")
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state dict on CPU on global rank 0, {} elsewhere. With a mesh
-        it is a collective (tensor-parallel parameters are gathered): call on every rank."""
+        """The whole model's state dict on CPU on global rank 0, {} elsewhere (with a mesh, a
+        collective: tensor-parallel parameters are gathered)."""
         if self.mesh is not None:
             return _gathered_state_dict(self.unwrap(model))
         return _cpu_state_dict(self.unwrap(model))
@@ -132,8 +132,7 @@ _RUNTIMES: dict[Engine, type[Runtime]] = {
 
 
 def runtime_for(layout: Layout, env: DistEnv, mesh=None) -> Runtime:
-    """The runtime of `layout`'s engine on this process (`mesh`: the layout's device mesh,
-    None for a single process without a process group)."""
+    """The runtime of `layout`'s engine (`mesh`: None for one process without a group)."""
     return _RUNTIMES[layout.engine](layout, env, mesh)
 
 

@@ -1,22 +1,16 @@
 """Map-style datasets sharded over the data-parallel ranks as Hugging Face Accelerate shards
 them: `ShardedBatchSampler`, one rank's batches of sample indices.
 
-The epoch's order (`meshfit.accelerator.shuffle`, or ``range(n)``) is cut into batches of
-the loader's ``batch_size``, as its ``BatchSampler`` would; with ``split_batches=False``
-(Accelerate's default) rank r of n takes batches r, r + n, r + 2n, ... (the global batch is
-``batch_size x n``), with ``split_batches=True`` every batch is cut into n equal slices.
-Gathering the ranks' outputs in rank order restores the global order. When the global batch
-does not divide the dataset:
-
-- ``even_batches=True`` (default): the last round is completed with samples from the start of
-  the epoch, so that every rank receives the same number of full batches; the duplicates sit
-  at the end of the gathered last round, where `Accelerator.gather_for_metrics` drops them
-  (``remainder`` = ``len(dataset) % total_batch_size`` real samples).
-- ``even_batches=False``: the short last batch goes to its rank alone; ranks may receive
-  different numbers of batches (see `Accelerator.join_uneven_inputs`).
-- ``drop_last=True``: the incomplete round is dropped.
-
-On one data-parallel rank nothing is sharded or padded: the batches are the loader's own.
+The epoch's order (`meshfit.accelerator.shuffle`) is cut into the loader's batches; rank r of
+n takes batches r, r + n, ... (the global batch is ``batch_size x n``), or with
+``split_batches=True`` a slice of every batch. Gathering in rank order restores the global
+order. When the global batch does not divide the dataset, ``even_batches=True`` (default)
+completes the last round with samples from the start of the epoch, so that every rank
+receives the same number of full batches (the duplicates end the gathered last round, where
+`Accelerator.gather_for_metrics` drops them: ``remainder`` = ``len(dataset) %
+total_batch_size`` real samples); ``even_batches=False`` gives the short last batch to its
+rank alone (see `Accelerator.join_uneven_inputs`); ``drop_last=True`` drops the round. On one
+rank the batches are the loader's own.
 """
 
 from __future__ import annotations
@@ -80,8 +74,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     @property
     def remainder(self) -> int:
-        """Real samples in the last round of an epoch (0: the rounds are full); -1 with
-        drop_last, where nothing is padded."""
+        """Real samples in an epoch's last round (0: full; -1: drop_last, nothing padded)."""
         return -1 if self.drop_last else self.num_samples % self.round_size
 
     def _indices(self):

@@ -1,21 +1,16 @@
-"""Where a prepared map-style loader's epoch order comes from: `Shuffle`, built by
-`shuffle_for`, and the random-generator helpers the loaders share.
+"""Where a prepared map-style loader's epoch order comes from: `Shuffle` (`shuffle_for`), and
+the random-generator helpers the loaders share.
 
-Shuffling draws from the generators that Accelerate draws from, at the same moments, so that
-a seeded script sees the same samples in the same order under Accelerate and meshfit:
-
-- the loader's ``generator`` (a copy of it, taken when prepared), carried from epoch to epoch;
-- with several data-parallel ranks and no generator: a generator seeded, when the loader is
-  prepared, from the global torch generator (one draw);
-- on one rank without a generator: a seed drawn from the global torch generator at the start
-  of each pass, as ``RandomSampler`` does;
-- ``use_seedable_sampler``: a generator seeded ``data_seed + epoch`` each epoch.
-
-With more than one process, a carried generator's state is broadcast from rank 0 at the start
-of every pass (Accelerate's ``rng_types=["generator"]``), so every rank draws the same order.
-Each pass draws one permutation, then a second one when the order is read out, and the inner
-``DataLoader`` draws its workers' base seed from the loader's generator (or the global one)
-when each pass starts, as torch's own loader does.
+Shuffling draws from the generators Accelerate draws from, at the same moments, so that a
+seeded script sees the same samples in the same order under Accelerate and meshfit: the
+loader's ``generator`` (a copy taken when prepared), carried from epoch to epoch; without one,
+on several ranks, a generator seeded from the global one when the loader is prepared, and on
+one rank a seed drawn from the global generator each pass (as ``RandomSampler`` does);
+``use_seedable_sampler``: ``data_seed + epoch``. A carried generator's state is broadcast from
+rank 0 at the start of every pass (Accelerate's ``rng_types=["generator"]``). Each pass draws
+one permutation, and a second when the order is read out; the inner ``DataLoader`` draws its
+workers' base seed from the loader's generator (or the global one) when each pass starts, as
+torch's own loader does.
 """
 
 from __future__ import annotations
@@ -56,9 +51,8 @@ def broadcast_state(state: torch.Tensor) -> torch.Tensor:
 
 
 def sync_global_generators(rng_types, device: torch.device) -> None:
-    """Give every process process 0's global torch generator (``"torch"`` in `rng_types`)
-    and CUDA generator (``"cuda"``, on a CUDA `device`), as Accelerate's loaders do at the
-    start of each pass (``rng_types``). Call on every process of a distributed job."""
+    """Give every process process 0's global torch (``"torch"``) and CUDA (``"cuda"``)
+    generators, as Accelerate's loaders do at the start of each pass (a collective)."""
     if "torch" in rng_types:
         torch.set_rng_state(broadcast_state(torch.get_rng_state()))
     if "cuda" in rng_types and device.type == "cuda":

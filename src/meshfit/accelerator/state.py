@@ -1,39 +1,28 @@
 """What an `Accelerator` writes out: `save_state` / `load_state`, everything a loop needs to
 continue exactly, and the whole model (`get_state_dict`, `save_model`, `save`).
 
-A checkpoint holds, per prepared object, under Accelerate's names: ``model`` (``model_1``,
-... for more; a pipeline's stages as one model), ``optimizer`` (its state by parameter name:
-also ZeRO-1's partitions and FSDP2's shards), ``scheduler``, ``scaler`` (fp16),
-``dataloader`` (epoch and global samples handed out), ``custom_<i>``
-(`register_for_checkpointing`), ``rng`` (each rank's generators) and ``accelerator`` (step
-counters).
+A checkpoint holds, under Accelerate's names, ``model`` (``model_1``, ...; a pipeline's stages
+as one model), ``optimizer`` (state by parameter name, also ZeRO-1's partitions and FSDP2's
+shards), ``scheduler``, ``scaler``, ``dataloader`` (epoch and global samples handed out),
+``custom_<i>`` (`register_for_checkpointing`), ``rng`` (per rank) and ``accelerator`` (step
+counters). It is one DCP checkpoint (`meshfit.checkpoint.store`; ``safe_serialization`` has
+no effect): each rank writes its shards, the folder is committed atomically with a manifest,
+and loading checks files, parameter names and shapes against it, then reshards to this job's
+layout (any combination of DDP, ZeRO-1/2/3, TP, PP; any world size). With
+``automatic_checkpoint_naming`` the folder is ``project_dir/checkpoints/checkpoint_<i>`` (the
+main process first deletes the oldest beyond ``total_limit``; a folder given to `save_state`
+is ignored) and `load_state` without a folder reads the newest, as with Accelerate.
+``async_save=True`` copies the state to host memory and writes it in the background (over a
+gloo group of its own); `finish_save` commits it (`Accelerator.wait_for_checkpoint`, the next
+save, `load_state`, `end_training`). As with Accelerate, `load_state` leaves data loaders as
+they are (a script skips batches itself with `skip_first_batches`) unless they are stateful
+(``use_stateful_dataloader``): then each continues where it stood, in the same order.
 
-It is one DCP checkpoint (`meshfit.checkpoint.store`): each rank writes its own shards, the
-folder is committed atomically with a manifest, and loading checks the files against the
-manifest, the model's parameter names and shapes against the saved ones, then reshards to
-this job's layout (DDP, ZeRO-1/2/3, TP, PP and their combinations, any world size). The
-format is always DCP's (``safe_serialization`` is accepted and has no effect).
-
-With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folder is
-``project_dir/checkpoints/checkpoint_<save_iteration>`` (the oldest beyond ``total_limit`` are
-deleted first, by the main process; a folder given to `save_state` is then ignored) and
-`load_state` without a folder reads the newest, as with Accelerate. An asynchronous save
-(``async_save=True``) copies the state to host memory and writes it in the background (over
-a gloo group of its own) while training goes on; it is committed by `finish_save`
-(`Accelerator.wait_for_checkpoint`, or the next save, `load_state`, `end_training`).
-
-As with Accelerate, `load_state` leaves prepared data loaders as they are (a resuming script
-skips batches itself with `skip_first_batches`), unless the loaders are stateful
-(``DataLoaderConfiguration(use_stateful_dataloader=True)``): then each continues where it
-stood, in the same order.
-
-The whole model: under zero_stage 2/3 and tensor parallel its state dict is a collective
-(each parameter is all-gathered: `torch.distributed.checkpoint`'s get_model_state_dict with
-full_state_dict=True, cpu_offload=True, which fills rank 0 only; see
-`meshfit.accelerator.runtime`); call these on every rank. Names are the user's module's (no
-DDP/FSDP/compile prefixes), values fp32 master weights; the dict loads into a plain
-single-device model. A `Pipeline` gives the whole model's dict too. Like Accelerate's
-method of that name, except that Accelerate returns the dict on every rank under DDP.
+The whole model's state dict is a collective under zero_stage 2/3 and tensor parallel (each
+parameter all-gathered by `get_model_state_dict(full_state_dict=True, cpu_offload=True)`,
+which fills rank 0 only): call these on every rank. Names are the user's module's (no
+DDP/FSDP/compile prefixes), values fp32 master weights: it loads into a plain single-device
+model. Accelerate's returns the dict on every rank under DDP; this one on rank 0 only.
 """
 
 from __future__ import annotations
@@ -207,8 +196,8 @@ def check_registrable(obj: Any) -> None:
 
 def save_state(acc: Accelerator, output_dir, *, step: int | None = None,
                async_save: bool = False) -> Path:
-    """Write the checkpoint into `output_dir`, or the next automatically named folder (then
-    `output_dir` is ignored), and count the save (``save_iteration``). Every rank calls it."""
+    """Write the checkpoint into `output_dir` (or the next automatic folder) and count the
+    save (``save_iteration``)."""
     config = acc.project_configuration
     if config.automatic_checkpoint_naming:
         output_dir = _automatic_folder(acc)
@@ -286,8 +275,7 @@ def _write(acc: Accelerator, output_dir, *, step: int | None, async_save: bool) 
 
 
 def finish_save(acc: Accelerator) -> Path | None:
-    """Wait for an asynchronous save's files and commit it (a collective); returns its
-    folder, None when none was in flight."""
+    """Commit an asynchronous save once written (a collective); returns its folder, or None."""
     pending, acc._pending_save = acc._pending_save, None
     if pending is None:
         return None
@@ -389,8 +377,7 @@ def _load_rng(acc: Accelerator, manifest: Manifest, load) -> None:
 
 # ----------------------------------------------------------------------------- the model
 def get_state_dict(model: torch.nn.Module, runtime: Runtime) -> dict[str, torch.Tensor]:
-    """`model`'s (prepared under `runtime`, or a `Pipeline`) whole state dict on CPU on
-    global rank 0, ``{}`` elsewhere."""
+    """`model`'s (or a `Pipeline`'s) whole state dict on CPU on rank 0, ``{}`` elsewhere."""
     from meshfit.parallel.pp import Pipeline
 
     if isinstance(model, Pipeline):
@@ -426,8 +413,7 @@ def save_model(model: torch.nn.Module, save_directory: str | os.PathLike, *, run
 
 
 def save(obj: Any, f, *, writer: bool, safe_serialization: bool = False) -> None:
-    """Write `obj` to `f` where `writer` holds: ``torch.save``, or safetensors for a dict of
-    tensors with `safe_serialization`."""
+    """Write `obj` to `f` where `writer` holds (`safe_serialization`: safetensors)."""
     if not writer:
         return
     if safe_serialization:

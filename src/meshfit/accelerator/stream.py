@@ -1,23 +1,16 @@
-"""Streams (a DataLoader over an ``IterableDataset``) sharded over the data-parallel ranks:
-`StreamShard`, and `stream_loader`, the DataLoader of one pass over it.
-
-A stream has no index to permute, so it is sharded by position: item i goes to rank
-``i % world`` and a rank's items are cut into batches of ``batch_size``, so batch b of every
-rank comes from round b, items ``[b x round, (b+1) x round)`` with ``round = batch_size x
-world`` (gathered in rank order: the round's items, interleaved). This is meshfit's own
-scheme, not Accelerate's (which reads a stream on rank 0 only and sends each rank its
-slice). Every rank (and every DataLoader worker) iterates the whole stream and keeps only its
-own items; worker w of W keeps the rank's batches ``b % W == w``, which the DataLoader hands
-out in order, so the batches are the same with any number of workers. The stream is
-therefore read ``world x max(1, num_workers)`` times and must yield the same items in the
-same order each time (a dataset that splits itself between workers, as a ``datasets``
-``IterableDataset`` does, is iterated with the worker information hidden). Because every rank
-sees the whole stream, every rank knows where it ends: a batch is handed out only once the
-stream has reached the end of its round, so all ranks stop after the same number of batches
-with no collective and no ``__len__``. The tail that does not fill a round is dropped
-(``drop_last=True``) or shared as a last, smaller batch of ``tail // world`` items per rank
-(dropping at most ``world - 1`` items). Nothing is padded: ``gather_for_metrics`` has
-nothing to trim. A stream cannot seek: a resumed one is re-read and its first items dropped.
+"""Streams (a DataLoader over an ``IterableDataset``) sharded over the data-parallel ranks by
+position, meshfit's own scheme (Accelerate reads a stream on rank 0 and sends each rank its
+slice): item i goes to rank ``i % world``, and batch b of every rank comes from round b,
+items ``[b x round, (b+1) x round)``, ``round = batch_size x world`` (gathered in rank order:
+the round's items, interleaved). Every rank, and every DataLoader worker w of W (keeping the
+rank's batches ``b % W == w``: the same batches with any number of workers), reads the whole
+stream, so it must yield the same items in the same order each time (a dataset that splits
+itself between workers is iterated with the worker information hidden). As every rank sees
+the whole stream, a batch is handed out only once its round is complete: all ranks stop
+after the same number of batches with no collective and no ``__len__``. A tail that does not
+fill a round is dropped (``drop_last``) or shared as a last batch of ``tail // world`` items
+per rank (at most ``world - 1`` items dropped); nothing is padded. A stream cannot seek: a
+resumed one is re-read and its first items dropped.
 """
 
 from __future__ import annotations

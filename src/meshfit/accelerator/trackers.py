@@ -73,8 +73,8 @@ def start(trackers: list, log_with: list, project_name: str, config: dict | None
 
 
 def get_tracker(trackers: list, name: str, unwrap: bool = False):
-    """The tracker called `name` (`unwrap`: its library object: the SummaryWriter, the wandb
-    run, ...); where no tracker runs (other processes), one that does nothing."""
+    """The tracker called `name` (`unwrap`: its library object); where no tracker runs
+    (other processes), one that does nothing."""
     if trackers:
         for tracker in trackers:
             if tracker.name == name:

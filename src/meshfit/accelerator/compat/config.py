@@ -43,9 +43,8 @@ class _StrEnum(str, enum.Enum, metaclass=_Contains):
 
 
 class DistributedType(str, enum.Enum, metaclass=_Contains):
-    """How the job is distributed (``accelerator.distributed_type``: see
-    `meshfit.accelerator.attributes.distributed_type`); prints as ``DistributedType.NO``, as
-    Accelerate's."""
+    """How the job is distributed (`meshfit.accelerator.attributes.distributed_type`); prints
+    as ``DistributedType.NO``, as Accelerate's."""
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
@@ -64,8 +63,7 @@ class DistributedType(str, enum.Enum, metaclass=_Contains):
 
 
 class LoggerType(_StrEnum):
-    """Experiment trackers by name (``Accelerator(log_with=...)``; built by
-    `meshfit.tracking`)."""
+    """Experiment trackers by name (``log_with``; built by `meshfit.tracking`)."""
 
     ALL = "all"
     AIM = "aim"
@@ -130,8 +128,7 @@ class DynamoBackend(_StrEnum):
 
 # ------------------------------------------------------------------ kwargs_handlers
 class KwargsHandler:
-    """A dataclass whose `to_kwargs` gives the fields set to something other than their
-    default (what the Accelerator passes on)."""
+    """A dataclass whose `to_kwargs` gives the fields set to other than their default."""
 
     def to_dict(self) -> dict:
         return copy.deepcopy(self.__dict__)
@@ -205,9 +202,8 @@ class GradScalerKwargs(KwargsHandler):
 
 @dataclass
 class InitProcessGroupKwargs(KwargsHandler):
-    """How the process group is created: ``backend`` ("nccl" or "gloo"; meshfit picks by
-    device when left at its default) and ``timeout``. ``init_method`` is not supported
-    (meshfit joins torchrun's environment)."""
+    """The process group's ``backend`` (meshfit picks by device when left at its default) and
+    ``timeout``; not ``init_method`` (meshfit joins torchrun's environment)."""
 
     backend: Optional[str] = "nccl"
     init_method: Optional[str] = None
@@ -259,18 +255,11 @@ class ProfileKwargs(KwargsHandler):
 # ----------------------------------------------------------------------------- plugins
 @dataclass
 class DataLoaderConfiguration:
-    """How `Accelerator.prepare` shards data loaders (Accelerate's fields and defaults).
-
-    split_batches, even_batches: see `meshfit.accelerator.sampler`.
-    dispatch_batches: None or False (True is not available: every meshfit rank reads its own
-        batches; for an IterableDataset, see `meshfit.accelerator.stream`).
-    use_seedable_sampler, data_seed: shuffle each epoch with a generator seeded
-        ``data_seed + epoch`` (``data_seed`` None: ``torch.initial_seed()`` when prepared).
-    non_blocking: accepted (meshfit copies batches to CUDA devices ahead, non-blocking,
-        whatever the value).
-    use_stateful_dataloader: `load_state` puts every prepared loader back where it was (on
-        any number of processes); False (Accelerate's default): loaders are left as they are.
-    """
+    """How `Accelerator.prepare` shards data loaders: ``split_batches``, ``even_batches``
+    (`meshfit.accelerator.sampler`); ``dispatch_batches`` None or False (every rank reads its
+    own batches); ``use_seedable_sampler`` (``data_seed + epoch``; ``data_seed`` None:
+    ``torch.initial_seed()``); ``non_blocking`` accepted (batches are copied to CUDA ahead,
+    non-blocking, anyway); ``use_stateful_dataloader`` (`meshfit.accelerator.state`)."""
 
     split_batches: bool = False
     dispatch_batches: Optional[bool] = None
@@ -304,10 +293,9 @@ class ProjectConfiguration:
 
 @dataclass
 class GradientAccumulationPlugin(KwargsHandler):
-    """Gradient accumulation: ``num_steps`` micro-batches per optimizer step;
-    ``sync_with_dataloader``: also step at the end of each data loader; ``sync_each_batch``:
-    meshfit's; ``adjust_scheduler`` has no effect on learning rates (in Accelerate it only
-    counts the scheduler's internal step counter)."""
+    """``num_steps`` micro-batches per optimizer step, also at each loader's end
+    (``sync_with_dataloader``); ``adjust_scheduler`` has no effect on learning rates (in
+    Accelerate it only counts the scheduler's internal step counter)."""
 
     num_steps: Optional[int] = None
     adjust_scheduler: bool = True

@@ -49,9 +49,8 @@ def gather(tensor: Any, group=None) -> Any:
 
 
 def gather_object(obj: Any, group=None) -> Any:
-    """Every process's picklable `obj`, concatenated in rank order (each process's object
-    must be a list or another iterable, as in Accelerate; a non-iterable counts as one
-    item); one process: `obj` itself."""
+    """Every process's picklable `obj` (an iterable, as in Accelerate; else one item),
+    concatenated in rank order; one process: `obj` itself."""
     if not _distributed():
         return obj
     out: list = [None] * dist.get_world_size(group)
@@ -86,9 +85,8 @@ def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
 
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0, group=None) -> Any:
-    """All-reduce tensors (a nest of them): "sum", "mean", "max" or "none" (no reduction);
-    returns new tensors. `scale` is applied only on TPUs by Accelerate and is ignored here
-    likewise."""
+    """All-reduce tensors (a nest of them) into new ones: "sum", "mean", "max" or "none";
+    `scale` is applied by Accelerate on TPUs only, and ignored here likewise."""
     check_tensors(tensor, "reduce")
     if reduction not in ("sum", "mean", "max", "none"):
         raise ValueError(f"reduction={reduction!r} is not supported; use 'sum', 'mean', 'max' "

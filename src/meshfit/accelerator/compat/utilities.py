@@ -20,9 +20,8 @@ def _process_index() -> int:
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
-    """Seed Python's `random`, NumPy and torch (CPU and every accelerator); with
-    ``device_specific`` each process adds its rank; ``deterministic`` turns on
-    ``torch.use_deterministic_algorithms``."""
+    """Seed Python's `random`, NumPy and torch (every device); ``device_specific``: plus the
+    rank; ``deterministic``: ``torch.use_deterministic_algorithms``."""
     if device_specific:
         seed += _process_index()
     random.seed(seed)
@@ -77,11 +76,9 @@ def should_reduce_batch_size(exception: Exception) -> bool:
 
 def find_executable_batch_size(function: Optional[Callable] = None, starting_batch_size: int = 128,
                                reduce_batch_size_fn: Optional[Callable] = None):
-    """Decorator: call ``function(batch_size, *args, **kwargs)`` from `starting_batch_size`,
-    and after an out-of-memory error again with ``int(batch_size * 0.9)`` (or what
-    ``reduce_batch_size_fn()`` returns) until it runs; RuntimeError at 0. Accelerate's
-    decorator; for one that keeps the effective batch with accumulation see
-    `meshfit.train.batch_size.find_executable_batch_size`."""
+    """Decorator: call ``function(batch_size, ...)`` from `starting_batch_size`, after each
+    out-of-memory error with ``int(batch_size * 0.9)`` (or ``reduce_batch_size_fn()``);
+    RuntimeError at 0. (Keeping the effective batch: `meshfit.train.batch_size`'s.)"""
     if function is None:
         return functools.partial(find_executable_batch_size,
                                  starting_batch_size=starting_batch_size,
