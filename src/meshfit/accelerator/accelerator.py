@@ -27,11 +27,9 @@ from meshfit.accelerator import models, processes, state, trackers
 from meshfit.accelerator.attributes import AcceleratorAttributes
 from meshfit.accelerator.arguments import UNSET, Arguments, read_arguments, resolve_layout
 from meshfit.accelerator.compat import (AutocastKwargs, DataLoaderConfiguration,
-                                        FullyShardedDataParallelPlugin,
-                                        GradientAccumulationPlugin, ProfileKwargs,
-                                        ProjectConfiguration)
-from meshfit.accelerator.compat.operations import pad_across_processes
-from meshfit.accelerator.compat.utilities import release_memory
+                                        FullyShardedDataParallelPlugin, GradientAccumulationPlugin,
+                                        ProfileKwargs, ProjectConfiguration)
+from meshfit.accelerator.compat.utilities import pad_across_processes, release_memory
 from meshfit.accelerator.loader import PreparedDataLoader
 from meshfit.accelerator.precision import Precision, empty_device_cache, set_tf32
 from meshfit.accelerator.prepared import (GradientState, ParameterMap, PreparedOptimizer,
@@ -57,19 +55,15 @@ class Accelerator(AcceleratorAttributes):
 
     def __init__(self, device_placement: bool = True, split_batches: Any = UNSET,
                  mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
-                 cpu: bool | None = None,
-                 dataloader_config: DataLoaderConfiguration | None = None,
-                 deepspeed_plugin=None,
-                 fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-                 torch_tp_plugin=None, megatron_lm_plugin=None,
-                 rng_types: list | None = None, log_with=None,
-                 project_dir: str | os.PathLike | None = None,
+                 cpu: bool | None = None, dataloader_config: DataLoaderConfiguration | None = None,
+                 deepspeed_plugin=None, fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+                 torch_tp_plugin=None, megatron_lm_plugin=None, rng_types: list | None = None,
+                 log_with=None, project_dir: str | os.PathLike | None = None,
                  project_config: ProjectConfiguration | None = None,
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
                  step_scheduler_with_optimizer: bool = True, kwargs_handlers: list | None = None,
                  dynamo_backend=None, dynamo_plugin=None, deepspeed_plugins=None,
-                 parallelism_config=None, *,
-                 step_scheduler_per_process: bool = True,
+                 parallelism_config=None, *, step_scheduler_per_process: bool = True,
                  tf32: bool | None = None, activation_checkpointing: str = "none",
                  activation_checkpointing_every: int = 2,
                  activation_checkpointing_policy: str = "block", compile: bool = False,
@@ -78,8 +72,7 @@ class Accelerator(AcceleratorAttributes):
                  parallel: ParallelDims | None = None, zero_stage: int | None = None,
                  offload: str = "none", sync_each_batch: bool | str = False,
                  sequence_parallel: bool = False, loss_parallel: bool = False,
-                 tp_plan=None, ddp_kwargs: dict | None = None,
-                 env: DistEnv | None = None):
+                 tp_plan=None, ddp_kwargs: dict | None = None, env: DistEnv | None = None):
         given = dict(locals())  # every argument by name: the translation reads them
         del given["self"], given["env"]
         # Checked and translated before any process group or model work.
@@ -393,11 +386,11 @@ class Accelerator(AcceleratorAttributes):
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """`gather`, minus the last round's padding (`meshfit.accelerator.processes`)."""
-        state = self.grad_state
+        grad_state = self.grad_state
         return processes.gather_for_metrics(
             input_data, use_gather_object, group=self.runtime.dp_group,
-            group_size=self.runtime.dp_size, end_of_dataloader=state.end_of_dataloader,
-            remainder=state.remainder)
+            group_size=self.runtime.dp_size, end_of_dataloader=grad_state.end_of_dataloader,
+            remainder=grad_state.remainder)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """All-reduce tensors over the data-parallel ranks; `scale` is applied by Accelerate on
@@ -463,9 +456,8 @@ class Accelerator(AcceleratorAttributes):
     def join_uneven_inputs(self, joinables, even_batches: bool | None = None):
         """Join for loaders with uneven batches per rank (`meshfit.accelerator.processes`)."""
         return processes.join_uneven_inputs(
-            joinables, even_batches, loaders=self._loaders,
-            default_even_batches=self.even_batches, kind=self.distributed_type,
-            use_distributed=self.use_distributed)
+            joinables, even_batches, loaders=self._loaders, default_even_batches=self.even_batches,
+            kind=self.distributed_type, use_distributed=self.use_distributed)
 
     def free_memory(self, *objects):
         """Forget every prepared object (models, optimizers, schedulers, loaders), collect

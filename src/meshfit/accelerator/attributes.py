@@ -17,32 +17,28 @@ from meshfit.parallel.layout import Layout
 __all__ = ["AcceleratorAttributes", "AcceleratorState", "distributed_type"]
 
 
+# What ``accelerator.state`` reads from the Accelerator (attributes and methods).
+_STATE_NAMES = frozenset((
+    "distributed_type", "num_processes", "process_index", "local_process_index", "device",
+    "mixed_precision", "is_main_process", "is_local_main_process", "is_last_process",
+    "use_distributed", "fsdp_plugin", "wait_for_everyone", "print", "split_between_processes",
+    "main_process_first", "local_main_process_first"))
+
+
 class AcceleratorState:
     """``accelerator.state``: where this process stands (Accelerate's attribute names)."""
+
+    deepspeed_plugin = None
+    initialized = True
+    backend = property(lambda self: self._acc.env.backend)
 
     def __init__(self, accelerator):
         self._acc = accelerator
 
-    distributed_type = property(lambda self: self._acc.distributed_type)
-    num_processes = property(lambda self: self._acc.num_processes)
-    process_index = property(lambda self: self._acc.process_index)
-    local_process_index = property(lambda self: self._acc.local_process_index)
-    device = property(lambda self: self._acc.device)
-    mixed_precision = property(lambda self: self._acc.mixed_precision)
-    is_main_process = property(lambda self: self._acc.is_main_process)
-    is_local_main_process = property(lambda self: self._acc.is_local_main_process)
-    is_last_process = property(lambda self: self._acc.is_last_process)
-    use_distributed = property(lambda self: self._acc.use_distributed)
-    backend = property(lambda self: self._acc.env.backend)
-    fsdp_plugin = property(lambda self: self._acc.fsdp_plugin)
-    deepspeed_plugin = None
-    initialized = True
-    # The Accelerator's methods of these names.
-    wait_for_everyone = property(lambda self: self._acc.wait_for_everyone)
-    print = property(lambda self: self._acc.print)
-    split_between_processes = property(lambda self: self._acc.split_between_processes)
-    main_process_first = property(lambda self: self._acc.main_process_first)
-    local_main_process_first = property(lambda self: self._acc.local_main_process_first)
+    def __getattr__(self, name: str):
+        if name in _STATE_NAMES:
+            return getattr(self._acc, name)
+        raise AttributeError(f"'AcceleratorState' object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return (f"Distributed environment: {self.distributed_type}\n"

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshfit.accelerator.compat.config import DistributedType, ProfileKwargs
-from meshfit.accelerator.compat.operations import check_tensors, gather_object, is_all_tensors
+from meshfit.accelerator.compat.utilities import check_tensors, gather_object, is_all_tensors
 from meshfit.distributed import DistEnv
 from meshfit.distributed import collectives as ops
 from meshfit.distributed.settle import barrier, settle_all

@@ -7,15 +7,13 @@ meshfit does with each is said where it is used (`meshfit.accelerator.arguments`
 the configuration objects):
 
     config.py      the configuration objects: enums, ``kwargs_handlers``, plugins
-    utilities.py   seeds, device memory, batch sizes
-    operations.py  collective helpers over the default group
+    utilities.py   the helper functions: seeds, device memory, batch sizes, collectives
 """
 
 from __future__ import annotations
 
 # Each module's `__all__` (Accelerate's names are the list below).
 from meshfit.accelerator.compat.config import *  # noqa: F401,F403
-from meshfit.accelerator.compat.operations import *  # noqa: F401,F403
 from meshfit.accelerator.compat.utilities import *  # noqa: F401,F403
 
 # The one list of Accelerate's names: `meshfit.utils` exports exactly these.

@@ -1,4 +1,8 @@
-"""Accelerate's helpers for seeds, device memory and batch sizes."""
+"""Accelerate's helper functions: seeds, device memory and batch sizes, and the collective
+helpers of ``accelerate.utils.operations`` over the default process group (Accelerate's
+``PartialState``; without a process group they return their input, as Accelerate's do).
+`Accelerator.gather` & co. act over the data-parallel group instead (`processes`).
+"""
 
 from __future__ import annotations
 
@@ -6,31 +10,27 @@ import functools
 import gc
 import inspect
 import random
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["clear_device_cache", "find_executable_batch_size", "release_memory", "set_seed",
+from meshfit.distributed import collectives as ops
+
+__all__ = ["broadcast", "broadcast_object_list", "clear_device_cache",
+           "find_executable_batch_size", "gather", "gather_object", "is_all_tensors",
+           "pad_across_processes", "reduce", "release_memory", "send_to_device", "set_seed",
            "should_reduce_batch_size"]
-
-
-def _process_index() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
     """Seed Python's `random`, NumPy and torch (every device); ``device_specific``: plus the
     rank; ``deterministic``: ``torch.use_deterministic_algorithms``."""
     if device_specific:
-        seed += _process_index()
+        seed += dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
+    np.random.seed(seed)
     torch.manual_seed(seed)
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         torch.xpu.manual_seed_all(seed)
@@ -112,3 +112,146 @@ def find_executable_batch_size(function: Optional[Callable] = None, starting_bat
                 batch_size = reduce_batch_size_fn()
 
     return decorator
+
+
+# ----------------------------------------------------------------------------- collectives
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_all_tensors(obj: Any) -> bool:
+    """Whether every leaf of a nest of lists, tuples and dicts is a tensor."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(is_all_tensors(o) for o in obj)
+    if isinstance(obj, dict):
+        return all(is_all_tensors(o) for o in obj.values())
+    return False
+
+
+def check_tensors(obj: Any, what: str, hint: str = "") -> None:
+    """Refuse data other than tensors (a nest of them) for the collective `what`."""
+    if not is_all_tensors(obj):
+        raise TypeError(f"{what}: unsupported types in the data; it takes tensors or nested "
+                        f"lists/tuples/dicts of tensors{hint}")
+
+
+def gather(tensor: Any, group=None) -> Any:
+    """Concatenate tensors (a nest of them) from every process along dim 0, in rank order
+    (0-dim tensors become one row each), as plain values (no autograd through it)."""
+    check_tensors(tensor, "gather")
+    if not _distributed():
+        return tensor
+    return ops.gather(ops.apply_to_tensors(lambda t: t.detach(), tensor), group)
+
+
+def gather_object(obj: Any, group=None) -> Any:
+    """Every process's picklable `obj` (an iterable, as in Accelerate; else one item),
+    concatenated in rank order; one process: `obj` itself."""
+    if not _distributed():
+        return obj
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    flat = []
+    for part in out:
+        try:
+            flat.extend(part)
+        except TypeError:
+            flat.append(part)
+    return flat
+
+
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
+    """Tensors (a nest of them) of process `from_process`, in place on every process."""
+    check_tensors(tensor, "broadcast")
+    if not _distributed():
+        return tensor
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, src=from_process)
+        return t
+
+    return ops.apply_to_tensors(one, tensor)
+
+
+def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
+    """Fill `object_list` (in place, and return it) with process `from_process`'s items."""
+    if _distributed():
+        dist.broadcast_object_list(object_list, src=from_process)
+    return object_list
+
+
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0, group=None) -> Any:
+    """All-reduce tensors (a nest of them) into new ones: "sum", "mean", "max" or "none";
+    `scale` is applied by Accelerate on TPUs only, and ignored here likewise."""
+    check_tensors(tensor, "reduce")
+    if reduction not in ("sum", "mean", "max", "none"):
+        raise ValueError(f"reduction={reduction!r} is not supported; use 'sum', 'mean', 'max' "
+                         "or 'none'")
+    world = dist.get_world_size(group) if _distributed() else 1
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        if world == 1 or reduction == "none":
+            return out
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM,
+                        group=group)
+        if reduction == "mean":
+            out /= world
+        return out
+
+    return ops.apply_to_tensors(one, tensor)
+
+
+def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False,
+                         group=None) -> Any:
+    """Pad each tensor along `dim` to the largest size any process has (with `pad_index`, at
+    the end or, with `pad_first`, at the start) so that they can be gathered."""
+    check_tensors(tensor, "pad_across_processes")
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if dim >= t.dim() or dim < -t.dim():
+            return t
+        d = dim % t.dim()
+        if not _distributed():
+            return t
+        size = torch.tensor([t.shape[d]], device=t.device, dtype=torch.long)
+        sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(sizes, size, group=group)
+        biggest = max(int(s.item()) for s in sizes)
+        if biggest == t.shape[d]:
+            return t
+        shape = list(t.shape)
+        shape[d] = biggest
+        out = t.new_zeros(shape) + pad_index
+        start = biggest - t.shape[d] if pad_first else 0
+        index = [slice(None)] * t.dim()
+        index[d] = slice(start, start + t.shape[d])
+        out[tuple(index)] = t
+        return out
+
+    return ops.apply_to_tensors(one, tensor)
+
+
+def send_to_device(tensor: Any, device, non_blocking: bool = False, skip_keys=None) -> Any:
+    """Move tensors (and objects with ``.to``) in a nest of lists, tuples and dicts to
+    `device`; dict entries under `skip_keys` stay where they are."""
+    if isinstance(skip_keys, str):
+        skip_keys = [skip_keys]
+    skip = set(skip_keys or ())
+    if isinstance(tensor, torch.Tensor) or (hasattr(tensor, "to") and not isinstance(
+            tensor, (list, tuple, dict))):
+        try:
+            return tensor.to(device, non_blocking=non_blocking)
+        except TypeError:
+            return tensor.to(device)
+    if isinstance(tensor, tuple) and hasattr(tensor, "_fields"):
+        return type(tensor)(*(send_to_device(t, device, non_blocking) for t in tensor))
+    if isinstance(tensor, (list, tuple)):
+        return type(tensor)(send_to_device(t, device, non_blocking, skip_keys) for t in tensor)
+    if isinstance(tensor, dict):
+        out = {k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys)
+               for k, v in tensor.items()}
+        return out if type(tensor) is dict else type(tensor)(out)
+    return tensor
