@@ -8,8 +8,8 @@
     prepared.py      optimizer / scheduler wrappers that act on accumulation boundaries
     precision.py     autocast and fp16 loss scaling
     loader.py        the prepared data loader (batches ahead on the device, resumable)
-    sampler.py       map-style datasets sharded as Accelerate shards them
-    stream.py        iterable datasets (streams) sharded by position
+    sampler.py       which items each rank reads: map-style datasets sharded as Accelerate
+                     shards them, iterable datasets (streams) sharded by position
     shuffle.py       each epoch's order, from the generators Accelerate draws from
     processes.py     collectives, barriers and process control
     trackers.py      experiment trackers (log_with, init_trackers, log)

@@ -5,33 +5,25 @@ process group, model or file exists.
 
 The arguments up to ``parallelism_config`` are Hugging Face Accelerate 1.15's, with its
 defaults and meaning (a script written for Accelerate runs with ``accelerate`` replaced by
-``meshfit`` in its imports); the keyword-only ones after them are meshfit's own.
-
-Accelerate's arguments:
-    device_placement: True (batches and models go to the device); False on the CPU only.
+``meshfit`` in its imports; the objects are `meshfit.utils`'), except:
+    device_placement: False on the CPU only.
     split_batches: ignored, as by Accelerate 1.15 (with a warning); use
         ``dataloader_config=DataLoaderConfiguration(split_batches=True)``.
     mixed_precision: None (``ACCELERATE_MIXED_PRECISION``, else ``"no"``), ``"no"``,
         ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scaling).
-    gradient_accumulation_steps: micro-batches per optimizer step (k; see `accumulate`).
     cpu: run on the CPU (gloo) even where CUDA is available; None: ``MESHFIT_CPU``, else
         False; ``ACCELERATE_USE_CPU=true`` (``accelerate launch --cpu``) means True.
-    dataloader_config, fsdp_plugin (instead of ``parallel``/``zero_stage``), project_config
-        (with ``project_dir``: where trackers and automatic checkpoints go),
-        gradient_accumulation_plugin, kwargs_handlers: the objects of `meshfit.utils`.
+    fsdp_plugin: instead of ``parallel``/``zero_stage`` (`FullyShardedDataParallelPlugin`).
     deepspeed_plugin, torch_tp_plugin, megatron_lm_plugin, dynamo_plugin, deepspeed_plugins,
         parallelism_config: None only (``parallel``, ``zero_stage``, ``compile`` instead).
-    rng_types: generators synchronised from process 0 at the start of each pass over a
-        prepared loader: ``"generator"`` (default: the shuffling one), ``"torch"``, ``"cuda"``.
-    log_with: tracker names (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"csv"``,
-        ``"all"``, `LoggerType` values) or tracker objects (`meshfit.accelerator.trackers`).
-    step_scheduler_with_optimizer: True: a prepared LR scheduler steps only with the optimizer
-        (see ``step_scheduler_per_process``); False: on every call.
+    rng_types: ``"generator"`` (default: the shuffling one), ``"torch"`` or ``"cuda"``.
+    log_with: tracker names (``"csv"`` too) or objects (`meshfit.accelerator.trackers`).
     dynamo_backend: ``torch.compile`` the whole prepared model with it (``"no"``: not at all).
 
-meshfit's arguments: `ModelOptions`' fields (activation checkpointing, compile, ``tp_plan``,
-``ddp_kwargs``: over a DistributedDataParallelKwargs handler's), `LayoutRequest`'s (the layout,
-`meshfit.parallel.request`, the type of `meshfit train`'s [parallel] too), and:
+The keyword-only ones after them are meshfit's own: `ModelOptions`' fields (activation
+checkpointing, compile, ``tp_plan``, ``ddp_kwargs``: over a DistributedDataParallelKwargs
+handler's), `LayoutRequest`'s (the layout, `meshfit.parallel.request`, the type of `meshfit
+train`'s [parallel] too), and:
     step_scheduler_per_process: True (Accelerate's rule): each optimizer step advances a
         prepared scheduler once per data-parallel process (once when batches are split),
         because scripts size their schedules in one process's batches; False: once per

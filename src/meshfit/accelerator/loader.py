@@ -1,6 +1,5 @@
 """`PreparedDataLoader`: a data loader prepared for data parallel training, sharded as
-Hugging Face Accelerate shards it (`sampler`; a stream: `stream`; the order: `shuffle`),
-whose batches arrive on the device one step ahead.
+Hugging Face Accelerate shards it (`sampler`, `shuffle`), its batches on the device ahead.
 
 A loader's position is the epoch being read and the samples of all ranks handed out in it
 (for a stream: its items consumed), plus the shuffling generator's state at the start of the
@@ -17,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from meshfit.accelerator.sampler import ShardedBatchSampler
+from meshfit.accelerator.sampler import (ShardedBatchSampler, StreamShard, stream_loader,
+                                         worker_options)
 from meshfit.accelerator.shuffle import Shuffle, clone_generator, draw_seed, shuffle_for
-from meshfit.accelerator.stream import StreamShard, stream_loader, worker_options
 from meshfit.distributed.collectives import apply_to_tensors
 
 __all__ = ["LoaderState", "PreparedDataLoader"]
