@@ -1,12 +1,7 @@
 """`Accelerator`: a thin facade for users' own training loops, speaking Hugging Face
-Accelerate's calls (``prepare``, ``backward``, ``accumulate``, ``no_sync``,
-``gather_for_metrics``, ...) over ``torch.distributed`` itself.
-
-Its arguments are translated once (`arguments`); the `Layout`, decided once in the
-constructor, is applied to each model or pipeline stage (`models`); the engine's `Runtime`
-answers for it while the loop runs; `Precision` handles autocast and loss scaling; the
-prepared objects (`prepared`, `loader`) implement accumulation boundaries and sharding. The
-rest is delegated, method by method, to the module that does the work.
+Accelerate's calls (``prepare``, ``backward``, ``accumulate``, ``gather_for_metrics``, ...)
+over ``torch.distributed`` itself. The `Layout` is decided once, in the constructor; each
+method delegates to the module that does the work (see `meshfit.accelerator`).
 """
 
 from __future__ import annotations
@@ -46,12 +41,8 @@ log = logging.getLogger("meshfit")
 
 
 class Accelerator(AcceleratorAttributes):
-    """Runs a user's training loop on one device or data parallel across processes.
-
-    The arguments up to ``parallelism_config`` are Hugging Face Accelerate 1.15's; the
-    keyword-only ones after them are meshfit's own. Each is described, and translated, in
-    `meshfit.accelerator.arguments`.
-    """
+    """Runs a user's training loop on one device or data parallel across processes; the
+    arguments are Accelerate 1.15's, then meshfit's own (`meshfit.accelerator.arguments`)."""
 
     def __init__(self, device_placement: bool = True, split_batches: Any = UNSET,
                  mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
@@ -142,9 +133,8 @@ class Accelerator(AcceleratorAttributes):
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, *objects: Any, device_placement=None) -> Any:
-        """Prepare models, optimizers, dataloaders and LR schedulers, given in any order;
-        returns them (and other objects as they are) in that order, a single one alone.
-        `device_placement`: as the constructor's (False on the CPU only)."""
+        """Prepare models, optimizers, dataloaders and LR schedulers, in any order; returns them
+        (other objects as they are) in that order, a single one alone."""
         if device_placement is not None and not device_placement and \
                 self.device.type != "cpu":
             raise ValueError("prepare(device_placement=False) is available on the CPU only")
@@ -262,10 +252,9 @@ class Accelerator(AcceleratorAttributes):
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> torch.nn.Module:
-        """The user's module without the data-parallel wrapper (under FSDP2 its parameters
-        stay sharded DTensors: use `get_state_dict`); `keep_torch_compile=False` also removes
-        a whole-model ``torch.compile``; `keep_fp32_wrapper` is accepted (meshfit's autocast
-        wrapper is part of the module)."""
+        """The user's module without the data-parallel wrapper (FSDP2's parameters stay sharded:
+        use `get_state_dict`); `keep_torch_compile=False` also removes a whole-model compile;
+        `keep_fp32_wrapper` is accepted (meshfit's autocast wrapper is part of the module)."""
         module = self.runtime.unwrap(model)
         if not keep_torch_compile and hasattr(module, "_orig_mod"):
             module = module._orig_mod
@@ -300,9 +289,8 @@ class Accelerator(AcceleratorAttributes):
         return state.load_state(self, input_dir, loaders=self.use_stateful_dataloader)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0):
-        """The prepared `dataloader`, whose next iteration leaves out its first `num_batches`
-        batches, as Accelerate's (for a script resuming inside an epoch; stateful loaders are
-        already positioned by `load_state`: the same count again changes nothing)."""
+        """The prepared `dataloader`, its next iteration without its first `num_batches` batches
+        (stateful loaders are already positioned by `load_state`: the same count is a no-op)."""
         if not isinstance(dataloader, PreparedDataLoader):
             raise ValueError("skip_first_batches takes a dataloader returned by prepare()")
         dataloader.skip_first_batches(num_batches)
@@ -318,9 +306,8 @@ class Accelerator(AcceleratorAttributes):
         return state.save_model(model, save_directory, runtime=self.runtime, env=self.env)
 
     def save(self, obj: Any, f, safe_serialization: bool = False) -> None:
-        """Write `obj` to `f` once (the main process; each node's first with
-        ``ProjectConfiguration(save_on_each_node=True)``): ``torch.save``, or safetensors
-        for a dict of tensors with `safe_serialization`."""
+        """Write `obj` to `f` from the main process (each node's first with
+        ``save_on_each_node``): ``torch.save``, or safetensors (`safe_serialization`)."""
         writer = self.is_local_main_process if self.project_configuration.save_on_each_node \
             else self.is_main_process
         state.save(obj, f, writer=writer, safe_serialization=safe_serialization)
@@ -460,9 +447,8 @@ class Accelerator(AcceleratorAttributes):
             kind=self.distributed_type, use_distributed=self.use_distributed)
 
     def free_memory(self, *objects):
-        """Forget every prepared object (models, optimizers, schedulers, loaders), collect
-        garbage and empty the device cache; returns ``[None] * len(objects)`` to assign back.
-        Call between two trainings with different models."""
+        """Forget every prepared object, collect garbage and empty the device cache (between two
+        trainings); returns ``[None] * len(objects)`` to assign back."""
         self.wait_for_checkpoint()
         out = release_memory(*objects)
         self._forget_prepared()
@@ -495,8 +481,8 @@ class Accelerator(AcceleratorAttributes):
             print(*args, **kwargs)
 
     def end_training(self) -> None:
-        """Finish the trackers (main process), commit a checkpoint still being written, then
-        release the process group (call once at the end of the script)."""
+        """Finish the trackers, commit a checkpoint still being written, then release the
+        process group (once, at the end of the script)."""
         for tracker in self.trackers:
             tracker.finish()
         self.wait_for_checkpoint()

@@ -1,11 +1,7 @@
-"""Where an `Accelerator`'s process stands, under Accelerate's attribute names: the
-properties of `AcceleratorAttributes` (a mixin of `Accelerator`), and `AcceleratorState`
-(``accelerator.state``).
-
-They keep nothing of their own; they read what the Accelerator holds: ``env`` (`DistEnv`:
-ranks, device), ``layout`` and ``runtime``, ``precision``, ``grad_state``
-(`meshfit.accelerator.prepared.GradientState`), ``dataloader_config`` and
-``project_configuration`` (the user's configuration objects).
+"""Where an `Accelerator`'s process stands, under Accelerate's names: `AcceleratorAttributes`
+(a mixin of `Accelerator`) and `AcceleratorState` (``accelerator.state``). They keep nothing:
+they read the Accelerator's ``env``, ``layout``, ``runtime``, ``precision``, ``grad_state``
+and the user's ``dataloader_config`` and ``project_configuration``.
 """
 
 from __future__ import annotations

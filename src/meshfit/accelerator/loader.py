@@ -1,12 +1,11 @@
 """`PreparedDataLoader`: a data loader prepared for data parallel training, sharded as
 Hugging Face Accelerate shards it (`sampler`, `shuffle`), its batches on the device ahead.
 
-A loader's position is the epoch being read and the samples of all ranks handed out in it
-(for a stream: its items consumed), plus the shuffling generator's state at the start of the
-pass: the order is the epoch's permutation (or the stream) cut into global batches, so the
-position means the same on any number of ranks. `Accelerator.load_state` restores it when the
-loaders are stateful (``DataLoaderConfiguration(use_stateful_dataloader=True)``); a stream
-cannot seek: it is re-read from its start and skipped to its position.
+Its position is the epoch being read and the samples of all ranks handed out in it (a
+stream's items consumed), plus the shuffling generator's state at the pass's start: the order
+is the epoch's permutation (or the stream) cut into global batches, so the position means the
+same on any number of ranks. `load_state` restores it for stateful loaders; a stream cannot
+seek: it is re-read and skipped to its position.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Mixed precision: autocast for the forward pass, dynamic loss scaling for fp16.
-
-Master weights and optimizer state stay in fp32: autocast only changes the dtype of the
-operations' outputs inside the forward pass (Micikevicius et al., 2018, "Mixed Precision
-Training"). fp16 has a narrow exponent range, so its losses are multiplied by a dynamic scale
-and a step whose gradients overflow is skipped (torch.amp.GradScaler); bf16 has fp32's range
-and needs no scaling.
+"""Mixed precision: autocast for the forward pass, dynamic loss scaling for fp16. Master
+weights and optimizer state stay fp32: autocast only changes the dtype of operations' outputs
+inside the forward (Micikevicius et al., 2018). fp16's narrow exponent range needs losses
+multiplied by a dynamic scale, and steps whose gradients overflow skipped (GradScaler); bf16
+has fp32's range.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Optimizer and LR scheduler wrappers that act only on gradient-accumulation boundaries,
-and what `Accelerator.prepare` does to optimizers built before the model was sharded.
-
-With ``gradient_accumulation_steps=k`` a user's loop calls ``optimizer.step()`` and
-``optimizer.zero_grad()`` on every micro-batch (as the seed's loop does); the wrappers make
-those calls no-ops except on the k-th micro-batch, where gradients have been synchronised.
-
-An optimizer built before `prepare(model)` under zero_stage 2/3 holds the unsharded
-parameters that ``fully_shard`` replaced: a new optimizer of the same class is built over the
-sharded parameters of the same names (`rebuild_optimizer`; the old one keeps the old
-parameters alive until it is dropped), and LR schedulers built on it are moved to the new
-one. Built after `prepare(model)`, it already holds the sharded parameters and is used as
-is. Under zero_stage 1 it becomes a ZeroRedundancyOptimizer of its class
-(`meshfit.accelerator.runtime`).
+"""Optimizer and LR scheduler wrappers that act only on gradient-accumulation boundaries: a
+loop calls ``optimizer.step()`` and ``zero_grad()`` on every micro-batch, and they are no-ops
+but on the k-th, where gradients have been synchronised. An optimizer built before
+`prepare(model)` under zero_stage 2/3 holds the parameters ``fully_shard`` replaced: a new one
+of its class is built over the sharded parameters of the same names (`rebuild_optimizer`; the
+old one keeps the old parameters alive until dropped), and its LR schedulers are moved to it.
+Under zero_stage 1 it becomes a ZeroRedundancyOptimizer (`meshfit.accelerator.runtime`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Process control and collectives for the `Accelerator`: Accelerate's calls that make the
-processes of a job agree, wait for each other or exchange results.
-
-Results are exchanged over the data-parallel group (``runtime.dp_group``): ranks that see
-different data. With tensor or pipeline parallel, the ranks of one tensor-parallel group
-share their batch, so gathering over every process would repeat samples. Barriers, the
-trigger and the process group's release act on every process. Without a process group (one
-process) every collective returns its input.
+"""Process control and collectives for the `Accelerator`. Results are exchanged over the
+data-parallel group (``runtime.dp_group``): with tensor or pipeline parallel, the ranks of a
+tensor-parallel group share their batch, so gathering over every process would repeat
+samples. Barriers, the trigger and the process group's release act on every process; without
+a process group every collective returns its input.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Experiment trackers for the `Accelerator` (``log_with``, `init_trackers`, `log`,
-`get_tracker`), as Accelerate runs them: on the main process only.
-
-The trackers themselves live in `meshfit.tracking` (TensorBoard, W&B, MLflow, CSV, ...); a
-tracker object made by the user (with ``.name``, ``.log``, ``.store_init_configuration``,
-``.finish``) is used as it is, started with its ``start()`` if it has one. These functions
-act on the Accelerator's list of running trackers (``accelerator.trackers``).
+`get_tracker`), run as Accelerate runs them: on the main process only. They live in
+`meshfit.tracking`; a user's tracker object (``.name``, ``.log``, ``.store_init_configuration``,
+``.finish``) is used as it is, started with its ``start()`` if it has one.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Hugging Face Accelerate's configuration objects and helper functions, as meshfit's.
-
-A script written for Accelerate imports these names from ``accelerate`` / ``accelerate.utils``;
-with meshfit it imports them from ``meshfit`` / ``meshfit.utils`` (which re-export this
-package's `__all__`). Names, fields, defaults and behaviour follow Accelerate 1.15; what
-meshfit does with each is said where it is used (`meshfit.accelerator.arguments` translates
-the configuration objects):
-
-    config.py      the configuration objects: enums, ``kwargs_handlers``, plugins
-    utilities.py   the helper functions: seeds, device memory, batch sizes, collectives
+"""Hugging Face Accelerate's configuration objects (config.py: enums, ``kwargs_handlers``,
+plugins) and helper functions (utilities.py: seeds, device memory, batch sizes, collectives),
+with Accelerate 1.15's names, fields, defaults and behaviour. Scripts import them from
+``meshfit`` / ``meshfit.utils`` (which re-export this package's `__all__`) instead of
+``accelerate`` / ``accelerate.utils``; `meshfit.accelerator.arguments` translates them.
 """
 
 from __future__ import annotations

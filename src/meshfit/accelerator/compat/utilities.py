@@ -69,9 +69,8 @@ _OOM_MESSAGES = (" out of memory.", "MPS backend out of memory",
 def should_reduce_batch_size(exception: Exception) -> bool:
     """Whether `exception` is an out-of-memory error (CUDA, XPU, MPS, CPU) or cuDNN's
     not-supported error, after which a smaller batch may run."""
-    if isinstance(exception, RuntimeError) and len(exception.args) == 1:
-        return any(m in str(exception.args[0]) for m in _OOM_MESSAGES)
-    return False
+    return isinstance(exception, RuntimeError) and len(exception.args) == 1 and any(
+        m in str(exception.args[0]) for m in _OOM_MESSAGES)
 
 
 def find_executable_batch_size(function: Optional[Callable] = None, starting_batch_size: int = 128,
@@ -121,13 +120,11 @@ def _distributed() -> bool:
 
 def is_all_tensors(obj: Any) -> bool:
     """Whether every leaf of a nest of lists, tuples and dicts is a tensor."""
-    if isinstance(obj, torch.Tensor):
-        return True
+    if isinstance(obj, dict):
+        obj = list(obj.values())
     if isinstance(obj, (list, tuple)):
         return all(is_all_tensors(o) for o in obj)
-    if isinstance(obj, dict):
-        return all(is_all_tensors(o) for o in obj.values())
-    return False
+    return isinstance(obj, torch.Tensor)
 
 
 def check_tensors(obj: Any, what: str, hint: str = "") -> None:
@@ -211,11 +208,9 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
     check_tensors(tensor, "pad_across_processes")
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        if dim >= t.dim() or dim < -t.dim():
+        if not -t.dim() <= dim < t.dim() or not _distributed():
             return t
         d = dim % t.dim()
-        if not _distributed():
-            return t
         size = torch.tensor([t.shape[d]], device=t.device, dtype=torch.long)
         sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
         dist.all_gather(sizes, size, group=group)
