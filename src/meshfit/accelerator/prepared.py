@@ -48,13 +48,10 @@ class GradientState:
     adjust_scheduler: bool = False  # Accelerate's (effectively False): no effect on the lr
     loaders: list = field(default_factory=list)  # loaders being iterated, innermost last
 
-    @property
-    def active_dataloader(self):
-        return self.loaders[-1] if self.loaders else None
-
-    @property
-    def in_dataloader(self) -> bool:
-        return bool(self.loaders)
+    active_dataloader = property(lambda self: self.loaders[-1] if self.loaders else None)
+    in_dataloader = property(lambda self: bool(self.loaders))
+    plugin_kwargs = property(lambda self: {"num_steps": self.num_steps,
+                                           "sync_with_dataloader": self.sync_with_dataloader})
 
     @property
     def end_of_dataloader(self) -> bool:
@@ -67,10 +64,6 @@ class GradientState:
         """Real samples in the innermost loader's last round (0: full; -1: none, or no loader)."""
         loader = self.active_dataloader
         return -1 if loader is None else loader.state.remainder
-
-    @property
-    def plugin_kwargs(self) -> dict:
-        return {"num_steps": self.num_steps, "sync_with_dataloader": self.sync_with_dataloader}
 
     def advance(self) -> None:
         """A micro-batch begins (`Accelerator.accumulate`). Accelerate's rule: the last batch

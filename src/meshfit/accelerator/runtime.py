@@ -22,6 +22,7 @@ __all__ = ["AUTO_SYNC_FREE_FRACTION", "DDPRuntime", "FSDPRuntime", "Runtime", "Z
 # micro-batches) when they take at most this share of the free memory: the rest of the step
 # (activations, gathered blocks, optimizer state created at the first step) needs the remainder.
 AUTO_SYNC_FREE_FRACTION = 0.25
+_DDP = torch.nn.parallel.DistributedDataParallel
 
 
 class Runtime:
@@ -65,14 +66,10 @@ class DDPRuntime(Runtime):
     DDP's own, the user's module is `.module`."""
 
     def no_sync(self, model: torch.nn.Module):
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return model.no_sync()
-        return contextlib.nullcontext()
+        return model.no_sync() if isinstance(model, _DDP) else contextlib.nullcontext()
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return model.module
-        return model
+        return model.module if isinstance(model, _DDP) else model
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if self.env.rank != 0:  # every replica holds the same weights

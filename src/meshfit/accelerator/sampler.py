@@ -77,13 +77,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return self.loader_batch_size if self.split_batches \
             else self.loader_batch_size * self.num_replicas
 
-    def _global_batches(self) -> int:
-        if self.drop_last:
-            return self.num_samples // self.loader_batch_size
-        return math.ceil(self.num_samples / self.loader_batch_size)
-
     def __len__(self) -> int:
-        batches, n = self._global_batches(), self.num_replicas
+        n, size = self.num_replicas, self.loader_batch_size
+        batches = self.num_samples // size if self.drop_last else math.ceil(self.num_samples / size)
         if n == 1 or self.split_batches:
             return batches
         if self.drop_last or batches % n == 0:

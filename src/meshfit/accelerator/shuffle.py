@@ -1,16 +1,13 @@
-"""Where a prepared map-style loader's epoch order comes from: `Shuffle` (`shuffle_for`), and
-the random-generator helpers the loaders share.
-
-Shuffling draws from the generators Accelerate draws from, at the same moments, so that a
-seeded script sees the same samples in the same order under Accelerate and meshfit: the
-loader's ``generator`` (a copy taken when prepared), carried from epoch to epoch; without one,
-on several ranks, a generator seeded from the global one when the loader is prepared, and on
-one rank a seed drawn from the global generator each pass (as ``RandomSampler`` does);
-``use_seedable_sampler``: ``data_seed + epoch``. A carried generator's state is broadcast from
-rank 0 at the start of every pass (Accelerate's ``rng_types=["generator"]``). Each pass draws
-one permutation, and a second when the order is read out; the inner ``DataLoader`` draws its
-workers' base seed from the loader's generator (or the global one) when each pass starts, as
-torch's own loader does.
+"""Where a prepared map-style loader's epoch order comes from (`Shuffle`, `shuffle_for`), and
+the random-generator helpers the loaders share. It draws from the generators Accelerate draws
+from, at the same moments, so that a seeded script sees the same samples in the same order:
+the loader's ``generator`` (a copy), carried from epoch to epoch; without one, on several
+ranks a generator seeded from the global one when prepared, on one rank a seed drawn from
+the global generator each pass (as ``RandomSampler`` does); ``use_seedable_sampler``:
+``data_seed + epoch``. A carried generator's state is broadcast from rank 0 at every pass's
+start (``rng_types=["generator"]``). Each pass draws one permutation, and a second when the
+order is read out; the inner ``DataLoader`` draws its workers' base seed from the loader's
+generator (or the global one) when each pass starts, as torch's own loader does.
 """
 
 from __future__ import annotations
@@ -84,7 +81,6 @@ class Shuffle:
         if self.mode == "seedable":
             if self.generator is None:
                 self.generator = torch.Generator()
-                self.generator.manual_seed(self.initial_seed)
             self.generator.manual_seed(self.epoch + self.initial_seed)
             return torch.randperm(n, generator=self.generator).tolist()
         if self.mode == "carried":
@@ -98,10 +94,8 @@ class Shuffle:
         if self.sync and _world() > 1:  # every process takes process 0's draw
             seed = int(broadcast_state(torch.tensor([seed], dtype=torch.int64)).item())
         self.pass_state = seed
-        local = torch.Generator()
-        local.manual_seed(seed)
-        self.generator = local
-        return torch.randperm(n, generator=local).tolist()
+        self.generator = torch.Generator().manual_seed(seed)
+        return torch.randperm(n, generator=self.generator).tolist()
 
     def after_order(self, n: int) -> None:
         """torch's RandomSampler draws a second, empty slice of a permutation when its order
@@ -153,7 +147,6 @@ def shuffle_for(loader: DataLoader, num_replicas: int, *, seedable: bool, data_s
     if generator is not None:
         return Shuffle("carried", generator, sync=sync), generator
     if num_replicas > 1:  # seeded now from the global generator, as Accelerate does
-        carried = torch.Generator()
-        carried.manual_seed(draw_seed())
+        carried = torch.Generator().manual_seed(draw_seed())
         return Shuffle("carried", carried, sync=sync), generator
     return Shuffle("global", None, sync=sync), generator

@@ -2,21 +2,19 @@
 continue exactly, and the whole model (`get_state_dict`, `save_model`, `save`).
 
 A checkpoint holds, under Accelerate's names, ``model`` (``model_1``, ...; a pipeline's stages
-as one model), ``optimizer`` (state by parameter name, also ZeRO-1's partitions and FSDP2's
-shards), ``scheduler``, ``scaler``, ``dataloader`` (epoch and global samples handed out),
-``custom_<i>`` (`register_for_checkpointing`), ``rng`` (per rank) and ``accelerator`` (step
-counters). It is one DCP checkpoint (`meshfit.checkpoint.store`; ``safe_serialization`` has
-no effect): each rank writes its shards, the folder is committed atomically with a manifest,
-and loading checks files, parameter names and shapes against it, then reshards to this job's
-layout (any combination of DDP, ZeRO-1/2/3, TP, PP; any world size). With
+as one), ``optimizer`` (state by parameter name, also ZeRO-1's partitions and FSDP2's shards),
+``scheduler``, ``scaler``, ``dataloader``, ``custom_<i>``, ``rng`` (per rank) and
+``accelerator`` (step counters), as one DCP checkpoint (`meshfit.checkpoint.store`; the
+format is always DCP's): each rank writes its shards, the folder is committed atomically with
+a manifest, and loading checks files, parameter names and shapes against it, then reshards to
+this job's layout (DDP, ZeRO-1/2/3, TP, PP combined; any world size). With
 ``automatic_checkpoint_naming`` the folder is ``project_dir/checkpoints/checkpoint_<i>`` (the
-main process first deletes the oldest beyond ``total_limit``; a folder given to `save_state`
-is ignored) and `load_state` without a folder reads the newest, as with Accelerate.
-``async_save=True`` copies the state to host memory and writes it in the background (over a
-gloo group of its own); `finish_save` commits it (`Accelerator.wait_for_checkpoint`, the next
-save, `load_state`, `end_training`). As with Accelerate, `load_state` leaves data loaders as
-they are (a script skips batches itself with `skip_first_batches`) unless they are stateful
-(``use_stateful_dataloader``): then each continues where it stood, in the same order.
+oldest beyond ``total_limit`` deleted first; a folder given is ignored) and `load_state`
+without a folder reads the newest, as with Accelerate. ``async_save=True`` copies the state
+to host memory and writes it in the background (over a gloo group of its own) until
+`finish_save` commits it (`wait_for_checkpoint`, the next save, `load_state`,
+`end_training`). As with Accelerate, `load_state` leaves data loaders as they are (a script
+skips batches itself) unless they are stateful: then each continues where it stood.
 
 The whole model's state dict is a collective under zero_stage 2/3 and tensor parallel (each
 parameter all-gathered by `get_model_state_dict(full_state_dict=True, cpu_offload=True)`,
@@ -102,12 +100,8 @@ def _alias(acc: Accelerator, manifest: Manifest, folder: Path, key: str):
     def alias(name: str) -> str:
         if name in present:
             return name
-        for group in groups:
-            if name in group:
-                for other in group:
-                    if other in present:
-                        return other
-        return name  # missing: DCP names it in the error
+        tied = (other for group in groups if name in group for other in group)
+        return next((other for other in tied if other in present), name)  # missing: DCP says
     return alias
 
 
