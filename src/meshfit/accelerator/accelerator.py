@@ -187,9 +187,8 @@ class Accelerator(AcceleratorAttributes):
         return pipeline
 
     def _decide_sync_each_batch(self, model: torch.nn.Module) -> None:
-        choice, reason = self.runtime.auto_sync_each_batch(model)
-        self.sync_each_batch = choice
-        message = f"meshfit: sync_each_batch='auto' -> {choice}: {reason}"
+        self.sync_each_batch, reason = self.runtime.auto_sync_each_batch(model)
+        message = f"meshfit: sync_each_batch='auto' -> {self.sync_each_batch}: {reason}"
         log.info(message)
         self.print(message)
 

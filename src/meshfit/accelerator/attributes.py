@@ -106,14 +106,10 @@ class AcceleratorAttributes:
         self.grad_state.num_steps = k
         self.grad_state.step = 0
 
-    @property
-    def distributed_type(self) -> DistributedType:
-        """NO, FSDP, MULTI_GPU, MULTI_CPU, ... (`distributed_type` above)."""
-        return distributed_type(self.env, self.layout)
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.distributed_type != DistributedType.NO and self.num_processes > 1
+    distributed_type = property(lambda self: distributed_type(self.env, self.layout),
+                                doc="NO, FSDP, MULTI_GPU, MULTI_CPU, ... (see above).")
+    use_distributed = property(
+        lambda self: self.distributed_type != DistributedType.NO and self.num_processes > 1)
 
     @property
     def multi_device(self) -> bool:

@@ -86,10 +86,9 @@ class Precision:
         if self.dtype is None or getattr(module, "_meshfit_autocast", False):
             return
         forward = module.forward
-        precision = self
 
         def autocast_forward(*args, **kwargs):
-            with precision.autocast():
+            with self.autocast():
                 out = forward(*args, **kwargs)
             return _to_fp32(out)
 
@@ -98,7 +97,5 @@ class Precision:
 
 
 def _to_fp32(obj):
-    def upcast(t: torch.Tensor) -> torch.Tensor:
-        return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-    return apply_to_tensors(upcast, obj)
+    return apply_to_tensors(
+        lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, obj)

@@ -101,14 +101,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         self.unscaled = False  # set by Accelerator.unscale_gradients, cleared by step
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, value: setattr(self.optimizer, "param_groups", value))
     state = property(lambda self: self.optimizer.state)
     defaults = property(lambda self: self.optimizer.defaults)
 

@@ -101,9 +101,7 @@ class FSDPRuntime(Runtime):
     def no_sync(self, model: torch.nn.Module):
         from torch.distributed.fsdp import FSDPModule
 
-        if isinstance(model, FSDPModule):
-            return _fsdp_no_sync(model)
-        return contextlib.nullcontext()
+        return _fsdp_no_sync(model) if isinstance(model, FSDPModule) else contextlib.nullcontext()
 
     def auto_sync_each_batch(self, model: torch.nn.Module) -> tuple[bool, str]:
         if self.layout.costs.whole_grads_until_boundary:

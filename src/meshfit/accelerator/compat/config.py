@@ -341,8 +341,7 @@ class FullyShardedDataParallelPlugin:
     def zero_stage(self) -> int:
         """The ZeRO stage this plugin asks for: 3, 2, or 0 (no sharding)."""
         strategy = self.reshard_after_forward
-        if strategy is None:
-            strategy = self.sharding_strategy
+        strategy = self.sharding_strategy if strategy is None else strategy
         if strategy is None or strategy is True:
             return 3
         if strategy is False:
@@ -361,8 +360,7 @@ class FullyShardedDataParallelPlugin:
 
     def offload(self) -> str:
         policy = self.cpu_offload
-        on = bool(getattr(policy, "offload_params", True)) if policy not in (None, False) \
-            else False
+        on = policy not in (None, False) and bool(getattr(policy, "offload_params", True))
         return "cpu" if on else "none"
 
     def mixed_precision(self) -> Optional[str]:
