@@ -70,6 +70,10 @@ class AcceleratorAttributes:
     is_local_main_process = property(lambda self: self.env.local_rank == 0)
     is_last_process = property(lambda self: self.process_index == self.num_processes - 1)
     mixed_precision = property(lambda self: self.precision.mode)
+    distributed_type = property(lambda self: distributed_type(self.env, self.layout),
+                                doc="NO, FSDP, MULTI_GPU, MULTI_CPU, ... (`distributed_type`).")
+    use_distributed = property(
+        lambda self: self.distributed_type != DistributedType.NO and self.num_processes > 1)
     mesh = property(lambda self: self.runtime.mesh,
                     doc="The layout's `DeviceMesh` (None: one process without a process group).")
     zero_stage = property(lambda self: self.layout.zero_stage,
@@ -105,11 +109,6 @@ class AcceleratorAttributes:
             raise ValueError(f"gradient_accumulation_steps={k!r} must be an integer >= 1")
         self.grad_state.num_steps = k
         self.grad_state.step = 0
-
-    distributed_type = property(lambda self: distributed_type(self.env, self.layout),
-                                doc="NO, FSDP, MULTI_GPU, MULTI_CPU, ... (see above).")
-    use_distributed = property(
-        lambda self: self.distributed_type != DistributedType.NO and self.num_processes > 1)
 
     @property
     def multi_device(self) -> bool:
