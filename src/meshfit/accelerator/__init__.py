@@ -3,11 +3,11 @@
 (arguments.py); where its process stands, Accelerate's attributes (attributes.py); models and
 pipelines laid out (models.py); what each data-parallel engine does at run time (runtime.py);
 the optimizer and scheduler wrappers acting on accumulation boundaries (prepared.py); the
-prepared data loader, batches ahead on the device (loader.py), which items each rank reads
-(sampler.py) and each epoch's order (shuffle.py); autocast and fp16 loss scaling
-(precision.py); collectives, barriers and process control (processes.py); experiment trackers
-(trackers.py); checkpoints and the whole model written out (state.py); Accelerate's
-configuration objects and helper functions (compat/).
+prepared data loader, batches ahead on the device (loader.py), map-style datasets sharded as
+Accelerate shards them (sampler.py), streams sharded by position (stream.py), each epoch's
+order (shuffle.py); autocast and fp16 loss scaling (precision.py); collectives, barriers and
+process control (processes.py); experiment trackers (trackers.py); checkpoints and the whole
+model written out (state.py); Accelerate's configuration objects and helpers (compat/).
 """
 
 from meshfit.accelerator.accelerator import Accelerator

@@ -1,5 +1,5 @@
 """`PreparedDataLoader`: a data loader prepared for data parallel training, sharded as
-Hugging Face Accelerate shards it (`sampler`, `shuffle`), its batches on the device ahead.
+Hugging Face Accelerate shards it (`sampler`, `stream`, `shuffle`), batches on the device ahead.
 
 Its position is the epoch being read and the samples of all ranks handed out in it (a
 stream's items consumed), plus the shuffling generator's state at the pass's start: the order
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from meshfit.accelerator.sampler import (ShardedBatchSampler, StreamShard, stream_loader,
-                                         worker_options)
+from meshfit.accelerator.sampler import ShardedBatchSampler
 from meshfit.accelerator.shuffle import Shuffle, clone_generator, draw_seed, shuffle_for
+from meshfit.accelerator.stream import StreamShard, stream_loader, worker_options
 from meshfit.distributed.collectives import apply_to_tensors
 
 __all__ = ["LoaderState", "PreparedDataLoader"]

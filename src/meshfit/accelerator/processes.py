@@ -60,8 +60,7 @@ def reduce(tensor: Any, reduction: str, group) -> Any:
 
 def share(inputs, n: int, rank: int, *, apply_padding: bool, device: torch.device):
     """Rank `rank` of `n`'s contiguous share of `inputs` (a list, tuple, tensor or a dict of
-    them; the first ranks take one more when it does not divide), padded with the last item
-    to equal length if `apply_padding` (tensors padded on `device`)."""
+    them; the first ranks take one more), padded with the last item (`apply_padding`)."""
     if n == 1:
         return inputs
     length = len(inputs)

@@ -57,11 +57,9 @@ def sync_global_generators(rng_types, device: torch.device) -> None:
 
 
 class Shuffle:
-    """Where a map-style loader's epoch order comes from: ``"carried"``, ``"global"`` or
-    ``"seedable"`` (see this module's docstring). `pass_state` reproduces the order of the
-    pass being read (the carried generator's state when the pass drew it, or the pass's
-    seed); `resume` (from a loader's saved position: `state` / `load`) is used instead at the
-    next draw."""
+    """A map-style loader's epoch order: ``"carried"``, ``"global"`` or ``"seedable"`` (see
+    this module's docstring). `pass_state` reproduces the order of the pass being read;
+    `resume` (a saved position's, `load`) is used instead at the next draw."""
 
     def __init__(self, mode: str, generator: torch.Generator | None, *, seed: int | None = None,
                  sync: bool = True):

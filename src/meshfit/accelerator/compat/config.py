@@ -305,17 +305,13 @@ class GradientAccumulationPlugin(KwargsHandler):
 
 @dataclass
 class FullyShardedDataParallelPlugin:
-    """Accelerate's FSDP plugin, mapped onto meshfit's FSDP2 layouts.
-
-    Every process shards the model (``ParallelDims(dp_shard=world)``): ``reshard_after_forward``
-    True / ``sharding_strategy`` "FULL_SHARD" (the default) is ZeRO-3, False /
-    "SHARD_GRAD_OP" is ZeRO-2, "NO_SHARD" is DDP; "HYBRID_SHARD" is refused (use
-    ``Accelerator(parallel=ParallelDims(dp_replicate=R, dp_shard=S))``). ``cpu_offload``
-    keeps the shards in host memory (ZeRO-3 only); ``activation_checkpointing`` recomputes
-    every transformer block; ``mixed_precision_policy`` "bf16"/"fp16" (or a dict/object
-    whose param_dtype is one) sets the Accelerator's mixed precision. Wrapping is meshfit's
-    own (per transformer block); the other fields are accepted and have no effect.
-    """
+    """Accelerate's FSDP plugin, mapped onto meshfit's FSDP2 layouts: every process shards the
+    model; ``reshard_after_forward`` True / ``sharding_strategy`` "FULL_SHARD" (the default) is
+    ZeRO-3, False / "SHARD_GRAD_OP" ZeRO-2, "NO_SHARD" DDP ("HYBRID_SHARD": use
+    ``parallel=ParallelDims(dp_replicate=R, dp_shard=S)``). ``cpu_offload`` (ZeRO-3 only),
+    ``activation_checkpointing`` (every block) and ``mixed_precision_policy`` (or its
+    param_dtype) become the Accelerator's; wrapping is meshfit's own (per transformer block),
+    the other fields have no effect."""
 
     fsdp_version: Optional[int] = None
     sharding_strategy: Any = None
