@@ -6,8 +6,9 @@ the optimizer and scheduler wrappers acting on accumulation boundaries (prepared
 prepared data loader, batches ahead on the device (loader.py), map-style datasets sharded as
 Accelerate shards them (sampler.py), streams sharded by position (stream.py), each epoch's
 order (shuffle.py); autocast and fp16 loss scaling (precision.py); collectives, barriers and
-process control (processes.py); experiment trackers (trackers.py); checkpoints and the whole
-model written out (state.py); Accelerate's configuration objects and helpers (compat/).
+process control (processes.py); experiment trackers (trackers.py); checkpoints to resume from
+(state.py); the whole model out (export.py); Accelerate's configuration objects and helpers
+(compat/).
 """
 
 from meshfit.accelerator.accelerator import Accelerator

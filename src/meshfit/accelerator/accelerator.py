@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from meshfit import distributed as mdist
-from meshfit.accelerator import models, processes, state, trackers
+from meshfit.accelerator import export, models, processes, state, trackers
 from meshfit.accelerator.attributes import AcceleratorAttributes
 from meshfit.accelerator.arguments import UNSET, Arguments, read_arguments, resolve_layout
 from meshfit.accelerator.compat import (AutocastKwargs, DataLoaderConfiguration,
@@ -297,19 +297,19 @@ class Accelerator(AcceleratorAttributes):
 
     # ----------------------------------------------------------------- the whole model
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state dict, on the main process (`meshfit.accelerator.state`)."""
-        return state.get_state_dict(model, self.runtime)
+        """The whole model's state dict, on the main process (`meshfit.accelerator.export`)."""
+        return export.get_state_dict(model, self.runtime)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike) -> Path:
-        """``save_directory/model.safetensors``, on every rank (`meshfit.accelerator.state`)."""
-        return state.save_model(model, save_directory, runtime=self.runtime, env=self.env)
+        """``save_directory/model.safetensors``, on every rank (`meshfit.accelerator.export`)."""
+        return export.save_model(model, save_directory, runtime=self.runtime, env=self.env)
 
     def save(self, obj: Any, f, safe_serialization: bool = False) -> None:
         """Write `obj` to `f` from the main process (each node's first with
         ``save_on_each_node``): ``torch.save``, or safetensors (`safe_serialization`)."""
         writer = self.is_local_main_process if self.project_configuration.save_on_each_node \
             else self.is_main_process
-        state.save(obj, f, writer=writer, safe_serialization=safe_serialization)
+        export.save(obj, f, writer=writer, safe_serialization=safe_serialization)
 
     # ----------------------------------------------------------------- training step
     def backward(self, loss: torch.Tensor, **kwargs) -> None:

@@ -159,7 +159,10 @@ def read_arguments(given: Mapping[str, Any],
     _check_types(given)
     steps, plugin, sync_each_batch = _accumulation(given)
     _check_loop_numbers(given)
-    mixed_precision = _mixed_precision(given["mixed_precision"], environ)
+    mixed_precision = given["mixed_precision"]
+    if mixed_precision is None:  # what `accelerate launch --mixed_precision` sets, else "no"
+        mixed_precision = environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    mixed_precision = str(mixed_precision)  # checked with the layout's options
     handlers = sort_handlers(given["kwargs_handlers"])
     ddp_kwargs = given["ddp_kwargs"]
     if handlers.ddp is not None:
@@ -275,14 +278,6 @@ def _check_loop_numbers(given: Mapping[str, Any]) -> None:
                          "(0: never)")
     if tf32 is not None and not isinstance(tf32, bool):
         raise ValueError(f"tf32={tf32!r} must be True, False or None (leave as it is)")
-
-
-def _mixed_precision(mixed_precision: Any, environ: Mapping[str, str]) -> str:
-    """The mode asked for; None: ``ACCELERATE_MIXED_PRECISION`` (what `accelerate launch
-    --mixed_precision` sets), else "no". Checked later, with the layout's options."""
-    if mixed_precision is None:
-        mixed_precision = environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    return str(mixed_precision)
 
 
 def sort_handlers(handlers) -> Handlers:

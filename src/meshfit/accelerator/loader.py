@@ -249,10 +249,9 @@ class PreparedDataLoader:
             self._position = (self._epoch, 0)  # the epoch is read out
 
     def _ahead(self, batches, epoch: int, handed: int):
-        """Hand out `batches` ((how far each moves the position, batch) pairs) one ahead: the
-        next one's copy to the device starts before the current one is handed out, and the
-        last one is known (``end_of_dataloader``). Keeps the position (`epoch`, `handed`);
-        returns whether any batch came."""
+        """Hand out `batches` ((how far each moves the position, batch) pairs) one ahead, the
+        next one's copy started first, the last one known (``end_of_dataloader``); keeps the
+        position (`epoch`, `handed`). Returns whether any batch came."""
         current = None
         for count, batch in batches:
             upcoming = (count, self._to_device(batch))

@@ -5,17 +5,15 @@ model and initialising the shards afterwards gives every rank the same random sh
 meshes, so meta parameters are refused unless the model comes from `meta_model` (then each
 rank reads what it holds).
 
-A pipeline (`meshfit.parallel.pp.Pipeline`) is driven with ``loss = pipeline.step(inputs,
-targets, scale=1/k)`` inside ``accelerator.accumulate()``, then the prepared optimizer's
-``step`` (built afterwards on ``pipeline.parameters()``); evaluated with
-``pipeline.eval_loss``. Each stage goes through what `prepare(model)` does (the wrapper is
-FSDP2 for every data-parallel layout with pp), so DP+PP, DP+PP+TP and ZeRO+PP+TP are one
-call. Arguments as `meshfit.parallel.pp.build_pipeline` (the global batch is micro-batch x
-`microbatches` x data-parallel degree x k; `plan` default: `pipeline_plan_for`). Every rank
-passes the same full model (one seed) or a meta-device one (materialised per stage from
-`init_seed`); each data-parallel rank feeds its own batch. `record_timings=True` keeps
-per-micro-batch timings in ``pipeline.timings`` (synchronising CUDA around each): turn it off
-with ``pipeline.record_timings(False)`` after the steps you want to chart.
+A pipeline (`meshfit.parallel.pp.Pipeline`, from `build_pipeline`'s arguments) is driven with
+``loss = pipeline.step(inputs, targets, scale=1/k)`` inside ``accumulate()``, then the
+optimizer's ``step`` (built afterwards on ``pipeline.parameters()``); evaluated with
+``pipeline.eval_loss``. Each stage is prepared as a model (FSDP2 for every data-parallel
+layout with pp): DP+PP, DP+PP+TP and ZeRO+PP+TP are one call. The global batch is micro-batch
+x `microbatches` x data-parallel degree x k. Every rank passes the same full model (one seed)
+or a meta-device one (materialised per stage from `init_seed`); each data-parallel rank feeds
+its own batch. `record_timings=True` keeps per-micro-batch timings in ``pipeline.timings``
+(synchronising CUDA around each): turn it off with ``pipeline.record_timings(False)``.
 """
 
 from __future__ import annotations

@@ -66,9 +66,8 @@ class GradientState:
         return -1 if loader is None else loader.state.remainder
 
     def advance(self) -> None:
-        """A micro-batch begins (`Accelerator.accumulate`). Accelerate's rule: the last batch
-        of the innermost loader ends the window and restarts the count; otherwise every
-        num_steps-th micro-batch does."""
+        """A micro-batch begins (`accumulate`). As Accelerate's: the innermost loader's last
+        batch ends the window and restarts the count; otherwise every num_steps-th does."""
         if self.sync_with_dataloader and self.end_of_dataloader:
             self.step = 0
             self.sync_gradients = True

@@ -1,5 +1,5 @@
-"""What an `Accelerator` writes out: `save_state` / `load_state`, everything a loop needs to
-continue exactly, and the whole model (`get_state_dict`, `save_model`, `save`).
+"""`Accelerator.save_state` / `load_state`: everything a loop needs to continue exactly (the
+whole model out: `meshfit.accelerator.export`).
 
 A checkpoint holds, under Accelerate's names, ``model`` (``model_1``, ...; a pipeline's stages
 as one), ``optimizer`` (state by parameter name, also ZeRO-1's partitions and FSDP2's shards),
@@ -15,19 +15,12 @@ to host memory and writes it in the background (over a gloo group of its own) un
 `finish_save` commits it (`wait_for_checkpoint`, the next save, `load_state`,
 `end_training`). As with Accelerate, `load_state` leaves data loaders as they are (a script
 skips batches itself) unless they are stateful: then each continues where it stood.
-
-The whole model's state dict is a collective under zero_stage 2/3 and tensor parallel (each
-parameter all-gathered by `get_model_state_dict(full_state_dict=True, cpu_offload=True)`,
-which fills rank 0 only): call these on every rank. Names are the user's module's (no
-DDP/FSDP/compile prefixes), values fp32 master weights: it loads into a plain single-device
-model. Accelerate's returns the dict on every rank under DDP; this one on rank 0 only.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import sys
@@ -37,21 +30,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshfit.accelerator.processes import wait_for_everyone
-from meshfit.accelerator.runtime import Runtime
 from meshfit.checkpoint import state as ckstate
-from meshfit.checkpoint.export import write_safetensors
 from meshfit.checkpoint.store import (CheckpointError, Manifest, commit, load_dcp, save_dcp,
                                      save_dcp_async, saved_keys, verify)
-from meshfit.distributed import DistEnv
 from meshfit.distributed.settle import barrier as settled_barrier
 
 # Functions here take the `Accelerator` ("acc") whose prepared objects they save; they are
 # its implementation, not a layer of their own (not imported here: it imports this module).
 Accelerator = Any
 
-__all__ = ["check_registrable", "finish_save", "get_state_dict", "load_state", "save",
-           "save_model", "save_state"]
+__all__ = ["check_registrable", "finish_save", "load_state", "save_state"]
 
 log = logging.getLogger("meshfit")
 
@@ -128,9 +116,8 @@ def _regrouped(models) -> int:
 
 
 def _regrouped_names(models) -> list[dict[str, list[int]]]:
-    """Each model's head-grouped parameters by full-model name (`regrouped_params`' ``[chunks,
-    tp, dim]``), over all ranks: what `meshfit export` needs to write them in the model's own
-    layout."""
+    """Each model's head-grouped parameters (``[chunks, tp, dim]`` by name), over all ranks:
+    what `meshfit export` needs to write them in the model's own layout."""
     from meshfit.models.plans.regroup import regrouped_params
 
     mine = []
@@ -279,9 +266,8 @@ def finish_save(acc: Accelerator) -> Path | None:
 
 
 def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Manifest:
-    """Fill every prepared and registered object from the checkpoint in `input_dir` (None:
-    the newest automatically named one); returns its manifest. `loaders`: also put the data
-    loaders back where they stood (stateful loaders)."""
+    """Fill every prepared and registered object from `input_dir` (None: the newest automatic
+    folder; `loaders`: the data loaders too); returns the checkpoint's manifest."""
     if input_dir is None:
         input_dir = _newest_folder(acc)
     finish_save(acc)
@@ -367,52 +353,3 @@ def _load_rng(acc: Accelerator, manifest: Manifest, load) -> None:
     ckstate.set_rng_state(part["rng"][key])
     if dist.is_available() and dist.is_initialized():
         settled_barrier()
-
-
-# ----------------------------------------------------------------------------- the model
-def get_state_dict(model: torch.nn.Module, runtime: Runtime) -> dict[str, torch.Tensor]:
-    """`model`'s (or a `Pipeline`'s) whole state dict on CPU on rank 0, ``{}`` elsewhere."""
-    from meshfit.parallel.pp import Pipeline
-
-    if isinstance(model, Pipeline):
-        return model.full_state_dict()
-    return runtime.full_state_dict(model)
-
-
-def save_model(model: torch.nn.Module, save_directory: str | os.PathLike, *, runtime: Runtime,
-               env: DistEnv) -> Path:
-    """Write `get_state_dict(model)` to ``save_directory/model.safetensors`` from the main
-    process, atomically. Tied weights are written as separate copies (safetensors requires
-    it); both names load back into the tied model. A `save_directory` that is (or lies under)
-    a file is refused on every rank, before anything is gathered or written."""
-    folder = Path(save_directory)
-    main = env.rank == 0
-    blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
-                   None) if main else None
-    flag = torch.tensor([0 if blocked is None else 1], device=env.device)
-    if env.is_distributed:  # the main process's file system decides for everyone
-        torch.distributed.broadcast(flag, src=0)
-    if flag.item():
-        where = f"{str(blocked)!r} is a file" if blocked is not None else \
-            "it is a file, or lies under one, on the main process"
-        raise ValueError(f"save_model: save_directory={str(folder)!r} cannot be a folder: "
-                         f"{where}; give a folder path")
-    state = get_state_dict(model, runtime)
-    path = folder / "model.safetensors"
-    if main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_safetensors(state, path)
-    wait_for_everyone(env)
-    return path
-
-
-def save(obj: Any, f, *, writer: bool, safe_serialization: bool = False) -> None:
-    """Write `obj` to `f` where `writer` holds (`safe_serialization`: safetensors)."""
-    if not writer:
-        return
-    if safe_serialization:
-        from safetensors.torch import save_file
-
-        save_file(obj, f, metadata={"format": "pt"})
-    else:
-        torch.save(obj, f)
