@@ -1,12 +1,8 @@
-"""``meshfit calibrate``: its arguments (checked before any process starts), its workers
-started through `meshfit.launch`, and the table it prints. The measuring itself, the file's
-schema and its loader are `meshfit.plan.calibrate`'s.
-
-    meshfit calibrate [--nproc N] [--out calibration.json] [--sizes S ...] [--cpu]
-
-starts itself on N processes (N=1 runs in this process) as ``meshfit calibrate --worker``;
-every rank measures while all of them run at once, and rank 0 writes the JSON file and
-prints the table.
+"""``meshfit calibrate [--nproc N] [--out calibration.json] [--sizes S ...] [--cpu]``: its
+arguments, its workers (``meshfit calibrate --worker`` on N processes through `meshfit.launch`;
+N=1 runs in this process: every rank measures while all of them run at once, rank 0 writes
+the JSON file) and the table it prints. The measuring itself, the file's schema and its
+loader are `meshfit.plan.calibrate`'s.
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ def parse_sizes(items: list[str]) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-# argparse's own parser (its errors print the usage block), as before the command moved here
+# argparse's own parser (its errors print the usage block), not OneLineParser
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshfit calibrate", allow_abbrev=False,
@@ -102,7 +98,6 @@ def _validate(ns) -> tuple[int, Path, tuple[int, ...] | None, bool]:
                          "give another --out")
     sizes = parse_sizes(ns.sizes) if ns.sizes is not None else None
     return nproc, out, sizes, cpu
-
 
 
 def cmd_calibrate(argv: list[str]) -> int:

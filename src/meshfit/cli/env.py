@@ -1,8 +1,6 @@
-"""`meshfit env`: what to paste into a bug report — the versions of meshfit, Python, torch
-(with its CUDA, cuDNN and NCCL), the devices, the process-group backends this torch build
-has, the optional libraries meshfit works with, and the environment variables that change
-how meshfit launches and places work (a fixed list and prefixes: no other variable is read,
-so nothing secret is printed)."""
+"""`meshfit env`: what to paste into a bug report. The environment variables shown are those
+that change how meshfit launches and places work (a fixed list and prefixes: no other
+variable is read, so nothing secret is printed)."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import platform
 import sys
 from importlib import metadata
 
-from meshfit.cli.parser import OneLineParser
+from meshfit.cli import OneLineParser
 
 __all__ = ["ENV_NAMES", "ENV_PREFIXES", "PACKAGES", "cmd_env", "collect", "report"]
 
@@ -111,11 +109,9 @@ def report() -> str:
 
 
 def cmd_env(argv: list[str]) -> int:
-    OneLineParser(
-        prog="meshfit env", allow_abbrev=False,
-        description="Print the versions of meshfit, Python, torch, CUDA/cuDNN/NCCL, the "
-                    "devices, the distributed backends, the libraries meshfit works with and "
-                    "the environment variables it reads: paste it into a bug report."
-    ).parse_args(argv)
+    OneLineParser("meshfit env", "Print the versions of meshfit, Python, torch, CUDA/cuDNN/NCCL, "
+                  "the devices, the distributed backends, the libraries meshfit works with "
+                  "and the environment variables it reads: paste it into a bug report."
+                  ).parse_args(argv)
     print(report())
     return 0

@@ -1,7 +1,7 @@
 """``meshfit export`` (a checkpoint's model as safetensors or a Hugging Face folder, offline),
 ``meshfit generate`` (sample text from a trained model) and ``meshfit eval`` (its loss and
 perplexity on held-out text): their arguments, checked before torch is imported, and what
-they print. The work is `meshfit.checkpoint.export` and `meshfit.train.generate`'s.
+they print. The work is `meshfit.checkpoint.export`'s and `meshfit.train.generate`'s.
 """
 
 from __future__ import annotations
@@ -10,50 +10,41 @@ import argparse
 import math
 from pathlib import Path
 
-from meshfit.cli.parser import OneLineParser
-from meshfit.train.sampling import check_sampling
+from meshfit.cli import OneLineParser
+from meshfit.train.checks import check_sampling
 
-__all__ = ["check_eval_args", "check_generate_args", "cmd_eval", "cmd_export", "cmd_generate"]
+__all__ = ["cmd_eval", "cmd_export", "cmd_generate"]
 
 
-# ---------------------------------------------------------------------------- export
-def _export_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="meshfit export", allow_abbrev=False,
-        description="Write a checkpoint's model as one safetensors file (or a Hugging Face "
-                    "folder), offline, in one process, whatever layout and number of "
-                    "processes saved it.")
+def cmd_export(argv: list[str]) -> int:
+    p = OneLineParser("meshfit export", "Write a checkpoint's model as one safetensors file (or "
+                      "a Hugging Face folder), offline, in one process, whatever layout and "
+                      "number of processes saved it.")
     p.add_argument("source", metavar="CKPT_OR_RUN",
                    help="a checkpoint folder, or a run folder (its newest complete checkpoint)")
     p.add_argument("out", metavar="OUTDIR", help="where model.safetensors (and config.json) go")
     p.add_argument("--to", choices=("safetensors", "hf"), default="safetensors",
                    help="safetensors: model.safetensors; hf: also config.json, for "
                         "transformers' from_pretrained (transformers models only)")
-    return p
-
-
-def cmd_export(argv: list[str]) -> int:
-    ns = _export_parser().parse_args(argv)
+    ns = p.parse_args(argv)
     from meshfit.checkpoint.export import export
 
-    path = export(ns.source, ns.to, ns.out)
-    print(f"meshfit export: wrote {path}")
+    print(f"meshfit export: wrote {export(ns.source, ns.to, ns.out)}")
     return 0
 
 
-# ---------------------------------------------------------------------------- generate, eval
-def _common(p: argparse.ArgumentParser) -> None:
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """`meshfit generate`'s or `eval`'s parser, with the arguments they share."""
+    p = OneLineParser(prog, description)
     p.add_argument("source", metavar="RUN_OR_MODEL",
                    help="a meshfit train run folder (uses RUN/model/) or a model folder")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda when available, unless MESHFIT_CPU=1)")
+    return p
 
 
-def _generate_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="meshfit generate", allow_abbrev=False,
-        description="Print a prompt and the model's continuation of it.")
-    _common(p)
+def cmd_generate(argv: list[str]) -> int:
+    p = _parser("meshfit generate", "Print a prompt and the model's continuation of it.")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
                    help="tokens to add at most (default 200; fewer if the model writes EOS)")
@@ -63,16 +54,24 @@ def _generate_parser() -> argparse.ArgumentParser:
                    help="sample among the K most likely tokens only; 0 = all (default)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="the sampling seed: same seed, same text (default 0)")
-    return p
+    ns = p.parse_args(argv)
+    if not ns.prompt:
+        raise ValueError("--prompt='' is empty; give the text to continue, e.g. "
+                         "--prompt 'def main('")
+    check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
+    from meshfit.train.generate import generate, load_model  # torch: after the refusals
+
+    model, tokenizer, _, _ = load_model(ns.source, ns.device)
+    text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
+                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)
+    print(ns.prompt + text)
+    return 0
 
 
-def _eval_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="meshfit eval", allow_abbrev=False,
-        description="Print the model's loss and perplexity on held-out text: by default the "
-                    "validation split of the run's own data (the built-in corpus's for a "
-                    "model folder outside a run).")
-    _common(p)
+def _eval_args(argv: list[str]) -> argparse.Namespace:
+    p = _parser("meshfit eval", "Print the model's loss and perplexity on held-out text: by "
+                "default the validation split of the run's own data (the built-in corpus's for "
+                "a model folder outside a run).")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a text file or folder to evaluate on instead, all of it, tokenized "
                         "with the model folder's tokenizer")
@@ -83,22 +82,7 @@ def _eval_parser() -> argparse.ArgumentParser:
                    help="batches to evaluate (default 8); 0 = every window of the data")
     p.add_argument("--batch-size", type=int, default=8, metavar="B",
                    help="windows per batch (default 8)")
-    return p
-
-
-def check_generate_args(argv: list[str]) -> argparse.Namespace:
-    """`meshfit generate`'s arguments, checked (one-line ValueError or argparse's exit)."""
-    ns = _generate_parser().parse_args(argv)
-    if not ns.prompt:
-        raise ValueError("--prompt='' is empty; give the text to continue, e.g. "
-                         "--prompt 'def main('")
-    check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
-    return ns
-
-
-def check_eval_args(argv: list[str]) -> argparse.Namespace:
-    """`meshfit eval`'s arguments, checked (one-line ValueError or argparse's exit)."""
-    ns = _eval_parser().parse_args(argv)
+    ns = p.parse_args(argv)
     if ns.seq_len is not None and ns.seq_len < 1:
         raise ValueError(f"--seq-len={ns.seq_len} must be >= 1")
     if ns.batches < 0:
@@ -108,19 +92,8 @@ def check_eval_args(argv: list[str]) -> argparse.Namespace:
     return ns
 
 
-def cmd_generate(argv: list[str]) -> int:
-    ns = check_generate_args(argv)  # refusals before torch is imported
-    from meshfit.train.generate import generate, load_model
-
-    model, tokenizer, _, _ = load_model(ns.source, ns.device)
-    text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
-                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)
-    print(ns.prompt + text)
-    return 0
-
-
 def cmd_eval(argv: list[str]) -> int:
-    ns = check_eval_args(argv)  # refusals before torch is imported
+    ns = _eval_args(argv)  # refusals before torch is imported
     from meshfit.train.generate import (context_length, evaluate_loss, load_model,
                                         resolve_model)
 
@@ -176,7 +149,7 @@ def _held_out(data: str | None, cfg, tokenizer):
     own validation split (its source, tokenizer and fraction); else the built-in corpus's."""
     from meshfit.data import load_tokens
 
-    if data is not None:  # all of the given text
+    if data is not None:
         cache_dir = (cfg.data.cache_dir or None) if cfg is not None else None
         tokens = load_tokens(data, tokenizer=tokenizer, cache_dir=cache_dir,
                              val_fraction=0.0).train

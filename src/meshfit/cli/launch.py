@@ -1,9 +1,5 @@
 """``meshfit launch``: a training script on N processes per node, through `meshfit.launch`;
-and the launch flags `meshfit train` shares (`add_launch_flags`).
-
-Every argument is checked before any process starts; what the launcher took from SLURM is
-said in one line (`say`) once everything is checked.
-"""
+and the launch flags `meshfit train` shares (`add_launch_flags`)."""
 
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ import sys
 from pathlib import Path
 
 from meshfit import launch
-from meshfit.cli.parser import OneLineParser
+from meshfit.cli import OneLineParser
 
 __all__ = ["add_accelerate_flags", "add_launch_flags", "cmd_launch", "say"]
 
@@ -73,24 +69,18 @@ def add_accelerate_flags(parser: argparse.ArgumentParser) -> None:
                         "MESHFIT_CPU=1)")
 
 
-def _launch_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="meshfit launch", allow_abbrev=False,
-        description="Start a training script on N processes per node (torch.distributed.run). "
-                    "accelerate launch's common flags work too; inside a SLURM job the nodes, "
-                    "this node's rank, processes per node and the rendezvous come from "
-                    "SLURM_* for whatever the flags leave open.")
+def cmd_launch(argv: list[str]) -> int:
+    p = OneLineParser("meshfit launch", "Start a training script on N processes per node "
+                      "(torch.distributed.run). accelerate launch's common flags work too; "
+                      "inside a SLURM job the nodes, this node's rank, processes per node and "
+                      "the rendezvous come from SLURM_* for whatever the flags leave open.")
     add_launch_flags(p)
     add_accelerate_flags(p)
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a Python module (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    return p
-
-
-def cmd_launch(argv: list[str]) -> int:
-    ns = _launch_parser().parse_args(argv)
+    ns = p.parse_args(argv)
     cfg, env, notes = launch.config_from_args(ns)
     if not ns.module and not Path(ns.script).is_file():
         raise ValueError(f"script={ns.script!r} is not a file; give the path of a Python "
@@ -101,6 +91,6 @@ def cmd_launch(argv: list[str]) -> int:
 
 
 def say(command: str, notes: list[str]) -> None:
-    """What the launcher took from its surroundings (SLURM), once everything is checked."""
+    """What the launcher took from SLURM, said once every argument is checked."""
     for note in notes:
         print(f"meshfit {command}: {note}", file=sys.stderr, flush=True)

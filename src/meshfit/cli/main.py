@@ -1,12 +1,8 @@
-"""The ``meshfit`` command: ``meshfit COMMAND [ARGS...]`` (the console script, and
-``python -m meshfit``). ``meshfit --help`` lists the commands, ``meshfit --version``.
-
-Each command's parsing and printing is in its module of `meshfit.cli`; here are the table of
-commands, the help, and the one way every command ends: a ValueError is one line
-``meshfit CMD: error: ...`` and exit code 2, a bounded wait that ran out exit code 1, Ctrl-C
-before a run's own handler exit code 130. Every argument is validated before any process is
-launched or any file is written; errors are one line naming the option, the value and the
-fix.
+"""``meshfit COMMAND [ARGS...]`` (the console script, and ``python -m meshfit``): the table of
+commands, ``meshfit --help`` and ``--version``, and the one way every command ends: a
+ValueError is one line ``meshfit CMD: error: ...`` naming the option, the value and the fix,
+and exit code 2; a bounded wait that ran out exit code 1; Ctrl-C before a run's own handler
+exit code 130.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """``meshfit train``: a model trained from a TOML config (+ ``--section.key=value``
-overrides), in this process or on workers started through `meshfit.launch`.
-
-The launcher's flags are checked first, then the config, the layout for the world size, the
-run folder and this machine (`meshfit.train.preflight`): all before any process starts or
-any file is written. The workers run this same command with ``--worker`` (`_run_worker`):
-one rank of the job each, whose errors reach the launcher's one-line failure summary.
+overrides), in this process or on workers started through `meshfit.launch`, each running this
+command with ``--worker`` (`_run_worker`: one rank, whose errors reach the launcher's one-line
+failure summary). Everything is checked before any process starts or any file is written.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from pathlib import Path
 
 from meshfit import launch
 from meshfit.cli.launch import add_launch_flags, say
-from meshfit.cli.parser import OneLineParser
+from meshfit.cli import OneLineParser
 
 __all__ = ["RANK_VARIABLES", "cmd_train"]
 
@@ -29,10 +26,9 @@ torchrun) is refused rather than joining a job that does not exist."""
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="meshfit train", allow_abbrev=False,
-        description="Train the reference GPT (default: the tiny preset on the Python standard "
-                    "library's source). Options --section.key=value override the config.")
+    p = OneLineParser("meshfit train", "Train the reference GPT (default: the tiny preset on "
+                      "the Python standard library's source). Options --section.key=value "
+                      "override the config.")
     add_launch_flags(p)
     p.add_argument("--config", default=None, help="a TOML run configuration")
     p.add_argument("--out", default=None, help="run folder (default: runs/train-<time>)")
@@ -112,8 +108,8 @@ def _resumed_config(ns, overrides: list[str]):
 
 
 def _check_before_starting(cfg, out: Path, ns, launch_cfg) -> None:
-    """The checks of the launching process, in order: the layout on the job's world size,
-    the run folder, this machine (printing its warnings), a checkpoint to resume from."""
+    """The launching process's checks, in order: the layout on the job's world size, the run
+    folder, this machine (`meshfit.train.preflight`, printing its warnings), a checkpoint."""
     world_size = launch_cfg.nproc * launch_cfg.nnodes
     cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
     from meshfit.train.runfolder import check_run_folder
@@ -124,15 +120,12 @@ def _check_before_starting(cfg, out: Path, ns, launch_cfg) -> None:
                      claim=launch_cfg.node_rank == 0)
     from meshfit.train.preflight import preflight
 
-    # this machine's device, kernels and libraries; layouts the guide advises against
     for warning in preflight(cfg, world_size, launch_cfg.nproc):
         print(f"meshfit train: warning: {warning}", file=sys.stderr)
     if ns.resume:
-        from meshfit.checkpoint import latest
+        from meshfit.train.run import find_checkpoint
 
-        if latest(out / "checkpoints") is None:
-            raise ValueError(f"--resume: {out / 'checkpoints'} holds no complete checkpoint; "
-                             "train with --checkpoint.every=N to write some")
+        find_checkpoint(out / "checkpoints")
 
 
 def _train_here(cfg, out: Path, ns) -> int:

@@ -1,8 +1,5 @@
 """The launcher behind `meshfit launch` and `meshfit train`: torch.distributed.run (torchrun's
-elastic agent) with safer defaults.
-
-meshfit does not re-implement the launcher: it builds torchrun's argument list and runs
-``torch.distributed.run`` in this process. Differences from plain torchrun:
+elastic agent), run in this process on the argument list meshfit builds, with safer defaults:
 
 * a single-node job binds its rendezvous to 127.0.0.1 on a free port (torchrun's default is
   29500 on every interface, which collides between jobs);
@@ -21,29 +18,22 @@ the node count, this node's rank, the processes per node and the rendezvous addr
 come from ``SLURM_*`` variables for whatever the flags leave open.
 
     config.py     `LaunchConfig`: what to start where; the GPUs the workers see
-    resolve.py    the settings from the flags, accelerate's flags, SLURM and the defaults:
-                  one resolver per setting, composed by `config_from_args`
+    resolve.py    the settings from the flags, accelerate's flags, SLURM and the defaults
     slurm.py      what a SLURM job's variables say (node lists, tasks per node, rendezvous)
     network.py    rendezvous stores on loopback only; node 0's port checked before starting
     torchrun.py   torchrun's arguments; `run`: the job through torch.distributed.run
-    workers.py    each worker's start (dies with the launcher), stopping them, the one-line
-                  failure summary
+    workers.py    each worker's start, stopping them, the one-line failure summary
     __main__.py   ``python -m meshfit.launch``: the entry torch's agent runs for each worker
 
 No module imports torch when it loads: a bad flag is refused before torch is imported. The
 command lines (flags, help, printing) are in `meshfit.cli.launch` and `meshfit.cli.train`.
 """
 
-from __future__ import annotations
+from meshfit.launch.config import LaunchConfig, gpu_environment
+from meshfit.launch.network import master_port_in_use
+from meshfit.launch.resolve import config_from_args
+from meshfit.launch.slurm import expand_nodelist, expand_tasks_per_node
+from meshfit.launch.torchrun import run
 
-from meshfit.launch.config import LaunchConfig, gpu_environment, parse_gpus, visible_cuda_devices
-from meshfit.launch.network import loopback_stores, master_port_in_use
-from meshfit.launch.resolve import ACCELERATE_PRECISIONS, config_from_args
-from meshfit.launch.slurm import SlurmFacts, expand_nodelist, expand_tasks_per_node, slurm_facts
-from meshfit.launch.torchrun import run, torchrun_args
-from meshfit.launch.workers import failure_summary
-
-__all__ = ["ACCELERATE_PRECISIONS", "LaunchConfig", "SlurmFacts", "config_from_args",
-           "expand_nodelist", "expand_tasks_per_node", "failure_summary", "gpu_environment",
-           "loopback_stores", "master_port_in_use", "parse_gpus", "run", "slurm_facts",
-           "torchrun_args", "visible_cuda_devices"]
+__all__ = ["LaunchConfig", "config_from_args", "expand_nodelist", "expand_tasks_per_node",
+           "gpu_environment", "master_port_in_use", "run"]

@@ -11,8 +11,6 @@ __all__ = ["LaunchConfig", "gpu_environment", "parse_gpus", "visible_cuda_device
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    """What to start where."""
-
     nproc: int = 1
     """Worker processes on this node (torchrun's --nproc-per-node)."""
     nnodes: int = 1
@@ -66,7 +64,7 @@ def gpu_environment(gpus: tuple[int, ...], nproc: int, available: int) -> dict[s
     if nproc > len(gpus):
         raise ValueError(f"--nproc={nproc} is more than the {len(gpus)} device(s) in --gpus; "
                          "start one process per device")
-    # PCI bus order makes the indices match nvidia-smi's (CUDA's default is fastest first).
+    # PCI bus order: the indices are nvidia-smi's (CUDA's default is fastest first).
     return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
 

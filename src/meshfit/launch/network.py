@@ -1,10 +1,5 @@
 """The launcher's network: rendezvous stores that listen on loopback only, and node 0's port
-checked before anything starts.
-
-A single-node job binds its rendezvous to 127.0.0.1 on a free port (`meshfit.distributed.
-spawn.free_port`; torchrun's default is 29500 on every interface, which collides between
-jobs), and its stores listen on that address alone (`loopback_stores`).
-"""
+checked before anything starts."""
 
 from __future__ import annotations
 
@@ -28,9 +23,7 @@ def is_loopback(host: str) -> bool:
 @contextlib.contextmanager
 def loopback_stores():
     """Make every TCPStore server the launcher starts for a loopback address listen on
-    that address only.
-
-    PyTorch's TCPStore server listens on every interface whatever address it is given
+    that address only. PyTorch's TCPStore server listens on every interface whatever address it is given
     (measured with torch 2.13: ``*:PORT`` for host "127.0.0.1"), so a single-node job's
     rendezvous — which holds the job's keys and barriers — would be reachable from the
     network. torch accepts an already listening socket instead (``master_listen_fd``); the

@@ -1,15 +1,12 @@
 """The launch settings from the parsed flags and the environment: one resolver per setting.
 
 Each setting comes from meshfit's flag, else `accelerate launch`'s (both given and different:
-refused), else SLURM (`meshfit.launch.slurm.slurm_facts`, unless --no-slurm), else the
-default. A resolver returns its one setting (with a note where SLURM gave it) or raises the
-setting's one-line ValueError; `config_from_args` composes them, in the order their refusals
-are checked: accelerate's own rules, the flags that name one setting twice, the GPUs, SLURM,
-then nodes, this node's rank, processes per node and the rendezvous.
-
-The namespace is `meshfit launch`'s or `meshfit train`'s: meshfit's launch flags (nproc,
-nnodes, node_rank, master_addr, master_port, max_restarts, gpus, no_slurm; all None where not
-given) and, for `meshfit launch` only, accelerate's (`meshfit.cli.launch`).
+refused), else SLURM (unless --no-slurm), else the default. A resolver returns its setting
+(with a note where SLURM gave it) or raises its one-line ValueError; `config_from_args` runs
+them in the order their refusals are checked: accelerate's own rules, the flags that name one
+setting twice, the GPUs, SLURM, then nodes, this node's rank, processes per node and the
+rendezvous. The namespace is `meshfit launch`'s or `meshfit train`'s (`meshfit.cli.launch`;
+meshfit's launch flags are None where not given, accelerate's exist for `meshfit launch` only).
 """
 
 from __future__ import annotations
@@ -25,10 +22,7 @@ from meshfit.launch.config import (LaunchConfig, gpu_environment, parse_gpus,
 from meshfit.launch.slurm import SlurmFacts, slurm_facts
 
 __all__ = ["ACCELERATE_PRECISIONS", "AccelerateFlags", "Given", "accelerate_flags",
-           "config_from_args", "given_master_addr", "given_master_port", "given_nnodes",
-           "given_node_rank", "resolve_gpus", "resolve_master_addr", "resolve_master_port",
-           "resolve_nnodes", "resolve_node_rank", "resolve_nproc", "resolve_slurm",
-           "worker_environment"]
+           "config_from_args", "given_settings", "worker_environment"]
 
 ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 """``accelerate launch --mixed_precision`` choices (Accelerate 1.15); meshfit runs no fp8."""
@@ -37,37 +31,27 @@ ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 @dataclass(frozen=True, kw_only=True)
 class AccelerateFlags:
     """`accelerate launch`'s flags as given (None or False: not given; `meshfit train` has
-    none of them)."""
+    none of them). ``--main_process_port=0`` (a free port, one machine only) is `free_port`,
+    with main_process_port None."""
 
     num_processes: int | None = None
-    """Processes in total over all machines (Accelerate's meaning)."""
     num_machines: int | None = None
-    """Machines; = --nnodes."""
     machine_rank: int | None = None
-    """This machine's rank; = --node-rank."""
     main_process_ip: str | None = None
-    """Address of machine 0; = --master-addr."""
     main_process_port: int | None = None
-    """Its port; = --master-port (None also for 0, which is `free_port`)."""
     free_port: bool = False
-    """--main_process_port=0: a free port (one machine only)."""
     mixed_precision: str | None = None
-    """The script's precision, passed on in ACCELERATE_MIXED_PRECISION."""
     gpu_ids: str | None = None
-    """GPUs to use, or "all"; = --gpus."""
     multi_gpu: bool = False
-    """Accepted; checks that there are GPUs and at least 2 processes."""
     cpu: bool = False
-    """The CPU and gloo even where GPUs exist."""
 
 
 class Given(NamedTuple):
-    """One setting as the flags give it."""
+    """One setting as the flags give it: its value (None: neither flag was given) and the
+    flag and value it came from, as an error names it ("" when not given)."""
 
     value: Any
-    """None: neither flag was given."""
     flag: str
-    """The flag and value it came from, as an error names it ("" when not given)."""
 
 
 def accelerate_flags(ns: argparse.Namespace) -> AccelerateFlags:
@@ -107,29 +91,22 @@ def _pick(name: str, mine, mine_flag: str, theirs, theirs_flag: str) -> Given:
     return Given(None, "")
 
 
-# ------------------------------------------------------------------- what the flags give
-def given_nnodes(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
-    return _pick("the number of nodes", ns.nnodes, "--nnodes", acc.num_machines,
-                 "--num_machines")
+_SHARED = {  # setting: (what it is, accelerate's flag for it)
+    "nnodes": ("the number of nodes", "num_machines"),
+    "node_rank": ("this node's rank", "machine_rank"),
+    "master_addr": ("the address of node 0", "main_process_ip"),
+    "master_port": ("the rendezvous port", "main_process_port")}
 
 
-def given_node_rank(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
-    return _pick("this node's rank", ns.node_rank, "--node-rank", acc.machine_rank,
-                 "--machine_rank")
-
-
-def given_master_addr(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
-    return _pick("the address of node 0", ns.master_addr, "--master-addr",
-                 acc.main_process_ip, "--main_process_ip")
-
-
-def given_master_port(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
-    given = _pick("the rendezvous port", ns.master_port, "--master-port",
-                  acc.main_process_port, "--main_process_port")
+def given_settings(ns: argparse.Namespace, acc: AccelerateFlags) -> dict[str, Given]:
+    """The settings that both meshfit's flags and accelerate's name, as given."""
+    out = {name: _pick(what, getattr(ns, name), f"--{name.replace('_', '-')}",
+                       getattr(acc, theirs), f"--{theirs}")
+           for name, (what, theirs) in _SHARED.items()}
     if acc.free_port and ns.master_port is not None:
         raise ValueError(f"--master-port={ns.master_port} and --main_process_port=0 (a free "
                          "port) disagree; give one of them")
-    return given
+    return out
 
 
 def resolve_gpus(ns: argparse.Namespace, acc: AccelerateFlags) -> tuple[int, ...] | None:
@@ -146,7 +123,6 @@ def resolve_gpus(ns: argparse.Namespace, acc: AccelerateFlags) -> tuple[int, ...
     return gpus
 
 
-# ------------------------------------------------------------------- SLURM, then each setting
 def resolve_slurm(ns: argparse.Namespace, environ: Mapping[str, str]) -> SlurmFacts | None:
     """The SLURM job this launcher runs in (None: outside SLURM, or --no-slurm); one
     launcher per node."""
@@ -271,15 +247,14 @@ def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] | None =
     taken from SLURM (print them before starting); raises a one-line ValueError."""
     environ = os.environ if environ is None else environ
     acc = accelerate_flags(ns)
-    nnodes_given, rank_given = given_nnodes(ns, acc), given_node_rank(ns, acc)
-    addr_given, port_given = given_master_addr(ns, acc), given_master_port(ns, acc)
+    given = given_settings(ns, acc)
     gpus = resolve_gpus(ns, acc)
     slurm = resolve_slurm(ns, environ)
-    nnodes, nodes_note = resolve_nnodes(nnodes_given, slurm, environ)
-    node_rank, rank_note = resolve_node_rank(rank_given, nnodes_given, nnodes, slurm)
+    nnodes, nodes_note = resolve_nnodes(given["nnodes"], slurm, environ)
+    node_rank, rank_note = resolve_node_rank(given["node_rank"], given["nnodes"], nnodes, slurm)
     nproc, nproc_note = resolve_nproc(ns, acc, nnodes, slurm)
-    addr, addr_note = resolve_master_addr(addr_given, nnodes, slurm)
-    port, port_note = resolve_master_port(port_given, acc, nnodes, slurm)
+    addr, addr_note = resolve_master_addr(given["master_addr"], nnodes, slurm)
+    port, port_note = resolve_master_port(given["master_port"], acc, nnodes, slurm)
     _check_multi_gpu(acc)
     cfg = LaunchConfig(nproc=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=addr,
                        master_port=port, max_restarts=ns.max_restarts, gpus=gpus)

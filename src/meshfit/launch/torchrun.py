@@ -1,9 +1,5 @@
 """torchrun's argument list for a `LaunchConfig`, and the job run through
-``torch.distributed.run`` in this process (meshfit does not re-implement the launcher).
-
-A single-node job with ``--max-restarts`` is restarted by meshfit, the whole group with a new
-agent on a fresh loopback port per attempt (multi-node jobs keep torchrun's restarts).
-"""
+``torch.distributed.run`` in this process (meshfit does not re-implement the launcher)."""
 
 from __future__ import annotations
 
@@ -108,13 +104,11 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     `prog` begins the launcher's lines; `say_stopped=False` leaves the line about a signal
     to workers that print their own (`meshfit train`'s main rank).
 
-    Each worker runs through `meshfit.launch.workers.enter_worker`, so it dies with this
-    process. A single-node job with --max-restarts is restarted by meshfit: after a failure
-    the whole group is started again by a new agent on a fresh loopback port, so no key,
-    address or listener of the failed attempt is seen by the next one (torch 2.13's in-agent
-    restart reuses the store, and measured 0 of 3 recoveries of a gloo script after
-    ``kill -9`` of a worker). Multi-node jobs keep torchrun's own restarts (c10d
-    rendezvous)."""
+    A single-node job with --max-restarts is restarted by meshfit, on a fresh loopback port
+    per attempt, so no key, address or listener of the failed attempt is seen by the next
+    one (torch 2.13's in-agent restart reuses the store, and measured 0 of 3 recoveries of a
+    gloo script after ``kill -9`` of a worker). Multi-node jobs keep torchrun's own restarts
+    (c10d rendezvous)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     os.environ.update(env or {})

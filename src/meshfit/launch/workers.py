@@ -1,13 +1,6 @@
-"""The launcher's workers: how each one starts (dying with the launcher), how the agent stops
-them, and a failure summed up in one line.
-
-* workers die with the launcher (Linux's parent-death signal, set in `enter_worker`, which
-  then execs the command torchrun would have run: same PID, same environment, so a script
-  written for torchrun runs unchanged under `meshfit launch` and the other way round);
-* Ctrl-C or SIGTERM end the job with one line (`stopping_workers`);
-* torch's agent keeps its errors but not its per-worker warnings (`quiet_agent`), and a
-  failure is one line naming the rank that failed first (`failure_summary`).
-"""
+"""The launcher's workers: how each one starts (`enter_worker`: dying with the launcher), how
+the agent stops them (`stopping_workers`, `quiet_agent`), and a failure summed up in one line
+(`failure_summary`)."""
 
 from __future__ import annotations
 
@@ -31,8 +24,9 @@ def enter_worker(argv: list[str]) -> None:
     """``python -m meshfit.launch ARGS``: how the agent starts each worker. Asks Linux to
     SIGKILL this process when the launcher dies (PR_SET_PDEATHSIG; kept across exec), checks
     that the launcher was not already gone before that took effect, then replaces itself with
-    ``python -u ARGS``, the command torchrun would have run: same PID, same environment
-    (with the restart count of the whole job where meshfit restarts it)."""
+    ``python -u ARGS``, the command torchrun would have run: same PID, same environment (with
+    the restart count of the whole job where meshfit restarts it), so a script written for
+    torchrun runs unchanged under `meshfit launch` and the other way round."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
     restart, most = os.environ.pop(RESTART_ENV, ""), os.environ.pop(MAX_RESTARTS_ENV, "")
     if restart.isdigit() and most.isdigit():
@@ -90,11 +84,10 @@ class _AgentNoise:
 
 @contextlib.contextmanager
 def quiet_agent():
-    """torch's elastic agent without its per-worker warnings (`_AgentNoise`), unless
-    LOGLEVEL asks for its own logs."""
+    """torch's elastic agent filtered by `_AgentNoise`, unless LOGLEVEL asks for its logs."""
     import logging
 
-    if os.environ.get("LOGLEVEL"):  # asked for torch's own logs: leave them
+    if os.environ.get("LOGLEVEL"):
         yield
         return
     quiet = _AgentNoise()

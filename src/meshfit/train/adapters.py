@@ -1,14 +1,12 @@
-"""The step adapters: what `meshfit train`'s loop trains, behind one interface, whether the
-model prepared whole (`ModelSteps`: one forward and backward per micro-batch) or, under
-pp > 1, this rank's pipeline stages (`PipelineSteps`: a schedule over all of a batch's
-micro-batches). `prepare_steps` builds the one the layout asks for.
-
-Each adapter gives the loop: ``accumulate()``, ``forward_backward(x, y, accum)`` (the
-cross-entropy, for the metrics), ``eval_loss(x, y)``, ``clip(max_norm)`` and
-``after_step(step, out_dir)``, and names what the rest of the run needs: ``modules``
-(switched between train() and eval()), ``params`` (what the optimizer is built over),
-``exported`` (what the final weights are gathered from), ``whole_batches`` (evaluation in
-whole pipeline batches), ``description`` (for the banner) and ``has_moe``.
+"""What `meshfit train`'s loop trains, behind one interface: the model prepared whole
+(`ModelSteps`: one forward and backward per micro-batch) or, under pp > 1, this rank's
+pipeline stages (`PipelineSteps`: a schedule over all of a batch's micro-batches), built by
+`prepare_steps`. Each gives the loop ``accumulate()``, ``forward_backward(x, y, accum)`` (the
+cross-entropy, for the metrics), ``eval_loss(x, y)``, ``clip(max_norm)``,
+``after_step(step, out_dir)``, and ``modules`` (switched between train() and eval()),
+``params`` (what the optimizer is built over), ``exported`` (what the final weights are
+gathered from), ``whole_batches`` (evaluation in whole pipeline batches), ``description``
+(for the banner) and ``has_moe``.
 """
 
 from __future__ import annotations
@@ -37,10 +35,8 @@ class ModelSteps:
 
     def __init__(self, acc: Accelerator, model: torch.nn.Module, loss):
         self.acc, self.model, self.loss = acc, model, loss
-        self.modules = [model]  # switched between train() and eval()
-        self.params = model  # what the optimizer's parameter groups are built from
+        self.modules, self.params, self.exported = [model], model, model
         self.description = ""
-        self.exported = model  # what the final weights are gathered from
         self.moes = _gpt_moes(model)
 
     def accumulate(self):

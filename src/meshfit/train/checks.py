@@ -1,8 +1,7 @@
-"""The checks every [section] of a run's config applies to its values, and how `meshfit
-train` spells the layout's fields in its errors. No torch: a bad value is refused before
-torch loads.
-
-Each check raises a one-line ValueError naming ``section.key``, the value and what it must be.
+"""The value checks of a run's config sections and of `meshfit generate`'s sampling settings,
+and how `meshfit train` spells the layout's fields in its errors. No torch: a bad value is
+refused before torch loads. Each check raises a one-line ValueError naming the key (or flag),
+the value and what it must be.
 """
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ from typing import Any
 
 from meshfit.distributed.dims import AXES
 
-__all__ = ["LAYOUT_NAMES", "check_bool", "check_choice", "check_number", "check_positive"]
+__all__ = ["LAYOUT_NAMES", "check_bool", "check_choice", "check_number", "check_positive",
+           "check_sampling"]
 
 # How `meshfit train` spells the layout's fields in its errors (see `meshfit.parallel.layout`).
 LAYOUT_NAMES = {
@@ -49,3 +49,15 @@ def check_bool(section: str, name: str, value: Any) -> None:
     """true or false (TOML's booleans, not 0 and 1)."""
     if not isinstance(value, bool):
         raise ValueError(f"{section}.{name}={value!r} must be true or false")
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """`meshfit generate`'s and `meshfit.train.generate.generate_ids`' settings."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={max_new_tokens!r} must be an integer >= 0")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and temperature >= 0):
+        raise ValueError(f"--temperature={temperature!r} must be a number >= 0 (0: greedy)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"--top-k={top_k!r} must be an integer >= 0 (0: no top-k cut)")

@@ -1,11 +1,8 @@
-"""A run's configuration: frozen dataclasses, one per [section] of the TOML file, each value
-checked in ``__post_init__`` with an error that names the field, the value and the fix.
-
-Every field has one spelling; `meshfit.train.configfile` reads them from TOML plus
-``--section.key=value`` overrides (unknown sections and keys are rejected and listed).
-`RunConfig` adds the figures that follow from its fields (accumulation, micro-batches, the
-`Layout`); what needs more than the fields — the tokenizer, the token splits, the checks
-against a world size — it hands to `meshfit.train.tokens` and `meshfit.train.preflight`.
+"""A run's configuration: frozen dataclasses, one per [section] of the TOML file
+(`meshfit.train.configfile` reads them), each value checked in ``__post_init__`` with an error
+that names the key, the value and the fix. `RunConfig` adds what follows from its fields
+(accumulation, micro-batches, the `Layout`, the tokenizer and token splits). No torch at load:
+a bad value is refused before torch loads.
 """
 
 from __future__ import annotations
@@ -16,8 +13,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-# No torch below: a bad value is refused before torch loads (the modules that build and run
-# the model are imported where they are used).
 from meshfit.data.corpus import data_source
 from meshfit.models.config import GPTConfig
 from meshfit.optim_names import OPTIMIZERS
@@ -354,10 +349,13 @@ class RunConfig:
                                 vocab_size=self.vocab_size(), **self.model.overrides())
 
     def tokenizer(self):
-        """The run's tokenizer ([data] tokenizer: bytes, or a Hugging Face tokenizer)."""
-        from meshfit.train.tokens import run_tokenizer
+        """The run's tokenizer: bytes ([data] tokenizer "" or "bytes"), or a Hugging Face
+        tokenizer folder or tokenizer.json."""
+        from meshfit.data import ByteTokenizer, load_tokenizer
 
-        return run_tokenizer(self.data)
+        if self.data.tokenizer in ("", "bytes"):
+            return ByteTokenizer()
+        return load_tokenizer(self.data.tokenizer)
 
     def vocab_size(self) -> int:
         """Token ids the run's tokenizer gives (the reference GPT's vocabulary)."""
@@ -366,9 +364,12 @@ class RunConfig:
     def load_tokens(self):
         """The run's token splits ([data]: text files, a datasets dataset or the built-in
         corpus, through the run's tokenizer; cached)."""
-        from meshfit.train.tokens import load_run_tokens
+        from meshfit.data import load_tokens
 
-        return load_run_tokens(self.data)
+        d = self.data
+        return load_tokens(d.path or None, cache_dir=d.cache_dir or None,
+                           tokenizer=self.tokenizer(), hf_dataset=d.hf_dataset or None,
+                           text_column=d.text_column)
 
     def validate_for(self, world_size: int, local_world_size: int | None = None) -> Layout:
         """Checks that need the number of processes (run before launching any); returns the

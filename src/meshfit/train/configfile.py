@@ -1,8 +1,6 @@
-"""A run's config read from TOML plus ``--section.key=value`` overrides: `load_config` (a file
-and the command line's overrides) and `build_config` (nested dicts). Unknown sections and keys
-are rejected and listed; each value is checked by its section's dataclass
-(`meshfit.train.config`). No torch: a bad file is refused before torch loads.
-"""
+"""A run's config read from TOML plus ``--section.key=value`` overrides (`load_config`) or
+from nested dicts (`build_config`): unknown sections and keys are rejected and listed, each
+value is checked by its section's dataclass (`meshfit.train.config`). No torch."""
 
 from __future__ import annotations
 

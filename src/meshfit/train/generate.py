@@ -1,26 +1,22 @@
-"""Use a trained model: sample text from it (``meshfit generate``) and measure its loss on
-held-out text (``meshfit eval``).
+"""A trained model used: text sampled from it (``meshfit generate``) and its loss on held-out
+text (``meshfit eval``); `load_model` loads what RUN_OR_MODEL names.
 
     model, tok = load_model_folder("runs/x/model")
     print(generate(model, tok, "def main(", max_new_tokens=200, temperature=0.8, seed=0))
 
-The reference GPT decodes through its key/value cache (`GPT.forward_cached`); a transformers
-model through its own ``generate``; any other model by a full forward per new token.
-Sampling: temperature 0 is greedy (argmax); otherwise the logits are divided by the
+The reference GPT decodes through its key/value cache (`GPT.forward_cached`; past its
+`max_seq_len` the window slides: the cache is rebuilt from the last half-context tokens); a
+transformers model through its own ``generate``; any other model by a full forward per new
+token. Sampling: temperature 0 is greedy (argmax); otherwise the logits are divided by the
 temperature, cut to the `top_k` most likely tokens when `top_k` is set (0 or None: no cut),
 and one token is drawn from a generator seeded with `seed`, so the same seed gives the same
 text. Decoding stops after `max_new_tokens` or at the tokenizer's end-of-sequence token
-(when it has one; the byte tokenizer has none). Past the reference GPT's context
-(`max_seq_len`) the window slides: the cache is rebuilt from the last half-context tokens.
-
-`load_model` loads what RUN_OR_MODEL names; the commands' arguments and printing are in
-`meshfit.cli.generate`.
+(when it has one; the byte tokenizer has none).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,24 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfit.train.sampling import check_sampling
+from meshfit.models import GPT
+from meshfit.train.checks import check_sampling
+from meshfit.train.models import _is_hf
 
 __all__ = ["context_length", "evaluate_loss", "generate", "generate_ids", "load_model",
            "resolve_model"]
 
 
 # ---------------------------------------------------------------------------- helpers
-def _is_hf(model: nn.Module) -> bool:
-    hf = sys.modules.get("transformers")
-    return hf is not None and isinstance(model, hf.PreTrainedModel)
-
-
-def _is_gpt(model: nn.Module) -> bool:
-    from meshfit.models import GPT
-
-    return isinstance(model, GPT)
-
-
 def _device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -55,7 +42,7 @@ def _device(model: nn.Module) -> torch.device:
 def context_length(model: nn.Module) -> int | None:
     """The longest sequence the model takes: GPT's max_seq_len, a transformers config's
     max_position_embeddings / n_positions; None when unknown."""
-    if _is_gpt(model):
+    if isinstance(model, GPT):
         return model.config.max_seq_len
     config = getattr(model, "config", None)
     for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
@@ -104,7 +91,7 @@ def generate_ids(model: nn.Module, prompt_ids, *, max_new_tokens: int = 200,
         if _is_hf(model):
             return _generate_hf(model, prompt, max_new_tokens, temperature, top_k, seed, eos_id)
         gen = torch.Generator(device=device).manual_seed(seed)
-        if _is_gpt(model):
+        if isinstance(model, GPT):
             return _generate_gpt(model, prompt, max_new_tokens, temperature, top_k, gen, eos_id)
         return _generate_plain(model, prompt, max_new_tokens, temperature, top_k, gen, eos_id)
     finally:

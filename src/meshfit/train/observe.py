@@ -1,20 +1,14 @@
-"""What a `meshfit train` run shows of itself, per logged step: the figures beyond loss and
-throughput (gradient norm, tokens/s per device, MFU, peak memory per rank, the share of the
-step spent waiting for data), and where they go (OUT/metrics.jsonl always; the trackers of
-``[log] with``; a progress bar on a terminal, plain lines when the output is not one —
-``nohup``, a batch scheduler's log file).
+"""What a `meshfit train` run shows of itself per logged step beyond loss and throughput
+(gradient norm, tokens/s per device, MFU, peak memory per rank, the share of the step spent
+waiting for data), and where it goes (OUT/metrics.jsonl always; the trackers of ``[log]
+with``; a progress bar on a terminal, plain lines otherwise: ``nohup``, a batch log file).
 
 MFU (model FLOPs utilisation, PaLM's definition): achieved model FLOP/s over the devices'
-peak, model FLOPs per token from the model's shape (``6 N + 12 L d T``,
-`meshfit.memory.ModelShape.flops_per_token`: recomputation not counted), the peak from
+peak; model FLOPs per token from the model's shape (``6 N + 12 L d T``,
+`meshfit.memory.ModelShape.flops_per_token`: recomputation not counted); the peak from
 ``[log] calibration`` (a `meshfit calibrate` file: measured matmul FLOP/s of the training
 dtype) or the data sheet of a known GPU (`meshfit.plan.DEVICES`); none on a CPU without a
 calibration (reported as null / "n/a").
-
-Peak memory: on CUDA the caching allocator's peak of allocated bytes since the last logged
-step (`torch.cuda.max_memory_allocated`, reset after each report); on the CPU the process's
-peak resident set size since it started (`resource.getrusage` — the kernel keeps no
-resettable peak), so it only grows.
 """
 
 from __future__ import annotations
@@ -67,7 +61,10 @@ def device_peak_flops(device: torch.device, mixed_precision: str, calibration: s
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """This process's peak memory (see the module docstring); resets the CUDA peak."""
+    """This process's peak memory: on CUDA the allocator's peak of allocated bytes since the
+    last call (`torch.cuda.max_memory_allocated`, reset here); on the CPU the peak resident
+    set size since the process started (`resource.getrusage`: the kernel keeps no resettable
+    peak), so it only grows."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
 
-from meshfit.parallel.pp import SCHEDULES, bubble_fraction, bubble_ratio, \
-    theoretical_bubble
+from meshfit._files import atomic_write_bytes, atomic_write_text
+from meshfit.parallel.pp import SCHEDULES, bubble_fraction, bubble_ratio, theoretical_bubble
+from meshfit.train.plot import figure_class
 
 __all__ = ["META_FILE", "TIMINGS_FILE", "CHART_FILE", "PHASES", "write_run",
            "read_run", "measure", "describe", "draw"]
@@ -53,29 +54,15 @@ def _shade(colour: str, chunk: int) -> tuple[float, float, float]:
 # ---------------------------------------------------------------------------- files
 def write_run(out_dir, meta: dict, timings: Sequence[dict]) -> None:
     """Write `pipeline.json` and `pipeline_timings.jsonl` into `out_dir` (created if needed),
-    each atomically (a temporary file, then os.replace): a reader never sees half a file."""
+    each atomically: a reader never sees half a file."""
     _check_meta(meta, "meta")
     _check_timings(timings, meta, "timings")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / META_FILE, json.dumps({k: meta[k] for k in _META_KEYS}, indent=1) + "\n")
-    _atomic_write(out / TIMINGS_FILE,
-                  "".join(json.dumps({k: t[k] for k in _TIMING_KEYS}) + "\n" for t in timings))
-
-
-def _atomic_write(path: Path, text: str | bytes) -> None:
-    """`text` into `path` through a temporary file beside it, flushed to disk (fsync) before
-    the rename; the temporary file is removed on every exit path."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = text if isinstance(text, bytes) else text.encode("utf-8")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(out / META_FILE,
+                      json.dumps({k: meta[k] for k in _META_KEYS}, indent=1) + "\n")
+    atomic_write_text(out / TIMINGS_FILE, "".join(
+        json.dumps({k: t[k] for k in _TIMING_KEYS}) + "\n" for t in timings))
 
 
 def read_run(run_dir) -> tuple[dict, list[dict]]:
@@ -230,17 +217,6 @@ def describe(summary: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the chart
-def _figure_class():
-    # A bare Figure (no pyplot): it renders to a file with Agg, needs no display, and leaves
-    # the caller's pyplot backend and open figures alone.
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ValueError('drawing the chart needs matplotlib; pip install "meshfit[chart]"') \
-            from None
-    return Figure
-
-
 def draw(run_dir, out_png=None, step: int | None = None) -> tuple[Path, dict]:
     """Draw one step of the run in `run_dir` (default: the last recorded) to `out_png`
     (default RUN/pipeline_chart.png); return (png path, summary). The summary holds
@@ -256,7 +232,7 @@ def draw(run_dir, out_png=None, step: int | None = None) -> tuple[Path, dict]:
     summary["step"] = step
     out = Path(out_png) if out_png is not None else Path(run_dir) / CHART_FILE
     _check_out(out)
-    fig = _figure(_figure_class(), meta, [t for t in timings if t["step"] == step], summary)
+    fig = _figure(figure_class("drawing the chart"), meta, [t for t in timings if t["step"] == step], summary)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -265,9 +241,10 @@ def draw(run_dir, out_png=None, step: int | None = None) -> tuple[Path, dict]:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=_DPI)
     try:
-        _atomic_write(out, buf.getvalue())
-    except OSError as err:
-        raise ValueError(f"--out={str(out)!r}: cannot write the chart ({err.strerror or err}); "
+        atomic_write_bytes(out, buf.getvalue())
+    except OSError as err:  # `WriteFailed`, with the errno of the failed write
+        reason = os.strerror(err.errno) if err.errno else err
+        raise ValueError(f"--out={str(out)!r}: cannot write the chart ({reason}); "
                          "give a writable path") from None
     return out, summary
 

@@ -1,39 +1,30 @@
-"""`meshfit plan --validate K`: run the top K plans' layouts here and set what they measure
-beside what the planner predicted.
+"""`meshfit plan --validate K`: the top K plans' layouts run here, what they measure set
+beside what the planner predicted (one row per plan: layout, predicted_bytes, measured_bytes,
+predicted_step_s, measured_step_s, bytes_error, time_error, skipped).
 
-    rows = validate(result.plans[:K], model="tiny", seq_len=256, global_batch_size=16,
-                    dtype="fp32", steps=3, nproc=4)
-    # [{"layout", "predicted_bytes", "measured_bytes", "predicted_step_s",
-    #   "measured_step_s", "bytes_error", "time_error", "skipped"}, ...]
-
-All plans that can run (those whose world size is `nproc`) run in ONE start of `nproc` local
-processes (a process group on 127.0.0.1, the backend and device `meshfit.distributed.init`
-picks: NCCL and one GPU per process where CUDA is, gloo and the CPU otherwise or with
-MESHFIT_CPU=1), one plan after another, each through `Accelerator` as `meshfit train` runs
-it (`prepare` or `prepare_pipeline` with the plan's schedule and micro-batches, the plan's
-micro-batch size, gradient accumulation to the global batch, activation checkpointing,
-mixed precision) on random tokens, with `optimizer` (AdamW by default). The model is built
-from MODEL as `meshfit plan` reads it (a preset, a transformers config.json or folder, or
-module:function), the same weights on every rank (seed 0).
-
-What is measured, per plan:
+The plans of world size `nproc` run in ONE start of `nproc` local processes (the backend and
+device `meshfit.distributed.init` picks: NCCL and one GPU per process where CUDA is, gloo and
+the CPU otherwise or with MESHFIT_CPU=1), one after another, each through `Accelerator` as
+`meshfit train` runs it (`prepare` or `prepare_pipeline` with the plan's schedule and
+micro-batches, micro-batch size, accumulation to the global batch, activation checkpointing,
+mixed precision) on random tokens, MODEL built as `meshfit plan` reads it (a preset, a
+transformers config.json or folder, or module:function), the same weights on every rank.
 
 - ``measured_step_s``: seconds per optimizer step, every rank waiting for the others at
   both ends (a barrier), the median of the steps after the first (the first builds the
-  optimizer state and, under DDP, its buckets); `steps` >= 2.
+  optimizer state and, under DDP, its buckets);
 - ``measured_bytes``: the peak on the worst rank of what the estimate models: on CUDA,
   `torch.cuda.max_memory_allocated` over the last step (the allocator's figure: it also
   counts temporaries and the cached-but-live blocks of one op); on the CPU, the model
-  states `meshfit.memory.rank_report` counts (parameters, gradients, optimizer state,
-  buffers, after a step, gradients kept) plus the largest net allocation during one more
-  forward and backward, from the profiler's allocation and free events in time order
-  (tests/memory/test_estimate_measured.py measures the same way and states its tolerances).
-  ``predicted_bytes`` is the plan's per-rank total; on the CPU, plus its offloaded bytes
-  (host and device memory are one there).
+  states `meshfit.memory.rank_report` counts (after a step, gradients kept) plus the largest
+  net allocation during one more forward and backward, from the profiler's allocation and
+  free events in time order (tests/memory/test_estimate_measured.py measures the same way
+  and states its tolerances). ``predicted_bytes`` is the plan's per-rank total; on the CPU,
+  plus its offloaded bytes (host and device memory are one there);
 - ``bytes_error`` and ``time_error``: (predicted - measured) / measured.
 
-A plan whose world size is not `nproc` is returned with ``skipped`` set to the reason and
-the measured fields None (a plan for 8 GPUs cannot run on 4 processes).
+A plan of another world size is returned with ``skipped`` set to the reason and the measured
+fields None (a plan for 8 GPUs cannot run on 4 processes).
 """
 
 from __future__ import annotations
@@ -47,10 +38,9 @@ __all__ = ["validate"]
 def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: str,
              steps: int = 3, nproc: int, optimizer: str = "adamw",
              timeout_s: float = 1800.0) -> list[dict]:
-    """Run each of `plans` (`meshfit.plan.Plan`s, e.g. ``search(...).plans[:K]``) whose
-    world size is `nproc` for `steps` optimizer steps on `nproc` local processes and return
-    one row per plan, in order (see the module docstring). `dtype`: "fp32", "bf16" or
-    "fp16" (autocast over fp32 master weights, as the planner assumed)."""
+    """One row per plan of `plans` (e.g. ``search(...).plans[:K]``), in order, each run for
+    `steps` optimizer steps; `dtype`: "fp32", "bf16" or "fp16" (autocast over fp32 master
+    weights, as the planner assumed)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"steps={steps!r} must be an integer >= 2 (the first step is not "
                          "timed)")
@@ -99,8 +89,7 @@ def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: 
 
 # ---------------------------------------------------------------------------- the processes
 def _spawn(nproc: int, args: tuple, timeout_s: float) -> list:
-    """`_run_plans(rank, nproc, *args)` on `nproc` spawned ranks (or in this process for one); each
-    rank's result, in rank order."""
+    """Each rank's `_run_plans(rank, nproc, *args)`, in rank order (one: in this process)."""
     if nproc == 1:
         return [_run_plans(0, 1, *args)]
     from meshfit.distributed.spawn import SpawnError, spawn

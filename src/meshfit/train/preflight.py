@@ -1,14 +1,7 @@
-"""`meshfit train`'s checks before any process is launched: each one a one-line ValueError
-naming the config key, so that a run that cannot work never starts.
-
-* `check_layout`: what needs the number of processes (`RunConfig.validate_for`): the layout,
-  the accumulation, LoRA with model parallelism, the model's plans; no torch unless the
-  layout splits the model (its structure is then built on the meta device);
-* `preflight`: what needs this machine: the device the workers will use (attention kernel,
-  8-bit optimizer), the model source, the data (`check_data`: readable, and enough of it for
-  one global batch and the evaluation); returns warnings (the layout's, tensor-core shapes).
-
-No module-level torch: `check_layout` runs before torch loads.
+"""`meshfit train`'s checks before any process is launched, each a one-line ValueError naming
+the config key, so that a run that cannot work never starts: `check_layout` (what needs the
+number of processes; no torch unless the layout splits the model, whose structure is then
+built on the meta device) and `preflight` (what needs this machine, and the data).
 """
 
 from __future__ import annotations
@@ -88,9 +81,9 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
 # --------------------------------------------------------------------- with this machine
 def preflight(cfg, world_size: int | None = None,
               local_world_size: int | None = None) -> list[str]:
-    """Checks that need this machine (the device the workers will use, installed libraries),
-    run before any process is launched; raises a one-line ValueError, returns warnings
-    (with `world_size`, also the layout's: `meshfit.parallel.layout.Layout.warnings`)."""
+    """Checks that need this machine: the device the workers will use (attention kernel,
+    8-bit optimizer), the model source, with `world_size` the data (`check_data`); returns
+    warnings (tensor-core shapes; with `world_size` also the layout's `Layout.warnings`)."""
     import torch
 
     from meshfit import distributed as mdist
@@ -166,9 +159,9 @@ def check_data(cfg, world_size: int) -> None:
     and the workers reuse it) and hold one global batch of training windows and the
     validation windows the evaluation needs; one-line ValueError otherwise. A training split
     smaller than one batch per data-parallel rank would give every epoch zero batches."""
-    from meshfit.train.tokens import source_name
+    from meshfit.data.corpus import data_source
 
-    source = source_name(cfg.data)
+    source = data_source(cfg.data.path, cfg.data.hf_dataset)  # the [data] key, as errors name it
     splits = _readable_tokens(cfg, source)
     t = cfg.train
     dims = cfg.parallel.dims().resolve(world_size)

@@ -19,7 +19,7 @@ from meshfit.train.config import RunConfig
 from meshfit.train.runfolder import append_line, atomic_write_text
 
 __all__ = ["Checkpoints", "Diverged", "MetricsWriter", "Preempted", "Stalled", "StopOnSignal",
-           "Window", "collective_deadline", "find_checkpoint", "newest_checkpoint"]
+           "Window", "collective_deadline", "find_checkpoint"]
 
 
 class Window:
@@ -133,16 +133,11 @@ class StopOnSignal:
         self.previous = {}
 
 
-def newest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root` (None: there is none)."""
-    from meshfit.checkpoint import latest
-
-    return latest(root)
-
-
 def find_checkpoint(root: Path) -> Path:
     """The newest complete checkpoint under `root`, for --resume (one line if none)."""
-    folder = newest_checkpoint(root)
+    from meshfit.checkpoint import latest
+
+    folder = latest(root)
     if folder is None:
         raise ValueError(f"--resume: {root} holds no complete checkpoint; train with "
                          "--checkpoint.every=N to write some")

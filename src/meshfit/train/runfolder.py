@@ -7,9 +7,8 @@ while a run writes to it, and every file in it replaced atomically.
 
 The lock is ``fcntl.flock`` on ``OUT/.meshfit.lock``, which holds the PID of the process that
 took it. The kernel drops a flock when the process holding it ends, however it ends (kill -9
-included), so a lock left behind by a dead run is free again at once: the file's presence
-means nothing, only the flock does. The lock's descriptor is not inherited by child
-processes.
+included), so a lock left behind by a dead run is free again at once: only the flock means
+anything, not the file. Its descriptor is not inherited by child processes.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ from pathlib import Path
 from typing import Self
 
 from meshfit._files import (WriteFailed, append_line, atomic_write_bytes, atomic_write_text,
-                            new_file_mode)
-from meshfit._files import os_reason
+                            new_file_mode, os_reason)
 
 __all__ = ["LOCK_FILE", "RUN_MARKERS", "RUN_OUTPUTS", "RunLock", "WriteFailed",
            "append_line", "atomic_write_bytes", "atomic_write_text", "check_run_folder",
@@ -148,10 +146,9 @@ def _flock_briefly(fd: int, patience_s: float = 0.25) -> None:
 
 
 class RunLock:
-    """Hold ``OUT/.meshfit.lock`` (creating OUT) while a run writes to OUT. A second run gets
+    """Hold ``OUT/.meshfit.lock`` (creating OUT) while a run writes to OUT; a second run gets
     a one-line ValueError naming the first one's PID. With `overwrite`, once locked, the
-    previous run's outputs (`RUN_OUTPUTS` and their temporary files) are removed; anything
-    else in OUT stays. Released on exit, exceptions included."""
+    previous run's outputs are removed (`remove_run_outputs`). Released on exit."""
 
     def __init__(self, out: Path, *, overwrite: bool = False):
         self.out, self.overwrite = Path(out), overwrite
@@ -189,7 +186,7 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        """Drop the lock (the file stays: its presence means nothing without the flock)."""
+        """Drop the lock (the file stays)."""
         if self.fd is not None:
             fd, self.fd = self.fd, None
             with contextlib.suppress(OSError):
@@ -213,5 +210,3 @@ def remove_run_outputs(out: Path) -> list[str]:
             os.unlink(entry.path)
         removed.append(entry.name)
     return sorted(removed)
-
-

@@ -1,12 +1,8 @@
-"""`meshfit train`: the config-driven training loop, read top to bottom.
-
-Built on `Accelerator`: the same prepare/accumulate/backward calls a user's own loop makes.
-`train` sets the run up (data, model, the Accelerator with the model's plans, optimizer,
-loaders), then `_steps` runs it: each step accumulates, steps the optimizer and the schedule,
-and logs, evaluates, checkpoints and answers a stop signal when due. Rank 0 writes
-``metrics.jsonl`` (one JSON object per logged step, evaluation lines carry ``val_loss``) and
-the resolved ``config.toml`` in the run folder. What the loop trains (a model, or this rank's
-pipeline stages) is behind `meshfit.train.adapters`.
+"""`meshfit train`'s training loop, read top to bottom, on `Accelerator` (the same
+prepare/accumulate/backward calls a user's own loop makes): `train` sets the run up, then
+`_steps` runs it; each step accumulates, steps the optimizer and the schedule, and logs,
+evaluates, checkpoints and answers a stop signal when due. What the loop trains (a model, or
+this rank's pipeline stages) is behind `meshfit.train.adapters`.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from meshfit.accelerator import Accelerator
+from meshfit.checkpoint import latest
 from meshfit.data import TokenDataset
 from meshfit.distributed import DistEnv, init
 from meshfit.parallel.ep import moe_modules
@@ -29,7 +26,7 @@ from meshfit.train.config import RunConfig
 from meshfit.train.models import build_model, plans, resolve_plan, write_final_model
 from meshfit.train.observe import RunReporter, timed_batches
 from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, StopOnSignal, Window,
-                               collective_deadline, find_checkpoint, newest_checkpoint)
+                               collective_deadline, find_checkpoint)
 
 __all__ = ["build_accelerator", "build_optimizer", "lr_lambda", "train"]
 
@@ -94,23 +91,18 @@ class _Loop:
 
     acc: Accelerator
     cfg: RunConfig
-    trained: object
-    """The step adapter (`meshfit.train.adapters`)."""
+    trained: object  # the step adapter (`meshfit.train.adapters`)
     optimizer: torch.optim.Optimizer
     scheduler: object
     val_loader: object
     out_dir: Path
-    exchanges: list
-    """Expert-parallel exchanges, timed for the routing metrics."""
+    exchanges: list  # expert-parallel exchanges, timed for the routing metrics
     checkpoints: Checkpoints
-    accum: int
-    """Micro-batches per optimizer step on each rank."""
+    accum: int  # micro-batches per optimizer step on each rank
     writer: MetricsWriter
     progress: RunReporter
-    batches: object
-    """The endless stream of training batches."""
-    wait: list
-    """[seconds spent waiting for batches in this window]."""
+    batches: object  # the endless stream of training batches
+    wait: list  # [seconds spent waiting for batches in this window]
     window: Window
 
 
@@ -221,7 +213,7 @@ def _resumes(env: DistEnv, root: Path, resume: bool) -> bool:
     if resume:
         find_checkpoint(root)
         return True
-    if env.restart and newest_checkpoint(root) is not None:
+    if env.restart and latest(root) is not None:
         if env.rank == 0:
             print(f"meshfit train: restart {env.restart} of the workers")
         return True
