@@ -11,7 +11,6 @@ import math
 from pathlib import Path
 
 from meshfit.cli import OneLineParser
-from meshfit.train.checks import check_sampling
 
 __all__ = ["cmd_eval", "cmd_export", "cmd_generate"]
 
@@ -55,6 +54,8 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="the sampling seed: same seed, same text (default 0)")
     ns = p.parse_args(argv)
+    from meshfit.train.config import check_sampling
+
     if not ns.prompt:
         raise ValueError("--prompt='' is empty; give the text to continue, e.g. "
                          "--prompt 'def main('")

@@ -69,7 +69,7 @@ def add_accelerate_flags(parser: argparse.ArgumentParser) -> None:
                         "MESHFIT_CPU=1)")
 
 
-def cmd_launch(argv: list[str]) -> int:
+def _launch_parser() -> argparse.ArgumentParser:
     p = OneLineParser("meshfit launch", "Start a training script on N processes per node "
                       "(torch.distributed.run). accelerate launch's common flags work too; "
                       "inside a SLURM job the nodes, this node's rank, processes per node and "
@@ -80,7 +80,11 @@ def cmd_launch(argv: list[str]) -> int:
                    help="run the target as a Python module (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    ns = p.parse_args(argv)
+    return p
+
+
+def cmd_launch(argv: list[str]) -> int:
+    ns = _launch_parser().parse_args(argv)
     cfg, env, notes = launch.config_from_args(ns)
     if not ns.module and not Path(ns.script).is_file():
         raise ValueError(f"script={ns.script!r} is not a file; give the path of a Python "

@@ -17,8 +17,8 @@ meaning (``--num_processes`` is the total over all machines); ``--mixed_precisio
 the node count, this node's rank, the processes per node and the rendezvous address and port
 come from ``SLURM_*`` variables for whatever the flags leave open.
 
-    config.py     `LaunchConfig`: what to start where; the GPUs the workers see
-    resolve.py    the settings from the flags, accelerate's flags, SLURM and the defaults
+    resolve.py    `LaunchConfig` (what to start where) from the flags, accelerate's flags,
+                  SLURM and the defaults; the GPUs the workers see
     slurm.py      what a SLURM job's variables say (node lists, tasks per node, rendezvous)
     network.py    rendezvous stores on loopback only; node 0's port checked before starting
     torchrun.py   torchrun's arguments; `run`: the job through torch.distributed.run
@@ -29,9 +29,8 @@ No module imports torch when it loads: a bad flag is refused before torch is imp
 command lines (flags, help, printing) are in `meshfit.cli.launch` and `meshfit.cli.train`.
 """
 
-from meshfit.launch.config import LaunchConfig, gpu_environment
 from meshfit.launch.network import master_port_in_use
-from meshfit.launch.resolve import config_from_args
+from meshfit.launch.resolve import LaunchConfig, config_from_args, gpu_environment
 from meshfit.launch.slurm import expand_nodelist, expand_tasks_per_node
 from meshfit.launch.torchrun import run
 

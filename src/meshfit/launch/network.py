@@ -7,7 +7,7 @@ import contextlib
 import ipaddress
 import socket
 
-from meshfit.launch.config import LaunchConfig
+from meshfit.launch.resolve import LaunchConfig
 
 __all__ = ["is_loopback", "loopback_stores", "master_port_in_use"]
 
@@ -22,9 +22,9 @@ def is_loopback(host: str) -> bool:
 
 @contextlib.contextmanager
 def loopback_stores():
-    """Make every TCPStore server the launcher starts for a loopback address listen on
-    that address only. PyTorch's TCPStore server listens on every interface whatever address it is given
-    (measured with torch 2.13: ``*:PORT`` for host "127.0.0.1"), so a single-node job's
+    """Make every TCPStore server the launcher starts for a loopback address listen on that
+    address only. PyTorch's TCPStore server listens on every interface whatever address it is
+    given (measured with torch 2.13: ``*:PORT`` for host "127.0.0.1"), so a single-node job's
     rendezvous — which holds the job's keys and barriers — would be reachable from the
     network. torch accepts an already listening socket instead (``master_listen_fd``); the
     launcher's stores (static rendezvous, c10d rendezvous backend, the workers' shared store)

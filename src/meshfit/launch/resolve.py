@@ -1,4 +1,5 @@
-"""The launch settings from the parsed flags and the environment: one resolver per setting.
+"""What a launch starts where (`LaunchConfig`, checked as it is built), resolved from the
+parsed flags and the environment (`config_from_args`), one resolver per setting.
 
 Each setting comes from meshfit's flag, else `accelerate launch`'s (both given and different:
 refused), else SLURM (unless --no-slurm), else the default. A resolver returns its setting
@@ -7,6 +8,8 @@ them in the order their refusals are checked: accelerate's own rules, the flags 
 setting twice, the GPUs, SLURM, then nodes, this node's rank, processes per node and the
 rendezvous. The namespace is `meshfit launch`'s or `meshfit train`'s (`meshfit.cli.launch`;
 meshfit's launch flags are None where not given, accelerate's exist for `meshfit launch` only).
+``--gpus 0,2`` exposes those devices, in that order, to the workers, as the multi-GPU guide
+does by hand with ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
 """
 
 from __future__ import annotations
@@ -17,12 +20,78 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from meshfit.launch.config import (LaunchConfig, gpu_environment, parse_gpus,
-                                   visible_cuda_devices)
 from meshfit.launch.slurm import SlurmFacts, slurm_facts
 
-__all__ = ["ACCELERATE_PRECISIONS", "AccelerateFlags", "Given", "accelerate_flags",
-           "config_from_args", "given_settings", "worker_environment"]
+__all__ = ["ACCELERATE_PRECISIONS", "AccelerateFlags", "Given", "LaunchConfig",
+           "accelerate_flags", "config_from_args", "given_settings", "gpu_environment",
+           "parse_gpus", "visible_cuda_devices", "worker_environment"]
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    nproc: int = 1
+    """Worker processes on this node (torchrun's --nproc-per-node)."""
+    nnodes: int = 1
+    """Number of nodes (machines) in the job."""
+    node_rank: int = 0
+    """This node's rank among the nodes, 0 .. nnodes-1."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, which hosts the rendezvous store."""
+    master_port: int | None = None
+    """Port of the rendezvous store; None: a free port (single node only)."""
+    max_restarts: int = 0
+    """How often the agent restarts the whole group after a worker fails."""
+    gpus: tuple[int, ...] | None = None
+    """CUDA devices to use, in this order (None: all visible ones)."""
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank={self.node_rank} must be in 0..{self.nnodes - 1} "
+                             f"(--nnodes={self.nnodes})")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts={self.max_restarts} must be >= 0")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port={self.master_port} must be in 1..65535")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("--master-port is required with --nnodes > 1: every node must "
+                             "name the same port on --master-addr")
+
+
+def parse_gpus(text: str, flag: str = "--gpus") -> tuple[int, ...]:
+    """``0,2`` -> (0, 2): distinct device indices, as `flag` gives them."""
+    try:
+        ids = tuple(int(x) for x in text.split(",") if x.strip() != "")
+    except ValueError:
+        raise ValueError(f"{flag}={text!r} must be a comma-separated list of device indices, "
+                         f"e.g. {flag} 0,2") from None
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ValueError(f"{flag}={text!r} must list distinct device indices >= 0, e.g. 0,2")
+    return ids
+
+
+def gpu_environment(gpus: tuple[int, ...], nproc: int, available: int) -> dict[str, str]:
+    """Environment that exposes `gpus`, in that order, to the workers."""
+    missing = [g for g in gpus if g >= available]
+    if missing:
+        have = f"devices 0..{available - 1}" if available else "no CUDA devices"
+        raise ValueError(f"--gpus names device(s) {','.join(map(str, missing))} but this machine "
+                         f"has {have}; list only existing devices (nvidia-smi -L shows them)")
+    if nproc > len(gpus):
+        raise ValueError(f"--nproc={nproc} is more than the {len(gpus)} device(s) in --gpus; "
+                         "start one process per device")
+    # PCI bus order: the indices are nvidia-smi's (CUDA's default is fastest first).
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
+
+
+def visible_cuda_devices() -> int:
+    """CUDA devices this machine has, counted in PCI bus order before any selection."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
 
 ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 """``accelerate launch --mixed_precision`` choices (Accelerate 1.15); meshfit runs no fp8."""
@@ -78,19 +147,6 @@ def accelerate_flags(ns: argparse.Namespace) -> AccelerateFlags:
     return AccelerateFlags(**given, free_port=free, multi_gpu=multi_gpu, cpu=cpu)
 
 
-def _pick(name: str, mine, mine_flag: str, theirs, theirs_flag: str) -> Given:
-    """The value of one setting given as meshfit's flag and/or accelerate's; both given with
-    different values is refused."""
-    if mine is not None and theirs is not None and mine != theirs:
-        raise ValueError(f"{mine_flag}={mine} and {theirs_flag}={theirs} both set {name} and "
-                         "disagree; give one of them")
-    if mine is not None:
-        return Given(mine, f"{mine_flag}={mine}")
-    if theirs is not None:
-        return Given(theirs, f"{theirs_flag}={theirs}")
-    return Given(None, "")
-
-
 _SHARED = {  # setting: (what it is, accelerate's flag for it)
     "nnodes": ("the number of nodes", "num_machines"),
     "node_rank": ("this node's rank", "machine_rank"),
@@ -99,10 +155,19 @@ _SHARED = {  # setting: (what it is, accelerate's flag for it)
 
 
 def given_settings(ns: argparse.Namespace, acc: AccelerateFlags) -> dict[str, Given]:
-    """The settings that both meshfit's flags and accelerate's name, as given."""
-    out = {name: _pick(what, getattr(ns, name), f"--{name.replace('_', '-')}",
-                       getattr(acc, theirs), f"--{theirs}")
-           for name, (what, theirs) in _SHARED.items()}
+    """The settings that both meshfit's flags and accelerate's name, as given; both given
+    with different values is refused."""
+    out = {}
+    for name, (what, theirs) in _SHARED.items():
+        mine, mine_flag = getattr(ns, name), f"--{name.replace('_', '-')}"
+        other, other_flag = getattr(acc, theirs), f"--{theirs}"
+        if mine is not None and other is not None and mine != other:
+            raise ValueError(f"{mine_flag}={mine} and {other_flag}={other} both set {what} and "
+                             "disagree; give one of them")
+        if mine is not None:
+            out[name] = Given(mine, f"{mine_flag}={mine}")
+        else:
+            out[name] = Given(other, "" if other is None else f"{other_flag}={other}")
     if acc.free_port and ns.master_port is not None:
         raise ValueError(f"--master-port={ns.master_port} and --main_process_port=0 (a free "
                          "port) disagree; give one of them")
@@ -169,27 +234,22 @@ def resolve_node_rank(given: Given, nnodes_given: Given, nnodes: int,
     return node_rank, note
 
 
-def _per_node(acc: AccelerateFlags, nnodes: int) -> int | None:
-    """Processes per node from accelerate's --num_processes (a total over the machines)."""
-    if acc.num_processes is None:
-        return None
-    total = acc.num_processes
-    if total % nnodes:
-        raise ValueError(f"--num_processes={total} is the total over all {nnodes} machines "
-                         "(accelerate's meaning) and must be a multiple of it")
-    if acc.multi_gpu and total < 2:  # accelerate's own rule
-        raise ValueError(f"--multi_gpu needs at least 2 processes; --num_processes={total}")
-    return total // nnodes
-
-
 def resolve_nproc(ns: argparse.Namespace, acc: AccelerateFlags, nnodes: int,
                   slurm: SlurmFacts | None) -> tuple[int, str]:
-    """Processes on this node: --nproc, else --num_processes / machines, else SLURM (one per
-    GPU of this node; on CPU nodes, or with --cpu, the job's tasks per node), else 1."""
-    per_node = _per_node(acc, nnodes)
+    """Processes on this node: --nproc, else accelerate's --num_processes (a total over the
+    machines) / machines, else SLURM (one per GPU of this node; on CPU nodes, or with --cpu,
+    the job's tasks per node), else 1."""
+    per_node, total = None, acc.num_processes
+    if total is not None:
+        if total % nnodes:
+            raise ValueError(f"--num_processes={total} is the total over all {nnodes} machines "
+                             "(accelerate's meaning) and must be a multiple of it")
+        if acc.multi_gpu and total < 2:  # accelerate's own rule
+            raise ValueError(f"--multi_gpu needs at least 2 processes; --num_processes={total}")
+        per_node = total // nnodes
     if ns.nproc is not None and per_node is not None and ns.nproc != per_node:
         raise ValueError(f"--nproc={ns.nproc} (processes per node) and --num_processes="
-                         f"{acc.num_processes} ({per_node} per node over {nnodes} machine(s)) "
+                         f"{total} ({per_node} per node over {nnodes} machine(s)) "
                          "disagree; give one of them")
     nproc = ns.nproc if ns.nproc is not None else per_node
     if nproc is not None or slurm is None:
@@ -223,12 +283,6 @@ def resolve_master_port(given: Given, acc: AccelerateFlags, nnodes: int,
     return port, note
 
 
-def _check_multi_gpu(acc: AccelerateFlags) -> None:
-    if acc.multi_gpu and visible_cuda_devices() == 0:
-        raise ValueError("--multi_gpu: this machine has no CUDA devices; drop it (meshfit "
-                         "launch starts the processes either way) or use --cpu")
-
-
 def worker_environment(gpus: tuple[int, ...] | None, nproc: int,
                        acc: AccelerateFlags) -> dict[str, str]:
     """What the workers' environment gains: the chosen GPUs, and accelerate's
@@ -255,7 +309,9 @@ def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] | None =
     nproc, nproc_note = resolve_nproc(ns, acc, nnodes, slurm)
     addr, addr_note = resolve_master_addr(given["master_addr"], nnodes, slurm)
     port, port_note = resolve_master_port(given["master_port"], acc, nnodes, slurm)
-    _check_multi_gpu(acc)
+    if acc.multi_gpu and visible_cuda_devices() == 0:
+        raise ValueError("--multi_gpu: this machine has no CUDA devices; drop it (meshfit "
+                         "launch starts the processes either way) or use --cpu")
     cfg = LaunchConfig(nproc=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=addr,
                        master_port=port, max_restarts=ns.max_restarts, gpus=gpus)
     env = worker_environment(gpus, cfg.nproc, acc)

@@ -8,8 +8,8 @@ import os
 import sys
 
 from meshfit.distributed.spawn import free_port
-from meshfit.launch.config import LaunchConfig
 from meshfit.launch.network import is_loopback, loopback_stores
+from meshfit.launch.resolve import LaunchConfig
 from meshfit.launch.workers import (LAUNCHER_PID_ENV, MAX_RESTARTS_ENV, RESTART_ENV,
                                     failure_summary, quiet_agent, stopping_workers)
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models import GPT
-from meshfit.train.checks import check_sampling
+from meshfit.train.config import check_sampling
 from meshfit.train.models import _is_hf
 
 __all__ = ["context_length", "evaluate_loss", "generate", "generate_ids", "load_model",

@@ -232,7 +232,8 @@ def draw(run_dir, out_png=None, step: int | None = None) -> tuple[Path, dict]:
     summary["step"] = step
     out = Path(out_png) if out_png is not None else Path(run_dir) / CHART_FILE
     _check_out(out)
-    fig = _figure(figure_class("drawing the chart"), meta, [t for t in timings if t["step"] == step], summary)
+    entries = [t for t in timings if t["step"] == step]
+    fig = _figure(figure_class("drawing the chart"), meta, entries, summary)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
