@@ -206,7 +206,7 @@ def test_the_graph_sees_deferred_imports():
 TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
               "meshfit.cli.launch", "meshfit.cli.train",
               "meshfit.cli.generate", "meshfit.cli.plan", "meshfit.cli.calibrate",
-              "meshfit.cli.charts", "meshfit.cli.env", "meshfit.launch",
+              "meshfit.cli.env", "meshfit.launch",
               "meshfit.launch.network", "meshfit.launch.resolve", "meshfit.launch.slurm",
               "meshfit.launch.torchrun", "meshfit.launch.workers", "meshfit.train",
               "meshfit.train.config",

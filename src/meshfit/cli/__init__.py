@@ -7,10 +7,9 @@ The work itself is in the packages below (`meshfit.train`, `meshfit.launch`, `me
                   of commands, --help, --version, and how a command's error ends it
     launch.py     ``meshfit launch``, and the launch flags `meshfit train` shares
     train.py      ``meshfit train``, in this process or on workers (``--worker``)
-    generate.py   ``meshfit export``, ``generate`` and ``eval``
+    generate.py   ``meshfit export``, ``generate``, ``eval``, ``plot`` and ``pipeline-chart``
     plan.py       ``meshfit estimate`` and ``plan``
     calibrate.py  ``meshfit calibrate``: its arguments, its workers, its table
-    charts.py     ``meshfit plot`` and ``pipeline-chart``
     env.py        ``meshfit env``: versions, devices and variables for a bug report
 
 No module imports torch when it loads: a bad argument is refused before torch is imported

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 from meshfit.cli.calibrate import cmd_calibrate
-from meshfit.cli.charts import cmd_pipeline_chart, cmd_plot
 from meshfit.cli.env import cmd_env
-from meshfit.cli.generate import cmd_eval, cmd_export, cmd_generate
+from meshfit.cli.generate import cmd_eval, cmd_export, cmd_generate, cmd_pipeline_chart, cmd_plot
 from meshfit.cli.launch import cmd_launch
 from meshfit.cli.plan import cmd_estimate, cmd_plan
 from meshfit.cli.train import cmd_train
@@ -24,7 +24,7 @@ COMMANDS = {"launch": cmd_launch, "train": cmd_train, "export": cmd_export,
             "pipeline-chart": cmd_pipeline_chart, "generate": cmd_generate, "eval": cmd_eval,
             "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate,
             "plot": cmd_plot, "env": cmd_env}
-SUMMARIES = {
+SUMMARIES = {  # one line per command for ``meshfit --help`` (a test checks each has one)
     "launch": "start a script on N processes per node (torchrun; accelerate launch's flags; "
               "SLURM)",
     "train": "train a model from a TOML config (+ --section.key=value overrides)",
@@ -38,7 +38,6 @@ SUMMARIES = {
     "plot": "draw runs' loss, validation loss, throughput and memory against tokens",
     "env": "versions, devices and backends to paste into a bug report",
 }
-"""One line per command for ``meshfit --help`` (a test checks every command has one)."""
 
 
 def _help() -> str:
@@ -53,8 +52,6 @@ def _one_line_warnings(prefix: str) -> None:
     """meshfit's own warnings (a rebuilt token cache, a skipped file, ...) as one line
     ``<prefix>: warning: <message>`` on stderr, without Python's source-line echo; other
     libraries' warnings keep Python's format."""
-    import warnings
-
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     shown = warnings.showwarning
 

@@ -10,6 +10,7 @@ cluster), on `meshfit.memory.estimate` and `meshfit.plan.search`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -237,8 +238,6 @@ def _plan_parser() -> argparse.ArgumentParser:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    import dataclasses
-
     from meshfit.plan import DEVICES, INTERCONNECTS, NETWORKS, Cluster, parse_bytes, search
 
     ns = _plan_parser().parse_args(argv)

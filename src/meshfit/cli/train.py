@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import logging
 import os
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from meshfit import launch
-from meshfit.cli.launch import add_launch_flags, say
 from meshfit.cli import OneLineParser
+from meshfit.cli.launch import add_launch_flags, say
 
 __all__ = ["RANK_VARIABLES", "cmd_train"]
 
@@ -154,8 +158,6 @@ def _start_workers(cfg, out: Path, ns, launch_cfg, env: dict[str, str]) -> int:
             stack.enter_context(RunLock(out, overwrite=ns.overwrite))
             resolved = out / "config.toml"
         else:
-            import tempfile
-
             resolved = Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="meshfit-config-"))) / "config.toml"
         atomic_write_text(resolved, cfg.to_toml())
@@ -187,23 +189,19 @@ def _run_worker(cfg, out: Path, *, resume: bool) -> int:
         _record_error(err)
         raise
     except Exception as err:  # a traceback: its last lines in the launcher's summary
-        import traceback
-
         _record_error(err, traceback.format_exc().strip().splitlines()[-3:])
         raise
     return _leave_worker()
 
 
 def _leave_worker() -> int:
-    """A finished worker's way out.
-
-    torch 2.13's gloo can abort a process that tears down after DeviceMesh subgroups
-    ("terminate called without an active exception"), turning a finished run into a failed
-    worker: 8 of 10 two-rank runs of a DeviceMesh script under plain torchrun, 1 of 16 after
-    a barrier, 0 of 16 leaving through os._exit. So every rank is done with every group
-    before any tears down (settle_all: no gloo thread needs the GIL afterwards), and a worker
-    whose run is complete (files written, trackers finished) leaves without the
-    interpreter's teardown."""
+    """A finished worker's way out. torch 2.13's gloo can abort a process that tears down
+    after DeviceMesh subgroups ("terminate called without an active exception"), turning a
+    finished run into a failed worker: 8 of 10 two-rank runs of a DeviceMesh script under
+    plain torchrun, 1 of 16 after a barrier, 0 of 16 leaving through os._exit. So every rank
+    is done with every group before any tears down (settle_all: no gloo thread needs the GIL
+    afterwards), and a worker whose run is complete (files written, trackers finished)
+    leaves without the interpreter's teardown."""
     import torch.distributed as dist
 
     from meshfit.distributed import init
@@ -214,8 +212,6 @@ def _leave_worker() -> int:
 
     settle_all()
     dist.destroy_process_group()
-    import logging
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -228,8 +224,6 @@ def _record_error(err: BaseException, lines: list[str] | None = None) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    import json
-
     text = "\n".join(lines) if lines else (str(err).splitlines() or [type(err).__name__])[0]
     try:
         Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
@@ -238,8 +232,8 @@ def _record_error(err: BaseException, lines: list[str] | None = None) -> None:
 
 
 def _stopped(stopped, code: int | None = None) -> int:
-    """One line from the main process; exit code 128 + the signal (as a killed process's),
-    or `code`."""
+    """One line from the main process; exit code `code`, else 128 + the signal (as a killed
+    process's)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -28,20 +28,13 @@ __all__ = ["ACCELERATE_PRECISIONS", "AccelerateFlags", "Given", "LaunchConfig",
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    nproc: int = 1
-    """Worker processes on this node (torchrun's --nproc-per-node)."""
-    nnodes: int = 1
-    """Number of nodes (machines) in the job."""
-    node_rank: int = 0
-    """This node's rank among the nodes, 0 .. nnodes-1."""
-    master_addr: str = "127.0.0.1"
-    """Address of node 0, which hosts the rendezvous store."""
-    master_port: int | None = None
-    """Port of the rendezvous store; None: a free port (single node only)."""
-    max_restarts: int = 0
-    """How often the agent restarts the whole group after a worker fails."""
-    gpus: tuple[int, ...] | None = None
-    """CUDA devices to use, in this order (None: all visible ones)."""
+    nproc: int = 1  # Worker processes on this node (torchrun's --nproc-per-node)
+    nnodes: int = 1  # Number of nodes (machines) in the job
+    node_rank: int = 0  # This node's rank among the nodes, 0 .. nnodes-1
+    master_addr: str = "127.0.0.1"  # Address of node 0, which hosts the rendezvous store
+    master_port: int | None = None  # The rendezvous store's; None: a free one (single node)
+    max_restarts: int = 0  # How often the agent restarts the whole group after a worker fails
+    gpus: tuple[int, ...] | None = None  # CUDA devices to use, in order (None: all visible)
 
     def __post_init__(self) -> None:
         for name in ("nproc", "nnodes"):

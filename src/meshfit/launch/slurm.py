@@ -95,18 +95,14 @@ class SlurmFacts:
     """What a SLURM job says about this launcher's place in it."""
 
     job_id: str
-    in_step: bool
-    """Started by ``srun`` (SLURM_STEP_ID set), not by the batch script itself."""
+    in_step: bool  # Started by ``srun`` (SLURM_STEP_ID set), not by the batch script itself
     nnodes: int
     node_rank: int
     hosts: tuple[str, ...]
     nodelist_var: str
-    gpus_on_node: int | None
-    """SLURM_GPUS_ON_NODE: one process per GPU."""
-    tasks_per_node: int | None
-    """SLURM_NTASKS_PER_NODE: the tasks per node the job asked for (on CPU nodes, or --cpu)."""
-    tasks_here: int | None
-    """Tasks srun started on this node (each one is a launcher)."""
+    gpus_on_node: int | None  # SLURM_GPUS_ON_NODE: one process per GPU
+    tasks_per_node: int | None  # SLURM_NTASKS_PER_NODE: the tasks per node the job asked for
+    tasks_here: int | None  # Tasks srun started on this node (each one is a launcher)
     master_addr: str | None
     master_addr_from: str
     master_port: int

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 
 from meshfit.distributed.spawn import free_port
@@ -122,8 +123,6 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     try:
         return _attempts(cfg, target, prog)
     except SignalException as err:  # the agent passed the signal on to the workers
-        import signal
-
         if say_stopped:
             name = signal.Signals(err.sigval).name
             print(f"{prog}: stopped by {name}; the workers were ended", file=sys.stderr,

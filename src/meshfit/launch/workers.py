@@ -5,12 +5,14 @@ the agent stops them (`stopping_workers`, `quiet_agent`), and a failure summed u
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import os
+import signal
 import sys
 
 __all__ = ["LAUNCHER_PID_ENV", "MAX_RESTARTS_ENV", "RESTART_ENV", "enter_worker",
            "failure_summary", "quiet_agent", "stopping_workers"]
-
 
 LAUNCHER_PID_ENV = "MESHFIT_LAUNCHER_PID"
 RESTART_ENV = "MESHFIT_RESTART_COUNT"
@@ -33,9 +35,6 @@ def enter_worker(argv: list[str]) -> None:
         os.environ["TORCHELASTIC_RESTART_COUNT"] = restart
         os.environ["TORCHELASTIC_MAX_RESTARTS"] = most
     if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
     if launcher.isdigit() and os.getppid() != int(launcher):
         sys.exit(f"meshfit launch: the launcher (PID {launcher}) ended before this worker "
@@ -52,8 +51,6 @@ def stopping_workers():
     The agent passes the signal it got on to the workers: a Ctrl-C (SIGINT) would raise
     KeyboardInterrupt in every Python worker, one traceback each. They get SIGTERM instead
     (`meshfit train`'s workers treat both alike: checkpoint, one line)."""
-    import signal
-
     from torch.distributed.elastic.multiprocessing import api
 
     real = api.SubprocessContext._close
@@ -85,8 +82,6 @@ class _AgentNoise:
 @contextlib.contextmanager
 def quiet_agent():
     """torch's elastic agent filtered by `_AgentNoise`, unless LOGLEVEL asks for its logs."""
-    import logging
-
     if os.environ.get("LOGLEVEL"):
         yield
         return

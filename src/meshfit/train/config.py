@@ -109,36 +109,24 @@ class ModelConfig:
     pipeline_plan: str = ""
     """"module:PLAN" — where pipeline stages are cut for a model without a built-in plan: a
     `meshfit.models.plans.PipelinePlan` or a function of the model returning one."""
-    n_layer: int | None = None
-    """Transformer blocks (None: the preset's)."""
-    n_head: int | None = None
-    """Attention heads (None: the preset's)."""
-    d_model: int | None = None
-    """Hidden size (None: the preset's)."""
-    d_ff: int | None = None
-    """MLP hidden size (None: the preset's)."""
-    dropout: float | None = None
-    """Dropout probability (None: the preset's)."""
+    n_layer: int | None = None  # Transformer blocks (None: the preset's)
+    n_head: int | None = None  # Attention heads (None: the preset's)
+    d_model: int | None = None  # Hidden size (None: the preset's)
+    d_ff: int | None = None  # MLP hidden size (None: the preset's)
+    dropout: float | None = None  # Dropout probability (None: the preset's)
     n_experts: int | None = None
     """Mixture of experts: routed experts per MoE block (0: dense; None: the preset's, e.g.
     moe-tiny's 8). See `meshfit.models.GPTConfig` for this and the next fields."""
-    top_k: int | None = None
-    """Experts each token is routed to (<= n_experts)."""
-    moe_every: int | None = None
-    """Every this many blocks is an MoE block (1: all)."""
-    moe_d_ff: int | None = None
-    """Hidden width of each expert (None: d_ff)."""
-    shared_experts: int | None = None
-    """0 or 1: a dense expert every token also passes through."""
-    router: str | None = None
-    """"softmax_topk" or "sigmoid_topk"."""
+    top_k: int | None = None  # Experts each token is routed to (<= n_experts)
+    moe_every: int | None = None  # Every this many blocks is an MoE block (1: all)
+    moe_d_ff: int | None = None  # Hidden width of each expert (None: d_ff)
+    shared_experts: int | None = None  # 0 or 1: a dense expert every token also passes through
+    router: str | None = None  # "softmax_topk" or "sigmoid_topk"
     capacity_factor: float | None = None
     """> 0: each expert keeps at most capacity_factor x its even share of the assignments
     (the rest are dropped and counted); unset: dropless."""
-    aux_loss_coef: float | None = None
-    """Weight of the load-balancing loss (Switch / GShard)."""
-    router_z_loss_coef: float | None = None
-    """Weight of the router z-loss (ST-MoE)."""
+    aux_loss_coef: float | None = None  # Weight of the load-balancing loss (Switch / GShard)
+    router_z_loss_coef: float | None = None  # Weight of the router z-loss (ST-MoE)
     attention_backend: str = "auto"
     """SDPA kernel: auto, math, flash, efficient or cudnn (checked on the device before
     launch; the reference GPT only)."""
@@ -218,34 +206,22 @@ class TrainConfig(ModelOptions):
     fields of `meshfit.parallel.options.ModelOptions`, spelled as `Accelerator`'s keywords:
     activation_checkpointing, _every, _policy, compile, compile_backend, _mode, _scope)."""
 
-    steps: int = 400
-    """Optimizer steps."""
+    steps: int = 400  # Optimizer steps
     global_batch_size: int = 32
     """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
     micro_batch_size: int = 16
     """Sequences per forward/backward on one rank; accumulation fills the rest."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr * min_lr_ratio."""
-    warmup_steps: int = 20
-    """Linear warm-up steps."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping)."""
-    seed: int = 0
-    """Seed for weights, data order and dropout."""
-    eval_every: int = 100
-    """Evaluate validation loss every this many steps (and at the end); 0: only at the end."""
-    eval_batches: int = 8
-    """Micro-batches per rank in each evaluation."""
-    log_every: int = 10
-    """Write a metrics line every this many steps."""
-    mixed_precision: str = "no"
-    """"no", "bf16" or "fp16"."""
-    tf32: bool = False
-    """TF32 tensor cores for fp32 matrix products (NVIDIA Ampere and newer)."""
-    empty_cache_steps: int = 0
-    """Release the device allocator's cache every this many steps (0: never)."""
+    seq_len: int = 128  # Tokens per sequence
+    min_lr_ratio: float = 0.1  # Cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 20  # Linear warm-up steps
+    grad_clip: float = 1.0  # Clip the global gradient norm to this (0: no clipping)
+    seed: int = 0  # Seed for weights, data order and dropout
+    eval_every: int = 100  # Evaluate every this many steps and at the end (0: at the end only)
+    eval_batches: int = 8  # Micro-batches per rank in each evaluation
+    log_every: int = 10  # Write a metrics line every this many steps
+    mixed_precision: str = "no"  # "no", "bf16" or "fp16"
+    tf32: bool = False  # TF32 tensor cores for fp32 matrix products (NVIDIA Ampere and newer)
+    empty_cache_steps: int = 0  # Release the allocator's cache every this many steps (0: never)
     find_batch_size: bool = False
     """Before training, probe forward + backward and halve the micro-batch (doubling the
     accumulation) until it fits on every rank."""
@@ -276,18 +252,12 @@ class TrainConfig(ModelOptions):
 class OptimConfig:
     """[optim]: the optimizer (`meshfit.optim.build`)."""
 
-    optimizer: str = "adamw_fused"
-    """adamw (foreach), adamw_fused, adafactor, adamw_8bit or sgd."""
-    lr: float = 3e-3
-    """Peak learning rate (warm-up, then cosine decay; see [train])."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay on matrices; none on biases and norm weights."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """Adam's moment decay rates (AdamW variants)."""
-    eps: float = 1e-8
-    """Adam's denominator epsilon."""
-    momentum: float = 0.9
-    """SGD momentum."""
+    optimizer: str = "adamw_fused"  # adamw (foreach), adamw_fused, adafactor, adamw_8bit or sgd
+    lr: float = 3e-3  # Peak learning rate (warm-up, then cosine decay; see [train])
+    weight_decay: float = 0.1  # Decoupled weight decay on matrices; none on biases and norm weights
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam's moment decay rates (AdamW variants)
+    eps: float = 1e-8  # Adam's denominator epsilon
+    momentum: float = 0.9  # SGD momentum
 
     def __post_init__(self) -> None:
         check_choice("optim", "optimizer", self.optimizer, OPTIMIZERS)
@@ -308,14 +278,10 @@ class OptimConfig:
 class PeftConfig:
     """[peft]: parameter-efficient fine-tuning (`meshfit.peft`)."""
 
-    method: str = "none"
-    """"none" or "lora"."""
-    r: int = 8
-    """LoRA rank."""
-    alpha: float = 16.0
-    """LoRA scaling numerator (the update is scaled by alpha / r)."""
-    dropout: float = 0.0
-    """Dropout on the LoRA branch's input."""
+    method: str = "none"  # "none" or "lora"
+    r: int = 8  # LoRA rank
+    alpha: float = 16.0  # LoRA scaling numerator (the update is scaled by alpha / r)
+    dropout: float = 0.0  # Dropout on the LoRA branch's input
     target_modules: tuple[str, ...] = ()
     """Module names to adapt; empty: the attention and MLP linears."""
     merge: bool = False
@@ -341,20 +307,16 @@ class DataConfig:
 
     path: str = ""
     """A text file or folder of text files; empty: the Python standard library's source."""
-    cache_dir: str = ""
-    """Where token caches are kept; empty: ~/.cache/meshfit/tokens."""
+    cache_dir: str = ""  # Where token caches are kept; empty: ~/.cache/meshfit/tokens
     tokenizer: str = "bytes"
     """"bytes" (UTF-8 bytes, vocab 256; empty means the same), or a path to a Hugging Face
     tokenizer folder or a tokenizer.json file; documents are separated by its EOS token."""
     hf_dataset: str = ""
     """A `datasets` dataset on local disk (save_to_disk folder, or a data folder/file that
     datasets.load_dataset reads offline) to train on instead of data.path."""
-    text_column: str = "text"
-    """The data.hf_dataset column holding each document's text."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank (0: load in the training process)."""
-    prefetch_factor: int = 2
-    """Batches each worker loads ahead (with num_workers > 0)."""
+    text_column: str = "text"  # The data.hf_dataset column holding each document's text
+    num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
+    prefetch_factor: int = 2  # Batches each worker loads ahead (with num_workers > 0)
     persistent_workers: bool = True
     """Keep the workers alive between epochs and evaluations (with num_workers > 0)."""
     pin_memory: bool = True
@@ -410,10 +372,8 @@ class CheckpointConfig:
     """[checkpoint]: sharded checkpoints of the whole training state in OUT/checkpoints/step-N/
     (`Accelerator.save_state`), for `meshfit train --out OUT --resume`."""
 
-    every: int = 0
-    """Save every this many optimizer steps, and at the last step (0: no checkpoints)."""
-    keep: int = 3
-    """Complete checkpoints kept: older ones are deleted once a newer one is committed."""
+    every: int = 0  # Save every this many optimizer steps, and at the last step (0: no checkpoints)
+    keep: int = 3  # Complete checkpoints kept: older ones are deleted once a newer one is committed
     async_save: bool = field(default=False, metadata={"toml": "async"})
     """(TOML key `async`) Write in the background while training goes on: the state is
     copied to host memory, files are written by a thread, and the checkpoint is committed

@@ -34,8 +34,7 @@ __all__ = ["METRICS_FILE", "CONFIG_FILE", "MEMORY_KEYS", "FIGSIZE", "DPI", "Run"
 METRICS_FILE, CONFIG_FILE = "metrics.jsonl", "config.toml"
 MEMORY_KEYS = ("peak_memory_bytes", "memory_bytes")
 """Memory fields of a logged step, in order of preference (bytes; the first one present)."""
-FIGSIZE, DPI = (12.0, 8.0), 100
-"""The figure's size in inches and its resolution: a 1200 x 800 PNG."""
+FIGSIZE, DPI = (12.0, 8.0), 100  # The figure's size in inches and its resolution: a 1200 x 800 PNG
 _FORMATS = (".png", ".pdf", ".svg")
 _GIB = 1024 ** 3
 
