@@ -16,9 +16,12 @@ from pathlib import Path
 import torch
 
 from meshfit.accelerator import Accelerator
+from meshfit.models import GPT
 from meshfit.parallel.ep import moe_modules
+from meshfit.parallel.pp import gather_timings
 from meshfit.train.config import RunConfig
 from meshfit.train.models import loss_function, plans, resolve_plan
+from meshfit.train.pipeline_chart import write_run
 
 __all__ = ["PIPELINE_TIMED_STEPS", "ModelSteps", "PipelineSteps", "prepare_steps"]
 
@@ -37,7 +40,8 @@ class ModelSteps:
         self.acc, self.model, self.loss = acc, model, loss
         self.modules, self.params, self.exported = [model], model, model
         self.description = ""
-        self.moes = _gpt_moes(model)
+        base = getattr(model, "module", model)  # DDP and compile wrap it
+        self.moes = moe_modules([base]) if isinstance(base, GPT) else []  # the reference GPT's
 
     def accumulate(self):
         return self.acc.accumulate(self.model)
@@ -115,20 +119,9 @@ def prepare_steps(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module,
     return trained
 
 
-def _gpt_moes(model: torch.nn.Module) -> list:
-    """The reference GPT's MoE blocks (their auxiliary losses are inside its loss)."""
-    from meshfit.models import GPT
-
-    base = getattr(model, "module", model)  # DDP and compile wrap it
-    return moe_modules([base]) if isinstance(base, GPT) else []
-
-
 def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:
     """Every pp rank's timings so far into the run folder (`meshfit pipeline-chart RUN`);
     a collective over the pp group. Recording stops afterwards."""
-    from meshfit.parallel.pp import gather_timings
-    from meshfit.train.pipeline_chart import write_run
-
     timings = gather_timings(pipeline)
     pipeline.record_timings(False)
     if out_dir is not None:

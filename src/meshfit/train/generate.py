@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfit.checkpoint.saved import load_model_folder
+from meshfit.data import ByteTokenizer, TokenDataset
 from meshfit.models import GPT
-from meshfit.train.config import check_sampling
+from meshfit.train.checks import check_sampling
 from meshfit.train.models import _is_hf
 
 __all__ = ["context_length", "evaluate_loss", "generate", "generate_ids", "load_model",
@@ -171,11 +173,6 @@ def _generate_hf(model, prompt, max_new, temperature, top_k, seed, eos_id) -> to
     return new.long()
 
 
-def _eos(tokenizer) -> int | None:
-    eos = getattr(tokenizer, "eos_id", None)
-    return None if eos is None else int(eos)
-
-
 def generate(model: nn.Module, tokenizer, prompt: str, *, max_new_tokens: int = 200,
              temperature: float = 0.8, top_k: int | None = None, seed: int = 0) -> str:
     """The text `model` writes after `prompt` (the continuation only). `tokenizer`: an
@@ -184,9 +181,10 @@ def generate(model: nn.Module, tokenizer, prompt: str, *, max_new_tokens: int = 
         raise ValueError(f"--prompt={prompt!r} is empty; give the text to continue, e.g. "
                          "--prompt 'def main('")
     prompt_ids = torch.as_tensor(tokenizer.encode(prompt), dtype=torch.long)
+    eos = getattr(tokenizer, "eos_id", None)
     new = generate_ids(model, prompt_ids, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, seed=seed,
-                       eos_id=_eos(tokenizer))
+                       eos_id=None if eos is None else int(eos))
     # Decoded together with the prompt, so a token that merges with the prompt's end (a
     # sentencepiece space) comes out as the tokenizer writes it; the byte tokenizer turns
     # invalid UTF-8 (a cut multi-byte character) into U+FFFD instead of raising.
@@ -202,8 +200,6 @@ def evaluate_loss(model: nn.Module, tokens, seq_len: int, *, batches: int = 8,
     """(mean next-token cross-entropy in nats, number of predicted tokens) over the first
     ``batches * batch_size`` windows of `seq_len` (`meshfit.data.TokenDataset`, as
     training's validation); batches=0: every window."""
-    from meshfit.data import TokenDataset
-
     data = TokenDataset(tokens, seq_len)
     n = len(data) if batches == 0 else min(len(data), batches * batch_size)
     device = _device(model)
@@ -247,20 +243,13 @@ def resolve_model(path: str) -> tuple[Path, Path | None]:
     raise ValueError(f"RUN_OR_MODEL={path!r} holds no model (no config.json, no model/); {fix}")
 
 
-def _default_device() -> str:
-    if os.environ.get("MESHFIT_CPU", "") not in ("", "0") or not torch.cuda.is_available():
-        return "cpu"
-    return "cuda"
-
-
 def load_model(path: str, device: str | None):
     """(model, tokenizer, model folder, run folder) for RUN_OR_MODEL, on `device` (default:
     cuda when available, unless MESHFIT_CPU=1)."""
-    from meshfit.checkpoint.saved import load_model_folder
-
     folder, run = resolve_model(path)
+    cpu = os.environ.get("MESHFIT_CPU", "") not in ("", "0") or not torch.cuda.is_available()
     try:
-        device = torch.device(device or _default_device())
+        device = torch.device(device or ("cpu" if cpu else "cuda"))
     except RuntimeError:
         raise ValueError(f"--device={device!r} is not a device; use cpu, cuda or cuda:N") from None
     model, tokenizer = load_model_folder(folder, device=device)
@@ -270,7 +259,5 @@ def load_model(path: str, device: str | None):
             raise ValueError(f"RUN_OR_MODEL={path!r}: {folder} holds no tokenizer files and "
                              f"the model's vocabulary ({vocab}) is not bytes; save the model "
                              "with save_model_folder(..., tokenizer=...)")
-        from meshfit.data import ByteTokenizer
-
         tokenizer = ByteTokenizer()  # a 256-token model without tokenizer files: bytes
     return model, tokenizer, folder, run

@@ -15,6 +15,7 @@ from torch import nn
 
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
+from meshfit.models.plans import PipelinePlan, TPPlan
 
 __all__ = ["build_model", "check_model_source", "import_object", "loss_function", "plans",
            "write_final_model"]
@@ -105,8 +106,6 @@ def plans(cfg) -> tuple[Any, Any]:
 
 def resolve_plan(plan: Any, model: nn.Module) -> Any:
     """A plan given as a function of the model, called; other plans as they are."""
-    from meshfit.models.plans import PipelinePlan, TPPlan
-
     if plan is None or isinstance(plan, (TPPlan, PipelinePlan, dict)):
         return plan
     if callable(plan):

@@ -14,6 +14,7 @@ calibration (reported as null / "n/a").
 from __future__ import annotations
 
 import math
+import resource
 import sys
 import time
 from collections.abc import Iterator
@@ -23,14 +24,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfit.memory import ModelShape
+from meshfit.plan.calibrate import load_calibration
+from meshfit.plan.devices import device_for_name
+from meshfit.tracking import build_trackers, finish_all, flatten_config
+
 __all__ = ["RunReporter", "device_peak_flops", "model_flops_per_token", "peak_memory_bytes",
            "timed_batches"]
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float | None:
     """Training FLOPs per token of `model` (None when its shape cannot be read)."""
-    from meshfit.memory import ModelShape
-
     try:
         return ModelShape.from_module(model).flops_per_token(seq_len)
     except (ValueError, AttributeError, TypeError):
@@ -45,13 +49,9 @@ def device_peak_flops(device: torch.device, mixed_precision: str, calibration: s
     a calibration file's measured matmul figure wins over the data sheet."""
     dtype = mixed_precision if mixed_precision in ("bf16", "fp16") else "fp32"
     if calibration:
-        from meshfit.plan.calibrate import load_calibration
-
         flops = load_calibration(calibration).matmul_flops.get(dtype)
         return (flops, f"measured {dtype} matmul in {calibration}") if flops else (None, "")
     if device.type == "cuda":
-        from meshfit.plan.devices import device_for_name
-
         found = device_for_name(torch.cuda.get_device_name(device))
         if found is not None:
             key, spec = found
@@ -69,8 +69,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         return int(peak)
-    import resource
-
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(kib * (1 if sys.platform == "darwin" else 1024))
 
@@ -87,17 +85,11 @@ def timed_batches(batches: Iterator, clock: list[float]) -> Iterator:
         yield item
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 class RunReporter:
     """The main process's outputs of a run (every rank calls `step_figures`: it gathers)."""
 
     def __init__(self, acc, cfg, out_dir: Path | None, model: torch.nn.Module,
                  total_steps: int) -> None:
-        from meshfit.tracking import build_trackers, flatten_config
-
         self.acc, self.total = acc, total_steps
         self.world = acc.num_processes
         self.fpt = model_flops_per_token(model, cfg.train.seq_len)
@@ -175,7 +167,7 @@ class RunReporter:
                 parts.insert(2, f"grad_norm {r['grad_norm']:.3f}")
             parts.append(f"({r['tokens_per_s_per_device']:.0f}/device)")
             parts.append("mfu " + ("n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"))
-            parts.append(f"mem {_gib(r['peak_memory_bytes'])}")
+            parts.append(f"mem {r['peak_memory_bytes'] / 2**30:.2f} GiB")
             parts.append(f"data {100 * r['data_wait_share']:.0f}%")
             parts.append(f"{r['step_time_s']:.3f} s/step")
         if "moe_tokens_per_expert_cv" in r:
@@ -194,7 +186,5 @@ class RunReporter:
 
     def finish(self) -> None:
         self.close()
-        from meshfit.tracking import finish_all
-
         finish_all(self.trackers)
         self.trackers = []

@@ -189,12 +189,9 @@ def _formula(schedule: str, p: int, m: int, v: int) -> str:
     if schedule == "interleaved_1f1b" and m >= p:
         return f"(p-1)/(v m) = {p - 1}/({v}x{m}) = {Fraction(p - 1, v * m)}"
     gap = " (m < p: nothing to interleave)" if schedule == "interleaved_1f1b" else ""
-    return f"(p-1)/m = {p - 1}/{m}{_reduced(p - 1, m)}{gap}"
-
-
-def _reduced(a: int, b: int) -> str:
-    f = Fraction(a, b)
-    return "" if (f.numerator, f.denominator) == (a, b) else f" = {f}"
+    f = Fraction(p - 1, m)
+    reduced = "" if (f.numerator, f.denominator) == (p - 1, m) else f" = {f}"
+    return f"(p-1)/m = {p - 1}/{m}{reduced}{gap}"
 
 
 def _steps_text(s: dict) -> str:

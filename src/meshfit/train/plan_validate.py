@@ -31,6 +31,18 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshfit import Accelerator, ParallelDims, optim
+from meshfit.distributed.spawn import SpawnError, spawn
+from meshfit.memory import net_peak_bytes, rank_report
+from meshfit.models import GPT, GPTConfig
+from meshfit.models.factory import import_object
 
 __all__ = ["validate"]
 
@@ -92,8 +104,6 @@ def _spawn(nproc: int, args: tuple, timeout_s: float) -> list:
     """Each rank's `_run_plans(rank, nproc, *args)`, in rank order (one: in this process)."""
     if nproc == 1:
         return [_run_plans(0, 1, *args)]
-    from meshfit.distributed.spawn import SpawnError, spawn
-
     try:
         return spawn(_run_plans, nproc, *args, timeout=timeout_s)
     except SpawnError as err:
@@ -102,12 +112,6 @@ def _spawn(nproc: int, args: tuple, timeout_s: float) -> list:
 
 def _build(model: str, seed: int = 0):
     """MODEL as `meshfit plan` reads it, materialised with the same weights on every rank."""
-    from pathlib import Path
-
-    import torch
-
-    from meshfit.models import GPT, GPTConfig
-
     torch.manual_seed(seed)
     if model in GPTConfig.preset_names():
         return GPT(GPTConfig.preset(model))
@@ -118,16 +122,10 @@ def _build(model: str, seed: int = 0):
         config = path / "config.json" if path.is_dir() else path
         return transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(str(config)))
-    from meshfit.models.factory import import_object
-
     return import_object(model, "MODEL")()
 
 
 def _loss(model, x, y):
-    import torch.nn.functional as F
-
-    from meshfit.models import GPT
-
     if isinstance(getattr(model, "module", model), GPT):
         return model(x, y)
     logits = model(input_ids=x).logits
@@ -146,11 +144,6 @@ def _run_plans(rank, world_size, jobs, model_spec, seq_len, global_batch_size, d
 def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, optimizer):
     """One plan's layout on this rank: `steps` optimizer steps on random tokens; its median
     step time after the first and its peak bytes."""
-    import torch
-    from torch import nn
-
-    from meshfit import optim
-
     pp = lay["pp"]
     m = lay["microbatches"] if pp > 1 else 1
     accum = global_batch_size // (lay["dp_replicate"] * lay["dp_shard"]) // (
@@ -187,8 +180,6 @@ def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, op
 
 def _accelerator(lay: dict, dtype: str, accum: int):
     """The plan's layout as an `Accelerator`."""
-    from meshfit import Accelerator, ParallelDims
-
     dims = ParallelDims(pp=lay["pp"], dp_replicate=lay["dp_replicate"],
                         dp_shard=lay["dp_shard"], tp=lay["tp"])
     return Accelerator(parallel=dims, zero_stage=lay["zero_stage"],
@@ -203,9 +194,6 @@ def _accelerator(lay: dict, dtype: str, accum: int):
 def _timed_steps(acc, opt, batches, forward_backward, steps: int) -> list[float]:
     """Seconds of each of `steps` optimizer steps, every rank waiting for the others at both
     ends; on CUDA the peak memory is counted from the last step's start."""
-    import torch
-    import torch.distributed as dist
-
     cuda = acc.device.type == "cuda"
     times = []
     for step in range(steps):
@@ -232,10 +220,6 @@ def _peak_bytes(acc, opt, measured, batch, forward_backward) -> int:
     """This rank's peak bytes as the estimate counts them: on CUDA the allocator's peak over
     the last step; on the CPU the model states with the gradients present (one more forward
     and backward, not stepped), then the largest net allocation of another."""
-    import torch
-
-    from meshfit.memory import net_peak_bytes, rank_report
-
     if acc.device.type == "cuda":
         return torch.cuda.max_memory_allocated(acc.device)
     x, y = batch

@@ -134,12 +134,6 @@ def default_output(runs: list[str]) -> Path:
     return Path(runs[0]) / "metrics.png" if len(runs) == 1 else Path("meshfit-plot.png")
 
 
-def _check_output(out: Path) -> None:
-    if out.suffix.lower() not in _FORMATS:
-        raise ValueError(f"-o {str(out)!r}: the file name must end in "
-                         f"{', '.join(_FORMATS)} (the format follows the extension)")
-
-
 def figure_class(what: str):
     """matplotlib's bare `Figure` (no pyplot: it renders to a file with Agg, needs no display,
     and leaves the caller's pyplot backend and open figures alone); without matplotlib, a
@@ -158,7 +152,9 @@ def draw(run_dirs, out=None) -> tuple[Path, list[Run]]:
     if not run_dirs:
         raise ValueError("give at least one run folder")
     out = Path(out) if out is not None else default_output(run_dirs)
-    _check_output(out)
+    if out.suffix.lower() not in _FORMATS:
+        raise ValueError(f"-o {str(out)!r}: the file name must end in "
+                         f"{', '.join(_FORMATS)} (the format follows the extension)")
     labels = _labels([Path(r) for r in run_dirs])
     runs = [read_run(r, label) for r, label in zip(run_dirs, labels)]
     fig = _figure(figure_class("meshfit plot"), runs)

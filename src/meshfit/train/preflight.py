@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshfit.parallel.layout import Layout, ModelFacts
-from meshfit.train.config import LAYOUT_NAMES
+from meshfit.train.checks import LAYOUT_NAMES
 
 __all__ = ["check_data", "check_layout", "preflight"]
 

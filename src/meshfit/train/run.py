@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from meshfit.accelerator import Accelerator
+from meshfit.checkpoint import latest, prune
 from meshfit.train.config import RunConfig
 from meshfit.train.runfolder import append_line, atomic_write_text
 
@@ -135,8 +136,6 @@ class StopOnSignal:
 
 def find_checkpoint(root: Path) -> Path:
     """The newest complete checkpoint under `root`, for --resume (one line if none)."""
-    from meshfit.checkpoint import latest
-
     folder = latest(root)
     if folder is None:
         raise ValueError(f"--resume: {root} holds no complete checkpoint; train with "
@@ -167,8 +166,6 @@ class Checkpoints:
         return self.folder(step)
 
     def _prune(self) -> None:
-        from meshfit.checkpoint import prune
-
         if self.acc.is_main_process:
             prune(self.root, self.cfg.keep, writing=self.acc.checkpoint_in_flight)
 

@@ -39,14 +39,6 @@ OUT; ``--overwrite`` removes these and the temporary files beside them, nothing 
 _TEMP_PREFIXES = tuple(f".{name}." for name in RUN_OUTPUTS)
 
 
-def _nearest_existing(path: Path) -> Path:
-    """`path` or its closest ancestor that exists (as anything: a file too)."""
-    for candidate in (path, *path.parents):
-        if os.path.lexists(candidate):
-            return candidate
-    return Path(path.anchor or ".")
-
-
 def _pathconf(path: Path, name: str, default: int) -> int:
     """The file system's limit `name` at `path` (POSIX's minimum guess when it has none)."""
     try:
@@ -68,7 +60,8 @@ def check_run_folder(out: Path, *, resume: bool, overwrite: bool, claim: bool = 
         raise ValueError(f"{flag}: --resume continues the run there and --overwrite deletes it; "
                          "give one of them")
     absolute = Path(os.path.abspath(out))
-    existing = _nearest_existing(absolute)
+    # the closest that exists (as anything: a file too); the root always does
+    existing = next(p for p in (absolute, *absolute.parents) if os.path.lexists(p))
     if existing != absolute and not existing.is_dir():
         raise ValueError(f"{flag}: {existing} is a file, not a folder, so no run folder can be "
                          "made under it; give an --out whose parents are folders")

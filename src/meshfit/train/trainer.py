@@ -16,12 +16,16 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from meshfit import optim
 from meshfit.accelerator import Accelerator
+from meshfit.accelerator.compat import DataLoaderConfiguration
 from meshfit.checkpoint import latest
 from meshfit.data import TokenDataset
 from meshfit.distributed import DistEnv, init
-from meshfit.parallel.ep import moe_modules
+from meshfit.distributed.settle import barrier
+from meshfit.parallel.ep import moe_modules, routing_metrics
 from meshfit.train.adapters import PIPELINE_TIMED_STEPS, ModelSteps, prepare_steps
+from meshfit.train.batch_size import find_executable_batch_size, is_out_of_memory
 from meshfit.train.config import RunConfig
 from meshfit.train.models import build_model, plans, resolve_plan, write_final_model
 from meshfit.train.observe import RunReporter, timed_batches
@@ -49,7 +53,11 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
     chunks = cfg.microbatches(env.world_size)
     trained = prepare_steps(acc, cfg, model, chunks)
-    exchanges = _timed_exchanges(trained)
+    # Expert-parallel exchanges, timed from now: always on the CPU (gloo waits anyway), on
+    # CUDA for the first steps (see `_steps`).
+    exchanges = [m.ep for m in moe_modules(trained.modules) if m.ep is not None]
+    for ep in exchanges:
+        ep.timing = True
     micro = t.micro_batch_size
     if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
         micro, _ = _find_micro_batch(acc, trained, t.seq_len, splits.vocab_size, micro,
@@ -197,8 +205,8 @@ def _stop_if_asked(loop: _Loop, stop: StopOnSignal, step: int) -> None:
     if not signum:
         return
     loop.progress.finish()
-    loop.checkpoints.finish()
     checkpoints = loop.checkpoints
+    checkpoints.finish()
     folder = checkpoints.folder(step) if checkpoints.due(step) else \
         checkpoints.save(step, wait=True)
     stop.restore()
@@ -225,8 +233,6 @@ def _rank_zero_first(env: DistEnv):
     """Rank 0 runs the block first (it builds the token cache), then the others, as
     `Accelerator.main_process_first` does: the Accelerator is built later, once the model
     exists, with the model's tensor-parallel plan."""
-    from meshfit.distributed.settle import barrier
-
     if env.is_distributed and env.rank != 0:
         barrier()
     yield
@@ -237,8 +243,6 @@ def _rank_zero_first(env: DistEnv):
 def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator:
     """The `Accelerator` of a run: [train]'s single-device options, [parallel]'s layout,
     the model's tensor-parallel plan (None: the model's built-in one)."""
-    from meshfit.accelerator.compat import DataLoaderConfiguration
-
     t, p = cfg.train, cfg.parallel
     return Accelerator(
         # meshfit's own semantics where Accelerate's defaults differ: the schedule counts
@@ -255,20 +259,9 @@ def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator
         loss_parallel=p.loss_parallel, env=env)
 
 
-def _timed_exchanges(trained) -> list:
-    """The expert-parallel exchanges of the trained modules, timed from now: always on the
-    CPU (gloo waits anyway), on CUDA for the first steps (see `_steps`)."""
-    exchanges = [m.ep for m in moe_modules(trained.modules) if m.ep is not None]
-    for ep in exchanges:
-        ep.timing = True
-    return exchanges
-
-
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """The [optim] section through `meshfit.optim.build`: weight decay on matrices only (not
     on biases and normalisation weights), only trainable parameters (LoRA: the adapters)."""
-    from meshfit import optim
-
     o = cfg.optim
     return optim.build(o.optimizer, model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
                        eps=o.eps, momentum=o.momentum)
@@ -293,8 +286,6 @@ def _find_micro_batch(acc: Accelerator, trained: ModelSteps, seq_len: int, vocab
     rank, with the accumulation that keeps the global batch. Ranks agree through one MIN
     all-reduce per attempt, so an out-of-memory error on one rank cannot strand the others in
     a collective; gradients are not synchronised while probing (no_sync)."""
-    from meshfit.train.batch_size import find_executable_batch_size, is_out_of_memory
-
     model = trained.model
 
     @find_executable_batch_size(starting_batch_size=micro, effective_batch_size=micro * accum)
@@ -402,8 +393,6 @@ def _routing(acc: Accelerator, trained, elapsed_s: float) -> dict:
     """The MoE metrics of the logged step (`meshfit.parallel.ep.routing_metrics`: the last
     micro-batch's routing) and the share of the window spent in expert-parallel
     all-to-alls; {} for a dense model. A collective: every rank calls it."""
-    from meshfit.parallel.ep import routing_metrics
-
     if not trained.has_moe:
         return {}
     pp = acc.layout.axis_mesh(acc.mesh, "pp")
