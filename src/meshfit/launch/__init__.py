@@ -8,14 +8,9 @@ elastic agent), run in this process on the argument list meshfit builds, with sa
 * a single-node job with ``--max-restarts`` is restarted by meshfit, the whole group with a new
   agent on a fresh loopback port per attempt (multi-node jobs keep torchrun's restarts);
 * workers die with the launcher (Linux's parent-death signal), Ctrl-C or SIGTERM end the job
-  with one line, and a failure is summed up in one line naming the rank that failed first.
-
-`accelerate launch`'s common flags are accepted beside meshfit's own, with Accelerate's
-meaning (``--num_processes`` is the total over all machines); ``--mixed_precision`` and
-``--cpu`` reach the script as Accelerate passes them, in ``ACCELERATE_MIXED_PRECISION`` and
-``ACCELERATE_USE_CPU`` (``--cpu`` also sets meshfit's ``MESHFIT_CPU=1``). Inside a SLURM job
-the node count, this node's rank, the processes per node and the rendezvous address and port
-come from ``SLURM_*`` variables for whatever the flags leave open.
+  with one line, and a failure is summed up in one line naming the rank that failed first;
+* `accelerate launch`'s common flags work beside meshfit's own, with Accelerate's meaning,
+  and inside a SLURM job its ``SLURM_*`` variables give what the flags leave open.
 
     resolve.py    `LaunchConfig` (what to start where) from the flags, accelerate's flags,
                   SLURM and the defaults; the GPUs the workers see
@@ -26,13 +21,13 @@ come from ``SLURM_*`` variables for whatever the flags leave open.
     __main__.py   ``python -m meshfit.launch``: the entry torch's agent runs for each worker
 
 No module imports torch when it loads: a bad flag is refused before torch is imported. The
-command lines (flags, help, printing) are in `meshfit.cli.launch` and `meshfit.cli.train`.
+command lines are in `meshfit.cli.launch` and `meshfit.cli.train`.
 """
 
-from meshfit.launch.network import master_port_in_use
+from meshfit.launch.network import loopback_stores, master_port_in_use
 from meshfit.launch.resolve import LaunchConfig, config_from_args, gpu_environment
 from meshfit.launch.slurm import expand_nodelist, expand_tasks_per_node
 from meshfit.launch.torchrun import run
 
 __all__ = ["LaunchConfig", "config_from_args", "expand_nodelist", "expand_tasks_per_node",
-           "gpu_environment", "master_port_in_use", "run"]
+           "gpu_environment", "loopback_stores", "master_port_in_use", "run"]

@@ -43,10 +43,9 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float | None:
 
 def device_peak_flops(device: torch.device, mixed_precision: str, calibration: str = "",
                       *, tf32: bool = False) -> tuple[float | None, str]:
-    """(peak FLOP/s of one device for the training dtype, where the figure comes from).
-
-    fp32 training (mixed_precision "no") counts TF32 tensor cores only when `tf32` is on;
-    a calibration file's measured matmul figure wins over the data sheet."""
+    """(peak FLOP/s of one device for the training dtype, where the figure comes from): a
+    calibration file's measured matmul figure, else a known GPU's data sheet, whose fp32
+    figure counts TF32 tensor cores only when `tf32` is on."""
     dtype = mixed_precision if mixed_precision in ("bf16", "fp16") else "fp32"
     if calibration:
         flops = load_calibration(calibration).matmul_flops.get(dtype)

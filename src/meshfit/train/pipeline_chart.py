@@ -1,6 +1,7 @@
 """A pipeline-parallel run's schedule drawn as a Gantt chart, with its measured bubble.
 
-A pipeline run of `meshfit train` (``[parallel] pp > 1``) writes two files into its run folder:
+A pipeline run of `meshfit train` (``[parallel] pp > 1``) writes two files into its run folder
+(`write_run`):
 
 - ``pipeline.json``: {"schedule", "pp", "microbatches", "virtual_stages", "num_stages",
   "points" (block indices where stages 1.. begin), "placement" (stage indices held by each pp
@@ -9,11 +10,10 @@ A pipeline run of `meshfit train` (``[parallel] pp > 1``) writes two files into 
   "end"} per line, wall-clock seconds, as `meshfit.parallel.pp.Pipeline.timings` records them.
 
 `draw` plots one step (one row per pp rank, one bar per stage x micro-batch x phase, idle time
-left blank) and sets the measured bubble beside the textbook one. Both definitions in use are
-given: Megatron-LM's ratio idle/busy (Narayanan et al. 2021, sec. 2.2: (p-1)/m for GPipe and
-1F1B, (p-1)/(v m) interleaved) and the idle share of the step, r/(1+r) (GPipe, Huang et al.
-2019, quotes this one). The first recorded step also infers shapes and builds communication
-buffers, so it is left out of the measurement when later steps exist.
+left blank) and sets the measured bubble (`measure`) beside the textbook one. Both definitions
+in use are given: Megatron-LM's ratio idle/busy (Narayanan et al. 2021, sec. 2.2: (p-1)/m for
+GPipe and 1F1B, (p-1)/(v m) interleaved) and the idle share of the step, r/(1+r) (GPipe,
+Huang et al. 2019, quotes this one).
 """
 
 from __future__ import annotations
@@ -166,9 +166,8 @@ def _check_timings(timings: Sequence[dict], meta: dict, where: str) -> None:
 
 # ---------------------------------------------------------------------------- figures
 def measure(meta: dict, timings: Sequence[dict]) -> dict:
-    """Measured and theoretical bubble of a run. The first step is left out when later ones
-    exist: it also infers shapes and sets up communication, which is not the schedule's idle
-    time."""
+    """Measured and theoretical bubble of a run (the first step left out when later ones exist:
+    it also infers shapes and sets up communication, which is not the schedule's idle time)."""
     steps = sorted({t["step"] for t in timings})
     measured = steps[1:] if len(steps) > 1 else steps
     kept = [t for t in timings if t["step"] in set(measured)]
