@@ -18,8 +18,6 @@ No module imports torch when it loads: a bad argument is refused before torch is
 
 import argparse
 
-__all__ = ["OneLineParser"]
-
 
 class OneLineParser(argparse.ArgumentParser):
     """A command's argument parser (no abbreviated options) whose errors are one line: a

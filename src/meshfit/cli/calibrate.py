@@ -13,8 +13,6 @@ from pathlib import Path
 
 from meshfit import launch
 
-__all__ = ["cmd_calibrate", "parse_sizes"]
-
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2,
           "MIB": 1024**2, "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
 

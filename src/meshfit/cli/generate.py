@@ -15,8 +15,6 @@ from pathlib import Path
 
 from meshfit.cli import OneLineParser
 
-__all__ = ["cmd_eval", "cmd_export", "cmd_generate", "cmd_pipeline_chart", "cmd_plot"]
-
 
 def cmd_export(argv: list[str]) -> int:
     p = OneLineParser("meshfit export", "Write a checkpoint's model as one safetensors file (or "

@@ -10,8 +10,6 @@ from pathlib import Path
 from meshfit import launch
 from meshfit.cli import OneLineParser
 
-__all__ = ["add_accelerate_flags", "add_launch_flags", "cmd_launch", "say"]
-
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     """meshfit's own launch flags (`meshfit launch` and `meshfit train`). Their defaults are

@@ -18,8 +18,6 @@ from meshfit.cli.launch import cmd_launch
 from meshfit.cli.plan import cmd_estimate, cmd_plan
 from meshfit.cli.train import cmd_train
 
-__all__ = ["COMMANDS", "SUMMARIES", "main"]
-
 COMMANDS = {"launch": cmd_launch, "train": cmd_train, "export": cmd_export,
             "pipeline-chart": cmd_pipeline_chart, "generate": cmd_generate, "eval": cmd_eval,
             "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate,

@@ -21,8 +21,6 @@ from meshfit import launch
 from meshfit.cli import OneLineParser
 from meshfit.cli.launch import add_launch_flags, say
 
-__all__ = ["RANK_VARIABLES", "cmd_train"]
-
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 """torchrun's variables that make a process one rank of a job: `meshfit train` starts its
 own ranks, so finding them set (left over from a job, or `meshfit train` itself started under

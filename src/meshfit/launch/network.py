@@ -9,8 +9,6 @@ import socket
 
 from meshfit.launch.resolve import LaunchConfig
 
-__all__ = ["is_loopback", "loopback_stores", "master_port_in_use"]
-
 
 def is_loopback(host: str) -> bool:
     """Whether `host` resolves to a loopback address (False when it does not resolve)."""

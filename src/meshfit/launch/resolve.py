@@ -21,10 +21,6 @@ from typing import Any, NamedTuple
 
 from meshfit.launch.slurm import SlurmFacts, slurm_facts
 
-__all__ = ["ACCELERATE_PRECISIONS", "AccelerateFlags", "Given", "LaunchConfig",
-           "accelerate_flags", "config_from_args", "given_settings", "gpu_environment",
-           "parse_gpus", "visible_cuda_devices", "worker_environment"]
-
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     nproc: int = 1  # Worker processes on this node (torchrun's --nproc-per-node)

@@ -8,8 +8,6 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["SlurmFacts", "expand_nodelist", "expand_tasks_per_node", "slurm_facts"]
-
 
 def _split_outside_brackets(text: str, what: str) -> list[str]:
     items, depth, current = [], 0, []

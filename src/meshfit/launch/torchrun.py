@@ -14,8 +14,6 @@ from meshfit.launch.resolve import LaunchConfig
 from meshfit.launch.workers import (LAUNCHER_PID_ENV, MAX_RESTARTS_ENV, RESTART_ENV,
                                     failure_summary, quiet_agent, stopping_workers)
 
-__all__ = ["WORKER_ENTRY", "run", "torchrun_args"]
-
 WORKER_ENTRY = "meshfit.launch"
 """The module torch's agent runs for each worker (`meshfit.launch.workers.enter_worker`,
 through the package's ``__main__``), which then execs the worker's own command."""

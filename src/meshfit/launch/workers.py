@@ -11,9 +11,6 @@ import os
 import signal
 import sys
 
-__all__ = ["LAUNCHER_PID_ENV", "MAX_RESTARTS_ENV", "RESTART_ENV", "enter_worker",
-           "failure_summary", "quiet_agent", "stopping_workers"]
-
 LAUNCHER_PID_ENV = "MESHFIT_LAUNCHER_PID"
 RESTART_ENV = "MESHFIT_RESTART_COUNT"
 MAX_RESTARTS_ENV = "MESHFIT_MAX_RESTARTS"

@@ -23,8 +23,6 @@ from meshfit.train.config import RunConfig
 from meshfit.train.models import loss_function, plans, resolve_plan
 from meshfit.train.pipeline_chart import write_run
 
-__all__ = ["PIPELINE_TIMED_STEPS", "ModelSteps", "PipelineSteps", "prepare_steps"]
-
 PIPELINE_TIMED_STEPS = 5
 """Optimizer steps whose per-micro-batch timings a pipeline run records (then stops: on
 CUDA the recording synchronises the device around every forward and backward)."""

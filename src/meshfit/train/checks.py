@@ -12,9 +12,6 @@ from typing import Any
 
 from meshfit.distributed.dims import AXES
 
-__all__ = ["LAYOUT_NAMES", "check_bool", "check_choice", "check_number", "check_positive",
-           "check_sampling"]
-
 # The layout's fields as `meshfit train`'s errors spell them (see `meshfit.parallel.layout`).
 LAYOUT_NAMES = {
     **{k: f"parallel.{k}" for k in (*AXES, "zero_stage", "offload", "sync_each_batch",

@@ -22,10 +22,6 @@ from meshfit.parallel.request import LayoutRequest
 from meshfit.train.checks import (LAYOUT_NAMES, check_bool, check_choice, check_number,
                                   check_positive)
 
-__all__ = ["LAYOUT_NAMES", "MOE_FIELDS", "CheckpointConfig", "DataConfig", "LogConfig",
-           "ModelConfig", "OptimConfig", "ParallelConfig", "PeftConfig", "RunConfig",
-           "TrainConfig", "config_fields", "toml_name"]
-
 MOE_FIELDS = ("n_experts", "top_k", "moe_every", "moe_d_ff", "shared_experts", "router",
               "capacity_factor", "aux_loss_coef", "router_z_loss_coef")
 """[model]'s mixture-of-experts fields (see `meshfit.models.GPTConfig`)."""

@@ -15,8 +15,6 @@ except ModuleNotFoundError:  # Python 3.10
 
 from meshfit.train.config import RunConfig, config_fields, toml_name
 
-__all__ = ["build_config", "load_config"]
-
 _SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
 
 

@@ -11,8 +11,6 @@ from pathlib import Path
 from meshfit.parallel.layout import Layout, ModelFacts
 from meshfit.train.checks import LAYOUT_NAMES
 
-__all__ = ["check_data", "check_layout", "preflight"]
-
 
 # --------------------------------------------------------------------- with the world size
 def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> Layout:

@@ -32,8 +32,6 @@ from meshfit.train.observe import RunReporter, timed_batches
 from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, StopOnSignal, Window,
                                collective_deadline, find_checkpoint)
 
-__all__ = ["build_accelerator", "build_optimizer", "lr_lambda", "train"]
-
 
 def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
           resume: bool = False) -> dict:
