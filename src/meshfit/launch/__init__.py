@@ -15,8 +15,8 @@ elastic agent), run in this process on the argument list meshfit builds, with sa
     resolve.py    `LaunchConfig` (what to start where) from the flags, accelerate's flags,
                   SLURM and the defaults; the GPUs the workers see
     slurm.py      what a SLURM job's variables say (node lists, tasks per node, rendezvous)
-    network.py    rendezvous stores on loopback only; node 0's port checked before starting
-    torchrun.py   torchrun's arguments; `run`: the job through torch.distributed.run
+    torchrun.py   torchrun's arguments; `run`: the job through torch.distributed.run; its
+                  rendezvous stores on loopback only; node 0's port checked before starting
     workers.py    each worker's start, stopping them, the one-line failure summary
     __main__.py   ``python -m meshfit.launch``: the entry torch's agent runs for each worker
 
@@ -24,10 +24,9 @@ No module imports torch when it loads: a bad flag is refused before torch is imp
 command lines are in `meshfit.cli.launch` and `meshfit.cli.train`.
 """
 
-from meshfit.launch.network import loopback_stores, master_port_in_use
 from meshfit.launch.resolve import LaunchConfig, config_from_args, gpu_environment
 from meshfit.launch.slurm import expand_nodelist, expand_tasks_per_node
-from meshfit.launch.torchrun import run
+from meshfit.launch.torchrun import loopback_stores, master_port_in_use, run
 
 __all__ = ["LaunchConfig", "config_from_args", "expand_nodelist", "expand_tasks_per_node",
            "gpu_environment", "loopback_stores", "master_port_in_use", "run"]

@@ -68,21 +68,18 @@ def stopping_workers():
         api.SubprocessContext._close = real
 
 
-class _AgentNoise:
-    """A logging filter for torch's elastic agent: keeps its errors, drops its per-worker
-    warnings and its "failed (exitcode ...)" line, which meshfit's summary replaces."""
-
-    def filter(self, record) -> bool:
-        return record.levelno >= 40 and not str(record.msg).startswith("failed (exitcode")
-
-
 @contextlib.contextmanager
 def quiet_agent():
-    """torch's elastic agent filtered by `_AgentNoise`, unless LOGLEVEL asks for its logs."""
+    """torch's elastic agent keeping its errors but not its per-worker warnings nor its
+    "failed (exitcode ...)" line, which meshfit's summary replaces; unless LOGLEVEL asks for
+    its own logs."""
     if os.environ.get("LOGLEVEL"):
         yield
         return
-    quiet = _AgentNoise()
+
+    def quiet(record) -> bool:
+        return record.levelno >= 40 and not str(record.msg).startswith("failed (exitcode")
+
     loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
                if name.startswith("torch.distributed.elastic")]
     for logger in loggers:

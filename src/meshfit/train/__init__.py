@@ -6,12 +6,12 @@ launcher is `meshfit.launch`.
     checks.py          the value checks (no torch) of the config and of generate's flags
     configfile.py      the config read from TOML + --section.key=value overrides
     preflight.py       the checks before launch: the layout for a world size, this machine
-    adapters.py        what a step trains: the prepared model or this rank's pipeline
-    trainer.py         the training loop, read top to bottom
-    run.py             the run folder: metrics, checkpoints and resume, preemption
+    trainer.py         the training loop, read top to bottom, and what a step trains: the
+                       prepared model or this rank's pipeline stages
+    run.py             what a run records (metrics, MFU, memory, data wait) and how it ends
+                       early: checkpoints and resume, preemption
     runfolder.py       the run folder claimed: checked, locked, written atomically
     models.py          [model]: presets, transformers configs and folders, factories
-    observe.py         per-step figures (MFU, memory, data wait) and where they go
     batch_size.py      the largest micro-batch that fits, tensor-core shape advice
     generate.py        a trained model used: sampling and loss
     plan_validate.py   `meshfit plan --validate`: plans run here for a few steps

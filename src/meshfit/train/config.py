@@ -443,9 +443,8 @@ class RunConfig:
         tokenizer folder or tokenizer.json."""
         from meshfit.data import ByteTokenizer, load_tokenizer
 
-        if self.data.tokenizer in ("", "bytes"):
-            return ByteTokenizer()
-        return load_tokenizer(self.data.tokenizer)
+        t = self.data.tokenizer
+        return ByteTokenizer() if t in ("", "bytes") else load_tokenizer(t)
 
     def vocab_size(self) -> int:
         """Token ids the run's tokenizer gives (the reference GPT's vocabulary)."""

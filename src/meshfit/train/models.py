@@ -106,9 +106,7 @@ def plans(cfg) -> tuple[Any, Any]:
 
 def resolve_plan(plan: Any, model: nn.Module) -> Any:
     """A plan given as a function of the model, called; other plans as they are."""
-    if plan is None or isinstance(plan, (TPPlan, PipelinePlan, dict)):
-        return plan
-    if callable(plan):
+    if callable(plan) and not isinstance(plan, (TPPlan, PipelinePlan, dict)):
         return plan(model)
     return plan
 

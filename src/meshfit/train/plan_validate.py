@@ -1,6 +1,7 @@
 """`meshfit plan --validate K`: the top K plans' layouts run here, what they measure set
-beside what the planner predicted (one row per plan: layout, predicted_bytes, measured_bytes,
-predicted_step_s, measured_step_s, bytes_error, time_error, skipped).
+beside what the planner predicted: one row per plan (layout, predicted_bytes, measured_bytes,
+predicted_step_s, measured_step_s, bytes_error and time_error = (predicted - measured) /
+measured; skipped: why a plan of another world size did not run, e.g. 8 GPUs' on 4 processes).
 
 The plans of world size `nproc` run in ONE start of `nproc` local processes (the backend and
 device `meshfit.distributed.init` picks: NCCL and one GPU per process where CUDA is, gloo and
@@ -20,11 +21,7 @@ transformers config.json or folder, or module:function), the same weights on eve
   net allocation during one more forward and backward, from the profiler's allocation and
   free events in time order (tests/memory/test_estimate_measured.py measures the same way
   and states its tolerances). ``predicted_bytes`` is the plan's per-rank total; on the CPU,
-  plus its offloaded bytes (host and device memory are one there);
-- ``bytes_error`` and ``time_error``: (predicted - measured) / measured.
-
-A plan of another world size is returned with ``skipped`` set to the reason and the measured
-fields None (a plan for 8 GPUs cannot run on 4 processes).
+  plus its offloaded bytes (host and device memory are one there).
 """
 
 from __future__ import annotations
@@ -217,9 +214,8 @@ def _timed_steps(acc, opt, batches, forward_backward, steps: int) -> list[float]
 
 
 def _peak_bytes(acc, opt, measured, batch, forward_backward) -> int:
-    """This rank's peak bytes as the estimate counts them: on CUDA the allocator's peak over
-    the last step; on the CPU the model states with the gradients present (one more forward
-    and backward, not stepped), then the largest net allocation of another."""
+    """This rank's ``measured_bytes``; on the CPU the states are counted with the gradients
+    of one more forward and backward (not stepped), the net allocation during another."""
     if acc.device.type == "cuda":
         return torch.cuda.max_memory_allocated(acc.device)
     x, y = batch
