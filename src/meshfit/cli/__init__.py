@@ -4,13 +4,12 @@ The work itself is in the packages below (`meshfit.train`, `meshfit.launch`, `me
 ...), which never import this one.
 
     main.py       ``meshfit COMMAND`` (the console script, ``python -m meshfit``): the table
-                  of commands, --help, --version, and how a command's error ends it
+                  of commands, --help, --version, ``meshfit env``, how a command's error ends it
     launch.py     ``meshfit launch``, and the launch flags `meshfit train` shares
     train.py      ``meshfit train``, in this process or on workers (``--worker``)
     generate.py   ``meshfit export``, ``generate``, ``eval``, ``plot`` and ``pipeline-chart``
     plan.py       ``meshfit estimate`` and ``plan``
     calibrate.py  ``meshfit calibrate``: its arguments, its workers, its table
-    env.py        ``meshfit env``: versions, devices and variables for a bug report
 
 No module imports torch when it loads: a bad argument is refused before torch is imported
 (tests/cli/test_fast_start.py).
