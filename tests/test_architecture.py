@@ -205,10 +205,9 @@ def test_the_graph_sees_deferred_imports():
 # runs the refusals; this names the module that broke it).
 TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
               "meshfit.cli.launch", "meshfit.cli.train", "meshfit.cli.generate", "meshfit.cli.plan",
-              "meshfit.cli.calibrate", "meshfit.launch",
-              "meshfit.launch.resolve", "meshfit.launch.slurm", "meshfit.launch.torchrun",
-              "meshfit.launch.workers", "meshfit.train", "meshfit.train.config",
-              "meshfit.train.checks", "meshfit.train.configfile", "meshfit.train.preflight",
+              "meshfit.cli.calibrate", "meshfit.launch", "meshfit.launch.resolve",
+              "meshfit.launch.slurm", "meshfit.launch.torchrun", "meshfit.train",
+              "meshfit.train.config", "meshfit.train.checks", "meshfit.train.preflight",
               "meshfit.distributed", "meshfit.distributed.dims", "meshfit.distributed.spawn",
               "meshfit.models", "meshfit.models.config", "meshfit.models.factory",
               "meshfit.optim_names", "meshfit.parallel", "meshfit.parallel.options",

@@ -125,7 +125,7 @@ def _run_config(run: Path | None, data: str | None):
     unless --data makes it unneeded."""
     if run is None:
         return None
-    from meshfit.train.configfile import load_config
+    from meshfit.train.config import load_config
 
     try:
         return load_config(run / "config.toml")

@@ -51,7 +51,7 @@ def cmd_train(argv: list[str]) -> int:
         _refuse_inherited_ranks()
         launch_cfg, env, notes = launch.config_from_args(ns)
         launch.master_port_in_use(launch_cfg)
-    from meshfit.train.configfile import load_config
+    from meshfit.train.config import load_config
 
     if ns.resume and not ns.worker:
         cfg = _resumed_config(ns, overrides)
@@ -95,7 +95,7 @@ def _refuse_inherited_ranks() -> None:
 
 def _resumed_config(ns, overrides: list[str]):
     """The saved config of the run in --out, with [parallel] / [checkpoint] overrides."""
-    from meshfit.train.configfile import load_config
+    from meshfit.train.config import load_config
 
     if ns.out is None:
         raise ValueError("--resume needs --out, the folder of the run to continue")

@@ -16,8 +16,8 @@ elastic agent), run in this process on the argument list meshfit builds, with sa
                   SLURM and the defaults; the GPUs the workers see
     slurm.py      what a SLURM job's variables say (node lists, tasks per node, rendezvous)
     torchrun.py   torchrun's arguments; `run`: the job through torch.distributed.run; its
-                  rendezvous stores on loopback only; node 0's port checked before starting
-    workers.py    each worker's start, stopping them, the one-line failure summary
+                  rendezvous stores on loopback only; node 0's port checked before starting;
+                  each worker's start, stopping them, the one-line failure summary
     __main__.py   ``python -m meshfit.launch``: the entry torch's agent runs for each worker
 
 No module imports torch when it loads: a bad flag is refused before torch is imported. The

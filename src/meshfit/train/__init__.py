@@ -2,9 +2,9 @@
 used afterwards. The commands themselves (arguments, printing) are in `meshfit.cli`; the
 launcher is `meshfit.launch`.
 
-    config.py          the run's configuration: one frozen, validated dataclass per [section]
+    config.py          the run's configuration: one frozen, validated dataclass per [section],
+                       read from TOML + --section.key=value overrides
     checks.py          the value checks (no torch) of the config and of generate's flags
-    configfile.py      the config read from TOML + --section.key=value overrides
     preflight.py       the checks before launch: the layout for a world size, this machine
     trainer.py         the training loop, read top to bottom, and what a step trains: the
                        prepared model or this rank's pipeline stages
