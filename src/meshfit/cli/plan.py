@@ -17,8 +17,6 @@ from pathlib import Path
 
 from meshfit.cli import OneLineParser
 
-__all__ = ["cmd_estimate", "cmd_plan", "parse_layout", "plan_toml"]
-
 GiB = 2**30
 _LAYOUT_KEYS = {"dp_replicate": int, "dp_shard": int, "tp": int, "pp": int, "zero_stage": int,
                 "offload": bool, "sequence_parallel": bool, "loss_parallel": bool,

@@ -51,12 +51,7 @@ def cmd_train(argv: list[str]) -> int:
         _refuse_inherited_ranks()
         launch_cfg, env, notes = launch.config_from_args(ns)
         launch.master_port_in_use(launch_cfg)
-    from meshfit.train.config import load_config
-
-    if ns.resume and not ns.worker:
-        cfg = _resumed_config(ns, overrides)
-    else:
-        cfg = load_config(ns.config, overrides)
+    cfg = _config(ns, overrides)
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.worker:  # started by the launcher below: one rank of the job
         return _run_worker(cfg, out, resume=ns.resume)
@@ -93,10 +88,13 @@ def _refuse_inherited_ranks() -> None:
                          "under meshfit launch / torchrun)")
 
 
-def _resumed_config(ns, overrides: list[str]):
-    """The saved config of the run in --out, with [parallel] / [checkpoint] overrides."""
+def _config(ns, overrides: list[str]):
+    """--config with the overrides; to resume, the saved config of the run in --out, with
+    [parallel] / [checkpoint] overrides (a worker gets the resolved config as --config)."""
     from meshfit.train.config import load_config
 
+    if not ns.resume or ns.worker:
+        return load_config(ns.config, overrides)
     if ns.out is None:
         raise ValueError("--resume needs --out, the folder of the run to continue")
     if ns.config is not None:

@@ -102,8 +102,7 @@ def master_port_in_use(cfg: LaunchConfig) -> None:
         try:
             s.bind((addr, cfg.master_port))
         except OSError as err:
-            where = f"{cfg.master_addr}:{cfg.master_port}" if host else \
-                f"port {cfg.master_port}"
+            where = f"{cfg.master_addr}:{cfg.master_port}" if host else f"port {cfg.master_port}"
             raise ValueError(f"--master-port={cfg.master_port}: {where} is not free "
                              f"({err.strerror}); give another port, or leave --master-port out "
                              "for a free one (single node)") from None
@@ -133,11 +132,10 @@ def enter_worker(argv: list[str]) -> None:
 def stopping_workers():
     """How the agent stops its workers, adjusted; yields the PIDs of the workers that had
     failed when it began stopping the rest (it terminates the others, exit code -15, and
-    reports them as failed too, with timestamps of one-second resolution).
-
-    The agent passes the signal it got on to the workers: a Ctrl-C (SIGINT) would raise
-    KeyboardInterrupt in every Python worker, one traceback each. They get SIGTERM instead
-    (`meshfit train`'s workers treat both alike: checkpoint, one line)."""
+    reports them as failed too, with timestamps of one-second resolution). The agent passes
+    the signal it got on to the workers: a Ctrl-C (SIGINT) would raise KeyboardInterrupt in
+    every Python worker, one traceback each. They get SIGTERM instead (`meshfit train`'s
+    workers treat both alike: checkpoint, one line)."""
     from torch.distributed.elastic.multiprocessing import api
 
     real = api.SubprocessContext._close
@@ -203,9 +201,7 @@ def failure_summary(failures: dict, first: set[int]) -> str:
     early = {r: f for r, f in failures.items() if f.pid in first} or failures
     rank = min(early, key=lambda r: (early[r].timestamp, r))
     f = early[rank]
-    code = str(f.exitcode)
-    if f.exitcode < 0:
-        code += f" ({f.signal_name()})"
+    code = f"{f.exitcode} ({f.signal_name()})" if f.exitcode < 0 else str(f.exitcode)
     tail = _error_tail(f)
     return (f"{len(failures)} worker(s) failed; first: rank {rank} exit code {code}"
             + (f": {tail}" if tail else ""))

@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["find_executable_batch_size", "is_out_of_memory", "shape_advice", "release_memory"]
-
 log = logging.getLogger(__name__)
 
 _OOM_MESSAGES = (

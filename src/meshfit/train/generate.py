@@ -30,9 +30,6 @@ from meshfit.models import GPT
 from meshfit.train.checks import check_sampling
 from meshfit.train.models import _is_hf
 
-__all__ = ["context_length", "evaluate_loss", "generate", "generate_ids", "load_model",
-           "resolve_model"]
-
 
 # ---------------------------------------------------------------------------- helpers
 def _device(model: nn.Module) -> torch.device:

@@ -17,9 +17,6 @@ from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
 from meshfit.models.plans import PipelinePlan, TPPlan
 
-__all__ = ["build_model", "check_model_source", "import_object", "loss_function", "plans",
-           "write_final_model"]
-
 
 def _factory_kwargs(factory: Callable, cfg, vocab_size: int) -> dict[str, Any]:
     offered = {"vocab_size": vocab_size, "max_seq_len": cfg.train.seq_len}

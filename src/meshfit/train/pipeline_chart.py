@@ -29,9 +29,6 @@ from meshfit._files import atomic_write_bytes, atomic_write_text
 from meshfit.parallel.pp import SCHEDULES, bubble_fraction, bubble_ratio, theoretical_bubble
 from meshfit.train.plot import figure_class
 
-__all__ = ["META_FILE", "TIMINGS_FILE", "CHART_FILE", "PHASES", "write_run",
-           "read_run", "measure", "describe", "draw"]
-
 META_FILE, TIMINGS_FILE, CHART_FILE = "pipeline.json", "pipeline_timings.jsonl", \
     "pipeline_chart.png"
 PHASES = ("forward", "backward", "backward_input", "backward_weight")

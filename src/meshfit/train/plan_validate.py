@@ -41,8 +41,6 @@ from meshfit.memory import net_peak_bytes, rank_report
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
 
-__all__ = ["validate"]
-
 
 def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: str,
              steps: int = 3, nproc: int, optimizer: str = "adamw",

@@ -28,9 +28,6 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from meshfit._files import atomic_write_bytes
 
-__all__ = ["METRICS_FILE", "CONFIG_FILE", "MEMORY_KEYS", "FIGSIZE", "DPI", "Run", "read_run",
-           "draw", "describe", "default_output", "figure_class"]
-
 METRICS_FILE, CONFIG_FILE = "metrics.jsonl", "config.toml"
 MEMORY_KEYS = ("peak_memory_bytes", "memory_bytes")
 """Memory fields of a logged step, in order of preference (bytes; the first one present)."""

@@ -42,10 +42,6 @@ from meshfit.tracking import build_trackers, finish_all, flatten_config
 from meshfit.train.config import RunConfig
 from meshfit.train.runfolder import append_line, atomic_write_text
 
-__all__ = ["Checkpoints", "Diverged", "MetricsWriter", "Preempted", "RunReporter", "Stalled",
-           "StopOnSignal", "Window", "collective_deadline", "device_peak_flops",
-           "find_checkpoint", "model_flops_per_token", "peak_memory_bytes", "timed_batches"]
-
 
 class Window:
     """Loss and throughput over the steps since the last logged one. One small all-reduce

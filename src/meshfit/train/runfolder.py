@@ -21,12 +21,8 @@ import time
 from pathlib import Path
 from typing import Self
 
-from meshfit._files import (WriteFailed, append_line, atomic_write_bytes, atomic_write_text,
-                            new_file_mode, os_reason)
-
-__all__ = ["LOCK_FILE", "RUN_MARKERS", "RUN_OUTPUTS", "RunLock", "WriteFailed",
-           "append_line", "atomic_write_bytes", "atomic_write_text", "check_run_folder",
-           "new_file_mode", "remove_run_outputs"]
+# the run folder's writers (WriteFailed, append_line, atomic_write_text), re-exported
+from meshfit._files import WriteFailed, append_line, atomic_write_text, os_reason
 
 LOCK_FILE = ".meshfit.lock"
 RUN_MARKERS = ("metrics.jsonl", "config.toml", "checkpoints")
