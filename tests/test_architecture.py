@@ -204,7 +204,7 @@ def test_the_graph_sees_deferred_imports():
 # world size: arguments and configs are refused before torch loads (tests/cli/test_fast_start.py
 # runs the refusals; this names the module that broke it).
 TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
-              "meshfit.cli.launch", "meshfit.cli.train", "meshfit.cli.generate", "meshfit.cli.plan",
+              "meshfit.cli.launch", "meshfit.cli.generate", "meshfit.cli.plan",
               "meshfit.cli.calibrate", "meshfit.launch", "meshfit.launch.resolve",
               "meshfit.launch.slurm", "meshfit.launch.torchrun", "meshfit.train",
               "meshfit.train.config", "meshfit.train.checks", "meshfit.train.preflight",

@@ -5,8 +5,8 @@ The work itself is in the packages below (`meshfit.train`, `meshfit.launch`, `me
 
     main.py       ``meshfit COMMAND`` (the console script, ``python -m meshfit``): the table
                   of commands, --help, --version, ``meshfit env``, how a command's error ends it
-    launch.py     ``meshfit launch``, and the launch flags `meshfit train` shares
-    train.py      ``meshfit train``, in this process or on workers (``--worker``)
+    launch.py     ``meshfit launch``, and ``meshfit train`` in this process or on workers
+                  (``--worker``): the launch flags they share
     generate.py   ``meshfit export``, ``generate``, ``eval``, ``plot`` and ``pipeline-chart``
     plan.py       ``meshfit estimate`` and ``plan``
     calibrate.py  ``meshfit calibrate``: its arguments, its workers, its table

@@ -18,9 +18,8 @@ from importlib import metadata
 from meshfit.cli import OneLineParser
 from meshfit.cli.calibrate import cmd_calibrate
 from meshfit.cli.generate import cmd_eval, cmd_export, cmd_generate, cmd_pipeline_chart, cmd_plot
-from meshfit.cli.launch import cmd_launch
+from meshfit.cli.launch import cmd_launch, cmd_train
 from meshfit.cli.plan import cmd_estimate, cmd_plan
-from meshfit.cli.train import cmd_train
 
 PACKAGES = ("numpy", "safetensors", "transformers", "accelerate", "peft", "datasets",
             "tokenizers", "torchao", "bitsandbytes", "matplotlib", "tensorboard", "wandb",

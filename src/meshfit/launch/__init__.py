@@ -21,7 +21,7 @@ elastic agent), run in this process on the argument list meshfit builds, with sa
     __main__.py   ``python -m meshfit.launch``: the entry torch's agent runs for each worker
 
 No module imports torch when it loads: a bad flag is refused before torch is imported. The
-command lines are in `meshfit.cli.launch` and `meshfit.cli.train`.
+command lines are in `meshfit.cli.launch`.
 """
 
 from meshfit.launch.resolve import LaunchConfig, config_from_args, gpu_environment
