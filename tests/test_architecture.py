@@ -207,13 +207,13 @@ TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
               "meshfit.cli.launch", "meshfit.cli.generate", "meshfit.cli.plan",
               "meshfit.cli.calibrate", "meshfit.launch", "meshfit.launch.resolve",
               "meshfit.launch.slurm", "meshfit.launch.torchrun", "meshfit.train",
-              "meshfit.train.config", "meshfit.train.checks", "meshfit.train.preflight",
-              "meshfit.distributed", "meshfit.distributed.dims", "meshfit.distributed.spawn",
-              "meshfit.models", "meshfit.models.config", "meshfit.models.factory",
-              "meshfit.optim_names", "meshfit.parallel", "meshfit.parallel.options",
-              "meshfit.parallel.layout", "meshfit.parallel.rules", "meshfit.parallel.costs",
-              "meshfit.parallel.mesh", "meshfit.parallel.request", "meshfit.parallel.pp",
-              "meshfit.parallel.pp.bubble", "meshfit._lazy", "meshfit.data", "meshfit.data.corpus"]
+              "meshfit.train.config", "meshfit.train.preflight", "meshfit.distributed",
+              "meshfit.distributed.dims", "meshfit.distributed.spawn", "meshfit.models",
+              "meshfit.models.config", "meshfit.models.factory", "meshfit.optim_names",
+              "meshfit.parallel", "meshfit.parallel.options", "meshfit.parallel.layout",
+              "meshfit.parallel.rules", "meshfit.parallel.costs", "meshfit.parallel.mesh",
+              "meshfit.parallel.request", "meshfit.parallel.pp", "meshfit.parallel.pp.bubble",
+              "meshfit._lazy", "meshfit.data", "meshfit.data.corpus"]
 
 
 def test_config_modules_import_no_torch_at_load():

@@ -55,7 +55,7 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="the sampling seed: same seed, same text (default 0)")
     ns = p.parse_args(argv)
-    from meshfit.train.checks import check_sampling
+    from meshfit.train.preflight import check_sampling
 
     if not ns.prompt:
         raise ValueError("--prompt='' is empty; give the text to continue, e.g. "

@@ -69,14 +69,12 @@ def add_accelerate_flags(parser: argparse.ArgumentParser) -> None:
     flag("mixed_precision", default=None, metavar="{no,fp16,bf16}",
          help="the Accelerator's precision when the script leaves it unset "
               "(ACCELERATE_MIXED_PRECISION)")
-    flag("gpu_ids", default=None, metavar="IDS",
-         help="GPUs to use, e.g. 0,2, or all; = --gpus")
+    flag("gpu_ids", default=None, metavar="IDS", help="GPUs to use, e.g. 0,2, or all; = --gpus")
     flag("multi_gpu", action="store_true",
          help="accepted (meshfit always starts one process per --num_processes); "
               "checks that there are GPUs and at least 2 processes")
-    g.add_argument("--cpu", action="store_true",
-                   help="CPU and gloo even where GPUs exist (ACCELERATE_USE_CPU=True, "
-                        "MESHFIT_CPU=1)")
+    g.add_argument("--cpu", action="store_true", help="CPU and gloo even where GPUs exist "
+                   "(ACCELERATE_USE_CPU=True, MESHFIT_CPU=1)")
 
 
 def _launch_parser() -> argparse.ArgumentParser:

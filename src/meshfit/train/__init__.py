@@ -4,8 +4,8 @@ launcher is `meshfit.launch`.
 
     config.py          the run's configuration: one frozen, validated dataclass per [section],
                        read from TOML + --section.key=value overrides
-    checks.py          the value checks (no torch) of the config and of generate's flags
-    preflight.py       the checks before launch: the layout for a world size, this machine
+    preflight.py       every check before launch: the config's values, the layout for a
+                       world size, this machine
     trainer.py         the training loop, read top to bottom, and what a step trains: the
                        prepared model or this rank's pipeline stages
     run.py             what a run records (metrics, MFU, memory, data wait) and how it ends

@@ -1,5 +1,5 @@
 """A run's configuration: frozen dataclasses, one per [section] of the TOML file, each value
-checked in ``__post_init__`` (`meshfit.train.checks`); `RunConfig` adds what follows from its
+checked in ``__post_init__`` (`meshfit.train.preflight`); `RunConfig` adds what follows from its
 fields (accumulation, micro-batches, the `Layout`, the tokenizer and token splits). Read from
 TOML plus ``--section.key=value`` overrides (`load_config`) or from nested dicts
 (`build_config`): unknown sections and keys are rejected and listed. No torch at load: a bad
@@ -25,8 +25,8 @@ from meshfit.optim_names import OPTIMIZERS
 from meshfit.parallel.layout import Layout, check_options
 from meshfit.parallel.options import ModelOptions
 from meshfit.parallel.request import LayoutRequest
-from meshfit.train.checks import (LAYOUT_NAMES, check_bool, check_choice, check_number,
-                                  check_positive)
+from meshfit.train.preflight import (LAYOUT_NAMES, check_bool, check_choice, check_layout,
+                                     check_number, check_positive)
 
 MOE_FIELDS = ("n_experts", "top_k", "moe_every", "moe_d_ff", "shared_experts", "router",
               "capacity_factor", "aux_loss_coef", "router_z_loss_coef")
@@ -469,8 +469,6 @@ class RunConfig:
     def validate_for(self, world_size: int, local_world_size: int | None = None) -> Layout:
         """Checks that need the number of processes (run before launching any); returns the
         run's layout (`meshfit.train.preflight.check_layout`)."""
-        from meshfit.train.preflight import check_layout
-
         return check_layout(self, world_size, local_world_size)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

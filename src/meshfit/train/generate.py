@@ -27,11 +27,10 @@ from torch import nn
 from meshfit.checkpoint.saved import load_model_folder
 from meshfit.data import ByteTokenizer, TokenDataset
 from meshfit.models import GPT
-from meshfit.train.checks import check_sampling
+from meshfit.train.preflight import check_sampling
 from meshfit.train.models import _is_hf
 
 
-# ---------------------------------------------------------------------------- helpers
 def _device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device

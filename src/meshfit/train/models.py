@@ -174,7 +174,6 @@ def _is_hf(model: nn.Module) -> bool:
     return hf is not None and isinstance(_base(model), hf.PreTrainedModel)
 
 
-# ---------------------------------------------------------------------------- weights out
 def write_final_model(acc, trained_module, model: nn.Module, cfg, tokenizer,
                       out_dir: Path, vocab_size: int) -> list[Path]:
     """The run's final weights, gathered from the layout's shards (a collective: call on

@@ -94,7 +94,6 @@ def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: 
     return rows
 
 
-# ---------------------------------------------------------------------------- the processes
 def _spawn(nproc: int, args: tuple, timeout_s: float) -> list:
     """Each rank's `_run_plans(rank, nproc, *args)`, in rank order (one: in this process)."""
     if nproc == 1:

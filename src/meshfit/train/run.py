@@ -44,8 +44,7 @@ from meshfit.train.runfolder import append_line, atomic_write_text
 
 
 class Window:
-    """Loss and throughput over the steps since the last logged one. One small all-reduce
-    per logged step, not per step: metrics stay off the hot path."""
+    """One small all-reduce per logged step, not per step: metrics stay off the hot path."""
 
     def __init__(self, acc: Accelerator, tokens_per_step: int):
         self.acc, self.tokens_per_step = acc, tokens_per_step
@@ -204,11 +203,10 @@ class Checkpoints:
 
 
 class MetricsWriter:
-    """metrics.jsonl and config.toml in the run folder (main process only). Resuming after
-    step N keeps the lines of steps up to N and appends after them. config.toml and the
-    resumed metrics.jsonl are replaced atomically; each metrics line is appended whole or not
-    at all (a failed append is cut back off), and a failed write is one line
-    (`WriteFailed`) naming the file and the reason."""
+    """Main process only. Resuming after step N keeps the lines of steps up to N and appends
+    after them. config.toml and the resumed metrics.jsonl are replaced atomically; each
+    metrics line is appended whole or not at all (a failed append is cut back off), and a
+    failed write is one line (`WriteFailed`) naming the file and the reason."""
 
     def __init__(self, out_dir: Path | None, cfg: RunConfig, *, after_step: int = 0):
         self.path = None
@@ -312,7 +310,6 @@ class RunReporter:
             self.task = self.bar.add_task("train", total=total_steps, info="")
             self.bar.start()
 
-    # ------------------------------------------------------------------ figures
     def step_figures(self, record: dict[str, Any], *, grad_norm: float | None,
                      wait_s: float, window_s: float) -> dict[str, Any]:
         """Adds to a logged step's `record` (which has tokens_per_s): grad_norm,
@@ -341,7 +338,6 @@ class RunReporter:
         out["data_wait_share"] = round(min(1.0, float(share.item())), 4)
         return out
 
-    # ------------------------------------------------------------------ outputs
     def report(self, record: dict[str, Any], step: int) -> None:
         """A logged step (or an evaluation) to the trackers and the terminal."""
         if not self.main:

@@ -435,8 +435,7 @@ CUDA the recording synchronises the device around every forward and backward).""
 
 
 class ModelSteps:
-    """What the loop trains when there is no pipeline: a model from `Accelerator.prepare`,
-    one forward and backward per micro-batch."""
+    """A model from `Accelerator.prepare`: one forward and backward per micro-batch."""
 
     whole_batches = False  # any number of evaluation sequences will do
 
@@ -473,8 +472,7 @@ class ModelSteps:
 
 
 class PipelineSteps:
-    """What the loop trains under pp > 1: this rank's `Pipeline`, whose `step` runs forward
-    and backward over all of a batch's micro-batches."""
+    """This rank's `Pipeline` (pp > 1), whose `step` runs all of a batch's micro-batches."""
 
     whole_batches = True  # evaluation batches are cut into micro-batches too
 
