@@ -96,8 +96,7 @@ def _eval_args(argv: list[str]) -> argparse.Namespace:
 
 def cmd_eval(argv: list[str]) -> int:
     ns = _eval_args(argv)  # refusals before torch is imported
-    from meshfit.train.generate import (context_length, evaluate_loss, load_model,
-                                        resolve_model)
+    from meshfit.train.generate import context_length, evaluate_loss, load_model, resolve_model
 
     if ns.data is not None and not Path(ns.data).expanduser().exists():
         raise ValueError(f"--data={ns.data!r} does not exist; give a text file or a folder of "
@@ -114,8 +113,7 @@ def cmd_eval(argv: list[str]) -> int:
     if tokens.size < seq_len + 1:
         raise ValueError(f"--seq-len={seq_len}: {where} only {tokens.size} tokens, fewer than "
                          "one window of seq_len + 1; lower --seq-len or give more --data")
-    loss, n = evaluate_loss(model, tokens, seq_len, batches=ns.batches,
-                            batch_size=ns.batch_size)
+    loss, n = evaluate_loss(model, tokens, seq_len, batches=ns.batches, batch_size=ns.batch_size)
     print(f"loss {loss:.6f} perplexity {math.exp(min(loss, 700.0)):.4f} on {n} tokens")
     return 0
 
@@ -153,8 +151,7 @@ def _held_out(data: str | None, cfg, tokenizer):
 
     if data is not None:
         cache_dir = (cfg.data.cache_dir or None) if cfg is not None else None
-        tokens = load_tokens(data, tokenizer=tokenizer, cache_dir=cache_dir,
-                             val_fraction=0.0).train
+        tokens = load_tokens(data, tokenizer=tokenizer, cache_dir=cache_dir, val_fraction=0.0).train
         return tokens, f"--data={data!r} holds"
     if cfg is not None:
         return cfg.load_tokens().val, "the validation split holds"

@@ -102,8 +102,7 @@ def collect() -> list[tuple[str, str]]:
            ("platform", platform.platform())]
     out += _torch_facts()
     out += [(name, _version(name)) for name in PACKAGES]
-    shown = sorted(k for k in os.environ
-                   if k in ENV_NAMES or k.startswith(ENV_PREFIXES))
+    shown = sorted(k for k in os.environ if k in ENV_NAMES or k.startswith(ENV_PREFIXES))
     out.append(("environment", ", ".join(f"{k}={os.environ[k][:200]}" for k in shown)
                 or "(none of the variables meshfit reads are set)"))
     return out

@@ -44,8 +44,7 @@ def parse_layout(text: str):
         except ValueError:
             raise ValueError(f"--layout {key}={value!r} is not a valid {kind.__name__}") from None
         if kind is int and out[key] < (0 if key == "zero_stage" else 1):
-            raise ValueError(f"--layout {key}={value} must be >= "
-                             f"{0 if key == 'zero_stage' else 1}")
+            raise ValueError(f"--layout {key}={value} must be >= {0 if key == 'zero_stage' else 1}")
     return out
 
 
@@ -125,8 +124,7 @@ def _families(world: int, shape, ns) -> list:
                 LayoutSpec(pp=world, microbatches=m, **base)))
     if world % 2 == 0 and world >= 4:
         half = world // 2
-        out.append((f"ZeRO-3 {half} x TP 2", LayoutSpec(dp_shard=half, tp=2, zero_stage=3,
-                                                         **base)))
+        out.append((f"ZeRO-3 {half} x TP 2", LayoutSpec(dp_shard=half, tp=2, zero_stage=3, **base)))
         out.append((f"PP 2 x ZeRO-1 {half}", LayoutSpec(pp=2, dp_shard=half, zero_stage=1,
                                                          microbatches=4, **base)))
     return out

@@ -141,9 +141,8 @@ def slurm_facts(environ: Mapping[str, str] | None = None) -> SlurmFacts | None:
     if nnodes is None:
         nnodes = len(hosts) or 1
     elif hosts and len(hosts) != nnodes:
-        raise ValueError(f"{nodelist_var}={environ[nodelist_var]!r} names {len(hosts)} host(s) "
-                         f"but {nnodes_var}={nnodes}; pass --nnodes and --master-addr (or "
-                         "--no-slurm)")
+        raise ValueError(f"{nodelist_var}={environ[nodelist_var]!r} names {len(hosts)} host(s) but "
+                         f"{nnodes_var}={nnodes}; pass --nnodes and --master-addr (or --no-slurm)")
     node_rank, _ = _slurm_int(environ, "SLURM_NODEID")
     node_rank = node_rank or 0
     if not 0 <= node_rank < nnodes:

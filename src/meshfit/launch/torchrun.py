@@ -311,8 +311,7 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     except SignalException as err:  # the agent passed the signal on to the workers
         if say_stopped:
             name = signal.Signals(err.sigval).name
-            print(f"{prog}: stopped by {name}; the workers were ended", file=sys.stderr,
-                  flush=True)
+            print(f"{prog}: stopped by {name}; the workers were ended", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
         for name in (LAUNCHER_PID_ENV, RESTART_ENV, MAX_RESTARTS_ENV):

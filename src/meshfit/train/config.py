@@ -135,20 +135,17 @@ class ModelConfig:
         routed = [n for n in MOE_FIELDS if n != "n_experts" and getattr(self, n) is not None]
         if routed and not gpt.n_experts:
             raise ValueError(f"model.{routed[0]}={getattr(self, routed[0])!r} configures "
-                             f"mixture-of-experts blocks, but model.preset={self.preset!r} "
-                             "has none (n_experts=0); set model.n_experts or use the "
-                             "moe-tiny preset")
+                             f"mixture-of-experts blocks, but model.preset={self.preset!r} has "
+                             "none (n_experts=0); set model.n_experts or use the moe-tiny preset")
 
     @property
     def source(self) -> str:
         """Which field gives the model: preset, hf_config, hf_model or factory."""
-        return next((n for n in ("hf_config", "hf_model", "factory") if getattr(self, n)),
-                    "preset")
+        return next((n for n in ("hf_config", "hf_model", "factory") if getattr(self, n)), "preset")
 
     def overrides(self) -> dict[str, Any]:
         """The reference GPT's fields this section sets (over its preset's)."""
-        keep = ("n_layer", "n_head", "d_model", "d_ff", "dropout", "attention_backend",
-                *MOE_FIELDS)
+        keep = ("n_layer", "n_head", "d_model", "d_ff", "dropout", "attention_backend", *MOE_FIELDS)
         return {name: getattr(self, name) for name in keep if getattr(self, name) is not None}
 
 
@@ -357,8 +354,7 @@ class LogConfig:
 
         if isinstance(self.with_, str):  # --log.with=tensorboard: one tracker
             object.__setattr__(self, "with_", [self.with_] if self.with_ else [])
-        if not isinstance(self.with_, list) or not all(
-                isinstance(x, str) for x in self.with_):
+        if not isinstance(self.with_, list) or not all(isinstance(x, str) for x in self.with_):
             raise ValueError(f"log.with={self.with_!r} must be a list of tracker names, e.g. "
                              '["tensorboard", "csv"]')
         resolve_names(self.with_, field="log.with")

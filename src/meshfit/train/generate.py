@@ -148,8 +148,7 @@ def _generate_hf(model, prompt, max_new, temperature, top_k, seed, eos_id) -> to
     if temperature == 0:
         sampling: dict[str, Any] = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
     else:
-        sampling = dict(do_sample=True, temperature=float(temperature), top_k=top_k or 0,
-                        top_p=1.0)
+        sampling = dict(do_sample=True, temperature=float(temperature), top_k=top_k or 0, top_p=1.0)
     for key, value in sampling.items():
         setattr(config, key, value)
     devices = [ids.device] if ids.device.type == "cuda" else []
@@ -233,9 +232,8 @@ def resolve_model(path: str) -> tuple[Path, Path | None]:
     if (p / "model").is_dir():
         return p / "model", p
     if (p / "config.toml").is_file():
-        raise ValueError(f"RUN_OR_MODEL={path!r} is a run folder without model/: a run writes "
-                         "its model there when training ends; let it finish, or give a "
-                         "model folder")
+        raise ValueError(f"RUN_OR_MODEL={path!r} is a run folder without model/: a run writes its "
+                         "model there when training ends; let it finish, or give a model folder")
     raise ValueError(f"RUN_OR_MODEL={path!r} holds no model (no config.json, no model/); {fix}")
 
 

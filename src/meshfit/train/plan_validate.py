@@ -49,8 +49,7 @@ def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: 
     `steps` optimizer steps; `dtype`: "fp32", "bf16" or "fp16" (autocast over fp32 master
     weights, as the planner assumed)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps={steps!r} must be an integer >= 2 (the first step is not "
-                         "timed)")
+        raise ValueError(f"steps={steps!r} must be an integer >= 2 (the first step is not timed)")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r} must be an integer >= 1")
     if dtype not in ("fp32", "bf16", "fp16"):
@@ -67,9 +66,8 @@ def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: 
                               f"layouts of {nproc} can run")
         elif global_batch_size % lay.dp or (global_batch_size // lay.dp) % (
                 lay.micro_batch_size * (lay.microbatches if lay.pp > 1 else 1)):
-            row["skipped"] = (f"global batch {global_batch_size} does not divide into "
-                              f"{lay.dp} data-parallel ranks x micro-batches of "
-                              f"{lay.micro_batch_size}")
+            row["skipped"] = (f"global batch {global_batch_size} does not divide into {lay.dp} "
+                              f"data-parallel ranks x micro-batches of {lay.micro_batch_size}")
         else:
             jobs.append((i, lay.to_json() | {"virtual_stages": lay.virtual_stages,
                                              "loss_parallel": lay.loss_parallel}))

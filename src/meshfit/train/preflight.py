@@ -91,11 +91,10 @@ def _check_peft(cfg, layout: Layout) -> None:
                          "available (LoRA adapts linear layers; the experts are stacked "
                          "weights split over the ep ranks); use peft.method='none' or ep=1")
     if (layout.dims.tp > 1 or layout.dims.pp > 1) and method != "none":
-        raise ValueError(f"peft.method={method!r} with parallel.tp/pp > 1 is "
-                         "not yet available: LoRA wraps each adapted linear in a "
-                         "peft LoraLayer (its weight moves to base_layer), which the "
-                         "tensor-parallel plans and pipeline stages do not name; use "
-                         "peft.method='none' or tp = pp = 1 (data parallel and ZeRO "
+        raise ValueError(f"peft.method={method!r} with parallel.tp/pp > 1 is not yet available: "
+                         "LoRA wraps each adapted linear in a peft LoraLayer (its weight moves to "
+                         "base_layer), which the tensor-parallel plans and pipeline stages do not "
+                         "name; use peft.method='none' or tp = pp = 1 (data parallel and ZeRO "
                          "work with LoRA)")
 
 
@@ -114,10 +113,9 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
                          "\"module:PLAN\" (a TPPlan or {module pattern: style}; in "
                          "your own loop: Accelerator(tp_plan=PLAN))")
     if dims.pp > 1 and pp_plan is None and not builtin:
-        raise ValueError(f"parallel.pp={dims.pp}: {name} has no built-in "
-                         "pipeline plan; give one as model.pipeline_plan = "
-                         "\"module:PLAN\" (a PipelinePlan; in your own loop: "
-                         "accelerator.prepare_pipeline(model, plan=PLAN, ...))")
+        raise ValueError(f"parallel.pp={dims.pp}: {name} has no built-in pipeline plan; give one "
+                         "as model.pipeline_plan = \"module:PLAN\" (a PipelinePlan; in your own "
+                         "loop: accelerator.prepare_pipeline(model, plan=PLAN, ...))")
     if dims.pp == 1 and pp_plan is None and not builtin:
         # a dict plan has no divisible sizes to name
         facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible", ())))
@@ -128,8 +126,7 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
                        virtual_stages=cfg.parallel.virtual_stages, names=LAYOUT_NAMES)
 
 
-def preflight(cfg, world_size: int | None = None,
-              local_world_size: int | None = None) -> list[str]:
+def preflight(cfg, world_size: int | None = None, local_world_size: int | None = None) -> list[str]:
     """Checks that need this machine: the device the workers will use (attention kernel,
     8-bit optimizer), the model source, with `world_size` the data (`check_data`); returns
     warnings (tensor-core shapes; with `world_size` also the layout's `Layout.warnings`)."""
@@ -239,9 +236,8 @@ def _readable_tokens(cfg, source: str):
         cache = cfg.data.cache_dir or "~/.cache/meshfit/tokens"
         field = (f"data.cache_dir={cache!r}" if str(where).startswith(
             str(Path(cache).expanduser())) else source)
-        raise ValueError(f"{field}: cannot use {where} ({err.strerror or err}); make it "
-                         "readable (and the cache folder writable) or point the setting "
-                         "elsewhere") from None
+        raise ValueError(f"{field}: cannot use {where} ({err.strerror or err}); make it readable "
+                         "(and the cache folder writable) or point the setting elsewhere") from None
 
 
 def _check_validation_windows(cfg, source: str, n_val: int, dims, rows: int) -> None:

@@ -63,8 +63,7 @@ def check_run_folder(out: Path, *, resume: bool, overwrite: bool, claim: bool = 
                          "made under it; give an --out whose parents are folders")
     if existing == absolute and not absolute.is_dir():
         what = "a broken symbolic link" if absolute.is_symlink() else "a file, not a folder"
-        raise ValueError(f"{flag} is {what}; give the path of a folder (new or a run's) as "
-                         "--out")
+        raise ValueError(f"{flag} is {what}; give the path of a folder (new or a run's) as --out")
     name_max = _pathconf(existing, "PC_NAME_MAX", 255)
     for part in absolute.parts:
         if len(os.fsencode(part)) > name_max:
@@ -157,9 +156,8 @@ class RunLock:
         except BlockingIOError:
             pid = _read_pid(fd)
             os.close(fd)
-            raise ValueError(f"{flag}: a run (PID {pid}) is writing to this folder now (it "
-                             f"holds {self.path}); wait for it to end, or give another "
-                             "--out") from None
+            raise ValueError(f"{flag}: a run (PID {pid}) is writing to this folder now (it holds "
+                             f"{self.path}); wait for it to end, or give another --out") from None
         except BaseException:
             os.close(fd)
             raise

@@ -335,10 +335,9 @@ def _loaders(acc: Accelerator, cfg: RunConfig, splits, trained, rows: int, micro
     if trained.whole_batches:
         n_val = max(n_val // (rows * dp), 1) * rows * dp
         if n_val > len(val_set):
-            raise ValueError(f"the validation split holds {len(val_set)} sequences of "
-                             f"{t.seq_len} tokens, fewer than one pipeline batch of "
-                             f"{rows} per data-parallel rank x {dp}; lower "
-                             "train.micro_batch_size or parallel.microbatches")
+            raise ValueError(f"the validation split holds {len(val_set)} sequences of {t.seq_len} "
+                             f"tokens, fewer than one pipeline batch of {rows} per data-parallel "
+                             f"rank x {dp}; lower train.micro_batch_size or parallel.microbatches")
     val = DataLoader(Subset(val_set, range(n_val)), batch_size=rows,
                      drop_last=trained.whole_batches, **workers)
     return train, val
@@ -498,8 +497,7 @@ class PipelineSteps:
 
     def after_step(self, step: int, out_dir: Path) -> None:
         if step == min(self.steps, PIPELINE_TIMED_STEPS):
-            _save_pipeline_timings(self.pipeline,
-                                   out_dir if self.acc.is_main_process else None)
+            _save_pipeline_timings(self.pipeline, out_dir if self.acc.is_main_process else None)
 
 
 def prepare_steps(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module,
