@@ -153,6 +153,5 @@ def _table(result: dict, out: Path) -> str:
         fit = result["collectives"][kind]
         r2 = raw["collectives"].get(kind, {}).get("r2")
         lines.append(f"  {kind:<15}{_si(fit['bus_bandwidth'], 'B/s'):>14}"
-                     f"{_si(fit['latency'], 's'):>12}"
-                     f"{'-' if r2 is None else f'{r2:.4f}':>8}")
+                     f"{_si(fit['latency'], 's'):>12}{'-' if r2 is None else f'{r2:.4f}':>8}")
     return "\n".join(lines)

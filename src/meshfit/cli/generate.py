@@ -133,9 +133,8 @@ def _run_config(run: Path | None, data: str | None):
     return None
 
 
-def _seq_len(given: int | None, cfg, context: int | None) -> int:
+def _seq_len(seq_len: int | None, cfg, context: int | None) -> int:
     """--seq-len, else the run's train.seq_len, else the model's context (at most 1024)."""
-    seq_len = given
     if seq_len is None:
         seq_len = cfg.train.seq_len if cfg is not None else min(context or 1024, 1024)
     if context is not None and seq_len > context:

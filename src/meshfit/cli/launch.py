@@ -1,9 +1,8 @@
-"""``meshfit launch`` (a training script on N processes per node) and ``meshfit train`` (a
-model trained from a TOML config + ``--section.key=value`` overrides, in this process or on
-workers, each running this command with ``--worker``: `_run_worker`, one rank, whose errors
-reach the launcher's one-line failure summary), both through `meshfit.launch`, and the launch
-flags they share (`add_launch_flags`). Everything is checked before any process starts or any
-file is written.
+"""``meshfit launch`` (a training script on N processes per node) and ``meshfit train`` (a model
+trained from a TOML config + ``--section.key=value`` overrides, in this process or on workers, each
+running this command with ``--worker``: `_run_worker`, one rank, whose errors reach the launcher's
+one-line failure summary), both through `meshfit.launch`, and the launch flags they share
+(`add_launch_flags`). Everything is checked before any process starts or any file is written.
 """
 
 from __future__ import annotations
@@ -279,13 +278,12 @@ def _run_worker(cfg, out: Path, *, resume: bool) -> int:
 
 
 def _leave_worker() -> int:
-    """A finished worker's way out. torch 2.13's gloo can abort a process that tears down
-    after DeviceMesh subgroups ("terminate called without an active exception"), turning a
-    finished run into a failed worker: 8 of 10 two-rank runs of a DeviceMesh script under
-    plain torchrun, 1 of 16 after a barrier, 0 of 16 leaving through os._exit. So every rank
-    is done with every group before any tears down (settle_all: no gloo thread needs the GIL
-    afterwards), and a worker whose run is complete (files written, trackers finished)
-    leaves without the interpreter's teardown."""
+    """A finished worker's way out. torch 2.13's gloo can abort a process that tears down after
+    DeviceMesh subgroups ("terminate called without an active exception"), turning a finished run
+    into a failed worker: 8 of 10 two-rank runs of a DeviceMesh script under plain torchrun, 1 of 16
+    after a barrier, 0 of 16 leaving through os._exit. So every rank is done with every group before
+    any tears down (settle_all: no gloo thread needs the GIL afterwards), and a worker whose run is
+    complete (files written, trackers finished) leaves without the interpreter's teardown."""
     import torch.distributed as dist
 
     from meshfit.distributed import init
@@ -309,10 +307,8 @@ def _record_error(err: BaseException, lines: list[str] | None = None) -> None:
     if not path:
         return
     text = "\n".join(lines) if lines else (str(err).splitlines() or [type(err).__name__])[0]
-    try:
+    with contextlib.suppress(OSError):  # the summary then gives the exit code alone
         Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
-    except OSError:
-        pass  # the summary then gives the exit code alone
 
 
 def _stopped(stopped, code: int | None = None) -> int:

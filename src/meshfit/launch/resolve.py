@@ -1,14 +1,13 @@
-"""What a launch starts where (`LaunchConfig`, checked as it is built), from the parsed flags
-and the environment (`config_from_args`), one resolver per setting: meshfit's flag, else
-`accelerate launch`'s (both given and different: refused), else SLURM (unless --no-slurm),
-else the default. A resolver returns its setting (with a note where SLURM gave it) or raises
-its one-line ValueError; `config_from_args` runs them in the order their refusals are
-checked: accelerate's own rules, the flags that name one setting twice, the GPUs, SLURM, then
-nodes, this node's rank, processes per node and the rendezvous. The namespace is `meshfit
-launch`'s or `meshfit train`'s (`meshfit.cli.launch`: meshfit's launch flags are None where
-not given; only `meshfit launch` has accelerate's). ``--gpus 0,2`` exposes those devices, in
-that order, as the multi-GPU guide does by hand with ``CUDA_VISIBLE_DEVICES`` and
-``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+"""What a launch starts where (`LaunchConfig`, checked as it is built), from the parsed flags and
+the environment (`config_from_args`), one resolver per setting: meshfit's flag, else `accelerate
+launch`'s (both given and different: refused), else SLURM (unless --no-slurm), else the default. A
+resolver returns its setting (with a note where SLURM gave it) or raises its one-line ValueError;
+`config_from_args` runs them in the order their refusals are checked: accelerate's own rules, the
+flags that name one setting twice, the GPUs, SLURM, then nodes, this node's rank, processes per node
+and the rendezvous. The namespace is `meshfit launch`'s or `meshfit train`'s (`meshfit.cli.launch`:
+meshfit's launch flags are None where not given; only `meshfit launch` has accelerate's). ``--gpus
+0,2`` exposes those devices, in that order, as the multi-GPU guide does by hand with
+``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
 """
 
 from __future__ import annotations

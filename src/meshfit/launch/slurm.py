@@ -120,13 +120,12 @@ def _slurm_int(environ: Mapping[str, str], *names: str) -> tuple[int | None, str
 
 
 def slurm_facts(environ: Mapping[str, str] | None = None) -> SlurmFacts | None:
-    """The launch settings a SLURM job implies, or None outside SLURM (no SLURM_JOB_ID).
-    Inside an ``srun`` step the step's variables count (SLURM_STEP_NUM_NODES,
-    SLURM_STEP_NODELIST, SLURM_NODEID: this node's index in the step's list); in the batch
-    script itself, the job's (SLURM_JOB_NUM_NODES or SLURM_NNODES, SLURM_JOB_NODELIST,
-    node 0). Rendezvous (used with several nodes): MASTER_ADDR or the node list's first
-    host, and MASTER_PORT or 10000 + job id mod 20000 (the same on every node, below Linux's
-    ephemeral ports)."""
+    """The launch settings a SLURM job implies, or None outside SLURM (no SLURM_JOB_ID). Inside an
+    ``srun`` step the step's variables count (SLURM_STEP_NUM_NODES, SLURM_STEP_NODELIST,
+    SLURM_NODEID: this node's index in the step's list); in the batch script itself, the job's
+    (SLURM_JOB_NUM_NODES or SLURM_NNODES, SLURM_JOB_NODELIST, node 0). Rendezvous (used with several
+    nodes): MASTER_ADDR or the node list's first host, and MASTER_PORT or 10000 + job id mod 20000
+    (the same on every node, below Linux's ephemeral ports)."""
     environ = os.environ if environ is None else environ
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if not job_id:

@@ -287,15 +287,14 @@ def _attempts(cfg: LaunchConfig, target: list[str], prog: str) -> int:
 def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
         env: dict[str, str] | None = None, prog: str = "meshfit launch",
         say_stopped: bool = True) -> int:
-    """Start the job through torch.distributed.run and wait; returns the exit code.
-    `prog` begins the launcher's lines; `say_stopped=False` leaves the line about a signal
-    to workers that print their own (`meshfit train`'s main rank).
+    """Start the job through torch.distributed.run and wait; returns the exit code. `prog` begins
+    the launcher's lines; `say_stopped=False` leaves the line about a signal to workers that print
+    their own (`meshfit train`'s main rank).
 
-    A single-node job with --max-restarts is restarted by meshfit, on a fresh loopback port
-    per attempt, so no key, address or listener of the failed attempt is seen by the next
-    one (torch 2.13's in-agent restart reuses the store, and measured 0 of 3 recoveries of a
-    gloo script after ``kill -9`` of a worker). Multi-node jobs keep torchrun's own restarts
-    (c10d rendezvous)."""
+    A single-node job with --max-restarts is restarted by meshfit, on a fresh loopback port per
+    attempt, so no key, address or listener of the failed attempt is seen by the next one (torch
+    2.13's in-agent restart reuses the store, and measured 0 of 3 recoveries of a gloo script after
+    ``kill -9`` of a worker). Multi-node jobs keep torchrun's own restarts (c10d rendezvous)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     os.environ.update(env or {})

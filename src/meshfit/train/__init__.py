@@ -2,14 +2,10 @@
 used afterwards. The commands themselves (arguments, printing) are in `meshfit.cli`; the
 launcher is `meshfit.launch`.
 
-    config.py          the run's configuration: one frozen, validated dataclass per [section],
-                       read from TOML + --section.key=value overrides
-    preflight.py       every check before launch: the config's values, the layout for a
-                       world size, this machine
-    trainer.py         the training loop, read top to bottom, and what a step trains: the
-                       prepared model or this rank's pipeline stages
-    run.py             what a run records (metrics, MFU, memory, data wait) and how it ends
-                       early: checkpoints and resume, preemption
+    config.py          the run's configuration (a dataclass per [section]), from TOML + overrides
+    preflight.py       every check before launch: config values, layout, this machine
+    trainer.py         the training loop, read top to bottom; what a step trains (model, pipeline)
+    run.py             what a run records (metrics, MFU, memory); checkpoints, preemption
     runfolder.py       the run folder claimed: checked, locked, written atomically
     models.py          [model]: presets, transformers configs and folders, factories
     batch_size.py      the largest micro-batch that fits, tensor-core shape advice

@@ -39,22 +39,19 @@ def release_memory() -> None:
 def find_executable_batch_size(function: Callable | None = None, *, starting_batch_size: int = 128,
                                effective_batch_size: int | None = None,
                                min_batch_size: int = 1) -> Callable:
-    """Decorator: call ``function(micro_batch_size, gradient_accumulation_steps, ...)`` and, on
-    an out-of-memory error, call it again with half the micro-batch, as Accelerate's function
-    of that name does, but keeping the *effective* batch: with ``effective_batch_size``
-    (samples per optimizer step on this rank) the accumulation passed in is
-    ``effective_batch_size // micro_batch_size`` and the micro-batch only takes divisors of
-    it, so the optimisation (and its learning-rate choice) is unchanged. Without it the
-    accumulation is 1 and the effective batch shrinks with the micro-batch (Accelerate's
-    behaviour). Each attempt should build its model/optimizer state afresh (or release the
-    previous one), as with Accelerate.
+    """Decorator: call ``function(micro_batch_size, gradient_accumulation_steps, ...)`` and, on an
+    out-of-memory error, call it again with half the micro-batch, as Accelerate's function of that
+    name does, but keeping the *effective* batch: with ``effective_batch_size`` (samples per
+    optimizer step on this rank) the accumulation passed in is ``effective_batch_size //
+    micro_batch_size`` and the micro-batch only takes divisors of it, so the optimisation (and its
+    learning-rate choice) is unchanged. Without it the accumulation is 1 and the effective batch
+    shrinks with the micro-batch (Accelerate's behaviour). Each attempt should build its
+    model/optimizer state afresh (or release the previous one), as with Accelerate. Raises
+    RuntimeError when even ``min_batch_size`` does not fit; other errors propagate unchanged.
 
         @find_executable_batch_size(starting_batch_size=64, effective_batch_size=64)
         def train(micro_batch_size, gradient_accumulation_steps):
             ...
-
-    Raises RuntimeError when even ``min_batch_size`` does not fit; errors other than
-    out-of-memory propagate unchanged.
     """
     if function is None:
         return functools.partial(find_executable_batch_size,

@@ -46,14 +46,12 @@ class ModelConfig:
     """A Hugging Face config.json (or a folder holding one): that causal LM, built with
     random weights (transformers' init, from train.seed). No download."""
     hf_model: str = ""
-    """A local Hugging Face model folder (config.json + safetensors, as save_pretrained
-    writes it): built on the meta device, each rank reading only the slices its layout
-    needs."""
+    """A local Hugging Face model folder (config.json + safetensors, as save_pretrained writes it):
+    built on the meta device, each rank reading only the slices its layout needs."""
     factory: str = ""
-    """"module:function" returning your own nn.Module (module importable from the current
-    folder or PYTHONPATH); called with the keyword arguments it declares among vocab_size and
-    max_seq_len. Its forward takes token ids [B, T] and returns logits [B, T, V] (or an
-    object with .logits)."""
+    """"module:function" returning your own nn.Module (module importable from the current folder or
+    PYTHONPATH); called with the keyword arguments it declares among vocab_size and max_seq_len. Its
+    forward takes token ids [B, T] and returns logits [B, T, V] (or an object with .logits)."""
     tp_plan: str = ""
     """"module:PLAN" — the tensor-parallel plan of a model without a built-in one: a
     `meshfit.models.plans.TPPlan`, a {module pattern: style} dict, or a function of the model
@@ -175,15 +173,13 @@ class TrainConfig(ModelOptions):
     """Before training, probe forward + backward and halve the micro-batch (doubling the
     accumulation) until it fits on every rank."""
     timeout_s: int = 300
-    """Seconds a collective may wait for the other ranks before the run fails with the
-    operation's name (instead of hanging); raise it for steps or checkpoints slower than
-    that."""
+    """Seconds a collective may wait for the other ranks before the run fails with the operation's
+    name (instead of hanging); raise it for steps or checkpoints slower than that."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len",
-                     "eval_batches", "log_every"):
+                     "eval_batches", "log_every", "timeout_s"):
             check_positive("train", name, getattr(self, name))
-        check_positive("train", "timeout_s", self.timeout_s)
         for name in ("warmup_steps", "seed", "eval_every", "empty_cache_steps"):
             check_positive("train", name, getattr(self, name), allow_zero=True)
         check_number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)

@@ -78,15 +78,13 @@ def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: 
         for i, _ in jobs:
             per_rank = [r[i] for r in results]
             row = rows[i]
-            cpu = per_rank[0]["device"] == "cpu"
-            if cpu:
+            if per_rank[0]["device"] == "cpu":  # host and device memory are one
                 row["predicted_bytes"] += row["_host"]
             row["measured_bytes"] = float(max(r["peak_bytes"] for r in per_rank))
             row["measured_step_s"] = float(max(r["step_s"] for r in per_rank))
-            row["bytes_error"] = (row["predicted_bytes"] - row["measured_bytes"]) / \
-                row["measured_bytes"]
-            row["time_error"] = (row["predicted_step_s"] - row["measured_step_s"]) / \
-                row["measured_step_s"]
+            for key, guess, seen in (("bytes_error", "predicted_bytes", "measured_bytes"),
+                                     ("time_error", "predicted_step_s", "measured_step_s")):
+                row[key] = (row[guess] - row[seen]) / row[seen]
     for row in rows:
         del row["_host"]
     return rows

@@ -179,10 +179,9 @@ def _matmul_shape(cfg, device, dtype) -> tuple[int, int, int] | None:
 
 
 def _checked_model(cfg, vocab_size: int, check):
-    """`check(cfg, vocab_size)` (the model built on the meta device), with what a user's
-    model source raises while being read or built (an unreadable or malformed config.json,
-    a factory that is not a function, a library's multi-line message) as one line naming the
-    [model] key."""
+    """`check(cfg, vocab_size)` (the model built on the meta device), with what a user's model
+    source raises while being read or built (an unreadable or malformed config.json, a factory that
+    is not a function, a library's multi-line message) as one line naming the [model] key."""
     source = cfg.model.source
     if source == "preset":
         return check(cfg, vocab_size)

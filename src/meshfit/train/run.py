@@ -1,18 +1,16 @@
-"""What a `meshfit train` run records, and how it ends early.
+"""What a `meshfit train` run records, and how it ends early: `Window` (loss and throughput since
+the last logged step), `MetricsWriter` (OUT/metrics.jsonl and config.toml), `RunReporter` (the
+figures beyond loss and throughput: gradient norm, tokens/s per device, MFU, peak memory per rank,
+the share of the step spent waiting for data; to the trackers of ``[log] with`` and the terminal: a
+progress bar on a terminal, plain lines otherwise, ``nohup``, a batch log file), checkpoints and
+resume (`Checkpoints`), preemption (`StopOnSignal`), `Preempted`, `Diverged`, `Stalled`.
 
-Metrics: `Window` (loss and throughput since the last logged step), `MetricsWriter`
-(OUT/metrics.jsonl and config.toml) and `RunReporter`: the figures beyond loss and throughput
-(gradient norm, tokens/s per device, MFU, peak memory per rank, the share of the step spent
-waiting for data), to the trackers of ``[log] with`` and the terminal (a progress bar on a
-terminal, plain lines otherwise: ``nohup``, a batch log file). MFU (model FLOPs utilisation,
-PaLM's definition): achieved model FLOP/s over the devices' peak; model FLOPs per token from
-the model's shape (``6 N + 12 L d T``, `meshfit.memory.ModelShape.flops_per_token`:
-recomputation not counted); the peak from ``[log] calibration`` (a `meshfit calibrate` file:
-measured matmul FLOP/s of the training dtype) or the data sheet of a known GPU
-(`meshfit.plan.DEVICES`); none on a CPU without a calibration (reported as null / "n/a").
-
-Checkpoints and resume (`Checkpoints`), preemption (`StopOnSignal`), and the ways a run ends
-early (`Preempted`, `Diverged`, `Stalled`).
+MFU (model FLOPs utilisation, PaLM's definition): achieved model FLOP/s over the devices' peak;
+model FLOPs per token from the model's shape (``6 N + 12 L d T``,
+`meshfit.memory.ModelShape.flops_per_token`: recomputation not counted); the peak from ``[log]
+calibration`` (a `meshfit calibrate` file: measured matmul FLOP/s of the training dtype) or the data
+sheet of a known GPU (`meshfit.plan.DEVICES`); none on a CPU without a calibration (reported as null
+/ "n/a").
 """
 
 from __future__ import annotations
@@ -287,8 +285,7 @@ class RunReporter:
 
     def __init__(self, acc, cfg, out_dir: Path | None, model: torch.nn.Module,
                  total_steps: int) -> None:
-        self.acc, self.total = acc, total_steps
-        self.world = acc.num_processes
+        self.acc, self.total, self.world = acc, total_steps, acc.num_processes
         self.fpt = model_flops_per_token(model, cfg.train.seq_len)
         self.peak, self.peak_source = device_peak_flops(
             acc.device, cfg.train.mixed_precision, cfg.log.calibration, tf32=cfg.train.tf32)

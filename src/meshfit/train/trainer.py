@@ -3,14 +3,13 @@ prepare/accumulate/backward calls a user's own loop makes): `train` sets the run
 `_steps` runs it; each step accumulates, steps the optimizer and the schedule, and logs,
 evaluates, checkpoints and answers a stop signal when due.
 
-What the loop trains is behind one interface, built by `prepare_steps`: the model prepared
-whole (`ModelSteps`: one forward and backward per micro-batch) or, under pp > 1, this rank's
-pipeline stages (`PipelineSteps`: a schedule over all of a batch's micro-batches). Each gives
-the loop ``accumulate()``, ``forward_backward(x, y, accum)`` (the cross-entropy, for the
-metrics), ``eval_loss(x, y)``, ``clip(max_norm)``, ``after_step(step, out_dir)``, and
-``modules`` (switched between train() and eval()), ``params`` (what the optimizer is built
-over), ``exported`` (what the final weights are gathered from), ``whole_batches``
-(evaluation in whole pipeline batches), ``description`` (for the banner) and ``has_moe``.
+What the loop trains is behind one interface, built by `prepare_steps`: the model prepared whole
+(`ModelSteps`) or, under pp > 1, this rank's pipeline stages (`PipelineSteps`). Each gives the
+loop ``accumulate()``, ``forward_backward(x, y, accum)`` (the cross-entropy, for the metrics),
+``eval_loss(x, y)``, ``clip(max_norm)``, ``after_step(step, out_dir)``, and ``modules``
+(switched between train() and eval()), ``params`` (what the optimizer is built over),
+``exported`` (what the final weights are gathered from), ``whole_batches`` (evaluation in whole
+pipeline batches), ``description`` (for the banner) and ``has_moe``.
 """
 
 from __future__ import annotations
@@ -350,10 +349,9 @@ def _loader_name(loader, seq_len: int, rows: int, dp: int) -> str:
 
 
 def _batches(loader, what: str = "the training loader"):
-    """An endless stream of batches, epoch after epoch (each with its own shuffling).
-    Raises a one-line ValueError naming `what` when two passes in a row yield no batch
-    (the first pass after resuming at an epoch's end may be empty; two cannot be), instead
-    of looping forever."""
+    """An endless stream of batches, epoch after epoch (each with its own shuffling). Raises a
+    one-line ValueError naming `what` when two passes in a row yield no batch (the first pass after
+    resuming at an epoch's end may be empty; two cannot be), instead of looping forever."""
     empty = 0
     while True:
         got = False
