@@ -39,9 +39,8 @@ def parse_sizes(items: list[str]) -> tuple[int, ...]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshfit calibrate", allow_abbrev=False,
-        description="Measure matmul FLOP/s, memory bandwidth and collective bandwidth and "
-                    "latency on N processes of this machine; write them as JSON for the "
-                    "layout planner.")
+        description="Measure matmul FLOP/s, memory bandwidth and collective bandwidth and latency "
+                    "on N processes of this machine; write them as JSON for the layout planner.")
     p.add_argument("--nproc", default="1", help="processes to run at once (default 1; "
                    "collectives need 2 or more)")
     p.add_argument("--out", default="calibration.json", help="the JSON file to write")

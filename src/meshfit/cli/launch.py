@@ -312,8 +312,7 @@ def _record_error(err: BaseException, lines: list[str] | None = None) -> None:
 
 
 def _stopped(stopped, code: int | None = None) -> int:
-    """One line from the main process; exit code `code`, else 128 + the signal (as a killed
-    process's)."""
+    """One line from the main process; exit code `code`, else 128 + the signal, as if killed."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:

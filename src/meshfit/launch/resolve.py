@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from meshfit.launch.slurm import SlurmFacts, slurm_facts
 
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     nproc: int = 1  # Worker processes on this node (torchrun's --nproc-per-node)

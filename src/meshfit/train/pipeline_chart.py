@@ -211,9 +211,8 @@ def describe(summary: dict) -> list[str]:
 
 # ---------------------------------------------------------------------------- the chart
 def draw(run_dir, out_png=None, step: int | None = None) -> tuple[Path, dict]:
-    """Draw one step of the run in `run_dir` (default: the last recorded) to `out_png`
-    (default RUN/pipeline_chart.png); return (png path, summary). The summary holds
-    `measure`'s figures and `step`, the step drawn."""
+    """Draw one step of the run in `run_dir` (default: the last recorded) to `out_png` (default
+    RUN/pipeline_chart.png); returns (png path, summary: `measure`'s figures and the `step`)."""
     meta, timings = read_run(run_dir)
     summary = measure(meta, timings)
     steps = summary["steps_recorded"]

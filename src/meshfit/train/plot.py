@@ -116,8 +116,7 @@ def _number(value) -> float | None:
 
 
 def _labels(paths: list[Path]) -> list[str]:
-    """Each run's folder name; where two runs share one, enough of their paths to tell them
-    apart."""
+    """Each run's folder name; where two runs share one, enough of their paths to tell apart."""
     parts = [p.resolve().parts for p in paths]
     for depth in range(1, max(len(p) for p in parts) + 1):
         labels = ["/".join(p[-depth:]) for p in parts]

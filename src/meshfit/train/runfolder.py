@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 from typing import Self
 
-# the run folder's writers (WriteFailed, append_line, atomic_write_text), re-exported
 from meshfit._files import WriteFailed, append_line, atomic_write_text, os_reason
+
+__all__ = ["LOCK_FILE", "RUN_MARKERS", "RUN_OUTPUTS", "RunLock", "WriteFailed", "append_line",
+           "atomic_write_text", "check_run_folder", "remove_run_outputs"]
 
 LOCK_FILE = ".meshfit.lock"
 RUN_MARKERS = ("metrics.jsonl", "config.toml", "checkpoints")
