@@ -204,20 +204,16 @@ def test_the_graph_sees_deferred_imports():
 # world size: arguments and configs are refused before torch loads (tests/cli/test_fast_start.py
 # runs the refusals; this names the module that broke it).
 TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
-              "meshfit.cli.parser", "meshfit.cli.launch", "meshfit.cli.train",
-              "meshfit.cli.generate", "meshfit.cli.plan", "meshfit.cli.calibrate",
-              "meshfit.cli.charts", "meshfit.cli.env", "meshfit.launch", "meshfit.launch.config",
-              "meshfit.launch.network", "meshfit.launch.resolve", "meshfit.launch.slurm",
-              "meshfit.launch.torchrun", "meshfit.launch.workers", "meshfit.train",
-              "meshfit.train.config", "meshfit.train.checks", "meshfit.train.model_config",
-              "meshfit.train.configfile", "meshfit.train.preflight", "meshfit.train.sampling",
-              "meshfit.distributed", "meshfit.distributed.dims", "meshfit.distributed.spawn",
-              "meshfit.models", "meshfit.models.config", "meshfit.models.factory",
-              "meshfit.optim_names", "meshfit.parallel", "meshfit.parallel.options",
-              "meshfit.parallel.layout", "meshfit.parallel.rules", "meshfit.parallel.costs",
-              "meshfit.parallel.mesh", "meshfit.parallel.request", "meshfit.parallel.pp",
-              "meshfit.parallel.pp.bubble", "meshfit._lazy", "meshfit.data",
-              "meshfit.data.corpus"]
+              "meshfit.cli.launch", "meshfit.cli.generate", "meshfit.cli.plan",
+              "meshfit.cli.calibrate", "meshfit.launch", "meshfit.launch.resolve",
+              "meshfit.launch.slurm", "meshfit.launch.torchrun", "meshfit.train",
+              "meshfit.train.config", "meshfit.train.preflight", "meshfit.distributed",
+              "meshfit.distributed.dims", "meshfit.distributed.spawn", "meshfit.models",
+              "meshfit.models.config", "meshfit.models.factory", "meshfit.optim_names",
+              "meshfit.parallel", "meshfit.parallel.options", "meshfit.parallel.layout",
+              "meshfit.parallel.rules", "meshfit.parallel.costs", "meshfit.parallel.mesh",
+              "meshfit.parallel.request", "meshfit.parallel.pp", "meshfit.parallel.pp.bubble",
+              "meshfit._lazy", "meshfit.data", "meshfit.data.corpus"]
 
 
 def test_config_modules_import_no_torch_at_load():

@@ -106,7 +106,7 @@ def test_reference_moe_flops_match_the_counter():
     ("Tesla T4", "fp16", False, "t4", 65e12),
 ])
 def test_device_peak_from_the_cuda_device_name(monkeypatch, name, mixed, tf32, key, peak):
-    from meshfit.train.observe import device_peak_flops
+    from meshfit.train.run import device_peak_flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     found, source = device_peak_flops(torch.device("cuda", 0), mixed, tf32=tf32)
@@ -114,7 +114,7 @@ def test_device_peak_from_the_cuda_device_name(monkeypatch, name, mixed, tf32, k
 
 
 def test_unknown_cuda_device_has_no_peak(monkeypatch):
-    from meshfit.train.observe import device_peak_flops
+    from meshfit.train.run import device_peak_flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
     assert device_peak_flops(torch.device("cuda", 0), "bf16") == (None, "")

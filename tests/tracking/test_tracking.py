@@ -98,7 +98,7 @@ def test_mfu_inputs_from_a_calibration_and_the_model(tmp_path):
     import torch
 
     from meshfit.models import GPT, GPTConfig
-    from meshfit.train.observe import device_peak_flops, model_flops_per_token
+    from meshfit.train.run import device_peak_flops, model_flops_per_token
 
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({

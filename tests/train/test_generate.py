@@ -15,7 +15,7 @@ from reference import VOCAB, hf_llama, tiny_gpt
 from meshfit.data import ByteTokenizer, document_separator, load_tokens
 from meshfit.checkpoint.saved import save_model_folder
 from meshfit.cli.main import main
-from meshfit.train.configfile import build_config
+from meshfit.train.config import build_config
 from meshfit.train.generate import evaluate_loss, generate, generate_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshfit.train.config import RunConfig
-from meshfit.train.configfile import load_config
+from meshfit.train.config import load_config
 
 MESHFIT = [sys.executable, "-m", "meshfit"]
 SMALL = ["--train.steps=12", "--train.eval_every=6", "--train.log_every=3",

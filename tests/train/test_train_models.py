@@ -98,7 +98,7 @@ def files(tmp_path_factory):
 
 
 def _config(files, case: str, nproc: int):
-    from meshfit.train.configfile import build_config
+    from meshfit.train.config import build_config
 
     data = {"path": str(files / "text"), "tokenizer": str(files / "tok"),
             "cache_dir": str(files / "cache")}

@@ -1,12 +1,8 @@
-"""``meshfit calibrate``: its arguments (checked before any process starts), its workers
-started through `meshfit.launch`, and the table it prints. The measuring itself, the file's
-schema and its loader are `meshfit.plan.calibrate`'s.
-
-    meshfit calibrate [--nproc N] [--out calibration.json] [--sizes S ...] [--cpu]
-
-starts itself on N processes (N=1 runs in this process) as ``meshfit calibrate --worker``;
-every rank measures while all of them run at once, and rank 0 writes the JSON file and
-prints the table.
+"""``meshfit calibrate [--nproc N] [--out calibration.json] [--sizes S ...] [--cpu]``: its
+arguments, its workers (``meshfit calibrate --worker`` on N processes through `meshfit.launch`;
+N=1 runs in this process: every rank measures while all of them run at once, rank 0 writes
+the JSON file) and the table it prints. The measuring itself, the file's schema and its
+loader are `meshfit.plan.calibrate`'s.
 """
 
 from __future__ import annotations
@@ -16,8 +12,6 @@ import re
 from pathlib import Path
 
 from meshfit import launch
-
-__all__ = ["cmd_calibrate", "parse_sizes"]
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2,
           "MIB": 1024**2, "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
@@ -41,13 +35,12 @@ def parse_sizes(items: list[str]) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-# argparse's own parser (its errors print the usage block), as before the command moved here
+# argparse's own parser (its errors print the usage block), not OneLineParser
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshfit calibrate", allow_abbrev=False,
-        description="Measure matmul FLOP/s, memory bandwidth and collective bandwidth and "
-                    "latency on N processes of this machine; write them as JSON for the "
-                    "layout planner.")
+        description="Measure matmul FLOP/s, memory bandwidth and collective bandwidth and latency "
+                    "on N processes of this machine; write them as JSON for the layout planner.")
     p.add_argument("--nproc", default="1", help="processes to run at once (default 1; "
                    "collectives need 2 or more)")
     p.add_argument("--out", default="calibration.json", help="the JSON file to write")
@@ -102,7 +95,6 @@ def _validate(ns) -> tuple[int, Path, tuple[int, ...] | None, bool]:
                          "give another --out")
     sizes = parse_sizes(ns.sizes) if ns.sizes is not None else None
     return nproc, out, sizes, cpu
-
 
 
 def cmd_calibrate(argv: list[str]) -> int:
@@ -160,6 +152,5 @@ def _table(result: dict, out: Path) -> str:
         fit = result["collectives"][kind]
         r2 = raw["collectives"].get(kind, {}).get("r2")
         lines.append(f"  {kind:<15}{_si(fit['bus_bandwidth'], 'B/s'):>14}"
-                     f"{_si(fit['latency'], 's'):>12}"
-                     f"{'-' if r2 is None else f'{r2:.4f}':>8}")
+                     f"{_si(fit['latency'], 's'):>12}{'-' if r2 is None else f'{r2:.4f}':>8}")
     return "\n".join(lines)

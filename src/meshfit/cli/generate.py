@@ -1,7 +1,10 @@
-"""``meshfit export`` (a checkpoint's model as safetensors or a Hugging Face folder, offline),
-``meshfit generate`` (sample text from a trained model) and ``meshfit eval`` (its loss and
-perplexity on held-out text): their arguments, checked before torch is imported, and what
-they print. The work is `meshfit.checkpoint.export` and `meshfit.train.generate`'s.
+"""The commands that use what a run wrote: ``meshfit export`` (a checkpoint's model as
+safetensors or a Hugging Face folder, offline: `meshfit.checkpoint.export`), ``meshfit
+generate`` (sample text from a trained model) and ``meshfit eval`` (its loss and perplexity
+on held-out text: `meshfit.train.generate`), ``meshfit plot`` (runs' metrics drawn:
+`meshfit.train.plot`) and ``meshfit pipeline-chart`` (a pipeline run's schedule as a Gantt
+chart with its measured bubble: `meshfit.train.pipeline_chart`). Their arguments, checked
+before torch is imported, and what they print.
 """
 
 from __future__ import annotations
@@ -10,50 +13,38 @@ import argparse
 import math
 from pathlib import Path
 
-from meshfit.cli.parser import OneLineParser
-from meshfit.train.sampling import check_sampling
-
-__all__ = ["check_eval_args", "check_generate_args", "cmd_eval", "cmd_export", "cmd_generate"]
+from meshfit.cli import OneLineParser
 
 
-# ---------------------------------------------------------------------------- export
-def _export_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="meshfit export", allow_abbrev=False,
-        description="Write a checkpoint's model as one safetensors file (or a Hugging Face "
-                    "folder), offline, in one process, whatever layout and number of "
-                    "processes saved it.")
+def cmd_export(argv: list[str]) -> int:
+    p = OneLineParser("meshfit export", "Write a checkpoint's model as one safetensors file (or "
+                      "a Hugging Face folder), offline, in one process, whatever layout and "
+                      "number of processes saved it.")
     p.add_argument("source", metavar="CKPT_OR_RUN",
                    help="a checkpoint folder, or a run folder (its newest complete checkpoint)")
     p.add_argument("out", metavar="OUTDIR", help="where model.safetensors (and config.json) go")
     p.add_argument("--to", choices=("safetensors", "hf"), default="safetensors",
                    help="safetensors: model.safetensors; hf: also config.json, for "
                         "transformers' from_pretrained (transformers models only)")
-    return p
-
-
-def cmd_export(argv: list[str]) -> int:
-    ns = _export_parser().parse_args(argv)
+    ns = p.parse_args(argv)
     from meshfit.checkpoint.export import export
 
-    path = export(ns.source, ns.to, ns.out)
-    print(f"meshfit export: wrote {path}")
+    print(f"meshfit export: wrote {export(ns.source, ns.to, ns.out)}")
     return 0
 
 
-# ---------------------------------------------------------------------------- generate, eval
-def _common(p: argparse.ArgumentParser) -> None:
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """`meshfit generate`'s or `eval`'s parser, with the arguments they share."""
+    p = OneLineParser(prog, description)
     p.add_argument("source", metavar="RUN_OR_MODEL",
                    help="a meshfit train run folder (uses RUN/model/) or a model folder")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda when available, unless MESHFIT_CPU=1)")
+    return p
 
 
-def _generate_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="meshfit generate", allow_abbrev=False,
-        description="Print a prompt and the model's continuation of it.")
-    _common(p)
+def cmd_generate(argv: list[str]) -> int:
+    p = _parser("meshfit generate", "Print a prompt and the model's continuation of it.")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
                    help="tokens to add at most (default 200; fewer if the model writes EOS)")
@@ -63,16 +54,26 @@ def _generate_parser() -> argparse.ArgumentParser:
                    help="sample among the K most likely tokens only; 0 = all (default)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="the sampling seed: same seed, same text (default 0)")
-    return p
+    ns = p.parse_args(argv)
+    from meshfit.train.preflight import check_sampling
+
+    if not ns.prompt:
+        raise ValueError("--prompt='' is empty; give the text to continue, e.g. "
+                         "--prompt 'def main('")
+    check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
+    from meshfit.train.generate import generate, load_model  # torch: after the refusals
+
+    model, tokenizer, _, _ = load_model(ns.source, ns.device)
+    text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
+                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)
+    print(ns.prompt + text)
+    return 0
 
 
-def _eval_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="meshfit eval", allow_abbrev=False,
-        description="Print the model's loss and perplexity on held-out text: by default the "
-                    "validation split of the run's own data (the built-in corpus's for a "
-                    "model folder outside a run).")
-    _common(p)
+def _eval_args(argv: list[str]) -> argparse.Namespace:
+    p = _parser("meshfit eval", "Print the model's loss and perplexity on held-out text: by "
+                "default the validation split of the run's own data (the built-in corpus's for "
+                "a model folder outside a run).")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a text file or folder to evaluate on instead, all of it, tokenized "
                         "with the model folder's tokenizer")
@@ -83,22 +84,7 @@ def _eval_parser() -> argparse.ArgumentParser:
                    help="batches to evaluate (default 8); 0 = every window of the data")
     p.add_argument("--batch-size", type=int, default=8, metavar="B",
                    help="windows per batch (default 8)")
-    return p
-
-
-def check_generate_args(argv: list[str]) -> argparse.Namespace:
-    """`meshfit generate`'s arguments, checked (one-line ValueError or argparse's exit)."""
-    ns = _generate_parser().parse_args(argv)
-    if not ns.prompt:
-        raise ValueError("--prompt='' is empty; give the text to continue, e.g. "
-                         "--prompt 'def main('")
-    check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
-    return ns
-
-
-def check_eval_args(argv: list[str]) -> argparse.Namespace:
-    """`meshfit eval`'s arguments, checked (one-line ValueError or argparse's exit)."""
-    ns = _eval_parser().parse_args(argv)
+    ns = p.parse_args(argv)
     if ns.seq_len is not None and ns.seq_len < 1:
         raise ValueError(f"--seq-len={ns.seq_len} must be >= 1")
     if ns.batches < 0:
@@ -108,21 +94,9 @@ def check_eval_args(argv: list[str]) -> argparse.Namespace:
     return ns
 
 
-def cmd_generate(argv: list[str]) -> int:
-    ns = check_generate_args(argv)  # refusals before torch is imported
-    from meshfit.train.generate import generate, load_model
-
-    model, tokenizer, _, _ = load_model(ns.source, ns.device)
-    text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
-                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)
-    print(ns.prompt + text)
-    return 0
-
-
 def cmd_eval(argv: list[str]) -> int:
-    ns = check_eval_args(argv)  # refusals before torch is imported
-    from meshfit.train.generate import (context_length, evaluate_loss, load_model,
-                                        resolve_model)
+    ns = _eval_args(argv)  # refusals before torch is imported
+    from meshfit.train.generate import context_length, evaluate_loss, load_model, resolve_model
 
     if ns.data is not None and not Path(ns.data).expanduser().exists():
         raise ValueError(f"--data={ns.data!r} does not exist; give a text file or a folder of "
@@ -139,8 +113,7 @@ def cmd_eval(argv: list[str]) -> int:
     if tokens.size < seq_len + 1:
         raise ValueError(f"--seq-len={seq_len}: {where} only {tokens.size} tokens, fewer than "
                          "one window of seq_len + 1; lower --seq-len or give more --data")
-    loss, n = evaluate_loss(model, tokens, seq_len, batches=ns.batches,
-                            batch_size=ns.batch_size)
+    loss, n = evaluate_loss(model, tokens, seq_len, batches=ns.batches, batch_size=ns.batch_size)
     print(f"loss {loss:.6f} perplexity {math.exp(min(loss, 700.0)):.4f} on {n} tokens")
     return 0
 
@@ -150,7 +123,7 @@ def _run_config(run: Path | None, data: str | None):
     unless --data makes it unneeded."""
     if run is None:
         return None
-    from meshfit.train.configfile import load_config
+    from meshfit.train.config import load_config
 
     try:
         return load_config(run / "config.toml")
@@ -160,9 +133,8 @@ def _run_config(run: Path | None, data: str | None):
     return None
 
 
-def _seq_len(given: int | None, cfg, context: int | None) -> int:
+def _seq_len(seq_len: int | None, cfg, context: int | None) -> int:
     """--seq-len, else the run's train.seq_len, else the model's context (at most 1024)."""
-    seq_len = given
     if seq_len is None:
         seq_len = cfg.train.seq_len if cfg is not None else min(context or 1024, 1024)
     if context is not None and seq_len > context:
@@ -176,11 +148,50 @@ def _held_out(data: str | None, cfg, tokenizer):
     own validation split (its source, tokenizer and fraction); else the built-in corpus's."""
     from meshfit.data import load_tokens
 
-    if data is not None:  # all of the given text
+    if data is not None:
         cache_dir = (cfg.data.cache_dir or None) if cfg is not None else None
-        tokens = load_tokens(data, tokenizer=tokenizer, cache_dir=cache_dir,
-                             val_fraction=0.0).train
+        tokens = load_tokens(data, tokenizer=tokenizer, cache_dir=cache_dir, val_fraction=0.0).train
         return tokens, f"--data={data!r} holds"
     if cfg is not None:
         return cfg.load_tokens().val, "the validation split holds"
     return load_tokens(tokenizer=tokenizer).val, "the validation split holds"
+
+
+def cmd_pipeline_chart(argv: list[str]) -> int:
+    from meshfit.train.pipeline_chart import describe, draw
+
+    p = OneLineParser("meshfit pipeline-chart", "Draw a pipeline-parallel run's schedule (one "
+                      "row per pp rank) and print its measured bubble beside the theoretical "
+                      "one.")
+    p.add_argument("run", metavar="RUN", help="the run folder of a `meshfit train` with pp > 1")
+    p.add_argument("--out", metavar="PNG", default=None,
+                   help="the chart's path (default: RUN/pipeline_chart.png)")
+    p.add_argument("--step", metavar="N", type=int, default=None,
+                   help="the step to draw (default: the last recorded)")
+    ns = p.parse_args(argv)
+    png, summary = draw(ns.run, ns.out, step=ns.step)
+    for line in describe(summary):
+        print(line)
+    print(f"chart of step {summary['step']}: {png}")
+    return 0
+
+
+def cmd_plot(argv: list[str]) -> int:
+    from meshfit.train.plot import DPI, FIGSIZE, describe, draw
+
+    p = OneLineParser(
+        "meshfit plot", "Draw runs of `meshfit train` from their metrics.jsonl, overlaid and "
+        "labelled with their folder names: loss and validation loss, learning rate, "
+        "throughput and peak memory against training tokens (step x global batch x seq_len "
+        f"from each run's config.toml); a {FIGSIZE[0] * DPI:.0f} x {FIGSIZE[1] * DPI:.0f} PNG "
+        '(or .pdf/.svg). Needs matplotlib: pip install "meshfit[chart]".')
+    p.add_argument("runs", metavar="RUN", nargs="+", help="run folders (meshfit train --out)")
+    p.add_argument("-o", "--out", metavar="FILE", default=None,
+                   help="where the plot goes (default: RUN/metrics.png for one run, "
+                        "meshfit-plot.png here for several)")
+    ns = p.parse_args(argv)
+    out, runs = draw(ns.runs, ns.out)
+    for run in runs:
+        print(describe(run))
+    print(f"meshfit plot: wrote {out}")
+    return 0

@@ -1,20 +1,25 @@
-"""``meshfit launch``: a training script on N processes per node, through `meshfit.launch`;
-and the launch flags `meshfit train` shares (`add_launch_flags`).
-
-Every argument is checked before any process starts; what the launcher took from SLURM is
-said in one line (`say`) once everything is checked.
+"""``meshfit launch`` (a training script on N processes per node) and ``meshfit train`` (a model
+trained from a TOML config + ``--section.key=value`` overrides, in this process or on workers, each
+running this command with ``--worker``: `_run_worker`, one rank, whose errors reach the launcher's
+one-line failure summary), both through `meshfit.launch`, and the launch flags they share
+(`add_launch_flags`). Everything is checked before any process starts or any file is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import logging
+import os
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 from meshfit import launch
-from meshfit.cli.parser import OneLineParser
-
-__all__ = ["add_accelerate_flags", "add_launch_flags", "cmd_launch", "say"]
+from meshfit.cli import OneLineParser
 
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
@@ -63,23 +68,19 @@ def add_accelerate_flags(parser: argparse.ArgumentParser) -> None:
     flag("mixed_precision", default=None, metavar="{no,fp16,bf16}",
          help="the Accelerator's precision when the script leaves it unset "
               "(ACCELERATE_MIXED_PRECISION)")
-    flag("gpu_ids", default=None, metavar="IDS",
-         help="GPUs to use, e.g. 0,2, or all; = --gpus")
+    flag("gpu_ids", default=None, metavar="IDS", help="GPUs to use, e.g. 0,2, or all; = --gpus")
     flag("multi_gpu", action="store_true",
          help="accepted (meshfit always starts one process per --num_processes); "
               "checks that there are GPUs and at least 2 processes")
-    g.add_argument("--cpu", action="store_true",
-                   help="CPU and gloo even where GPUs exist (ACCELERATE_USE_CPU=True, "
-                        "MESHFIT_CPU=1)")
+    g.add_argument("--cpu", action="store_true", help="CPU and gloo even where GPUs exist "
+                   "(ACCELERATE_USE_CPU=True, MESHFIT_CPU=1)")
 
 
 def _launch_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="meshfit launch", allow_abbrev=False,
-        description="Start a training script on N processes per node (torch.distributed.run). "
-                    "accelerate launch's common flags work too; inside a SLURM job the nodes, "
-                    "this node's rank, processes per node and the rendezvous come from "
-                    "SLURM_* for whatever the flags leave open.")
+    p = OneLineParser("meshfit launch", "Start a training script on N processes per node "
+                      "(torch.distributed.run). accelerate launch's common flags work too; "
+                      "inside a SLURM job the nodes, this node's rank, processes per node and "
+                      "the rendezvous come from SLURM_* for whatever the flags leave open.")
     add_launch_flags(p)
     add_accelerate_flags(p)
     p.add_argument("-m", "--module", action="store_true",
@@ -101,6 +102,222 @@ def cmd_launch(argv: list[str]) -> int:
 
 
 def say(command: str, notes: list[str]) -> None:
-    """What the launcher took from its surroundings (SLURM), once everything is checked."""
+    """What the launcher took from SLURM, said once every argument is checked."""
     for note in notes:
         print(f"meshfit {command}: {note}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ meshfit train
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+"""torchrun's variables that make a process one rank of a job: `meshfit train` starts its
+own ranks, so finding them set (left over from a job, or `meshfit train` itself started under
+torchrun) is refused rather than joining a job that does not exist."""
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = OneLineParser("meshfit train", "Train the reference GPT (default: the tiny preset on "
+                      "the Python standard library's source). Options --section.key=value "
+                      "override the config.")
+    add_launch_flags(p)
+    p.add_argument("--config", default=None, help="a TOML run configuration")
+    p.add_argument("--out", default=None, help="run folder (default: runs/train-<time>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest complete checkpoint, with "
+                        "its saved config ([parallel], [checkpoint] and --nproc may change)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out that holds a run: its outputs (metrics, "
+                        "config, checkpoints, model) are removed once the folder is locked")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def cmd_train(argv: list[str]) -> int:
+    ns, rest = _train_parser().parse_known_args(argv)
+    overrides = _collect_overrides(rest)
+    if not ns.worker:  # the launcher's arguments first: their refusals need no torch
+        _refuse_inherited_ranks()
+        launch_cfg, env, notes = launch.config_from_args(ns)
+        launch.master_port_in_use(launch_cfg)
+    cfg = _config(ns, overrides)
+    out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+    if ns.worker:  # started by the launcher below: one rank of the job
+        return _run_worker(cfg, out, resume=ns.resume)
+    _check_before_starting(cfg, out, ns, launch_cfg)
+    say("train", notes)
+    if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
+        return _train_here(cfg, out, ns)
+    return _start_workers(cfg, out, ns, launch_cfg, env)
+
+
+def _collect_overrides(rest: list[str]) -> list[str]:
+    """``--a.b=v`` and ``--a.b v`` forms; anything else is an error naming it."""
+    out, i = [], 0
+    while i < len(rest):
+        item = rest[i]
+        if not item.startswith("--") or "." not in item.split("=")[0]:
+            raise ValueError(f"unknown argument {item!r}; options are --nproc, --config, --out, "
+                             "--resume, --overwrite and config overrides such as --train.steps=100")
+        if "=" not in item:
+            if i + 1 >= len(rest):
+                raise ValueError(f"override {item!r} needs a value, e.g. {item}=100")
+            item, i = f"{item}={rest[i + 1]}", i + 1
+        out.append(item)
+        i += 1
+    return out
+
+
+def _refuse_inherited_ranks() -> None:
+    found = [f"{n}={os.environ[n]}" for n in RANK_VARIABLES if n in os.environ]
+    if found:
+        raise ValueError(f"{', '.join(found)} set in the environment: meshfit train starts its "
+                         "own processes (--nproc) and gives each its rank; unset "
+                         f"{' '.join(n.split('=')[0] for n in found)} (or run your own script "
+                         "under meshfit launch / torchrun)")
+
+
+def _config(ns, overrides: list[str]):
+    """--config with the overrides; to resume, the saved config of the run in --out, with
+    [parallel] / [checkpoint] overrides (a worker gets the resolved config as --config)."""
+    from meshfit.train.config import load_config
+
+    if not ns.resume or ns.worker:
+        return load_config(ns.config, overrides)
+    if ns.out is None:
+        raise ValueError("--resume needs --out, the folder of the run to continue")
+    if ns.config is not None:
+        raise ValueError("--resume continues with the run's own config (OUT/config.toml); drop "
+                         "--config")
+    saved = Path(ns.out) / "config.toml"
+    if not saved.is_file():
+        raise ValueError(f"--resume: {saved} does not exist; give the --out folder of a "
+                         "meshfit train run")
+    return load_config(saved, overrides, allowed=("parallel", "checkpoint"))
+
+
+def _check_before_starting(cfg, out: Path, ns, launch_cfg) -> None:
+    """The launching process's checks, in order: the layout on the job's world size, the run
+    folder, this machine (`meshfit.train.preflight`, printing its warnings), a checkpoint."""
+    world_size = launch_cfg.nproc * launch_cfg.nnodes
+    cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
+    from meshfit.train.runfolder import check_run_folder
+
+    # Node 0 claims the run folder (lock, existing run, --overwrite); the other nodes of a
+    # multi-node job join its run and only check that they can write there.
+    check_run_folder(out, resume=ns.resume, overwrite=ns.overwrite,
+                     claim=launch_cfg.node_rank == 0)
+    from meshfit.train.preflight import preflight
+
+    for warning in preflight(cfg, world_size, launch_cfg.nproc):
+        print(f"meshfit train: warning: {warning}", file=sys.stderr)
+    if ns.resume:
+        from meshfit.train.run import find_checkpoint
+
+        find_checkpoint(out / "checkpoints")
+
+
+def _train_here(cfg, out: Path, ns) -> int:
+    """One process on one node: the run in this process, holding the run folder's lock."""
+    from meshfit.train.run import Preempted
+    from meshfit.train.runfolder import RunLock
+    from meshfit.train.trainer import train
+
+    try:
+        with RunLock(out, overwrite=ns.overwrite):
+            train(cfg, out, resume=ns.resume)
+    except Preempted as stopped:
+        return _stopped(stopped)
+    return 0
+
+
+def _start_workers(cfg, out: Path, ns, launch_cfg, env: dict[str, str]) -> int:
+    """The job's workers on this node, each running ``meshfit train --worker`` on the
+    resolved config. Node 0's launcher holds the run folder's lock for the whole job;
+    workers take none. Another node writes its workers' config into a folder of its own
+    (node 0 may be clearing the run folder for --overwrite at the same moment)."""
+    from meshfit.train.runfolder import RunLock, atomic_write_text
+
+    with contextlib.ExitStack() as stack:
+        if launch_cfg.node_rank == 0:
+            stack.enter_context(RunLock(out, overwrite=ns.overwrite))
+            resolved = out / "config.toml"
+        else:
+            resolved = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="meshfit-config-"))) / "config.toml"
+        atomic_write_text(resolved, cfg.to_toml())
+        return launch.run(launch_cfg, ["meshfit", "train", "--worker", "--config",
+                                       str(resolved), "--out", str(out),
+                                       *(["--resume"] if ns.resume else [])], module=True,
+                          env=env, prog="meshfit train", say_stopped=False)
+
+
+# ------------------------------------------------------------------------------ a worker
+def _run_worker(cfg, out: Path, *, resume: bool) -> int:
+    """One rank of the job: train; an error is recorded for the launcher's summary (its one
+    line, or the end of its traceback) and, where only some ranks know it, said here."""
+    from meshfit.train.run import Diverged, Preempted, Stalled
+    from meshfit.train.trainer import train
+
+    try:
+        train(cfg, out, resume=resume)
+    except Preempted as stopped:
+        return _stopped(stopped)
+    except Diverged as err:  # every rank knows; the main one says it
+        _record_error(err)
+        return _stopped(err, code=1)
+    except Stalled as err:  # only the ranks that waited know: each says it
+        _record_error(err)
+        print(f"meshfit train: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    except (ValueError, TimeoutError) as err:  # one line, in the launcher's summary too
+        _record_error(err)
+        raise
+    except Exception as err:  # a traceback: its last lines in the launcher's summary
+        _record_error(err, traceback.format_exc().strip().splitlines()[-3:])
+        raise
+    return _leave_worker()
+
+
+def _leave_worker() -> int:
+    """A finished worker's way out. torch 2.13's gloo can abort a process that tears down after
+    DeviceMesh subgroups ("terminate called without an active exception"), turning a finished run
+    into a failed worker: 8 of 10 two-rank runs of a DeviceMesh script under plain torchrun, 1 of 16
+    after a barrier, 0 of 16 leaving through os._exit. So every rank is done with every group before
+    any tears down (settle_all: no gloo thread needs the GIL afterwards), and a worker whose run is
+    complete (files written, trackers finished) leaves without the interpreter's teardown."""
+    import torch.distributed as dist
+
+    from meshfit.distributed import init
+
+    if not (init().is_distributed and dist.is_initialized()):
+        return 0
+    from meshfit.distributed.settle import settle_all
+
+    settle_all()
+    dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _record_error(err: BaseException, lines: list[str] | None = None) -> None:
+    """A worker's error in torch's error file (TORCHELASTIC_ERROR_FILE), where the launcher's
+    failure summary reads it: its one line, or the given last lines of its traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = "\n".join(lines) if lines else (str(err).splitlines() or [type(err).__name__])[0]
+    with contextlib.suppress(OSError):  # the summary then gives the exit code alone
+        Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
+
+
+def _stopped(stopped, code: int | None = None) -> int:
+    """One line from the main process; exit code `code`, else 128 + the signal, as if killed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        error = "" if code is None else "error: "
+        print(f"meshfit train: {error}{stopped}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 128 + stopped.signum if code is None else code

@@ -1,34 +1,134 @@
-"""The ``meshfit`` command: ``meshfit COMMAND [ARGS...]`` (the console script, and
-``python -m meshfit``). ``meshfit --help`` lists the commands, ``meshfit --version``.
-
-Each command's parsing and printing is in its module of `meshfit.cli`; here are the table of
-commands, the help, and the one way every command ends: a ValueError is one line
-``meshfit CMD: error: ...`` and exit code 2, a bounded wait that ran out exit code 1, Ctrl-C
-before a run's own handler exit code 130. Every argument is validated before any process is
-launched or any file is written; errors are one line naming the option, the value and the
-fix.
+"""``meshfit COMMAND [ARGS...]`` (the console script, and ``python -m meshfit``): the table of
+commands, ``meshfit --help`` and ``--version``, and the one way every command ends: a
+ValueError is one line ``meshfit CMD: error: ...`` naming the option, the value and the fix,
+and exit code 2; a bounded wait that ran out exit code 1; Ctrl-C before a run's own handler
+exit code 130. And ``meshfit env``, what to paste into a bug report: the environment
+variables shown are those that change how meshfit launches and places work (a fixed list and
+prefixes: no other variable is read, so nothing secret is printed).
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import sys
+import warnings
+from importlib import metadata
 
+from meshfit.cli import OneLineParser
 from meshfit.cli.calibrate import cmd_calibrate
-from meshfit.cli.charts import cmd_pipeline_chart, cmd_plot
-from meshfit.cli.env import cmd_env
-from meshfit.cli.generate import cmd_eval, cmd_export, cmd_generate
-from meshfit.cli.launch import cmd_launch
+from meshfit.cli.generate import cmd_eval, cmd_export, cmd_generate, cmd_pipeline_chart, cmd_plot
+from meshfit.cli.launch import cmd_launch, cmd_train
 from meshfit.cli.plan import cmd_estimate, cmd_plan
-from meshfit.cli.train import cmd_train
 
-__all__ = ["COMMANDS", "SUMMARIES", "main"]
+PACKAGES = ("numpy", "safetensors", "transformers", "accelerate", "peft", "datasets",
+            "tokenizers", "torchao", "bitsandbytes", "matplotlib", "tensorboard", "wandb",
+            "mlflow")
+"""Optional (or indirect) dependencies whose version matters in a report."""
+ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "MASTER_ADDR",
+             "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "SLURM_JOB_ID",
+             "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE",
+             "SLURM_NTASKS_PER_NODE", "PYTORCH_CUDA_ALLOC_CONF")
+ENV_PREFIXES = ("MESHFIT_", "ACCELERATE_", "NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cores() -> str:
+    total = os.cpu_count() or 0
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return f"{total} cores"
+    return f"{usable} of {total} cores usable by this process"
+
+
+def _torch_facts() -> list[tuple[str, str]]:
+    import torch
+    import torch.distributed as dist
+
+    out = [("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})")]
+    cuda = torch.version.cuda
+    out.append(("torch CUDA build", cuda or "none (a CPU build)"))
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        out.append(("torch ROCm build", hip))
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    out.append(("cuDNN", str(cudnn) if cudnn else "none"))
+    try:
+        nccl = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except (AttributeError, RuntimeError, TypeError):
+        nccl = "none"
+    out.append(("NCCL", nccl))
+    devices = [f"cpu ({_cores()})"]
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    for i in range(count):
+        p = torch.cuda.get_device_properties(i)
+        devices.append(f"cuda:{i} {p.name}, {p.total_memory / 1024 ** 3:.1f} GiB, "
+                       f"capability {p.major}.{p.minor}")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devices.append("mps")
+    out.append(("CUDA available", f"yes, {count} device(s)" if available else "no"))
+    out.append(("devices", "; ".join(devices)))
+    if available:
+        out.append(("bf16 on cuda:0", "yes" if torch.cuda.is_bf16_supported() else "no"))
+    if dist.is_available():
+        backends = []
+        for name in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+            check = getattr(dist, f"is_{name}_available", None)
+            if check is not None:
+                backends.append(f"{name} {'yes' if check() else 'no'}")
+        out.append(("distributed backends", ", ".join(backends)))
+    else:
+        out.append(("distributed backends", "torch.distributed is not available in this build"))
+    return out
+
+
+def collect() -> list[tuple[str, str]]:
+    """(name, value) pairs, in the order `report` prints them."""
+    import meshfit
+
+    out = [("meshfit", f"{meshfit.__version__} ({os.path.dirname(meshfit.__file__)})"),
+           ("python", f"{platform.python_version()} ({platform.python_implementation()}, "
+                      f"{sys.executable})"),
+           ("platform", platform.platform())]
+    out += _torch_facts()
+    out += [(name, _version(name)) for name in PACKAGES]
+    shown = sorted(k for k in os.environ if k in ENV_NAMES or k.startswith(ENV_PREFIXES))
+    out.append(("environment", ", ".join(f"{k}={os.environ[k][:200]}" for k in shown)
+                or "(none of the variables meshfit reads are set)"))
+    return out
+
+
+def report() -> str:
+    """`collect` as aligned ``name: value`` lines."""
+    facts = collect()
+    width = max(len(name) for name, _ in facts)
+    return "\n".join(f"{name + ':':<{width + 1}} {value}" for name, value in facts)
+
+
+def cmd_env(argv: list[str]) -> int:
+    OneLineParser("meshfit env", "Print the versions of meshfit, Python, torch, CUDA/cuDNN/NCCL, "
+                  "the devices, the distributed backends, the libraries meshfit works with "
+                  "and the environment variables it reads: paste it into a bug report."
+                  ).parse_args(argv)
+    print(report())
+    return 0
+
 
 COMMANDS = {"launch": cmd_launch, "train": cmd_train, "export": cmd_export,
             "pipeline-chart": cmd_pipeline_chart, "generate": cmd_generate, "eval": cmd_eval,
             "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate,
             "plot": cmd_plot, "env": cmd_env}
-SUMMARIES = {
+SUMMARIES = {  # one line per command for ``meshfit --help`` (a test checks each has one)
     "launch": "start a script on N processes per node (torchrun; accelerate launch's flags; "
               "SLURM)",
     "train": "train a model from a TOML config (+ --section.key=value overrides)",
@@ -42,7 +142,6 @@ SUMMARIES = {
     "plot": "draw runs' loss, validation loss, throughput and memory against tokens",
     "env": "versions, devices and backends to paste into a bug report",
 }
-"""One line per command for ``meshfit --help`` (a test checks every command has one)."""
 
 
 def _help() -> str:
@@ -57,8 +156,6 @@ def _one_line_warnings(prefix: str) -> None:
     """meshfit's own warnings (a rebuilt token cache, a skipped file, ...) as one line
     ``<prefix>: warning: <message>`` on stderr, without Python's source-line echo; other
     libraries' warnings keep Python's format."""
-    import warnings
-
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     shown = warnings.showwarning
 

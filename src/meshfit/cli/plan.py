@@ -5,21 +5,17 @@ cluster), on `meshfit.memory.estimate` and `meshfit.plan.search`.
     meshfit estimate configs/llama.json --layout dp_shard=4,tp=2 --json
     meshfit plan llama-70b --gpus-per-node 8 --nodes 4 --gpu h100 --seq-len 4096 \\
         --global-batch-size 512 --out plan.toml
-
-Every argument is checked before anything is estimated; errors are one line naming the
-option, the value and the fix.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from meshfit.cli.parser import OneLineParser
-
-__all__ = ["cmd_estimate", "cmd_plan", "parse_layout", "plan_toml"]
+from meshfit.cli import OneLineParser
 
 GiB = 2**30
 _LAYOUT_KEYS = {"dp_replicate": int, "dp_shard": int, "tp": int, "pp": int, "zero_stage": int,
@@ -48,8 +44,7 @@ def parse_layout(text: str):
         except ValueError:
             raise ValueError(f"--layout {key}={value!r} is not a valid {kind.__name__}") from None
         if kind is int and out[key] < (0 if key == "zero_stage" else 1):
-            raise ValueError(f"--layout {key}={value} must be >= "
-                             f"{0 if key == 'zero_stage' else 1}")
+            raise ValueError(f"--layout {key}={value} must be >= {0 if key == 'zero_stage' else 1}")
     return out
 
 
@@ -84,17 +79,18 @@ def _shape(ns):
     return shape
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{name}={value} must be >= 1")
+def _positive(ns, *flags: str) -> None:
+    for flag in flags:
+        value = getattr(ns, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}={value} must be >= 1")
 
 
 # ---------------------------------------------------------------------------- estimate
 def _estimate_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="meshfit estimate", allow_abbrev=False,
-        description="Per-rank bytes of parameters, gradients, optimizer state, activations and "
-                    "buffers of a training step, for one layout or one of each family.")
+    p = OneLineParser("meshfit estimate", "Per-rank bytes of parameters, gradients, optimizer "
+                      "state, activations and buffers of a training step, for one layout or one "
+                      "of each family.")
     _common(p)
     p.add_argument("--world-size", type=int, default=1, help="processes (GPUs) in all")
     p.add_argument("--layout", default=None,
@@ -128,8 +124,7 @@ def _families(world: int, shape, ns) -> list:
                 LayoutSpec(pp=world, microbatches=m, **base)))
     if world % 2 == 0 and world >= 4:
         half = world // 2
-        out.append((f"ZeRO-3 {half} x TP 2", LayoutSpec(dp_shard=half, tp=2, zero_stage=3,
-                                                         **base)))
+        out.append((f"ZeRO-3 {half} x TP 2", LayoutSpec(dp_shard=half, tp=2, zero_stage=3, **base)))
         out.append((f"PP 2 x ZeRO-1 {half}", LayoutSpec(pp=2, dp_shard=half, zero_stage=1,
                                                          microbatches=4, **base)))
     return out
@@ -137,8 +132,7 @@ def _families(world: int, shape, ns) -> list:
 
 def cmd_estimate(argv: list[str]) -> int:
     ns = _estimate_parser().parse_args(argv)
-    for name in ("--world-size", "--micro-batch-size", "--vocab-size", "--gpus-per-node"):
-        _positive(name, getattr(ns, name.lstrip("-").replace("-", "_")))
+    _positive(ns, "--world-size", "--micro-batch-size", "--vocab-size", "--gpus-per-node")
     fields = parse_layout(ns.layout) if ns.layout else None
     from meshfit.memory import LayoutSpec, estimate  # torch: after the arguments' refusals
     from meshfit.memory.estimate import resolve_layout
@@ -211,11 +205,9 @@ def _check_model(shape, spec, seq_len: int) -> None:
 def _plan_parser() -> argparse.ArgumentParser:
     from meshfit.plan import DEVICES, INTERCONNECTS, NETWORKS
 
-    p = OneLineParser(
-        prog="meshfit plan", allow_abbrev=False,
-        description="Rank the layouts of a cluster that fit in memory by predicted step time, "
-                    "with the multi-GPU guide's reason; --out writes a config for meshfit "
-                    "train.")
+    p = OneLineParser("meshfit plan", "Rank the layouts of a cluster that fit in memory by "
+                      "predicted step time, with the multi-GPU guide's reason; --out writes a "
+                      "config for meshfit train.")
     _common(p)
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--nodes", type=int, default=1)
@@ -242,13 +234,10 @@ def _plan_parser() -> argparse.ArgumentParser:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    import dataclasses
-
     from meshfit.plan import DEVICES, INTERCONNECTS, NETWORKS, Cluster, parse_bytes, search
 
     ns = _plan_parser().parse_args(argv)
-    for name in ("--gpus-per-node", "--nodes", "--global-batch-size", "--top", "--vocab-size"):
-        _positive(name, getattr(ns, name.lstrip("-").replace("-", "_")))
+    _positive(ns, "--gpus-per-node", "--nodes", "--global-batch-size", "--top", "--vocab-size")
     if ns.validate < 0:
         raise ValueError(f"--validate={ns.validate} must be >= 0 (the layouts to run)")
     if not 0 <= ns.margin < 1:
@@ -339,8 +328,7 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
     else:
         model = {"hf_config": str(Path(ns.model).resolve())}
     parallel = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-                "tp": lay.tp, "zero_stage": lay.zero_stage,
-                "offload": lay.offload,
+                "tp": lay.tp, "zero_stage": lay.zero_stage, "offload": lay.offload,
                 "sequence_parallel": lay.sequence_parallel}
     if lay.pp > 1:
         parallel.update(schedule=lay.schedule, microbatches=lay.microbatches,

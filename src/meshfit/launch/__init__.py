@@ -1,8 +1,5 @@
 """The launcher behind `meshfit launch` and `meshfit train`: torch.distributed.run (torchrun's
-elastic agent) with safer defaults.
-
-meshfit does not re-implement the launcher: it builds torchrun's argument list and runs
-``torch.distributed.run`` in this process. Differences from plain torchrun:
+elastic agent), run in this process on the argument list meshfit builds, with safer defaults:
 
 * a single-node job binds its rendezvous to 127.0.0.1 on a free port (torchrun's default is
   29500 on every interface, which collides between jobs);
@@ -11,39 +8,25 @@ meshfit does not re-implement the launcher: it builds torchrun's argument list a
 * a single-node job with ``--max-restarts`` is restarted by meshfit, the whole group with a new
   agent on a fresh loopback port per attempt (multi-node jobs keep torchrun's restarts);
 * workers die with the launcher (Linux's parent-death signal), Ctrl-C or SIGTERM end the job
-  with one line, and a failure is summed up in one line naming the rank that failed first.
+  with one line, and a failure is summed up in one line naming the rank that failed first;
+* `accelerate launch`'s common flags work beside meshfit's own, with Accelerate's meaning,
+  and inside a SLURM job its ``SLURM_*`` variables give what the flags leave open.
 
-`accelerate launch`'s common flags are accepted beside meshfit's own, with Accelerate's
-meaning (``--num_processes`` is the total over all machines); ``--mixed_precision`` and
-``--cpu`` reach the script as Accelerate passes them, in ``ACCELERATE_MIXED_PRECISION`` and
-``ACCELERATE_USE_CPU`` (``--cpu`` also sets meshfit's ``MESHFIT_CPU=1``). Inside a SLURM job
-the node count, this node's rank, the processes per node and the rendezvous address and port
-come from ``SLURM_*`` variables for whatever the flags leave open.
-
-    config.py     `LaunchConfig`: what to start where; the GPUs the workers see
-    resolve.py    the settings from the flags, accelerate's flags, SLURM and the defaults:
-                  one resolver per setting, composed by `config_from_args`
+    resolve.py    `LaunchConfig` (what to start where) from the flags, accelerate's flags,
+                  SLURM and the defaults; the GPUs the workers see
     slurm.py      what a SLURM job's variables say (node lists, tasks per node, rendezvous)
-    network.py    rendezvous stores on loopback only; node 0's port checked before starting
-    torchrun.py   torchrun's arguments; `run`: the job through torch.distributed.run
-    workers.py    each worker's start (dies with the launcher), stopping them, the one-line
-                  failure summary
+    torchrun.py   torchrun's arguments; `run`: the job through torch.distributed.run; its
+                  rendezvous stores on loopback only; node 0's port checked before starting;
+                  each worker's start, stopping them, the one-line failure summary
     __main__.py   ``python -m meshfit.launch``: the entry torch's agent runs for each worker
 
 No module imports torch when it loads: a bad flag is refused before torch is imported. The
-command lines (flags, help, printing) are in `meshfit.cli.launch` and `meshfit.cli.train`.
+command lines are in `meshfit.cli.launch`.
 """
 
-from __future__ import annotations
+from meshfit.launch.resolve import LaunchConfig, config_from_args, gpu_environment
+from meshfit.launch.slurm import expand_nodelist, expand_tasks_per_node
+from meshfit.launch.torchrun import loopback_stores, master_port_in_use, run
 
-from meshfit.launch.config import LaunchConfig, gpu_environment, parse_gpus, visible_cuda_devices
-from meshfit.launch.network import loopback_stores, master_port_in_use
-from meshfit.launch.resolve import ACCELERATE_PRECISIONS, config_from_args
-from meshfit.launch.slurm import SlurmFacts, expand_nodelist, expand_tasks_per_node, slurm_facts
-from meshfit.launch.torchrun import run, torchrun_args
-from meshfit.launch.workers import failure_summary
-
-__all__ = ["ACCELERATE_PRECISIONS", "LaunchConfig", "SlurmFacts", "config_from_args",
-           "expand_nodelist", "expand_tasks_per_node", "failure_summary", "gpu_environment",
-           "loopback_stores", "master_port_in_use", "parse_gpus", "run", "slurm_facts",
-           "torchrun_args", "visible_cuda_devices"]
+__all__ = ["LaunchConfig", "config_from_args", "expand_nodelist", "expand_tasks_per_node",
+           "gpu_environment", "loopback_stores", "master_port_in_use", "run"]

@@ -1,8 +1,8 @@
 """``python -m meshfit.launch ARGS``: a worker's entry, as torch's agent starts each worker
-under `meshfit.launch.run` (see `meshfit.launch.workers.enter_worker`)."""
+under `meshfit.launch.run` (see `meshfit.launch.torchrun.enter_worker`)."""
 
 import sys
 
-from meshfit.launch.workers import enter_worker
+from meshfit.launch.torchrun import enter_worker
 
 enter_worker(sys.argv[1:])

@@ -1,15 +1,13 @@
-"""The launch settings from the parsed flags and the environment: one resolver per setting.
-
-Each setting comes from meshfit's flag, else `accelerate launch`'s (both given and different:
-refused), else SLURM (`meshfit.launch.slurm.slurm_facts`, unless --no-slurm), else the
-default. A resolver returns its one setting (with a note where SLURM gave it) or raises the
-setting's one-line ValueError; `config_from_args` composes them, in the order their refusals
-are checked: accelerate's own rules, the flags that name one setting twice, the GPUs, SLURM,
-then nodes, this node's rank, processes per node and the rendezvous.
-
-The namespace is `meshfit launch`'s or `meshfit train`'s: meshfit's launch flags (nproc,
-nnodes, node_rank, master_addr, master_port, max_restarts, gpus, no_slurm; all None where not
-given) and, for `meshfit launch` only, accelerate's (`meshfit.cli.launch`).
+"""What a launch starts where (`LaunchConfig`, checked as it is built), from the parsed flags and
+the environment (`config_from_args`), one resolver per setting: meshfit's flag, else `accelerate
+launch`'s (both given and different: refused), else SLURM (unless --no-slurm), else the default. A
+resolver returns its setting (with a note where SLURM gave it) or raises its one-line ValueError;
+`config_from_args` runs them in the order their refusals are checked: accelerate's own rules, the
+flags that name one setting twice, the GPUs, SLURM, then nodes, this node's rank, processes per node
+and the rendezvous. The namespace is `meshfit launch`'s or `meshfit train`'s (`meshfit.cli.launch`:
+meshfit's launch flags are None where not given; only `meshfit launch` has accelerate's). ``--gpus
+0,2`` exposes those devices, in that order, as the multi-GPU guide does by hand with
+``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
 """
 
 from __future__ import annotations
@@ -20,15 +18,68 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from meshfit.launch.config import (LaunchConfig, gpu_environment, parse_gpus,
-                                   visible_cuda_devices)
 from meshfit.launch.slurm import SlurmFacts, slurm_facts
 
-__all__ = ["ACCELERATE_PRECISIONS", "AccelerateFlags", "Given", "accelerate_flags",
-           "config_from_args", "given_master_addr", "given_master_port", "given_nnodes",
-           "given_node_rank", "resolve_gpus", "resolve_master_addr", "resolve_master_port",
-           "resolve_nnodes", "resolve_node_rank", "resolve_nproc", "resolve_slurm",
-           "worker_environment"]
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    nproc: int = 1  # Worker processes on this node (torchrun's --nproc-per-node)
+    nnodes: int = 1  # Number of nodes (machines) in the job
+    node_rank: int = 0  # This node's rank among the nodes, 0 .. nnodes-1
+    master_addr: str = "127.0.0.1"  # Address of node 0, which hosts the rendezvous store
+    master_port: int | None = None  # The rendezvous store's; None: a free one (single node)
+    max_restarts: int = 0  # How often the agent restarts the whole group after a worker fails
+    gpus: tuple[int, ...] | None = None  # CUDA devices to use, in order (None: all visible)
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank={self.node_rank} must be in 0..{self.nnodes - 1} "
+                             f"(--nnodes={self.nnodes})")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts={self.max_restarts} must be >= 0")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port={self.master_port} must be in 1..65535")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("--master-port is required with --nnodes > 1: every node must "
+                             "name the same port on --master-addr")
+
+
+def parse_gpus(text: str, flag: str = "--gpus") -> tuple[int, ...]:
+    """``0,2`` -> (0, 2): distinct device indices, as `flag` gives them."""
+    try:
+        ids = tuple(int(x) for x in text.split(",") if x.strip() != "")
+    except ValueError:
+        raise ValueError(f"{flag}={text!r} must be a comma-separated list of device indices, "
+                         f"e.g. {flag} 0,2") from None
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ValueError(f"{flag}={text!r} must list distinct device indices >= 0, e.g. 0,2")
+    return ids
+
+
+def gpu_environment(gpus: tuple[int, ...], nproc: int, available: int) -> dict[str, str]:
+    """Environment that exposes `gpus`, in that order, to the workers."""
+    missing = [g for g in gpus if g >= available]
+    if missing:
+        have = f"devices 0..{available - 1}" if available else "no CUDA devices"
+        raise ValueError(f"--gpus names device(s) {','.join(map(str, missing))} but this machine "
+                         f"has {have}; list only existing devices (nvidia-smi -L shows them)")
+    if nproc > len(gpus):
+        raise ValueError(f"--nproc={nproc} is more than the {len(gpus)} device(s) in --gpus; "
+                         "start one process per device")
+    # PCI bus order: the indices are nvidia-smi's (CUDA's default is fastest first).
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
+
+
+def visible_cuda_devices() -> int:
+    """CUDA devices this machine has, counted in PCI bus order before any selection."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
 
 ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 """``accelerate launch --mixed_precision`` choices (Accelerate 1.15); meshfit runs no fp8."""
@@ -37,37 +88,27 @@ ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 @dataclass(frozen=True, kw_only=True)
 class AccelerateFlags:
     """`accelerate launch`'s flags as given (None or False: not given; `meshfit train` has
-    none of them)."""
+    none of them). ``--main_process_port=0`` (a free port, one machine only) is `free_port`,
+    with main_process_port None."""
 
     num_processes: int | None = None
-    """Processes in total over all machines (Accelerate's meaning)."""
     num_machines: int | None = None
-    """Machines; = --nnodes."""
     machine_rank: int | None = None
-    """This machine's rank; = --node-rank."""
     main_process_ip: str | None = None
-    """Address of machine 0; = --master-addr."""
     main_process_port: int | None = None
-    """Its port; = --master-port (None also for 0, which is `free_port`)."""
     free_port: bool = False
-    """--main_process_port=0: a free port (one machine only)."""
     mixed_precision: str | None = None
-    """The script's precision, passed on in ACCELERATE_MIXED_PRECISION."""
     gpu_ids: str | None = None
-    """GPUs to use, or "all"; = --gpus."""
     multi_gpu: bool = False
-    """Accepted; checks that there are GPUs and at least 2 processes."""
     cpu: bool = False
-    """The CPU and gloo even where GPUs exist."""
 
 
 class Given(NamedTuple):
-    """One setting as the flags give it."""
+    """One setting as the flags give it: its value (None: neither flag was given) and the
+    flag and value it came from, as an error names it ("" when not given)."""
 
     value: Any
-    """None: neither flag was given."""
     flag: str
-    """The flag and value it came from, as an error names it ("" when not given)."""
 
 
 def accelerate_flags(ns: argparse.Namespace) -> AccelerateFlags:
@@ -94,42 +135,31 @@ def accelerate_flags(ns: argparse.Namespace) -> AccelerateFlags:
     return AccelerateFlags(**given, free_port=free, multi_gpu=multi_gpu, cpu=cpu)
 
 
-def _pick(name: str, mine, mine_flag: str, theirs, theirs_flag: str) -> Given:
-    """The value of one setting given as meshfit's flag and/or accelerate's; both given with
-    different values is refused."""
-    if mine is not None and theirs is not None and mine != theirs:
-        raise ValueError(f"{mine_flag}={mine} and {theirs_flag}={theirs} both set {name} and "
-                         "disagree; give one of them")
-    if mine is not None:
-        return Given(mine, f"{mine_flag}={mine}")
-    if theirs is not None:
-        return Given(theirs, f"{theirs_flag}={theirs}")
-    return Given(None, "")
+_SHARED = {  # setting: (what it is, accelerate's flag for it)
+    "nnodes": ("the number of nodes", "num_machines"),
+    "node_rank": ("this node's rank", "machine_rank"),
+    "master_addr": ("the address of node 0", "main_process_ip"),
+    "master_port": ("the rendezvous port", "main_process_port")}
 
 
-# ------------------------------------------------------------------- what the flags give
-def given_nnodes(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
-    return _pick("the number of nodes", ns.nnodes, "--nnodes", acc.num_machines,
-                 "--num_machines")
-
-
-def given_node_rank(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
-    return _pick("this node's rank", ns.node_rank, "--node-rank", acc.machine_rank,
-                 "--machine_rank")
-
-
-def given_master_addr(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
-    return _pick("the address of node 0", ns.master_addr, "--master-addr",
-                 acc.main_process_ip, "--main_process_ip")
-
-
-def given_master_port(ns: argparse.Namespace, acc: AccelerateFlags) -> Given:
-    given = _pick("the rendezvous port", ns.master_port, "--master-port",
-                  acc.main_process_port, "--main_process_port")
+def given_settings(ns: argparse.Namespace, acc: AccelerateFlags) -> dict[str, Given]:
+    """The settings that both meshfit's flags and accelerate's name, as given; both given
+    with different values is refused."""
+    out = {}
+    for name, (what, theirs) in _SHARED.items():
+        mine, mine_flag = getattr(ns, name), f"--{name.replace('_', '-')}"
+        other, other_flag = getattr(acc, theirs), f"--{theirs}"
+        if mine is not None and other is not None and mine != other:
+            raise ValueError(f"{mine_flag}={mine} and {other_flag}={other} both set {what} and "
+                             "disagree; give one of them")
+        if mine is not None:
+            out[name] = Given(mine, f"{mine_flag}={mine}")
+        else:
+            out[name] = Given(other, "" if other is None else f"{other_flag}={other}")
     if acc.free_port and ns.master_port is not None:
         raise ValueError(f"--master-port={ns.master_port} and --main_process_port=0 (a free "
                          "port) disagree; give one of them")
-    return given
+    return out
 
 
 def resolve_gpus(ns: argparse.Namespace, acc: AccelerateFlags) -> tuple[int, ...] | None:
@@ -146,7 +176,6 @@ def resolve_gpus(ns: argparse.Namespace, acc: AccelerateFlags) -> tuple[int, ...
     return gpus
 
 
-# ------------------------------------------------------------------- SLURM, then each setting
 def resolve_slurm(ns: argparse.Namespace, environ: Mapping[str, str]) -> SlurmFacts | None:
     """The SLURM job this launcher runs in (None: outside SLURM, or --no-slurm); one
     launcher per node."""
@@ -193,27 +222,22 @@ def resolve_node_rank(given: Given, nnodes_given: Given, nnodes: int,
     return node_rank, note
 
 
-def _per_node(acc: AccelerateFlags, nnodes: int) -> int | None:
-    """Processes per node from accelerate's --num_processes (a total over the machines)."""
-    if acc.num_processes is None:
-        return None
-    total = acc.num_processes
-    if total % nnodes:
-        raise ValueError(f"--num_processes={total} is the total over all {nnodes} machines "
-                         "(accelerate's meaning) and must be a multiple of it")
-    if acc.multi_gpu and total < 2:  # accelerate's own rule
-        raise ValueError(f"--multi_gpu needs at least 2 processes; --num_processes={total}")
-    return total // nnodes
-
-
 def resolve_nproc(ns: argparse.Namespace, acc: AccelerateFlags, nnodes: int,
                   slurm: SlurmFacts | None) -> tuple[int, str]:
-    """Processes on this node: --nproc, else --num_processes / machines, else SLURM (one per
-    GPU of this node; on CPU nodes, or with --cpu, the job's tasks per node), else 1."""
-    per_node = _per_node(acc, nnodes)
+    """Processes on this node: --nproc, else accelerate's --num_processes (a total over the
+    machines) / machines, else SLURM (one per GPU of this node; on CPU nodes, or with --cpu,
+    the job's tasks per node), else 1."""
+    per_node, total = None, acc.num_processes
+    if total is not None:
+        if total % nnodes:
+            raise ValueError(f"--num_processes={total} is the total over all {nnodes} machines "
+                             "(accelerate's meaning) and must be a multiple of it")
+        if acc.multi_gpu and total < 2:  # accelerate's own rule
+            raise ValueError(f"--multi_gpu needs at least 2 processes; --num_processes={total}")
+        per_node = total // nnodes
     if ns.nproc is not None and per_node is not None and ns.nproc != per_node:
         raise ValueError(f"--nproc={ns.nproc} (processes per node) and --num_processes="
-                         f"{acc.num_processes} ({per_node} per node over {nnodes} machine(s)) "
+                         f"{total} ({per_node} per node over {nnodes} machine(s)) "
                          "disagree; give one of them")
     nproc = ns.nproc if ns.nproc is not None else per_node
     if nproc is not None or slurm is None:
@@ -247,12 +271,6 @@ def resolve_master_port(given: Given, acc: AccelerateFlags, nnodes: int,
     return port, note
 
 
-def _check_multi_gpu(acc: AccelerateFlags) -> None:
-    if acc.multi_gpu and visible_cuda_devices() == 0:
-        raise ValueError("--multi_gpu: this machine has no CUDA devices; drop it (meshfit "
-                         "launch starts the processes either way) or use --cpu")
-
-
 def worker_environment(gpus: tuple[int, ...] | None, nproc: int,
                        acc: AccelerateFlags) -> dict[str, str]:
     """What the workers' environment gains: the chosen GPUs, and accelerate's
@@ -271,16 +289,17 @@ def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] | None =
     taken from SLURM (print them before starting); raises a one-line ValueError."""
     environ = os.environ if environ is None else environ
     acc = accelerate_flags(ns)
-    nnodes_given, rank_given = given_nnodes(ns, acc), given_node_rank(ns, acc)
-    addr_given, port_given = given_master_addr(ns, acc), given_master_port(ns, acc)
+    given = given_settings(ns, acc)
     gpus = resolve_gpus(ns, acc)
     slurm = resolve_slurm(ns, environ)
-    nnodes, nodes_note = resolve_nnodes(nnodes_given, slurm, environ)
-    node_rank, rank_note = resolve_node_rank(rank_given, nnodes_given, nnodes, slurm)
+    nnodes, nodes_note = resolve_nnodes(given["nnodes"], slurm, environ)
+    node_rank, rank_note = resolve_node_rank(given["node_rank"], given["nnodes"], nnodes, slurm)
     nproc, nproc_note = resolve_nproc(ns, acc, nnodes, slurm)
-    addr, addr_note = resolve_master_addr(addr_given, nnodes, slurm)
-    port, port_note = resolve_master_port(port_given, acc, nnodes, slurm)
-    _check_multi_gpu(acc)
+    addr, addr_note = resolve_master_addr(given["master_addr"], nnodes, slurm)
+    port, port_note = resolve_master_port(given["master_port"], acc, nnodes, slurm)
+    if acc.multi_gpu and visible_cuda_devices() == 0:
+        raise ValueError("--multi_gpu: this machine has no CUDA devices; drop it (meshfit "
+                         "launch starts the processes either way) or use --cpu")
     cfg = LaunchConfig(nproc=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=addr,
                        master_port=port, max_restarts=ns.max_restarts, gpus=gpus)
     env = worker_environment(gpus, cfg.nproc, acc)

@@ -1,10 +1,5 @@
-"""SLURM: what a job's ``SLURM_*`` variables say about this launcher's place in it.
-
-Inside a SLURM job the node count, this node's rank, the processes per node and the
-rendezvous address and port come from these variables (`slurm_facts`) for whatever the flags
-leave open (`meshfit.launch.resolve`). Node lists are expanded in Python
-(`expand_nodelist`): ``scontrol show hostnames`` may not exist where the launcher runs.
-"""
+"""SLURM: what a job's ``SLURM_*`` variables say about this launcher's place in it
+(`slurm_facts`), for the settings the flags leave open (`meshfit.launch.resolve`)."""
 
 from __future__ import annotations
 
@@ -12,8 +7,6 @@ import os
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-__all__ = ["SlurmFacts", "expand_nodelist", "expand_tasks_per_node", "slurm_facts"]
 
 
 def _split_outside_brackets(text: str, what: str) -> list[str]:
@@ -100,18 +93,14 @@ class SlurmFacts:
     """What a SLURM job says about this launcher's place in it."""
 
     job_id: str
-    in_step: bool
-    """Started by ``srun`` (SLURM_STEP_ID set), not by the batch script itself."""
+    in_step: bool  # Started by ``srun`` (SLURM_STEP_ID set), not by the batch script itself
     nnodes: int
     node_rank: int
     hosts: tuple[str, ...]
     nodelist_var: str
-    gpus_on_node: int | None
-    """SLURM_GPUS_ON_NODE: one process per GPU."""
-    tasks_per_node: int | None
-    """SLURM_NTASKS_PER_NODE: the tasks per node the job asked for (on CPU nodes, or --cpu)."""
-    tasks_here: int | None
-    """Tasks srun started on this node (each one is a launcher)."""
+    gpus_on_node: int | None  # SLURM_GPUS_ON_NODE: one process per GPU
+    tasks_per_node: int | None  # SLURM_NTASKS_PER_NODE: the tasks per node the job asked for
+    tasks_here: int | None  # Tasks srun started on this node (each one is a launcher)
     master_addr: str | None
     master_addr_from: str
     master_port: int
@@ -131,16 +120,12 @@ def _slurm_int(environ: Mapping[str, str], *names: str) -> tuple[int | None, str
 
 
 def slurm_facts(environ: Mapping[str, str] | None = None) -> SlurmFacts | None:
-    """The launch settings a SLURM job implies, or None outside SLURM (no SLURM_JOB_ID).
-
-    Inside an ``srun`` step the step's variables count (SLURM_STEP_NUM_NODES,
-    SLURM_STEP_NODELIST, SLURM_NODEID: this node's index in the step's list); in the batch
-    script itself, the job's (SLURM_JOB_NUM_NODES or SLURM_NNODES, SLURM_JOB_NODELIST,
-    node 0). Processes per node (chosen by `meshfit.launch.resolve`): SLURM_GPUS_ON_NODE
-    (one per GPU), else SLURM_NTASKS_PER_NODE.
-    Rendezvous (used with several nodes): MASTER_ADDR or the node list's first host, and
-    MASTER_PORT or 10000 + job id mod 20000 (the same on every node, below Linux's ephemeral
-    ports)."""
+    """The launch settings a SLURM job implies, or None outside SLURM (no SLURM_JOB_ID). Inside an
+    ``srun`` step the step's variables count (SLURM_STEP_NUM_NODES, SLURM_STEP_NODELIST,
+    SLURM_NODEID: this node's index in the step's list); in the batch script itself, the job's
+    (SLURM_JOB_NUM_NODES or SLURM_NNODES, SLURM_JOB_NODELIST, node 0). Rendezvous (used with several
+    nodes): MASTER_ADDR or the node list's first host, and MASTER_PORT or 10000 + job id mod 20000
+    (the same on every node, below Linux's ephemeral ports)."""
     environ = os.environ if environ is None else environ
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if not job_id:
@@ -155,9 +140,8 @@ def slurm_facts(environ: Mapping[str, str] | None = None) -> SlurmFacts | None:
     if nnodes is None:
         nnodes = len(hosts) or 1
     elif hosts and len(hosts) != nnodes:
-        raise ValueError(f"{nodelist_var}={environ[nodelist_var]!r} names {len(hosts)} host(s) "
-                         f"but {nnodes_var}={nnodes}; pass --nnodes and --master-addr (or "
-                         "--no-slurm)")
+        raise ValueError(f"{nodelist_var}={environ[nodelist_var]!r} names {len(hosts)} host(s) but "
+                         f"{nnodes_var}={nnodes}; pass --nnodes and --master-addr (or --no-slurm)")
     node_rank, _ = _slurm_int(environ, "SLURM_NODEID")
     node_rank = node_rank or 0
     if not 0 <= node_rank < nnodes:

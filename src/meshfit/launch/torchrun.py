@@ -1,27 +1,210 @@
 """torchrun's argument list for a `LaunchConfig`, and the job run through
-``torch.distributed.run`` in this process (meshfit does not re-implement the launcher).
-
-A single-node job with ``--max-restarts`` is restarted by meshfit, the whole group with a new
-agent on a fresh loopback port per attempt (multi-node jobs keep torchrun's restarts).
+``torch.distributed.run`` in this process (meshfit does not re-implement the launcher): its
+rendezvous stores listening on loopback only, node 0's port checked before it starts; each
+worker's start (`enter_worker`: dying with the launcher), how the agent stops them
+(`stopping_workers`, `quiet_agent`), and a failure summed up in one line (`failure_summary`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import ipaddress
+import logging
 import os
+import signal
+import socket
 import sys
 
 from meshfit.distributed.spawn import free_port
-from meshfit.launch.config import LaunchConfig
-from meshfit.launch.network import is_loopback, loopback_stores
-from meshfit.launch.workers import (LAUNCHER_PID_ENV, MAX_RESTARTS_ENV, RESTART_ENV,
-                                    failure_summary, quiet_agent, stopping_workers)
-
-__all__ = ["WORKER_ENTRY", "run", "torchrun_args"]
+from meshfit.launch.resolve import LaunchConfig
 
 WORKER_ENTRY = "meshfit.launch"
-"""The module torch's agent runs for each worker (`meshfit.launch.workers.enter_worker`,
-through the package's ``__main__``), which then execs the worker's own command."""
+"""The module torch's agent runs for each worker (`enter_worker`, through the package's
+``__main__``), which then execs the worker's own command."""
+LAUNCHER_PID_ENV = "MESHFIT_LAUNCHER_PID"
+RESTART_ENV = "MESHFIT_RESTART_COUNT"
+MAX_RESTARTS_ENV = "MESHFIT_MAX_RESTARTS"
+"""The attempt of a single-node job that meshfit restarts itself (0 on the first) and the
+restarts allowed: `enter_worker` hands them to the worker as torchrun's own
+TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS (each attempt's agent counts 0)."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` resolves to a loopback address (False when it does not resolve)."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def loopback_stores():
+    """Make every TCPStore server the launcher starts for a loopback address listen on that
+    address only. PyTorch's TCPStore server listens on every interface whatever address it is
+    given (measured with torch 2.13: ``*:PORT`` for host "127.0.0.1"), so a single-node job's
+    rendezvous — which holds the job's keys and barriers — would be reachable from the
+    network. torch accepts an already listening socket instead (``master_listen_fd``); the
+    launcher's stores (static rendezvous, c10d rendezvous backend, the workers' shared store)
+    are given one bound to the loopback address. The workers only connect to the agent's
+    store (torchrun's ``TORCHELASTIC_USE_AGENT_STORE``), they start no server of their own."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, \
+        static_tcp_rendezvous
+
+    real = dist.TCPStore
+
+    class LoopbackTCPStore(real):
+        def __init__(self, host_name, port, world_size=None, is_master=False, *args, **kwargs):
+            if not (is_master and kwargs.get("master_listen_fd") is None
+                    and is_loopback(host_name)):
+                super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
+                return
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((socket.gethostbyname(host_name), int(port)))
+                sock.listen(1024)
+                kwargs["master_listen_fd"] = sock.fileno()
+                super().__init__(host_name, sock.getsockname()[1], world_size, is_master,
+                                 *args, **kwargs)
+            except BaseException:
+                sock.close()
+                raise
+            sock.detach()  # the store owns the descriptor now, and closes it
+
+    patched = [(dist, "TCPStore"), (static_tcp_rendezvous, "TCPStore"),
+               (c10d_rendezvous_backend, "TCPStore")]
+    for module, name in patched:
+        setattr(module, name, LoopbackTCPStore)
+    try:
+        yield
+    finally:
+        for module, name in patched:
+            setattr(module, name, real)
+
+
+def master_port_in_use(cfg: LaunchConfig) -> None:
+    """One-line ValueError when node 0's rendezvous port is already taken, before anything
+    starts (the store's bind would otherwise fail inside the agent, or a restart would wait
+    on someone else's listener). Other nodes connect to node 0 and bind nothing."""
+    if cfg.master_port is None or cfg.node_rank != 0:
+        return
+    host = cfg.master_addr if is_loopback(cfg.master_addr) or cfg.nnodes == 1 else ""
+    try:
+        addr = socket.gethostbyname(host) if host else ""
+    except OSError:
+        raise ValueError(f"--master-addr={cfg.master_addr!r} does not resolve to an address; "
+                         "give a host name or IP address of node 0") from None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds
+        try:
+            s.bind((addr, cfg.master_port))
+        except OSError as err:
+            where = f"{cfg.master_addr}:{cfg.master_port}" if host else f"port {cfg.master_port}"
+            raise ValueError(f"--master-port={cfg.master_port}: {where} is not free "
+                             f"({err.strerror}); give another port, or leave --master-port out "
+                             "for a free one (single node)") from None
+
+
+def enter_worker(argv: list[str]) -> None:
+    """``python -m meshfit.launch ARGS``: how the agent starts each worker. Asks Linux to
+    SIGKILL this process when the launcher dies (PR_SET_PDEATHSIG; kept across exec), checks
+    that the launcher was not already gone before that took effect, then replaces itself with
+    ``python -u ARGS``, the command torchrun would have run: same PID, same environment (with
+    the restart count of the whole job where meshfit restarts it), so a script written for
+    torchrun runs unchanged under `meshfit launch` and the other way round."""
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
+    restart, most = os.environ.pop(RESTART_ENV, ""), os.environ.pop(MAX_RESTARTS_ENV, "")
+    if restart.isdigit() and most.isdigit():
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = restart
+        os.environ["TORCHELASTIC_MAX_RESTARTS"] = most
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    if launcher.isdigit() and os.getppid() != int(launcher):
+        sys.exit(f"meshfit launch: the launcher (PID {launcher}) ended before this worker "
+                 "started; not running it")
+    os.execv(sys.executable, [sys.executable, "-u", *argv])
+
+
+@contextlib.contextmanager
+def stopping_workers():
+    """How the agent stops its workers, adjusted; yields the PIDs of the workers that had
+    failed when it began stopping the rest (it terminates the others, exit code -15, and
+    reports them as failed too, with timestamps of one-second resolution). The agent passes
+    the signal it got on to the workers: a Ctrl-C (SIGINT) would raise KeyboardInterrupt in
+    every Python worker, one traceback each. They get SIGTERM instead (`meshfit train`'s
+    workers treat both alike: checkpoint, one line)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    real = api.SubprocessContext._close
+    first: set[int] = set()
+
+    def _close(self, death_sig, timeout: int = 30):
+        if not getattr(self, "_meshfit_closing", False):
+            self._meshfit_closing = True
+            first.update(f.pid for f in self._failures.values())
+        if death_sig == signal.SIGINT:
+            death_sig = signal.SIGTERM
+        return real(self, death_sig, timeout)
+
+    api.SubprocessContext._close = _close
+    try:
+        yield first
+    finally:
+        api.SubprocessContext._close = real
+
+
+@contextlib.contextmanager
+def quiet_agent():
+    """torch's elastic agent keeping its errors but not its per-worker warnings nor its
+    "failed (exitcode ...)" line, which meshfit's summary replaces; unless LOGLEVEL asks for
+    its own logs."""
+    if os.environ.get("LOGLEVEL"):
+        yield
+        return
+
+    def quiet(record) -> bool:
+        return record.levelno >= 40 and not str(record.msg).startswith("failed (exitcode")
+
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic")]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
+def _error_tail(failure, lines: int = 3) -> str:
+    """The last lines of a failed worker's error, from torch's error file (scripts decorated
+    with torch's ``@record``, and `meshfit train`'s workers), joined into one line."""
+    message = failure.message
+    if isinstance(message, dict):
+        text = message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
+    else:
+        text = str(message or "")
+    if not text or text.startswith(("To enable traceback", "Signal ")):
+        return ""
+    kept = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    return " | ".join(kept)
+
+
+def failure_summary(failures: dict, first: set[int]) -> str:
+    """One line: how many workers failed, which rank failed first (not one the agent stopped
+    afterwards), its exit code and the end of its error."""
+    if not failures:
+        return "the workers failed"
+    early = {r: f for r, f in failures.items() if f.pid in first} or failures
+    rank = min(early, key=lambda r: (early[r].timestamp, r))
+    f = early[rank]
+    code = f"{f.exitcode} ({f.signal_name()})" if f.exitcode < 0 else str(f.exitcode)
+    tail = _error_tail(f)
+    return (f"{len(failures)} worker(s) failed; first: rank {rank} exit code {code}"
+            + (f": {tail}" if tail else ""))
 
 
 def torchrun_args(cfg: LaunchConfig, script: list[str], *, module: bool = False) -> list[str]:
@@ -104,17 +287,14 @@ def _attempts(cfg: LaunchConfig, target: list[str], prog: str) -> int:
 def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
         env: dict[str, str] | None = None, prog: str = "meshfit launch",
         say_stopped: bool = True) -> int:
-    """Start the job through torch.distributed.run and wait; returns the exit code.
-    `prog` begins the launcher's lines; `say_stopped=False` leaves the line about a signal
-    to workers that print their own (`meshfit train`'s main rank).
+    """Start the job through torch.distributed.run and wait; returns the exit code. `prog` begins
+    the launcher's lines; `say_stopped=False` leaves the line about a signal to workers that print
+    their own (`meshfit train`'s main rank).
 
-    Each worker runs through `meshfit.launch.workers.enter_worker`, so it dies with this
-    process. A single-node job with --max-restarts is restarted by meshfit: after a failure
-    the whole group is started again by a new agent on a fresh loopback port, so no key,
-    address or listener of the failed attempt is seen by the next one (torch 2.13's in-agent
-    restart reuses the store, and measured 0 of 3 recoveries of a gloo script after
-    ``kill -9`` of a worker). Multi-node jobs keep torchrun's own restarts (c10d
-    rendezvous)."""
+    A single-node job with --max-restarts is restarted by meshfit, on a fresh loopback port per
+    attempt, so no key, address or listener of the failed attempt is seen by the next one (torch
+    2.13's in-agent restart reuses the store, and measured 0 of 3 recoveries of a gloo script after
+    ``kill -9`` of a worker). Multi-node jobs keep torchrun's own restarts (c10d rendezvous)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     os.environ.update(env or {})
@@ -128,12 +308,9 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     try:
         return _attempts(cfg, target, prog)
     except SignalException as err:  # the agent passed the signal on to the workers
-        import signal
-
         if say_stopped:
             name = signal.Signals(err.sigval).name
-            print(f"{prog}: stopped by {name}; the workers were ended", file=sys.stderr,
-                  flush=True)
+            print(f"{prog}: stopped by {name}; the workers were ended", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
         for name in (LAUNCHER_PID_ENV, RESTART_ENV, MAX_RESTARTS_ENV):

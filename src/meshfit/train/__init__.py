@@ -1,21 +1,16 @@
-"""`meshfit train`: config-driven training on top of `Accelerator`.
+"""`meshfit train`: config-driven training on top of `Accelerator`, and the files it writes
+used afterwards. The commands themselves (arguments, printing) are in `meshfit.cli`; the
+launcher is `meshfit.launch`.
 
-    config.py          the run's configuration: one frozen, validated dataclass per [section]
-    model_config.py    its [model] section; checks.py the value checks all sections share
-    configfile.py      the config read from TOML + --section.key=value overrides
-    tokens.py          [data]'s tokenizer and token splits, and its source's name
-    preflight.py       the checks before launch: the layout for a world size, this machine
-    adapters.py        what a step trains: the prepared model or this rank's pipeline
-    trainer.py         the training loop, read top to bottom
-    run.py             the run folder: metrics, checkpoints and resume, preemption
+    config.py          the run's configuration (a dataclass per [section]), from TOML + overrides
+    preflight.py       every check before launch: config values, layout, this machine
+    trainer.py         the training loop, read top to bottom; what a step trains (model, pipeline)
+    run.py             what a run records (metrics, MFU, memory); checkpoints, preemption
     runfolder.py       the run folder claimed: checked, locked, written atomically
     models.py          [model]: presets, transformers configs and folders, factories
-    observe.py         per-step figures (MFU, memory, data wait) and where they go
     batch_size.py      the largest micro-batch that fits, tensor-core shape advice
-    generate.py        a trained model used: sampling (sampling.py: its settings) and loss
+    generate.py        a trained model used: sampling and loss
     plan_validate.py   `meshfit plan --validate`: plans run here for a few steps
-    plot.py            runs' metrics drawn; pipeline_chart.py a pipeline run's schedule
-
-The commands themselves (arguments, printing) are in `meshfit.cli`; the launcher is
-`meshfit.launch`.
+    plot.py            runs' metrics drawn
+    pipeline_chart.py  a pipeline run's schedule drawn, with its measured bubble
 """

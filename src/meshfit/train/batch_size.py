@@ -1,14 +1,5 @@
-"""Batch size: find one that fits, and shapes that suit the hardware.
-
-`find_executable_batch_size` retries a training function with a smaller micro-batch after an
-out-of-memory error, as Accelerate's function of that name does, but keeps the *effective*
-batch: when the micro-batch halves, gradient accumulation doubles, so the optimisation (and its
-learning-rate choice) is unchanged.
-
-`shape_advice` applies the single-GPU guide's rule: tensor cores work on tiles, so batch size,
-hidden sizes and vocabulary should be multiples of 8 for fp16/bf16 (64 on A100-class GPUs,
-whose tiles are wider); it returns the padded size it suggests for each one that is not.
-"""
+"""Batch size: one that fits (`find_executable_batch_size`), and shapes that suit the
+hardware (`shape_advice`)."""
 
 from __future__ import annotations
 
@@ -20,8 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-__all__ = ["find_executable_batch_size", "is_out_of_memory", "shape_advice", "release_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +39,19 @@ def release_memory() -> None:
 def find_executable_batch_size(function: Callable | None = None, *, starting_batch_size: int = 128,
                                effective_batch_size: int | None = None,
                                min_batch_size: int = 1) -> Callable:
-    """Decorator: call ``function(micro_batch_size, gradient_accumulation_steps, ...)`` and, on
-    an out-of-memory error, call it again with half the micro-batch.
-
-    With ``effective_batch_size`` (samples per optimizer step on this rank), the accumulation
-    passed in is ``effective_batch_size // micro_batch_size``, so every attempt trains with the
-    same effective batch; the micro-batch then only takes divisors of it. Without it the
-    accumulation is always 1 and the effective batch shrinks with the micro-batch (Accelerate's
-    behaviour). Each attempt should build its model/optimizer state afresh (or release the
-    previous one), as with Accelerate.
+    """Decorator: call ``function(micro_batch_size, gradient_accumulation_steps, ...)`` and, on an
+    out-of-memory error, call it again with half the micro-batch, as Accelerate's function of that
+    name does, but keeping the *effective* batch: with ``effective_batch_size`` (samples per
+    optimizer step on this rank) the accumulation passed in is ``effective_batch_size //
+    micro_batch_size`` and the micro-batch only takes divisors of it, so the optimisation (and its
+    learning-rate choice) is unchanged. Without it the accumulation is 1 and the effective batch
+    shrinks with the micro-batch (Accelerate's behaviour). Each attempt should build its
+    model/optimizer state afresh (or release the previous one), as with Accelerate. Raises
+    RuntimeError when even ``min_batch_size`` does not fit; other errors propagate unchanged.
 
         @find_executable_batch_size(starting_batch_size=64, effective_batch_size=64)
         def train(micro_batch_size, gradient_accumulation_steps):
             ...
-
-    Raises RuntimeError when even ``min_batch_size`` does not fit; errors other than
-    out-of-memory propagate unchanged.
     """
     if function is None:
         return functools.partial(find_executable_batch_size,
@@ -131,7 +117,9 @@ def _tile(device: torch.device | None) -> int:
 
 def shape_advice(*, device: torch.device | str | None = None, tile: int | None = None,
                  **sizes: int) -> list[str]:
-    """One message per size that is not a multiple of the tile, with the padded size suggested.
+    """The single-GPU guide's rule: tensor cores work on tiles, so batch size, hidden sizes and
+    vocabulary should be multiples of the tile (`_tile`). One message per size that is not,
+    with the padded size suggested.
 
         shape_advice(device="cuda", batch_size=30, d_model=768, vocab_size=50257)
         -> ['vocab_size=50257 is not a multiple of 64: pad it to 50304 ...']

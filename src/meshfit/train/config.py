@@ -1,11 +1,9 @@
 """A run's configuration: frozen dataclasses, one per [section] of the TOML file, each value
-checked in ``__post_init__`` with an error that names the field, the value and the fix.
-
-Every field has one spelling; `meshfit.train.configfile` reads them from TOML plus
-``--section.key=value`` overrides (unknown sections and keys are rejected and listed).
-`RunConfig` adds the figures that follow from its fields (accumulation, micro-batches, the
-`Layout`); what needs more than the fields — the tokenizer, the token splits, the checks
-against a world size — it hands to `meshfit.train.tokens` and `meshfit.train.preflight`.
+checked in ``__post_init__`` (`meshfit.train.preflight`); `RunConfig` adds what follows from its
+fields (accumulation, micro-batches, the `Layout`, the tokenizer and token splits). Read from
+TOML plus ``--section.key=value`` overrides (`load_config`) or from nested dicts
+(`build_config`): unknown sections and keys are rejected and listed. No torch at load: a bad
+value is refused before torch loads (a [model] hf_model folder is read).
 """
 
 from __future__ import annotations
@@ -14,23 +12,139 @@ import dataclasses
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-# No torch below: a bad value is refused before torch loads (the modules that build and run
-# the model are imported where they are used).
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 from meshfit.data.corpus import data_source
-from meshfit.models.config import GPTConfig
+from meshfit.models.config import AttentionBackend, GPTConfig
 from meshfit.optim_names import OPTIMIZERS
 from meshfit.parallel.layout import Layout, check_options
 from meshfit.parallel.options import ModelOptions
 from meshfit.parallel.request import LayoutRequest
-from meshfit.train.checks import (LAYOUT_NAMES, check_bool, check_choice, check_number,
-                                  check_positive)
-from meshfit.train.model_config import ModelConfig
+from meshfit.train.preflight import (LAYOUT_NAMES, check_bool, check_choice, check_layout,
+                                     check_number, check_positive)
 
-__all__ = ["LAYOUT_NAMES", "CheckpointConfig", "DataConfig", "LogConfig", "ModelConfig",
-           "OptimConfig", "ParallelConfig", "PeftConfig", "RunConfig", "TrainConfig",
-           "config_fields", "toml_name"]
+MOE_FIELDS = ("n_experts", "top_k", "moe_every", "moe_d_ff", "shared_experts", "router",
+              "capacity_factor", "aux_loss_coef", "router_z_loss_coef")
+"""[model]'s mixture-of-experts fields (see `meshfit.models.GPTConfig`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """[model]: what to train. One source: a reference GPT `preset` (size fields left unset
+    take the preset's), a Hugging Face `hf_config` (random weights from the seed) or
+    `hf_model` (its weights), or the user's own `factory`."""
+
+    preset: str = "tiny"
+    """A `GPTConfig.preset` name: tiny, gpt2, llama-1b, llama-7b, llama-70b (used when none of
+    hf_config, hf_model and factory is given)."""
+    hf_config: str = ""
+    """A Hugging Face config.json (or a folder holding one): that causal LM, built with
+    random weights (transformers' init, from train.seed). No download."""
+    hf_model: str = ""
+    """A local Hugging Face model folder (config.json + safetensors, as save_pretrained writes it):
+    built on the meta device, each rank reading only the slices its layout needs."""
+    factory: str = ""
+    """"module:function" returning your own nn.Module (module importable from the current folder or
+    PYTHONPATH); called with the keyword arguments it declares among vocab_size and max_seq_len. Its
+    forward takes token ids [B, T] and returns logits [B, T, V] (or an object with .logits)."""
+    tp_plan: str = ""
+    """"module:PLAN" — the tensor-parallel plan of a model without a built-in one: a
+    `meshfit.models.plans.TPPlan`, a {module pattern: style} dict, or a function of the model
+    returning either (built-in: the reference GPT, Llama, Qwen2, Mistral, GPT-2)."""
+    pipeline_plan: str = ""
+    """"module:PLAN" — where pipeline stages are cut for a model without a built-in plan: a
+    `meshfit.models.plans.PipelinePlan` or a function of the model returning one."""
+    n_layer: int | None = None  # Transformer blocks (None: the preset's)
+    n_head: int | None = None  # Attention heads (None: the preset's)
+    d_model: int | None = None  # Hidden size (None: the preset's)
+    d_ff: int | None = None  # MLP hidden size (None: the preset's)
+    dropout: float | None = None  # Dropout probability (None: the preset's)
+    n_experts: int | None = None
+    """Mixture of experts: routed experts per MoE block (0: dense; None: the preset's, e.g.
+    moe-tiny's 8). See `meshfit.models.GPTConfig` for this and the next fields."""
+    top_k: int | None = None  # Experts each token is routed to (<= n_experts)
+    moe_every: int | None = None  # Every this many blocks is an MoE block (1: all)
+    moe_d_ff: int | None = None  # Hidden width of each expert (None: d_ff)
+    shared_experts: int | None = None  # 0 or 1: a dense expert every token also passes through
+    router: str | None = None  # "softmax_topk" or "sigmoid_topk"
+    capacity_factor: float | None = None
+    """> 0: each expert keeps at most capacity_factor x its even share of the assignments
+    (the rest are dropped and counted); unset: dropless."""
+    aux_loss_coef: float | None = None  # Weight of the load-balancing loss (Switch / GShard)
+    router_z_loss_coef: float | None = None  # Weight of the router z-loss (ST-MoE)
+    attention_backend: str = "auto"
+    """SDPA kernel: auto, math, flash, efficient or cudnn (checked on the device before
+    launch; the reference GPT only)."""
+
+    def __post_init__(self) -> None:
+        if self.preset not in GPTConfig.preset_names():
+            raise ValueError(f"model.preset={self.preset!r} is not a preset; use one of "
+                             f"{', '.join(GPTConfig.preset_names())}")
+        for name in ("n_layer", "n_head", "d_model", "d_ff"):
+            if getattr(self, name) is not None:
+                check_positive("model", name, getattr(self, name))
+        if self.dropout is not None:
+            check_number("model", "dropout", self.dropout, 0.0, 0.99)
+        check_choice("model", "attention_backend", self.attention_backend,
+                     get_args(AttentionBackend))
+        for name in ("hf_config", "hf_model", "factory", "tp_plan", "pipeline_plan"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} must be a string")
+        given = [n for n in ("hf_config", "hf_model", "factory") if getattr(self, n)]
+        if len(given) > 1:
+            raise ValueError(f"model.{given[0]} and model.{given[1]} are both set; give one "
+                             "source of the model")
+        sized = [n for n in ("n_layer", "n_head", "d_model", "d_ff", "dropout", *MOE_FIELDS)
+                 if getattr(self, n) is not None]
+        if given and sized:
+            raise ValueError(f"model.{sized[0]}={getattr(self, sized[0])!r} sizes the reference "
+                             f"GPT, but the model comes from model.{given[0]}; change the size "
+                             "in that model's config instead")
+        if self.hf_config:
+            path = Path(self.hf_config).expanduser()
+            if not (path.is_file() or (path / "config.json").is_file()):
+                raise ValueError(f"model.hf_config={self.hf_config!r} is neither a config.json "
+                                 "file nor a folder holding one")
+        if self.hf_model:
+            from meshfit.checkpoint.pretrained import check_folder
+
+            check_folder(self.hf_model, "model.hf_model")
+        for name in ("factory", "tp_plan", "pipeline_plan"):
+            spec = getattr(self, name)
+            module, sep, attr = spec.partition(":")
+            if spec and not (sep and module and attr):
+                raise ValueError(f"model.{name}={spec!r} must look like module:attribute, e.g. "
+                                 "mymodels:build_model")
+        if not given:
+            self._check_preset()
+
+    def _check_preset(self) -> None:
+        """The GPTConfig's own checks (top_k <= n_experts, ...), named as [model] keys."""
+        try:
+            gpt = GPTConfig.preset(self.preset, **{n: getattr(self, n) for n in MOE_FIELDS
+                                                   if getattr(self, n) is not None})
+        except (ValueError, TypeError) as err:
+            raise ValueError(str(err).replace("GPTConfig.", "model.")) from None
+        routed = [n for n in MOE_FIELDS if n != "n_experts" and getattr(self, n) is not None]
+        if routed and not gpt.n_experts:
+            raise ValueError(f"model.{routed[0]}={getattr(self, routed[0])!r} configures "
+                             f"mixture-of-experts blocks, but model.preset={self.preset!r} has "
+                             "none (n_experts=0); set model.n_experts or use the moe-tiny preset")
+
+    @property
+    def source(self) -> str:
+        """Which field gives the model: preset, hf_config, hf_model or factory."""
+        return next((n for n in ("hf_config", "hf_model", "factory") if getattr(self, n)), "preset")
+
+    def overrides(self) -> dict[str, Any]:
+        """The reference GPT's fields this section sets (over its preset's)."""
+        keep = ("n_layer", "n_head", "d_model", "d_ff", "dropout", "attention_backend", *MOE_FIELDS)
+        return {name: getattr(self, name) for name in keep if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,47 +153,33 @@ class TrainConfig(ModelOptions):
     fields of `meshfit.parallel.options.ModelOptions`, spelled as `Accelerator`'s keywords:
     activation_checkpointing, _every, _policy, compile, compile_backend, _mode, _scope)."""
 
-    steps: int = 400
-    """Optimizer steps."""
+    steps: int = 400  # Optimizer steps
     global_batch_size: int = 32
     """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
     micro_batch_size: int = 16
     """Sequences per forward/backward on one rank; accumulation fills the rest."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr * min_lr_ratio."""
-    warmup_steps: int = 20
-    """Linear warm-up steps."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping)."""
-    seed: int = 0
-    """Seed for weights, data order and dropout."""
-    eval_every: int = 100
-    """Evaluate validation loss every this many steps (and at the end); 0: only at the end."""
-    eval_batches: int = 8
-    """Micro-batches per rank in each evaluation."""
-    log_every: int = 10
-    """Write a metrics line every this many steps."""
-    mixed_precision: str = "no"
-    """"no", "bf16" or "fp16"."""
-    tf32: bool = False
-    """TF32 tensor cores for fp32 matrix products (NVIDIA Ampere and newer)."""
-    empty_cache_steps: int = 0
-    """Release the device allocator's cache every this many steps (0: never)."""
+    seq_len: int = 128  # Tokens per sequence
+    min_lr_ratio: float = 0.1  # Cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 20  # Linear warm-up steps
+    grad_clip: float = 1.0  # Clip the global gradient norm to this (0: no clipping)
+    seed: int = 0  # Seed for weights, data order and dropout
+    eval_every: int = 100  # Evaluate every this many steps and at the end (0: at the end only)
+    eval_batches: int = 8  # Micro-batches per rank in each evaluation
+    log_every: int = 10  # Write a metrics line every this many steps
+    mixed_precision: str = "no"  # "no", "bf16" or "fp16"
+    tf32: bool = False  # TF32 tensor cores for fp32 matrix products (NVIDIA Ampere and newer)
+    empty_cache_steps: int = 0  # Release the allocator's cache every this many steps (0: never)
     find_batch_size: bool = False
     """Before training, probe forward + backward and halve the micro-batch (doubling the
     accumulation) until it fits on every rank."""
     timeout_s: int = 300
-    """Seconds a collective may wait for the other ranks before the run fails with the
-    operation's name (instead of hanging); raise it for steps or checkpoints slower than
-    that."""
+    """Seconds a collective may wait for the other ranks before the run fails with the operation's
+    name (instead of hanging); raise it for steps or checkpoints slower than that."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len",
-                     "eval_batches", "log_every"):
+                     "eval_batches", "log_every", "timeout_s"):
             check_positive("train", name, getattr(self, name))
-        check_positive("train", "timeout_s", self.timeout_s)
         for name in ("warmup_steps", "seed", "eval_every", "empty_cache_steps"):
             check_positive("train", name, getattr(self, name), allow_zero=True)
         check_number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
@@ -97,18 +197,12 @@ class TrainConfig(ModelOptions):
 class OptimConfig:
     """[optim]: the optimizer (`meshfit.optim.build`)."""
 
-    optimizer: str = "adamw_fused"
-    """adamw (foreach), adamw_fused, adafactor, adamw_8bit or sgd."""
-    lr: float = 3e-3
-    """Peak learning rate (warm-up, then cosine decay; see [train])."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay on matrices; none on biases and norm weights."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """Adam's moment decay rates (AdamW variants)."""
-    eps: float = 1e-8
-    """Adam's denominator epsilon."""
-    momentum: float = 0.9
-    """SGD momentum."""
+    optimizer: str = "adamw_fused"  # adamw (foreach), adamw_fused, adafactor, adamw_8bit or sgd
+    lr: float = 3e-3  # Peak learning rate (warm-up, then cosine decay; see [train])
+    weight_decay: float = 0.1  # Decoupled weight decay on matrices; none on biases and norm weights
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam's moment decay rates (AdamW variants)
+    eps: float = 1e-8  # Adam's denominator epsilon
+    momentum: float = 0.9  # SGD momentum
 
     def __post_init__(self) -> None:
         check_choice("optim", "optimizer", self.optimizer, OPTIMIZERS)
@@ -129,14 +223,10 @@ class OptimConfig:
 class PeftConfig:
     """[peft]: parameter-efficient fine-tuning (`meshfit.peft`)."""
 
-    method: str = "none"
-    """"none" or "lora"."""
-    r: int = 8
-    """LoRA rank."""
-    alpha: float = 16.0
-    """LoRA scaling numerator (the update is scaled by alpha / r)."""
-    dropout: float = 0.0
-    """Dropout on the LoRA branch's input."""
+    method: str = "none"  # "none" or "lora"
+    r: int = 8  # LoRA rank
+    alpha: float = 16.0  # LoRA scaling numerator (the update is scaled by alpha / r)
+    dropout: float = 0.0  # Dropout on the LoRA branch's input
     target_modules: tuple[str, ...] = ()
     """Module names to adapt; empty: the attention and MLP linears."""
     merge: bool = False
@@ -162,20 +252,16 @@ class DataConfig:
 
     path: str = ""
     """A text file or folder of text files; empty: the Python standard library's source."""
-    cache_dir: str = ""
-    """Where token caches are kept; empty: ~/.cache/meshfit/tokens."""
+    cache_dir: str = ""  # Where token caches are kept; empty: ~/.cache/meshfit/tokens
     tokenizer: str = "bytes"
     """"bytes" (UTF-8 bytes, vocab 256; empty means the same), or a path to a Hugging Face
     tokenizer folder or a tokenizer.json file; documents are separated by its EOS token."""
     hf_dataset: str = ""
     """A `datasets` dataset on local disk (save_to_disk folder, or a data folder/file that
     datasets.load_dataset reads offline) to train on instead of data.path."""
-    text_column: str = "text"
-    """The data.hf_dataset column holding each document's text."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank (0: load in the training process)."""
-    prefetch_factor: int = 2
-    """Batches each worker loads ahead (with num_workers > 0)."""
+    text_column: str = "text"  # The data.hf_dataset column holding each document's text
+    num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
+    prefetch_factor: int = 2  # Batches each worker loads ahead (with num_workers > 0)
     persistent_workers: bool = True
     """Keep the workers alive between epochs and evaluations (with num_workers > 0)."""
     pin_memory: bool = True
@@ -231,10 +317,8 @@ class CheckpointConfig:
     """[checkpoint]: sharded checkpoints of the whole training state in OUT/checkpoints/step-N/
     (`Accelerator.save_state`), for `meshfit train --out OUT --resume`."""
 
-    every: int = 0
-    """Save every this many optimizer steps, and at the last step (0: no checkpoints)."""
-    keep: int = 3
-    """Complete checkpoints kept: older ones are deleted once a newer one is committed."""
+    every: int = 0  # Save every this many optimizer steps, and at the last step (0: no checkpoints)
+    keep: int = 3  # Complete checkpoints kept: older ones are deleted once a newer one is committed
     async_save: bool = field(default=False, metadata={"toml": "async"})
     """(TOML key `async`) Write in the background while training goes on: the state is
     copied to host memory, files are written by a thread, and the checkpoint is committed
@@ -266,8 +350,7 @@ class LogConfig:
 
         if isinstance(self.with_, str):  # --log.with=tensorboard: one tracker
             object.__setattr__(self, "with_", [self.with_] if self.with_ else [])
-        if not isinstance(self.with_, list) or not all(
-                isinstance(x, str) for x in self.with_):
+        if not isinstance(self.with_, list) or not all(isinstance(x, str) for x in self.with_):
             raise ValueError(f"log.with={self.with_!r} must be a list of tracker names, e.g. "
                              '["tensorboard", "csv"]')
         resolve_names(self.with_, field="log.with")
@@ -354,10 +437,12 @@ class RunConfig:
                                 vocab_size=self.vocab_size(), **self.model.overrides())
 
     def tokenizer(self):
-        """The run's tokenizer ([data] tokenizer: bytes, or a Hugging Face tokenizer)."""
-        from meshfit.train.tokens import run_tokenizer
+        """The run's tokenizer: bytes ([data] tokenizer "" or "bytes"), or a Hugging Face
+        tokenizer folder or tokenizer.json."""
+        from meshfit.data import ByteTokenizer, load_tokenizer
 
-        return run_tokenizer(self.data)
+        t = self.data.tokenizer
+        return ByteTokenizer() if t in ("", "bytes") else load_tokenizer(t)
 
     def vocab_size(self) -> int:
         """Token ids the run's tokenizer gives (the reference GPT's vocabulary)."""
@@ -366,15 +451,16 @@ class RunConfig:
     def load_tokens(self):
         """The run's token splits ([data]: text files, a datasets dataset or the built-in
         corpus, through the run's tokenizer; cached)."""
-        from meshfit.train.tokens import load_run_tokens
+        from meshfit.data import load_tokens
 
-        return load_run_tokens(self.data)
+        d = self.data
+        return load_tokens(d.path or None, cache_dir=d.cache_dir or None,
+                           tokenizer=self.tokenizer(), hf_dataset=d.hf_dataset or None,
+                           text_column=d.text_column)
 
     def validate_for(self, world_size: int, local_world_size: int | None = None) -> Layout:
         """Checks that need the number of processes (run before launching any); returns the
         run's layout (`meshfit.train.preflight.check_layout`)."""
-        from meshfit.train.preflight import check_layout
-
         return check_layout(self, world_size, local_world_size)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -392,3 +478,85 @@ class RunConfig:
                     lines.append(f"{key} = {json.dumps(value)}")
             lines.append("")
         return "\n".join(lines)
+
+
+_SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+
+
+def _parse_value(text: str) -> Any:
+    """A TOML literal (3, 1e-3, true, "x") or, failing that, the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def build_config(data: dict[str, Any]) -> RunConfig:
+    """A validated RunConfig from nested dicts; unknown sections/keys are listed in the error."""
+    unknown_sections = sorted(set(data) - set(_SECTIONS))
+    if unknown_sections:
+        raise ValueError(f"unknown config section(s) {', '.join(unknown_sections)}; known: "
+                         f"{', '.join(_SECTIONS)}")
+    sections = {}
+    for name, factory in _SECTIONS.items():
+        values = data.get(name, {})
+        if not isinstance(values, dict):
+            raise ValueError(f"config section [{name}] must be a table of keys, not "
+                             f"{name} = {values!r}; write [{name}] followed by key = value lines")
+        cls = type(factory())
+        known = {toml_name(f): f.name for f in config_fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown key(s) in [{name}]: {', '.join(unknown)}; known keys: "
+                             f"{', '.join(sorted(known))}")
+        sections[name] = cls(**{known[k]: v for k, v in values.items()})
+    return RunConfig(**sections)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *,
+                allowed: tuple[str, ...] | None = None) -> RunConfig:
+    """Read a TOML file (optional) and apply ``--section.key=value`` overrides (only of the
+    sections in `allowed`, when given)."""
+    data = _read_toml(Path(path)) if path is not None else {}
+    for item in overrides:
+        _override(data, item, allowed)
+    return build_config(data)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """--config's file as nested dicts; a one-line ValueError for a file that is missing,
+    unreadable, not UTF-8 or not TOML."""
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ValueError(f"--config={str(path)!r} {what}; give a TOML file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ValueError(f"--config={str(path)!r} cannot be read ({err.strerror or err}); "
+                         "give a readable TOML file") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--config={str(path)!r} is not UTF-8 text (byte {err.start}); "
+                         "give a TOML file") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        reason = " ".join(str(err).split())  # one line, with its line and column
+        raise ValueError(f"--config={str(path)!r} is not valid TOML: {reason}") from None
+
+
+def _override(data: dict[str, Any], item: str, allowed: tuple[str, ...] | None) -> None:
+    """One ``--section.key=value`` set in `data`."""
+    key, sep, value = item.removeprefix("--").partition("=")
+    section, dot, name = key.partition(".")
+    if not sep or not dot or not section or not name:
+        raise ValueError(f"override {item!r} must look like --section.key=value, "
+                         "e.g. --train.steps=100")
+    if allowed is not None and section not in allowed:
+        raise ValueError(f"override {item!r}: a resumed run keeps its saved config except "
+                         f"[{'], ['.join(allowed)}]; start a new run to change {key}")
+    table = data.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ValueError(f"override {item!r}: {section} = {table!r} in the config is a value, "
+                         f"not a [{section}] table of keys; write [{section}] followed by "
+                         "key = value lines")
+    table[name] = _parse_value(value)

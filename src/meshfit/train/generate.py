@@ -1,26 +1,22 @@
-"""Use a trained model: sample text from it (``meshfit generate``) and measure its loss on
-held-out text (``meshfit eval``).
+"""A trained model used: text sampled from it (``meshfit generate``) and its loss on held-out
+text (``meshfit eval``); `load_model` loads what RUN_OR_MODEL names.
 
     model, tok = load_model_folder("runs/x/model")
     print(generate(model, tok, "def main(", max_new_tokens=200, temperature=0.8, seed=0))
 
-The reference GPT decodes through its key/value cache (`GPT.forward_cached`); a transformers
-model through its own ``generate``; any other model by a full forward per new token.
-Sampling: temperature 0 is greedy (argmax); otherwise the logits are divided by the
+The reference GPT decodes through its key/value cache (`GPT.forward_cached`; past its
+`max_seq_len` the window slides: the cache is rebuilt from the last half-context tokens); a
+transformers model through its own ``generate``; any other model by a full forward per new
+token. Sampling: temperature 0 is greedy (argmax); otherwise the logits are divided by the
 temperature, cut to the `top_k` most likely tokens when `top_k` is set (0 or None: no cut),
 and one token is drawn from a generator seeded with `seed`, so the same seed gives the same
 text. Decoding stops after `max_new_tokens` or at the tokenizer's end-of-sequence token
-(when it has one; the byte tokenizer has none). Past the reference GPT's context
-(`max_seq_len`) the window slides: the cache is rebuilt from the last half-context tokens.
-
-`load_model` loads what RUN_OR_MODEL names; the commands' arguments and printing are in
-`meshfit.cli.generate`.
+(when it has one; the byte tokenizer has none).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,22 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfit.train.sampling import check_sampling
-
-__all__ = ["context_length", "evaluate_loss", "generate", "generate_ids", "load_model",
-           "resolve_model"]
-
-
-# ---------------------------------------------------------------------------- helpers
-def _is_hf(model: nn.Module) -> bool:
-    hf = sys.modules.get("transformers")
-    return hf is not None and isinstance(model, hf.PreTrainedModel)
-
-
-def _is_gpt(model: nn.Module) -> bool:
-    from meshfit.models import GPT
-
-    return isinstance(model, GPT)
+from meshfit.checkpoint.saved import load_model_folder
+from meshfit.data import ByteTokenizer, TokenDataset
+from meshfit.models import GPT
+from meshfit.train.preflight import check_sampling
+from meshfit.train.models import _is_hf
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -55,7 +40,7 @@ def _device(model: nn.Module) -> torch.device:
 def context_length(model: nn.Module) -> int | None:
     """The longest sequence the model takes: GPT's max_seq_len, a transformers config's
     max_position_embeddings / n_positions; None when unknown."""
-    if _is_gpt(model):
+    if isinstance(model, GPT):
         return model.config.max_seq_len
     config = getattr(model, "config", None)
     for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
@@ -104,7 +89,7 @@ def generate_ids(model: nn.Module, prompt_ids, *, max_new_tokens: int = 200,
         if _is_hf(model):
             return _generate_hf(model, prompt, max_new_tokens, temperature, top_k, seed, eos_id)
         gen = torch.Generator(device=device).manual_seed(seed)
-        if _is_gpt(model):
+        if isinstance(model, GPT):
             return _generate_gpt(model, prompt, max_new_tokens, temperature, top_k, gen, eos_id)
         return _generate_plain(model, prompt, max_new_tokens, temperature, top_k, gen, eos_id)
     finally:
@@ -163,8 +148,7 @@ def _generate_hf(model, prompt, max_new, temperature, top_k, seed, eos_id) -> to
     if temperature == 0:
         sampling: dict[str, Any] = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
     else:
-        sampling = dict(do_sample=True, temperature=float(temperature), top_k=top_k or 0,
-                        top_p=1.0)
+        sampling = dict(do_sample=True, temperature=float(temperature), top_k=top_k or 0, top_p=1.0)
     for key, value in sampling.items():
         setattr(config, key, value)
     devices = [ids.device] if ids.device.type == "cuda" else []
@@ -184,11 +168,6 @@ def _generate_hf(model, prompt, max_new, temperature, top_k, seed, eos_id) -> to
     return new.long()
 
 
-def _eos(tokenizer) -> int | None:
-    eos = getattr(tokenizer, "eos_id", None)
-    return None if eos is None else int(eos)
-
-
 def generate(model: nn.Module, tokenizer, prompt: str, *, max_new_tokens: int = 200,
              temperature: float = 0.8, top_k: int | None = None, seed: int = 0) -> str:
     """The text `model` writes after `prompt` (the continuation only). `tokenizer`: an
@@ -197,9 +176,10 @@ def generate(model: nn.Module, tokenizer, prompt: str, *, max_new_tokens: int = 
         raise ValueError(f"--prompt={prompt!r} is empty; give the text to continue, e.g. "
                          "--prompt 'def main('")
     prompt_ids = torch.as_tensor(tokenizer.encode(prompt), dtype=torch.long)
+    eos = getattr(tokenizer, "eos_id", None)
     new = generate_ids(model, prompt_ids, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, seed=seed,
-                       eos_id=_eos(tokenizer))
+                       eos_id=None if eos is None else int(eos))
     # Decoded together with the prompt, so a token that merges with the prompt's end (a
     # sentencepiece space) comes out as the tokenizer writes it; the byte tokenizer turns
     # invalid UTF-8 (a cut multi-byte character) into U+FFFD instead of raising.
@@ -215,8 +195,6 @@ def evaluate_loss(model: nn.Module, tokens, seq_len: int, *, batches: int = 8,
     """(mean next-token cross-entropy in nats, number of predicted tokens) over the first
     ``batches * batch_size`` windows of `seq_len` (`meshfit.data.TokenDataset`, as
     training's validation); batches=0: every window."""
-    from meshfit.data import TokenDataset
-
     data = TokenDataset(tokens, seq_len)
     n = len(data) if batches == 0 else min(len(data), batches * batch_size)
     device = _device(model)
@@ -254,26 +232,18 @@ def resolve_model(path: str) -> tuple[Path, Path | None]:
     if (p / "model").is_dir():
         return p / "model", p
     if (p / "config.toml").is_file():
-        raise ValueError(f"RUN_OR_MODEL={path!r} is a run folder without model/: a run writes "
-                         "its model there when training ends; let it finish, or give a "
-                         "model folder")
+        raise ValueError(f"RUN_OR_MODEL={path!r} is a run folder without model/: a run writes its "
+                         "model there when training ends; let it finish, or give a model folder")
     raise ValueError(f"RUN_OR_MODEL={path!r} holds no model (no config.json, no model/); {fix}")
-
-
-def _default_device() -> str:
-    if os.environ.get("MESHFIT_CPU", "") not in ("", "0") or not torch.cuda.is_available():
-        return "cpu"
-    return "cuda"
 
 
 def load_model(path: str, device: str | None):
     """(model, tokenizer, model folder, run folder) for RUN_OR_MODEL, on `device` (default:
     cuda when available, unless MESHFIT_CPU=1)."""
-    from meshfit.checkpoint.saved import load_model_folder
-
     folder, run = resolve_model(path)
+    cpu = os.environ.get("MESHFIT_CPU", "") not in ("", "0") or not torch.cuda.is_available()
     try:
-        device = torch.device(device or _default_device())
+        device = torch.device(device or ("cpu" if cpu else "cuda"))
     except RuntimeError:
         raise ValueError(f"--device={device!r} is not a device; use cpu, cuda or cuda:N") from None
     model, tokenizer = load_model_folder(folder, device=device)
@@ -283,7 +253,5 @@ def load_model(path: str, device: str | None):
             raise ValueError(f"RUN_OR_MODEL={path!r}: {folder} holds no tokenizer files and "
                              f"the model's vocabulary ({vocab}) is not bytes; save the model "
                              "with save_model_folder(..., tokenizer=...)")
-        from meshfit.data import ByteTokenizer
-
         tokenizer = ByteTokenizer()  # a 256-token model without tokenizer files: bytes
     return model, tokenizer, folder, run

@@ -1,12 +1,12 @@
-"""The model of a `meshfit train` run, from its [model] section: the reference GPT, a Hugging
-Face causal LM from a config (random weights) or a local folder (its weights, loaded into
-each rank's shards), or the user's own module from a factory; its loss on (x, y) windows;
-its parallel plans; and the final weights written to ``OUT/model/`` (and ``OUT/adapter/``).
-"""
+"""The model of a `meshfit train` run, from its [model] section (`ModelConfig`), its loss on
+(x, y) windows, its parallel plans, and the final weights written to ``OUT/model/`` (and
+``OUT/adapter/``)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,17 +15,7 @@ from torch import nn
 
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
-
-
-__all__ = ["build_model", "check_model_source", "import_object", "loss_function", "plans",
-           "write_final_model"]
-
-
-def _hf_config(cfg):
-    import transformers
-
-    path = Path(cfg.model.hf_config or cfg.model.hf_model).expanduser()
-    return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+from meshfit.models.plans import PipelinePlan, TPPlan
 
 
 def _factory_kwargs(factory: Callable, cfg, vocab_size: int) -> dict[str, Any]:
@@ -45,14 +35,16 @@ def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
     before launch). A `hf_model` is always built on the meta device and marked with its
     folder: `Accelerator.prepare` fills each rank's shards from the files."""
     m = cfg.model
-    with torch.device("meta") if meta else _nothing():
+    with torch.device("meta") if meta else contextlib.nullcontext():
         if m.source == "preset":
             model = GPT(GPTConfig.preset(m.preset, vocab_size=vocab_size,
                                          max_seq_len=cfg.train.seq_len, **m.overrides()))
         elif m.source == "hf_config":
             import transformers
 
-            model = transformers.AutoModelForCausalLM.from_config(_hf_config(cfg))
+            config = transformers.AutoConfig.from_pretrained(
+                str(Path(m.hf_config).expanduser()), local_files_only=True)
+            model = transformers.AutoModelForCausalLM.from_config(config)
         elif m.source == "hf_model":
             from meshfit.checkpoint.pretrained import meta_model
 
@@ -75,32 +67,18 @@ def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
     return model
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _vocab_of(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    return getattr(config, "vocab_size", None)
-
-
 def check_model_source(cfg, vocab_size: int) -> nn.Module:
     """Before launch: the model builds (on the meta device), holds the tokenizer's ids and
     the sequence length, and has plans for the layout's tensor/pipeline axes; returns it."""
     model = build_model(cfg, vocab_size, meta=True)
-    m = cfg.model
-    vocab = _vocab_of(model)
+    m, config = cfg.model, getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
     field = f"model.{m.source}"
     if vocab is not None and vocab < vocab_size:
         raise ValueError(f"{field}: the model's vocabulary holds {vocab} ids but the tokenizer "
                          f"(data.tokenizer={getattr(cfg.data, 'tokenizer', 'bytes')!r}) gives up "
                          f"to {vocab_size}; use "
                          "the model's own tokenizer or a model with a larger vocab_size")
-    config = getattr(model, "config", None)
     longest = getattr(config, "max_position_embeddings", None) or getattr(
         config, "n_positions", None)
     if m.source != "preset" and longest is not None and cfg.train.seq_len > longest:
@@ -125,11 +103,7 @@ def plans(cfg) -> tuple[Any, Any]:
 
 def resolve_plan(plan: Any, model: nn.Module) -> Any:
     """A plan given as a function of the model, called; other plans as they are."""
-    from meshfit.models.plans import PipelinePlan, TPPlan
-
-    if plan is None or isinstance(plan, (TPPlan, PipelinePlan, dict)):
-        return plan
-    if callable(plan):
+    if callable(plan) and not isinstance(plan, (TPPlan, PipelinePlan, dict)):
         return plan(model)
     return plan
 
@@ -142,12 +116,9 @@ def loss_function(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.
                                                  torch.Tensor]:
     """``loss(prepared_model, x, y)``: mean next-token cross-entropy (ignore_index -100).
     The reference GPT computes it itself (vocabulary-parallel under loss_parallel); other
-    models give logits ([B, T, V], or an output with ``.logits``), and the loss is taken
-    here — through `tp_cross_entropy`, so that vocabulary-sharded logits are never
-    gathered. A transformers mixture-of-experts model whose config sets
-    ``output_router_logits`` (Mixtral, Qwen2-MoE) adds ``router_aux_loss_coef`` x its
-    load-balancing loss in training, as its own loss with labels does (not under pp:
-    refused by `check_model_source`)."""
+    models give logits ([B, T, V], or an output with ``.logits``), taken through
+    `tp_cross_entropy`, so that vocabulary-sharded logits are never gathered; a
+    transformers MoE may add its router loss (`_with_router_aux_loss`)."""
     from meshfit.parallel.tp import tp_cross_entropy
 
     if isinstance(_base(model), GPT):
@@ -161,18 +132,18 @@ def loss_function(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.
 
 def _router_aux_loss(model: nn.Module) -> bool:
     """Whether a transformers mixture-of-experts model's config asks for the router's
-    load-balancing loss in its loss (``output_router_logits``, as Mixtral and Qwen2-MoE
-    add ``router_aux_loss_coef`` x ``aux_loss`` to their loss with labels)."""
+    load-balancing loss in its loss (``output_router_logits``: Mixtral, Qwen2-MoE)."""
     config = getattr(_base(model), "config", None)
     return bool(getattr(config, "output_router_logits", False)) and hasattr(
         config, "router_aux_loss_coef")
 
 
 def _with_router_aux_loss(coef: float):
-    """The cross-entropy plus ``coef`` x the model's load-balancing loss, in training mode
-    (what the model's own loss with labels is); evaluation gives the cross-entropy alone.
-    The aux loss is the model's, over the tokens of this call (a micro-batch on this rank;
-    under tensor parallel the router sees the whole replicated micro-batch)."""
+    """The cross-entropy plus ``coef`` (``router_aux_loss_coef``) x the model's
+    load-balancing loss in training mode, as the model's own loss with labels is (not under
+    pp: refused by `check_model_source`); evaluation gives the cross-entropy alone. The aux
+    loss is over the tokens of this call (a micro-batch on this rank; under tensor parallel
+    the router sees the whole replicated micro-batch)."""
     from meshfit.parallel.tp import tp_cross_entropy
 
     def loss(m, x, y):
@@ -191,8 +162,6 @@ def _with_router_aux_loss(coef: float):
 
 def _base(model: nn.Module) -> nn.Module:
     """The model under LoRA adapters (a peft.PeftModel), or `model`."""
-    import sys
-
     peft = sys.modules.get("peft")
     if peft is not None and isinstance(model, peft.PeftModel):
         return model.get_base_model()
@@ -200,13 +169,11 @@ def _base(model: nn.Module) -> nn.Module:
 
 
 def _is_hf(model: nn.Module) -> bool:
-    import sys
-
+    """Whether `model` (under LoRA adapters too) is a transformers model."""
     hf = sys.modules.get("transformers")
     return hf is not None and isinstance(_base(model), hf.PreTrainedModel)
 
 
-# ---------------------------------------------------------------------------- weights out
 def write_final_model(acc, trained_module, model: nn.Module, cfg, tokenizer,
                       out_dir: Path, vocab_size: int) -> list[Path]:
     """The run's final weights, gathered from the layout's shards (a collective: call on

@@ -1,6 +1,7 @@
 """A pipeline-parallel run's schedule drawn as a Gantt chart, with its measured bubble.
 
-A pipeline run of `meshfit train` (``[parallel] pp > 1``) writes two files into its run folder:
+A pipeline run of `meshfit train` (``[parallel] pp > 1``) writes two files into its run folder
+(`write_run`):
 
 - ``pipeline.json``: {"schedule", "pp", "microbatches", "virtual_stages", "num_stages",
   "points" (block indices where stages 1.. begin), "placement" (stage indices held by each pp
@@ -9,11 +10,10 @@ A pipeline run of `meshfit train` (``[parallel] pp > 1``) writes two files into 
   "end"} per line, wall-clock seconds, as `meshfit.parallel.pp.Pipeline.timings` records them.
 
 `draw` plots one step (one row per pp rank, one bar per stage x micro-batch x phase, idle time
-left blank) and sets the measured bubble beside the textbook one. Both definitions in use are
-given: Megatron-LM's ratio idle/busy (Narayanan et al. 2021, sec. 2.2: (p-1)/m for GPipe and
-1F1B, (p-1)/(v m) interleaved) and the idle share of the step, r/(1+r) (GPipe, Huang et al.
-2019, quotes this one). The first recorded step also infers shapes and builds communication
-buffers, so it is left out of the measurement when later steps exist.
+left blank) and sets the measured bubble (`measure`) beside the textbook one. Both definitions
+in use are given: Megatron-LM's ratio idle/busy (Narayanan et al. 2021, sec. 2.2: (p-1)/m for
+GPipe and 1F1B, (p-1)/(v m) interleaved) and the idle share of the step, r/(1+r) (GPipe,
+Huang et al. 2019, quotes this one).
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
 
-from meshfit.parallel.pp import SCHEDULES, bubble_fraction, bubble_ratio, \
-    theoretical_bubble
-
-__all__ = ["META_FILE", "TIMINGS_FILE", "CHART_FILE", "PHASES", "write_run",
-           "read_run", "measure", "describe", "draw"]
+from meshfit._files import atomic_write_bytes, atomic_write_text
+from meshfit.parallel.pp import SCHEDULES, bubble_fraction, bubble_ratio, theoretical_bubble
+from meshfit.train.plot import figure_class
 
 META_FILE, TIMINGS_FILE, CHART_FILE = "pipeline.json", "pipeline_timings.jsonl", \
     "pipeline_chart.png"
@@ -53,29 +51,15 @@ def _shade(colour: str, chunk: int) -> tuple[float, float, float]:
 # ---------------------------------------------------------------------------- files
 def write_run(out_dir, meta: dict, timings: Sequence[dict]) -> None:
     """Write `pipeline.json` and `pipeline_timings.jsonl` into `out_dir` (created if needed),
-    each atomically (a temporary file, then os.replace): a reader never sees half a file."""
+    each atomically: a reader never sees half a file."""
     _check_meta(meta, "meta")
     _check_timings(timings, meta, "timings")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / META_FILE, json.dumps({k: meta[k] for k in _META_KEYS}, indent=1) + "\n")
-    _atomic_write(out / TIMINGS_FILE,
-                  "".join(json.dumps({k: t[k] for k in _TIMING_KEYS}) + "\n" for t in timings))
-
-
-def _atomic_write(path: Path, text: str | bytes) -> None:
-    """`text` into `path` through a temporary file beside it, flushed to disk (fsync) before
-    the rename; the temporary file is removed on every exit path."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = text if isinstance(text, bytes) else text.encode("utf-8")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(out / META_FILE,
+                      json.dumps({k: meta[k] for k in _META_KEYS}, indent=1) + "\n")
+    atomic_write_text(out / TIMINGS_FILE, "".join(
+        json.dumps({k: t[k] for k in _TIMING_KEYS}) + "\n" for t in timings))
 
 
 def read_run(run_dir) -> tuple[dict, list[dict]]:
@@ -179,9 +163,8 @@ def _check_timings(timings: Sequence[dict], meta: dict, where: str) -> None:
 
 # ---------------------------------------------------------------------------- figures
 def measure(meta: dict, timings: Sequence[dict]) -> dict:
-    """Measured and theoretical bubble of a run. The first step is left out when later ones
-    exist: it also infers shapes and sets up communication, which is not the schedule's idle
-    time."""
+    """Measured and theoretical bubble of a run (the first step left out when later ones exist:
+    it also infers shapes and sets up communication, which is not the schedule's idle time)."""
     steps = sorted({t["step"] for t in timings})
     measured = steps[1:] if len(steps) > 1 else steps
     kept = [t for t in timings if t["step"] in set(measured)]
@@ -202,12 +185,9 @@ def _formula(schedule: str, p: int, m: int, v: int) -> str:
     if schedule == "interleaved_1f1b" and m >= p:
         return f"(p-1)/(v m) = {p - 1}/({v}x{m}) = {Fraction(p - 1, v * m)}"
     gap = " (m < p: nothing to interleave)" if schedule == "interleaved_1f1b" else ""
-    return f"(p-1)/m = {p - 1}/{m}{_reduced(p - 1, m)}{gap}"
-
-
-def _reduced(a: int, b: int) -> str:
-    f = Fraction(a, b)
-    return "" if (f.numerator, f.denominator) == (a, b) else f" = {f}"
+    f = Fraction(p - 1, m)
+    reduced = "" if (f.numerator, f.denominator) == (p - 1, m) else f" = {f}"
+    return f"(p-1)/m = {p - 1}/{m}{reduced}{gap}"
 
 
 def _steps_text(s: dict) -> str:
@@ -230,21 +210,9 @@ def describe(summary: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the chart
-def _figure_class():
-    # A bare Figure (no pyplot): it renders to a file with Agg, needs no display, and leaves
-    # the caller's pyplot backend and open figures alone.
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ValueError('drawing the chart needs matplotlib; pip install "meshfit[chart]"') \
-            from None
-    return Figure
-
-
 def draw(run_dir, out_png=None, step: int | None = None) -> tuple[Path, dict]:
-    """Draw one step of the run in `run_dir` (default: the last recorded) to `out_png`
-    (default RUN/pipeline_chart.png); return (png path, summary). The summary holds
-    `measure`'s figures and `step`, the step drawn."""
+    """Draw one step of the run in `run_dir` (default: the last recorded) to `out_png` (default
+    RUN/pipeline_chart.png); returns (png path, summary: `measure`'s figures and the `step`)."""
     meta, timings = read_run(run_dir)
     summary = measure(meta, timings)
     steps = summary["steps_recorded"]
@@ -256,7 +224,8 @@ def draw(run_dir, out_png=None, step: int | None = None) -> tuple[Path, dict]:
     summary["step"] = step
     out = Path(out_png) if out_png is not None else Path(run_dir) / CHART_FILE
     _check_out(out)
-    fig = _figure(_figure_class(), meta, [t for t in timings if t["step"] == step], summary)
+    entries = [t for t in timings if t["step"] == step]
+    fig = _figure(figure_class("drawing the chart"), meta, entries, summary)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -265,9 +234,10 @@ def draw(run_dir, out_png=None, step: int | None = None) -> tuple[Path, dict]:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=_DPI)
     try:
-        _atomic_write(out, buf.getvalue())
-    except OSError as err:
-        raise ValueError(f"--out={str(out)!r}: cannot write the chart ({err.strerror or err}); "
+        atomic_write_bytes(out, buf.getvalue())
+    except OSError as err:  # `WriteFailed`, with the errno of the failed write
+        reason = os.strerror(err.errno) if err.errno else err
+        raise ValueError(f"--out={str(out)!r}: cannot write the chart ({reason}); "
                          "give a writable path") from None
     return out, summary
 

@@ -1,59 +1,55 @@
-"""`meshfit plan --validate K`: run the top K plans' layouts here and set what they measure
-beside what the planner predicted.
+"""`meshfit plan --validate K`: the top K plans' layouts run here, what they measure set
+beside what the planner predicted: one row per plan (layout, predicted_bytes, measured_bytes,
+predicted_step_s, measured_step_s, bytes_error and time_error = (predicted - measured) /
+measured; skipped: why a plan of another world size did not run, e.g. 8 GPUs' on 4 processes).
 
-    rows = validate(result.plans[:K], model="tiny", seq_len=256, global_batch_size=16,
-                    dtype="fp32", steps=3, nproc=4)
-    # [{"layout", "predicted_bytes", "measured_bytes", "predicted_step_s",
-    #   "measured_step_s", "bytes_error", "time_error", "skipped"}, ...]
-
-All plans that can run (those whose world size is `nproc`) run in ONE start of `nproc` local
-processes (a process group on 127.0.0.1, the backend and device `meshfit.distributed.init`
-picks: NCCL and one GPU per process where CUDA is, gloo and the CPU otherwise or with
-MESHFIT_CPU=1), one plan after another, each through `Accelerator` as `meshfit train` runs
-it (`prepare` or `prepare_pipeline` with the plan's schedule and micro-batches, the plan's
-micro-batch size, gradient accumulation to the global batch, activation checkpointing,
-mixed precision) on random tokens, with `optimizer` (AdamW by default). The model is built
-from MODEL as `meshfit plan` reads it (a preset, a transformers config.json or folder, or
-module:function), the same weights on every rank (seed 0).
-
-What is measured, per plan:
+The plans of world size `nproc` run in ONE start of `nproc` local processes (the backend and
+device `meshfit.distributed.init` picks: NCCL and one GPU per process where CUDA is, gloo and
+the CPU otherwise or with MESHFIT_CPU=1), one after another, each through `Accelerator` as
+`meshfit train` runs it (`prepare` or `prepare_pipeline` with the plan's schedule and
+micro-batches, micro-batch size, accumulation to the global batch, activation checkpointing,
+mixed precision) on random tokens, MODEL built as `meshfit plan` reads it (a preset, a
+transformers config.json or folder, or module:function), the same weights on every rank.
 
 - ``measured_step_s``: seconds per optimizer step, every rank waiting for the others at
   both ends (a barrier), the median of the steps after the first (the first builds the
-  optimizer state and, under DDP, its buckets); `steps` >= 2.
+  optimizer state and, under DDP, its buckets);
 - ``measured_bytes``: the peak on the worst rank of what the estimate models: on CUDA,
   `torch.cuda.max_memory_allocated` over the last step (the allocator's figure: it also
   counts temporaries and the cached-but-live blocks of one op); on the CPU, the model
-  states `meshfit.memory.rank_report` counts (parameters, gradients, optimizer state,
-  buffers, after a step, gradients kept) plus the largest net allocation during one more
-  forward and backward, from the profiler's allocation and free events in time order
-  (tests/memory/test_estimate_measured.py measures the same way and states its tolerances).
-  ``predicted_bytes`` is the plan's per-rank total; on the CPU, plus its offloaded bytes
-  (host and device memory are one there).
-- ``bytes_error`` and ``time_error``: (predicted - measured) / measured.
-
-A plan whose world size is not `nproc` is returned with ``skipped`` set to the reason and
-the measured fields None (a plan for 8 GPUs cannot run on 4 processes).
+  states `meshfit.memory.rank_report` counts (after a step, gradients kept) plus the largest
+  net allocation during one more forward and backward, from the profiler's allocation and
+  free events in time order (tests/memory/test_estimate_measured.py measures the same way
+  and states its tolerances). ``predicted_bytes`` is the plan's per-rank total; on the CPU,
+  plus its offloaded bytes (host and device memory are one there).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
-__all__ = ["validate"]
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshfit import Accelerator, ParallelDims, optim
+from meshfit.distributed.spawn import SpawnError, spawn
+from meshfit.memory import net_peak_bytes, rank_report
+from meshfit.models import GPT, GPTConfig
+from meshfit.models.factory import import_object
 
 
 def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: str,
              steps: int = 3, nproc: int, optimizer: str = "adamw",
              timeout_s: float = 1800.0) -> list[dict]:
-    """Run each of `plans` (`meshfit.plan.Plan`s, e.g. ``search(...).plans[:K]``) whose
-    world size is `nproc` for `steps` optimizer steps on `nproc` local processes and return
-    one row per plan, in order (see the module docstring). `dtype`: "fp32", "bf16" or
-    "fp16" (autocast over fp32 master weights, as the planner assumed)."""
+    """One row per plan of `plans` (e.g. ``search(...).plans[:K]``), in order, each run for
+    `steps` optimizer steps; `dtype`: "fp32", "bf16" or "fp16" (autocast over fp32 master
+    weights, as the planner assumed)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps={steps!r} must be an integer >= 2 (the first step is not "
-                         "timed)")
+        raise ValueError(f"steps={steps!r} must be an integer >= 2 (the first step is not timed)")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r} must be an integer >= 1")
     if dtype not in ("fp32", "bf16", "fp16"):
@@ -70,9 +66,8 @@ def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: 
                               f"layouts of {nproc} can run")
         elif global_batch_size % lay.dp or (global_batch_size // lay.dp) % (
                 lay.micro_batch_size * (lay.microbatches if lay.pp > 1 else 1)):
-            row["skipped"] = (f"global batch {global_batch_size} does not divide into "
-                              f"{lay.dp} data-parallel ranks x micro-batches of "
-                              f"{lay.micro_batch_size}")
+            row["skipped"] = (f"global batch {global_batch_size} does not divide into {lay.dp} "
+                              f"data-parallel ranks x micro-batches of {lay.micro_batch_size}")
         else:
             jobs.append((i, lay.to_json() | {"virtual_stages": lay.virtual_stages,
                                              "loss_parallel": lay.loss_parallel}))
@@ -83,28 +78,22 @@ def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: 
         for i, _ in jobs:
             per_rank = [r[i] for r in results]
             row = rows[i]
-            cpu = per_rank[0]["device"] == "cpu"
-            if cpu:
+            if per_rank[0]["device"] == "cpu":  # host and device memory are one
                 row["predicted_bytes"] += row["_host"]
             row["measured_bytes"] = float(max(r["peak_bytes"] for r in per_rank))
             row["measured_step_s"] = float(max(r["step_s"] for r in per_rank))
-            row["bytes_error"] = (row["predicted_bytes"] - row["measured_bytes"]) / \
-                row["measured_bytes"]
-            row["time_error"] = (row["predicted_step_s"] - row["measured_step_s"]) / \
-                row["measured_step_s"]
+            for key, guess, seen in (("bytes_error", "predicted_bytes", "measured_bytes"),
+                                     ("time_error", "predicted_step_s", "measured_step_s")):
+                row[key] = (row[guess] - row[seen]) / row[seen]
     for row in rows:
         del row["_host"]
     return rows
 
 
-# ---------------------------------------------------------------------------- the processes
 def _spawn(nproc: int, args: tuple, timeout_s: float) -> list:
-    """`_run_plans(rank, nproc, *args)` on `nproc` spawned ranks (or in this process for one); each
-    rank's result, in rank order."""
+    """Each rank's `_run_plans(rank, nproc, *args)`, in rank order (one: in this process)."""
     if nproc == 1:
         return [_run_plans(0, 1, *args)]
-    from meshfit.distributed.spawn import SpawnError, spawn
-
     try:
         return spawn(_run_plans, nproc, *args, timeout=timeout_s)
     except SpawnError as err:
@@ -113,12 +102,6 @@ def _spawn(nproc: int, args: tuple, timeout_s: float) -> list:
 
 def _build(model: str, seed: int = 0):
     """MODEL as `meshfit plan` reads it, materialised with the same weights on every rank."""
-    from pathlib import Path
-
-    import torch
-
-    from meshfit.models import GPT, GPTConfig
-
     torch.manual_seed(seed)
     if model in GPTConfig.preset_names():
         return GPT(GPTConfig.preset(model))
@@ -129,16 +112,10 @@ def _build(model: str, seed: int = 0):
         config = path / "config.json" if path.is_dir() else path
         return transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(str(config)))
-    from meshfit.models.factory import import_object
-
     return import_object(model, "MODEL")()
 
 
 def _loss(model, x, y):
-    import torch.nn.functional as F
-
-    from meshfit.models import GPT
-
     if isinstance(getattr(model, "module", model), GPT):
         return model(x, y)
     logits = model(input_ids=x).logits
@@ -157,11 +134,6 @@ def _run_plans(rank, world_size, jobs, model_spec, seq_len, global_batch_size, d
 def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, optimizer):
     """One plan's layout on this rank: `steps` optimizer steps on random tokens; its median
     step time after the first and its peak bytes."""
-    import torch
-    from torch import nn
-
-    from meshfit import optim
-
     pp = lay["pp"]
     m = lay["microbatches"] if pp > 1 else 1
     accum = global_batch_size // (lay["dp_replicate"] * lay["dp_shard"]) // (
@@ -198,8 +170,6 @@ def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, op
 
 def _accelerator(lay: dict, dtype: str, accum: int):
     """The plan's layout as an `Accelerator`."""
-    from meshfit import Accelerator, ParallelDims
-
     dims = ParallelDims(pp=lay["pp"], dp_replicate=lay["dp_replicate"],
                         dp_shard=lay["dp_shard"], tp=lay["tp"])
     return Accelerator(parallel=dims, zero_stage=lay["zero_stage"],
@@ -214,9 +184,6 @@ def _accelerator(lay: dict, dtype: str, accum: int):
 def _timed_steps(acc, opt, batches, forward_backward, steps: int) -> list[float]:
     """Seconds of each of `steps` optimizer steps, every rank waiting for the others at both
     ends; on CUDA the peak memory is counted from the last step's start."""
-    import torch
-    import torch.distributed as dist
-
     cuda = acc.device.type == "cuda"
     times = []
     for step in range(steps):
@@ -240,13 +207,8 @@ def _timed_steps(acc, opt, batches, forward_backward, steps: int) -> list[float]
 
 
 def _peak_bytes(acc, opt, measured, batch, forward_backward) -> int:
-    """This rank's peak bytes as the estimate counts them: on CUDA the allocator's peak over
-    the last step; on the CPU the model states with the gradients present (one more forward
-    and backward, not stepped), then the largest net allocation of another."""
-    import torch
-
-    from meshfit.memory import net_peak_bytes, rank_report
-
+    """This rank's ``measured_bytes``; on the CPU the states are counted with the gradients
+    of one more forward and backward (not stepped), the net allocation during another."""
     if acc.device.type == "cuda":
         return torch.cuda.max_memory_allocated(acc.device)
     x, y = batch

@@ -1,8 +1,7 @@
 """`meshfit plot RUN [RUN...] [-o out.png]`: runs of `meshfit train` drawn from their
-``metrics.jsonl``, several runs overlaid, each labelled with its folder's name.
-
-Four panels against training tokens (step x ``[train] global_batch_size`` x ``seq_len``, read
-from each run's ``config.toml``, so runs with other batch sizes or sequence lengths line up):
+``metrics.jsonl``, several runs overlaid, each labelled with its folder's name, in four panels
+against training tokens (step x ``[train] global_batch_size`` x ``seq_len``, read from each
+run's ``config.toml``, so runs with other batch sizes or sequence lengths line up):
 
 - loss (solid) and validation loss (dashed, dots);
 - learning rate;
@@ -10,9 +9,7 @@ from each run's ``config.toml``, so runs with other batch sizes or sequence leng
 - peak memory per logged step, the largest rank's (``peak_memory_bytes``; a run whose
   metrics carry no memory figure is left out of that panel, and the panel says so).
 
-matplotlib comes with the ``chart`` extra (``pip install "meshfit[chart]"``). The figure is
-a bare `matplotlib.figure.Figure` rendered with Agg: no display, and pyplot's state is left
-alone. Every problem with a run folder is a one-line ValueError naming the file and the fix.
+Every problem with a run folder is a one-line ValueError naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,14 +26,12 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["METRICS_FILE", "CONFIG_FILE", "MEMORY_KEYS", "FIGSIZE", "DPI", "Run", "read_run",
-           "draw", "describe", "default_output"]
+from meshfit._files import atomic_write_bytes
 
 METRICS_FILE, CONFIG_FILE = "metrics.jsonl", "config.toml"
 MEMORY_KEYS = ("peak_memory_bytes", "memory_bytes")
 """Memory fields of a logged step, in order of preference (bytes; the first one present)."""
-FIGSIZE, DPI = (12.0, 8.0), 100
-"""The figure's size in inches and its resolution: a 1200 x 800 PNG."""
+FIGSIZE, DPI = (12.0, 8.0), 100  # The figure's size in inches and its resolution: a 1200 x 800 PNG
 _FORMATS = (".png", ".pdf", ".svg")
 _GIB = 1024 ** 3
 
@@ -122,8 +116,7 @@ def _number(value) -> float | None:
 
 
 def _labels(paths: list[Path]) -> list[str]:
-    """Each run's folder name; where two runs share one, enough of their paths to tell them
-    apart."""
+    """Each run's folder name; where two runs share one, enough of their paths to tell apart."""
     parts = [p.resolve().parts for p in paths]
     for depth in range(1, max(len(p) for p in parts) + 1):
         labels = ["/".join(p[-depth:]) for p in parts]
@@ -137,18 +130,14 @@ def default_output(runs: list[str]) -> Path:
     return Path(runs[0]) / "metrics.png" if len(runs) == 1 else Path("meshfit-plot.png")
 
 
-def _check_output(out: Path) -> None:
-    if out.suffix.lower() not in _FORMATS:
-        raise ValueError(f"-o {str(out)!r}: the file name must end in "
-                         f"{', '.join(_FORMATS)} (the format follows the extension)")
-
-
-def _figure_class():
+def figure_class(what: str):
+    """matplotlib's bare `Figure` (no pyplot: it renders to a file with Agg, needs no display,
+    and leaves the caller's pyplot backend and open figures alone); without matplotlib, a
+    one-line ValueError saying that `what` needs it (the ``chart`` extra)."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ValueError('meshfit plot needs matplotlib; pip install "meshfit[chart]"') \
-            from None
+        raise ValueError(f'{what} needs matplotlib; pip install "meshfit[chart]"') from None
     return Figure
 
 
@@ -159,19 +148,16 @@ def draw(run_dirs, out=None) -> tuple[Path, list[Run]]:
     if not run_dirs:
         raise ValueError("give at least one run folder")
     out = Path(out) if out is not None else default_output(run_dirs)
-    _check_output(out)
+    if out.suffix.lower() not in _FORMATS:
+        raise ValueError(f"-o {str(out)!r}: the file name must end in "
+                         f"{', '.join(_FORMATS)} (the format follows the extension)")
     labels = _labels([Path(r) for r in run_dirs])
     runs = [read_run(r, label) for r, label in zip(run_dirs, labels)]
-    fig = _figure(_figure_class(), runs)
+    fig = _figure(figure_class("meshfit plot"), runs)
     out.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     fig.savefig(buf, format=out.suffix.lower().lstrip("."), dpi=DPI)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:  # a reader never sees half a file
-        tmp.write_bytes(buf.getvalue())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_bytes(out, buf.getvalue())  # a reader never sees half a file
     return out, runs
 
 

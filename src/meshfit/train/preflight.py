@@ -1,27 +1,70 @@
-"""`meshfit train`'s checks before any process is launched: each one a one-line ValueError
-naming the config key, so that a run that cannot work never starts.
+"""`meshfit train`'s checks, each a one-line ValueError naming the config key (or flag), the
+value and the fix, so that a run that cannot work never starts. No torch at load.
 
-* `check_layout`: what needs the number of processes (`RunConfig.validate_for`): the layout,
-  the accumulation, LoRA with model parallelism, the model's plans; no torch unless the
-  layout splits the model (its structure is then built on the meta device);
-* `preflight`: what needs this machine: the device the workers will use (attention kernel,
-  8-bit optimizer), the model source, the data (`check_data`: readable, and enough of it for
-  one global batch and the evaluation); returns warnings (the layout's, tensor-core shapes).
-
-No module-level torch: `check_layout` runs before torch loads.
+* the values of the config's sections (`check_positive`, ...; and of `meshfit generate`'s
+  sampling flags), as they are built;
+* `check_layout`: what needs the number of processes (no torch unless the layout splits the
+  model, whose structure is then built on the meta device);
+* `preflight`: what needs this machine, and the data.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
+from meshfit.distributed.dims import AXES
 from meshfit.parallel.layout import Layout, ModelFacts
-from meshfit.train.checks import LAYOUT_NAMES
 
-__all__ = ["check_data", "check_layout", "preflight"]
+# The layout's fields as `meshfit train`'s errors spell them (see `meshfit.parallel.layout`).
+LAYOUT_NAMES = {
+    **{k: f"parallel.{k}" for k in (*AXES, "zero_stage", "offload", "sync_each_batch",
+                                     "sequence_parallel", "loss_parallel", "schedule",
+                                     "microbatches", "virtual_stages")},
+    "parallel": "parallel", "mixed_precision": "train.mixed_precision",
+    "find_batch_size": "train.find_batch_size", "seq_len": "train.seq_len"}
 
 
-# --------------------------------------------------------------------- with the world size
+def check_positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
+    """An integer >= 1 (>= 0 with `allow_zero`; True and False are not integers here)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and (
+        value >= 0 if allow_zero else value >= 1)
+    if not ok:
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"{section}.{name}={value!r} must be an integer {bound}")
+
+
+def check_number(section: str, name: str, value: Any, lo: float, hi: float) -> None:
+    """A number in [lo, hi] (not NaN, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            lo <= value <= hi) or math.isnan(value):
+        raise ValueError(f"{section}.{name}={value!r} must be a number in [{lo}, {hi}]")
+
+
+def check_choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{section}.{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def check_bool(section: str, name: str, value: Any) -> None:
+    """true or false (TOML's booleans, not 0 and 1)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{section}.{name}={value!r} must be true or false")
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """`meshfit generate`'s and `meshfit.train.generate.generate_ids`' settings."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={max_new_tokens!r} must be an integer >= 0")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and temperature >= 0):
+        raise ValueError(f"--temperature={temperature!r} must be a number >= 0 (0: greedy)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"--top-k={top_k!r} must be an integer >= 0 (0: no top-k cut)")
+
+
 def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> Layout:
     """Checks of `cfg` (a `RunConfig`) that need the number of processes; returns the run's
     layout."""
@@ -48,11 +91,10 @@ def _check_peft(cfg, layout: Layout) -> None:
                          "available (LoRA adapts linear layers; the experts are stacked "
                          "weights split over the ep ranks); use peft.method='none' or ep=1")
     if (layout.dims.tp > 1 or layout.dims.pp > 1) and method != "none":
-        raise ValueError(f"peft.method={method!r} with parallel.tp/pp > 1 is "
-                         "not yet available: LoRA wraps each adapted linear in a "
-                         "peft LoraLayer (its weight moves to base_layer), which the "
-                         "tensor-parallel plans and pipeline stages do not name; use "
-                         "peft.method='none' or tp = pp = 1 (data parallel and ZeRO "
+        raise ValueError(f"peft.method={method!r} with parallel.tp/pp > 1 is not yet available: "
+                         "LoRA wraps each adapted linear in a peft LoraLayer (its weight moves to "
+                         "base_layer), which the tensor-parallel plans and pipeline stages do not "
+                         "name; use peft.method='none' or tp = pp = 1 (data parallel and ZeRO "
                          "work with LoRA)")
 
 
@@ -71,10 +113,9 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
                          "\"module:PLAN\" (a TPPlan or {module pattern: style}; in "
                          "your own loop: Accelerator(tp_plan=PLAN))")
     if dims.pp > 1 and pp_plan is None and not builtin:
-        raise ValueError(f"parallel.pp={dims.pp}: {name} has no built-in "
-                         "pipeline plan; give one as model.pipeline_plan = "
-                         "\"module:PLAN\" (a PipelinePlan; in your own loop: "
-                         "accelerator.prepare_pipeline(model, plan=PLAN, ...))")
+        raise ValueError(f"parallel.pp={dims.pp}: {name} has no built-in pipeline plan; give one "
+                         "as model.pipeline_plan = \"module:PLAN\" (a PipelinePlan; in your own "
+                         "loop: accelerator.prepare_pipeline(model, plan=PLAN, ...))")
     if dims.pp == 1 and pp_plan is None and not builtin:
         # a dict plan has no divisible sizes to name
         facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible", ())))
@@ -85,12 +126,10 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
                        virtual_stages=cfg.parallel.virtual_stages, names=LAYOUT_NAMES)
 
 
-# --------------------------------------------------------------------- with this machine
-def preflight(cfg, world_size: int | None = None,
-              local_world_size: int | None = None) -> list[str]:
-    """Checks that need this machine (the device the workers will use, installed libraries),
-    run before any process is launched; raises a one-line ValueError, returns warnings
-    (with `world_size`, also the layout's: `meshfit.parallel.layout.Layout.warnings`)."""
+def preflight(cfg, world_size: int | None = None, local_world_size: int | None = None) -> list[str]:
+    """Checks that need this machine: the device the workers will use (attention kernel,
+    8-bit optimizer), the model source, with `world_size` the data (`check_data`); returns
+    warnings (tensor-core shapes; with `world_size` also the layout's `Layout.warnings`)."""
     import torch
 
     from meshfit import distributed as mdist
@@ -140,10 +179,9 @@ def _matmul_shape(cfg, device, dtype) -> tuple[int, int, int] | None:
 
 
 def _checked_model(cfg, vocab_size: int, check):
-    """`check(cfg, vocab_size)` (the model built on the meta device), with what a user's
-    model source raises while being read or built (an unreadable or malformed config.json,
-    a factory that is not a function, a library's multi-line message) as one line naming the
-    [model] key."""
+    """`check(cfg, vocab_size)` (the model built on the meta device), with what a user's model
+    source raises while being read or built (an unreadable or malformed config.json, a factory that
+    is not a function, a library's multi-line message) as one line naming the [model] key."""
     source = cfg.model.source
     if source == "preset":
         return check(cfg, vocab_size)
@@ -166,9 +204,9 @@ def check_data(cfg, world_size: int) -> None:
     and the workers reuse it) and hold one global batch of training windows and the
     validation windows the evaluation needs; one-line ValueError otherwise. A training split
     smaller than one batch per data-parallel rank would give every epoch zero batches."""
-    from meshfit.train.tokens import source_name
+    from meshfit.data.corpus import data_source
 
-    source = source_name(cfg.data)
+    source = data_source(cfg.data.path, cfg.data.hf_dataset)  # the [data] key, as errors name it
     splits = _readable_tokens(cfg, source)
     t = cfg.train
     dims = cfg.parallel.dims().resolve(world_size)
@@ -197,9 +235,8 @@ def _readable_tokens(cfg, source: str):
         cache = cfg.data.cache_dir or "~/.cache/meshfit/tokens"
         field = (f"data.cache_dir={cache!r}" if str(where).startswith(
             str(Path(cache).expanduser())) else source)
-        raise ValueError(f"{field}: cannot use {where} ({err.strerror or err}); make it "
-                         "readable (and the cache folder writable) or point the setting "
-                         "elsewhere") from None
+        raise ValueError(f"{field}: cannot use {where} ({err.strerror or err}); make it readable "
+                         "(and the cache folder writable) or point the setting elsewhere") from None
 
 
 def _check_validation_windows(cfg, source: str, n_val: int, dims, rows: int) -> None:

@@ -7,9 +7,8 @@ while a run writes to it, and every file in it replaced atomically.
 
 The lock is ``fcntl.flock`` on ``OUT/.meshfit.lock``, which holds the PID of the process that
 took it. The kernel drops a flock when the process holding it ends, however it ends (kill -9
-included), so a lock left behind by a dead run is free again at once: the file's presence
-means nothing, only the flock does. The lock's descriptor is not inherited by child
-processes.
+included), so a lock left behind by a dead run is free again at once: only the flock means
+anything, not the file. Its descriptor is not inherited by child processes.
 """
 
 from __future__ import annotations
@@ -22,13 +21,10 @@ import time
 from pathlib import Path
 from typing import Self
 
-from meshfit._files import (WriteFailed, append_line, atomic_write_bytes, atomic_write_text,
-                            new_file_mode)
-from meshfit._files import os_reason
+from meshfit._files import WriteFailed, append_line, atomic_write_text, os_reason
 
-__all__ = ["LOCK_FILE", "RUN_MARKERS", "RUN_OUTPUTS", "RunLock", "WriteFailed",
-           "append_line", "atomic_write_bytes", "atomic_write_text", "check_run_folder",
-           "new_file_mode", "remove_run_outputs"]
+__all__ = ["LOCK_FILE", "RUN_MARKERS", "RUN_OUTPUTS", "RunLock", "WriteFailed", "append_line",
+           "atomic_write_text", "check_run_folder", "remove_run_outputs"]
 
 LOCK_FILE = ".meshfit.lock"
 RUN_MARKERS = ("metrics.jsonl", "config.toml", "checkpoints")
@@ -39,14 +35,6 @@ RUN_OUTPUTS = ("metrics.jsonl", "config.toml", "checkpoints", "model", "adapter"
 """What `meshfit train` (and `meshfit plot` / `meshfit pipeline-chart` by default) write into
 OUT; ``--overwrite`` removes these and the temporary files beside them, nothing else."""
 _TEMP_PREFIXES = tuple(f".{name}." for name in RUN_OUTPUTS)
-
-
-def _nearest_existing(path: Path) -> Path:
-    """`path` or its closest ancestor that exists (as anything: a file too)."""
-    for candidate in (path, *path.parents):
-        if os.path.lexists(candidate):
-            return candidate
-    return Path(path.anchor or ".")
 
 
 def _pathconf(path: Path, name: str, default: int) -> int:
@@ -70,14 +58,14 @@ def check_run_folder(out: Path, *, resume: bool, overwrite: bool, claim: bool = 
         raise ValueError(f"{flag}: --resume continues the run there and --overwrite deletes it; "
                          "give one of them")
     absolute = Path(os.path.abspath(out))
-    existing = _nearest_existing(absolute)
+    # the closest that exists (as anything: a file too); the root always does
+    existing = next(p for p in (absolute, *absolute.parents) if os.path.lexists(p))
     if existing != absolute and not existing.is_dir():
         raise ValueError(f"{flag}: {existing} is a file, not a folder, so no run folder can be "
                          "made under it; give an --out whose parents are folders")
     if existing == absolute and not absolute.is_dir():
         what = "a broken symbolic link" if absolute.is_symlink() else "a file, not a folder"
-        raise ValueError(f"{flag} is {what}; give the path of a folder (new or a run's) as "
-                         "--out")
+        raise ValueError(f"{flag} is {what}; give the path of a folder (new or a run's) as --out")
     name_max = _pathconf(existing, "PC_NAME_MAX", 255)
     for part in absolute.parts:
         if len(os.fsencode(part)) > name_max:
@@ -148,10 +136,9 @@ def _flock_briefly(fd: int, patience_s: float = 0.25) -> None:
 
 
 class RunLock:
-    """Hold ``OUT/.meshfit.lock`` (creating OUT) while a run writes to OUT. A second run gets
+    """Hold ``OUT/.meshfit.lock`` (creating OUT) while a run writes to OUT; a second run gets
     a one-line ValueError naming the first one's PID. With `overwrite`, once locked, the
-    previous run's outputs (`RUN_OUTPUTS` and their temporary files) are removed; anything
-    else in OUT stays. Released on exit, exceptions included."""
+    previous run's outputs are removed (`remove_run_outputs`). Released on exit."""
 
     def __init__(self, out: Path, *, overwrite: bool = False):
         self.out, self.overwrite = Path(out), overwrite
@@ -171,9 +158,8 @@ class RunLock:
         except BlockingIOError:
             pid = _read_pid(fd)
             os.close(fd)
-            raise ValueError(f"{flag}: a run (PID {pid}) is writing to this folder now (it "
-                             f"holds {self.path}); wait for it to end, or give another "
-                             "--out") from None
+            raise ValueError(f"{flag}: a run (PID {pid}) is writing to this folder now (it holds "
+                             f"{self.path}); wait for it to end, or give another --out") from None
         except BaseException:
             os.close(fd)
             raise
@@ -189,7 +175,7 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        """Drop the lock (the file stays: its presence means nothing without the flock)."""
+        """Drop the lock (the file stays)."""
         if self.fd is not None:
             fd, self.fd = self.fd, None
             with contextlib.suppress(OSError):
@@ -213,5 +199,3 @@ def remove_run_outputs(out: Path) -> list[str]:
             os.unlink(entry.path)
         removed.append(entry.name)
     return sorted(removed)
-
-

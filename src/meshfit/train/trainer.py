@@ -1,12 +1,15 @@
-"""`meshfit train`: the config-driven training loop, read top to bottom.
+"""`meshfit train`'s training loop, read top to bottom, on `Accelerator` (the same
+prepare/accumulate/backward calls a user's own loop makes): `train` sets the run up, then
+`_steps` runs it; each step accumulates, steps the optimizer and the schedule, and logs,
+evaluates, checkpoints and answers a stop signal when due.
 
-Built on `Accelerator`: the same prepare/accumulate/backward calls a user's own loop makes.
-`train` sets the run up (data, model, the Accelerator with the model's plans, optimizer,
-loaders), then `_steps` runs it: each step accumulates, steps the optimizer and the schedule,
-and logs, evaluates, checkpoints and answers a stop signal when due. Rank 0 writes
-``metrics.jsonl`` (one JSON object per logged step, evaluation lines carry ``val_loss``) and
-the resolved ``config.toml`` in the run folder. What the loop trains (a model, or this rank's
-pipeline stages) is behind `meshfit.train.adapters`.
+What the loop trains is behind one interface, built by `prepare_steps`: the model prepared whole
+(`ModelSteps`) or, under pp > 1, this rank's pipeline stages (`PipelineSteps`). Each gives the
+loop ``accumulate()``, ``forward_backward(x, y, accum)`` (the cross-entropy, for the metrics),
+``eval_loss(x, y)``, ``clip(max_norm)``, ``after_step(step, out_dir)``, and ``modules``
+(switched between train() and eval()), ``params`` (what the optimizer is built over),
+``exported`` (what the final weights are gathered from), ``whole_batches`` (evaluation in whole
+pipeline batches), ``description`` (for the banner) and ``has_moe``.
 """
 
 from __future__ import annotations
@@ -20,18 +23,23 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from meshfit import optim
 from meshfit.accelerator import Accelerator
+from meshfit.accelerator.compat import DataLoaderConfiguration
+from meshfit.checkpoint import latest
 from meshfit.data import TokenDataset
 from meshfit.distributed import DistEnv, init
-from meshfit.parallel.ep import moe_modules
-from meshfit.train.adapters import PIPELINE_TIMED_STEPS, ModelSteps, prepare_steps
+from meshfit.distributed.settle import barrier
+from meshfit.models import GPT
+from meshfit.parallel.ep import moe_modules, routing_metrics
+from meshfit.parallel.pp import gather_timings
+from meshfit.train.batch_size import find_executable_batch_size, is_out_of_memory
 from meshfit.train.config import RunConfig
-from meshfit.train.models import build_model, plans, resolve_plan, write_final_model
-from meshfit.train.observe import RunReporter, timed_batches
-from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, StopOnSignal, Window,
-                               collective_deadline, find_checkpoint, newest_checkpoint)
-
-__all__ = ["build_accelerator", "build_optimizer", "lr_lambda", "train"]
+from meshfit.train.models import (build_model, loss_function, plans, resolve_plan,
+                                  write_final_model)
+from meshfit.train.pipeline_chart import write_run
+from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, RunReporter, StopOnSignal,
+                               Window, collective_deadline, find_checkpoint, timed_batches)
 
 
 def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
@@ -52,7 +60,11 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
     chunks = cfg.microbatches(env.world_size)
     trained = prepare_steps(acc, cfg, model, chunks)
-    exchanges = _timed_exchanges(trained)
+    # Expert-parallel exchanges, timed from now: always on the CPU (gloo waits anyway), on
+    # CUDA for the first steps (see `_steps`).
+    exchanges = [m.ep for m in moe_modules(trained.modules) if m.ep is not None]
+    for ep in exchanges:
+        ep.timing = True
     micro = t.micro_batch_size
     if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
         micro, _ = _find_micro_batch(acc, trained, t.seq_len, splits.vocab_size, micro,
@@ -94,23 +106,18 @@ class _Loop:
 
     acc: Accelerator
     cfg: RunConfig
-    trained: object
-    """The step adapter (`meshfit.train.adapters`)."""
+    trained: object  # what it trains: `ModelSteps` or `PipelineSteps`
     optimizer: torch.optim.Optimizer
     scheduler: object
     val_loader: object
     out_dir: Path
-    exchanges: list
-    """Expert-parallel exchanges, timed for the routing metrics."""
+    exchanges: list  # expert-parallel exchanges, timed for the routing metrics
     checkpoints: Checkpoints
-    accum: int
-    """Micro-batches per optimizer step on each rank."""
+    accum: int  # micro-batches per optimizer step on each rank
     writer: MetricsWriter
     progress: RunReporter
-    batches: object
-    """The endless stream of training batches."""
-    wait: list
-    """[seconds spent waiting for batches in this window]."""
+    batches: object  # the endless stream of training batches
+    wait: list  # [seconds spent waiting for batches in this window]
     window: Window
 
 
@@ -205,8 +212,8 @@ def _stop_if_asked(loop: _Loop, stop: StopOnSignal, step: int) -> None:
     if not signum:
         return
     loop.progress.finish()
-    loop.checkpoints.finish()
     checkpoints = loop.checkpoints
+    checkpoints.finish()
     folder = checkpoints.folder(step) if checkpoints.due(step) else \
         checkpoints.save(step, wait=True)
     stop.restore()
@@ -221,7 +228,7 @@ def _resumes(env: DistEnv, root: Path, resume: bool) -> bool:
     if resume:
         find_checkpoint(root)
         return True
-    if env.restart and newest_checkpoint(root) is not None:
+    if env.restart and latest(root) is not None:
         if env.rank == 0:
             print(f"meshfit train: restart {env.restart} of the workers")
         return True
@@ -233,8 +240,6 @@ def _rank_zero_first(env: DistEnv):
     """Rank 0 runs the block first (it builds the token cache), then the others, as
     `Accelerator.main_process_first` does: the Accelerator is built later, once the model
     exists, with the model's tensor-parallel plan."""
-    from meshfit.distributed.settle import barrier
-
     if env.is_distributed and env.rank != 0:
         barrier()
     yield
@@ -245,8 +250,6 @@ def _rank_zero_first(env: DistEnv):
 def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator:
     """The `Accelerator` of a run: [train]'s single-device options, [parallel]'s layout,
     the model's tensor-parallel plan (None: the model's built-in one)."""
-    from meshfit.accelerator.compat import DataLoaderConfiguration
-
     t, p = cfg.train, cfg.parallel
     return Accelerator(
         # meshfit's own semantics where Accelerate's defaults differ: the schedule counts
@@ -263,20 +266,9 @@ def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator
         loss_parallel=p.loss_parallel, env=env)
 
 
-def _timed_exchanges(trained) -> list:
-    """The expert-parallel exchanges of the trained modules, timed from now: always on the
-    CPU (gloo waits anyway), on CUDA for the first steps (see `_steps`)."""
-    exchanges = [m.ep for m in moe_modules(trained.modules) if m.ep is not None]
-    for ep in exchanges:
-        ep.timing = True
-    return exchanges
-
-
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """The [optim] section through `meshfit.optim.build`: weight decay on matrices only (not
     on biases and normalisation weights), only trainable parameters (LoRA: the adapters)."""
-    from meshfit import optim
-
     o = cfg.optim
     return optim.build(o.optimizer, model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
                        eps=o.eps, momentum=o.momentum)
@@ -301,8 +293,6 @@ def _find_micro_batch(acc: Accelerator, trained: ModelSteps, seq_len: int, vocab
     rank, with the accumulation that keeps the global batch. Ranks agree through one MIN
     all-reduce per attempt, so an out-of-memory error on one rank cannot strand the others in
     a collective; gradients are not synchronised while probing (no_sync)."""
-    from meshfit.train.batch_size import find_executable_batch_size, is_out_of_memory
-
     model = trained.model
 
     @find_executable_batch_size(starting_batch_size=micro, effective_batch_size=micro * accum)
@@ -344,10 +334,9 @@ def _loaders(acc: Accelerator, cfg: RunConfig, splits, trained, rows: int, micro
     if trained.whole_batches:
         n_val = max(n_val // (rows * dp), 1) * rows * dp
         if n_val > len(val_set):
-            raise ValueError(f"the validation split holds {len(val_set)} sequences of "
-                             f"{t.seq_len} tokens, fewer than one pipeline batch of "
-                             f"{rows} per data-parallel rank x {dp}; lower "
-                             "train.micro_batch_size or parallel.microbatches")
+            raise ValueError(f"the validation split holds {len(val_set)} sequences of {t.seq_len} "
+                             f"tokens, fewer than one pipeline batch of {rows} per data-parallel "
+                             f"rank x {dp}; lower train.micro_batch_size or parallel.microbatches")
     val = DataLoader(Subset(val_set, range(n_val)), batch_size=rows,
                      drop_last=trained.whole_batches, **workers)
     return train, val
@@ -360,10 +349,9 @@ def _loader_name(loader, seq_len: int, rows: int, dp: int) -> str:
 
 
 def _batches(loader, what: str = "the training loader"):
-    """An endless stream of batches, epoch after epoch (each with its own shuffling).
-    Raises a one-line ValueError naming `what` when two passes in a row yield no batch
-    (the first pass after resuming at an epoch's end may be empty; two cannot be), instead
-    of looping forever."""
+    """An endless stream of batches, epoch after epoch (each with its own shuffling). Raises a
+    one-line ValueError naming `what` when two passes in a row yield no batch (the first pass after
+    resuming at an epoch's end may be empty; two cannot be), instead of looping forever."""
     empty = 0
     while True:
         got = False
@@ -410,8 +398,6 @@ def _routing(acc: Accelerator, trained, elapsed_s: float) -> dict:
     """The MoE metrics of the logged step (`meshfit.parallel.ep.routing_metrics`: the last
     micro-batch's routing) and the share of the window spent in expert-parallel
     all-to-alls; {} for a dense model. A collective: every rank calls it."""
-    from meshfit.parallel.ep import routing_metrics
-
     if not trained.has_moe:
         return {}
     pp = acc.layout.axis_mesh(acc.mesh, "pp")
@@ -437,3 +423,104 @@ def _evaluate(acc: Accelerator, trained, loader) -> float:
         m.train()
     total = acc.reduce(total, "sum")
     return (total[0] / total[1]).item()
+
+
+# ------------------------------------------------------------------------------ what it trains
+PIPELINE_TIMED_STEPS = 5
+"""Optimizer steps whose per-micro-batch timings a pipeline run records (then stops: on
+CUDA the recording synchronises the device around every forward and backward)."""
+
+
+class ModelSteps:
+    """A model from `Accelerator.prepare`: one forward and backward per micro-batch."""
+
+    whole_batches = False  # any number of evaluation sequences will do
+
+    def __init__(self, acc: Accelerator, model: torch.nn.Module, loss):
+        self.acc, self.model, self.loss = acc, model, loss
+        self.modules, self.params, self.exported = [model], model, model
+        self.description = ""
+        base = getattr(model, "module", model)  # DDP and compile wrap it
+        self.moes = moe_modules([base]) if isinstance(base, GPT) else []  # the reference GPT's
+
+    def accumulate(self):
+        return self.acc.accumulate(self.model)
+
+    def forward_backward(self, x, y, accum: int) -> torch.Tensor:
+        loss = self.loss(self.model, x, y)
+        self.acc.backward(loss)  # divides by the accumulation steps itself
+        # A mixture of experts' loss includes its auxiliary losses (the reference GPT's MoE
+        # blocks; a transformers MoE with output_router_logits): the reported loss is the
+        # cross-entropy (as under pp), the auxiliary part is reported apart.
+        aux = [m.last_aux_loss.detach() for m in self.moes if m.last_aux_loss is not None]
+        hf_aux = getattr(self.loss, "last_aux", None)  # a transformers MoE's router loss
+        if hf_aux is not None:
+            aux.append(hf_aux)
+        return loss.detach() - sum(aux) if aux else loss
+
+    def eval_loss(self, x, y) -> torch.Tensor:
+        return self.loss(self.model, x, y)
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def after_step(self, step: int, out_dir: Path) -> None:
+        pass
+
+
+class PipelineSteps:
+    """This rank's `Pipeline` (pp > 1), whose `step` runs all of a batch's micro-batches."""
+
+    whole_batches = True  # evaluation batches are cut into micro-batches too
+
+    def __init__(self, acc: Accelerator, pipeline, cfg: RunConfig, micro: int, chunks: int):
+        self.acc, self.pipeline, self.steps = acc, pipeline, cfg.train.steps
+        self.modules = pipeline.wrapped_modules
+        self.params = torch.nn.ModuleList(pipeline.modules)  # this rank's stages
+        self.exported = pipeline
+        self.description = (f", {cfg.parallel.schedule} schedule with {chunks} micro-batches "
+                            f"of {micro} (stages begin at blocks {pipeline.points})")
+
+    def accumulate(self):
+        return self.acc.accumulate()  # the schedule synchronises on its last micro-batch
+
+    def forward_backward(self, x, y, accum: int) -> torch.Tensor:
+        return self.pipeline.step(x, y, scale=1.0 / accum)
+
+    def eval_loss(self, x, y) -> torch.Tensor:
+        return self.pipeline.eval_loss(x, y)
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return self.acc.clip_grad_norm_(self.pipeline, max_norm)  # every stage's part
+
+    def after_step(self, step: int, out_dir: Path) -> None:
+        if step == min(self.steps, PIPELINE_TIMED_STEPS):
+            _save_pipeline_timings(self.pipeline, out_dir if self.acc.is_main_process else None)
+
+
+def prepare_steps(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module,
+                  chunks: int) -> ModelSteps | PipelineSteps:
+    """The prepared model, or under pp > 1 this rank's pipeline: each pipeline step takes
+    micro x chunks sequences per data-parallel rank and cuts them into `chunks`
+    micro-batches (the global batch is micro x chunks x dp x accumulation)."""
+    if acc.parallel.pp == 1:
+        trained = ModelSteps(acc, acc.prepare(model), loss_function(model))
+    else:
+        p = cfg.parallel
+        pipeline = acc.prepare_pipeline(model, schedule=p.schedule, microbatches=chunks,
+                                        virtual_stages=p.virtual_stages,
+                                        plan=resolve_plan(plans(cfg)[1], model),
+                                        init_seed=cfg.train.seed,
+                                        record_timings=True)  # for PIPELINE_TIMED_STEPS steps
+        trained = PipelineSteps(acc, pipeline, cfg, cfg.train.micro_batch_size, chunks)
+    trained.has_moe = bool(moe_modules([model]))  # on any stage: every rank logs routing
+    return trained
+
+
+def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:
+    """Every pp rank's timings so far into the run folder (`meshfit pipeline-chart RUN`);
+    a collective over the pp group. Recording stops afterwards."""
+    timings = gather_timings(pipeline)
+    pipeline.record_timings(False)
+    if out_dir is not None:
+        write_run(out_dir, pipeline.meta(), timings)
