@@ -870,7 +870,7 @@ def test_train_with_a_batch_larger_than_the_data_stops(tmp_path, cache_dir, monk
     """The hang of issue 16 (a micro-batch larger than the data: the batch generator spun on
     an empty loader), reproduced through `train` itself, which skips the CLI's preflight:
     it now ends in a ValueError naming the numbers."""
-    from meshfit.train.config import build_config
+    from meshfit.train.configfile import build_config
     from meshfit.train.trainer import train
 
     from meshfit.accelerator.loader import PreparedDataLoader

@@ -231,7 +231,7 @@ def hf_configs(tmp_path_factory):
 
 
 def _run_config(folder, **parallel):
-    from meshfit.train.config import build_config
+    from meshfit.train.configfile import build_config
 
     return build_config({"model": {"hf_config": str(folder)}, "parallel": parallel,
                          "train": {"seq_len": T}})

@@ -205,7 +205,7 @@ def test_estimate_json_schema(capsys):
 
 def test_plan_json_and_out_config_that_meshfit_train_accepts(capsys, tmp_path):
     from meshfit.cli.main import main
-    from meshfit.train.config import load_config
+    from meshfit.train.configfile import load_config
 
     out = tmp_path / "plan.toml"
     assert main(["plan", "gpt2", "--gpus-per-node", "4", "--gpu", "a100", "--gpu-memory",

@@ -15,7 +15,7 @@ from reference import VOCAB, hf_llama, tiny_gpt
 from meshfit.data import ByteTokenizer, document_separator, load_tokens
 from meshfit.checkpoint.saved import save_model_folder
 from meshfit.cli.main import main
-from meshfit.train.config import build_config
+from meshfit.train.configfile import build_config, to_toml
 from meshfit.train.generate import evaluate_loss, generate, generate_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -179,7 +179,7 @@ def trained_run(tmp_path):
                         "train": {"seq_len": 32}})
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.toml").write_text(cfg.to_toml())
+    (run / "config.toml").write_text(to_toml(cfg))
     splits = load_tokens(str(data), cache_dir=str(cache))
     torch.manual_seed(0)
     model = tiny_gpt(max_seq_len=64, dtype=torch.float32)

@@ -17,6 +17,7 @@ from meshfit import _files
 from meshfit.checkpoint import saved
 from meshfit.train import runfolder
 from meshfit.train.config import RunConfig
+from meshfit.train.configfile import to_toml
 from meshfit.train.run import MetricsWriter
 from meshfit.train.runfolder import (
     LOCK_FILE,
@@ -322,7 +323,7 @@ def test_config_on_a_full_disk_keeps_the_previous_one(tmp_path, monkeypatch):
     assert _listing(tmp_path) == ["config.toml", "metrics.jsonl"]
     MetricsWriter(tmp_path, RunConfig(), after_step=1)  # the resume's rewrite: steps <= 1
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
-    assert (tmp_path / "config.toml").read_text() == RunConfig().to_toml()
+    assert (tmp_path / "config.toml").read_text() == to_toml(RunConfig())
 
 
 def test_append_refuses_a_missing_folder_in_one_line(tmp_path):

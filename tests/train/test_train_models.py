@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_distributed
+from meshfit.train import tokens
 
 STEPS = 4
 BASE = {"train": {"steps": STEPS, "eval_every": 0, "log_every": 1, "eval_batches": 1,
@@ -98,7 +99,7 @@ def files(tmp_path_factory):
 
 
 def _config(files, case: str, nproc: int):
-    from meshfit.train.config import build_config
+    from meshfit.train.configfile import build_config
 
     data = {"path": str(files / "text"), "tokenizer": str(files / "tok"),
             "cache_dir": str(files / "cache")}
@@ -181,7 +182,7 @@ def test_two_processes_match_one(runs, case):
 def _val_loss(model, cfg, n: int, *, hf: bool) -> float:
     from meshfit.data import TokenDataset
 
-    val = TokenDataset(cfg.load_tokens().val, cfg.train.seq_len)
+    val = TokenDataset(tokens.load_tokens(cfg).val, cfg.train.seq_len)
     x = torch.stack([val[i][0] for i in range(n)])
     y = torch.stack([val[i][1] for i in range(n)])
     with torch.no_grad():
@@ -214,11 +215,11 @@ def test_factory_model_written_with_its_factory(runs):
     folder = runs / "factory_tp-2" / "model"
     config = json.loads((folder / "config.json").read_text())
     assert config["factory"] == "mymodels:build"
-    assert config["kwargs"] == {"vocab_size": cfg.vocab_size(), "max_seq_len": 32}
+    assert config["kwargs"] == {"vocab_size": tokens.vocab_size(cfg), "max_seq_len": 32}
     model, tokenizer = load_model_folder(folder)
     _, vals = _losses(runs / "factory_tp-2")
     assert vals[-1] == pytest.approx(_val_loss(model, cfg, 2, hf=False), rel=RTOL)
-    assert tokenizer is not None and tokenizer.vocab_size == cfg.vocab_size()
+    assert tokenizer is not None and tokenizer.vocab_size == tokens.vocab_size(cfg)
 
 
 def test_lora_under_zero3_writes_a_peft_adapter_and_the_merged_model(runs):

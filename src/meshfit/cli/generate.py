@@ -123,7 +123,7 @@ def _run_config(run: Path | None, data: str | None):
     unless --data makes it unneeded."""
     if run is None:
         return None
-    from meshfit.train.config import load_config
+    from meshfit.train.configfile import load_config
 
     try:
         return load_config(run / "config.toml")
@@ -147,13 +147,14 @@ def _held_out(data: str | None, cfg, tokenizer):
     """The tokens to evaluate on and how an error names them: all of --data; else the run's
     own validation split (its source, tokenizer and fraction); else the built-in corpus's."""
     from meshfit.data import load_tokens
+    from meshfit.train import tokens
 
     if data is not None:
         cache_dir = (cfg.data.cache_dir or None) if cfg is not None else None
-        tokens = load_tokens(data, tokenizer=tokenizer, cache_dir=cache_dir, val_fraction=0.0).train
-        return tokens, f"--data={data!r} holds"
+        ids = load_tokens(data, tokenizer=tokenizer, cache_dir=cache_dir, val_fraction=0.0).train
+        return ids, f"--data={data!r} holds"
     if cfg is not None:
-        return cfg.load_tokens().val, "the validation split holds"
+        return tokens.load_tokens(cfg).val, "the validation split holds"
     return load_tokens(tokenizer=tokenizer).val, "the validation split holds"
 
 

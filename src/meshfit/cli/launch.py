@@ -178,7 +178,7 @@ def _refuse_inherited_ranks() -> None:
 def _config(ns, overrides: list[str]):
     """--config with the overrides; to resume, the saved config of the run in --out, with
     [parallel] / [checkpoint] overrides (a worker gets the resolved config as --config)."""
-    from meshfit.train.config import load_config
+    from meshfit.train.configfile import load_config
 
     if not ns.resume or ns.worker:
         return load_config(ns.config, overrides)
@@ -234,6 +234,7 @@ def _start_workers(cfg, out: Path, ns, launch_cfg, env: dict[str, str]) -> int:
     resolved config. Node 0's launcher holds the run folder's lock for the whole job;
     workers take none. Another node writes its workers' config into a folder of its own
     (node 0 may be clearing the run folder for --overwrite at the same moment)."""
+    from meshfit.train.configfile import to_toml
     from meshfit.train.runfolder import RunLock, atomic_write_text
 
     with contextlib.ExitStack() as stack:
@@ -243,7 +244,7 @@ def _start_workers(cfg, out: Path, ns, launch_cfg, env: dict[str, str]) -> int:
         else:
             resolved = Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="meshfit-config-"))) / "config.toml"
-        atomic_write_text(resolved, cfg.to_toml())
+        atomic_write_text(resolved, to_toml(cfg))
         return launch.run(launch_cfg, ["meshfit", "train", "--worker", "--config",
                                        str(resolved), "--out", str(out),
                                        *(["--resume"] if ns.resume else [])], module=True,

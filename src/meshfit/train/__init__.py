@@ -2,9 +2,12 @@
 used afterwards. The commands themselves (arguments, printing) are in `meshfit.cli`; the
 launcher is `meshfit.launch`.
 
-    config.py          the run's configuration (a dataclass per [section]), from TOML + overrides
+    config.py          the run's configuration: a frozen dataclass per [section]
+    configfile.py      the config read from TOML + --section.key=value overrides, written back
+    tokens.py          [data]'s tokenizer and token splits
     preflight.py       every check before launch: config values, layout, this machine
-    trainer.py         the training loop, read top to bottom; what a step trains (model, pipeline)
+    steps.py           what a step trains: the prepared model or this rank's pipeline stages
+    trainer.py         the training loop, read top to bottom
     run.py             what a run records (metrics, MFU, memory); checkpoints, preemption
     runfolder.py       the run folder claimed: checked, locked, written atomically
     models.py          [model]: presets, transformers configs and folders, factories

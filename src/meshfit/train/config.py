@@ -1,23 +1,16 @@
 """A run's configuration: frozen dataclasses, one per [section] of the TOML file, each value
 checked in ``__post_init__`` (`meshfit.train.preflight`); `RunConfig` adds what follows from its
-fields (accumulation, micro-batches, the `Layout`, the tokenizer and token splits). Read from
-TOML plus ``--section.key=value`` overrides (`load_config`) or from nested dicts
-(`build_config`): unknown sections and keys are rejected and listed. No torch at load: a bad
-value is refused before torch loads (a [model] hf_model folder is read).
+fields (accumulation, micro-batches, the `Layout`; the tokenizer and token splits from
+`meshfit.train.tokens`). `meshfit.train.configfile` reads and writes the TOML file. No torch at
+load: a bad value is refused before torch loads (a [model] hf_model folder is read).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 from meshfit.data.corpus import data_source
 from meshfit.models.config import AttentionBackend, GPTConfig
@@ -430,33 +423,11 @@ class RunConfig:
                               loss_parallel=p.loss_parallel, local_world_size=local_world_size,
                               names=LAYOUT_NAMES)
 
-    def model_config(self):
+    def model_config(self, vocab_size: int):
         """The reference GPT's config for this run: [model] over its preset, train.seq_len as
-        the context, the tokenizer's vocabulary."""
+        the context, the tokenizer's vocabulary (`meshfit.train.tokens.vocab_size`)."""
         return GPTConfig.preset(self.model.preset, max_seq_len=self.train.seq_len,
-                                vocab_size=self.vocab_size(), **self.model.overrides())
-
-    def tokenizer(self):
-        """The run's tokenizer: bytes ([data] tokenizer "" or "bytes"), or a Hugging Face
-        tokenizer folder or tokenizer.json."""
-        from meshfit.data import ByteTokenizer, load_tokenizer
-
-        t = self.data.tokenizer
-        return ByteTokenizer() if t in ("", "bytes") else load_tokenizer(t)
-
-    def vocab_size(self) -> int:
-        """Token ids the run's tokenizer gives (the reference GPT's vocabulary)."""
-        return int(self.tokenizer().vocab_size)
-
-    def load_tokens(self):
-        """The run's token splits ([data]: text files, a datasets dataset or the built-in
-        corpus, through the run's tokenizer; cached)."""
-        from meshfit.data import load_tokens
-
-        d = self.data
-        return load_tokens(d.path or None, cache_dir=d.cache_dir or None,
-                           tokenizer=self.tokenizer(), hf_dataset=d.hf_dataset or None,
-                           text_column=d.text_column)
+                                vocab_size=vocab_size, **self.model.overrides())
 
     def validate_for(self, world_size: int, local_world_size: int | None = None) -> Layout:
         """Checks that need the number of processes (run before launching any); returns the
@@ -467,96 +438,3 @@ class RunConfig:
         """Sections and keys as the TOML file spells them."""
         return {s.name: {toml_name(f): dataclasses.asdict(getattr(self, s.name))[f.name]
                          for f in config_fields(getattr(self, s.name))} for s in fields(self)}
-
-    def to_toml(self) -> str:
-        """The whole config as a TOML file (unset fields left out: they mean the default)."""
-        lines = []
-        for section, values in self.to_dict().items():
-            lines.append(f"[{section}]")
-            for key, value in values.items():
-                if value is not None:  # TOML has no null; unset means "the default"
-                    lines.append(f"{key} = {json.dumps(value)}")
-            lines.append("")
-        return "\n".join(lines)
-
-
-_SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
-
-
-def _parse_value(text: str) -> Any:
-    """A TOML literal (3, 1e-3, true, "x") or, failing that, the bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def build_config(data: dict[str, Any]) -> RunConfig:
-    """A validated RunConfig from nested dicts; unknown sections/keys are listed in the error."""
-    unknown_sections = sorted(set(data) - set(_SECTIONS))
-    if unknown_sections:
-        raise ValueError(f"unknown config section(s) {', '.join(unknown_sections)}; known: "
-                         f"{', '.join(_SECTIONS)}")
-    sections = {}
-    for name, factory in _SECTIONS.items():
-        values = data.get(name, {})
-        if not isinstance(values, dict):
-            raise ValueError(f"config section [{name}] must be a table of keys, not "
-                             f"{name} = {values!r}; write [{name}] followed by key = value lines")
-        cls = type(factory())
-        known = {toml_name(f): f.name for f in config_fields(cls)}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"unknown key(s) in [{name}]: {', '.join(unknown)}; known keys: "
-                             f"{', '.join(sorted(known))}")
-        sections[name] = cls(**{known[k]: v for k, v in values.items()})
-    return RunConfig(**sections)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = (), *,
-                allowed: tuple[str, ...] | None = None) -> RunConfig:
-    """Read a TOML file (optional) and apply ``--section.key=value`` overrides (only of the
-    sections in `allowed`, when given)."""
-    data = _read_toml(Path(path)) if path is not None else {}
-    for item in overrides:
-        _override(data, item, allowed)
-    return build_config(data)
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    """--config's file as nested dicts; a one-line ValueError for a file that is missing,
-    unreadable, not UTF-8 or not TOML."""
-    if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
-        raise ValueError(f"--config={str(path)!r} {what}; give a TOML file")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as err:
-        raise ValueError(f"--config={str(path)!r} cannot be read ({err.strerror or err}); "
-                         "give a readable TOML file") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--config={str(path)!r} is not UTF-8 text (byte {err.start}); "
-                         "give a TOML file") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        reason = " ".join(str(err).split())  # one line, with its line and column
-        raise ValueError(f"--config={str(path)!r} is not valid TOML: {reason}") from None
-
-
-def _override(data: dict[str, Any], item: str, allowed: tuple[str, ...] | None) -> None:
-    """One ``--section.key=value`` set in `data`."""
-    key, sep, value = item.removeprefix("--").partition("=")
-    section, dot, name = key.partition(".")
-    if not sep or not dot or not section or not name:
-        raise ValueError(f"override {item!r} must look like --section.key=value, "
-                         "e.g. --train.steps=100")
-    if allowed is not None and section not in allowed:
-        raise ValueError(f"override {item!r}: a resumed run keeps its saved config except "
-                         f"[{'], ['.join(allowed)}]; start a new run to change {key}")
-    table = data.setdefault(section, {})
-    if not isinstance(table, dict):
-        raise ValueError(f"override {item!r}: {section} = {table!r} in the config is a value, "
-                         f"not a [{section}] table of keys; write [{section}] followed by "
-                         "key = value lines")
-    table[name] = _parse_value(value)

@@ -16,6 +16,7 @@ from typing import Any
 
 from meshfit.distributed.dims import AXES
 from meshfit.parallel.layout import Layout, ModelFacts
+from meshfit.train import tokens
 
 # The layout's fields as `meshfit train`'s errors spell them (see `meshfit.parallel.layout`).
 LAYOUT_NAMES = {
@@ -104,7 +105,7 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
     from meshfit.models.plans import has_builtin_plans
     from meshfit.train.models import check_model_source, plans, resolve_plan
 
-    model = check_model_source(cfg, cfg.vocab_size())  # on the meta device
+    model = check_model_source(cfg, tokens.vocab_size(cfg))  # on the meta device
     tp_plan, pp_plan = (resolve_plan(p, model) for p in plans(cfg))
     builtin, name, dims = has_builtin_plans(model), type(model).__name__, layout.dims
     if dims.tp > 1 and tp_plan is None and not builtin:
@@ -162,10 +163,10 @@ def _matmul_shape(cfg, device, dtype) -> tuple[int, int, int] | None:
 
     # The model's vocabulary is the tokenizer's for the reference GPT (the gpt2 preset's
     # 50257 becomes 256 on bytes); other models must hold the tokenizer's ids.
-    vocab_size = cfg.vocab_size()
+    vocab_size = tokens.vocab_size(cfg)
     model = _checked_model(cfg, vocab_size, check_model_source)
     if cfg.model.source == "preset":
-        model_cfg = cfg.model_config()
+        model_cfg = cfg.model_config(vocab_size)
         try:
             check_attention_backend(cfg.model.attention_backend, device, dtype,
                                     head_dim=model_cfg.head_dim)
@@ -229,7 +230,7 @@ def _readable_tokens(cfg, source: str):
     """The run's token splits; a file that cannot be read or written is one line naming the
     [data] key it comes from."""
     try:
-        return cfg.load_tokens()
+        return tokens.load_tokens(cfg)
     except OSError as err:
         where = err.filename or source
         cache = cfg.data.cache_dir or "~/.cache/meshfit/tokens"

@@ -38,6 +38,7 @@ from meshfit.plan.calibrate import load_calibration
 from meshfit.plan.devices import device_for_name
 from meshfit.tracking import build_trackers, finish_all, flatten_config
 from meshfit.train.config import RunConfig
+from meshfit.train.configfile import to_toml
 from meshfit.train.runfolder import append_line, atomic_write_text
 
 
@@ -211,7 +212,7 @@ class MetricsWriter:
         if out_dir is None:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out_dir / "config.toml", cfg.to_toml())
+        atomic_write_text(out_dir / "config.toml", to_toml(cfg))
         self.path = out_dir / "metrics.jsonl"
         kept = []
         if after_step and self.path.exists():

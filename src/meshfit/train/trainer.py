@@ -1,17 +1,9 @@
 """`meshfit train`'s training loop, read top to bottom, on `Accelerator` (the same
 prepare/accumulate/backward calls a user's own loop makes): `train` sets the run up, then
 `_steps` runs it; each step accumulates, steps the optimizer and the schedule, and logs,
-evaluates, checkpoints and answers a stop signal when due.
-
-What the loop trains is behind one interface, built by `prepare_steps`: the model prepared whole
-(`ModelSteps`) or, under pp > 1, this rank's pipeline stages (`PipelineSteps`). Each gives the
-loop ``accumulate()``, ``forward_backward(x, y, accum)`` (the cross-entropy, for the metrics),
-``eval_loss(x, y)``, ``clip(max_norm)``, ``after_step(step, out_dir)``, and ``modules``
-(switched between train() and eval()), ``params`` (what the optimizer is built over),
-``exported`` (what the final weights are gathered from), ``whole_batches`` (evaluation in whole
-pipeline batches), ``description`` (for the banner) and ``has_moe``.
+evaluates, checkpoints and answers a stop signal when due. What a step trains (the model, or
+this rank's pipeline stages) is behind one interface: `meshfit.train.steps`.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -30,16 +22,14 @@ from meshfit.checkpoint import latest
 from meshfit.data import TokenDataset
 from meshfit.distributed import DistEnv, init
 from meshfit.distributed.settle import barrier
-from meshfit.models import GPT
 from meshfit.parallel.ep import moe_modules, routing_metrics
-from meshfit.parallel.pp import gather_timings
+from meshfit.train import tokens
 from meshfit.train.batch_size import find_executable_batch_size, is_out_of_memory
 from meshfit.train.config import RunConfig
-from meshfit.train.models import (build_model, loss_function, plans, resolve_plan,
-                                  write_final_model)
-from meshfit.train.pipeline_chart import write_run
+from meshfit.train.models import build_model, plans, resolve_plan, write_final_model
 from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, RunReporter, StopOnSignal,
                                Window, collective_deadline, find_checkpoint, timed_batches)
+from meshfit.train.steps import PIPELINE_TIMED_STEPS, ModelSteps, prepare_steps
 
 
 def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
@@ -51,7 +41,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     env = env or init(timeout_s=t.timeout_s)
     resume = _resumes(env, out_dir / "checkpoints", resume)  # fails fast, before any build
     with _rank_zero_first(env):  # rank 0 builds the token cache, the others reuse it
-        splits = cfg.load_tokens()
+        splits = tokens.load_tokens(cfg)
     torch.manual_seed(t.seed)
     model = build_model(cfg, splits.vocab_size)
     acc = build_accelerator(cfg, env, tp_plan=resolve_plan(plans(cfg)[0], model))
@@ -423,104 +413,3 @@ def _evaluate(acc: Accelerator, trained, loader) -> float:
         m.train()
     total = acc.reduce(total, "sum")
     return (total[0] / total[1]).item()
-
-
-# ------------------------------------------------------------------------------ what it trains
-PIPELINE_TIMED_STEPS = 5
-"""Optimizer steps whose per-micro-batch timings a pipeline run records (then stops: on
-CUDA the recording synchronises the device around every forward and backward)."""
-
-
-class ModelSteps:
-    """A model from `Accelerator.prepare`: one forward and backward per micro-batch."""
-
-    whole_batches = False  # any number of evaluation sequences will do
-
-    def __init__(self, acc: Accelerator, model: torch.nn.Module, loss):
-        self.acc, self.model, self.loss = acc, model, loss
-        self.modules, self.params, self.exported = [model], model, model
-        self.description = ""
-        base = getattr(model, "module", model)  # DDP and compile wrap it
-        self.moes = moe_modules([base]) if isinstance(base, GPT) else []  # the reference GPT's
-
-    def accumulate(self):
-        return self.acc.accumulate(self.model)
-
-    def forward_backward(self, x, y, accum: int) -> torch.Tensor:
-        loss = self.loss(self.model, x, y)
-        self.acc.backward(loss)  # divides by the accumulation steps itself
-        # A mixture of experts' loss includes its auxiliary losses (the reference GPT's MoE
-        # blocks; a transformers MoE with output_router_logits): the reported loss is the
-        # cross-entropy (as under pp), the auxiliary part is reported apart.
-        aux = [m.last_aux_loss.detach() for m in self.moes if m.last_aux_loss is not None]
-        hf_aux = getattr(self.loss, "last_aux", None)  # a transformers MoE's router loss
-        if hf_aux is not None:
-            aux.append(hf_aux)
-        return loss.detach() - sum(aux) if aux else loss
-
-    def eval_loss(self, x, y) -> torch.Tensor:
-        return self.loss(self.model, x, y)
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        return self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
-
-    def after_step(self, step: int, out_dir: Path) -> None:
-        pass
-
-
-class PipelineSteps:
-    """This rank's `Pipeline` (pp > 1), whose `step` runs all of a batch's micro-batches."""
-
-    whole_batches = True  # evaluation batches are cut into micro-batches too
-
-    def __init__(self, acc: Accelerator, pipeline, cfg: RunConfig, micro: int, chunks: int):
-        self.acc, self.pipeline, self.steps = acc, pipeline, cfg.train.steps
-        self.modules = pipeline.wrapped_modules
-        self.params = torch.nn.ModuleList(pipeline.modules)  # this rank's stages
-        self.exported = pipeline
-        self.description = (f", {cfg.parallel.schedule} schedule with {chunks} micro-batches "
-                            f"of {micro} (stages begin at blocks {pipeline.points})")
-
-    def accumulate(self):
-        return self.acc.accumulate()  # the schedule synchronises on its last micro-batch
-
-    def forward_backward(self, x, y, accum: int) -> torch.Tensor:
-        return self.pipeline.step(x, y, scale=1.0 / accum)
-
-    def eval_loss(self, x, y) -> torch.Tensor:
-        return self.pipeline.eval_loss(x, y)
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        return self.acc.clip_grad_norm_(self.pipeline, max_norm)  # every stage's part
-
-    def after_step(self, step: int, out_dir: Path) -> None:
-        if step == min(self.steps, PIPELINE_TIMED_STEPS):
-            _save_pipeline_timings(self.pipeline, out_dir if self.acc.is_main_process else None)
-
-
-def prepare_steps(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module,
-                  chunks: int) -> ModelSteps | PipelineSteps:
-    """The prepared model, or under pp > 1 this rank's pipeline: each pipeline step takes
-    micro x chunks sequences per data-parallel rank and cuts them into `chunks`
-    micro-batches (the global batch is micro x chunks x dp x accumulation)."""
-    if acc.parallel.pp == 1:
-        trained = ModelSteps(acc, acc.prepare(model), loss_function(model))
-    else:
-        p = cfg.parallel
-        pipeline = acc.prepare_pipeline(model, schedule=p.schedule, microbatches=chunks,
-                                        virtual_stages=p.virtual_stages,
-                                        plan=resolve_plan(plans(cfg)[1], model),
-                                        init_seed=cfg.train.seed,
-                                        record_timings=True)  # for PIPELINE_TIMED_STEPS steps
-        trained = PipelineSteps(acc, pipeline, cfg, cfg.train.micro_batch_size, chunks)
-    trained.has_moe = bool(moe_modules([model]))  # on any stage: every rank logs routing
-    return trained
-
-
-def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:
-    """Every pp rank's timings so far into the run folder (`meshfit pipeline-chart RUN`);
-    a collective over the pp group. Recording stops afterwards."""
-    timings = gather_timings(pipeline)
-    pipeline.record_timings(False)
-    if out_dir is not None:
-        write_run(out_dir, pipeline.meta(), timings)

@@ -1,0 +1,110 @@
+"""`meshfit train`'s config file: TOML plus ``--section.key=value`` overrides read into a
+`RunConfig` (`load_config`; `build_config` from nested dicts), unknown sections and keys
+rejected and listed, and the resolved config written back (`to_toml`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from meshfit.train.config import RunConfig, config_fields, toml_name
+
+_SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+
+
+def _parse_value(text: str) -> Any:
+    """A TOML literal (3, 1e-3, true, "x") or, failing that, the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def build_config(data: dict[str, Any]) -> RunConfig:
+    """A validated RunConfig from nested dicts; unknown sections/keys are listed in the error."""
+    unknown_sections = sorted(set(data) - set(_SECTIONS))
+    if unknown_sections:
+        raise ValueError(f"unknown config section(s) {', '.join(unknown_sections)}; known: "
+                         f"{', '.join(_SECTIONS)}")
+    sections = {}
+    for name, factory in _SECTIONS.items():
+        values = data.get(name, {})
+        if not isinstance(values, dict):
+            raise ValueError(f"config section [{name}] must be a table of keys, not "
+                             f"{name} = {values!r}; write [{name}] followed by key = value lines")
+        cls = type(factory())
+        known = {toml_name(f): f.name for f in config_fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown key(s) in [{name}]: {', '.join(unknown)}; known keys: "
+                             f"{', '.join(sorted(known))}")
+        sections[name] = cls(**{known[k]: v for k, v in values.items()})
+    return RunConfig(**sections)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *,
+                allowed: tuple[str, ...] | None = None) -> RunConfig:
+    """Read a TOML file (optional) and apply ``--section.key=value`` overrides (only of the
+    sections in `allowed`, when given)."""
+    data = _read_toml(Path(path)) if path is not None else {}
+    for item in overrides:
+        _override(data, item, allowed)
+    return build_config(data)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """--config's file as nested dicts; a one-line ValueError for a file that is missing,
+    unreadable, not UTF-8 or not TOML."""
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ValueError(f"--config={str(path)!r} {what}; give a TOML file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ValueError(f"--config={str(path)!r} cannot be read ({err.strerror or err}); "
+                         "give a readable TOML file") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--config={str(path)!r} is not UTF-8 text (byte {err.start}); "
+                         "give a TOML file") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        reason = " ".join(str(err).split())  # one line, with its line and column
+        raise ValueError(f"--config={str(path)!r} is not valid TOML: {reason}") from None
+
+
+def _override(data: dict[str, Any], item: str, allowed: tuple[str, ...] | None) -> None:
+    """One ``--section.key=value`` set in `data`."""
+    key, sep, value = item.removeprefix("--").partition("=")
+    section, dot, name = key.partition(".")
+    if not sep or not dot or not section or not name:
+        raise ValueError(f"override {item!r} must look like --section.key=value, "
+                         "e.g. --train.steps=100")
+    if allowed is not None and section not in allowed:
+        raise ValueError(f"override {item!r}: a resumed run keeps its saved config except "
+                         f"[{'], ['.join(allowed)}]; start a new run to change {key}")
+    table = data.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ValueError(f"override {item!r}: {section} = {table!r} in the config is a value, "
+                         f"not a [{section}] table of keys; write [{section}] followed by "
+                         "key = value lines")
+    table[name] = _parse_value(value)
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The whole config as a TOML file (unset fields left out: they mean the default)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is not None:  # TOML has no null; unset means "the default"
+                lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)
