@@ -3,7 +3,7 @@
 `Layout.resolve` takes the mesh sizes (`ParallelDims`), the world size and the options that
 change how the data-parallel engine works (ZeRO stage, offload, mixed precision, sequence /
 loss parallel, DDP keywords), checks every rule (one-line `ValueError`s naming the field,
-the value and the fix; each rule written once, below) and returns a frozen description:
+the value and the fix; each rule written once, in `rules.py`) and returns a frozen description:
 
 - the **engine** that keeps the data-parallel replicas in step (`Engine`): none (one
   process, or tensor/pipeline parallel without a data-parallel axis), DDP (ZeRO stage 0),
@@ -324,25 +324,12 @@ class Layout:
                              "micro-batch yourself")
 
     # ------------------------------------------------------------------ the mesh
-    def build_mesh(self, device_type: str):
-        """The `DeviceMesh` of this layout over the default process group (a collective)."""
-        return meshes.build_mesh(self, device_type)
-
-    def dp_mesh(self, mesh):
-        """The 1-D mesh of all data-parallel ranks (dp_replicate x dp_shard flattened)."""
-        return meshes.dp_mesh(self, mesh)
-
-    def fsdp_mesh(self, mesh):
-        """FSDP2's mesh over `fsdp_axes`."""
-        return meshes.fsdp_mesh(self, mesh)
-
-    def expert_fsdp_mesh(self, mesh):
-        """Under ep: the mesh FSDP2 shards the experts over (see `meshfit.parallel.mesh`)."""
-        return meshes.expert_fsdp_mesh(self, mesh)
-
-    def axis_mesh(self, mesh, axis: str):
-        """The 1-D sub-mesh of `axis` ("tp", "pp", "dp_shard"), or None without that axis."""
-        return meshes.axis_mesh(self, mesh, axis)
+    # The mesh and its sub-meshes by axis name (`meshfit.parallel.mesh`), as methods.
+    build_mesh = meshes.build_mesh
+    dp_mesh = meshes.dp_mesh
+    fsdp_mesh = meshes.fsdp_mesh
+    expert_fsdp_mesh = meshes.expert_fsdp_mesh
+    axis_mesh = meshes.axis_mesh
 
     # ------------------------------------------------------------------ enumeration
     @classmethod
