@@ -33,9 +33,7 @@ Mixed precision is FSDP's policy, not autocast: parameters are all-gathered and 
 gradients and optimizer state stay fp32. ``output_dtype=fp32`` on the root only: a block
 that returned fp32 would feed fp32 activations to the next low-precision block.
 
-Initialise weights before sharding: a meta-device model sharded and then initialised
-(`reset_parameters` on DTensors) gives every rank the same random shard on a CPU mesh, with
-only a warning ("DTensor random operators may not have complete support on cpu device mesh").
+Initialise weights before sharding (see `meshfit.parallel.parallelize.parallelize`).
 """
 
 from __future__ import annotations

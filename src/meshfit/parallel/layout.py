@@ -77,7 +77,6 @@ def precision_dtype(mode: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
 
 
-
 def check_options(*, parallel=None, zero_stage=None, offload="none", sync_each_batch=False,
                   mixed_precision="no", sequence_parallel=False, loss_parallel=False,
                   names: Mapping[str, str] | None = None) -> None:
@@ -89,7 +88,6 @@ def check_options(*, parallel=None, zero_stage=None, offload="none", sync_each_b
                                n=namer(names))
     if problem:
         raise ValueError(problem)
-
 
 
 # ----------------------------------------------------------------------------- the model
@@ -126,8 +124,6 @@ class ModelFacts:
 
         return cls(n_blocks=len(pipeline_plan.blocks_of(model)), divisible=divisible,
                    experts=tuple(m.n_experts for m in moe_modules([model])))
-
-
 
 
 # ----------------------------------------------------------------------------- the layout

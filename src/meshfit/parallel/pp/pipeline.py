@@ -144,9 +144,9 @@ class Pipeline:
         """The mixture-of-experts blocks of this rank's stages: their auxiliary losses enter
         backward from each block's output (`MoE.aux_grad_scale`), since the loss the
         schedule differentiates is the last stage's cross-entropy alone."""
-        from meshfit.models.moe import MoE
+        from meshfit.parallel.ep import moe_modules
 
-        return [m for module in self.modules for m in module.modules() if isinstance(m, MoE)]
+        return moe_modules(self.modules)
 
     def eval_loss(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
                   ) -> torch.Tensor:
@@ -286,5 +286,3 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
-
-

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from meshfit.models.plans import PipelinePlan, pipeline_plan_for
+from meshfit.parallel.pp.schedule import _sync
 
 __all__ = ["StageBlocks", "block_times", "build_stage_module", "split_points"]
 
@@ -78,8 +79,8 @@ def _part_costs(model_or_cfg, plan) -> tuple[float, list[float], float]:
     if isinstance(model_or_cfg, GPTConfig):
         cfg, parts = model_or_cfg, model_or_cfg.param_breakdown()
         head = cfg.vocab_size * cfg.d_model
-        return (parts["tok_emb"] + parts["pos_emb"], [parts["layers"] / cfg.n_layer] * cfg.n_layer,
-                parts["norm"] + head)
+        return (parts["tok_emb"] + parts["pos_emb"],
+                [parts["layers"] / cfg.n_layer] * cfg.n_layer, parts["norm"] + head)
     model = model_or_cfg
     blocks = [_params(b) for b in _block_items(plan.blocks_of(model)).values()]
     first = sum(_params(_submodule(model, n)) for n in plan.first)
@@ -176,11 +177,6 @@ def block_times(model: nn.Module, sample: torch.Tensor, *, repeats: int = 3,
         out.append(statistics.median(runs[1:]))
         x = y.detach()
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------------- stage modules
