@@ -129,14 +129,9 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 class Conv1DColwiseParallel(ColwiseParallel):
     """ColwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(1); bias Shard(0)).
-
-    `fused=3` is for a fused q|k|v projection (GPT-2's `c_attn`): a plain column split would
-    give rank 0 all of q and half of k. The columns are first regrouped rank-major, so each
-    rank receives q, k and v of its own heads, contiguous, and the module's `split(d / T)`
-    works on the local output. The parameter's global layout is then the regrouped one;
-    `meshfit.models.plans.regroup` puts it back in the original layout (e.g. to save an HF
-    checkpoint).
-    """
+    `fused=3`: a fused q|k|v projection (GPT-2's `c_attn`), its columns regrouped rank-major
+    first (`meshfit.models.plans.regroup`), so each rank receives q, k and v of its own heads
+    and the module's `split(d / T)` works on the local output."""
 
     def __init__(self, *, fused: int = 1, **kwargs) -> None:
         super().__init__(**kwargs)
