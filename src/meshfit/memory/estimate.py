@@ -1,7 +1,7 @@
 """Per-rank memory of a training step, estimated before anything runs.
 
-    est = estimate(ModelShape.of("llama-7b"), LayoutSpec(dp_shard=8, zero_stage=3),
-                   micro_batch_size=1, seq_len=4096, dtype="bf16", optimizer="adamw")
+    est = estimate(ModelShape.of("llama-7b"), LayoutSpec(dp_shard=8, zero_stage=3,
+                   micro_batch_size=1), seq_len=4096, dtype="bf16", optimizer="adamw")
     est.per_rank_bytes      # {"params", "grads", "optimizer", "activations", "buffers", "total"}
 
 **Model states** (what `meshfit.memory.rank_report` measures): parameters and gradients in
