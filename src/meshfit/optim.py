@@ -47,7 +47,8 @@ from torch import nn
 from meshfit.distributed.tensors import local_tensor, storage_bytes
 from meshfit.optim_names import OPTIMIZERS, OptimizerName
 
-__all__ = ["OPTIMIZERS", "OptimizerName", "StateReport", "build", "format_report", "param_groups", "state_bytes"]
+__all__ = ["OPTIMIZERS", "OptimizerName", "StateReport", "build", "format_report", "param_groups",
+           "state_bytes"]
 
 # Normalisation layers by type; modules whose class name ends in "Norm" (LlamaRMSNorm,
 # T5LayerNorm, ...) count too, as Hugging Face's ALL_LAYERNORM_LAYERS list intends.
@@ -145,11 +146,13 @@ def build(name: str, model_or_params: nn.Module | Iterable[Any], *, lr: float,
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer={name!r} is not one of {', '.join(OPTIMIZERS)}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr)
+                                                                         and lr > 0):
         raise ValueError(f"lr={lr!r} must be a positive finite number, e.g. lr=3e-4")
     if (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
             or not (math.isfinite(weight_decay) and weight_decay >= 0)):
-        raise ValueError(f"weight_decay={weight_decay!r} must be a finite number >= 0 (0 disables it)")
+        raise ValueError(f"weight_decay={weight_decay!r} must be a finite number >= 0 (0 "
+                         "disables it)")
     if isinstance(model_or_params, torch.Tensor):
         model_or_params = [model_or_params]
     if isinstance(model_or_params, nn.Module):
@@ -219,8 +222,9 @@ def _adamw_8bit(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
     return AdamW8bit(groups, **args)
 
 
+# One builder per name of OptimizerName, in its order.
 _BUILDERS = {"adamw": _adamw, "adamw_fused": _adamw_fused, "adafactor": _adafactor,
-             "adamw_8bit": _adamw_8bit, "sgd": _sgd}  # one builder per name of OptimizerName, in its order
+             "adamw_8bit": _adamw_8bit, "sgd": _sgd}
 
 
 # ---------------------------------------------------------------- state report

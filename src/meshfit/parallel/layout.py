@@ -5,20 +5,16 @@ change how the data-parallel engine works (ZeRO stage, offload, mixed precision,
 loss parallel, DDP keywords), checks every rule (one-line `ValueError`s naming the field,
 the value and the fix; each rule written once, in `rules.py`) and returns a frozen description:
 
-- the **engine** that keeps the data-parallel replicas in step (`Engine`): none (one
-  process, or tensor/pipeline parallel without a data-parallel axis), DDP (ZeRO stage 0),
-  ZeRO-1 (DDP + ZeroRedundancyOptimizer), FSDP2 (stages 2/3; stage 1 under tp/pp) or
-  replicate-only FSDP2 (stage 0 under tp/pp);
+- the **engine** that keeps the data-parallel replicas in step (`Engine`, one per ZeRO
+  stage and model-parallel case);
 - the **mesh axes** and the sub-meshes each technique runs on;
 - the **warnings** for layouts that work but that the guide advises against;
 - the **costs** a planner reads (`LayoutCosts`): how the engine divides parameters,
   gradients and optimizer state, what it gathers during the step, and what it keeps extra.
 
-`Layout.check_model` adds the rules that need the model (sizes that tensor parallel must
-divide, blocks for the pipeline stages), and `Layout.candidates` enumerates every layout of a
-world size for a model, each with its refusal when it has one. `meshfit train`'s preflight,
-`Accelerator` and `Accelerator.prepare_pipeline` all go through here; nothing else
-re-validates a layout.
+`Layout.check_model` adds the rules that need the model, and `Layout.candidates` enumerates
+every layout of a world size for a model. `meshfit train`'s preflight, `Accelerator` and
+`Accelerator.prepare_pipeline` all go through here; nothing else re-validates a layout.
 
 Why every data-parallel layout with tp or pp runs on FSDP2: with a ``tp`` axis the model's
 parameters are DTensors, which DDP and ZeroRedundancyOptimizer do not take; with a ``pp``

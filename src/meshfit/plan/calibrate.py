@@ -40,8 +40,6 @@ The file (schema 1)::
   both figures are null.
 * ``raw``: the per-size timings every figure came from, and each fit's R² (on the times)
   and largest relative error under ``raw.collectives.<kind>.r2`` / ``.max_relative_error``.
-
-`load_calibration(path)` reads the file into a `Calibration`; the planner imports both.
 """
 
 from __future__ import annotations
@@ -189,12 +187,10 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
 
 
 def fit_latency_bandwidth(nbytes, seconds, factor: float = 1.0) -> dict[str, Any]:
-    """Least-squares fit of ``seconds = latency + factor · nbytes / bus_bandwidth``.
-
-    Each point is weighted by 1/seconds² (relative errors count). A fit whose latency comes
-    out negative (or whose slope is not positive) is redone with latency 0. Returns
-    ``{"latency", "bus_bandwidth", "r2", "max_relative_error", "method"}``; r2 is on the
-    times themselves."""
+    """Least-squares fit of ``seconds = latency + factor · nbytes / bus_bandwidth``, weighted
+    by 1/seconds² and redone with latency 0 when the latency comes out negative (or the slope
+    not positive). Returns ``{"latency", "bus_bandwidth", "r2", "max_relative_error",
+    "method"}``; r2 is on the times themselves."""
     x = [factor * float(s) for s in nbytes]
     t = [float(v) for v in seconds]
     if len(x) != len(t) or not x or min(t) <= 0 or min(x) <= 0:
