@@ -102,20 +102,16 @@ def load_tokens(path: str | os.PathLike[str] | None = None, *, tokenizer: Any = 
                 hf_dataset: str | os.PathLike[str] | None = None,
                 text_column: str = "text") -> TokenSplits:
     """Tokenize ``path`` (default: the Python standard library) or ``hf_dataset`` once,
-    pack its documents into one stream (each followed by the EOS separator; see the module
-    docstring), and map the cache.
+    pack its documents into one stream (see the module docstring), and map the cache.
 
     ``path`` is a UTF-8 text file or a folder (every non-hidden file below it, in sorted
     order; files that are not valid UTF-8 are skipped with a warning); each file is one
     document. ``hf_dataset`` (instead of ``path``) is a ``datasets`` dataset on local disk
-    (see ``meshfit.data.hf``): each row's ``text_column`` is one document, its ``train``
-    split is trained on and its ``validation``/``test`` split (if any) validates.
-    ``tokenizer`` is ``None`` or ``"bytes"`` for bytes, a path to a Hugging Face tokenizer
-    folder or ``tokenizer.json`` (see ``load_tokenizer``), a :class:`Tokenizer`, or a
-    Hugging Face tokenizer object. Documents go to validation by a stable hash of their
-    relative path (row index); when that leaves one side empty (a single file, a handful
-    of files) the last ``val_fraction`` of tokens is used instead, and ``meta["split"]``
-    says which rule applied. ``val_fraction=0``: no validation at all.
+    (see ``meshfit.data.hf``). ``tokenizer``: anything `as_tokenizer` takes. Documents go to
+    validation by a stable hash of their relative path (row index); when that leaves one
+    side empty (a single file, a handful of files) the last ``val_fraction`` of tokens is
+    used instead, and ``meta["split"]`` says which rule applied. ``val_fraction=0``: no
+    validation at all.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"data.val_fraction={val_fraction!r} must be in [0, 1); use e.g. "

@@ -192,10 +192,8 @@ class GPTConfig:
 
     # ----------------------------------------------------------------- closed forms
     def param_breakdown(self) -> dict[str, int]:
-        """Unique parameter count per top-level part of `GPT`, without building it.
-
-        A tied head contributes 0 under "lm_head": its weight is counted under "tok_emb".
-        """
+        """Unique parameter count per top-level part of `GPT`, without building it (a tied
+        head counts 0 under "lm_head": its weight is counted under "tok_emb")."""
         d, f, b = self.d_model, self.d_ff, int(self.bias)
         norm = d * (2 if self.norm == "layernorm" and self.bias else 1)
         kv = self.kv_heads * self.head_dim
@@ -237,10 +235,8 @@ class GPTConfig:
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Closed-form count of unique parameters; equals `GPT(self).num_params(...)`.
-
         `exclude_embeddings` drops the lookup tables tok_emb and pos_emb (a tied head goes
-        with them, being the same tensor); an untied lm_head stays counted.
-        """
+        with them, being the same tensor); an untied lm_head stays counted."""
         parts = self.param_breakdown()
         if exclude_embeddings:
             parts["tok_emb"] = parts["pos_emb"] = 0

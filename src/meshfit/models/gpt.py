@@ -79,10 +79,8 @@ def check_attention_backend(backend: str, device: torch.device | str, dtype: tor
 
 
 def count_params(module: nn.Module) -> int:
-    """Number of unique parameter elements; a tied weight is counted once.
-
-    `Module.parameters()` already de-duplicates shared tensors by identity, which also holds
-    on the meta device where every tensor reports data_ptr 0.
+    """Number of unique parameter elements; a tied weight is counted once (`parameters()`
+    de-duplicates by identity, which also holds on the meta device, where every data_ptr is 0).
     """
     return sum(p.numel() for p in module.parameters())
 
@@ -477,11 +475,8 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ accounting
     def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Unique parameters held by this module (a stage counts only its slice).
-
-        `exclude_embeddings` drops tok_emb and pos_emb (and a tied head with them), matching
-        `GPTConfig.num_params(exclude_embeddings=True)` for a full model.
-        """
+        """Unique parameters held by this module (a stage counts only its slice); for a full
+        model, equal to `GPTConfig.num_params(exclude_embeddings)`."""
         n = count_params(self)
         if exclude_embeddings:
             for emb in (self.tok_emb, self.pos_emb):

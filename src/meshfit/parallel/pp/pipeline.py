@@ -112,15 +112,13 @@ class Pipeline:
         `(scale * loss).backward()` of the whole-batch mean loss would leave them (zero them
         yourself; `scale=1/k` for k pipeline steps per optimizer step).
 
-        Pass the same [B, T] batch on every rank of the pipeline (ranks that do not need a
-        tensor may pass None), so that a batch that does not divide into micro-batches fails
-        on every rank before any communication; with data parallel, each data-parallel rank
-        its own batch. Returns the batch's mean loss (a detached 0-dim tensor, unscaled) on
-        every pipeline rank: it is broadcast from the last stage's rank. Under a
-        data-parallel wrapper the stage gradients are reduced after the last micro-batch of
-        every call (torch's schedules force it), so k calls per optimizer step reduce k
-        times: prefer more `microbatches` to more calls.
-        """
+        Pass the same batch on every rank of the pipeline (ranks that do not need a tensor
+        may pass None), so that a batch that does not divide into micro-batches fails on every
+        rank before any communication; with data parallel, each data-parallel rank its own
+        batch. Returns the batch's mean loss (detached, unscaled; see the module docstring).
+        Under a data-parallel wrapper the stage gradients are reduced after the last
+        micro-batch of every call (torch's schedules force it), so k calls per optimizer step
+        reduce k times: prefer more `microbatches` to more calls."""
         args, target = self._inputs(inputs, targets)
         if isinstance(self._loss_fn, TokenCrossEntropy) and self.has_last:
             self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
