@@ -120,8 +120,6 @@ class Pipeline:
         micro-batch of every call (torch's schedules force it), so k calls per optimizer step
         reduce k times: prefer more `microbatches` to more calls."""
         args, target = self._inputs(inputs, targets)
-        if isinstance(self._loss_fn, TokenCrossEntropy) and self.has_last:
-            self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
         self._loss_fn.scale = scale
         moes = self._moe_modules()
         for m in moes:  # each micro-batch's auxiliary losses weigh as its loss does
@@ -163,8 +161,6 @@ class Pipeline:
             raise RuntimeError("eval_loss with gradients accumulated: evaluate between "
                                "optimizer steps, after optimizer.zero_grad(set_to_none=True)")
         args, target = self._inputs(inputs, targets)
-        if isinstance(self._loss_fn, TokenCrossEntropy) and self.has_last:
-            self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
         losses: list[torch.Tensor] = []
         recording, self._step_info["record"] = self._step_info["record"], False
         try:
@@ -183,6 +179,8 @@ class Pipeline:
         return self._broadcast_loss(losses)
 
     def _inputs(self, inputs, targets):
+        """This rank's schedule arguments and target, checked; the token count of the batch
+        set on the loss (the divisor of its exact batch mean)."""
         for t in (inputs, targets):
             if t is not None:
                 check_batch(t.shape[0], self.microbatches)
@@ -193,6 +191,8 @@ class Pipeline:
                                  f"{self.stage_indices}; pass the batch's {what} on every rank")
         args = (inputs.to(self.device),) if self.has_first else ()
         target = targets.to(self.device) if self.has_last else None
+        if isinstance(self._loss_fn, TokenCrossEntropy) and self.has_last:
+            self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
         return args, target
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
