@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from meshfit.distributed.tensors import local_tensor
+
 __all__ = ["PRETRAINED_ATTR", "check_folder", "load_into", "meta_model", "pretrained_folder",
            "stage_filler", "tied_names", "to_empty"]
 
@@ -267,8 +269,7 @@ def load_into(model: nn.Module, folder, *, buffers: dict[str, torch.Tensor] | No
             _experts_source(files, model, name, prefix, tensor.shape) if name in params else None
         if source is None:
             if buffers is not None and name in buffers:
-                (tensor.to_local() if isinstance(tensor, DTensor) else tensor).copy_(
-                    buffers[name])
+                local_tensor(tensor).copy_(buffers[name])
                 continue
             if name in params:
                 missing.append(name)

@@ -114,13 +114,12 @@ def model_state_bytes(n_params: float, dp: int = 1, zero_stage: int = 0, *,
     `n_params` on `dp` data-parallel ranks, stage 0 (DDP) to 3; `expert_params` of them
     split over `ep` ranks (see the module docstring).
 
-    precision="mixed": fp16/bf16 parameters and gradients (2 B each) and an fp32 master
-    copy counted with the optimizer state (K = 12 for Adam: master, momentum, variance) —
-    the paper's accounting: Ψ = 7.5e9, dp = 64 gives 120, 31.4, 16.6 and 1.9 GB.
-    precision="fp32": 4 B parameters and gradients, the parameters their own master (K = 8
-    for Adam). `optimizer`: adamw (K as above), adamw_8bit (2 B of state per parameter),
-    sgd (4 B momentum), adafactor (0: its factored statistics are O(rows + cols)).
-    Returns {"params", "grads", "optimizer", "total"} in bytes."""
+    precision="mixed": fp16/bf16 parameters and gradients (2 B each) and an fp32 master copy
+    counted with the optimizer state (K = 12 for Adam: master, momentum, variance) — the paper's
+    accounting: Ψ = 7.5e9, dp = 64 gives 120, 31.4, 16.6 and 1.9 GB. precision="fp32": 4 B
+    parameters and gradients, the parameters their own master (K = 8 for Adam). `optimizer`:
+    `OPTIMIZER_BYTES` of state per parameter (adafactor 0: its factored statistics are O(rows +
+    cols)). Returns {"params", "grads", "optimizer", "total"} in bytes."""
     if precision not in ("mixed", "fp32"):
         raise ValueError(f"precision={precision!r} must be 'mixed' or 'fp32'")
     if optimizer not in OPTIMIZER_BYTES:
@@ -285,10 +284,7 @@ def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
 
 def _head_bytes(shape: ModelShape, layout: LayoutSpec, tokens: int, act: int,
                 residual: int) -> float:
-    """The last stage's activations outside the blocks: the final norm's input (the
-    residual stream) and the head's input, and the loss: fp32 logits, their log-softmax
-    and its gradient alive together in the loss's backward (3V per token; / t under
-    loss_parallel)."""
+    """The last stage's activations outside the blocks (see the module docstring)."""
     t = layout.tp
     inputs = shape.d_model * (residual + act) * tokens / (t if layout.sequence_parallel else 1)
     return inputs + 3 * shape.vocab_size * 4 * tokens / (t if layout.loss_parallel else 1)

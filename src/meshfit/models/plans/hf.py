@@ -65,8 +65,7 @@ def _block(prefix: str, attn: str, mlp: str, norms: tuple[str, str], linears: di
         styles[f"{prefix}.{norm}"] = sequence() if sp else replicate()
     if sp:
         styles[f"{prefix}.{attn}"] = prepare_input(
-            input_kwargs={"hidden_states": SHARD_SEQ},
-            desired_kwargs={"hidden_states": REPLICATE},
+            input_kwargs={"hidden_states": SHARD_SEQ}, desired_kwargs={"hidden_states": REPLICATE}
         ) if attn_kwarg else prepare_input(input=(SHARD_SEQ,), desired=(REPLICATE,))
         styles[f"{prefix}.{mlp}"] = prepare_input(input=(SHARD_SEQ,), desired=(REPLICATE,))
     for name, style in linears.items():

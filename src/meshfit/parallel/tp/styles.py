@@ -155,7 +155,6 @@ class Conv1DColwiseParallel(ColwiseParallel):
 
 
 def _distribute_conv1d(style, module: nn.Module, device_mesh) -> nn.Module:
-    """distribute_module with a Conv1D style's partition and its layout hooks."""
     return distribute_module(
         module, device_mesh, style._partition_conv1d,
         functools.partial(style._prepare_input_fn, style.input_layouts,
