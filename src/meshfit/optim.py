@@ -126,10 +126,9 @@ def build(name: str, model_or_params: nn.Module | Iterable[Any], *, lr: float,
           **kwargs: Any) -> torch.optim.Optimizer:
     """A ready optimizer `name` (one of `OPTIMIZERS`) over the trainable parameters.
 
-    An `nn.Module` is split by `param_groups` (no decay on biases, norms and 1-D tensors,
-    nor on names containing a `no_decay` substring). An iterable of parameters or of param
-    groups is used as given, minus frozen parameters: `weight_decay` is then the default for
-    every group that does not set its own. Which hyperparameters apply:
+    An `nn.Module` is split by `param_groups` (with `no_decay`). An iterable of parameters or of
+    param groups is used as given, minus frozen parameters: `weight_decay` is then the default
+    for every group that does not set its own. Which hyperparameters apply:
 
         adamw, adamw_fused, adamw_8bit   lr, weight_decay (decoupled), betas, eps
         adafactor                        lr (the cap on the relative step size rho_t),
@@ -268,15 +267,11 @@ def _ratio(num: int, den: int) -> float:
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> StateReport:
-    """Measure `optimizer.state`: bytes of every tensor it holds, per parameter kind.
-
-    Tensor subclasses are opened up: DTensor to its local shard, torchao's OptimState8bit
-    to its uint8 codes, fp32 block scales and lookup table (`__tensor_flatten__`); plain
-    tensors are counted by storage, de-duplicated by data_ptr, so a lookup table shared by
-    all of bitsandbytes' states counts once. Scalar `step` tensors count; Python numbers in
-    the state do not (they are not tensor memory). State is created lazily by most
-    optimizers: measure after the first step.
-    """
+    """Measure `optimizer.state`: bytes of every tensor it holds, per parameter kind, each
+    storage once (`meshfit.distributed.tensors.storage_bytes`: a lookup table shared by all
+    of bitsandbytes' states counts once). Scalar `step` tensors count; Python numbers in the
+    state do not (they are not tensor memory). State is created lazily by most optimizers:
+    measure after the first step."""
     seen_storage: set[tuple[str, int]] = set()
     seen_params: set[int] = set()
     total = matrix = n_params = n_matrix = 0

@@ -23,9 +23,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from meshfit._quiet import import_quietly
+from meshfit._quiet import quiet_logs
 
-peft = import_quietly("peft")  # imports torchao, whose CPU-only import logs warnings
+with quiet_logs():  # peft imports torchao, whose CPU-only import logs warnings
+    import peft
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING  # noqa: E402
 from safetensors.torch import load_file
 from torch import nn

@@ -152,8 +152,6 @@ def _files_hash(source: Corpus | HFSource) -> str:
 
 
 def _cache_key(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float) -> str:
-    # tok.name identifies the mapping text -> ids and the EOS id (HFTokenizer hashes its
-    # whole tokenizer.json into it); see the Tokenizer protocol.
     parts = [_FORMAT, _files_hash(source), tok.name, int(tok.vocab_size), repr(val_fraction)]
     return hashlib.sha256(json.dumps(parts).encode("utf-8")).hexdigest()
 

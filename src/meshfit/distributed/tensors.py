@@ -20,8 +20,9 @@ def storage_bytes(obj: Any, seen: set[tuple[str, int]]) -> int:
     """Bytes of the storages behind the tensors in a nest of dicts, lists and tuples, each
     storage counted once across calls sharing `seen` ((device, data pointer) pairs).
 
-    Wrapper subclasses are opened to the tensors they hold: a DTensor to its local shard,
-    torchao's 8-bit optimizer state to its codes, scales and quantisation map."""
+    Wrapper subclasses are opened to the tensors they hold (`__tensor_flatten__`): a DTensor
+    to its local shard, torchao's 8-bit optimizer state to its uint8 codes, fp32 block scales
+    and quantisation map."""
     if isinstance(obj, dict):
         return sum(storage_bytes(v, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):

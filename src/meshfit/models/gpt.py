@@ -241,10 +241,8 @@ class GPT(nn.Module):
     cross-entropy (scalar, ignore_index -100). As a pipeline stage: without tok_emb the input
     is hidden states [B, T, d_model]; without lm_head the output is hidden states.
 
-    With MoE blocks (`GPTConfig.n_experts > 0`) the loss returned with targets is the
-    cross-entropy plus the sum of the MoE blocks' auxiliary losses (load balancing + router
-    z-loss, already weighted by their coefficients); each block keeps its own in
-    `mlp.last_aux_loss`, so a pipeline stage or a custom loss can add them itself.
+    With MoE blocks (`GPTConfig.n_experts > 0`) the loss returned with targets adds the
+    blocks' auxiliary losses (`aux_loss`; see `meshfit.models.moe`).
 
     With targets, the loss skips the whole [B, T, vocab] float32 logits when they would be
     large (`fused_loss` "auto": at least `FUSED_LOSS_MIN_BYTES`; "on": always; "off":

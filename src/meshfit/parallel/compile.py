@@ -11,11 +11,10 @@ FSDP hooks around blocks) stays eager. `nn.Module.compile` compiles in place, so
 names and state_dict keys do not change (no `_orig_mod.` prefix as `torch.compile(model)`
 would add).
 
-Order (torchtitan's): `apply_activation_checkpointing`, then `apply_compile` (dynamo traces
-the checkpoint as a higher-order op), then DDP / FSDP. With FSDP2, compile blocks before
-sharding: a whole-model compile of a sharded model can silently run eager (a graph break on
-FSDP's dynamo-disabled hooks skips the frame, and no kernel is produced), which is why
-`compile_stats` exists: check `graphs > 0` after the first step.
+Order: `meshfit.parallel.parallelize`'s. With FSDP2, compile blocks before sharding: a
+whole-model compile of a sharded model can silently run eager (a graph break on FSDP's
+dynamo-disabled hooks skips the frame, and no kernel is produced), which is why `compile_stats`
+exists: check `graphs > 0` after the first step.
 """
 
 from __future__ import annotations

@@ -89,8 +89,7 @@ def gpt_plan(model: GPT, *, sequence_parallel: bool = False,
 def gpt_pipeline_plan(model: GPT) -> PipelinePlan:
     """Blocks in ``layers`` (a ModuleDict keyed by global index); embeddings first, final
     norm and head last. A stage is a `GPT` whose forward skips the parts set to None: it
-    takes hidden states when it has no embedding and returns them when it has no head.
-    `GPT.init_weights` derives each parameter from one drawn seed and the parameter's name,
-    so a stage initialised from the same generator gets exactly its slice of the model."""
+    takes hidden states when it has no embedding and returns them when it has no head;
+    `GPT.init_weights` fills a stage with exactly its slice of the full model's values."""
     return PipelinePlan(blocks="layers", first=("tok_emb", "pos_emb"),
                         last=("norm", "lm_head"), init_weights=GPT.init_weights)
