@@ -157,10 +157,9 @@ def save_dcp_async(state: dict[str, Any], folder: Path, *, process_group):
 
 
 def commit(tmp: Path, folder: Path, manifest: Manifest) -> Path:
-    """Hash the files each rank wrote (in parallel), then on rank 0 write the manifest and
-    rename `tmp` to `folder` atomically. A collective: every rank calls it after `save_dcp`.
-    An existing `folder` (a checkpoint of the same step) is replaced only after the new one
-    is complete."""
+    """Make `tmp` the checkpoint `folder`, as the module docstring says; a collective: every
+    rank calls it after `save_dcp`. An existing `folder` (the same step saved again) is
+    replaced only after the new one is complete."""
     rank = _rank()
     mine = [p.name for p in sorted(tmp.iterdir()) if p.name.startswith(f"__{rank}_")]
     if rank == 0:

@@ -21,15 +21,14 @@ hashes its whole ``tokenizer.json``, so a retrained tokenizer never reuses a sta
 and the validation fraction, so editing, adding or removing a file, or changing the
 tokenizer, selects a new cache instead of reading a stale one.
 
-Crash and concurrency safety come from atomic renames, not locks: each writer fills a
-private temp file in the same folder and ``os.replace``s it into place (atomic on POSIX and
-Windows within one filesystem), ``.bin`` first and ``.json`` last. The sidecar is the commit
-marker: a reader trusts a ``.bin`` only if a sidecar with the same key exists and the
-``.bin`` has exactly the size the sidecar records. Several ranks building at once each do the
-work and replace identical bytes, which is wasted time but never a torn file; a rank that
-already mapped the old ``.bin`` keeps reading its inode. No ``fcntl`` lock, because locks
-are unreliable on the network filesystems clusters often put caches on, and the duplicate
-work (seconds for the standard library) is cheaper than that risk.
+Crash and concurrency safety come from atomic renames (`meshfit._files.atomic_write`), not
+locks: ``.bin`` first and ``.json`` last. The sidecar is the commit marker: a reader trusts
+a ``.bin`` only if a sidecar with the same key exists and the ``.bin`` has exactly the size
+the sidecar records. Several ranks building at once each do the work and replace identical
+bytes, which is wasted time but never a torn file; a rank that already mapped the old
+``.bin`` keeps reading its inode. No ``fcntl`` lock, because locks are unreliable on the
+network filesystems clusters often put caches on, and the duplicate work (seconds for the
+standard library) is cheaper than that risk.
 
 Damage after the write is caught on every open: the sidecar's fields are checked against the
 tokenizer (name, vocabulary size, dtype, separator) and against the file (token count times

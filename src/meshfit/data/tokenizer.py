@@ -27,8 +27,7 @@ MESHFIT_TOKENIZER_FILE = "meshfit_tokenizer.json"
 """Written by ``save`` for tokenizers that have no Hugging Face folder format of their own
 (bytes; a bare ``tokenizers`` tokenizer and its EOS token)."""
 
-# Special tokens taken as the end-of-sequence token of a bare tokenizer.json that does not
-# say which one it is (tokenizers.Tokenizer has no eos concept), in this order.
+# The EOS token of a bare tokenizer.json (tokenizers.Tokenizer has no eos concept), in order.
 _EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<EOS>")
 
 

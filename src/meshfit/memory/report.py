@@ -191,13 +191,11 @@ def zero_formula(num_params: int, world: int, stage: int, *, param_bytes: float 
             momentum and variance, the master copy counted as optimizer state): also 16Ψ;
             Ψ=7.5e9, N=64 gives 120, 31.4, 16.6 and 1.9 GB for stages 0-3.
 
-    `fsdp2=True` gives what PyTorch's FSDP2 holds at rest for stage 2: `fully_shard` with
-    reshard_after_forward=False (meshfit's stage 2) keeps the gathered parameters only from
-    forward to the end of backward and reshards them after backward, so between steps its
-    parameters are sharded as in stage 3 — the difference is the peak during the step, not
-    the bytes at rest. The formula ignores AdamW's scalar `step` tensors (4 B per parameter
-    tensor) and FSDP2's padding of a dim 0 that does not divide by N (each shard is ceil).
-    Returns {"params", "grads", "optimizer", "total"} in bytes (floats: Ψ/N need not be whole).
+    `fsdp2=True` gives what FSDP2's stage 2 holds at rest: its parameters sharded as in stage 3
+    (`meshfit.parallel.fsdp` says why). The formula ignores AdamW's scalar `step` tensors (4 B
+    per parameter tensor) and FSDP2's padding of a dim 0 that does not divide by N (each shard
+    is ceil). Returns {"params", "grads", "optimizer", "total"} in bytes (floats: Ψ/N need not
+    be whole).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage!r} must be 0 (DDP), 1, 2 or 3")

@@ -154,10 +154,9 @@ class Layout:
         """The layout of `dims` on `world_size` processes, or a one-line ValueError.
 
         `distributed=False`: a single process with no process group (no engine at all).
-        `zero_stage`: None means 3 when dp_shard > 1, else 0. `local_world_size`: processes
-        per node, for the warning about tensor-parallel groups that cross nodes. `names`:
-        how the caller spells each field in errors (e.g. ``{"zero_stage":
-        "parallel.zero_stage"}``)."""
+        `local_world_size`: processes per node, for the warning about tensor-parallel groups
+        that cross nodes. `names`: how the caller spells each field in errors (e.g.
+        ``{"zero_stage": "parallel.zero_stage"}``)."""
         out = cls._decide(dims, world_size, distributed=distributed, zero_stage=zero_stage,
                           offload=offload, mixed_precision=mixed_precision,
                           sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,

@@ -120,8 +120,7 @@ def _sync(device: torch.device) -> None:
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that records wall-clock start/end of each forward, backward (or, under
-    zero-bubble, backward_input and backward_weight) per micro-batch into `log`."""
+    """A PipelineStage that records its timings (see the module docstring) into `log`."""
 
     def __init__(self, *args, log: list | None, clock: Callable[[], float], info: dict, **kwargs):
         super().__init__(*args, **kwargs)

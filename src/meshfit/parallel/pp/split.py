@@ -6,9 +6,6 @@ copy of the model holding only its part, with parameter names unchanged: its blo
 under their indices in the full model (a `ModuleDict` loses the others; a `ModuleList`
 becomes a `StageBlocks` keyed by the original indices), the parts it does not keep become
 None or the plan's stand-ins, and its forward is the plan's.
-
-- `split_points` chooses where to cut, balancing parameter counts or measured block times;
-- `build_stage_module` cuts one stage; `block_times` measures each part alone.
 """
 
 from __future__ import annotations

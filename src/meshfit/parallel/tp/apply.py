@@ -149,8 +149,6 @@ def _route_loss(model: nn.Module, plan) -> None:
 
     def loss(module, args, kwargs, logits):
         targets = pending.pop()
-        # Half precision is upcast to float32 as GPT.forward does; float64 stays float64
-        # (GPT.forward would round it to float32). The logits are never gathered.
         return logits if targets is None else tp_cross_entropy(logits, targets)
 
     model.register_forward_pre_hook(take_targets, with_kwargs=True)
