@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 __all__ = ["WriteFailed", "append_line", "atomic_write", "atomic_write_bytes",
-           "atomic_write_dir", "atomic_write_text", "fsync_dir", "fsync_path", "fsync_tree",
+           "atomic_write_dir", "atomic_write_text", "fsync_path", "fsync_tree",
            "new_file_mode", "os_reason", "remove_stale_temps", "replace_dir", "stale_temps",
            "temp_sibling"]
 
@@ -68,15 +68,6 @@ def new_file_mode(path: Path, *, folder: bool = False) -> int:
         return (0o777 if folder else 0o666) & ~_umask()
 
 
-def fsync_dir(folder: Path) -> None:
-    """fsync a folder: renames and new names in it become durable."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, fill: Callable[[BinaryIO], object]) -> None:
     """Replace `path` by what ``fill(file)`` writes, atomically: a temporary file in the same
     folder, filled, flushed and fsynced, renamed over `path`, then the folder fsynced. A
@@ -97,7 +88,7 @@ def atomic_write(path: Path, fill: Callable[[BinaryIO], object]) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         tmp = None
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
     except OSError as err:
         if filling and err.filename is not None:
             raise  # a file the filler reads, as it was raised (writing this one names no file)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshfit._files import atomic_write_text, fsync_dir, fsync_path
+from meshfit._files import atomic_write_text, fsync_path
 from meshfit.distributed.settle import barrier as settled_barrier
 
 __all__ = ["CheckpointError", "Manifest", "commit", "is_complete", "latest", "list_complete",
@@ -179,7 +179,7 @@ def commit(tmp: Path, folder: Path, manifest: Manifest) -> Path:
             old = folder.with_name(f"{folder.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(folder, old)
         os.replace(tmp, folder)
-        fsync_dir(folder.parent)
+        fsync_path(folder.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     if _distributed():

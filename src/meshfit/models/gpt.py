@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import AttentionBackend, GPTConfig
+from meshfit.models.loss import linear_cross_entropy, plain_cross_entropy
 from meshfit.models.mlp import GeluMLP, SwiGLUMLP
 from meshfit.models.moe import Experts, MoE
 
@@ -285,13 +286,12 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Deterministic init; also (re)computes the RoPE cache.
-
-        Draws one base seed from `generator` (the global CPU RNG when None), then fills each
-        parameter from its own generator seeded by (base seed, parameter name). The values of
-        a parameter therefore depend only on the seed and its name, not on which other parts
-        the module holds: a pipeline stage initialised with the same seed gets exactly the
-        full model's weights for its slice. Meta tensors are skipped.
+        """Deterministic init; also (re)computes the RoPE cache. Draws one base seed from
+        `generator` (the global CPU RNG when None), then fills each parameter from its own
+        generator seeded by (base seed, parameter name). The values of a parameter therefore
+        depend only on the seed and its name, not on which other parts the module holds: a
+        pipeline stage initialised with the same seed gets exactly the full model's weights
+        for its slice. Meta tensors are skipped.
 
         Linears/embeddings ~ N(0, init_std); biases 0; norm weights 1. Residual output
         projections (wo, w_out, w2) use init_std / sqrt(2 * n_layer): GPT-2 (Radford et al.
@@ -359,19 +359,13 @@ class GPT(nn.Module):
         if self.lm_head is None:
             return h
         if targets is not None and self._chunked_loss(h):
-            from meshfit.models.loss import linear_cross_entropy
-
             loss = torch.compiler.disable(linear_cross_entropy)(
                 h, self.lm_head.weight, targets, chunk_tokens=self.loss_chunk_tokens)
         else:
             logits = self.lm_head(h)
             if targets is None:
                 return logits
-            # float32 cross-entropy: log-softmax over a large vocabulary is unstable in bf16
-            # (a float64 model keeps float64).
-            if logits.dtype in (torch.float16, torch.bfloat16):
-                logits = logits.float()
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss = plain_cross_entropy(logits, targets)
         aux = self.aux_loss()
         return loss if aux is None else loss + aux
 

@@ -200,11 +200,9 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class Experts(nn.Module):
-    """The routed experts' stacked weights ([E, d, f] / [E, f, d], input-major) and their
-    computation over rows sorted by expert. Its own module so that FSDP2 can shard it over
-    other ranks than the rest of the block (expert parallelism, `meshfit.parallel.ep`);
-    under expert parallelism the weights are DTensors sharded on dim 0 over the ``ep``
-    ranks and this rank computes its local experts."""
+    """The routed experts' stacked weights and their computation over rows sorted by expert;
+    its own module so that FSDP2 can shard it over other ranks than the rest of the block
+    (under expert parallelism, `meshfit.parallel.ep`, this rank's experts: a dim-0 shard)."""
 
     def __init__(self, n_experts: int, d_model: int, d_ff: int, *, swiglu: bool) -> None:
         super().__init__()
@@ -220,8 +218,7 @@ class Experts(nn.Module):
         self.use_grouped_mm: bool | None = None
         """None: auto (grouped matmul where the probe passes); False: always the loop."""
         self.grad_scale: float = 1.0
-        """Multiplies the experts' gradients (expert parallelism: 1/ep, see
-        `meshfit.parallel.ep`)."""
+        """Multiplies the experts' gradients (expert parallelism: 1/ep, `meshfit.parallel.ep`)."""
 
     def weights(self) -> tuple[torch.Tensor, ...]:
         """This rank's expert weights as plain tensors (the local shard of a DTensor)."""

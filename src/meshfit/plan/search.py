@@ -193,21 +193,19 @@ def scenario(shape: ModelShape, cluster: Cluster, *, seq_len: int, dtype: str,
                 "one GPU and the model does not fit: only checkpointing, smaller batches and "
                 "CPU offload can help")
     elif cluster.nodes == 1:
-        fast = cluster.interconnect_name == "nvlink"
         if fits_one:
             text = ("one node, the model fits one GPU: data parallel (DDP; ZeRO may or may not "
                     "be faster)")
         elif not layer_fits:
             text = "one node, the largest layer does not fit one GPU: tensor parallel is needed"
-        elif fast:
+        elif cluster.interconnect_name == "nvlink":
             text = ("one node, the model does not fit one GPU, NVLink: ZeRO-3/FSDP, pipeline "
                     "or tensor parallel are about equal")
         else:
             text = ("one node, the model does not fit one GPU, no NVLink: pipeline parallel "
                     "is preferred over tensor parallel and ZeRO")
     else:
-        fast = cluster.network_name == "infiniband"
-        if fast:
+        if cluster.network_name == "infiniband":  # a fast network
             text = ("many nodes, fast network: ZeRO-3/FSDP needs no model changes; or "
                     "PP + TP + DP, with TP inside a node")
         else:
