@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshfit.distributed.tensors import local_tensor
+from meshfit.distributed.tensors import local_tensor, names_by_parameter
 
 __all__ = ["PRETRAINED_ATTR", "check_folder", "load_into", "meta_model", "pretrained_folder",
            "stage_filler", "tied_names", "to_empty"]
@@ -315,17 +315,10 @@ def stage_filler(model: nn.Module) -> Callable[[nn.Module, torch.device], None] 
     return fill
 
 
-def _names_by_tensor(model: nn.Module) -> list[list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return list(by_id.values())
-
-
 def to_empty(model: nn.Module, device) -> None:
     """`model.to_empty(device=...)` keeping tied parameters tied (moving a meta tensor makes
     a new parameter per module, which would untie a tied head from its embedding)."""
-    groups = _names_by_tensor(model)
+    groups = names_by_parameter(model)
     model.to_empty(device=device)
     for names in groups:
         first = model.get_parameter(names[0])
@@ -337,7 +330,7 @@ def to_empty(model: nn.Module, device) -> None:
 def tied_names(model: nn.Module) -> dict[str, str]:
     """name -> the other name of the same parameter (a tied head reads the embedding)."""
     out = {}
-    for names in _names_by_tensor(model):
+    for names in names_by_parameter(model):
         for a in names:
             for b in names:
                 if a != b:

@@ -1,4 +1,5 @@
-"""Tensors that may be distributed: this rank's part of a DTensor, and bytes held per storage."""
+"""Tensors that may be distributed: this rank's part of a DTensor, bytes held per storage, and
+the names a shared (tied) parameter goes by."""
 
 from __future__ import annotations
 
@@ -7,13 +8,21 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["local_tensor", "storage_bytes"]
+__all__ = ["local_tensor", "names_by_parameter", "storage_bytes"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (`to_local()`); any other tensor as it is."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def names_by_parameter(module: torch.nn.Module) -> list[list[str]]:
+    """Every parameter's names in `module`, one list per tensor: a tied one has several."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return list(by_id.values())
 
 
 def storage_bytes(obj: Any, seen: set[tuple[str, int]]) -> int:

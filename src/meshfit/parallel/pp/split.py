@@ -13,13 +13,13 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from meshfit.distributed.tensors import names_by_parameter
 from meshfit.models.plans import PipelinePlan, pipeline_plan_for
 from meshfit.parallel.pp.schedule import _sync
 
@@ -264,13 +264,6 @@ class Tie:
     shape: torch.Size
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    by_tensor = defaultdict(list)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_tensor[id(p)].append(name)
-    return [names for names in by_tensor.values() if len(names) > 1]
-
-
 def holds(model: nn.Module, plan: PipelinePlan, name: str, stage: int, num_stages: int,
           points) -> bool:
     """Whether stage `stage` keeps parameter `name` of the full model."""
@@ -289,7 +282,7 @@ def holds(model: nn.Module, plan: PipelinePlan, name: str, stage: int, num_stage
 def ties(model: nn.Module, plan: PipelinePlan, placement, num_stages: int, points) -> list[Tie]:
     """The trainable tensors that end up as copies on several stages."""
     out = []
-    for names in _tied_groups(model):
+    for names in (n for n in names_by_parameter(model) if len(n) > 1):
         if not model.get_parameter(names[0]).requires_grad:
             continue  # frozen (e.g. LoRA): no gradients to keep equal
         holders = [(r, s) for r, held in enumerate(placement) for s in held

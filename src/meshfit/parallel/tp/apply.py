@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
+from meshfit.distributed.tensors import names_by_parameter
 from meshfit.parallel.tp.styles import NO_PARAMS, planned_placement, to_torch_style
 
 __all__ = ["apply_tp", "tp_cross_entropy"]
@@ -55,11 +56,8 @@ def _check_params(model: nn.Module, styles: Mapping[str, ParallelStyle]) -> list
     """Raise if a parameter would stay a plain tensor or tied copies would be laid out
     differently; return the groups of names that share one parameter (to re-tie after)."""
     modules = dict(model.named_modules())
-    by_id: dict[int, list[str]] = {}
-    for full, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(full)
     plain, tied = [], []
-    for names in by_id.values():
+    for names in names_by_parameter(model):
         placements = set()
         for full in names:
             owner, _, p_name = full.rpartition(".")
