@@ -42,8 +42,7 @@ def _is_hf(model: nn.Module) -> bool:
 
 def describe_model(model: nn.Module, factory: str | None = None,
                    factory_kwargs: dict | None = None) -> dict[str, Any]:
-    """The config.json of `model`: a transformers model's own, the reference GPT's fields, or
-    the factory that builds a user's model (`factory` = "module:function")."""
+    """The config.json of `model`, as the module docstring lists (`factory`: "module:function")."""
     from meshfit.models import GPT
 
     if _is_hf(model):
