@@ -2,13 +2,14 @@
 
 The package is layered; each layer imports only the ones below it:
 
+    _files, _lazy, _quiet  atomic writes, names imported on first use, quiet imports  (stdlib)
     distributed/   processes, devices, mesh axes, collectives, the spawner      (torch only)
     models/, data/ the reference models with their parallel plans; token data
     parallel/      the layout request and decision, one technique per file, `parallelize`
-    optim, memory, peft, checkpoint, plan, tracking
+    optim (+ optim_names), memory, peft, checkpoint, plan, tracking
     accelerator/   the `Accelerator` facade for users' own loops (Accelerate's calls)
     utils/         the names scripts written for Accelerate import from accelerate.utils
-    train/, launch/, cli/   `meshfit train`, the launcher, every subcommand's command line
+    train/, launch/, cli/, __main__   `meshfit train`, the launcher, every subcommand's CLI
 """
 
 from __future__ import annotations

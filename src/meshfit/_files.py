@@ -3,6 +3,7 @@ writer of meshfit uses (run folders, model folders, adapters, checkpoints' neigh
 trackers, caches). Standard library only.
 
     atomic_write_text(path, text)      # temp in the same folder + fsync + rename + dir fsync
+    atomic_write_dir(folder, fill)     # the same for a folder that fill(tmp) writes
     append_line(path, line_bytes)      # a whole line or nothing (cut back on a failed write)
     tmp = temp_sibling(target)         # ".<name>.tmp.<host>.<pid>.<rand>" beside target
     replace_dir(tmp, target)           # a folder put in place of another
@@ -26,8 +27,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 __all__ = ["WriteFailed", "append_line", "atomic_write", "atomic_write_bytes",
-           "atomic_write_text", "fsync_dir", "fsync_path", "fsync_tree", "new_file_mode",
-           "os_reason", "remove_stale_temps", "replace_dir", "stale_temps", "temp_sibling"]
+           "atomic_write_dir", "atomic_write_text", "fsync_path", "fsync_tree",
+           "new_file_mode", "os_reason", "remove_stale_temps", "replace_dir", "stale_temps",
+           "temp_sibling"]
 
 
 class WriteFailed(OSError, ValueError):
@@ -66,15 +68,6 @@ def new_file_mode(path: Path, *, folder: bool = False) -> int:
         return (0o777 if folder else 0o666) & ~_umask()
 
 
-def fsync_dir(folder: Path) -> None:
-    """fsync a folder: renames and new names in it become durable."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, fill: Callable[[BinaryIO], object]) -> None:
     """Replace `path` by what ``fill(file)`` writes, atomically: a temporary file in the same
     folder, filled, flushed and fsynced, renamed over `path`, then the folder fsynced. A
@@ -95,7 +88,7 @@ def atomic_write(path: Path, fill: Callable[[BinaryIO], object]) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         tmp = None
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
     except OSError as err:
         if filling and err.filename is not None:
             raise  # a file the filler reads, as it was raised (writing this one names no file)
@@ -251,3 +244,24 @@ def replace_dir(src: Path, dst: Path) -> None:
         os.replace(old, dst)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_write_dir(target: Path, fill: Callable[[Path], object]) -> Path:
+    """Replace the folder `target` by what ``fill(tmp)`` writes into a new `temp_sibling`:
+    every file in it fsynced, renamed into place (`replace_dir`), the parent fsynced, so a
+    failure never leaves a half written folder where a complete one was. The temporary
+    folder is removed on every exit path a process lives through (KeyboardInterrupt
+    included); one left by a killed writer is removed by the next write of `target`
+    (`remove_stale_temps`). Returns `target`."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(target)
+    tmp = temp_sibling(target)
+    try:
+        fill(tmp)
+        fsync_tree(tmp)
+        replace_dir(tmp, target)
+        fsync_path(target.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    return target

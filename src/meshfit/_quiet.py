@@ -8,9 +8,7 @@ torchao. None of it concerns the user, and it would bury meshfit's one-line erro
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
-from types import ModuleType
 
 _NOISY = ("torchao", "torch.utils._pytree")
 
@@ -26,8 +24,3 @@ def quiet_logs(names: tuple[str, ...] = _NOISY):
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
-
-
-def import_quietly(name: str) -> ModuleType:
-    with quiet_logs():
-        return importlib.import_module(name)

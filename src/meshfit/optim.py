@@ -47,7 +47,8 @@ from torch import nn
 from meshfit.distributed.tensors import local_tensor, storage_bytes
 from meshfit.optim_names import OPTIMIZERS, OptimizerName
 
-__all__ = ["OPTIMIZERS", "OptimizerName", "StateReport", "build", "format_report", "param_groups", "state_bytes"]
+__all__ = ["OPTIMIZERS", "OptimizerName", "StateReport", "build", "format_report", "param_groups",
+           "state_bytes"]
 
 # Normalisation layers by type; modules whose class name ends in "Norm" (LlamaRMSNorm,
 # T5LayerNorm, ...) count too, as Hugging Face's ALL_LAYERNORM_LAYERS list intends.
@@ -125,10 +126,9 @@ def build(name: str, model_or_params: nn.Module | Iterable[Any], *, lr: float,
           **kwargs: Any) -> torch.optim.Optimizer:
     """A ready optimizer `name` (one of `OPTIMIZERS`) over the trainable parameters.
 
-    An `nn.Module` is split by `param_groups` (no decay on biases, norms and 1-D tensors,
-    nor on names containing a `no_decay` substring). An iterable of parameters or of param
-    groups is used as given, minus frozen parameters: `weight_decay` is then the default for
-    every group that does not set its own. Which hyperparameters apply:
+    An `nn.Module` is split by `param_groups` (with `no_decay`). An iterable of parameters or of
+    param groups is used as given, minus frozen parameters: `weight_decay` is then the default
+    for every group that does not set its own. Which hyperparameters apply:
 
         adamw, adamw_fused, adamw_8bit   lr, weight_decay (decoupled), betas, eps
         adafactor                        lr (the cap on the relative step size rho_t),
@@ -145,11 +145,13 @@ def build(name: str, model_or_params: nn.Module | Iterable[Any], *, lr: float,
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer={name!r} is not one of {', '.join(OPTIMIZERS)}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr)
+                                                                         and lr > 0):
         raise ValueError(f"lr={lr!r} must be a positive finite number, e.g. lr=3e-4")
     if (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
             or not (math.isfinite(weight_decay) and weight_decay >= 0)):
-        raise ValueError(f"weight_decay={weight_decay!r} must be a finite number >= 0 (0 disables it)")
+        raise ValueError(f"weight_decay={weight_decay!r} must be a finite number >= 0 (0 "
+                         "disables it)")
     if isinstance(model_or_params, torch.Tensor):
         model_or_params = [model_or_params]
     if isinstance(model_or_params, nn.Module):
@@ -219,8 +221,9 @@ def _adamw_8bit(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
     return AdamW8bit(groups, **args)
 
 
+# One builder per name of OptimizerName, in its order.
 _BUILDERS = {"adamw": _adamw, "adamw_fused": _adamw_fused, "adafactor": _adafactor,
-             "adamw_8bit": _adamw_8bit, "sgd": _sgd}  # one builder per name of OptimizerName, in its order
+             "adamw_8bit": _adamw_8bit, "sgd": _sgd}
 
 
 # ---------------------------------------------------------------- state report
@@ -264,15 +267,11 @@ def _ratio(num: int, den: int) -> float:
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> StateReport:
-    """Measure `optimizer.state`: bytes of every tensor it holds, per parameter kind.
-
-    Tensor subclasses are opened up: DTensor to its local shard, torchao's OptimState8bit
-    to its uint8 codes, fp32 block scales and lookup table (`__tensor_flatten__`); plain
-    tensors are counted by storage, de-duplicated by data_ptr, so a lookup table shared by
-    all of bitsandbytes' states counts once. Scalar `step` tensors count; Python numbers in
-    the state do not (they are not tensor memory). State is created lazily by most
-    optimizers: measure after the first step.
-    """
+    """Measure `optimizer.state`: bytes of every tensor it holds, per parameter kind, each
+    storage once (`meshfit.distributed.tensors.storage_bytes`: a lookup table shared by all
+    of bitsandbytes' states counts once). Scalar `step` tensors count; Python numbers in the
+    state do not (they are not tensor memory). State is created lazily by most optimizers:
+    measure after the first step."""
     seen_storage: set[tuple[str, int]] = set()
     seen_params: set[int] = set()
     total = matrix = n_params = n_matrix = 0

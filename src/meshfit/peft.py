@@ -21,20 +21,18 @@ The functions below accept a DDP-wrapped model where they need the PeftModel ins
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
+from meshfit._quiet import quiet_logs
 
-from meshfit._quiet import import_quietly
-
-peft = import_quietly("peft")  # imports torchao, whose CPU-only import logs warnings
+with quiet_logs():  # peft imports torchao, whose CPU-only import logs warnings
+    import peft
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING  # noqa: E402
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from meshfit._files import fsync_path, fsync_tree, remove_stale_temps, temp_sibling
-from meshfit._files import replace_dir as _replace_dir
+from meshfit._files import atomic_write_dir
 from meshfit.models.gpt import GPT
 
 try:
@@ -42,9 +40,8 @@ try:
 except ImportError:  # older peft raises a plain ValueError when no target module matches
     NoMatchingPeftModuleError = ValueError
 
-__all__ = [
-    "GPT_TARGET_MODULES", "lora", "trainable_parameters", "save_adapter", "load_adapter", "merge",
-]
+__all__ = ["GPT_TARGET_MODULES", "lora", "trainable_parameters", "save_adapter", "load_adapter",
+           "merge"]
 
 # meshfit's GPT: every linear of a block (attention q/k/v/o and the GeLU or SwiGLU MLP), as in
 # QLoRA (Dettmers et al. 2023), which finds adapting all block linears matches full fine-tuning
@@ -54,19 +51,13 @@ GPT_TARGET_MODULES = ("wq", "wk", "wv", "wo", "w_in", "w_out", "w1", "w2", "w3")
 
 _WEIGHTS = "adapter_model.safetensors"  # the file name PeftModel.save_pretrained writes
 # Config fields that must agree for saved adapter weights to mean the same thing in a model.
-_MUST_MATCH = (
-    "r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",
-)
+_MUST_MATCH = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "rank_pattern",
+               "alpha_pattern")
 
 
-def lora(
-    model: nn.Module,
-    r: int = 8,
-    alpha: float = 16,
-    target_modules: list[str] | str | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> peft.PeftModel:
+def lora(model: nn.Module, r: int = 8, alpha: float = 16,
+         target_modules: list[str] | str | None = None, dropout: float = 0.0,
+         **kwargs) -> peft.PeftModel:
     """Freeze `model` and add LoRA adapters of rank `r` to its `target_modules`.
 
     `target_modules`: module-name suffixes (peft matches "name" or "...name"), or one regex
@@ -87,18 +78,15 @@ def lora(
         raise ValueError(f"lora: dropout={dropout!r} must be in [0, 1); pass e.g. dropout=0.05")
     if target_modules is None:
         target_modules = _default_targets(model)
-    config = peft.LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=dropout, **kwargs
-    )
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules,
+                             lora_dropout=dropout, **kwargs)
     try:
         return peft.get_peft_model(model, config)
     except NoMatchingPeftModuleError as e:
         # Raised before any module is replaced, so `model` is left untouched.
-        raise ValueError(
-            f"lora: target_modules={target_modules!r} matches no module of "
-            f"{type(model).__name__}; pass names of its nn.Linear modules, "
-            f"e.g. {_linear_names(model)[:8]}"
-        ) from e
+        raise ValueError(f"lora: target_modules={target_modules!r} matches no module of "
+                         f"{type(model).__name__}; pass names of its nn.Linear modules, "
+                         f"e.g. {_linear_names(model)[:8]}") from e
 
 
 def _default_targets(model: nn.Module) -> list[str] | None:
@@ -107,10 +95,9 @@ def _default_targets(model: nn.Module) -> list[str] | None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING:
         return None  # peft fills in its default for this Hugging Face architecture
-    raise ValueError(
-        f"lora: target_modules=None has no default for {type(model).__name__}; pass names of "
-        f"its nn.Linear modules, e.g. target_modules={_linear_names(model)[:8]}"
-    )
+    raise ValueError(f"lora: target_modules=None has no default for {type(model).__name__}; "
+                     f"pass names of its nn.Linear modules, e.g. target_modules="
+                     f"{_linear_names(model)[:8]}")
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -132,21 +119,19 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
 def _peft_model(model: nn.Module) -> peft.PeftModel:
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     if not isinstance(inner, peft.PeftModel):
-        raise TypeError(
-            f"expected the model returned by meshfit.peft.lora (a peft.PeftModel), got "
-            f"{type(inner).__name__}; apply lora(model, ...) first"
-        )
+        raise TypeError(f"expected the model returned by meshfit.peft.lora (a peft.PeftModel), "
+                        f"got {type(inner).__name__}; apply lora(model, ...) first")
     return inner
 
 
 def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Write the adapter alone to `directory`: adapter_model.safetensors + adapter_config.json.
 
-    Base weights are not written. The files go to a temporary sibling folder first, which then
-    replaces `directory`, so a failure part-way leaves an existing adapter there intact.
-    Replicated adapters (one process, DDP, ZeRO-1): call on one process. Sharded ones (ZeRO-2/3
-    or tensor parallel: DTensor parameters): call on every rank — the adapter's tensors alone
-    are gathered (a collective) and the first rank writes them. Returns the directory.
+    Base weights are not written. Written atomically (`meshfit._files.atomic_write_dir`): a
+    failure part-way leaves an existing adapter there intact. Replicated adapters (one process,
+    DDP, ZeRO-1): call on one process. Sharded ones (ZeRO-2/3 or tensor parallel: DTensor
+    parameters): call on every rank — the adapter's tensors alone are gathered (a collective)
+    and the first rank writes them. Returns the directory.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -158,18 +143,8 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
                  for k, v in pm.state_dict().items() if "lora_" in k}
         if dist.is_initialized() and dist.get_rank() != 0:
             return Path(directory)
-    target = Path(directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target)  # of a save that was killed
-    tmp = temp_sibling(target)
-    try:
-        pm.save_pretrained(str(tmp), safe_serialization=True, state_dict=state)
-        fsync_tree(tmp)
-        _replace_dir(tmp, target)
-        fsync_path(target.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
-    return target
+    return atomic_write_dir(Path(directory), lambda tmp: pm.save_pretrained(
+        str(tmp), safe_serialization=True, state_dict=state))
 
 
 def load_adapter(model: nn.Module, directory: str | os.PathLike) -> peft.PeftModel:
@@ -193,10 +168,9 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> peft.PeftMod
     expected = set(peft.get_peft_model_state_dict(pm).keys())
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ValueError(
-            f"load_adapter: {directory} does not fit this model: missing {missing[:3]}, "
-            f"unexpected {extra[:3]}; load it into the base model it was trained on"
-        )
+        raise ValueError(f"load_adapter: {directory} does not fit this model: missing "
+                         f"{missing[:3]}, unexpected {extra[:3]}; load it into the base model it "
+                         "was trained on")
     peft.set_peft_model_state_dict(pm, state)
     return pm
 
@@ -209,11 +183,9 @@ def _check_config(current: peft.PeftConfig, saved: peft.PeftConfig, directory: P
              for f in _MUST_MATCH}
     diff = {f: pair for f, pair in pairs.items() if pair[0] != pair[1]}
     if diff:
-        raise ValueError(
-            f"load_adapter: {directory} was saved with different LoRA settings "
-            f"(field: (saved, model)) {diff}; build the model with the saved settings, or pass "
-            "the bare base model to load_adapter"
-        )
+        raise ValueError(f"load_adapter: {directory} was saved with different LoRA settings "
+                         f"(field: (saved, model)) {diff}; build the model with the saved "
+                         "settings, or pass the bare base model to load_adapter")
 
 
 def merge(model: nn.Module) -> nn.Module:

@@ -13,7 +13,7 @@ them.
 Names: "tensorboard" (``torch.utils.tensorboard``: the ``tensorboard`` package), "wandb"
 (offline unless ``WANDB_MODE`` says otherwise: nothing leaves the machine by default),
 "mlflow" (a local folder store, ``mlruns/`` in the logging folder, unless
-``MLFLOW_TRACKING_URI`` is set; ``mlflow-skinny`` is enough), "csv" (``metrics.csv``, one row per logged step, columns added as they appear), and
+``MLFLOW_TRACKING_URI`` is set; ``mlflow-skinny`` is enough), "csv" (`CSVTracker`), and
 "all": each of them whose library is installed. Values that are not numbers are left out of
 the number-only trackers (TensorBoard scalars, MLflow metrics).
 """
@@ -31,6 +31,8 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from meshfit._files import append_line, atomic_write_text
 
 __all__ = ["CSVTracker", "LoggerType", "MLflowTracker", "TensorBoardTracker", "Tracker",
            "WandBTracker", "build_trackers", "flatten_config", "TRACKERS"]
@@ -194,8 +196,6 @@ class CSVTracker(Tracker):
     name, requires = "csv", ""
 
     def __init__(self, run_name: str, logging_dir, **kwargs) -> None:
-        from meshfit._files import atomic_write_text
-
         super().__init__(run_name, logging_dir)
         self.logging_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.logging_dir / "metrics.csv"
@@ -208,14 +208,10 @@ class CSVTracker(Tracker):
         return self.path
 
     def store_init_configuration(self, config) -> None:
-        from meshfit._files import atomic_write_text
-
         atomic_write_text(self.logging_dir / "config.json",
                           json.dumps(flatten_config(config), indent=1) + "\n")
 
     def log(self, values, step=None, **kwargs) -> None:
-        from meshfit._files import append_line, atomic_write_text
-
         row = {"step": step, **{k: v for k, v in values.items()
                                 if isinstance(v, (numbers.Number, str))}}
         new = [k for k in row if k not in self.columns]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from meshfit.checkpoint.store import (CheckpointError, Manifest, _safe_reader, latest,
-                                      verify)
+from meshfit.checkpoint.store import (CheckpointError, Manifest, _safe_planner, _safe_reader,
+                                      latest, verify)
 
 __all__ = ["export", "read_model", "resolve", "write_safetensors"]
 
@@ -35,20 +35,6 @@ def resolve(path) -> Path:
     return found
 
 
-def _planner(key: str):
-    import io
-
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-
-    class SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-
-    return SafeEmptyPlanner(keys={key})
-
-
 def read_model(folder, index: int = 0) -> tuple[dict[str, torch.Tensor], Manifest]:
     """The whole state dict of model `index` of the checkpoint in `folder` (on CPU)."""
     import warnings
@@ -63,8 +49,8 @@ def read_model(folder, index: int = 0) -> tuple[dict[str, torch.Tensor], Manifes
     state: dict = {}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        _load_state_dict(state, storage_reader=_safe_reader(folder), planner=_planner(key),
-                         no_dist=True)
+        _load_state_dict(state, storage_reader=_safe_reader(folder),
+                         planner=_safe_planner(keys={key}), no_dist=True)
     if key not in state:
         raise CheckpointError(f"{folder}: holds no {key!r}")
     return canonical(dict(state[key]), manifest, index, folder), manifest

@@ -1,13 +1,13 @@
 """A local Hugging Face model folder loaded rank-efficiently.
 
 `meta_model(folder)` builds the model's structure on the meta device (no memory, no random
-init; buffers such as rotary tables are real) and marks it with its folder. `Accelerator.prepare`
-(and `prepare_pipeline`) then lay it out first and fill each rank's parameters afterwards with
-`load_into`: a parameter sharded by FSDP2 or tensor parallel reads only its own slice of the
-safetensors file (``safe_open(...).get_slice``, memory-mapped), so a rank's peak memory is its
-shard plus one tensor, not the whole model. A rank that holds whole parameters (DDP, ZeRO-1,
-one process, a pipeline stage before sharding) reads whole tensors, but only those of its
-modules.
+init; buffers such as rotary tables are real) and marks it with its folder.
+`Accelerator.prepare` (and `prepare_pipeline`) then lay it out first and fill each rank's
+parameters afterwards with `load_into`: a parameter sharded by FSDP2 or tensor parallel reads
+only its own slice of the safetensors file (``safe_open(...).get_slice``, memory-mapped), so
+a rank's peak memory is its shard plus one tensor, not the whole model. A rank that holds
+whole parameters (DDP, ZeRO-1, one process, a pipeline stage before sharding) reads whole
+tensors, but only those of its modules.
 
 Folders: ``model.safetensors`` or sharded ``model.safetensors.index.json`` + shards, as
 ``save_pretrained`` writes them; ``pytorch_model.bin`` (pickle) is refused.
@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from meshfit.distributed.tensors import local_tensor, names_by_parameter
 
 __all__ = ["PRETRAINED_ATTR", "check_folder", "load_into", "meta_model", "pretrained_folder",
            "stage_filler", "tied_names", "to_empty"]
@@ -267,8 +269,7 @@ def load_into(model: nn.Module, folder, *, buffers: dict[str, torch.Tensor] | No
             _experts_source(files, model, name, prefix, tensor.shape) if name in params else None
         if source is None:
             if buffers is not None and name in buffers:
-                (tensor.to_local() if isinstance(tensor, DTensor) else tensor).copy_(
-                    buffers[name])
+                local_tensor(tensor).copy_(buffers[name])
                 continue
             if name in params:
                 missing.append(name)
@@ -317,11 +318,9 @@ def stage_filler(model: nn.Module) -> Callable[[nn.Module, torch.device], None] 
 def to_empty(model: nn.Module, device) -> None:
     """`model.to_empty(device=...)` keeping tied parameters tied (moving a meta tensor makes
     a new parameter per module, which would untie a tied head from its embedding)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
+    groups = names_by_parameter(model)
     model.to_empty(device=device)
-    for names in by_id.values():
+    for names in groups:
         first = model.get_parameter(names[0])
         for other in names[1:]:
             owner, _, attr = other.rpartition(".")
@@ -330,11 +329,8 @@ def to_empty(model: nn.Module, device) -> None:
 
 def tied_names(model: nn.Module) -> dict[str, str]:
     """name -> the other name of the same parameter (a tied head reads the embedding)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
     out = {}
-    for names in by_id.values():
+    for names in names_by_parameter(model):
         for a in names:
             for b in names:
                 if a != b:

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from meshfit._files import (fsync_path, fsync_tree, remove_stale_temps, replace_dir,
+from meshfit._files import (atomic_write_dir, fsync_tree, remove_stale_temps, replace_dir,
                             stale_temps, temp_sibling)
 
 __all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "fsync_tree", "load_model_folder",
@@ -43,8 +42,7 @@ def _is_hf(model: nn.Module) -> bool:
 
 def describe_model(model: nn.Module, factory: str | None = None,
                    factory_kwargs: dict | None = None) -> dict[str, Any]:
-    """The config.json of `model`: a transformers model's own, the reference GPT's fields, or
-    the factory that builds a user's model (`factory` = "module:function")."""
+    """The config.json of `model`, as the module docstring lists (`factory`: "module:function")."""
     from meshfit.models import GPT
 
     if _is_hf(model):
@@ -66,32 +64,21 @@ def save_model_folder(folder, state: dict[str, torch.Tensor], model: nn.Module, 
                       factory_kwargs: dict | None = None) -> Path:
     """Write `state` (a whole state dict, e.g. `Accelerator.get_state_dict`) with the config
     of `model` (any instance of the same architecture: the trained one, or one on the meta
-    device) and `tokenizer` (an object with ``save(folder)``) into `folder`, atomically: a
-    temporary sibling folder first (`temp_sibling`), every file in it fsynced, renamed into
-    place, the parent folder fsynced, so a failure never leaves a half written model where a
-    complete one was. The temporary folder is removed on every exit path a process lives
-    through (KeyboardInterrupt included); one left by a killed save is removed by the next
-    save of `folder` (`remove_stale_temps`). Call on one process."""
+    device) and `tokenizer` (an object with ``save(folder)``) into `folder`, atomically
+    (`meshfit._files.atomic_write_dir`). Call on one process."""
     from meshfit.checkpoint.export import write_safetensors
 
     config = describe_model(model, factory, factory_kwargs)
-    target = Path(folder)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target)
-    tmp = temp_sibling(target)
-    try:
+
+    def fill(tmp: Path) -> None:
         write_safetensors(state, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if _is_hf(model) and getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
         if tokenizer is not None:
             tokenizer.save(tmp)
-        fsync_tree(tmp)
-        replace_dir(tmp, target)
-        fsync_path(target.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return atomic_write_dir(Path(folder), fill)
 
 
 def build_from_config(config: dict[str, Any], *, device="cpu") -> nn.Module:

@@ -39,8 +39,7 @@ def rng_state() -> dict[str, Any]:
         "python_has_gauss": gauss is not None,
         "numpy": torch.from_numpy(keys.astype(np.int64)), "numpy_pos": int(pos),
         "numpy_has_gauss": int(has_gauss), "numpy_gauss": float(cached),
-        "torch": torch.get_rng_state(),
-    }
+        "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             out[f"cuda_{i}"] = state

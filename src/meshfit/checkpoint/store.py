@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfit._files import atomic_write_text, fsync_path
 from meshfit.distributed.settle import barrier as settled_barrier
 
 __all__ = ["CheckpointError", "Manifest", "commit", "is_complete", "latest", "list_complete",
@@ -96,41 +97,35 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_files(folder: Path, names) -> None:
-    for name in names:
-        fd = os.open(folder / name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 # ---------------------------------------------------------------------------- saving
-def _broadcast_token() -> str:
-    token = [uuid.uuid4().hex[:12]]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(token, src=0)
-    return token[0]
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed() else 0
 
 
 def _gather(obj) -> list:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         return [obj]
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def _new_tmp(folder: Path) -> Path:
+    """A fresh temporary folder beside `folder`, the same path on every rank (a collective)."""
+    token = [uuid.uuid4().hex[:12]]
+    if _distributed():
+        dist.broadcast_object_list(token, src=0)
+    folder = Path(folder)
+    tmp = folder.with_name(f"{folder.name}.tmp-{token[0]}")
+    if _rank() == 0:
+        tmp.mkdir(parents=True)
+    if _distributed():
+        settled_barrier()
+    return tmp
 
 
 def save_dcp(state: dict[str, Any], folder: Path, *, process_group=None) -> Path:
@@ -138,17 +133,11 @@ def save_dcp(state: dict[str, Any], folder: Path, *, process_group=None) -> Path
     it and gets the same temporary path. `commit` then makes it `folder`."""
     import torch.distributed.checkpoint as dcp
 
-    folder = Path(folder)
-    tmp = folder.with_name(f"{folder.name}.tmp-{_broadcast_token()}")
-    if _rank() == 0:
-        tmp.mkdir(parents=True)
-    if dist.is_available() and dist.is_initialized():
-        settled_barrier()
-    distributed = dist.is_available() and dist.is_initialized()
+    tmp = _new_tmp(folder)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, checkpoint_id=str(tmp), process_group=process_group,
-                 no_dist=not distributed)
+                 no_dist=not _distributed())
     return tmp
 
 
@@ -159,51 +148,41 @@ def save_dcp_async(state: dict[str, Any], folder: Path, *, process_group):
     Wait for the future before `commit`."""
     import torch.distributed.checkpoint as dcp
 
-    folder = Path(folder)
-    tmp = folder.with_name(f"{folder.name}.tmp-{_broadcast_token()}")
-    if _rank() == 0:
-        tmp.mkdir(parents=True)
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed:
-        settled_barrier()
+    tmp = _new_tmp(folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=process_group,
-                                no_dist=not distributed)
+                                no_dist=not _distributed())
     return tmp, future
 
 
 def commit(tmp: Path, folder: Path, manifest: Manifest) -> Path:
-    """Hash the files each rank wrote (in parallel), then on rank 0 write the manifest and
-    rename `tmp` to `folder` atomically. A collective: every rank calls it after `save_dcp`.
-    An existing `folder` (a checkpoint of the same step) is replaced only after the new one
-    is complete."""
+    """Make `tmp` the checkpoint `folder`, as the module docstring says; a collective: every
+    rank calls it after `save_dcp`. An existing `folder` (the same step saved again) is
+    replaced only after the new one is complete."""
     rank = _rank()
     mine = [p.name for p in sorted(tmp.iterdir()) if p.name.startswith(f"__{rank}_")]
     if rank == 0:
         mine.append(".metadata")
-    _fsync_files(tmp, mine)
+    for name in mine:
+        fsync_path(tmp / name)
     hashes = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
               for name in mine}
     everyone = _gather(hashes)
     if rank == 0:
         files = {k: v for part in everyone for k, v in part.items()}
         manifest = Manifest(**{**asdict(manifest), "files": files})
-        data = json.dumps(asdict(manifest), indent=1, sort_keys=True)
-        with (tmp / MANIFEST).open("w") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        atomic_write_text(tmp / MANIFEST, json.dumps(asdict(manifest), indent=1,
+                                                     sort_keys=True))
         old = None
         if folder.exists():  # same step saved again: keep the old one until the new is in
             old = folder.with_name(f"{folder.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(folder, old)
         os.replace(tmp, folder)
-        _fsync_dir(folder.parent)
+        fsync_path(folder.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         settled_barrier()
     return folder
 
@@ -282,7 +261,7 @@ def verify(folder: Path) -> Manifest:
         manifest, problem = None, str(err)
     if manifest is not None:
         names = sorted(manifest.files)
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = dist.get_world_size() if _distributed() else 1
         for name in names[_rank()::world]:
             want, path = manifest.files[name], folder / name
             if path.stat().st_size != want["bytes"]:
@@ -332,11 +311,15 @@ def _safe_reader(folder: Path):
     return SafeReader(str(folder))
 
 
-def _safe_planner():
+def _safe_planner(keys: set[str] | None = None):
+    """DCP's load planner, reading values with ``torch.load(weights_only=True)``; with
+    `keys`, the planner that builds those entries whole from the index alone (no state to
+    fill: `meshfit.checkpoint.export`)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 
-    class SafePlanner(DefaultLoadPlanner):
+    class SafePlanner(DefaultLoadPlanner if keys is None else _EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             obj = torch.load(value, weights_only=True)  # primitives only, never code
             if self.flatten_state_dict:
@@ -345,7 +328,7 @@ def _safe_planner():
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
-    return SafePlanner()
+    return SafePlanner() if keys is None else SafePlanner(keys=keys)
 
 
 def saved_keys(folder: Path) -> set[str]:
@@ -361,12 +344,11 @@ def load_dcp(state: dict[str, Any], folder: Path, *, process_group=None,
     checkpoint are an error naming the first one."""
     import torch.distributed.checkpoint as dcp
 
-    distributed = dist.is_available() and dist.is_initialized()
     try:
         with warnings.catch_warnings():  # the single-process notice, as in save_dcp
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner(),
-                     process_group=process_group, no_dist=not distributed)
+                     process_group=process_group, no_dist=not _distributed())
     except CheckpointError:
         raise
     except Exception as err:  # DCP reports a missing key as a RuntimeError on every rank

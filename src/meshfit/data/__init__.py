@@ -13,14 +13,12 @@ from meshfit._lazy import lazy_exports
 
 # Names load on first use: `meshfit.data.corpus` (the data-source rule) is read by a config
 # check before torch loads, and the datasets, streams and tokenizers import torch.
-_EXPORTS = {
-    **{n: "meshfit.data.cache" for n in ("DEFAULT_CACHE_DIR", "DEFAULT_VAL_FRACTION",
-                                         "TokenSplits", "load_tokens")},
-    "stdlib_corpus_files": "meshfit.data.corpus", "TokenDataset": "meshfit.data.dataset",
-    "TokenStream": "meshfit.data.stream",
-    **{n: "meshfit.data.tokenizer" for n in ("ByteTokenizer", "HFTokenizer", "Tokenizer",
-                                             "as_tokenizer", "document_separator",
-                                             "load_tokenizer")},
-}
+_EXPORTS = {**{n: "meshfit.data.cache" for n in ("DEFAULT_CACHE_DIR", "DEFAULT_VAL_FRACTION",
+                                                  "TokenSplits", "load_tokens")},
+            "stdlib_corpus_files": "meshfit.data.corpus", "TokenDataset": "meshfit.data.dataset",
+            "TokenStream": "meshfit.data.stream",
+            **{n: "meshfit.data.tokenizer" for n in ("ByteTokenizer", "HFTokenizer", "Tokenizer",
+                                                     "as_tokenizer", "document_separator",
+                                                     "load_tokenizer")}}
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

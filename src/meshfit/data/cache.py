@@ -21,15 +21,14 @@ hashes its whole ``tokenizer.json``, so a retrained tokenizer never reuses a sta
 and the validation fraction, so editing, adding or removing a file, or changing the
 tokenizer, selects a new cache instead of reading a stale one.
 
-Crash and concurrency safety come from atomic renames, not locks: each writer fills a
-private temp file in the same folder and ``os.replace``s it into place (atomic on POSIX and
-Windows within one filesystem), ``.bin`` first and ``.json`` last. The sidecar is the commit
-marker: a reader trusts a ``.bin`` only if a sidecar with the same key exists and the
-``.bin`` has exactly the size the sidecar records. Several ranks building at once each do the
-work and replace identical bytes, which is wasted time but never a torn file; a rank that
-already mapped the old ``.bin`` keeps reading its inode. No ``fcntl`` lock, because locks
-are unreliable on the network filesystems clusters often put caches on, and the duplicate
-work (seconds for the standard library) is cheaper than that risk.
+Crash and concurrency safety come from atomic renames (`meshfit._files.atomic_write`), not
+locks: ``.bin`` first and ``.json`` last. The sidecar is the commit marker: a reader trusts
+a ``.bin`` only if a sidecar with the same key exists and the ``.bin`` has exactly the size
+the sidecar records. Several ranks building at once each do the work and replace identical
+bytes, which is wasted time but never a torn file; a rank that already mapped the old
+``.bin`` keeps reading its inode. No ``fcntl`` lock, because locks are unreliable on the
+network filesystems clusters often put caches on, and the duplicate work (seconds for the
+standard library) is cheaper than that risk.
 
 Damage after the write is caught on every open: the sidecar's fields are checked against the
 tokenizer (name, vocabulary size, dtype, separator) and against the file (token count times
@@ -58,14 +57,8 @@ import numpy as np
 from meshfit._files import atomic_write
 from meshfit.data.corpus import Corpus, SourceFile, data_source, find_corpus, is_validation
 from meshfit.data.hf import HFSource, open_hf_dataset
-from meshfit.data.tokenizer import (
-    ByteTokenizer,
-    HFTokenizer,
-    Tokenizer,
-    as_tokenizer,
-    document_separator,
-    token_dtype,
-)
+from meshfit.data.tokenizer import (ByteTokenizer, HFTokenizer, Tokenizer, as_tokenizer,
+                                    document_separator, token_dtype)
 
 __all__ = ["TokenSplits", "load_tokens", "DEFAULT_CACHE_DIR", "DEFAULT_VAL_FRACTION",
            "CHECKSUM", "cache_problem"]
@@ -102,36 +95,26 @@ class TokenSplits:
     """The ``.bin`` file both streams are mapped from."""
 
 
-def load_tokens(
-    path: str | os.PathLike[str] | None = None,
-    *,
-    tokenizer: Any = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    val_fraction: float = DEFAULT_VAL_FRACTION,
-    hf_dataset: str | os.PathLike[str] | None = None,
-    text_column: str = "text",
-) -> TokenSplits:
+def load_tokens(path: str | os.PathLike[str] | None = None, *, tokenizer: Any = None,
+                cache_dir: str | os.PathLike[str] | None = None,
+                val_fraction: float = DEFAULT_VAL_FRACTION,
+                hf_dataset: str | os.PathLike[str] | None = None,
+                text_column: str = "text") -> TokenSplits:
     """Tokenize ``path`` (default: the Python standard library) or ``hf_dataset`` once,
-    pack its documents into one stream (each followed by the EOS separator; see the module
-    docstring), and map the cache.
+    pack its documents into one stream (see the module docstring), and map the cache.
 
     ``path`` is a UTF-8 text file or a folder (every non-hidden file below it, in sorted
     order; files that are not valid UTF-8 are skipped with a warning); each file is one
     document. ``hf_dataset`` (instead of ``path``) is a ``datasets`` dataset on local disk
-    (see ``meshfit.data.hf``): each row's ``text_column`` is one document, its ``train``
-    split is trained on and its ``validation``/``test`` split (if any) validates.
-    ``tokenizer`` is ``None`` or ``"bytes"`` for bytes, a path to a Hugging Face tokenizer
-    folder or ``tokenizer.json`` (see ``load_tokenizer``), a :class:`Tokenizer`, or a
-    Hugging Face tokenizer object. Documents go to validation by a stable hash of their
-    relative path (row index); when that leaves one side empty (a single file, a handful
-    of files) the last ``val_fraction`` of tokens is used instead, and ``meta["split"]``
-    says which rule applied. ``val_fraction=0``: no validation at all.
+    (see ``meshfit.data.hf``). ``tokenizer``: anything `as_tokenizer` takes. Documents go to
+    validation by a stable hash of their relative path (row index); when that leaves one
+    side empty (a single file, a handful of files) the last ``val_fraction`` of tokens is
+    used instead, and ``meta["split"]`` says which rule applied. ``val_fraction=0``: no
+    validation at all.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(
-            f"data.val_fraction={val_fraction!r} must be in [0, 1); use e.g. 0.02, or 0 for "
-            "no validation split"
-        )
+        raise ValueError(f"data.val_fraction={val_fraction!r} must be in [0, 1); use e.g. "
+                         "0.02, or 0 for no validation split")
     data_source(path, hf_dataset)  # not both; a data.path that exists
     tok = as_tokenizer(tokenizer)
     document_separator(tok)  # refuse a tokenizer without a separator before any work
@@ -155,11 +138,8 @@ def load_tokens(
         meta = _build(source, tok, val_fraction, stem, key)
     if meta["skipped_non_utf8"]:
         skipped = meta["skipped_non_utf8"]
-        warnings.warn(
-            f"data: skipped {len(skipped)} of {meta['n_files']} files that are "
-            f"not valid UTF-8 text (e.g. {skipped[:3]})",
-            stacklevel=2,
-        )
+        warnings.warn(f"data: skipped {len(skipped)} of {meta['n_files']} files that are "
+                      f"not valid UTF-8 text (e.g. {skipped[:3]})", stacklevel=2)
     return _open(stem, meta, tok)
 
 
@@ -171,8 +151,6 @@ def _files_hash(source: Corpus | HFSource) -> str:
 
 
 def _cache_key(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float) -> str:
-    # tok.name identifies the mapping text -> ids and the EOS id (HFTokenizer hashes its
-    # whole tokenizer.json into it); see the Tokenizer protocol.
     parts = [_FORMAT, _files_hash(source), tok.name, int(tok.vocab_size), repr(val_fraction)]
     return hashlib.sha256(json.dumps(parts).encode("utf-8")).hexdigest()
 
@@ -302,10 +280,9 @@ def _documents(source: Corpus | HFSource, tok: Tokenizer, dtype: np.dtype,
         if len(raw) != f.size:
             # The key recorded the listed size; caching different bytes under it would let
             # a later run trust tokens that match neither version of the file.
-            raise ValueError(
-                f"data.path file {f.path} changed while being read ({f.size} -> {len(raw)} "
-                "bytes); run again once the data is no longer being written"
-            )
+            raise ValueError(f"data.path file {f.path} changed while being read ({f.size} -> "
+                             f"{len(raw)} bytes); run again once the data is no longer being "
+                             "written")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -322,10 +299,9 @@ def _documents(source: Corpus | HFSource, tok: Tokenizer, dtype: np.dtype,
 def _checked(ids: np.ndarray, tok: Tokenizer, dtype: np.dtype, where: str) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
         # Checked before the cast to the narrow on-disk dtype, which would wrap silently.
-        raise ValueError(
-            f"tokenizer {tok.name!r} produced ids in [{ids.min()}, {ids.max()}] for "
-            f"{where}, outside tokenizer.vocab_size={tok.vocab_size}; fix vocab_size"
-        )
+        raise ValueError(f"tokenizer {tok.name!r} produced ids in [{ids.min()}, {ids.max()}] "
+                         f"for {where}, outside tokenizer.vocab_size={tok.vocab_size}; fix "
+                         "vocab_size")
     return np.ascontiguousarray(ids, dtype=dtype)
 
 
@@ -347,10 +323,6 @@ def _row_documents(source: HFSource, tok: Tokenizer, dtype: np.dtype
                 yield _Row(rel, fixed), _checked(np.asarray(ids), tok, dtype, f"row {rel}")
 
 
-def _separator(tok: Tokenizer, dtype: np.dtype) -> np.ndarray:
-    return np.asarray(document_separator(tok), dtype=dtype)
-
-
 def _goes_to_validation(doc: SourceFile | _Row, val_fraction: float) -> bool:
     split = getattr(doc, "split", None)
     if split is not None:
@@ -365,7 +337,7 @@ def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem:
     data) so the much larger training part can stream to disk without a second pass."""
     start = time.perf_counter()
     dtype = token_dtype(tok.vocab_size)
-    sep = _separator(tok, dtype)
+    sep = np.asarray(document_separator(tok), dtype=dtype)
     bin_path, json_path = _paths(stem)
     skipped: list[str] = []
     val_docs: list[np.ndarray] = []
@@ -400,15 +372,12 @@ def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem:
     if n_tokens == 0:
         bin_path.unlink(missing_ok=True)
         if isinstance(source, HFSource):
-            raise ValueError(
-                f"data.hf_dataset={str(source.path)!r} holds no text: column "
-                f"data.text_column={source.text_column!r} is empty in all {source.n_rows} "
-                "rows; choose the column that holds the text"
-            )
-        raise ValueError(
-            f"data.path holds no text: all {len(source.files)} files of {source.description} "
-            "are empty or not valid UTF-8; point data.path at UTF-8 text files"
-        )
+            raise ValueError(f"data.hf_dataset={str(source.path)!r} holds no text: column "
+                             f"data.text_column={source.text_column!r} is empty in all "
+                             f"{source.n_rows} rows; choose the column that holds the text")
+        raise ValueError(f"data.path holds no text: all {len(source.files)} files of "
+                         f"{source.description} are empty or not valid UTF-8; point data.path "
+                         "at UTF-8 text files")
     split = "by_file"
     if val_fraction > 0 and (n_val == 0 or n_train == 0) and n_tokens >= 2:
         # Too few files for the by-file rule to put any on one side: fall back to the tail
@@ -420,29 +389,16 @@ def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem:
     # actually written (empty and non-UTF-8 files are listed but not written).
     # For a dataset, "files" are rows; their names (split/index) are not listed.
     hf = isinstance(source, HFSource)
-    meta = {
-        "format": _FORMAT,
-        "key": key,
-        "source": source.description,
-        "root": str(source.path if hf else source.root),
-        "files_hash": _files_hash(source),
-        "n_files": source.n_rows if hf else len(source.files),
-        "n_train_files": n_train_files,
-        "n_val_files": len(val_files),
-        "val_files": [] if hf else val_files,
-        "skipped_non_utf8": skipped,
-        "tokenizer": tok.name,
-        "vocab_size": int(tok.vocab_size),
-        "dtype": dtype.name,
-        "separator": [int(i) for i in sep],
-        "val_fraction": val_fraction,
-        "split": split,
-        "n_tokens": n_tokens,
-        "n_train": n_train,
-        "n_val": n_val,
-        "checksum": {CHECKSUM: digest.hexdigest()},
-        "build_seconds": round(time.perf_counter() - start, 3),
-    }
+    meta = {"format": _FORMAT, "key": key, "source": source.description,
+            "root": str(source.path if hf else source.root), "files_hash": _files_hash(source),
+            "n_files": source.n_rows if hf else len(source.files),
+            "n_train_files": n_train_files, "n_val_files": len(val_files),
+            "val_files": [] if hf else val_files, "skipped_non_utf8": skipped,
+            "tokenizer": tok.name, "vocab_size": int(tok.vocab_size), "dtype": dtype.name,
+            "separator": [int(i) for i in sep], "val_fraction": val_fraction, "split": split,
+            "n_tokens": n_tokens, "n_train": n_train, "n_val": n_val,
+            "checksum": {CHECKSUM: digest.hexdigest()},
+            "build_seconds": round(time.perf_counter() - start, 3)}
     payload = json.dumps(meta, indent=1).encode("utf-8")
     atomic_write(json_path, lambda out: out.write(payload))
     return meta
@@ -452,14 +408,10 @@ def _open(stem: Path, meta: dict[str, Any], tok: Tokenizer) -> TokenSplits:
     bin_path, _ = _paths(stem)
     dtype = np.dtype(meta["dtype"])
     n_train, n_val = int(meta["n_train"]), int(meta["n_val"])
-    return TokenSplits(
-        train=_map(bin_path, dtype, 0, n_train),
-        val=_map(bin_path, dtype, n_train * dtype.itemsize, n_val),
-        vocab_size=int(tok.vocab_size),  # equal to the sidecar's (cache_problem checks it)
-        tokenizer=tok,
-        meta=meta,
-        path=bin_path,
-    )
+    return TokenSplits(train=_map(bin_path, dtype, 0, n_train),
+                       val=_map(bin_path, dtype, n_train * dtype.itemsize, n_val),
+                       # equal to the sidecar's (cache_problem checks it)
+                       vocab_size=int(tok.vocab_size), tokenizer=tok, meta=meta, path=bin_path)
 
 
 def _map(path: Path, dtype: np.dtype, offset: int, length: int) -> np.ndarray:

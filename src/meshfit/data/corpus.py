@@ -80,10 +80,8 @@ def data_source(path: str | os.PathLike[str] | None = None,
     if not path:
         return "the built-in corpus (data.path unset)"
     if not Path(path).expanduser().exists():
-        raise ValueError(
-            f"data.path={path!r} does not exist; give a text file or a folder of text "
-            "files, or leave it empty for the built-in corpus"
-        )
+        raise ValueError(f"data.path={path!r} does not exist; give a text file or a folder of "
+                         "text files, or leave it empty for the built-in corpus")
     return f"data.path={path!r}"
 
 
@@ -99,10 +97,8 @@ def find_corpus(path: str | os.PathLike[str] | None) -> Corpus:
     files = tuple(_source_file(f, p) for f in _walk(p, suffix=None, skip=frozenset(),
                                                     strict=f"data.path={str(path)!r}"))
     if not files:
-        raise ValueError(
-            f"data.path={str(path)!r} is a folder with no (non-hidden) files; put text files "
-            "in it or point data.path at a text file"
-        )
+        raise ValueError(f"data.path={str(path)!r} is a folder with no (non-hidden) files; put "
+                         "text files in it or point data.path at a text file")
     return Corpus(root=p, description=f"folder {p}", slug=_slug(p.name), files=files)
 
 
@@ -119,19 +115,19 @@ def is_validation(rel: str, val_fraction: float) -> bool:
 
 def _stdlib_corpus() -> Corpus:
     root = stdlib_root()
-    files = tuple(_source_file(f, root) for f in _walk(root, suffix=".py", skip=_STDLIB_SKIP_DIRS))
+    files = tuple(_source_file(f, root)
+                  for f in _walk(root, suffix=".py", skip=_STDLIB_SKIP_DIRS))
     return Corpus(root=root, description=f"python stdlib *.py under {root}", slug="stdlib",
                   files=files)
 
 
 def _walk(root: Path, *, suffix: str | None, skip: frozenset[str],
           strict: str | None = None) -> list[Path]:
-    """Files under ``root`` sorted by relative path, skipping hidden entries and ``skip``.
-
-    Hidden files go too (``.DS_Store``, ``.gitignore``): they are metadata, not text.
-    Symlinked folders are not followed, so a link loop cannot hang the walk. With `strict`
-    (the setting's name and value, for the message), a folder that cannot be listed is a
-    one-line ValueError instead of silently missing text.
+    """Files under ``root`` sorted by relative path, skipping ``skip`` and hidden entries
+    (``.DS_Store``, ``.gitignore``: metadata, not text). Symlinked folders are not followed, so
+    a link loop cannot hang the walk. With `strict` (the setting's name and value, for the
+    message), a folder that cannot be listed is a one-line ValueError instead of silently
+    missing text.
     """
 
     def unlisted(err: OSError) -> None:

@@ -31,18 +31,14 @@ class TokenDataset(Dataset):
         if not isinstance(tokens, np.ndarray):
             tokens = np.asarray(tokens)
         if tokens.ndim != 1:
-            raise ValueError(
-                f"TokenDataset.tokens has shape {tokens.shape}; pass a 1-D stream such as "
-                "load_tokens(...).train"
-            )
+            raise ValueError(f"TokenDataset.tokens has shape {tokens.shape}; pass a 1-D stream "
+                             "such as load_tokens(...).train")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"TokenDataset.seq_len={seq_len!r} must be an int >= 1")
         if tokens.size < seq_len + 1:
-            raise ValueError(
-                f"TokenDataset.seq_len={seq_len} needs at least seq_len+1={seq_len + 1} "
-                f"tokens for one window, but tokens has {tokens.size}; use a smaller seq_len "
-                "or more data"
-            )
+            raise ValueError(f"TokenDataset.seq_len={seq_len} needs at least seq_len+1="
+                             f"{seq_len + 1} tokens for one window, but tokens has {tokens.size}; "
+                             "use a smaller seq_len or more data")
         self.tokens = tokens
         self.seq_len = seq_len
 
@@ -67,7 +63,8 @@ class TokenDataset(Dataset):
         # Only a map straight from np.memmap(...) (its base is the mmap itself): a slice of
         # one inherits the parent's offset attribute, so re-opening it would read the wrong
         # bytes; slices fall back to ordinary (copying) pickling.
-        if isinstance(t, np.memmap) and t.filename is not None and isinstance(t.base, mmap.mmap):
+        if (isinstance(t, np.memmap) and t.filename is not None
+                and isinstance(t.base, mmap.mmap)):
             state["tokens"] = ("memmap", t.filename, t.dtype.str, t.offset, t.shape)
         return state
 

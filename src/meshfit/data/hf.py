@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshfit.data.corpus import _slug
+
 __all__ = ["HFSource", "open_hf_dataset"]
 
 _BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
@@ -194,8 +196,3 @@ def _quiet(datasets: Any):
     finally:
         if not was_off:
             datasets.enable_progress_bars()
-
-
-def _slug(name: str) -> str:
-    keep = "".join(c if c.isalnum() or c in "-_" else "-" for c in name)
-    return keep.strip("-")[:40] or "data"

@@ -17,13 +17,12 @@ __all__ = ["TokenStream"]
 class TokenStream(IterableDataset):
     """An ``IterableDataset`` of ``(x, y)`` windows packed from a stream of texts.
 
-    Each text is one document: it is tokenized, followed by the separator (the tokenizer's
-    EOS token; a blank line for the byte tokenizer) and appended to a running stream, which
-    is cut exactly as :class:`~meshfit.data.TokenDataset` cuts a cached one: window ``i`` is
-    the ``seq_len + 1`` tokens from ``i * seq_len``, ``x`` the first ``seq_len`` and ``y``
-    the last (int64). Windows span document boundaries; the tokens after the last full
-    window are dropped. So ``TokenStream(texts, tok, seq_len=L)`` yields the same windows
-    as ``TokenDataset(load_tokens(..., val_fraction=0).train, L)`` over the same documents,
+    Each text is one document: it is tokenized, followed by the separator
+    (`document_separator`) and appended to a running stream, which is cut exactly as
+    :class:`~meshfit.data.TokenDataset` cuts a cached one (windows span document boundaries;
+    the tokens after the last full window are dropped). So
+    ``TokenStream(texts, tok, seq_len=L)`` yields the same windows as
+    ``TokenDataset(load_tokens(..., val_fraction=0).train, L)`` over the same documents,
     without a cache and with memory bounded by the longest document.
 
     ``texts`` is read again from its start on every iteration (each epoch, each resume,

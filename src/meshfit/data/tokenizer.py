@@ -1,21 +1,12 @@
-"""Tokenizers: the small protocol the data pipeline needs, a byte-level default, Hugging Face
-tokenizers, and loading/saving a tokenizer by name or path.
+"""Tokenizers: the small protocol the data pipeline needs (`Tokenizer`), a byte-level
+default, Hugging Face tokenizers (a ``tokenizers.Tokenizer`` or a ``transformers``
+``PreTrainedTokenizer[Fast]``, wrapped by :func:`as_tokenizer`), and loading/saving a
+tokenizer by name or path (:func:`load_tokenizer`). The ``tokenizers``/``transformers``
+libraries are imported only when such a tokenizer is loaded.
 
 The cache (``cache.py``) only needs four things from a tokenizer: a stable ``name`` (part of
 the cache key, so two tokenizers never share a cache), ``vocab_size`` (picks the on-disk
-dtype), ``encode`` and ``decode``. ``eos_id`` says how documents are separated (see
-:func:`document_separator`): a tokenizer with an end-of-sequence token uses it, the byte
-tokenizer (no EOS) uses the encoding of a blank line, so that a byte stream stays plain
-UTF-8 text end to end. A Hugging Face tokenizer without an EOS token is refused rather than
-given a made-up separator.
-
-Hugging Face tokenizers (a ``tokenizers.Tokenizer`` or a ``transformers``
-``PreTrainedTokenizer[Fast]``) can be passed in directly; :func:`as_tokenizer` wraps them.
-:func:`load_tokenizer` reads one from disk: ``"bytes"``, a folder written by
-``save_pretrained`` (read with ``AutoTokenizer``, local files only), a ``tokenizer.json``
-file (read with ``tokenizers``), or a folder written by :meth:`ByteTokenizer.save` /
-:meth:`HFTokenizer.save`. The ``tokenizers``/``transformers`` libraries are imported only
-when such a tokenizer is loaded.
+dtype), ``encode`` and ``decode``; ``eos_id`` separates documents (:func:`document_separator`).
 """
 
 from __future__ import annotations
@@ -36,19 +27,14 @@ MESHFIT_TOKENIZER_FILE = "meshfit_tokenizer.json"
 """Written by ``save`` for tokenizers that have no Hugging Face folder format of their own
 (bytes; a bare ``tokenizers`` tokenizer and its EOS token)."""
 
-# Special tokens taken as the end-of-sequence token of a bare tokenizer.json that does not
-# say which one it is (tokenizers.Tokenizer has no eos concept), in this order.
+# The EOS token of a bare tokenizer.json (tokenizers.Tokenizer has no eos concept), in order.
 _EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<EOS>")
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What ``load_tokens`` needs from a tokenizer.
-
-    ``name`` must change whenever the mapping text -> ids (or ``eos_id``) changes: it keys
-    the cache. ``eos_id`` is the id put between documents, or ``None`` to use
-    ``encode("\\n\\n")``.
-    """
+    """What ``load_tokens`` needs from a tokenizer. ``name`` must change whenever the mapping
+    text -> ids (or ``eos_id``) changes: it keys the cache."""
 
     name: str
     vocab_size: int
@@ -188,11 +174,12 @@ def _write_marker(folder: str | os.PathLike[str], payload: dict[str, Any]) -> Pa
 
 
 def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer ``spec`` names: ``"bytes"`` (or ``""``); a folder with ``meshfit_tokenizer.json``
-    (written by ``save``); a Hugging Face tokenizer folder (``AutoTokenizer``, local files
-    only, never a download); or a ``tokenizer.json`` file (``tokenizers.Tokenizer``, with
-    the EOS token from a ``tokenizer_config.json`` beside it, else guessed from its special
-    tokens). Errors name ``data.tokenizer``, the field this comes from in a run config."""
+    """The tokenizer ``spec`` names: ``"bytes"`` (or ``""``); a folder with
+    ``meshfit_tokenizer.json`` (written by ``save``); a Hugging Face tokenizer folder
+    (``AutoTokenizer``, local files only, never a download); or a ``tokenizer.json`` file
+    (``tokenizers.Tokenizer``, with the EOS token from a ``tokenizer_config.json`` beside it,
+    else guessed from its special tokens). Errors name ``data.tokenizer``, the field this comes
+    from in a run config."""
     text = os.fspath(spec)
     if text in ("", "bytes"):  # "": an unset config string means the default
         return ByteTokenizer()
@@ -276,18 +263,18 @@ def as_tokenizer(tokenizer: Any = None) -> Tokenizer:
         return tokenizer
     if hasattr(tokenizer, "get_vocab") and hasattr(tokenizer, "encode"):
         return HFTokenizer(tokenizer)
-    raise ValueError(
-        f"tokenizer={tokenizer!r} is not supported; pass None or \"bytes\" for bytes, a path "
-        "to a Hugging Face tokenizer folder or tokenizer.json, an object with name, "
-        "vocab_size, eos_id, encode and decode, or a Hugging Face tokenizer"
-    )
+    raise ValueError(f"tokenizer={tokenizer!r} is not supported; pass None or \"bytes\" for "
+                     "bytes, a path to a Hugging Face tokenizer folder or tokenizer.json, an "
+                     "object with name, vocab_size, eos_id, encode and decode, or a Hugging "
+                     "Face tokenizer")
 
 
 def document_separator(tok: Tokenizer) -> list[int]:
     """The ids put after every document when documents are packed into one stream:
-    ``[eos_id]``; for a tokenizer without one, ``encode("\\n\\n")`` (the byte tokenizer),
-    except a Hugging Face tokenizer, which is refused: it has special tokens, and a blank
-    line would not tell the model where a document ends."""
+    ``[eos_id]``; for a tokenizer without one, ``encode("\\n\\n")`` (the byte tokenizer: a
+    byte stream stays plain UTF-8 text end to end), except a Hugging Face tokenizer, which is
+    refused: it has special tokens, and a blank line would not tell the model where a
+    document ends."""
     if tok.eos_id is not None:
         return [int(tok.eos_id)]
     if isinstance(tok, HFTokenizer):

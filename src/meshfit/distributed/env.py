@@ -1,9 +1,5 @@
-"""This process's place in the job: its ranks, its device and its process group.
-
-`init()` and the launcher are the only places in meshfit that read torchrun's environment
-variables (RANK, WORLD_SIZE, LOCAL_RANK, ...). Everything else receives a `DistEnv` or a
-`DeviceMesh` explicitly.
-"""
+"""This process's place in the job: its ranks, its device and its process group (`init()`
+reads torchrun's environment variables: see the package docstring)."""
 
 from __future__ import annotations
 

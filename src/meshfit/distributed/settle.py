@@ -61,9 +61,8 @@ def groups() -> list:
 
 
 def settle_all() -> None:
-    """A kept barrier on every group of `groups()`, in their creation order (an order every
-    rank shares, so no two ranks wait on each other's groups). Every rank calls it, before
-    `dist.destroy_process_group()`."""
+    """A kept barrier on every group of `groups()`, in their creation order (so no two ranks
+    wait on each other's groups). Every rank calls it, before `destroy_process_group()`."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     for group in groups():

@@ -1,9 +1,9 @@
-"""Per-rank memory: measured on live tensors (`rank_report`), and estimated before anything
-runs (`estimate`, `model_state_bytes`, `ModelShape`).
+"""Per-rank memory: measured on live tensors (report.py: `rank_report`), and estimated before
+anything runs (estimate.py: `estimate`, `model_state_bytes`; shape.py: `ModelShape`).
 
     report = rank_report(model, optimizer)                  # after a step
     shape = ModelShape.of("llama-7b")                       # preset, config.json or module:factory
-    est = estimate(shape, LayoutSpec(dp_shard=8), micro_batch_size=1, seq_len=4096,
+    est = estimate(shape, LayoutSpec(dp_shard=8, micro_batch_size=1), seq_len=4096,
                    dtype="bf16")                             # per-rank bytes, by part
     model_state_bytes(7.5e9, dp=64, zero_stage=3)            # the ZeRO paper's formula
     estimate("mixtral-8x7b", LayoutSpec(dp_shard=8, ep=8, zero_stage=1), seq_len=4096)

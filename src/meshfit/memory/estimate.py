@@ -1,7 +1,7 @@
 """Per-rank memory of a training step, estimated before anything runs.
 
-    est = estimate(ModelShape.of("llama-7b"), LayoutSpec(dp_shard=8, zero_stage=3),
-                   micro_batch_size=1, seq_len=4096, dtype="bf16", optimizer="adamw")
+    est = estimate(ModelShape.of("llama-7b"), LayoutSpec(dp_shard=8, zero_stage=3,
+                   micro_batch_size=1), seq_len=4096, dtype="bf16", optimizer="adamw")
     est.per_rank_bytes      # {"params", "grads", "optimizer", "activations", "buffers", "total"}
 
 **Model states** (what `meshfit.memory.rank_report` measures): parameters and gradients in
@@ -15,11 +15,12 @@ whichever is larger), then the data-parallel engine's share (`meshfit.parallel.l
 LayoutCosts`: parameters / dp_shard under FSDP2, gradients / dp_shard from stage 2,
 optimizer state / dp_shard from stage 1; nothing on the device with CPU offload).
 
-**Expert parallelism** (`LayoutSpec.ep`, a divisor of dp_shard; `meshfit.parallel.ep`):
-the routed experts (`ModelShape.expert_params`) are split over the ep ranks, each holding
-n_experts / ep of every MoE block's, and FSDP2 shards those over the ranks holding the same
-experts (`Layout.expert_fsdp_mesh`): the dp_shard / ep ranks (replicated over
-dp_replicate), or with ep = dp_shard the dp_replicate ranks; with ep = dp_shard and no
+**Expert parallelism** (`LayoutSpec.ep`, a divisor of dp_shard, carved out of it and not
+part of the world size; `meshfit.parallel.ep`): the routed experts (`ModelShape.
+expert_params`) are split over the ep ranks, each holding n_experts / ep of every MoE
+block's, and FSDP2 shards those over the ranks holding the same experts
+(`Layout.expert_fsdp_mesh`): the dp_shard / ep ranks (replicated over dp_replicate: HSDP),
+or with ep = dp_shard the dp_replicate ranks (a 1-D mesh); with ep = dp_shard and no
 dp_replicate FSDP2 leaves them out (whole on their rank, never gathered, not offloaded).
 So the experts' parameters, gradients and optimizer state are divided by ep and then by
 that group where the engine shards the state; everything else as without ep. Under
@@ -27,9 +28,9 @@ meshfit's engine (FSDP2 whenever ep > 1) a rank's experts at rest are 1/dp_shard
 every ep, as without ep at ZeRO-2/3; what ep changes there is the step: FSDP2 gathers only
 this rank's experts (the buffers below: one block's experts / ep, none when left out), and
 at stage 1 the engine (FSDP2 instead of ZeRO-1's whole parameters and gradients).
-`model_state_bytes(..., ep=, expert_params=)` is the same split on the ZeRO paper's formula.
-The activations of an MoE block are counted as a dense MLP of width d_ff (not yet its
-top_k experts' and the routing's tensors).
+`model_state_bytes(..., ep=, expert_params=)` is the same split on the ZeRO paper's formula
+(1/dp in all where a stage shards). The activations of an MoE block are counted as a dense
+MLP of width d_ff (not yet its top_k experts' and the routing's tensors).
 
 **Activations**: the closed form of Korthikanti et al. (2022, "Reducing Activation
 Recomputation in Large Transformer Models", eq. 1-4), written per saved tensor so that it
@@ -50,9 +51,9 @@ inputs, the two linear inputs and the dropout masks (the paper's 10·s·b·h rep
 Sequence parallel divides the norm inputs and the masks too, but in `estimate` not the two
 linear inputs: torch's SequenceParallel (what meshfit runs) all-gathers a block's
 sequence-sharded input before the column-parallel linears and autograd saves the gathered
-tensor (measured in tests/memory/test_estimate_measured.py); the paper's eq. 4 assumes Megatron-LM,
-which saves the shard and gathers again in backward (`activation_bytes`'s default,
-``gathered_linear_inputs=False``, gives that form). Full checkpointing keeps each block's
+tensor (measured in tests/memory/test_estimate_measured.py); the paper's eq. 4 assumes
+Megatron-LM, which saves the shard and gathers again in backward (`activation_bytes`'s
+default, ``gathered_linear_inputs=False``, gives that form). Full checkpointing keeps each block's
 input (h) and recomputes one block at a time in backward (one block's activations more at
 the peak); "selective" (meshfit's default policy: every 2nd block) keeps the inputs of half
 the blocks.
@@ -68,13 +69,14 @@ current one and the prefetched next; stage 2 and replicate-only FSDP2: every blo
 from forward to backward) and the reduce-scatter output of one block's gradients; DDP's
 buckets alias the gradients (`gradient_as_bucket_view`), so they cost nothing more.
 
-Also counted, found by measuring (tests/memory/test_estimate_measured.py): the loss's backward holds
-3V fp32 per token (log-softmax output, its gradient and the logits' gradient); FSDP2 under a
-pipeline accumulates the stage's gradients unsharded until the last micro-batch (+ the
-stage's local parameters x 4 B of buffers); autocast (bf16/fp16 over fp32 masters) keeps the
-residual stream, the norm inputs and a checkpointed block's input in fp32, casts the normed
-input once per projection (q, k, v; SwiGLU's gate and up), and keeps low-precision copies of
-the weights from forward to backward when FSDP2 does not gather them in low precision.
+Also counted, found by measuring (tests/memory/test_estimate_measured.py): the loss's
+backward holds 3V fp32 per token (log-softmax output, its gradient and the logits'
+gradient); FSDP2 under a pipeline accumulates the stage's gradients unsharded until the last
+micro-batch (+ the stage's local parameters x 4 B of buffers); autocast (bf16/fp16 over fp32
+masters) keeps the residual stream, the norm inputs and a checkpointed block's input in
+fp32, casts the normed input once per projection (q, k, v; SwiGLU's gate and up), and keeps
+low-precision copies of the weights from forward to backward when FSDP2 does not gather them
+in low precision.
 
 Known misses (measured there and in `benchmarks/planner.py`): allocator caching and
 fragmentation on CUDA, temporaries inside one op (a matmul's output before it is saved) and
@@ -109,21 +111,15 @@ def model_state_bytes(n_params: float, dp: int = 1, zero_stage: int = 0, *,
                       optimizer: str = "adamw", precision: str = "mixed", ep: int = 1,
                       expert_params: float = 0) -> dict[str, float]:
     """The ZeRO paper's per-rank model states (Rajbhandari et al. 2020, Fig. 1): Ψ =
-    `n_params` on `dp` data-parallel ranks, stage 0 (DDP) to 3.
+    `n_params` on `dp` data-parallel ranks, stage 0 (DDP) to 3; `expert_params` of them
+    split over `ep` ranks (see the module docstring).
 
-    Expert parallelism: `expert_params` of the Ψ are routed experts split over `ep` ranks
-    (a divisor of `dp`): each rank holds 1/ep of them, and a stage that shards a state
-    shards the experts' share over the dp/ep ranks holding the same experts, so it is
-    divided by ep, then by dp/ep where the stage shards (1/dp in all); the other Ψ -
-    expert_params as without ep.
-
-    precision="mixed": fp16/bf16 parameters and gradients (2 B each) and an fp32 master
-    copy counted with the optimizer state (K = 12 for Adam: master, momentum, variance) —
-    the paper's accounting: Ψ = 7.5e9, dp = 64 gives 120, 31.4, 16.6 and 1.9 GB.
-    precision="fp32": 4 B parameters and gradients, the parameters their own master (K = 8
-    for Adam). `optimizer`: adamw (K as above), adamw_8bit (2 B of state per parameter),
-    sgd (4 B momentum), adafactor (0: its factored statistics are O(rows + cols)).
-    Returns {"params", "grads", "optimizer", "total"} in bytes."""
+    precision="mixed": fp16/bf16 parameters and gradients (2 B each) and an fp32 master copy
+    counted with the optimizer state (K = 12 for Adam: master, momentum, variance) — the paper's
+    accounting: Ψ = 7.5e9, dp = 64 gives 120, 31.4, 16.6 and 1.9 GB. precision="fp32": 4 B
+    parameters and gradients, the parameters their own master (K = 8 for Adam). `optimizer`:
+    `OPTIMIZER_BYTES` of state per parameter (adafactor 0: its factored statistics are O(rows +
+    cols)). Returns {"params", "grads", "optimizer", "total"} in bytes."""
     if precision not in ("mixed", "fp32"):
         raise ValueError(f"precision={precision!r} must be 'mixed' or 'fp32'")
     if optimizer not in OPTIMIZER_BYTES:
@@ -159,8 +155,7 @@ class LayoutSpec(LayoutRequest):
     Concrete: a spec describes its own world, so the axis left to "the remaining ranks"
     (-1) has 1, an unset ZeRO stage is the one `meshfit train` takes
     (`meshfit.parallel.rules.default_zero_stage`), and unset pipeline micro-batches and
-    virtual stages are 1. Under ``ep`` (a divisor of dp_shard, carved out of it, not part of
-    the world size) each rank holds 1/ep of every MoE block's routed experts."""
+    virtual stages are 1."""
 
     activation_checkpointing: Checkpointing = "none"
     micro_batch_size: int = 1
@@ -253,15 +248,12 @@ def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
                      gathered_linear_inputs: bool = False,
                      autocast: bool = False) -> ActivationBytes:
     """Saved activations of one micro-batch of `layout.micro_batch_size` sequences on one
-    rank (see the module docstring for the closed form). `attention`: "flash" (or
-    "efficient", "cudnn": no score matrix saved) or "math". `gathered_linear_inputs`: under
-    sequence parallel, the attention and MLP inputs are saved all-gathered (torch's
-    SequenceParallel, what meshfit runs; `estimate` passes True), not sharded (Megatron-LM,
-    the paper's eq. 4: the default). `autocast`: bf16/fp16 by autocast over fp32 (what
-    meshfit runs; `estimate` passes it): the residual stream, and so the norm inputs and a
-    checkpointed block's input, stay fp32, and each of the separate q/k/v (and SwiGLU's gate
-    and up) projections saves its own low-precision copy of its input; off, every activation
-    is in `dtype` as in the paper."""
+    rank (the closed form of the module docstring). `attention`: "flash" (or "efficient",
+    "cudnn": no score matrix saved) or "math". `gathered_linear_inputs` (`estimate` passes
+    True): under sequence parallel the attention and MLP inputs are saved all-gathered, as
+    torch's SequenceParallel does, not sharded (the paper's eq. 4). `autocast` (`estimate`
+    passes it for bf16/fp16): fp32 residual stream and per-projection casts, as the module
+    docstring says; off, every activation is in `dtype` as in the paper."""
     act = DTYPE_BYTES[dtype]
     residual = 4 if autocast and act < 4 else act
     t, sp = layout.tp, layout.sequence_parallel
@@ -292,10 +284,7 @@ def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
 
 def _head_bytes(shape: ModelShape, layout: LayoutSpec, tokens: int, act: int,
                 residual: int) -> float:
-    """The last stage's activations outside the blocks: the final norm's input (the
-    residual stream) and the head's input, and the loss: fp32 logits, their log-softmax
-    and its gradient alive together in the loss's backward (3V per token; / t under
-    loss_parallel)."""
+    """The last stage's activations outside the blocks (see the module docstring)."""
     t = layout.tp
     inputs = shape.d_model * (residual + act) * tokens / (t if layout.sequence_parallel else 1)
     return inputs + 3 * shape.vocab_size * 4 * tokens / (t if layout.loss_parallel else 1)
@@ -344,7 +333,6 @@ class Estimate:
 def _stage_params(shape: ModelShape, layout: LayoutSpec) -> tuple[float, int]:
     """Parameters on the worst pipeline rank (before TP/DP division), and its blocks."""
     p, v = layout.pp, max(layout.virtual_stages, 1)
-    blocks = math.ceil(shape.n_layer / p)
     if p == 1:
         return float(shape.params), shape.n_layer
     chunk = math.ceil(shape.n_layer / (p * v))
@@ -364,16 +352,15 @@ def _stage_experts(shape: ModelShape, layout: LayoutSpec, blocks: int) -> float:
 
 
 def _expert_group(layout: LayoutSpec) -> int:
-    """Under ep, the ranks FSDP2 shards one rank's experts over
-    (`meshfit.parallel.layout.Layout.expert_fsdp_mesh`): the dp_shard / ep ranks holding the
-    same experts (replicated over dp_replicate: HSDP); with ep = dp_shard, the dp_replicate
-    ranks (a 1-D mesh, so sharded); 1 when no other rank holds them (FSDP2 leaves them out)."""
+    """Under ep, the ranks FSDP2 shards one rank's experts over (see the module docstring);
+    1 when no other rank holds them (FSDP2 leaves them out)."""
     inner = layout.dp_shard // layout.ep
     return inner if inner > 1 else layout.dp_replicate
 
 
-def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype: str = "fp32",
-             optimizer: str = "adamw", attention: str = "flash") -> Estimate:
+def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
+             dtype: str = "fp32", optimizer: str = "adamw",
+             attention: str = "flash") -> Estimate:
     """Per-rank bytes of `layout` training `shape` (a `ModelShape` or what
     `ModelShape.of` takes) on sequences of `seq_len` tokens with activations in `dtype`
     ("fp32", or "bf16"/"fp16" autocast) and `optimizer`. The model states follow meshfit's
@@ -393,7 +380,8 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int, dtype
     activations, acts = _activations(shape, layout, rank.blocks, seq_len, dtype, attention)
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
                     activations=activations, buffers=buffers, host=host,
-                    detail={"blocks_on_rank": rank.blocks, "per_block_activation": acts.per_block,
+                    detail={"blocks_on_rank": rank.blocks,
+                            "per_block_activation": acts.per_block,
                             "in_flight": in_flight(layout), "engine": resolved.engine.value,
                             "expert_params_on_rank": rank.experts / rank.ep if rank.ep > 1
                             else None})
@@ -411,11 +399,8 @@ def _check_experts(shape: ModelShape, ep: int) -> None:
 
 @dataclass(frozen=True)
 class _RankParams:
-    """The parameter counts of the worst rank, before the data-parallel engine divides them.
-
-    Expert parallelism (tp = 1: Layout refuses ep with tp): the routed experts are split
-    over ep ranks, then sharded over `group` ranks holding the same experts; 0 without ep
-    (the experts then count as every other parameter)."""
+    """The parameter counts of the worst rank, before the data-parallel engine divides them
+    (under ep, tp = 1: Layout refuses ep with tp)."""
 
     blocks: int  # transformer blocks on the worst pipeline rank
     local: float  # its parameters after the tensor-parallel split
@@ -433,7 +418,8 @@ class _RankParams:
     def of(cls, shape: ModelShape, layout: LayoutSpec) -> _RankParams:
         stage_params, blocks = _stage_params(shape, layout)
         kept = shape.tp_split / layout.tp + (1 - shape.tp_split)
-        return cls(blocks=blocks, local=stage_params * kept, block_local=shape.block_params * kept,
+        return cls(blocks=blocks, local=stage_params * kept,
+                   block_local=shape.block_params * kept,
                    experts=_stage_experts(shape, layout, blocks),
                    block_experts=float(shape.block_expert_params) if layout.ep > 1 else 0.0,
                    group=_expert_group(layout), ep=layout.ep)

@@ -5,8 +5,9 @@
     expected = zero_formula(num_params, world=2, stage=3)   # {"params": ..., "total": ...}
 
 `rank_report` counts what this rank's tensors hold, not what an allocator says (a CPU build
-has no allocator statistics, and tracemalloc does not see tensors): parameters, gradients, optimizer state and
-buffers, each storage once. Sharded layouts are read as they are at the moment of the call:
+has no allocator statistics, and tracemalloc does not see tensors): parameters, gradients,
+optimizer state and buffers, each storage once. Sharded layouts are read as they are at the
+moment of the call:
 
     DDP                      full parameters, full gradients, full optimizer state.
     ZeroRedundancyOptimizer  full parameters and gradients; state of this rank's partition
@@ -85,7 +86,8 @@ class RankMemory:
         return line
 
 
-def rank_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> RankMemory:
+def rank_report(model: nn.Module,
+                optimizer: torch.optim.Optimizer | None = None) -> RankMemory:
     """Measure the bytes this rank holds in `model`'s parameters, gradients and buffers and in
     `optimizer`'s state (a torch optimizer, a meshfit PreparedOptimizer, or a
     ZeroRedundancyOptimizer). Call it after a step (state is created lazily) and before
@@ -105,12 +107,12 @@ def rank_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     if cuda is not None:
         allocated = torch.cuda.memory_allocated(cuda)
         peak = torch.cuda.max_memory_allocated(cuda)
-    return RankMemory(rank=dist.get_rank() if dist.is_available() and dist.is_initialized()
-                      else 0,
-                      param_bytes=param_bytes, grad_bytes=grad_bytes,
-                      optimizer_bytes=optimizer_bytes, buffer_bytes=buffer_bytes,
-                      host_bytes=where["host"], device_bytes=where["device"],
-                      allocated_bytes=allocated, peak_allocated_bytes=peak)
+    distributed = dist.is_available() and dist.is_initialized()
+    return RankMemory(rank=dist.get_rank() if distributed else 0, param_bytes=param_bytes,
+                      grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+                      buffer_bytes=buffer_bytes, host_bytes=where["host"],
+                      device_bytes=where["device"], allocated_bytes=allocated,
+                      peak_allocated_bytes=peak)
 
 
 def _count(tensors: Iterable[torch.Tensor | None], where: dict[str, int]) -> int:
@@ -146,8 +148,6 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     same tensors as `.optim.state` for this rank's (measured on torch 2.13). `.optim` holds
     the partition's state at all times, and its param_groups only the partition's
     parameters."""
-    # A wrapper that steps on accumulation boundaries (meshfit's PreparedOptimizer) holds the
-    # real optimizer as `.optimizer`.
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     # Looked up, not imported: a ZeRO optimizer implies its module is loaded, and importing
@@ -191,13 +191,11 @@ def zero_formula(num_params: int, world: int, stage: int, *, param_bytes: float 
             momentum and variance, the master copy counted as optimizer state): also 16Ψ;
             Ψ=7.5e9, N=64 gives 120, 31.4, 16.6 and 1.9 GB for stages 0-3.
 
-    `fsdp2=True` gives what PyTorch's FSDP2 holds at rest for stage 2: `fully_shard` with
-    reshard_after_forward=False (meshfit's stage 2) keeps the gathered parameters only from
-    forward to the end of backward and reshards them after backward, so between steps its
-    parameters are sharded as in stage 3 — the difference is the peak during the step, not
-    the bytes at rest. The formula ignores AdamW's scalar `step` tensors (4 B per parameter
-    tensor) and FSDP2's padding of a dim 0 that does not divide by N (each shard is ceil).
-    Returns {"params", "grads", "optimizer", "total"} in bytes (floats: Ψ/N need not be whole).
+    `fsdp2=True` gives what FSDP2's stage 2 holds at rest: its parameters sharded as in stage 3
+    (`meshfit.parallel.fsdp` says why). The formula ignores AdamW's scalar `step` tensors (4 B
+    per parameter tensor) and FSDP2's padding of a dim 0 that does not divide by N (each shard
+    is ceil). Returns {"params", "grads", "optimizer", "total"} in bytes (floats: Ψ/N need not
+    be whole).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage!r} must be 0 (DDP), 1, 2 or 3")

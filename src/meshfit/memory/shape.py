@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from meshfit.distributed.tensors import names_by_parameter
+
 __all__ = ["ModelShape"]
 
 
@@ -171,7 +173,7 @@ class ModelShape:
             first = last = 0
             tp_styles, divisible = {}, ()
         block = max(_count(b, set()) for b in blocks)
-        tied = _is_tied(model)
+        tied = any(len(names) > 1 for names in names_by_parameter(model))
         sizes = _sizes(model)
         tp_split = _tp_split(model, tp_styles, params) if tp_styles else 0.0
         dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
@@ -241,13 +243,6 @@ def _largest_module_list(model: nn.Module) -> list[nn.Module]:
             if len(items) > len(best):
                 best = items
     return best
-
-
-def _is_tied(model: nn.Module) -> bool:
-    seen: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        seen[id(p)] = seen.get(id(p), 0) + 1
-    return any(n > 1 for n in seen.values())
 
 
 def _has_gate(block: nn.Module) -> bool:

@@ -3,7 +3,9 @@
     from meshfit.models import GPT, GPTConfig
     model = GPT(GPTConfig.preset("tiny"))
 
-`GPTConfig` (config.py) needs no torch; the other names load on first use.
+config.py (`GPTConfig`, no torch; the other names load on first use), gpt.py (`GPT`), mlp.py
+and moe.py (its dense and mixture-of-experts MLPs), loss.py (the head's loss a chunk of tokens
+at a time), factory.py (``module:attribute`` specs), plans/ (parallel plans as data).
 """
 
 from __future__ import annotations

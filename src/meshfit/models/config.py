@@ -95,31 +95,28 @@ class GPTConfig:
         if self.n_kv_head is not None:
             _check_positive_int("n_kv_head", self.n_kv_head)
         for name, kind in (("norm", NormKind), ("mlp", MlpKind), ("pos", PosKind),
-                           ("attention_backend", AttentionBackend)):
+                           ("attention_backend", AttentionBackend), ("router", RouterKind)):
             value, allowed = getattr(self, name), get_args(kind)
             if value not in allowed:
-                raise ValueError(f"GPTConfig.{name}={value!r} is not supported; use one of {allowed}")
+                raise ValueError(f"GPTConfig.{name}={value!r} is not supported; use one of "
+                                 f"{allowed}")
         for name in ("bias", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.d_model % self.n_head:
-            raise ValueError(
-                f"GPTConfig.n_head={self.n_head} must divide d_model={self.d_model}; "
-                "pick n_head among divisors of d_model"
-            )
+            raise ValueError(f"GPTConfig.n_head={self.n_head} must divide d_model={self.d_model}; "
+                             "pick n_head among divisors of d_model")
         if self.n_head % self.kv_heads:
-            raise ValueError(
-                f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}; "
-                "pick n_kv_head among divisors of n_head (or None for n_head)"
-            )
-        if self.pos == "rope" and self.head_dim % 2:
-            # RoPE rotates pairs of channels, so each head needs an even width.
-            raise ValueError(
-                f"GPTConfig.pos='rope' needs an even head_dim, got d_model/n_head="
-                f"{self.d_model}/{self.n_head}={self.head_dim}; change n_head or d_model"
-            )
+            raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head="
+                             f"{self.n_head}; pick n_kv_head among divisors of n_head (or None "
+                             "for n_head)")
+        if self.pos == "rope" and self.head_dim % 2:  # RoPE rotates pairs of channels
+            raise ValueError(f"GPTConfig.pos='rope' needs an even head_dim, got d_model/n_head="
+                             f"{self.d_model}/{self.n_head}={self.head_dim}; change n_head or "
+                             "d_model")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1); use 0.0 to disable")
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1); use 0.0 to "
+                             "disable")
         for name in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -127,7 +124,8 @@ class GPTConfig:
         self._check_moe()
 
     def _check_moe(self) -> None:
-        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+        n_experts = self.n_experts
+        if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 0:
             raise ValueError(f"GPTConfig.n_experts={self.n_experts!r} must be a non-negative "
                              "integer (0 = dense)")
         for name in ("top_k", "moe_every"):
@@ -136,9 +134,6 @@ class GPTConfig:
             _check_positive_int("moe_d_ff", self.moe_d_ff)
         if self.shared_experts not in (0, 1) or isinstance(self.shared_experts, bool):
             raise ValueError(f"GPTConfig.shared_experts={self.shared_experts!r} must be 0 or 1")
-        if self.router not in get_args(RouterKind):
-            raise ValueError(f"GPTConfig.router={self.router!r} is not supported; use one of "
-                             f"{get_args(RouterKind)}")
         cf = self.capacity_factor
         if cf is not None and not (isinstance(cf, (int, float)) and not isinstance(cf, bool)
                                    and math.isfinite(cf) and cf > 0):
@@ -187,10 +182,8 @@ class GPTConfig:
             raise ValueError(f"unknown GPTConfig preset {name!r}; valid names: {list(_PRESETS)}")
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ValueError(
-                f"GPTConfig.preset({name!r}) got unknown fields {unknown}; "
-                f"valid fields: {[f.name for f in dataclasses.fields(cls)]}"
-            )
+            raise ValueError(f"GPTConfig.preset({name!r}) got unknown fields {unknown}; "
+                             f"valid fields: {[f.name for f in dataclasses.fields(cls)]}")
         return cls(**{**_PRESETS[name], **overrides})
 
     @classmethod
@@ -199,10 +192,8 @@ class GPTConfig:
 
     # ----------------------------------------------------------------- closed forms
     def param_breakdown(self) -> dict[str, int]:
-        """Unique parameter count per top-level part of `GPT`, without building it.
-
-        A tied head contributes 0 under "lm_head": its weight is counted under "tok_emb".
-        """
+        """Unique parameter count per top-level part of `GPT`, without building it (a tied
+        head counts 0 under "lm_head": its weight is counted under "tok_emb")."""
         d, f, b = self.d_model, self.d_ff, int(self.bias)
         norm = d * (2 if self.norm == "layernorm" and self.bias else 1)
         kv = self.kv_heads * self.head_dim
@@ -238,15 +229,14 @@ class GPTConfig:
         `num_params` for a dense model."""
         n = self.num_params(exclude_embeddings)
         if self.n_experts:
-            n -= self.n_moe_layers * (self._moe_params(self.n_experts) - self._moe_params(self.top_k))
+            inactive = self._moe_params(self.n_experts) - self._moe_params(self.top_k)
+            n -= self.n_moe_layers * inactive
         return n
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Closed-form count of unique parameters; equals `GPT(self).num_params(...)`.
-
         `exclude_embeddings` drops the lookup tables tok_emb and pos_emb (a tied head goes
-        with them, being the same tensor); an untied lm_head stays counted.
-        """
+        with them, being the same tensor); an untied lm_head stays counted."""
         parts = self.param_breakdown()
         if exclude_embeddings:
             parts["tok_emb"] = parts["pos_emb"] = 0
@@ -287,32 +277,20 @@ _LLAMA_STYLE = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, tie_em
 # all, 12,879,925,248 active per token (2 of 8 experts).
 _PRESETS: dict[str, dict[str, Any]] = {
     # ~0.86M params, byte vocabulary: trains in seconds on a CPU, used by tests and examples.
-    "tiny": dict(
-        _GPT2_STYLE, vocab_size=256, n_layer=4, n_head=4, d_model=128, d_ff=512, max_seq_len=256
-    ),
-    "gpt2": dict(
-        _GPT2_STYLE, vocab_size=50257, n_layer=12, n_head=12, d_model=768, d_ff=3072,
-        max_seq_len=1024,
-    ),
-    "llama-1b": dict(
-        _LLAMA_STYLE, vocab_size=32000, n_layer=22, n_head=32, n_kv_head=4, d_model=2048,
-        d_ff=5632, max_seq_len=2048,
-    ),
-    "llama-7b": dict(
-        _LLAMA_STYLE, vocab_size=32000, n_layer=32, n_head=32, d_model=4096, d_ff=11008,
-        max_seq_len=4096,
-    ),
-    "llama-70b": dict(
-        _LLAMA_STYLE, vocab_size=32000, n_layer=80, n_head=64, n_kv_head=8, d_model=8192,
-        d_ff=28672, max_seq_len=4096,
-    ),
+    "tiny": dict(_GPT2_STYLE, vocab_size=256, n_layer=4, n_head=4, d_model=128, d_ff=512,
+                 max_seq_len=256),
+    "gpt2": dict(_GPT2_STYLE, vocab_size=50257, n_layer=12, n_head=12, d_model=768, d_ff=3072,
+                 max_seq_len=1024),
+    "llama-1b": dict(_LLAMA_STYLE, vocab_size=32000, n_layer=22, n_head=32, n_kv_head=4,
+                     d_model=2048, d_ff=5632, max_seq_len=2048),
+    "llama-7b": dict(_LLAMA_STYLE, vocab_size=32000, n_layer=32, n_head=32, d_model=4096,
+                     d_ff=11008, max_seq_len=4096),
+    "llama-70b": dict(_LLAMA_STYLE, vocab_size=32000, n_layer=80, n_head=64, n_kv_head=8,
+                      d_model=8192, d_ff=28672, max_seq_len=4096),
     # Mixture of experts at the tiny width: 8 SwiGLU experts, top-2, in every block.
-    "moe-tiny": dict(
-        _LLAMA_STYLE, vocab_size=256, n_layer=4, n_head=4, d_model=128, d_ff=256,
-        max_seq_len=256, n_experts=8, top_k=2,
-    ),
-    "mixtral-8x7b": dict(
-        _LLAMA_STYLE, vocab_size=32000, n_layer=32, n_head=32, n_kv_head=8, d_model=4096,
-        d_ff=14336, max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2,
-    ),
+    "moe-tiny": dict(_LLAMA_STYLE, vocab_size=256, n_layer=4, n_head=4, d_model=128, d_ff=256,
+                     max_seq_len=256, n_experts=8, top_k=2),
+    "mixtral-8x7b": dict(_LLAMA_STYLE, vocab_size=32000, n_layer=32, n_head=32, n_kv_head=8,
+                         d_model=4096, d_ff=14336, max_seq_len=32768, rope_theta=1e6,
+                         n_experts=8, top_k=2),
 }

@@ -4,8 +4,8 @@ Module layout follows torchtitan so parallel plans can address modules by name:
 
     tok_emb, pos_emb, drop, layers["0".."L-1"], norm, lm_head
     layers[i]: attn_norm, attn.{wq, wk, wv, wo}, mlp_norm, mlp.{w_in, w_out} | mlp.{w1, w2, w3}
-    MoE block (GPTConfig.n_experts > 0, see meshfit.models.moe): mlp.router,
-               mlp.experts.{w_in, w_out} | mlp.experts.{w1, w2, w3} as stacked [E, ...] tensors, mlp.shared
+    MoE block (GPTConfig.n_experts > 0, see meshfit.models.moe): mlp.router, mlp.shared,
+               mlp.experts.{w_in, w_out} | mlp.experts.{w1, w2, w3} as stacked [E, ...] tensors
 
 q/k/v are separate linears (not one fused qkv) so a tensor-parallel plan can shard each
 column-wise; attention infers the local head count from the projection width, so it runs
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit.models.config import AttentionBackend, GPTConfig
+from meshfit.models.loss import linear_cross_entropy, plain_cross_entropy
 from meshfit.models.mlp import GeluMLP, SwiGLUMLP
 from meshfit.models.moe import Experts, MoE
 
@@ -71,19 +72,16 @@ def check_attention_backend(backend: str, device: torch.device | str, dtype: tor
             warnings.simplefilter("ignore")  # the reasons SDPA prints before giving up
             F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
     except RuntimeError:
-        raise ValueError(
-            f"attention_backend={backend!r} is not available on {torch.device(device)} with "
-            f"{str(dtype).removeprefix('torch.')} (head_dim={head_dim}); use 'auto' or 'math'"
-            + ("; 'efficient' and 'cudnn' need a CUDA GPU, 'flash' on CUDA needs fp16/bf16"
-               if torch.device(device).type != "cuda" or dtype == torch.float32 else "")
-        ) from None
+        hint = ("; 'efficient' and 'cudnn' need a CUDA GPU, 'flash' on CUDA needs fp16/bf16"
+                if torch.device(device).type != "cuda" or dtype == torch.float32 else "")
+        raise ValueError(f"attention_backend={backend!r} is not available on "
+                         f"{torch.device(device)} with {str(dtype).removeprefix('torch.')} "
+                         f"(head_dim={head_dim}); use 'auto' or 'math'{hint}") from None
 
 
 def count_params(module: nn.Module) -> int:
-    """Number of unique parameter elements; a tied weight is counted once.
-
-    `Module.parameters()` already de-duplicates shared tensors by identity, which also holds
-    on the meta device where every tensor reports data_ptr 0.
+    """Number of unique parameter elements; a tied weight is counted once (`parameters()`
+    de-duplicates by identity, which also holds on the meta device, where every data_ptr is 0).
     """
     return sum(p.numel() for p in module.parameters())
 
@@ -156,20 +154,25 @@ class Attention(nn.Module):
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    @staticmethod
+    def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """k and v with each kv head repeated for its query heads: GQA by hand rather than
+        sdpa(enable_gqa=True), which older torch lacks. repeat_interleave keeps query heads
+        h*g..h*g+g-1 on kv head h, the Llama layout."""
+        if k.shape[1] == q.shape[1]:
+            return k, v
+        groups = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+    def forward(self, x: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self._qkv(x, rope)
-        if k.shape[1] != q.shape[1]:
-            # GQA by hand rather than sdpa(enable_gqa=True), which older torch lacks.
-            # repeat_interleave keeps query heads h*g..h*g+g-1 on kv head h, the Llama layout.
-            groups = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        k, v = self._repeat_kv(q, k, v)
         try:
             with _sdpa_context(self.backend):
                 y = F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-                )
+                    q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         except RuntimeError as err:
             if self.backend == "auto":
                 raise
@@ -190,14 +193,11 @@ class Attention(nn.Module):
         start, end = cache.length, cache.length + T
         cache.k[name][:B, :, start:end] = k
         cache.v[name][:B, :, start:end] = v
-        k, v = cache.k[name][:B, :, :end], cache.v[name][:B, :, :end]
-        if k.shape[1] != q.shape[1]:
-            groups = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        k, v = self._repeat_kv(q, cache.k[name][:B, :, :end], cache.v[name][:B, :, :end])
         # New query i sits at position start + i and sees keys 0..start + i. One query sees
         # every cached key, so it needs no mask.
-        mask = None if T == 1 else torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start)
+        mask = (None if T == 1
+                else torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.wo(y))
@@ -220,7 +220,8 @@ class Block(nn.Module):
         else:
             self.mlp = GeluMLP(cfg) if cfg.mlp == "gelu" else SwiGLUMLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -241,11 +242,8 @@ class GPT(nn.Module):
     cross-entropy (scalar, ignore_index -100). As a pipeline stage: without tok_emb the input
     is hidden states [B, T, d_model]; without lm_head the output is hidden states.
 
-    With MoE blocks (`GPTConfig.n_experts > 0`) the loss returned with targets is the
-    cross-entropy plus the sum of the MoE blocks' auxiliary losses (load balancing + router
-    z-loss, already weighted by their coefficients); each block keeps its own in
-    `mlp.last_aux_loss`, so a pipeline stage or a custom loss can add them itself. A dense
-    model's loss is the cross-entropy alone, as before.
+    With MoE blocks (`GPTConfig.n_experts > 0`) the loss returned with targets adds the
+    blocks' auxiliary losses (`aux_loss`; see `meshfit.models.moe`).
 
     With targets, the loss skips the whole [B, T, vocab] float32 logits when they would be
     large (`fused_loss` "auto": at least `FUSED_LOSS_MIN_BYTES`; "on": always; "off":
@@ -264,12 +262,10 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb: nn.Embedding | None = (
-            nn.Embedding(config.max_seq_len, config.d_model) if config.pos == "learned" else None
-        )
+            nn.Embedding(config.max_seq_len, config.d_model) if config.pos == "learned" else None)
         self.drop = nn.Dropout(config.dropout)
         self.layers = nn.ModuleDict(
-            {str(i): Block(config, moe=config.is_moe_layer(i)) for i in range(config.n_layer)}
-        )
+            {str(i): Block(config, moe=config.is_moe_layer(i)) for i in range(config.n_layer)})
         self.norm: nn.Module | None = _norm(config)
         # GPT-2 has no output bias; neither has Llama.
         self.lm_head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -279,8 +275,9 @@ class GPT(nn.Module):
         # Non-persistent: RoPE has no parameters, and the cache is recomputed by init_weights
         # (it is garbage after meta-device construction + to_empty, like any buffer).
         if config.pos == "rope":
-            self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
-            self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
+            for name in ("rope_cos", "rope_sin"):
+                self.register_buffer(name, torch.empty(config.max_seq_len, config.head_dim // 2),
+                                     persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
         if self.tok_emb.weight.device.type != "meta":
@@ -289,13 +286,12 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Deterministic init; also (re)computes the RoPE cache.
-
-        Draws one base seed from `generator` (the global CPU RNG when None), then fills each
-        parameter from its own generator seeded by (base seed, parameter name). The values of
-        a parameter therefore depend only on the seed and its name, not on which other parts
-        the module holds: a pipeline stage initialised with the same seed gets exactly the
-        full model's weights for its slice. Meta tensors are skipped.
+        """Deterministic init; also (re)computes the RoPE cache. Draws one base seed from
+        `generator` (the global CPU RNG when None), then fills each parameter from its own
+        generator seeded by (base seed, parameter name). The values of a parameter therefore
+        depend only on the seed and its name, not on which other parts the module holds: a
+        pipeline stage initialised with the same seed gets exactly the full model's weights
+        for its slice. Meta tensors are skipped.
 
         Linears/embeddings ~ N(0, init_std); biases 0; norm weights 1. Residual output
         projections (wo, w_out, w2) use init_std / sqrt(2 * n_layer): GPT-2 (Radford et al.
@@ -332,9 +328,9 @@ class GPT(nn.Module):
             return
         cfg, device = self.config, self.rope_cos.device
         inv_freq = cfg.rope_theta ** (
-            -torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim
-        )
-        angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+            -torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim)
+        positions = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
         self.rope_cos.copy_(angles.cos())
         self.rope_sin.copy_(angles.sin())
 
@@ -344,8 +340,7 @@ class GPT(nn.Module):
         if T > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {T} exceeds GPTConfig.max_seq_len={self.config.max_seq_len}; "
-                "shorten the input or raise max_seq_len"
-            )
+                "shorten the input or raise max_seq_len")
         if self.tok_emb is not None:
             h = self.tok_emb(idx)
             # Positions go in with the tokens only: a later stage's input already has them.
@@ -364,20 +359,13 @@ class GPT(nn.Module):
         if self.lm_head is None:
             return h
         if targets is not None and self._chunked_loss(h):
-            from meshfit.models.loss import linear_cross_entropy
-
             loss = torch.compiler.disable(linear_cross_entropy)(
                 h, self.lm_head.weight, targets, chunk_tokens=self.loss_chunk_tokens)
-            aux = self.aux_loss()
-            return loss if aux is None else loss + aux
-        logits = self.lm_head(h)
-        if targets is None:
-            return logits
-        # float32 cross-entropy: log-softmax over a large vocabulary is unstable in bf16 (a
-        # float64 model keeps float64).
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        else:
+            logits = self.lm_head(h)
+            if targets is None:
+                return logits
+            loss = plain_cross_entropy(logits, targets)
         aux = self.aux_loss()
         return loss if aux is None else loss + aux
 
@@ -404,7 +392,8 @@ class GPT(nn.Module):
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE blocks' auxiliary losses from the last forward; None if dense."""
-        losses = [m.last_aux_loss for m in self.moe_layers().values() if m.last_aux_loss is not None]
+        losses = [m.last_aux_loss for m in self.moe_layers().values()
+                  if m.last_aux_loss is not None]
         return torch.stack([a.float() for a in losses]).sum() if losses else None
 
     @torch.no_grad()
@@ -422,14 +411,12 @@ class GPT(nn.Module):
             return {}
         counts = torch.stack([s["tokens_per_expert"].double() for s in stats])
         cv = counts.std(dim=1, unbiased=False) / counts.mean(dim=1).clamp_min(1e-12)
-        return {
-            "layers": len(stats),
-            "tokens_per_expert_min": int(counts.min()),
-            "tokens_per_expert_max": int(counts.max()),
-            "tokens_per_expert_cv": float(cv.mean()),
-            "dropped_fraction": sum(s["dropped"] for s in stats) / max(1, sum(s["assignments"] for s in stats)),
-            "aux_loss": float(sum(float(s["aux_loss"]) for s in stats)),
-        }
+        assignments = max(1, sum(s["assignments"] for s in stats))
+        return {"layers": len(stats), "tokens_per_expert_min": int(counts.min()),
+                "tokens_per_expert_max": int(counts.max()),
+                "tokens_per_expert_cv": float(cv.mean()),
+                "dropped_fraction": sum(s["dropped"] for s in stats) / assignments,
+                "aux_loss": float(sum(float(s["aux_loss"]) for s in stats))}
 
     # ------------------------------------------------------------------ incremental decoding
     def new_cache(self, batch_size: int = 1, max_len: int | None = None, *,
@@ -437,7 +424,8 @@ class GPT(nn.Module):
                   dtype: torch.dtype | None = None) -> KVCache:
         """An empty `KVCache` for `forward_cached`: up to `max_len` positions (default and at
         most `max_seq_len`), on the model's device and in its dtype unless given."""
-        if self.tok_emb is None or self.lm_head is None or len(self.layers) != self.config.n_layer:
+        if (self.tok_emb is None or self.lm_head is None
+                or len(self.layers) != self.config.n_layer):
             raise ValueError("incremental decoding needs the whole model (tok_emb, every "
                              "layer, lm_head), not a pipeline stage")
         max_len = self.config.max_seq_len if max_len is None else max_len
@@ -479,11 +467,8 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ accounting
     def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Unique parameters held by this module (a stage counts only its slice).
-
-        `exclude_embeddings` drops tok_emb and pos_emb (and a tied head with them), matching
-        `GPTConfig.num_params(exclude_embeddings=True)` for a full model.
-        """
+        """Unique parameters held by this module (a stage counts only its slice); for a full
+        model, equal to `GPTConfig.num_params(exclude_embeddings)`."""
         n = count_params(self)
         if exclude_embeddings:
             for emb in (self.tok_emb, self.pos_emb):

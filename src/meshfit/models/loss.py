@@ -114,7 +114,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The reference the chunked loss equals: float32 log-softmax of the whole logits."""
+    """The loss of whole logits (`GPT.forward`'s, and the reference the chunked loss equals):
+    float32 log-softmax, which over a large vocabulary is unstable in bf16 (a float64 model
+    keeps float64)."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())

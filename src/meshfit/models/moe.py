@@ -1,7 +1,7 @@
 """Reference mixture-of-experts MLP (token-choice top-k), a drop-in for a block's dense MLP.
 
     mlp.router                          nn.Linear(d_model, n_experts, bias=False)
-    mlp.experts.w1, .w3, .w2            SwiGLU experts (mlp="swiglu"): [E, d, f], [E, d, f], [E, f, d]
+    mlp.experts.w1, .w3, .w2            SwiGLU experts (mlp="swiglu"): [E, d, f] x 2, [E, f, d]
     mlp.experts.w_in, .w_out            GELU experts (mlp="gelu"): [E, d, f], [E, f, d]
     mlp.shared              optional shared expert: an ordinary GeluMLP / SwiGLUMLP of width f
 
@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfit.distributed.tensors import local_tensor
 from meshfit.models.config import GPTConfig
 from meshfit.models.mlp import GeluMLP, SwiGLUMLP
 
@@ -108,7 +109,7 @@ class MoE(nn.Module):
         self.last_stats: dict[str, torch.Tensor | int] | None = None
 
     # ------------------------------------------------------------------ routing
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [N, d] -> (logits [N, E], probs [N, E], top-k weights [N, k], top-k ids [N, k]).
         `probs` is what the balancing loss averages (see the module docstring)."""
         logits = self.router(x)
@@ -199,11 +200,9 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class Experts(nn.Module):
-    """The routed experts' stacked weights ([E, d, f] / [E, f, d], input-major) and their
-    computation over rows sorted by expert. Its own module so that FSDP2 can shard it over
-    other ranks than the rest of the block (expert parallelism, `meshfit.parallel.ep`);
-    under expert parallelism the weights are DTensors sharded on dim 0 over the ``ep``
-    ranks and this rank computes its local experts."""
+    """The routed experts' stacked weights and their computation over rows sorted by expert;
+    its own module so that FSDP2 can shard it over other ranks than the rest of the block
+    (under expert parallelism, `meshfit.parallel.ep`, this rank's experts: a dim-0 shard)."""
 
     def __init__(self, n_experts: int, d_model: int, d_ff: int, *, swiglu: bool) -> None:
         super().__init__()
@@ -219,13 +218,12 @@ class Experts(nn.Module):
         self.use_grouped_mm: bool | None = None
         """None: auto (grouped matmul where the probe passes); False: always the loop."""
         self.grad_scale: float = 1.0
-        """Multiplies the experts' gradients (expert parallelism: 1/ep, see
-        `meshfit.parallel.ep`)."""
+        """Multiplies the experts' gradients (expert parallelism: 1/ep, `meshfit.parallel.ep`)."""
 
     def weights(self) -> tuple[torch.Tensor, ...]:
         """This rank's expert weights as plain tensors (the local shard of a DTensor)."""
         ws = (self.w1, self.w3, self.w2) if self.swiglu else (self.w_in, self.w_out)
-        ws = tuple(w.to_local() if hasattr(w, "to_local") else w for w in ws)
+        ws = tuple(local_tensor(w) for w in ws)
         if self.grad_scale != 1.0:
             ws = tuple(_ScaleGrad.apply(w, self.grad_scale) for w in ws)
         return ws

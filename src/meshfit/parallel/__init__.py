@@ -22,14 +22,12 @@ from __future__ import annotations
 
 from meshfit._lazy import lazy_exports
 
-_EXPORTS = {
-    "Layout": "layout", "Engine": "layout", "ModelFacts": "layout", "LayoutRequest": "request",
-    "ModelOptions": "options", "parallelize": "parallelize",
-    "apply_ddp": "ddp", "apply_zero1": "zero1", "apply_fsdp": "fsdp",
-    "apply_tp": "tp", "tp_cross_entropy": "tp", "build_pipeline": "pp", "Pipeline": "pp",
-    "apply_activation_checkpointing": "activation", "apply_compile": "compile",
-    "clip_grad_norm_": "clip",
-}
+_EXPORTS = {"Layout": "layout", "Engine": "layout", "ModelFacts": "layout",
+            "LayoutRequest": "request", "ModelOptions": "options", "parallelize": "parallelize",
+            "apply_ddp": "ddp", "apply_zero1": "zero1", "apply_fsdp": "fsdp", "apply_tp": "tp",
+            "tp_cross_entropy": "tp", "build_pipeline": "pp", "Pipeline": "pp",
+            "apply_activation_checkpointing": "activation", "apply_compile": "compile",
+            "clip_grad_norm_": "clip"}
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(
     __name__, {name: f"{__name__}.{module}" for name, module in _EXPORTS.items()}, globals())

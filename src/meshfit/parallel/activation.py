@@ -30,9 +30,6 @@ for a subclass whose `forward` runs the original one under `torch.utils.checkpoi
 FSDP2's `fully_shard` does. Module hooks (FSDP2's unshard, for one) stay outside the
 checkpoint and do not run twice.
 
-Order with the other techniques (torchtitan's): checkpoint, then compile (`apply_compile`
-traces through the checkpoint as a higher-order op), then DDP / FSDP.
-
 Hugging Face models (`transformers.PreTrainedModel`) use their own per-layer mechanism
 (`activation_checkpointing_enable`, named `gradient_checkpointing_enable` before 5.x), with
 our non-reentrant kwargs: its layer wrapper also drops the KV cache, which a recompute would
@@ -59,15 +56,11 @@ _aten = torch.ops.aten
 # (torchtitan's `_save_list` keeps the same, minus collectives). Linear layers reach these as
 # mm/addmm (2-D after flattening) and batched matmul as bmm. Everything else is recomputed.
 SAVED_OPS: list[torch._ops.OpOverload] = [
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    _aten.baddbmm.default,
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-]
+    _aten._scaled_dot_product_cudnn_attention.default]
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: CheckpointMode = "full", *,
@@ -76,9 +69,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: CheckpointMode = "ful
     """Checkpoint the transformer blocks of `model` in place; returns `model`.
 
     `every` and `policy` apply to mode="selective" only (see the module docstring). Call
-    before `apply_compile` and before wrapping in DDP/FSDP. Calling again replaces the
-    previous choice; mode="none" changes nothing.
-    """
+    before `apply_compile` (which traces through the checkpoint as a higher-order op) and
+    before wrapping in DDP/FSDP. Calling again replaces the previous choice."""
     check_checkpointing(mode, every, policy, names=("mode", "every", "policy"),
                         where="apply_activation_checkpointing: ")
     if mode == "none":
@@ -92,11 +84,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: CheckpointMode = "ful
     # A meshfit GPT pipeline stage may hold no blocks at all, which find_blocks would reject.
     blocks = list(model.layers.values()) if isinstance(model, GPT) else find_blocks(model)
     for block in blocks:
-        if isinstance(block, _CheckpointedMixin) and type(block).__bases__[0] is not _CheckpointedMixin:
-            raise ValueError(
-                f"apply_activation_checkpointing: {type(block).__name__} was wrapped again after "
-                "checkpointing (e.g. by fully_shard); set checkpointing before sharding"
-            )
+        if (isinstance(block, _CheckpointedMixin)
+                and type(block).__bases__[0] is not _CheckpointedMixin):
+            raise ValueError(f"apply_activation_checkpointing: {type(block).__name__} was wrapped "
+                             "again after checkpointing (e.g. by fully_shard); set checkpointing "
+                             "before sharding")
     for i, block in enumerate(blocks):
         _unwrap(block)
         if mode == "full" or policy == "op" or i % every == 0:
@@ -121,27 +113,24 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         if size > best_size:
             best, best_size = children, size
     if best is None:
-        raise ValueError(
-            f"apply_activation_checkpointing: found no repeated blocks in {type(model).__name__} "
-            "(no ModuleList/ModuleDict of same-class modules with parameters); keep the "
-            "blocks in an nn.ModuleList or use mode='none'"
-        )
+        raise ValueError(f"apply_activation_checkpointing: found no repeated blocks in "
+                         f"{type(model).__name__} (no ModuleList/ModuleDict of same-class "
+                         "modules with parameters); keep the blocks in an nn.ModuleList or use "
+                         "mode='none'")
     return best
 
 
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether `module` runs under checkpointing set by `apply_activation_checkpointing`
     (the meshfit wrapper or HF's per-layer flag)."""
-    return isinstance(module, _CheckpointedMixin) or bool(getattr(module, "gradient_checkpointing", False))
+    return (isinstance(module, _CheckpointedMixin)
+            or bool(getattr(module, "gradient_checkpointing", False)))
 
 
 # --------------------------------------------------------------------------- the wrapper
 class _CheckpointedMixin:
-    """Runs the block's own `forward` under non-reentrant `torch.utils.checkpoint`.
-
-    Mixed in as the first base of a per-class subclass, so `super().forward` is the original
-    forward and the module tree (hence parameter names) is unchanged.
-    """
+    """Runs the block's own `forward` under non-reentrant `torch.utils.checkpoint`: the first
+    base of a per-class subclass, so `super().forward` is the original forward."""
 
     _meshfit_context_fn = None  # per instance: None (full) or a SAC context factory
 
@@ -149,7 +138,8 @@ class _CheckpointedMixin:
         plain_forward = super().forward
         if not torch.is_grad_enabled():  # nothing to save: inference runs as is
             return plain_forward(*args, **kwargs)
-        extra = {} if self._meshfit_context_fn is None else {"context_fn": self._meshfit_context_fn}
+        context_fn = self._meshfit_context_fn
+        extra = {} if context_fn is None else {"context_fn": context_fn}
         return checkpoint(plain_forward, *args, use_reentrant=False, **extra, **kwargs)
 
     def __reduce_ex__(self, protocol):
@@ -163,7 +153,8 @@ class _CheckpointedMixin:
 
 @functools.cache
 def _checkpointed_class(cls: type) -> type:
-    return type(f"Checkpointed{cls.__name__}", (_CheckpointedMixin, cls), {"__module__": cls.__module__})
+    return type(f"Checkpointed{cls.__name__}", (_CheckpointedMixin, cls),
+                {"__module__": cls.__module__})
 
 
 def _new_checkpointed(plain: type, *args):
@@ -203,10 +194,9 @@ def _apply_hf(model: nn.Module, mode: str, every: int, policy: str) -> nn.Module
     blocks = find_blocks(model)
     per_layer = all(hasattr(b, "gradient_checkpointing") for b in blocks)
     if mode == "selective" and policy == "block" and not per_layer:
-        raise ValueError(
-            f"apply_activation_checkpointing: {type(model).__name__} has no per-layer "
-            "checkpointing flag (transformers < 4.52?); use mode='full' or policy='op'"
-        )
+        raise ValueError(f"apply_activation_checkpointing: {type(model).__name__} has no "
+                         "per-layer checkpointing flag (transformers < 4.52?); use mode='full' "
+                         "or policy='op'")
     kwargs = {"use_reentrant": False}
     if mode == "selective" and policy == "op":
         kwargs["context_fn"] = _context_fn(mode, policy)

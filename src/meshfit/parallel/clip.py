@@ -19,11 +19,9 @@ __all__ = ["clip_grad_norm_"]
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, *, counted=None,
                     across=None, device: torch.device | None = None) -> torch.Tensor:
-    """Clip the gradients' total norm over all ranks; returns the norm (a plain tensor).
+    """Clip the gradients' total norm over all ranks (see the module docstring); returns the
+    norm (a plain tensor).
 
-    Plain gradients (single process, DDP, ZeRO-1: already all-reduced) and DTensor gradients
-    (FSDP2 shards, tensor parallel) both work, also on different meshes (see the module
-    docstring).
     `counted`: the parameters whose gradients make up the norm (default: all; a pipeline
     leaves out second copies of tied weights); `across`: a process group holding the other
     parts of the model (pipeline stages), over which the norm is completed — every rank of

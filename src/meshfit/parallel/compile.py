@@ -11,10 +11,10 @@ FSDP hooks around blocks) stays eager. `nn.Module.compile` compiles in place, so
 names and state_dict keys do not change (no `_orig_mod.` prefix as `torch.compile(model)`
 would add).
 
-Order (torchtitan's): `apply_activation_checkpointing`, then `apply_compile` (dynamo traces
-the checkpoint as a higher-order op), then DDP / FSDP. With FSDP2, compile blocks before
-sharding: a whole-model compile of a sharded model can silently run eager (a graph break on
-FSDP's dynamo-disabled hooks skips the frame, and no kernel is produced), which is why `compile_stats` exists: check `graphs > 0` after the first step.
+Order: `meshfit.parallel.parallelize`'s. With FSDP2, compile blocks before sharding: a
+whole-model compile of a sharded model can silently run eager (a graph break on FSDP's
+dynamo-disabled hooks skips the frame, and no kernel is produced), which is why `compile_stats`
+exists: check `graphs > 0` after the first step.
 """
 
 from __future__ import annotations
@@ -29,19 +29,17 @@ from torch import nn
 from meshfit.parallel.activation import find_blocks
 from meshfit.parallel.options import CompileScope, check_backend_mode, check_compile_args
 
-__all__ = ["CompileScope", "CompileStats", "apply_compile", "check_compile_args", "compile_stats"]
+__all__ = ["CompileScope", "CompileStats", "apply_compile", "check_compile_args",
+           "compile_stats"]
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", mode: str | None = None,
                   scope: CompileScope = "block", fullgraph: bool = False,
                   dynamic: bool | None = None) -> nn.Module:
-    """Compile `model` in place with torch.compile; returns `model`.
-
-    scope="block" compiles each transformer block (see `meshfit.parallel.activation.find_blocks`);
-    scope="model" compiles the whole forward. `mode` is an inductor mode and needs
-    backend="inductor". `fullgraph=True` turns graph breaks into errors; `dynamic=None`
-    lets dynamo mark shapes dynamic after the first recompile.
-    """
+    """Compile `model` in place with torch.compile; returns `model`. scope="block": each
+    block `meshfit.parallel.activation.find_blocks` finds. `mode` is an inductor mode and
+    needs backend="inductor". `fullgraph=True` turns graph breaks into errors;
+    `dynamic=None` lets dynamo mark shapes dynamic after the first recompile."""
     _validate(backend, mode, scope)
     options = dict(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
     modules = find_blocks(model) if scope == "block" else [model]
@@ -68,7 +66,8 @@ def compile_stats() -> CompileStats:
     of a compiled model: if `graphs` did not grow, that model ran eager (later steps reuse
     the graphs, so only the first step adds to it)."""
     counters = torch._dynamo.utils.counters
-    return CompileStats(frames=counters["frames"]["ok"], graphs=counters["stats"]["unique_graphs"],
+    return CompileStats(frames=counters["frames"]["ok"],
+                        graphs=counters["stats"]["unique_graphs"],
                         graph_breaks=sum(counters["graph_break"].values()))
 
 

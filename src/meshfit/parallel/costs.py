@@ -14,9 +14,8 @@ __all__ = ["LayoutCosts", "costs_for"]
 
 @dataclass(frozen=True, kw_only=True)
 class LayoutCosts:
-    """How the data-parallel engine divides and copies the model states on one rank, as
-    multipliers of the model's own sizes (tensor parallel divides them further by the TP
-    plan; `meshfit.memory.zero_formula` is the same arithmetic without tp/pp)."""
+    """Multipliers of the model's own sizes on one rank (tensor parallel divides them further
+    by the TP plan; `meshfit.memory.zero_formula` is the same arithmetic without tp/pp)."""
 
     param_shards: int
     """Ranks a parameter is split over between steps (FSDP2: dp_shard, at stage 2 too)."""

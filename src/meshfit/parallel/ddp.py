@@ -23,13 +23,10 @@ def apply_ddp(model: torch.nn.Module, mesh, *, device: torch.device,
     communication buckets, saving one gradient-sized copy.
     """
     if mesh.ndim != 1:
-        raise ValueError(f"apply_ddp needs a 1-D data-parallel mesh, got axes {mesh.mesh_dim_names}")
+        raise ValueError("apply_ddp needs a 1-D data-parallel mesh, got axes "
+                         f"{mesh.mesh_dim_names}")
     return DistributedDataParallel(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        process_group=mesh.get_group(),
-        bucket_cap_mb=bucket_cap_mb,
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=mesh.get_group(), bucket_cap_mb=bucket_cap_mb,
         find_unused_parameters=find_unused_parameters,
-        gradient_as_bucket_view=gradient_as_bucket_view,
-        static_graph=static_graph,
-    )
+        gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)

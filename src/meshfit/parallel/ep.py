@@ -117,11 +117,9 @@ def ep_problem(model: nn.Module, ep: int, name: str = "ep") -> str | None:
 
 
 def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> list[nn.Module]:
-    """Split every MoE block's experts of `model` over the 1-D `ep_mesh`, in place: the
-    expert weights become DTensors ``Shard(0)`` holding this rank's experts (taken from the
-    whole weights every rank holds, without communication), and each MoE module exchanges
-    its rows over the mesh's group. The local shards go to `device` (default: where the
-    weights are). Returns the `Experts` modules (for FSDP2)."""
+    """Split every MoE block's experts of `model` over the 1-D `ep_mesh`, in place (taken
+    from the whole weights every rank holds, without communication; the local shards go to
+    `device`, default: where the weights are). Returns the `Experts` modules (for FSDP2)."""
     from torch.distributed.tensor import DTensor, Shard
 
     from meshfit.models.moe import MoE

@@ -33,9 +33,7 @@ Mixed precision is FSDP's policy, not autocast: parameters are all-gathered and 
 gradients and optimizer state stay fp32. ``output_dtype=fp32`` on the root only: a block
 that returned fp32 would feed fp32 activations to the next low-precision block.
 
-Initialise weights before sharding: a meta-device model sharded and then initialised
-(`reset_parameters` on DTensors) gives every rank the same random shard on a CPU mesh, with
-only a warning ("DTensor random operators may not have complete support on cpu device mesh").
+Initialise weights before sharding (see `meshfit.parallel.parallelize.parallelize`).
 """
 
 from __future__ import annotations
@@ -55,25 +53,20 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool,
                param_dtype: torch.dtype | None = None, offload: bool = False,
                blocks: list[nn.Module] | None = None,
                experts: list[nn.Module] | None = None, expert_mesh=None) -> nn.Module:
-    """Shard `model` in place with FSDP2 over `mesh` and return it (now an `FSDPModule`).
+    """Shard `model` in place with FSDP2 over `mesh` (1-D or 2-D, see the module docstring)
+    and return it (now an `FSDPModule`). `reshard_after_forward`: True for ZeRO-3, False for
+    ZeRO-2; `param_dtype`: the policy's compute dtype (None: the parameters' own).
 
-    Args:
-        mesh: 1-D (``dp_shard``: ZeRO) or 2-D (``dp_replicate, dp_shard``: HSDP).
-        reshard_after_forward: True for ZeRO-3, False for ZeRO-2 (see the module docstring).
-        param_dtype: compute dtype of the gathered parameters (None: the parameters' own);
-            gradients are reduced in fp32 and outputs returned in fp32.
-        offload: keep the sharded parameters, gradients and optimizer state in host memory
-            (ZeRO-Offload); FSDP2 copies each unit's shard to the device for the all-gather
-            and the optimizer steps on the CPU. Pinned memory only where CUDA exists
-            (`CPUOffloadPolicy()`'s default pins memory, which fails without an accelerator:
-            "Cannot access accelerator device when none is available").
-        blocks: the FSDP units below the root; default: `find_blocks(model)` (none found:
-            the whole model is one unit).
-        experts: under expert parallelism, the MoE blocks' `Experts` modules (parameters
-            already DTensors on the ``ep`` mesh, `meshfit.parallel.ep.apply_ep`): each is its
-            own unit on `expert_mesh` (the data-parallel ranks holding the same experts),
-            or, with `expert_mesh` None (no such ranks), left out of FSDP2 altogether.
-    """
+    `offload`: keep the sharded parameters, gradients and optimizer state in host memory
+    (ZeRO-Offload); FSDP2 copies each unit's shard to the device for the all-gather and the
+    optimizer steps on the CPU. Pinned memory only where CUDA exists (`CPUOffloadPolicy()`'s
+    default pins memory, which fails without an accelerator: "Cannot access accelerator
+    device when none is available"). `blocks`: the FSDP units below the root; default:
+    `find_blocks(model)` (none found: the whole model is one unit). `experts`: under expert
+    parallelism, the MoE blocks' `Experts` modules (already DTensors on the ``ep`` mesh,
+    `meshfit.parallel.ep.apply_ep`): each is its own unit on `expert_mesh` (the
+    data-parallel ranks holding the same experts), or, with `expert_mesh` None (no such
+    ranks), left out of FSDP2 altogether."""
     if blocks is None:
         blocks = _blocks(model)
     _warn_small(model, mesh.size(mesh.ndim - 1))

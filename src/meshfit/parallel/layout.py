@@ -3,22 +3,18 @@
 `Layout.resolve` takes the mesh sizes (`ParallelDims`), the world size and the options that
 change how the data-parallel engine works (ZeRO stage, offload, mixed precision, sequence /
 loss parallel, DDP keywords), checks every rule (one-line `ValueError`s naming the field,
-the value and the fix; each rule written once, below) and returns a frozen description:
+the value and the fix; each rule written once, in `rules.py`) and returns a frozen description:
 
-- the **engine** that keeps the data-parallel replicas in step (`Engine`): none (one
-  process, or tensor/pipeline parallel without a data-parallel axis), DDP (ZeRO stage 0),
-  ZeRO-1 (DDP + ZeroRedundancyOptimizer), FSDP2 (stages 2/3; stage 1 under tp/pp) or
-  replicate-only FSDP2 (stage 0 under tp/pp);
+- the **engine** that keeps the data-parallel replicas in step (`Engine`, one per ZeRO
+  stage and model-parallel case);
 - the **mesh axes** and the sub-meshes each technique runs on;
 - the **warnings** for layouts that work but that the guide advises against;
 - the **costs** a planner reads (`LayoutCosts`): how the engine divides parameters,
   gradients and optimizer state, what it gathers during the step, and what it keeps extra.
 
-`Layout.check_model` adds the rules that need the model (sizes that tensor parallel must
-divide, blocks for the pipeline stages), and `Layout.candidates` enumerates every layout of a
-world size for a model, each with its refusal when it has one. `meshfit train`'s preflight,
-`Accelerator` and `Accelerator.prepare_pipeline` all go through here; nothing else
-re-validates a layout.
+`Layout.check_model` adds the rules that need the model, and `Layout.candidates` enumerates
+every layout of a world size for a model. `meshfit train`'s preflight, `Accelerator` and
+`Accelerator.prepare_pipeline` all go through here; nothing else re-validates a layout.
 
 Why every data-parallel layout with tp or pp runs on FSDP2: with a ``tp`` axis the model's
 parameters are DTensors, which DDP and ZeroRedundancyOptimizer do not take; with a ``pp``
@@ -77,7 +73,6 @@ def precision_dtype(mode: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
 
 
-
 def check_options(*, parallel=None, zero_stage=None, offload="none", sync_each_batch=False,
                   mixed_precision="no", sequence_parallel=False, loss_parallel=False,
                   names: Mapping[str, str] | None = None) -> None:
@@ -89,7 +84,6 @@ def check_options(*, parallel=None, zero_stage=None, offload="none", sync_each_b
                                n=namer(names))
     if problem:
         raise ValueError(problem)
-
 
 
 # ----------------------------------------------------------------------------- the model
@@ -128,8 +122,6 @@ class ModelFacts:
                    experts=tuple(m.n_experts for m in moe_modules([model])))
 
 
-
-
 # ----------------------------------------------------------------------------- the layout
 @dataclass(frozen=True, kw_only=True)
 class Layout:
@@ -162,10 +154,9 @@ class Layout:
         """The layout of `dims` on `world_size` processes, or a one-line ValueError.
 
         `distributed=False`: a single process with no process group (no engine at all).
-        `zero_stage`: None means 3 when dp_shard > 1, else 0. `local_world_size`: processes
-        per node, for the warning about tensor-parallel groups that cross nodes. `names`:
-        how the caller spells each field in errors (e.g. ``{"zero_stage":
-        "parallel.zero_stage"}``)."""
+        `local_world_size`: processes per node, for the warning about tensor-parallel groups
+        that cross nodes. `names`: how the caller spells each field in errors (e.g.
+        ``{"zero_stage": "parallel.zero_stage"}``)."""
         out = cls._decide(dims, world_size, distributed=distributed, zero_stage=zero_stage,
                           offload=offload, mixed_precision=mixed_precision,
                           sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
@@ -324,25 +315,12 @@ class Layout:
                              "micro-batch yourself")
 
     # ------------------------------------------------------------------ the mesh
-    def build_mesh(self, device_type: str):
-        """The `DeviceMesh` of this layout over the default process group (a collective)."""
-        return meshes.build_mesh(self, device_type)
-
-    def dp_mesh(self, mesh):
-        """The 1-D mesh of all data-parallel ranks (dp_replicate x dp_shard flattened)."""
-        return meshes.dp_mesh(self, mesh)
-
-    def fsdp_mesh(self, mesh):
-        """FSDP2's mesh over `fsdp_axes`."""
-        return meshes.fsdp_mesh(self, mesh)
-
-    def expert_fsdp_mesh(self, mesh):
-        """Under ep: the mesh FSDP2 shards the experts over (see `meshfit.parallel.mesh`)."""
-        return meshes.expert_fsdp_mesh(self, mesh)
-
-    def axis_mesh(self, mesh, axis: str):
-        """The 1-D sub-mesh of `axis` ("tp", "pp", "dp_shard"), or None without that axis."""
-        return meshes.axis_mesh(self, mesh, axis)
+    # The mesh and its sub-meshes by axis name (`meshfit.parallel.mesh`), as methods.
+    build_mesh = meshes.build_mesh
+    dp_mesh = meshes.dp_mesh
+    fsdp_mesh = meshes.fsdp_mesh
+    expert_fsdp_mesh = meshes.expert_fsdp_mesh
+    axis_mesh = meshes.axis_mesh
 
     # ------------------------------------------------------------------ enumeration
     @classmethod

@@ -1,11 +1,10 @@
 """`LayoutRequest`: what a user asks of a layout, one type for every way of asking.
 
-The mesh sizes (`meshfit.distributed.dims.MeshSizes`) and the options that change how the
-data-parallel engine and the pipeline work. `Accelerator(parallel=..., zero_stage=...)`,
-`meshfit train`'s ``[parallel]`` section (`meshfit.train.config.ParallelConfig`, this type
-with its errors spelled as config keys) and the estimator's `meshfit.memory.LayoutSpec` all
-carry one; `meshfit.parallel.layout.Layout.of` turns it into the resolved `Layout`. No torch:
-a request is read and refused before torch loads.
+`Accelerator(parallel=..., zero_stage=...)`, `meshfit train`'s ``[parallel]`` section
+(`meshfit.train.config.ParallelConfig`, this type with its errors spelled as config keys)
+and the estimator's `meshfit.memory.LayoutSpec` all carry one;
+`meshfit.parallel.layout.Layout.of` turns it into the resolved `Layout`. No torch: a request
+is read and refused before torch loads.
 """
 
 from __future__ import annotations

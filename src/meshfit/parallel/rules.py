@@ -3,8 +3,7 @@
 A rule is a function of the request (the resolved mesh sizes, the ZeRO stage and the options
 that change the data-parallel engine) that returns its refusal as one line naming the field,
 the value and the fix, or None. `meshfit.parallel.layout.Layout.resolve` runs the option
-checks, then every rule in order, and builds the layout from the first request that passes;
-nothing else re-validates a layout. Also here: which engine a layout runs on, which mesh axes
+checks, then every rule in order. Also here: which engine a layout runs on, which mesh axes
 it keeps, and the warnings the guide gives for layouts that work but are not advised.
 """
 

@@ -40,8 +40,6 @@ The file (schema 1)::
   both figures are null.
 * ``raw``: the per-size timings every figure came from, and each fit's R² (on the times)
   and largest relative error under ``raw.collectives.<kind>.r2`` / ``.max_relative_error``.
-
-`load_calibration(path)` reads the file into a `Calibration`; the planner imports both.
 """
 
 from __future__ import annotations
@@ -55,6 +53,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from meshfit._files import atomic_write_text
 
 __all__ = ["DTYPES", "KINDS", "SCHEMA", "Calibration", "CollectiveFit", "bus_factor",
            "fit_latency_bandwidth", "load_calibration", "measure"]
@@ -141,8 +141,8 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
     if not isinstance(data, dict):
         raise ValueError(f"calibration file {path} holds no JSON object; {fix}")
     if data.get("schema") != SCHEMA:
-        raise ValueError(f"calibration file {path} has schema {data.get('schema')!r}, this meshfit "
-                         f"reads schema {SCHEMA}; {fix}")
+        raise ValueError(f"calibration file {path} has schema {data.get('schema')!r}, this "
+                         f"meshfit reads schema {SCHEMA}; {fix}")
     missing = [k for k in ("device", "backend", "world_size", "torch", "time", "matmul_flops",
                            "memory_bandwidth", "collectives", "raw") if k not in data]
     flops, colls = data.get("matmul_flops"), data.get("collectives")
@@ -187,12 +187,10 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
 
 
 def fit_latency_bandwidth(nbytes, seconds, factor: float = 1.0) -> dict[str, Any]:
-    """Least-squares fit of ``seconds = latency + factor · nbytes / bus_bandwidth``.
-
-    Each point is weighted by 1/seconds² (relative errors count). A fit whose latency comes
-    out negative (or whose slope is not positive) is redone with latency 0. Returns
-    ``{"latency", "bus_bandwidth", "r2", "max_relative_error", "method"}``; r2 is on the
-    times themselves."""
+    """Least-squares fit of ``seconds = latency + factor · nbytes / bus_bandwidth``, weighted
+    by 1/seconds² and redone with latency 0 when the latency comes out negative (or the slope
+    not positive). Returns ``{"latency", "bus_bandwidth", "r2", "max_relative_error",
+    "method"}``; r2 is on the times themselves."""
     x = [factor * float(s) for s in nbytes]
     t = [float(v) for v in seconds]
     if len(x) != len(t) or not x or min(t) <= 0 or min(x) <= 0:
@@ -218,10 +216,6 @@ def fit_latency_bandwidth(nbytes, seconds, factor: float = 1.0) -> dict[str, Any
     worst = max(abs(latency + slope * xi - ti) / ti for xi, ti in zip(x, t))
     return {"latency": latency, "bus_bandwidth": 1.0 / slope, "r2": r2,
             "max_relative_error": worst, "method": method}
-
-
-# ---------------------------------------------------------------------------------------
-# command line
 
 
 # ---------------------------------------------------------------------------------------
@@ -401,24 +395,18 @@ def measure(out: Path, sizes: tuple[int, ...] | None = None,
         bandwidth, raw_mem = _memory(r)
         colls, raw_coll = _collectives(r, sizes)
         if env.rank == 0:
+            now = datetime.datetime.now(datetime.timezone.utc)
             result = {
                 "schema": SCHEMA,
                 "device": f"cuda:{torch.cuda.get_device_name(env.device)}" if cuda else "cpu",
                 "backend": env.backend or ("nccl" if cuda else "gloo"),
-                "world_size": env.world_size,
-                "torch": torch.__version__,
-                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="seconds"),
-                "matmul_flops": flops,
-                "memory_bandwidth": bandwidth,
-                "collectives": colls,
+                "world_size": env.world_size, "torch": torch.__version__,
+                "time": now.isoformat(timespec="seconds"), "matmul_flops": flops,
+                "memory_bandwidth": bandwidth, "collectives": colls,
                 "raw": {"matmul": raw_mm, "memory": raw_mem, "collectives": raw_coll,
                         "threads": torch.get_num_threads(),
-                        "seconds": time.perf_counter() - started},
-            }
-            tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
-            os.replace(tmp, out)
+                        "seconds": time.perf_counter() - started}}
+            atomic_write_text(out, json.dumps(result, indent=1) + "\n")
         if r.group:
             dist.barrier()
     finally:

@@ -4,8 +4,8 @@ replaces these figures with measured ones).
 Peak dense matmul throughput from the vendors' data sheets (no sparsity: half the
 sheets' "with sparsity" figures): the planner takes `efficiency` of it as achievable.
 `device_for_name` picks the entry of a CUDA device from its name (PCIe and NVL parts of
-the H100/H200 have lower clocks and their own entries). Link figures are NCCL bus bandwidths of the
-order nccl-tests reports for such machines, per GPU; latency per collective call.
+the H100/H200 have lower clocks and their own entries). Link figures are NCCL bus bandwidths
+of the order nccl-tests reports for such machines, per GPU; latency per collective call.
 """
 
 from __future__ import annotations
@@ -88,21 +88,15 @@ def device_for_name(name: str) -> tuple[str, Device] | None:
     return None
 
 
-INTERCONNECTS = {  # inside a node
-    "nvlink": Link(bandwidth=360e9, latency=10e-6),
-    "pcie": Link(bandwidth=20e9, latency=15e-6),
-}
-
-NETWORKS = {  # between nodes, per GPU (one NIC per GPU on InfiniBand machines)
-    "infiniband": Link(bandwidth=40e9, latency=8e-6),
-    "ethernet": Link(bandwidth=3e9, latency=40e-6),
-}
+INTERCONNECTS = {"nvlink": Link(bandwidth=360e9, latency=10e-6),  # inside a node
+                 "pcie": Link(bandwidth=20e9, latency=15e-6)}
+# between nodes, per GPU (one NIC per GPU on InfiniBand machines)
+NETWORKS = {"infiniband": Link(bandwidth=40e9, latency=8e-6),
+            "ethernet": Link(bandwidth=3e9, latency=40e-6)}
 
 
 def parse_bytes(text: str, field: str = "--gpu-memory") -> float:
     """"80GiB", "80 GB", "16g", "1.5TiB", or a number of bytes; one-line error otherwise."""
-    import re
-
     units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
              "mib": 2**20, "g": GiB, "gb": 1e9, "gib": GiB, "t": 2**40, "tb": 1e12,
              "tib": 2**40}

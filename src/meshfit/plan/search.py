@@ -1,10 +1,6 @@
 """The layout planner: every legal layout of a cluster (`Layout.candidates`, meshfit's own
 rules), those that fit in memory (`meshfit.memory.estimate` with a safety margin), ranked
-by a cost model, each with the multi-GPU guide's reason.
-
-    result = search("llama-7b", gpus_per_node=8, nodes=2, gpu="h100", seq_len=4096,
-                    global_batch_size=256)
-    result.plans[0].layout, result.plans[0].step_time_s, result.plans[0].why
+by a cost model, each with the multi-GPU guide's reason (the package docstring shows a call).
 
 Cost model of one optimizer step (seconds), per rank:
 
@@ -38,13 +34,10 @@ from dataclasses import dataclass, field
 from meshfit.memory.estimate import (DTYPE_BYTES, Estimate, LayoutSpec, estimate,
                                      resolve_layout)
 from meshfit.memory.shape import ModelShape
+from meshfit.plan.calibrate import bus_factor
 from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, GiB, Link
 
 __all__ = ["Cluster", "Plan", "SearchResult", "predict", "search"]
-
-FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-          "reduce_scatter": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
-
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
@@ -81,7 +74,7 @@ class Cluster:
         if self.calibration is not None:
             return self.calibration.collective_time(kind, nbytes, n)
         link = self.interconnect if span <= self.gpus_per_node else self.network
-        return link.latency + FACTOR[kind](n) * nbytes / link.bandwidth
+        return link.latency + bus_factor(kind, n) * nbytes / link.bandwidth
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,20 +193,19 @@ def scenario(shape: ModelShape, cluster: Cluster, *, seq_len: int, dtype: str,
                 "one GPU and the model does not fit: only checkpointing, smaller batches and "
                 "CPU offload can help")
     elif cluster.nodes == 1:
-        fast = cluster.interconnect_name == "nvlink"
         if fits_one:
-            text = "one node, the model fits one GPU: data parallel (DDP; ZeRO may or may not be faster)"
+            text = ("one node, the model fits one GPU: data parallel (DDP; ZeRO may or may not "
+                    "be faster)")
         elif not layer_fits:
             text = "one node, the largest layer does not fit one GPU: tensor parallel is needed"
-        elif fast:
+        elif cluster.interconnect_name == "nvlink":
             text = ("one node, the model does not fit one GPU, NVLink: ZeRO-3/FSDP, pipeline "
                     "or tensor parallel are about equal")
         else:
             text = ("one node, the model does not fit one GPU, no NVLink: pipeline parallel "
                     "is preferred over tensor parallel and ZeRO")
     else:
-        fast = cluster.network_name == "infiniband"
-        if fast:
+        if cluster.network_name == "infiniband":  # a fast network
             text = ("many nodes, fast network: ZeRO-3/FSDP needs no model changes; or "
                     "PP + TP + DP, with TP inside a node")
         else:

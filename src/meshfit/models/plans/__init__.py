@@ -1,19 +1,19 @@
 """Parallel plans as data: how tensor parallel splits a model's modules (`TPPlan`) and where
-pipeline stages are cut (`PipelinePlan`), for meshfit's reference `GPT` and for Hugging Face
-`LlamaForCausalLM` (and the decoders with its layout, `Qwen2ForCausalLM` and
-`MistralForCausalLM`), `GPT2LMHeadModel` and the mixture-of-experts decoders
-`MixtralForCausalLM` and `Qwen2MoeForCausalLM` (routed experts kept whole on every tensor-
-parallel rank; see `meshfit.models.plans.hf`).
+pipeline stages are cut (`PipelinePlan`), for meshfit's reference model and Hugging Face's:
+
+    base.py     `TPPlan`, `PipelinePlan` and the `Style` kinds
+    gpt.py      meshfit's reference `GPT`
+    hf.py       Hugging Face Llama (and Qwen2, Mistral), GPT-2, Mixtral and Qwen2-MoE
+    regroup.py  fused projections regrouped by heads, and back
 
 Tensor parallel follows Megatron-LM (Shoeybi et al. 2019): attention q/k/v and MLP up/gate
 column-parallel, attention output and MLP down row-parallel, so each block needs one
 all-reduce forward and one backward per sub-layer; embedding and head vocabulary-parallel.
 With sequence parallel (Korthikanti et al. 2022) the all-reduces become reduce-scatter /
-all-gather pairs and the norms and dropouts between them run on a sequence shard. A tied
-embedding and head (GPT-2) shard the one [V, d] weight alike (Shard(0)), so they keep
-sharing one parameter. Position tables and norms outside sequence parallel are replicated;
-RoPE tables are buffers used on the full sequence inside attention. Dropout modules appear
-in sequence-parallel plans only when their probability is > 0.
+all-gather pairs and the norms and dropouts between them run on a sequence shard (the
+placements: `meshfit.parallel.tp.apply`). RoPE tables are buffers used on the full sequence
+inside attention. Dropout modules appear in sequence-parallel plans only when their
+probability is > 0.
 
 The plans name no parallel code: `meshfit.parallel.tp.apply_tp` turns each `Style` into a
 PyTorch `ParallelStyle`, and `meshfit.parallel.pp` cuts stages from a `PipelinePlan`. A model
@@ -35,10 +35,10 @@ from meshfit.models.plans.hf import (hf_gpt2_pipeline_plan, hf_gpt2_plan, hf_lla
                                      hf_llama_plan, hf_moe_pipeline_plan, hf_moe_plan)
 
 __all__ = ["PipelinePlan", "Style", "TPPlan", "colwise", "divisibility_problem",
-           "gather_sequence", "gpt_pipeline_plan", "gpt_plan", "hf_gpt2_pipeline_plan", "hf_gpt2_plan",
-           "has_builtin_plans", "hf_llama_pipeline_plan", "hf_llama_plan", "hf_moe_pipeline_plan",
-           "hf_moe_plan", "pipeline_plan_for", "plan_for", "prepare_input", "replicate",
-           "replicate_local", "rowwise", "sequence"]
+           "gather_sequence", "gpt_pipeline_plan", "gpt_plan", "hf_gpt2_pipeline_plan",
+           "hf_gpt2_plan", "has_builtin_plans", "hf_llama_pipeline_plan", "hf_llama_plan",
+           "hf_moe_pipeline_plan", "hf_moe_plan", "pipeline_plan_for", "plan_for",
+           "prepare_input", "replicate", "replicate_local", "rowwise", "sequence"]
 
 _BUILT_IN = ("meshfit GPT, transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, "
              "GPT2LMHeadModel, MixtralForCausalLM and Qwen2MoeForCausalLM")

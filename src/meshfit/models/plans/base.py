@@ -74,32 +74,19 @@ class Style:
     """conv1d_colwise: number of projections fused along the output columns (q|k|v: 3)."""
 
 
-def colwise(**kw) -> Style:
-    return Style(kind="colwise", **kw)
+def _maker(kind: str) -> Callable[..., Style]:
+    """``maker(**fields)`` = ``Style(kind=kind, **fields)``, named after `kind`."""
+
+    def make(**kw) -> Style:
+        return Style(kind=kind, **kw)
+
+    make.__name__ = make.__qualname__ = kind
+    return make
 
 
-def rowwise(**kw) -> Style:
-    return Style(kind="rowwise", **kw)
-
-
-def replicate(**kw) -> Style:
-    return Style(kind="replicate", **kw)
-
-
-def replicate_local(**kw) -> Style:
-    return Style(kind="replicate_local", **kw)
-
-
-def gather_sequence(**kw) -> Style:
-    return Style(kind="gather_sequence", **kw)
-
-
-def sequence(**kw) -> Style:
-    return Style(kind="sequence", **kw)
-
-
-def prepare_input(**kw) -> Style:
-    return Style(kind="prepare_input", **kw)
+colwise, rowwise, replicate, replicate_local, gather_sequence, sequence, prepare_input = map(
+    _maker, ("colwise", "rowwise", "replicate", "replicate_local", "gather_sequence",
+             "sequence", "prepare_input"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from meshfit.models.gpt import GPT
 from meshfit.models.moe import MoE
-from meshfit.models.plans.base import (REPLICATE, SHARD_FIRST, SHARD_LAST, SHARD_SEQ, PipelinePlan,
-                                       Style, TPPlan, colwise, gather_sequence, prepare_input,
-                                       replicate, replicate_local, rowwise, sequence)
+from meshfit.models.plans.base import (REPLICATE, SHARD_FIRST, SHARD_LAST, SHARD_SEQ,
+                                       PipelinePlan, Style, TPPlan, colwise, gather_sequence,
+                                       prepare_input, replicate, replicate_local, rowwise,
+                                       sequence)
 
 __all__ = ["gpt_pipeline_plan", "gpt_plan"]
 
@@ -85,15 +86,10 @@ def gpt_plan(model: GPT, *, sequence_parallel: bool = False,
                   targets_arg=(1, "targets"))
 
 
-def _init_stage(stage: GPT, generator) -> None:
-    # GPT.init_weights derives each parameter from one drawn seed and the parameter's name,
-    # so a stage initialised from the same generator gets exactly its slice of the model.
-    stage.init_weights(generator)
-
-
 def gpt_pipeline_plan(model: GPT) -> PipelinePlan:
     """Blocks in ``layers`` (a ModuleDict keyed by global index); embeddings first, final
     norm and head last. A stage is a `GPT` whose forward skips the parts set to None: it
-    takes hidden states when it has no embedding and returns them when it has no head."""
+    takes hidden states when it has no embedding and returns them when it has no head;
+    `GPT.init_weights` fills a stage with exactly its slice of the full model's values."""
     return PipelinePlan(blocks="layers", first=("tok_emb", "pos_emb"),
-                        last=("norm", "lm_head"), init_weights=_init_stage)
+                        last=("norm", "lm_head"), init_weights=GPT.init_weights)

@@ -17,10 +17,8 @@ every stage but the first, and identity stand-ins for the parts it does not hold
 norm and head before the last stage, and for GPT-2 a zero position table and no dropout
 after the first (the first stage already added positions and applied dropout).
 
-Mixture of experts (Mixtral, Qwen2-MoE), without expert parallelism: attention, norms,
-embedding and head as for Llama, and the dense parts split like Llama's MLP (Qwen2-MoE's shared
-expert and any dense layers: gate/up column-wise, down row-wise). The routed experts
-(transformers 5 holds them fused, ``experts.gate_up_proj`` [E, 2F, d] and
+Mixture of experts (Mixtral, Qwen2-MoE), without expert parallelism: see `hf_moe_plan`. The
+routed experts (transformers 5 holds them fused, ``experts.gate_up_proj`` [E, 2F, d] and
 ``experts.down_proj`` [E, d, F]) and the router (``mlp.gate``) stay whole on every TP rank:
 their input is the replicated hidden state, every rank computes the same routing and the
 same expert outputs, and their gradients are equal on every rank without communication.
@@ -28,10 +26,8 @@ Hugging Face's own ``base_model_tp_plan`` splits the experts instead ("packed_co
 "moe_tp_experts"), which needs its own expert kernels. The experts' loop indexes tokens by
 data-dependent positions (``torch.where``, ``index_add_``) that DTensor cannot run, so
 `replicate_local()` keeps their parameters as replicated DTensors (what `apply_tp` requires of
-every parameter) and runs the module on their local tensors. Under sequence parallel the MoE
-block gathers the sequence once on the way in and hands each rank its sequence slice on the
-way out. A pipeline stage runs the decoder layers it holds; the router's load-balancing loss
-(``output_router_logits``) is not part of a pipeline's loss: its stages call the model with
+every parameter) and runs the module on their local tensors. The router's load-balancing
+loss is not part of a pipeline's loss: the stages call the model with
 ``output_router_logits=False``.
 """
 
@@ -69,8 +65,7 @@ def _block(prefix: str, attn: str, mlp: str, norms: tuple[str, str], linears: di
         styles[f"{prefix}.{norm}"] = sequence() if sp else replicate()
     if sp:
         styles[f"{prefix}.{attn}"] = prepare_input(
-            input_kwargs={"hidden_states": SHARD_SEQ},
-            desired_kwargs={"hidden_states": REPLICATE},
+            input_kwargs={"hidden_states": SHARD_SEQ}, desired_kwargs={"hidden_states": REPLICATE}
         ) if attn_kwarg else prepare_input(input=(SHARD_SEQ,), desired=(REPLICATE,))
         styles[f"{prefix}.{mlp}"] = prepare_input(input=(SHARD_SEQ,), desired=(REPLICATE,))
     for name, style in linears.items():
@@ -83,13 +78,13 @@ def _block(prefix: str, attn: str, mlp: str, norms: tuple[str, str], linears: di
     return styles
 
 
-def _sizes(config, heads: str, kv: str | None, width: str, width_value: int) -> tuple:
+def _sizes(config, heads: str, kv: str | None, widths: dict[str, int]) -> tuple:
     cls = type(config).__name__
     out = [(f"{cls}.{heads}", getattr(config, heads), "heads")]
     if kv and getattr(config, kv, None) not in (None, getattr(config, heads)):
         out.append((f"{cls}.{kv}", getattr(config, kv), "heads"))
-    out += [(f"{cls}.{width}", width_value, "width"),
-            (f"{cls}.vocab_size", config.vocab_size, "vocab")]
+    out += [(f"{cls}.{width}", value, "width") for width, value in widths.items()]
+    out.append((f"{cls}.vocab_size", config.vocab_size, "vocab"))
     return tuple(out)
 
 
@@ -127,7 +122,7 @@ def hf_llama_plan(model: nn.Module, *, sequence_parallel: bool = False,
         styles=styles, labels_kwarg="labels",
         local_attrs={"model.layers.*.self_attn": ("num_heads", "num_key_value_heads")},
         divisible=_sizes(cfg, "num_attention_heads", "num_key_value_heads",
-                         "intermediate_size", cfg.intermediate_size))
+                         {"intermediate_size": cfg.intermediate_size}))
 
 
 def hf_gpt2_plan(model: nn.Module, *, sequence_parallel: bool = False,
@@ -138,14 +133,15 @@ def hf_gpt2_plan(model: nn.Module, *, sequence_parallel: bool = False,
     if getattr(cfg, "add_cross_attention", False):
         raise ValueError("hf_gpt2_plan does not cover GPT2Config.add_cross_attention=True; "
                          "write a plan that also splits the crossattention modules")
-    extra: dict[str, Style] = {"transformer.wpe": replicate(output=SHARD_SEQ if sp else REPLICATE,
-                                                            local_output=not sp)}
+    extra: dict[str, Style] = {
+        "transformer.wpe": replicate(output=SHARD_SEQ if sp else REPLICATE, local_output=not sp)}
     first, last = _ends(model, sp, loss_parallel, "transformer.wte", extra, "transformer.ln_f")
     if sp and cfg.embd_pdrop > 0 and "transformer.wte" in first:
         first["transformer.drop"] = sequence()
     linears = {"attn.c_attn": Style(kind="conv1d_colwise", fused=3),
                "attn.c_proj": Style(kind="conv1d_rowwise"),
-               "mlp.c_fc": Style(kind="conv1d_colwise"), "mlp.c_proj": Style(kind="conv1d_rowwise")}
+               "mlp.c_fc": Style(kind="conv1d_colwise"),
+               "mlp.c_proj": Style(kind="conv1d_rowwise")}
     styles = {**first, **_block("transformer.h.*", "attn", "mlp", ("ln_1", "ln_2"), linears,
                                 sp=sp, attn_kwarg=False,
                                 drops={"attn.resid_dropout": cfg.resid_pdrop,
@@ -154,7 +150,7 @@ def hf_gpt2_plan(model: nn.Module, *, sequence_parallel: bool = False,
     return TPPlan(
         styles=styles, labels_kwarg="labels",
         local_attrs={"transformer.h.*.attn": ("num_heads", "embed_dim", "split_size")},
-        divisible=_sizes(cfg, "n_head", None, "n_inner", inner))
+        divisible=_sizes(cfg, "n_head", None, {"n_inner": inner}))
 
 
 # ---------------------------------------------------------------------------- mixture of experts
@@ -173,9 +169,9 @@ def hf_moe_plan(model: nn.Module, *, sequence_parallel: bool = False,
     """`MixtralForCausalLM`, `Qwen2MoeForCausalLM`: Llama's plan for attention, norms and
     the ends; in each MoE layer the router and routed experts replicated (`replicate_local`),
     Qwen2-MoE's shared expert split like Llama's MLP (its output all-reduced inside the block,
-    also under sequence parallel, where the block gathers the sequence on the way in) and
-    its sigmoid gate replicated; Qwen2-MoE's dense layers (``decoder_sparse_step``,
-    ``mlp_only_layers``) exactly as Llama's."""
+    also under sequence parallel, where the block gathers the sequence on the way in and
+    hands each rank its slice on the way out) and its sigmoid gate replicated; Qwen2-MoE's
+    dense layers (``decoder_sparse_step``, ``mlp_only_layers``) exactly as Llama's."""
     cfg, sp = model.config, sequence_parallel
     kinds = _layer_kinds(model)
     attn = {f"self_attn.{n}": colwise() for n in ("q_proj", "k_proj", "v_proj")}
@@ -184,7 +180,8 @@ def hf_moe_plan(model: nn.Module, *, sequence_parallel: bool = False,
     norms = ("input_layernorm", "post_attention_layernorm")
     first, last = _ends(model, sp, loss_parallel, "model.embed_tokens", {}, "model.norm")
     # One pattern for all layers when they are alike, else one per layer index.
-    prefixes = ([("model.layers.*", k) for k in set(kinds.values())] if len(set(kinds.values())) < 2
+    prefixes = ([("model.layers.*", k) for k in set(kinds.values())]
+                if len(set(kinds.values())) < 2
                 else [(f"model.layers.{i}", k) for i, k in kinds.items()])
     layers = model.get_submodule("model.layers") if kinds else None
     styles: dict[str, object] = dict(first)
@@ -201,7 +198,8 @@ def hf_moe_plan(model: nn.Module, *, sequence_parallel: bool = False,
         styles[f"{prefix}.mlp.gate"] = replicate_local()
         styles[f"{prefix}.mlp.experts"] = replicate_local()
         index = prefix.rsplit(".", 1)[-1]
-        layer = next(iter(layers._modules.values())) if index == "*" else layers.get_submodule(index)
+        layer = (next(iter(layers._modules.values())) if index == "*"
+                 else layers.get_submodule(index))
         if hasattr(layer.mlp, "shared_expert"):
             shared = True
             # Inside the block the tokens are flattened to [B*T, d]: the row-wise output is
@@ -212,20 +210,14 @@ def hf_moe_plan(model: nn.Module, *, sequence_parallel: bool = False,
             if getattr(layer.mlp, "shared_expert_gate", None) is not None:
                 styles[f"{prefix}.mlp.shared_expert_gate"] = replicate()
     styles |= last
-    name = type(cfg).__name__
-    divisible = [(f"{name}.num_attention_heads", cfg.num_attention_heads, "heads")]
-    kv = getattr(cfg, "num_key_value_heads", None)
-    if kv not in (None, cfg.num_attention_heads):
-        divisible.append((f"{name}.num_key_value_heads", kv, "heads"))
+    widths = {}
     if shared:
-        divisible.append((f"{name}.shared_expert_intermediate_size",
-                          cfg.shared_expert_intermediate_size, "width"))
+        widths["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     if "dense" in kinds.values():
-        divisible.append((f"{name}.intermediate_size", cfg.intermediate_size, "width"))
-    divisible.append((f"{name}.vocab_size", cfg.vocab_size, "vocab"))
+        widths["intermediate_size"] = cfg.intermediate_size
     return TPPlan(styles=styles, labels_kwarg="labels",
                   local_attrs={"model.layers.*.self_attn": ("num_heads", "num_key_value_heads")},
-                  divisible=tuple(divisible))
+                  divisible=_sizes(cfg, "num_attention_heads", "num_key_value_heads", widths))
 
 
 # ---------------------------------------------------------------------------- pipeline
@@ -238,14 +230,14 @@ class ZeroPositions(nn.Module):
         return torch.zeros((), device=position_ids.device)
 
 
-def _stage_forward(forward, x: torch.Tensor) -> torch.Tensor:
+def _stage_forward(forward, x: torch.Tensor, **extra) -> torch.Tensor:
     """Token ids in on the first stage, hidden states [B, T, d] after; the model's own
     `forward` either way (it builds positions, the causal mask and rotary tables itself), no
     KV cache. Returns ``.logits``: real logits on the last stage, hidden states elsewhere
     (where the norm and head are identities)."""
     if x.is_floating_point():
-        return forward(inputs_embeds=x, use_cache=False).logits
-    return forward(input_ids=x, use_cache=False).logits
+        return forward(inputs_embeds=x, use_cache=False, **extra).logits
+    return forward(input_ids=x, use_cache=False, **extra).logits
 
 
 def hf_llama_pipeline_plan(model: nn.Module) -> PipelinePlan:
@@ -283,17 +275,11 @@ def _moe_stage_forward(forward, x: torch.Tensor) -> torch.Tensor:
                              "forward picks a layer's attention mask by the layer's position "
                              "within the stage; use one attention type for all layers, or no "
                              "pipeline parallel")
-    kw = dict(use_cache=False, output_router_logits=False)
-    if x.is_floating_point():
-        return forward(inputs_embeds=x, **kw).logits
-    return forward(input_ids=x, **kw).logits
+    return _stage_forward(forward, x, output_router_logits=False)
 
 
 def hf_moe_pipeline_plan(model: nn.Module) -> PipelinePlan:
     """Llama's cut (blocks ``model.layers``, embedding first, final norm and head last) for
     `MixtralForCausalLM` and `Qwen2MoeForCausalLM`; stages run without router logits, so a
     pipeline trains on the cross-entropy only (no load-balancing loss)."""
-    return PipelinePlan(blocks="model.layers", first=("model.embed_tokens",),
-                        last=("model.norm", "lm_head"),
-                        stand_ins={"model.norm": nn.Identity, "lm_head": nn.Identity},
-                        forward=_moe_stage_forward)
+    return dataclasses.replace(hf_llama_pipeline_plan(model), forward=_moe_stage_forward)

@@ -42,10 +42,9 @@ def group_columns(t: torch.Tensor, chunks: int, tp: int, dim: int = -1) -> torch
 
 
 def unfuse_columns(t: torch.Tensor, chunks: int, tp: int, dim: int = -1) -> torch.Tensor:
-    """Undo `group_columns`: the global tensor of a parameter split by
-    `Conv1DColwiseParallel(fused=chunks)` on `tp` ranks holds its `dim` as
-    [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank-major); this returns [q | k | v], the layout of
-    the original model (and of its checkpoints)."""
+    """Undo `group_columns`: [q | k | v], the layout of the original model (and of its
+    checkpoints), from the global tensor of a parameter `Conv1DColwiseParallel(fused=chunks)`
+    split on `tp` ranks."""
     return _fuse_order(t, chunks, tp, dim, inverse=True)
 
 

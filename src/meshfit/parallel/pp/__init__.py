@@ -20,15 +20,14 @@ from __future__ import annotations
 
 from meshfit._lazy import lazy_exports
 
-_EXPORTS = {
-    "SCHEDULES": "meshfit.parallel.options",
-    **{n: "meshfit.parallel.pp.bubble" for n in ("bubble_fraction", "bubble_ratio",
-                                                 "gather_timings", "theoretical_bubble")},
-    "build_pipeline": "meshfit.parallel.pp.build", "Pipeline": "meshfit.parallel.pp.pipeline",
-    **{n: "meshfit.parallel.pp.schedule" for n in ("check_pipeline", "pipeline_problem",
-                                                   "stage_placement")},
-    **{n: "meshfit.parallel.pp.split" for n in ("StageBlocks", "block_times",
-                                                "build_stage_module", "split_points")},
-}
+_EXPORTS = {"SCHEDULES": "meshfit.parallel.options",
+            **{n: "meshfit.parallel.pp.bubble" for n in ("bubble_fraction", "bubble_ratio",
+                                                         "gather_timings", "theoretical_bubble")},
+            "build_pipeline": "meshfit.parallel.pp.build",
+            "Pipeline": "meshfit.parallel.pp.pipeline",
+            **{n: "meshfit.parallel.pp.schedule" for n in ("check_pipeline", "pipeline_problem",
+                                                           "stage_placement")},
+            **{n: "meshfit.parallel.pp.split" for n in ("StageBlocks", "block_times",
+                                                        "build_stage_module", "split_points")}}
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

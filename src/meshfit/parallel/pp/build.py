@@ -53,8 +53,8 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     `parallelize`: applied to each stage module once it is on the device, returning the
     module the schedule runs: tensor parallel, checkpointing/compile and a data-parallel
     wrapper (FSDP2; torch's schedules also drive DDP, which meshfit does not use here: see
-    `meshfit.parallel.layout`), as `Accelerator.prepare_pipeline` passes. The schedule reduces the
-    wrapper's gradients once per `step`, after its last micro-batch.
+    `meshfit.parallel.layout`), as `Accelerator.prepare_pipeline` passes. The schedule
+    reduces the wrapper's gradients once per `step`, after its last micro-batch.
     """
     if pp_mesh.ndim != 1:
         raise ValueError(f"build_pipeline needs a 1-D mesh, got axes {pp_mesh.mesh_dim_names}; "
@@ -121,5 +121,3 @@ def _check_same_weights(model: nn.Module, group) -> None:
         raise ValueError("the pp ranks passed different model weights to build_pipeline; build "
                          "the full model after torch.manual_seed(seed) with one seed on every "
                          "rank, or on the meta device (stages are then initialised from init_seed)")
-
-

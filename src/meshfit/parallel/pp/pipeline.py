@@ -112,18 +112,14 @@ class Pipeline:
         `(scale * loss).backward()` of the whole-batch mean loss would leave them (zero them
         yourself; `scale=1/k` for k pipeline steps per optimizer step).
 
-        Pass the same [B, T] batch on every rank of the pipeline (ranks that do not need a
-        tensor may pass None), so that a batch that does not divide into micro-batches fails
-        on every rank before any communication; with data parallel, each data-parallel rank
-        its own batch. Returns the batch's mean loss (a detached 0-dim tensor, unscaled) on
-        every pipeline rank: it is broadcast from the last stage's rank. Under a
-        data-parallel wrapper the stage gradients are reduced after the last micro-batch of
-        every call (torch's schedules force it), so k calls per optimizer step reduce k
-        times: prefer more `microbatches` to more calls.
-        """
+        Pass the same batch on every rank of the pipeline (ranks that do not need a tensor
+        may pass None), so that a batch that does not divide into micro-batches fails on every
+        rank before any communication; with data parallel, each data-parallel rank its own
+        batch. Returns the batch's mean loss (detached, unscaled; see the module docstring).
+        Under a data-parallel wrapper the stage gradients are reduced after the last
+        micro-batch of every call (torch's schedules force it), so k calls per optimizer step
+        reduce k times: prefer more `microbatches` to more calls."""
         args, target = self._inputs(inputs, targets)
-        if isinstance(self._loss_fn, TokenCrossEntropy) and self.has_last:
-            self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
         self._loss_fn.scale = scale
         moes = self._moe_modules()
         for m in moes:  # each micro-batch's auxiliary losses weigh as its loss does
@@ -144,9 +140,9 @@ class Pipeline:
         """The mixture-of-experts blocks of this rank's stages: their auxiliary losses enter
         backward from each block's output (`MoE.aux_grad_scale`), since the loss the
         schedule differentiates is the last stage's cross-entropy alone."""
-        from meshfit.models.moe import MoE
+        from meshfit.parallel.ep import moe_modules
 
-        return [m for module in self.modules for m in module.modules() if isinstance(m, MoE)]
+        return moe_modules(self.modules)
 
     def eval_loss(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
                   ) -> torch.Tensor:
@@ -165,8 +161,6 @@ class Pipeline:
             raise RuntimeError("eval_loss with gradients accumulated: evaluate between "
                                "optimizer steps, after optimizer.zero_grad(set_to_none=True)")
         args, target = self._inputs(inputs, targets)
-        if isinstance(self._loss_fn, TokenCrossEntropy) and self.has_last:
-            self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
         losses: list[torch.Tensor] = []
         recording, self._step_info["record"] = self._step_info["record"], False
         try:
@@ -185,6 +179,8 @@ class Pipeline:
         return self._broadcast_loss(losses)
 
     def _inputs(self, inputs, targets):
+        """This rank's schedule arguments and target, checked; the token count of the batch
+        set on the loss (the divisor of its exact batch mean)."""
         for t in (inputs, targets):
             if t is not None:
                 check_batch(t.shape[0], self.microbatches)
@@ -195,6 +191,8 @@ class Pipeline:
                                  f"{self.stage_indices}; pass the batch's {what} on every rank")
         args = (inputs.to(self.device),) if self.has_first else ()
         target = targets.to(self.device) if self.has_last else None
+        if isinstance(self._loss_fn, TokenCrossEntropy) and self.has_last:
+            self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
         return args, target
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -286,5 +284,3 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
-
-

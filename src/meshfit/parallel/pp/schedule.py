@@ -33,6 +33,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
     ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
 from meshfit.parallel.options import SCHEDULES
+from meshfit.parallel.rules import namer
 
 __all__ = ["SCHEDULES", "TORCH_SCHEDULES", "TokenCrossEntropy", "check_batch", "check_pipeline",
            "pipeline_problem", "stage_placement"]
@@ -46,12 +47,9 @@ TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
 # ---------------------------------------------------------------------------- validation
 def check_pipeline(n_blocks: int, pp: int, *, schedule: str = "1f1b", microbatches: int = 1,
                    virtual_stages: int | None = None, batch_size: int | None = None) -> int:
-    """Validate a pipeline layout before anything is built; return the virtual stages per rank.
-
-    Raises a one-line ValueError naming the field, its value and the fix (`pipeline_problem`).
-    Usable as a preflight check (no process group needed). `virtual_stages=None` takes the
-    schedule's default (1 for gpipe/1f1b, 2 for interleaved_1f1b and zero_bubble).
-    """
+    """`pipeline_problem` as a ValueError, before anything is built (no process group
+    needed); returns the virtual stages per rank (`virtual_stages=None`: the schedule's
+    default, 1 for gpipe/1f1b, 2 for interleaved_1f1b and zero_bubble)."""
     problem = pipeline_problem(n_blocks, pp, schedule=schedule, microbatches=microbatches,
                                virtual_stages=virtual_stages)
     if problem:
@@ -66,8 +64,7 @@ def pipeline_problem(n_blocks: int, pp: int, *, schedule: str = "1f1b", microbat
                      names: Mapping[str, str] | None = None) -> str | None:
     """The first rule a pipeline layout breaks, as a one-line message (None: it is valid).
     `names`: how the caller spells the fields (e.g. ``{"pp": "parallel.pp"}``)."""
-    names = names or {}
-    n = lambda key: names.get(key, key)  # noqa: E731
+    n = namer(names)
     if schedule not in SCHEDULES:
         return f"{n('schedule')}={schedule!r} is not one of {', '.join(SCHEDULES)}"
     for key, value in (("pp", pp), ("microbatches", microbatches)):
@@ -84,8 +81,8 @@ def pipeline_problem(n_blocks: int, pp: int, *, schedule: str = "1f1b", microbat
         return (f"{n('virtual_stages')}={v!r} must be 2 for schedule='zero_bubble' (ZB-V runs "
                 "exactly two stages per rank, V-shaped)")
     if pp * v > n_blocks:
-        what = f"{n('pp')}={pp}" if v == 1 else \
-            f"{n('pp')}={pp} x virtual_stages={v} = {pp * v} stages"
+        what = (f"{n('pp')}={pp}" if v == 1
+                else f"{n('pp')}={pp} x virtual_stages={v} = {pp * v} stages")
         return (f"{what} exceeds the model's {n_blocks} blocks (each stage needs at least "
                 f"one); use pp*virtual_stages <= {n_blocks}")
     # torch 2.13's own limits, measured on 2 and 4 ranks: only Schedule1F1B needs m >= pp;
@@ -123,8 +120,7 @@ def _sync(device: torch.device) -> None:
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that records wall-clock start/end of each forward, backward (or, under
-    zero-bubble, backward_input and backward_weight) per micro-batch into `log`."""
+    """A PipelineStage that records its timings (see the module docstring) into `log`."""
 
     def __init__(self, *args, log: list | None, clock: Callable[[], float], info: dict, **kwargs):
         super().__init__(*args, **kwargs)

@@ -6,9 +6,6 @@ copy of the model holding only its part, with parameter names unchanged: its blo
 under their indices in the full model (a `ModuleDict` loses the others; a `ModuleList`
 becomes a `StageBlocks` keyed by the original indices), the parts it does not keep become
 None or the plan's stand-ins, and its forward is the plan's.
-
-- `split_points` chooses where to cut, balancing parameter counts or measured block times;
-- `build_stage_module` cuts one stage; `block_times` measures each part alone.
 """
 
 from __future__ import annotations
@@ -16,14 +13,15 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from meshfit.distributed.tensors import names_by_parameter
 from meshfit.models.plans import PipelinePlan, pipeline_plan_for
+from meshfit.parallel.pp.schedule import _sync
 
 __all__ = ["StageBlocks", "block_times", "build_stage_module", "split_points"]
 
@@ -78,8 +76,8 @@ def _part_costs(model_or_cfg, plan) -> tuple[float, list[float], float]:
     if isinstance(model_or_cfg, GPTConfig):
         cfg, parts = model_or_cfg, model_or_cfg.param_breakdown()
         head = cfg.vocab_size * cfg.d_model
-        return (parts["tok_emb"] + parts["pos_emb"], [parts["layers"] / cfg.n_layer] * cfg.n_layer,
-                parts["norm"] + head)
+        return (parts["tok_emb"] + parts["pos_emb"],
+                [parts["layers"] / cfg.n_layer] * cfg.n_layer, parts["norm"] + head)
     model = model_or_cfg
     blocks = [_params(b) for b in _block_items(plan.blocks_of(model)).values()]
     first = sum(_params(_submodule(model, n)) for n in plan.first)
@@ -178,11 +176,6 @@ def block_times(model: nn.Module, sample: torch.Tensor, *, repeats: int = 3,
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ---------------------------------------------------------------------------- stage modules
 def stage_range(stage_index: int, num_stages: int, points: Sequence[int], n: int) -> range:
     """The block indices stage `stage_index` holds."""
@@ -271,13 +264,6 @@ class Tie:
     shape: torch.Size
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    by_tensor = defaultdict(list)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_tensor[id(p)].append(name)
-    return [names for names in by_tensor.values() if len(names) > 1]
-
-
 def holds(model: nn.Module, plan: PipelinePlan, name: str, stage: int, num_stages: int,
           points) -> bool:
     """Whether stage `stage` keeps parameter `name` of the full model."""
@@ -296,7 +282,7 @@ def holds(model: nn.Module, plan: PipelinePlan, name: str, stage: int, num_stage
 def ties(model: nn.Module, plan: PipelinePlan, placement, num_stages: int, points) -> list[Tie]:
     """The trainable tensors that end up as copies on several stages."""
     out = []
-    for names in _tied_groups(model):
+    for names in (n for n in names_by_parameter(model) if len(n) > 1):
         if not model.get_parameter(names[0]).requires_grad:
             continue  # frozen (e.g. LoRA): no gradients to keep equal
         holders = [(r, s) for r, held in enumerate(placement) for s in held

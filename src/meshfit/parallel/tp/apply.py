@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
+from meshfit.distributed.tensors import names_by_parameter
 from meshfit.parallel.tp.styles import NO_PARAMS, planned_placement, to_torch_style
 
 __all__ = ["apply_tp", "tp_cross_entropy"]
@@ -55,11 +56,8 @@ def _check_params(model: nn.Module, styles: Mapping[str, ParallelStyle]) -> list
     """Raise if a parameter would stay a plain tensor or tied copies would be laid out
     differently; return the groups of names that share one parameter (to re-tie after)."""
     modules = dict(model.named_modules())
-    by_id: dict[int, list[str]] = {}
-    for full, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(full)
     plain, tied = [], []
-    for names in by_id.values():
+    for names in names_by_parameter(model):
         placements = set()
         for full in names:
             owner, _, p_name = full.rpartition(".")
@@ -149,8 +147,6 @@ def _route_loss(model: nn.Module, plan) -> None:
 
     def loss(module, args, kwargs, logits):
         targets = pending.pop()
-        # Half precision is upcast to float32 as GPT.forward does; float64 stays float64
-        # (GPT.forward would round it to float32). The logits are never gathered.
         return logits if targets is None else tp_cross_entropy(logits, targets)
 
     model.register_forward_pre_hook(take_targets, with_kwargs=True)
@@ -159,24 +155,21 @@ def _route_loss(model: nn.Module, plan) -> None:
 
 def apply_tp(model: nn.Module, tp_mesh, *, plan=None, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> nn.Module:
-    """Split `model` across the 1-D `tp_mesh` in place and return it.
+    """Split `model` (the same full model on every rank) across the 1-D `tp_mesh` in place
+    and return it. Build the optimizer after this call (its parameters are new DTensors).
 
-    `plan`: a `meshfit.models.plans.TPPlan`, a dict {module-name pattern: `Style` or
-    PyTorch `ParallelStyle`}, or None for the built-in plan of the model's type (reference GPT, Hugging Face
-    LlamaForCausalLM and GPT2LMHeadModel). Every rank must pass the same full model (weights
-    are taken from the mesh's first rank). Checked before the model is touched: sizes that
-    must divide by the TP degree (heads, kv-heads, hidden, d_ff, vocabulary; one-line
-    ValueError naming the field and what to pad to), parameters the plan leaves plain, tied
-    weights laid out differently, and dropout RNG agreement without sequence parallel.
+    `plan`: a `meshfit.models.plans.TPPlan`, a dict {module-name pattern: `Style` or PyTorch
+    `ParallelStyle`}, or None for the built-in plan of the model's type (reference GPT,
+    Hugging Face LlamaForCausalLM and GPT2LMHeadModel). Checked before the model is touched:
+    sizes that must divide by the TP degree (one-line ValueError naming the field and what
+    to pad to), parameters the plan leaves plain, tied weights laid out differently, and
+    dropout RNG agreement without sequence parallel.
 
-    Layouts in and out: input ids [B, T] replicated on every TP rank (the same batch);
-    logits [B, T, V] replicated, or with `loss_parallel=True` a DTensor sharded on V, to be
-    passed to `tp_cross_entropy`; the reference GPT's `model(idx, targets)` then computes its
-    loss that way by itself, while Hugging Face `labels=` is refused with advice.
-    `sequence_parallel=True` splits the residual stream on T between the TP blocks (norms,
-    dropout), which needs T divisible by the TP degree (checked per forward).
-    Build the optimizer after this call (its parameters are new DTensor objects).
-    """
+    Input ids [B, T] are replicated on every TP rank (the same batch). With
+    `loss_parallel=True` the logits stay a DTensor sharded on V for `tp_cross_entropy`; the
+    reference GPT's `model(idx, targets)` then computes its loss that way by itself, while
+    Hugging Face `labels=` is refused with advice. `sequence_parallel=True` needs T divisible
+    by the TP degree (checked per forward)."""
     from meshfit.models import plans
 
     if tp_mesh.ndim != 1:

@@ -45,9 +45,7 @@ class ReplicateParallel(ParallelStyle):
 
     def _partition(self, name, module, mesh) -> None:
         for p_name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(p_name, nn.Parameter(
-                distribute_tensor(p, mesh, [Replicate()], src_data_rank=self.src_data_rank),
-                requires_grad=p.requires_grad))
+            _distribute(module, p_name, p, mesh, Replicate(), self.src_data_rank)
 
     def _prepare_input(self, module, inputs, mesh):
         x, *rest = inputs
@@ -62,6 +60,15 @@ class ReplicateParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._prepare_input,
                                  self._prepare_output)
+
+
+def _distribute(module: nn.Module, name: str, p: torch.Tensor, mesh, placement: Placement,
+                src_data_rank, full: torch.Tensor | None = None) -> None:
+    """Replace parameter `name` of `module` by a DTensor of `full` (default: `p`) placed on
+    `mesh` from `src_data_rank`, keeping `p`'s requires_grad."""
+    module.register_parameter(name, nn.Parameter(
+        distribute_tensor(p if full is None else full, mesh, [placement],
+                          src_data_rank=src_data_rank), requires_grad=p.requires_grad))
 
 
 def _local(x):
@@ -82,10 +89,7 @@ class ReplicateLocal(ParallelStyle):
         for owner in module.modules():
             for name, p in list(owner._parameters.items()):
                 if p is not None and not isinstance(p, DTensor):
-                    owner.register_parameter(name, nn.Parameter(
-                        distribute_tensor(p, device_mesh, [Replicate()],
-                                          src_data_rank=self.src_data_rank),
-                        requires_grad=p.requires_grad))
+                    _distribute(owner, name, p, device_mesh, Replicate(), self.src_data_rank)
         held: list[list] = []  # a stack: one entry per call in flight (re-entrant)
 
         def swap_in(mod, args, kwargs):
@@ -125,14 +129,9 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 class Conv1DColwiseParallel(ColwiseParallel):
     """ColwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(1); bias Shard(0)).
-
-    `fused=3` is for a fused q|k|v projection (GPT-2's `c_attn`): a plain column split would
-    give rank 0 all of q and half of k. The columns are first regrouped rank-major, so each
-    rank receives q, k and v of its own heads, contiguous, and the module's `split(d / T)`
-    works on the local output. The parameter's global layout is then the regrouped one;
-    `meshfit.models.plans.regroup` puts it back in the original layout (e.g. to save an HF
-    checkpoint).
-    """
+    `fused=3`: a fused q|k|v projection (GPT-2's `c_attn`), its columns regrouped rank-major
+    first (`meshfit.models.plans.regroup`), so each rank receives q, k and v of its own heads
+    and the module's `split(d / T)` works on the local output."""
 
     def __init__(self, *, fused: int = 1, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -144,9 +143,7 @@ class Conv1DColwiseParallel(ColwiseParallel):
             dim = p.ndim - 1  # weight [in, out] -> out is dim 1; bias [out] -> dim 0
             with torch.no_grad():
                 full = group_columns(p.detach(), self.fused, tp, dim)
-            module.register_parameter(p_name, nn.Parameter(
-                distribute_tensor(full, mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
-                requires_grad=p.requires_grad))
+            _distribute(module, p_name, p, mesh, Shard(dim), self.src_data_rank, full)
         if self.fused > 1:  # the parameters' global layout now depends on the TP degree
             mark_regrouped(module, self.fused, tp)
 
@@ -158,7 +155,6 @@ class Conv1DColwiseParallel(ColwiseParallel):
 
 
 def _distribute_conv1d(style, module: nn.Module, device_mesh) -> nn.Module:
-    """distribute_module with a Conv1D style's partition and its layout hooks."""
     return distribute_module(
         module, device_mesh, style._partition_conv1d,
         functools.partial(style._prepare_input_fn, style.input_layouts,
@@ -168,14 +164,13 @@ def _distribute_conv1d(style, module: nn.Module, device_mesh) -> nn.Module:
 
 
 class Conv1DRowwiseParallel(RowwiseParallel):
-    """RowwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(0); bias Replicate)."""
+    """RowwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(0); bias
+    Replicate)."""
 
     def _partition_conv1d(self, name, module, mesh) -> None:
         for p_name, p in list(module.named_parameters(recurse=False)):
             placement = Shard(0) if p_name == "weight" else Replicate()
-            module.register_parameter(p_name, nn.Parameter(
-                distribute_tensor(p, mesh, [placement], src_data_rank=self.src_data_rank),
-                requires_grad=p.requires_grad))
+            _distribute(module, p_name, p, mesh, placement, self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not _is_conv1d(module):
@@ -205,7 +200,6 @@ def planned_placement(style: ParallelStyle, module: nn.Module, p_name: str) -> P
         return Shard(1) if weight else Replicate()
     raise ValueError(f"cannot tell how {type(style).__name__} lays out {p_name} of "
                      f"{type(module).__name__}; tied or unplanned parameters need a known style")
-
 
 
 # ---------------------------------------------------------------------------- plan data
@@ -257,9 +251,7 @@ def to_torch_style(style) -> ParallelStyle:
         return Conv1DRowwiseParallel(**kw)
     if style.kind == "replicate":
         return ReplicateParallel(output_layouts=_placement(style.output or "replicate"),
-                                 input_layouts=_placement(style.input or "replicate"),
-                                 **({} if style.local_output is None else
-                                    {"use_local_output": style.local_output}))
+                                 input_layouts=_placement(style.input or "replicate"), **kw)
     if style.kind == "sequence":
         return SequenceParallelBroadcast(**kw)
     if style.kind == "replicate_local":
