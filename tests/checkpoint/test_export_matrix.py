@@ -44,6 +44,7 @@ attention key bias (softmax ignores it: 3e-16), which the weight comparison catc
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -260,6 +261,9 @@ def test_offline_export_loads_into_a_plain_model(request, reference, case, tmp_p
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
                                                                   dtype=torch.float64)
         assert type(model) is getattr(transformers, HF_CLASSES[family])
+        # the field other tools choose the class by names it too, never FSDP2's subclass
+        config = json.loads((tmp_path / "out" / "config.json").read_text())
+        assert config["architectures"] == [HF_CLASSES[family]]
         with torch.no_grad():
             logits = _logits(model, family, _probe())
         state = model.state_dict()

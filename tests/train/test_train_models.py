@@ -206,6 +206,12 @@ def test_hf_model_is_loaded_then_written_as_a_from_pretrained_folder(runs):
         _, vals = _losses(runs / case)
         assert vals[-1] == pytest.approx(_val_loss(trained, cfg, n, hf=True), rel=RTOL), case
         assert transformers.AutoTokenizer.from_pretrained(folder).eos_token == "</s>"
+        # The model's own class, not FSDP2's wrapper subclass ("FSDPLlamaForCausalLM"):
+        # inference servers and converters choose the class by this field.
+        config = json.loads((folder / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"], case
+    merged = json.loads((runs / "lora_gpt2_zero3-2" / "model" / "config.json").read_text())
+    assert merged["architectures"] == ["GPT2LMHeadModel"]
 
 
 def test_factory_model_written_with_its_factory(runs):

@@ -19,11 +19,9 @@ skips batches itself) unless they are stateful: then each continues where it sto
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -95,15 +93,9 @@ def _alias(acc: Accelerator, manifest: Manifest, folder: Path, key: str):
 
 def _hf_configs(models) -> list[dict | None]:
     """Each model's transformers config (for `meshfit export --to hf`), None for others."""
-    hf = sys.modules.get("transformers")
-    out = []
-    for model in (modules[0] for modules in models):
-        config = None
-        if hf is not None and isinstance(model, hf.PreTrainedModel):
-            config = json.loads(model.config.to_json_string())
-            config["architectures"] = [type(model).__name__]
-        out.append(config)
-    return out
+    from meshfit.checkpoint.saved import hf_config
+
+    return [hf_config(modules[0]) for modules in models]
 
 
 def _regrouped(models) -> int:

@@ -25,9 +25,9 @@ from torch import nn
 from meshfit._files import (atomic_write_dir, fsync_tree, remove_stale_temps, replace_dir,
                             stale_temps, temp_sibling)
 
-__all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "fsync_tree", "load_model_folder",
-           "remove_stale_temps", "replace_dir", "save_model_folder", "stale_temps",
-           "temp_sibling"]
+__all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "fsync_tree", "hf_config",
+           "load_model_folder", "model_class", "remove_stale_temps", "replace_dir",
+           "save_model_folder", "stale_temps", "temp_sibling"]
 
 GPT_TYPE = "meshfit-gpt"
 FACTORY_TYPE = "meshfit-factory"
@@ -40,15 +40,31 @@ def _is_hf(model: nn.Module) -> bool:
     return hf is not None and isinstance(model, hf.PreTrainedModel)
 
 
+def model_class(model: nn.Module) -> type:
+    """The model's own class: FSDP2's `fully_shard` swaps a module's class for a subclass of
+    it and `FSDPModule` ("FSDPLlamaForCausalLM"), a name no other tool knows."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def hf_config(model: nn.Module) -> dict[str, Any] | None:
+    """The transformers config.json of `model`, naming its own class in ``architectures``
+    (what inference servers and converters choose the class by); None for other models."""
+    if not _is_hf(model):
+        return None
+    config = json.loads(model.config.to_json_string())
+    config["architectures"] = [model_class(model).__name__]
+    return config
+
+
 def describe_model(model: nn.Module, factory: str | None = None,
                    factory_kwargs: dict | None = None) -> dict[str, Any]:
     """The config.json of `model`, as the module docstring lists (`factory`: "module:function")."""
     from meshfit.models import GPT
 
     if _is_hf(model):
-        config = json.loads(model.config.to_json_string())
-        config["architectures"] = [type(model).__name__]
-        return config
+        return hf_config(model)
     if isinstance(model, GPT):
         return {"model_type": GPT_TYPE, "architectures": ["GPT"],
                 **dataclasses.asdict(model.config)}
