@@ -198,9 +198,10 @@ def test_hf_model_is_loaded_then_written_as_a_from_pretrained_folder(runs):
     cfg = _config(runs, "hf_model_zero3", 2)
     original = transformers.LlamaForCausalLM.from_pretrained(runs / "llama")
     _, vals = _losses(runs / "hf_model_zero3-2")
-    # ZeRO-3 over 2 ranks: eval_batches x micro_batch_size x dp = 4 sequences
-    assert vals[0] == pytest.approx(_val_loss(original, cfg, 4, hf=True), rel=RTOL)
-    for case, n in (("hf_model_zero3-2", 4), ("hf_model_pp-2", 8), ("hf_model_zero3-1", 2)):
+    # every layout evaluates the same windows: eval_batches x micro_batch_size of them
+    n = cfg.eval_windows()
+    assert vals[0] == pytest.approx(_val_loss(original, cfg, n, hf=True), rel=RTOL)
+    for case in ("hf_model_zero3-2", "hf_model_pp-2", "hf_model_zero3-1"):
         folder = runs / case / "model"
         trained = transformers.LlamaForCausalLM.from_pretrained(folder)
         _, vals = _losses(runs / case)
@@ -224,7 +225,8 @@ def test_factory_model_written_with_its_factory(runs):
     assert config["kwargs"] == {"vocab_size": tokens.vocab_size(cfg), "max_seq_len": 32}
     model, tokenizer = load_model_folder(folder)
     _, vals = _losses(runs / "factory_tp-2")
-    assert vals[-1] == pytest.approx(_val_loss(model, cfg, 2, hf=False), rel=RTOL)
+    assert vals[-1] == pytest.approx(_val_loss(model, cfg, cfg.eval_windows(), hf=False),
+                                     rel=RTOL)
     assert tokenizer is not None and tokenizer.vocab_size == tokens.vocab_size(cfg)
 
 
@@ -241,9 +243,10 @@ def test_lora_under_zero3_writes_a_peft_adapter_and_the_merged_model(runs):
     base = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(runs / "gpt2"))
     adapted = peft.PeftModel.from_pretrained(base, runs / "lora_gpt2_zero3-2" / "adapter")
-    assert vals[-1] == pytest.approx(_val_loss(adapted, cfg, 4, hf=True), rel=RTOL)
+    n = cfg.eval_windows()
+    assert vals[-1] == pytest.approx(_val_loss(adapted, cfg, n, hf=True), rel=RTOL)
     merged = transformers.GPT2LMHeadModel.from_pretrained(runs / "lora_gpt2_zero3-2" / "model")
-    assert vals[-1] == pytest.approx(_val_loss(merged, cfg, 4, hf=True), rel=RTOL)
+    assert vals[-1] == pytest.approx(_val_loss(merged, cfg, n, hf=True), rel=RTOL)
     assert not any("lora" in k for k in merged.state_dict())
 
 

@@ -80,16 +80,18 @@ def _eval_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None, metavar="N",
                    help="window length (default: the run's train.seq_len; for a model folder "
                         "the model's context, at most 1024)")
-    p.add_argument("--batches", type=int, default=8, metavar="N",
-                   help="batches to evaluate (default 8); 0 = every window of the data")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B",
-                   help="windows per batch (default 8)")
+    p.add_argument("--batches", type=int, default=None, metavar="N",
+                   help="batches to evaluate (default: the run's train.eval_batches, so that "
+                        "a run's model gives the val_loss the run logged; else 8); 0 = every "
+                        "window of the data")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="windows per batch (default: the run's train.micro_batch_size, else 8)")
     ns = p.parse_args(argv)
     if ns.seq_len is not None and ns.seq_len < 1:
         raise ValueError(f"--seq-len={ns.seq_len} must be >= 1")
-    if ns.batches < 0:
+    if ns.batches is not None and ns.batches < 0:
         raise ValueError(f"--batches={ns.batches} must be >= 0 (0: every window)")
-    if ns.batch_size < 1:
+    if ns.batch_size is not None and ns.batch_size < 1:
         raise ValueError(f"--batch-size={ns.batch_size} must be >= 1")
     return ns
 
@@ -113,7 +115,13 @@ def cmd_eval(argv: list[str]) -> int:
     if tokens.size < seq_len + 1:
         raise ValueError(f"--seq-len={seq_len}: {where} only {tokens.size} tokens, fewer than "
                          "one window of seq_len + 1; lower --seq-len or give more --data")
-    loss, n = evaluate_loss(model, tokens, seq_len, batches=ns.batches, batch_size=ns.batch_size)
+    # A run's own validation split, by default as the run evaluated it (`RunConfig.eval_windows`).
+    run_eval = cfg is not None and ns.data is None
+    batches = ns.batches if ns.batches is not None else \
+        cfg.train.eval_batches if run_eval else 8
+    batch_size = ns.batch_size if ns.batch_size is not None else \
+        cfg.train.micro_batch_size if run_eval else 8
+    loss, n = evaluate_loss(model, tokens, seq_len, batches=batches, batch_size=batch_size)
     print(f"loss {loss:.6f} perplexity {math.exp(min(loss, 700.0)):.4f} on {n} tokens")
     return 0
 

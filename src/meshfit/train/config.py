@@ -157,7 +157,10 @@ class TrainConfig(ModelOptions):
     grad_clip: float = 1.0  # Clip the global gradient norm to this (0: no clipping)
     seed: int = 0  # Seed for weights, data order and dropout
     eval_every: int = 100  # Evaluate every this many steps and at the end (0: at the end only)
-    eval_batches: int = 8  # Micro-batches per rank in each evaluation
+    eval_batches: int = 8
+    """Validation micro-batches per evaluation, over all ranks together: the first
+    eval_batches x micro_batch_size windows of the validation split (`eval_windows`), each
+    counted once whatever the layout."""
     log_every: int = 10  # Write a metrics line every this many steps
     mixed_precision: str = "no"  # "no", "bf16" or "fp16"
     tf32: bool = False  # TF32 tensor cores for fp32 matrix products (NVIDIA Ampere and newer)
@@ -422,6 +425,11 @@ class RunConfig:
                               sequence_parallel=p.sequence_parallel,
                               loss_parallel=p.loss_parallel, local_world_size=local_world_size,
                               names=LAYOUT_NAMES)
+
+    def eval_windows(self) -> int:
+        """Validation windows per evaluation (the split's first ones; fewer if it is shorter):
+        what `meshfit train` logs as val_loss and `meshfit eval RUN` evaluates by default."""
+        return self.train.eval_batches * self.train.micro_batch_size
 
     def model_config(self, vocab_size: int):
         """The reference GPT's config for this run: [model] over its preset, train.seq_len as

@@ -45,17 +45,22 @@ class ModelSteps:
     def forward_backward(self, x, y, accum: int) -> torch.Tensor:
         loss = self.loss(self.model, x, y)
         self.acc.backward(loss)  # divides by the accumulation steps itself
-        # A mixture of experts' loss includes its auxiliary losses (the reference GPT's MoE
-        # blocks; a transformers MoE with output_router_logits): the reported loss is the
-        # cross-entropy (as under pp), the auxiliary part is reported apart.
+        return self._cross_entropy(loss)
+
+    def eval_loss(self, x, y) -> torch.Tensor:
+        return self._cross_entropy(self.loss(self.model, x, y))
+
+    def _cross_entropy(self, loss: torch.Tensor) -> torch.Tensor:
+        """A mixture of experts' loss includes its auxiliary losses (the reference GPT's MoE
+        blocks; a transformers MoE with output_router_logits): the reported loss is the
+        cross-entropy (as under pp), the auxiliary part is reported apart. (The auxiliary
+        losses depend on how windows are batched: a validation loss with them would depend
+        on the layout.)"""
         aux = [m.last_aux_loss.detach() for m in self.moes if m.last_aux_loss is not None]
         hf_aux = getattr(self.loss, "last_aux", None)  # a transformers MoE's router loss
         if hf_aux is not None:
             aux.append(hf_aux)
         return loss.detach() - sum(aux) if aux else loss
-
-    def eval_loss(self, x, y) -> torch.Tensor:
-        return self.loss(self.model, x, y)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return self.acc.clip_grad_norm_(self.model.parameters(), max_norm)

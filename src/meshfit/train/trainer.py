@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
 from meshfit import optim
 from meshfit.accelerator import Accelerator
@@ -22,6 +22,7 @@ from meshfit.checkpoint import latest
 from meshfit.data import TokenDataset
 from meshfit.distributed import DistEnv, init
 from meshfit.distributed.settle import barrier
+from meshfit.models.loss import IGNORE_INDEX
 from meshfit.parallel.ep import moe_modules, routing_metrics
 from meshfit.train import tokens
 from meshfit.train.batch_size import find_executable_batch_size, is_out_of_memory
@@ -61,9 +62,10 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
                                      acc.gradient_accumulation_steps)
     optimizer = build_optimizer(trained.params, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    train_loader, val_loader = _loaders(acc, cfg, splits, trained, micro * chunks, micro)
-    optimizer, train_loader, val_loader, scheduler = acc.prepare(
-        optimizer, train_loader, val_loader, scheduler)
+    train_loader = _train_loader(cfg, splits, micro * chunks, acc.device)
+    optimizer, train_loader, scheduler = acc.prepare(optimizer, train_loader, scheduler)
+    val_loader = ValidationBatches(TokenDataset(splits.val, t.seq_len), cfg.eval_windows(),
+                                   micro * chunks, acc.runtime.dp_size, acc.runtime.dp_rank)
     acc.print(_banner(acc, model, trained, micro, splits.train.shape[0], out_dir))
     checkpoints = Checkpoints(acc, cfg, out_dir / "checkpoints")
     start = checkpoints.resume() if resume else 0
@@ -307,29 +309,39 @@ def _find_micro_batch(acc: Accelerator, trained: ModelSteps, seq_len: int, vocab
     return micro, accum
 
 
-def _loaders(acc: Accelerator, cfg: RunConfig, splits, trained, rows: int, micro: int):
+def _train_loader(cfg: RunConfig, splits, rows: int, device: torch.device) -> DataLoader:
     """Training batches of `rows` sequences per data-parallel rank, shuffled from the run's
-    seed, and the validation set: eval_batches micro-batches per rank, in whole pipeline
-    batches when the model is pipelined (at least one)."""
+    seed (`Accelerator.prepare` shards them)."""
     t, d = cfg.train, cfg.data
-    workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory and acc.device.type == "cuda")
+    workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory and device.type == "cuda")
     if d.num_workers:
         workers.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
-    train = DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=rows, shuffle=True,
-                       generator=torch.Generator().manual_seed(t.seed), drop_last=True,
-                       **workers)
-    val_set = TokenDataset(splits.val, t.seq_len)
-    dp = acc.runtime.dp_size
-    n_val = min(len(val_set), t.eval_batches * micro * dp)
-    if trained.whole_batches:
-        n_val = max(n_val // (rows * dp), 1) * rows * dp
-        if n_val > len(val_set):
-            raise ValueError(f"the validation split holds {len(val_set)} sequences of {t.seq_len} "
-                             f"tokens, fewer than one pipeline batch of {rows} per data-parallel "
-                             f"rank x {dp}; lower train.micro_batch_size or parallel.microbatches")
-    val = DataLoader(Subset(val_set, range(n_val)), batch_size=rows,
-                     drop_last=trained.whole_batches, **workers)
-    return train, val
+    return DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=rows, shuffle=True,
+                      generator=torch.Generator().manual_seed(t.seed), drop_last=True, **workers)
+
+
+class ValidationBatches:
+    """This data-parallel rank's share of the first `n` validation windows (windows rank,
+    rank + dp, rank + 2 dp, ...) in batches of `rows`, so that each window counts exactly once
+    under every layout. Every rank runs the same number of batches (a forward may be a
+    collective: FSDP's all-gathers, a pipeline's sends), the last ones filled out with
+    windows whose targets are all ignored (-100), which no loss counts."""
+
+    def __init__(self, windows: TokenDataset, n: int, rows: int, dp: int, rank: int):
+        self.windows, self.rows = windows, rows
+        n = min(n, len(windows))
+        self.mine = list(range(rank, n, dp))
+        self.batches = math.ceil(math.ceil(n / dp) / rows)
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self):
+        for b in range(self.batches):
+            pairs = [self.windows[i] for i in self.mine[b * self.rows:(b + 1) * self.rows]]
+            x0, y0 = self.windows[0]
+            pairs += [(x0, torch.full_like(y0, IGNORE_INDEX))] * (self.rows - len(pairs))
+            yield torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
 
 
 def _loader_name(loader, seq_len: int, rows: int, dp: int) -> str:
@@ -399,16 +411,20 @@ def _routing(acc: Accelerator, trained, elapsed_s: float) -> dict:
     return out
 
 
-def _evaluate(acc: Accelerator, trained, loader) -> float:
-    """The mean loss over `loader`, over every data-parallel rank (a collective)."""
+def _evaluate(acc: Accelerator, trained, batches: ValidationBatches) -> float:
+    """The mean loss per validation token over every data-parallel rank's `batches` (a
+    collective), each batch's mean weighted by the targets it counts (padding counts none)."""
     for m in trained.modules:
         m.eval()
-    total = torch.zeros(2, device=acc.device)
+    total = torch.zeros(2, dtype=torch.float64, device=acc.device)
     with torch.no_grad():
-        for x, y in loader:
+        for x, y in batches:
+            x, y = x.to(acc.device), y.to(acc.device)
             loss = trained.eval_loss(x, y)
-            total += torch.stack([loss.detach().float().to(acc.device) * x.shape[0],
-                                  torch.tensor(float(x.shape[0]), device=acc.device)])
+            counted = (y != IGNORE_INDEX).sum()
+            if counted.item():  # a batch of padding only: its mean is 0/0
+                total += torch.stack([loss.detach().double().to(acc.device) * counted,
+                                      counted.double()])
     for m in trained.modules:
         m.train()
     total = acc.reduce(total, "sum")
