@@ -157,6 +157,8 @@ def main() -> None:
                     help="measured steps of the breakdown (0: no breakdown nor trace)")
     ap.add_argument("--loss-check", type=int, default=0, metavar="STEPS",
                     help="also train GPT-2 STEPS steps fp32 vs fast path, same data")
+    ap.add_argument("--float8", action="store_true",
+                    help="also run each model's best micro-batch with [train] float8 = true")
     ap.add_argument("--runs", default="runs/throughput", help="where the runs go")
     ap.add_argument("--name", default=None, help="results name (default: throughput_<device>)")
     ap.add_argument("--no-write", action="store_true")
@@ -184,6 +186,16 @@ def main() -> None:
         score = r["mfu"] if r["mfu"] is not None else r["tokens_per_s"]
         if r["model"] not in best or score > best[r["model"]][0]:
             best[r["model"]] = (score, r)
+    if args.float8:  # the same run with float8 linears: tokens/s and loss beside bf16
+        for model, (_, r) in list(best.items()):
+            f8 = train_run(runs / f"{model}-b{r['micro']}-float8", model, r["micro"],
+                           args.seq_len, args.steps, args.log_every,
+                           FAST + ["--train.float8=true"])
+            f8.update(model=model + "+float8", micro=r["micro"], seq_len=args.seq_len)
+            if f8.get("tokens_per_s"):
+                f8["speedup_vs_bf16"] = f8["tokens_per_s"] / r["tokens_per_s"]
+            results.append(f8)
+            print(json.dumps({k: v for k, v in f8.items() if k != "cmd"}), flush=True)
     breakdowns = {}
     if args.breakdown_steps > 0:
         for model, (_, r) in best.items():
@@ -225,6 +237,11 @@ def main() -> None:
         md.append(f"| {r['model']} | {r['micro']} | {r['tokens_per_s']:.0f} | {mfu} | "
                   f"{r['step_time_s']:.3f} | {100 * (r['data_wait_share'] or 0):.1f}% | "
                   f"{r['peak_memory_gib']:.2f} | {r['final_loss']:.3f} |")
+    for r in results:
+        if r.get("speedup_vs_bf16"):
+            md.append(f"\n{r['model']}: {r['speedup_vs_bf16']:.3f}x the tokens/s of bf16 at "
+                      f"micro-batch {r['micro']} (its MFU counts float8 products at the bf16 "
+                      "peak)")
     for model, b in breakdowns.items():
         md += ["", f"## Step breakdown, {model} (micro-batch {best[model][1]['micro']})", ""]
         if "error" in b:

@@ -10,7 +10,8 @@ defaults and meaning (a script written for Accelerate runs with ``accelerate`` r
     split_batches: ignored, as by Accelerate 1.15 (with a warning); use
         ``dataloader_config=DataLoaderConfiguration(split_batches=True)``.
     mixed_precision: None (``ACCELERATE_MIXED_PRECISION``, else ``"no"``), ``"no"``,
-        ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scaling).
+        ``"bf16"`` (autocast), ``"fp16"`` (autocast + dynamic loss scaling) or ``"fp8"``
+        (Accelerate's torchao float8: bf16 autocast with ``float8=True``).
     cpu: run on the CPU (gloo) even where CUDA is available; None: ``MESHFIT_CPU``, else
         False; ``ACCELERATE_USE_CPU=true`` (``accelerate launch --cpu``) means True.
     fsdp_plugin: instead of ``parallel``/``zero_stage`` (`FullyShardedDataParallelPlugin`).
@@ -163,6 +164,9 @@ def read_arguments(given: Mapping[str, Any],
     if mixed_precision is None:  # what `accelerate launch --mixed_precision` sets, else "no"
         mixed_precision = environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     mixed_precision = str(mixed_precision)  # checked with the layout's options
+    float8 = given["float8"]
+    if mixed_precision == "fp8":  # Accelerate's torchao float8: float8 linears in bf16 autocast
+        mixed_precision, float8 = "bf16", True
     handlers = sort_handlers(given["kwargs_handlers"])
     ddp_kwargs = given["ddp_kwargs"]
     if handlers.ddp is not None:
@@ -186,7 +190,8 @@ def read_arguments(given: Mapping[str, Any],
         activation_checkpointing=checkpointing,
         activation_checkpointing_every=given["activation_checkpointing_every"],
         activation_checkpointing_policy=given["activation_checkpointing_policy"],
-        **compiling, tp_plan=given["tp_plan"], ddp_kwargs=dict(ddp_kwargs or {}))
+        **compiling, float8=float8, float8_recipe=given["float8_recipe"],
+        tp_plan=given["tp_plan"], ddp_kwargs=dict(ddp_kwargs or {}))
     # ACCELERATE_USE_CPU (`accelerate launch --cpu`) means True; None is left to
     # `meshfit.distributed.init` (MESHFIT_CPU).
     use_cpu = environ.get("ACCELERATE_USE_CPU", "").strip().lower() in _TRUE

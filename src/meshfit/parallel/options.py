@@ -5,6 +5,7 @@ a fraction of a second). The modules of the techniques re-export these names.
     ModelOptions                                             parallelize.py
     CheckpointMode, CheckpointPolicy, check_checkpointing   activation.py
     CompileScope, check_compile_args                         compile.py
+    FLOAT8_RECIPES                                           float8.py
     SCHEDULES                                                pp/schedule.py
 """
 
@@ -14,12 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-__all__ = ["CheckpointMode", "CheckpointPolicy", "CompileScope", "ModelOptions", "SCHEDULES",
+__all__ = ["CheckpointMode", "CheckpointPolicy", "CompileScope", "FLOAT8_RECIPES", "ModelOptions",
+           "SCHEDULES",
            "check_checkpointing", "check_compile_args", "compile_mode"]
 
 CheckpointMode = Literal["none", "full", "selective"]
 CheckpointPolicy = Literal["block", "op"]
 CompileScope = Literal["block", "model"]
+FLOAT8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
+"""torchao's float8 training recipes (`meshfit.parallel.float8.apply_float8`)."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 """Pipeline schedules by name (`meshfit.parallel.pp.schedule.TORCH_SCHEDULES` maps each to
 torch's class)."""
@@ -102,7 +106,7 @@ class ModelOptions:
     """What `meshfit.parallel.parallelize` does to a model besides the layout: activation
     checkpointing, compile, a tensor-parallel plan and DDP's own keywords. Declared once:
     `Accelerator` takes these fields as keywords and `meshfit train`'s ``[train]`` section
-    carries the first seven (`meshfit.train.config.TrainConfig` is a `ModelOptions`; the
+    carries the first nine (`meshfit.train.config.TrainConfig` is a `ModelOptions`; the
     fields whose metadata has ``"toml": None`` are not config keys). Validated when built,
     before any process group, model or file exists."""
 
@@ -121,6 +125,10 @@ class ModelOptions:
     """inductor mode: default, reduce-overhead, max-autotune, ..."""
     compile_scope: CompileScope = "block"
     """"block" (each transformer block) or "model" (the whole model)."""
+    float8: bool = False
+    """float8 matrix products in the linear layers (torchao; GPUs of compute capability 8.9+)."""
+    float8_recipe: str = "rowwise"
+    """torchao's float8 recipe: rowwise, tensorwise or rowwise_with_gw_hp."""
     tp_plan: Any = field(default=None, metadata={"toml": None})
     """A `meshfit.models.plans.TPPlan` or {module pattern: style}; None: the model's
     built-in plan (`meshfit.parallel.tp.apply_tp`)."""
@@ -139,6 +147,11 @@ class ModelOptions:
             raise ValueError(f"{prefix}compile={self.compile!r} must be True or False")
         check_compile_args(self.compile_backend, compile_mode(self.compile_mode),
                            scope=self.compile_scope, compile=self.compile, prefix=prefix)
+        if not isinstance(self.float8, bool):
+            raise ValueError(f"{prefix}float8={self.float8!r} must be True or False")
+        if self.float8_recipe not in FLOAT8_RECIPES:
+            raise ValueError(f"{prefix}float8_recipe={self.float8_recipe!r} is not one of "
+                             f"{', '.join(FLOAT8_RECIPES)}")
         if not isinstance(self.ddp_kwargs, Mapping):
             raise ValueError(f"{prefix}ddp_kwargs={self.ddp_kwargs!r} must be a dict of "
                              "DistributedDataParallel keyword arguments")

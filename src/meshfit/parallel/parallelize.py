@@ -9,6 +9,7 @@ The order is torchtitan's, and each step needs the one before it:
 2. **tensor parallel** on ``mesh["tp"]`` (`apply_tp` needs the plain module and turns its
    parameters into DTensors), then **expert parallel** on ``mesh["ep"]`` (`apply_ep`: each
    MoE block keeps its own experts, a DTensor shard, and exchanges tokens by all-to-all);
+   With ``float8``, the linear layers then become torchao's float8 ones (`apply_float8`);
 3. **activation checkpointing** of each transformer block (`apply_activation_checkpointing`),
    so that the recomputation lives inside what is compiled next;
 4. **compile** each (checkpointed) block, or the whole model (`apply_compile`);
@@ -63,6 +64,14 @@ def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelO
         from meshfit.parallel.ep import apply_ep
 
         experts = apply_ep(model, ep_mesh, device=device)
+    # 2c. float8 linear layers (torchao), before they are checkpointed and compiled.
+    if options.float8:
+        if tp_mesh is not None:
+            raise ValueError("float8=True with tensor parallel (tp > 1) is not available yet; "
+                             "use float8 with data parallel, ZeRO/FSDP or pipeline layouts")
+        from meshfit.parallel.float8 import apply_float8
+
+        apply_float8(model, options.float8_recipe, device=device)
     # 3. Activation checkpointing, inside what is compiled.
     if options.activation_checkpointing != "none":
         from meshfit.parallel.activation import apply_activation_checkpointing

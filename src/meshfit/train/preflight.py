@@ -74,6 +74,10 @@ def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> L
     if cfg.train.find_batch_size:
         layout.check_batch_probe(names=LAYOUT_NAMES)
     _check_peft(cfg, layout)
+    if cfg.train.float8 and (layout.dims.tp > 1 or cfg.peft.method != "none"):
+        raise ValueError(f"train.float8=true with parallel.tp={layout.dims.tp} and peft.method="
+                         f"{cfg.peft.method!r} is not available yet: float8 works with tp = 1 and "
+                         "no adapters (dp, ZeRO/FSDP and pp layouts); set train.float8=false")
     if layout.dims.tp > 1 or layout.dims.pp > 1 or layout.dims.ep > 1:
         _check_model_split(cfg, layout, world_size)
     from meshfit.models.factory import import_object
@@ -140,6 +144,10 @@ def preflight(cfg, world_size: int | None = None, local_world_size: int | None =
     cuda = torch.cuda.is_available() and not mdist.cpu_requested(None)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     precision = Precision(cfg.train.mixed_precision, device)
+    if cfg.train.float8:
+        from meshfit.parallel.float8 import check_float8_device
+
+        check_float8_device(device, "train.float8")
     shape = _matmul_shape(cfg, device, precision.dtype or torch.float32)
     if cfg.optim.optimizer == "adamw_8bit":
         from meshfit import optim
