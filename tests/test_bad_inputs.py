@@ -276,6 +276,11 @@ T = [  # meshfit train: config overrides
     ("override without value", ["--train.steps"], ["'--train.steps' needs a value"]),
     ("bare section override", ["--train=5"], ["unknown argument '--train=5'"]),
     ("positional argument", ["oops"], ["unknown argument 'oops'"]),
+    # float8 (torchao): a GPU of compute capability 8.9+ only
+    ("float8 on a CPU", ["--train.float8=true"], ["train.float8=True needs an NVIDIA GPU",
+                                                   "device is cpu", "train.float8=False"]),
+    ("float8 recipe unknown", ["--train.float8_recipe=delayed"],
+     ["train.float8_recipe='delayed'", "rowwise"]),
     # launch options of train
     ("train --nproc 0", ["--nproc", "0"], ["--nproc=0"]),
     ("train --max-restarts negative", ["--max-restarts", "-1"], ["--max-restarts=-1"]),

@@ -104,14 +104,15 @@ def test_the_first_wrong_argument_in_the_constructors_order_is_named():
     with pytest.raises(ValueError, match="deepspeed_plugin"):
         read(deepspeed_plugin=object(), device_placement="no")
     with pytest.raises(ValueError, match="gradient_accumulation_steps=0"):
-        read(gradient_accumulation_steps=0, mixed_precision="fp8")
+        read(gradient_accumulation_steps=0, mixed_precision="fp4")
     with pytest.raises(ValueError, match="rng_types"):
         read(rng_types=["numpy"], zero_stage=5)
 
 
 @pytest.mark.parametrize("kwargs", [
     dict(gradient_accumulation_steps=1.5), dict(empty_cache_steps=-1), dict(tf32="yes"),
-    dict(mixed_precision="fp8"), dict(zero_stage=5), dict(offload="disk"),
+    dict(mixed_precision="fp4"), dict(zero_stage=5), dict(offload="disk"),
+    dict(float8="yes"), dict(float8_recipe="delayed"),
     dict(sync_each_batch="sometimes"), dict(activation_checkpointing="half"),
     dict(compile_scope="layer"), dict(cpu="yes"), dict(log_with=[5]),
     dict(kwargs_handlers=[5]), dict(project_dir=5), dict(ddp_kwargs=["x"]),
