@@ -90,8 +90,9 @@ def test_resume_continues_the_run_in_another_layout(runs, layout):
 
 @pytest.mark.parametrize("args, message", [
     (["--resume"], "--resume needs --out"),
-    (["--resume", "--train.steps=9"], r"keeps its saved config except \[parallel\], "
-                                      r"\[checkpoint\]; start a new run to change train.steps"),
+    (["--resume", "--train.lr=9"], r"keeps its saved config except \[parallel\], "
+                                   r"\[checkpoint\], train.steps; start a new run to change "
+                                   r"train.lr"),
     (["--resume", "--config", "x.toml"], "drop --config"),
     (["--resume", "--nproc", "2"], "holds no complete checkpoint"),
 ])
@@ -107,6 +108,57 @@ def test_resume_refuses_what_it_cannot_do(args, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err
     assert not (out / "checkpoints").exists()
+
+
+def test_a_finished_run_trains_further_with_a_larger_train_steps(tmp_path, subprocess_env):
+    """A 4-step run (checkpoints at 2 and 4) resumed with --train.steps=8: steps 5-8 follow
+    the cosine redrawn over 8 steps (the logged rate, set after each step, is the formula's);
+    resuming it again says it is finished and prints its last figures; a train.steps behind
+    the newest checkpoint is refused in one line, before anything starts."""
+    from meshfit.train.config import RunConfig, TrainConfig
+    from meshfit.train.trainer import lr_lambda
+
+    out = tmp_path / "run"
+    base = [*MESHFIT, "train", "--nproc", "1", "--out", str(out)]
+    first = subprocess.run([*base, "--train.steps=4", "--train.warmup_steps=1",
+                            "--train.log_every=1", "--train.eval_every=0",
+                            "--train.eval_batches=1", "--train.global_batch_size=4",
+                            "--train.micro_batch_size=4", "--train.seq_len=32",
+                            "--model.n_layer=1", "--checkpoint.every=2",
+                            f"--data.cache_dir={tmp_path / 'cache'}"],
+                           env=subprocess_env, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr
+    before = _metrics(out)
+    longer = subprocess.run([*base, "--resume", "--train.steps=8"], env=subprocess_env,
+                            capture_output=True, text=True, timeout=240)
+    assert longer.returncode == 0, longer.stderr
+    assert "resuming from step-4 to step 8" in longer.stdout
+    after = _metrics(out)
+    assert after[:len(before)] == before  # the first four steps' lines kept as they were
+    steps = [m["step"] for m in after if "loss" in m]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]
+    factor = lr_lambda(RunConfig(train=TrainConfig(steps=8, warmup_steps=1,
+                                                   global_batch_size=4, micro_batch_size=4)))
+    lr = 3e-3  # [optim] lr's default
+    for m in after:
+        if "loss" in m and m["step"] > 4:  # logged after the step: the next step's rate
+            assert math.isclose(m["lr"], lr * factor(m["step"]), rel_tol=1e-9), m
+            assert math.isfinite(m["loss"])
+    assert "steps = 8" in (out / "config.toml").read_text()
+    assert (out / "checkpoints" / "step-8").is_dir()
+    last_loss = [m["loss"] for m in after if "loss" in m][-1]
+    again = subprocess.run([*base, "--resume"], env=subprocess_env, capture_output=True,
+                           text=True, timeout=240)
+    assert again.returncode == 0, again.stderr
+    assert "is finished: step-8 is its last step" in again.stdout
+    assert f"loss {last_loss} (step 8)" in again.stdout and "val_loss" in again.stdout
+    assert _metrics(out) == after  # nothing trained, nothing rewritten
+    behind = subprocess.run([*base, "--resume", "--train.steps=6"], env=subprocess_env,
+                            capture_output=True, text=True, timeout=240)
+    assert behind.returncode == 2
+    assert behind.stderr.strip().splitlines() == [
+        "meshfit train: error: --train.steps=6 is behind the run's newest checkpoint (step-8); "
+        "give train.steps > 8 to train further"]
 
 
 PREEMPT = ["--train.steps=80", "--train.log_every=1", "--train.eval_every=0",

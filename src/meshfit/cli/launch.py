@@ -108,6 +108,8 @@ def say(command: str, notes: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------ meshfit train
+RESUME_OVERRIDES = ("parallel", "checkpoint", "train.steps")
+"""What --resume may change: the layout, the checkpoints, and how far to train."""
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 """torchrun's variables that make a process one rank of a job: `meshfit train` starts its
 own ranks, so finding them set (left over from a job, or `meshfit train` itself started under
@@ -142,7 +144,8 @@ def cmd_train(argv: list[str]) -> int:
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.worker:  # started by the launcher below: one rank of the job
         return _run_worker(cfg, out, resume=ns.resume)
-    _check_before_starting(cfg, out, ns, launch_cfg)
+    if not _check_before_starting(cfg, out, ns, launch_cfg):
+        return 0  # a finished run, said so
     say("train", notes)
     if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
         return _train_here(cfg, out, ns)
@@ -177,7 +180,8 @@ def _refuse_inherited_ranks() -> None:
 
 def _config(ns, overrides: list[str]):
     """--config with the overrides; to resume, the saved config of the run in --out, with
-    [parallel] / [checkpoint] overrides (a worker gets the resolved config as --config)."""
+    [parallel] / [checkpoint] / train.steps overrides (a worker gets the resolved config as
+    --config)."""
     from meshfit.train.configfile import load_config
 
     if not ns.resume or ns.worker:
@@ -191,12 +195,13 @@ def _config(ns, overrides: list[str]):
     if not saved.is_file():
         raise ValueError(f"--resume: {saved} does not exist; give the --out folder of a "
                          "meshfit train run")
-    return load_config(saved, overrides, allowed=("parallel", "checkpoint"))
+    return load_config(saved, overrides, allowed=RESUME_OVERRIDES)
 
 
-def _check_before_starting(cfg, out: Path, ns, launch_cfg) -> None:
+def _check_before_starting(cfg, out: Path, ns, launch_cfg) -> bool:
     """The launching process's checks, in order: the layout on the job's world size, the run
-    folder, this machine (`meshfit.train.preflight`, printing its warnings), a checkpoint."""
+    folder, the checkpoint to resume, this machine (`meshfit.train.preflight`, printing its
+    warnings). False: a resumed run that is already finished (said, nothing to start)."""
     world_size = launch_cfg.nproc * launch_cfg.nnodes
     cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
     from meshfit.train.runfolder import check_run_folder
@@ -205,14 +210,18 @@ def _check_before_starting(cfg, out: Path, ns, launch_cfg) -> None:
     # multi-node job join its run and only check that they can write there.
     check_run_folder(out, resume=ns.resume, overwrite=ns.overwrite,
                      claim=launch_cfg.node_rank == 0)
+    if ns.resume:
+        from meshfit.train.run import resume_point
+
+        step, message = resume_point(out, cfg.train.steps)
+        print(f"meshfit train: {message}")
+        if step >= cfg.train.steps:
+            return False
     from meshfit.train.preflight import preflight
 
     for warning in preflight(cfg, world_size, launch_cfg.nproc):
         print(f"meshfit train: warning: {warning}", file=sys.stderr)
-    if ns.resume:
-        from meshfit.train.run import find_checkpoint
-
-        find_checkpoint(out / "checkpoints")
+    return True
 
 
 def _train_here(cfg, out: Path, ns) -> int:

@@ -52,7 +52,7 @@ def build_config(data: dict[str, Any]) -> RunConfig:
 def load_config(path: str | Path | None = None, overrides: list[str] = (), *,
                 allowed: tuple[str, ...] | None = None) -> RunConfig:
     """Read a TOML file (optional) and apply ``--section.key=value`` overrides (only of the
-    sections in `allowed`, when given)."""
+    sections or ``section.key`` names in `allowed`, when given)."""
     data = _read_toml(Path(path)) if path is not None else {}
     for item in overrides:
         _override(data, item, allowed)
@@ -87,9 +87,10 @@ def _override(data: dict[str, Any], item: str, allowed: tuple[str, ...] | None) 
     if not sep or not dot or not section or not name:
         raise ValueError(f"override {item!r} must look like --section.key=value, "
                          "e.g. --train.steps=100")
-    if allowed is not None and section not in allowed:
+    if allowed is not None and section not in allowed and key not in allowed:
+        kept = ", ".join(a if "." in a else f"[{a}]" for a in allowed)
         raise ValueError(f"override {item!r}: a resumed run keeps its saved config except "
-                         f"[{'], ['.join(allowed)}]; start a new run to change {key}")
+                         f"{kept}; start a new run to change {key}")
     table = data.setdefault(section, {})
     if not isinstance(table, dict):
         raise ValueError(f"override {item!r}: {section} = {table!r} in the config is a value, "

@@ -161,6 +161,33 @@ def find_checkpoint(root: Path) -> Path:
     return folder
 
 
+def resume_point(out: Path, steps: int) -> tuple[int, str]:
+    """(step of the newest complete checkpoint, what to say) for ``--resume`` of the run in
+    `out` with ``train.steps`` = `steps`: continuing; finished (step == steps: the run's last
+    logged figures); refused in one line when the checkpoint is past `steps`."""
+    folder = find_checkpoint(out / "checkpoints")
+    step = int(folder.name.removeprefix("step-"))
+    if step > steps:
+        raise ValueError(f"--train.steps={steps} is behind the run's newest checkpoint "
+                         f"({folder.name}); give train.steps > {step} to train further")
+    if step < steps:
+        return step, f"resuming from {folder.name} to step {steps}"
+    last: dict = {}
+    metrics = out / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.is_file() else ():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        for key in ("loss", "val_loss"):
+            if isinstance(record, dict) and record.get(key) is not None:
+                last[key] = (record.get("step"), record[key])
+    figures = ", ".join(f"{k} {v} (step {s})" for k, (s, v) in last.items()) or "none logged"
+    return step, (f"{out} is finished: {folder.name} is its last step (train.steps={steps}); "
+                  f"last figures: {figures}. To train further: --resume --train.steps=N "
+                  f"with N > {steps}")
+
+
 class Checkpoints:
     """The run's checkpoints, ``OUT/checkpoints/step-<N>/`` ([checkpoint] every, keep)."""
 

@@ -61,14 +61,16 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
         micro, _ = _find_micro_batch(acc, trained, t.seq_len, splits.vocab_size, micro,
                                      acc.gradient_accumulation_steps)
     optimizer = build_optimizer(trained.params, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     train_loader = _train_loader(cfg, splits, micro * chunks, acc.device)
-    optimizer, train_loader, scheduler = acc.prepare(optimizer, train_loader, scheduler)
+    optimizer, train_loader, scheduler = acc.prepare(optimizer, train_loader, schedule)
     val_loader = ValidationBatches(TokenDataset(splits.val, t.seq_len), cfg.eval_windows(),
                                    micro * chunks, acc.runtime.dp_size, acc.runtime.dp_rank)
     acc.print(_banner(acc, model, trained, micro, splits.train.shape[0], out_dir))
     checkpoints = Checkpoints(acc, cfg, out_dir / "checkpoints")
     start = checkpoints.resume() if resume else 0
+    if start:
+        _follow_schedule(schedule, lr_lambda(cfg))
     main_out = out_dir if acc.is_main_process else None
     wait = [0.0]  # seconds spent waiting for batches in this window
     loop = _Loop(
@@ -266,8 +268,22 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
                        eps=o.eps, momentum=o.momentum)
 
 
+def _follow_schedule(schedule, factor) -> None:
+    """After a resume: the learning rate of this config's schedule at the resumed step (the
+    checkpoint holds the rate its own schedule set; with a larger ``train.steps`` the cosine
+    is redrawn over the new total, and training follows the new curve from here). The same
+    product LambdaLR computes, so an unchanged schedule resumes bit for bit."""
+    step = schedule.last_epoch
+    for group, base in zip(schedule.optimizer.param_groups, schedule.base_lrs):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(base * factor(step))
+        else:
+            group["lr"] = base * factor(step)
+    schedule._last_lr = [g["lr"] for g in schedule.optimizer.param_groups]
+
+
 def lr_lambda(cfg: RunConfig):
-    """Linear warm-up, then cosine decay to lr * min_lr_ratio."""
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio over train.steps."""
     t = cfg.train
 
     def factor(step: int) -> float:
