@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -493,6 +494,77 @@ def test_failure_summary_names_the_rank_that_failed_first(tmp_path, subprocess_e
     assert len(ours) == 1, proc.stderr
     assert ours[0].startswith("meshfit launch: 2 worker(s) failed; first: rank 1 exit code 1: ")
     assert "RuntimeError: rank one broke: the data shard is missing" in ours[0]
+
+
+OUT_OF_MEMORY = """
+import os, sys
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main():
+    if os.environ["RANK"] == "1":
+        with open(sys.argv[1] + "/cgroup.procs", "w") as fh:  # a 256 MiB memory cgroup
+            fh.write(str(os.getpid()))
+        hog = bytearray(1 << 30)  # 1 GiB, every page touched: the kernel ends this process
+        for i in range(0, len(hog), 4096):
+            hog[i] = 1
+    import time
+    time.sleep(120)  # ended by the agent once rank 1 has failed
+
+main()
+"""
+
+
+def test_a_worker_ended_by_the_out_of_memory_killer_is_said_to_be(tmp_path, subprocess_env):
+    """Rank 1 runs out of memory in a memory cgroup of its own (a container's limit, as the
+    cgroup v1 hierarchy of this machine allows root to make): the kernel kills it with
+    SIGKILL, and the summary says the out-of-memory killer did, not only "exit code -9"."""
+    from meshfit.launch.torchrun import oom_kills
+
+    root = Path("/sys/fs/cgroup/memory")
+    if oom_kills() is None or not os.access(root, os.W_OK):
+        pytest.skip("no writable memory cgroup here; test_failure_summary_on_sigkill covers "
+                    "the summary's logic")
+    group = root / f"meshfit-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(256 * 2**20))
+        script = tmp_path / "oom.py"
+        script.write_text(OUT_OF_MEMORY)
+        proc = subprocess.run([*MESHFIT, "launch", "--nproc", "2", str(script), str(group)],
+                              env=subprocess_env, capture_output=True, text=True, timeout=120)
+    finally:
+        group.rmdir()  # empty once its process is gone
+    assert proc.returncode == 1
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("meshfit launch:")]
+    assert len(ours) == 1, proc.stderr
+    assert "first: rank 1 exit code -9 (SIGKILL): the kernel's out-of-memory killer ended it" \
+        in ours[0], ours[0]
+
+
+def test_failure_summary_on_sigkill(monkeypatch):
+    """The summary's logic: SIGKILL with the out-of-memory count risen says so; without it,
+    a hint; another failure is left as it is."""
+    from types import SimpleNamespace
+
+    from meshfit.launch import torchrun
+
+    def failure(code):
+        return SimpleNamespace(pid=7, exitcode=code, timestamp=1, error_file="",
+                               message="", signal_name=lambda: "SIGKILL" if code == -9 else "",
+                               error_file_data={})
+
+    monkeypatch.setattr(torchrun, "_error_tail", lambda f: "")
+    monkeypatch.setattr(torchrun, "oom_kills", lambda: 4)
+    said = torchrun.failure_summary({1: failure(-9)}, {7}, oom_before=3)
+    assert said.startswith("1 worker(s) failed; first: rank 1 exit code -9 (SIGKILL): the "
+                           "kernel's out-of-memory killer ended it (oom_kill count 3 -> 4;")
+    said = torchrun.failure_summary({1: failure(-9)}, {7}, oom_before=4)
+    assert said.endswith("exit code -9 (SIGKILL): SIGKILL: the kernel's out-of-memory killer or "
+                         "a kill -9; `dmesg` tells which")
+    assert torchrun.failure_summary({1: failure(3)}, {7}, oom_before=0) == \
+        "1 worker(s) failed; first: rank 1 exit code 3"
 
 
 def test_master_port_in_use_is_refused_before_starting(tmp_path, cli_refusal):

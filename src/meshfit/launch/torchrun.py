@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from meshfit.distributed.spawn import free_port
 from meshfit.launch.resolve import LaunchConfig
@@ -193,9 +194,52 @@ def _error_tail(failure, lines: int = 3) -> str:
     return " | ".join(kept)
 
 
-def failure_summary(failures: dict, first: set[int]) -> str:
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended: this machine's
+    ``oom_kill`` count (/proc/vmstat, Linux 4.13+) plus this process's memory cgroup's (v2
+    memory.events, v1 memory.oom_control: a container's limit); None where neither is
+    readable."""
+    found = None
+    for path, key in _oom_counters():
+        try:
+            for line in Path(path).read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key and value.strip().isdigit():
+                    found = (found or 0) + int(value)
+        except OSError:
+            continue
+    return found
+
+
+def _oom_counters() -> list[tuple[str, str]]:
+    paths = [("/proc/vmstat", "oom_kill")]
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return paths
+    for line in lines:
+        _, controllers, where = line.split(":", 2)
+        if controllers == "":  # v2
+            paths.append((f"/sys/fs/cgroup{where.rstrip('/')}/memory.events", "oom_kill"))
+        elif "memory" in controllers.split(","):  # v1: the mount shows this cgroup, or below
+            paths.append(("/sys/fs/cgroup/memory/memory.oom_control", "oom_kill"))
+    return list(dict.fromkeys(paths))
+
+
+def _available_gib() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return "unknown"
+
+
+def failure_summary(failures: dict, first: set[int], oom_before: int | None = None) -> str:
     """One line: how many workers failed, which rank failed first (not one the agent stopped
-    afterwards), its exit code and the end of its error."""
+    afterwards), its exit code and the end of its error. A worker ended by SIGKILL while the
+    out-of-memory killer's count rose past `oom_before` is said to have run out of memory."""
     if not failures:
         return "the workers failed"
     early = {r: f for r, f in failures.items() if f.pid in first} or failures
@@ -203,6 +247,16 @@ def failure_summary(failures: dict, first: set[int]) -> str:
     f = early[rank]
     code = f"{f.exitcode} ({f.signal_name()})" if f.exitcode < 0 else str(f.exitcode)
     tail = _error_tail(f)
+    if f.exitcode == -signal.SIGKILL:
+        now = oom_kills()
+        if oom_before is not None and now is not None and now > oom_before:
+            tail = (f"the kernel's out-of-memory killer ended it (oom_kill count {oom_before} "
+                    f"-> {now}; {_available_gib()} available now): the job needs more host "
+                    "memory than this machine has; use fewer processes per node, ZeRO-3, "
+                    "activation checkpointing or a smaller micro-batch (`meshfit plan`)")
+        elif not tail:
+            tail = ("SIGKILL: the kernel's out-of-memory killer or a kill -9; `dmesg` tells "
+                    "which")
     return (f"{len(failures)} worker(s) failed; first: rank {rank} exit code {code}"
             + (f": {tail}" if tail else ""))
 
@@ -270,11 +324,12 @@ def _attempts(cfg: LaunchConfig, target: list[str], prog: str) -> int:
     attempts = cfg.max_restarts + 1 if ours else 1
     with loopback_stores(), quiet_agent(), stopping_workers() as first:
         for attempt in range(attempts):
+            oom_before = oom_kills()
             try:
                 torchrun.run(parser.parse_args(_attempt_args(cfg, target, attempt, ours)))
                 return 0
             except ChildFailedError as err:
-                summary = failure_summary(err.failures, first)
+                summary = failure_summary(err.failures, first, oom_before)
                 first.clear()
                 if attempt + 1 == attempts:
                     print(f"{prog}: {summary}", file=sys.stderr, flush=True)
