@@ -722,7 +722,7 @@ def _acc_cases():
          ["gradient_accumulation_steps=True"]),
         ("empty_cache_steps negative", dict(empty_cache_steps=-1), ["empty_cache_steps=-1"]),
         ("tf32 string", dict(tf32="yes"), ["tf32='yes'"]),
-        ("mixed_precision enum", dict(mixed_precision="fp8"), ["mixed_precision", "fp8"]),
+        ("mixed_precision enum", dict(mixed_precision="fp4"), ["mixed_precision", "fp4"]),
         ("activation_checkpointing enum", dict(activation_checkpointing="half"),
          ["activation_checkpointing", "half"]),
         ("activation_checkpointing_every=0", dict(activation_checkpointing_every=0),

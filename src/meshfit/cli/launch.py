@@ -129,6 +129,8 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds a run: its outputs (metrics, "
                         "config, checkpoints, model) are removed once the folder is locked")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="start even where the memory estimate says the run cannot fit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -219,7 +221,8 @@ def _check_before_starting(cfg, out: Path, ns, launch_cfg) -> bool:
             return False
     from meshfit.train.preflight import preflight
 
-    for warning in preflight(cfg, world_size, launch_cfg.nproc):
+    for warning in preflight(cfg, world_size, launch_cfg.nproc,
+                             memory_check=not ns.no_memory_check):
         print(f"meshfit train: warning: {warning}", file=sys.stderr)
     return True
 

@@ -131,10 +131,13 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
                        virtual_stages=cfg.parallel.virtual_stages, names=LAYOUT_NAMES)
 
 
-def preflight(cfg, world_size: int | None = None, local_world_size: int | None = None) -> list[str]:
+def preflight(cfg, world_size: int | None = None, local_world_size: int | None = None, *,
+              memory_check: bool = True) -> list[str]:
     """Checks that need this machine: the device the workers will use (attention kernel,
-    8-bit optimizer), the model source, with `world_size` the data (`check_data`); returns
-    warnings (tensor-core shapes; with `world_size` also the layout's `Layout.warnings`)."""
+    8-bit optimizer), the model source, with `world_size` the data (`check_data`) and whether
+    the run fits in memory (`meshfit.train.fits.check_fits`, unless not `memory_check`);
+    returns warnings (tensor-core shapes; with `world_size` also the layout's
+    `Layout.warnings`)."""
     import torch
 
     from meshfit import distributed as mdist
@@ -148,7 +151,7 @@ def preflight(cfg, world_size: int | None = None, local_world_size: int | None =
         from meshfit.parallel.float8 import check_float8_device
 
         check_float8_device(device, "train.float8")
-    shape = _matmul_shape(cfg, device, precision.dtype or torch.float32)
+    model, shape = _matmul_shape(cfg, device, precision.dtype or torch.float32)
     if cfg.optim.optimizer == "adamw_8bit":
         from meshfit import optim
 
@@ -156,15 +159,23 @@ def preflight(cfg, world_size: int | None = None, local_world_size: int | None =
     warnings = list(cfg.layout(world_size, local_world_size).warnings) if world_size else []
     if world_size:
         check_data(cfg, world_size)
+    if world_size and memory_check:
+        from meshfit.train.fits import check_fits
+
+        local = local_world_size or world_size
+        note = check_fits(cfg, model, cfg.layout(world_size, local), world_size=world_size,
+                          local_world_size=local, device=device)
+        if note:
+            warnings.append(note)
     if (precision.dtype is None and not cfg.train.tf32) or shape is None:
         return warnings
     return warnings + shape_advice(device=device, micro_batch_size=cfg.train.micro_batch_size,
                                    d_model=shape[0], d_ff=shape[1], vocab_size=shape[2])
 
 
-def _matmul_shape(cfg, device, dtype) -> tuple[int, int, int] | None:
+def _matmul_shape(cfg, device, dtype):
     """The model checked (built on the meta device) and its (width, MLP width, vocabulary),
-    the sizes tensor cores want in multiples; None where a model's config does not say. The
+    the sizes tensor cores want in multiples (None where a model's config does not say). The
     reference GPT's attention kernel is checked on `device` too."""
     from meshfit.models.gpt import check_attention_backend
     from meshfit.train.models import check_model_source
@@ -180,11 +191,11 @@ def _matmul_shape(cfg, device, dtype) -> tuple[int, int, int] | None:
                                     head_dim=model_cfg.head_dim)
         except ValueError as err:
             raise ValueError(f"model.{err}") from None
-        return model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size
+        return model, (model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size)
     c = getattr(model, "config", None)  # a user's model may have no config, or other names
     width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
     ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
-    return (width, ff, getattr(c, "vocab_size", vocab_size)) if width and ff else None
+    return model, ((width, ff, getattr(c, "vocab_size", vocab_size)) if width and ff else None)
 
 
 def _checked_model(cfg, vocab_size: int, check):
