@@ -771,6 +771,8 @@ def test_accelerator_keywords(name, kwargs, wanted, monkeypatch):
     from meshfit import Accelerator
 
     monkeypatch.setenv("MESHFIT_CPU", "1")
+    import torch._dynamo  # noqa: F401  (sets TORCHINDUCTOR_CACHE_DIR once; not meshfit's doing)
+
     env = dict(os.environ)
     # Accelerate raises TypeError for a wrong fsdp_plugin; meshfit keeps its exception.
     with pytest.raises(TypeError if "fsdp_plugin" in kwargs else ValueError) as err:
