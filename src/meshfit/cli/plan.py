@@ -223,6 +223,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None,
                    help="a calibration.json from meshfit calibrate (measured throughput and "
                         "collectives instead of the device table)")
+    p.add_argument("--host-memory", default=None,
+                   help="host memory per node, e.g. 512GiB: layouts whose CPU-offloaded states "
+                        "need more are left out (default: not checked; the need is printed)")
     p.add_argument("--top", type=int, default=5, help="layouts printed (default 5)")
     p.add_argument("--out", default=None, help="write the best layout as a meshfit train TOML")
     p.add_argument("--validate", type=int, default=0, metavar="K",
@@ -258,8 +261,10 @@ def cmd_plan(argv: list[str]) -> int:
                       network_name=ns.network, calibration=calibration)
     shape = _shape(ns)
     batch = ns.global_batch_size or 8 * cluster.world_size
+    host = None if ns.host_memory is None else parse_bytes(ns.host_memory, "--host-memory")
     result = search(shape, cluster, seq_len=ns.seq_len, global_batch_size=batch, dtype=ns.dtype,
-                    optimizer=ns.optimizer, margin=ns.margin, attention=ns.attention)
+                    optimizer=ns.optimizer, margin=ns.margin, attention=ns.attention,
+                    host_memory=host)
     plans = result.plans[:ns.top]
     if ns.out is not None:
         Path(ns.out).write_text(plan_toml(ns, plans[0], batch))
@@ -291,7 +296,11 @@ def _print_plans(ns, shape, device, batch: int, result, plans) -> None:
           f"global batch {batch} x {ns.seq_len} tokens, {ns.dtype}")
     print(f"{result.scenario}.")
     print(f"{result.considered} settings of legal layouts estimated, {result.too_big} did not "
-          f"fit; {result.refused} layouts refused by meshfit's rules")
+          f"fit{' (GPU or host memory)' if ns.host_memory else ''}; {result.refused} layouts "
+          "refused by meshfit's rules")
+    s = result.sources
+    print(f"figures from: compute: {s['compute']}; collectives: {s['collectives']}; MFU: "
+          f"model FLOPs over {s['mfu_peak']}")
     for i, p in enumerate(plans, 1):
         b = p.estimate.per_rank_bytes
         unit, scale = ("GiB", GiB) if b["total"] >= GiB else ("MiB", 2**20)
@@ -299,7 +308,12 @@ def _print_plans(ns, shape, device, batch: int, result, plans) -> None:
         print(f"   {b['total'] / scale:.1f} {unit} per rank (states "
               f"{(b['params'] + b['grads'] + b['optimizer']) / scale:.1f}, activations "
               f"{b['activations'] / scale:.1f}, buffers {b['buffers'] / scale:.1f}); step "
-              f"{p.step_time_s:.3g} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}")
+              f"{p.step_time_s:.3g} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}"
+              + ("" if ns.profile else " (assumed efficiency)"))
+        if p.host_bytes_per_node:
+            print(f"   host memory for CPU offload: {p.host_bytes_per_node / GiB:,.0f} GiB per "
+                  f"node ({p.host_bytes_per_node / ns.gpus_per_node / GiB:,.1f} GiB per rank)"
+                  + ("" if ns.host_memory else "; not checked (give --host-memory)"))
 
 
 def _print_validation(rows: list[dict]) -> None:

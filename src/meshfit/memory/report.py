@@ -218,8 +218,16 @@ def net_peak_bytes(fn) -> int:
     at beyond the memory held before it."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from meshfit._quiet import quiet_stderr
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with quiet_stderr():  # the profiler's own start and stop lines
+        prof.start()
+    try:
         fn()
+    finally:
+        with quiet_stderr():
+            prof.stop()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]")
     running = peak = 0

@@ -87,8 +87,11 @@ def apply_float8(model: nn.Module, recipe: str = "rowwise", *,
         raise ValueError(f"float8_recipe={recipe!r} is not one of {', '.join(FLOAT8_RECIPES)}")
     if not emulate:
         check_float8_device(device if device is not None else "cpu")
+    from meshfit._quiet import quiet_logs
+
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        with quiet_logs():  # torchao's notes on extensions it cannot load here
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise ValueError("float8=True needs torchao (pip install torchao, or meshfit[optim]); "
                          "or set float8=False") from None

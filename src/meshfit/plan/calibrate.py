@@ -19,6 +19,9 @@ The file (schema 1)::
      "collectives": {"all_reduce": {"bus_bandwidth": B, "latency": s},
                      "all_gather": {...}, "reduce_scatter": {...},
                      "all_to_all": {...}, "send_recv": {...}},
+     "train_step": {"fp32": {"step_overhead": s, "block_overhead": s,  # optional: older
+                             "flops": F, "optimizer_per_param": s},  # files lack it
+                    ...},
      "raw": {...}}
 
 * ``matmul_flops``: achieved FLOP/s (2·n³ per n×n matmul) of one process while all N run
@@ -38,6 +41,16 @@ The file (schema 1)::
   1/time² so that small sizes (latency) count as much as large ones (bandwidth); a fit
   with a negative latency is redone through the origin. With N=1 nothing is measured:
   both figures are null.
+* ``train_step``: what a training step achieves, which a bare matmul does not tell: per
+  dtype, the forward and backward of the reference GPT at five shapes (widths 64 to 256,
+  2 to 6 blocks; fp32 weights, autocast for bf16/fp16), all N processes at once, fitted by
+  least squares on relative errors to ``seconds = step_overhead + block_overhead · blocks +
+  FLOPs / flops``: the two overheads are the seconds of a micro-batch and of one block's
+  forward and backward that do not scale with FLOPs (the framework, kernel launches,
+  memory-bound elementwise work), ``flops`` the FLOP/s of the rest, at most the fastest
+  matmul;
+  ``optimizer_per_param``: the seconds per parameter of one AdamW step (foreach) on the
+  largest shape. null where the dtype cannot run here.
 * ``raw``: the per-size timings every figure came from, and each fit's R² (on the times)
   and largest relative error under ``raw.collectives.<kind>.r2`` / ``.max_relative_error``.
 """
@@ -56,7 +69,8 @@ from typing import Any
 
 from meshfit._files import atomic_write_text
 
-__all__ = ["DTYPES", "KINDS", "SCHEMA", "Calibration", "CollectiveFit", "bus_factor",
+__all__ = ["DTYPES", "KINDS", "SCHEMA", "Calibration", "CollectiveFit", "TrainStepFit",
+           "bus_factor",
            "fit_latency_bandwidth", "load_calibration", "measure"]
 
 SCHEMA = 1
@@ -89,6 +103,18 @@ class CollectiveFit:
 
 
 @dataclass(frozen=True)
+class TrainStepFit:
+    """``seconds(forward + backward of a micro-batch) = step_overhead + block_overhead ·
+    blocks + FLOPs / flops``, and an AdamW step's seconds per parameter (see the module
+    docstring)."""
+
+    block_overhead: float
+    flops: float
+    optimizer_per_param: float
+    step_overhead: float = 0.0
+
+
+@dataclass(frozen=True)
 class Calibration:
     """A `meshfit calibrate` file (see the module docstring for each field's meaning)."""
 
@@ -102,6 +128,16 @@ class Calibration:
     memory_bandwidth: float
     collectives: dict[str, CollectiveFit]
     raw: dict[str, Any]
+    train_step: dict[str, TrainStepFit | None] | None = None
+    """None in a file written before meshfit measured training steps."""
+
+    def peak_flops(self, dtype: str) -> float | None:
+        """The fastest matmul measured for `dtype` (FLOP/s): the peak MFU is counted
+        against when a profile is used (no training step can beat it)."""
+        rows = self.raw.get("matmul", {}).get(dtype) if isinstance(self.raw, dict) else None
+        best = [r["flops"] for r in rows or () if isinstance(r, dict) and _number(r.get("flops"))]
+        measured = self.matmul_flops.get(dtype)
+        return max(best + ([measured] if measured else [])) if best or measured else None
 
     def collective_time(self, kind: str, nbytes: float, n: int) -> float:
         """Seconds one collective of `kind` on `nbytes` takes in a group of `n` processes
@@ -173,8 +209,22 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
         bad.append("raw")
     if bad:
         raise ValueError(f"calibration file {path} has invalid {', '.join(bad)}; {fix}")
+    steps = data.get("train_step")
+    fits = None
+    if isinstance(steps, dict):
+        fits = {}
+        for d in DTYPES:
+            entry = steps.get(d)
+            keys = ("block_overhead", "flops", "optimizer_per_param", "step_overhead")
+            if isinstance(entry, dict) and all(_number(entry.get(k)) for k in keys) \
+                    and entry["flops"] > 0:
+                fits[d] = TrainStepFit(*(float(entry[k]) for k in keys))
+            elif entry is None:
+                fits[d] = None
+            else:
+                raise ValueError(f"calibration file {path} has invalid train_step.{d}; {fix}")
     return Calibration(
-        schema=SCHEMA, device=data["device"], backend=data["backend"],
+        schema=SCHEMA, device=data["device"], backend=data["backend"], train_step=fits,
         world_size=data["world_size"], torch=data["torch"], time=data["time"],
         matmul_flops={d: None if flops[d] is None else float(flops[d]) for d in DTYPES},
         memory_bandwidth=float(data["memory_bandwidth"]),
@@ -374,6 +424,82 @@ def _collectives(r: _Ranks, sizes: tuple[int, ...]) -> tuple[dict, dict]:
     return fits, raw
 
 
+_STEP_SHAPES = ((64, 2, 64, 2), (64, 6, 64, 2), (128, 2, 128, 4), (256, 4, 128, 8),
+                (256, 2, 256, 8))
+"""(d_model, n_layer, seq_len, batch) of the reference GPT the training steps are timed on."""
+
+
+def _train_steps(r: _Ranks, flops: dict) -> tuple[dict, dict]:
+    """Per dtype that ran a matmul: the training-step fit (module docstring) and its rows."""
+    torch = r.torch
+    from meshfit.models import GPT, GPTConfig
+
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    fits, raw = {}, {}
+    for name, dtype in dtypes.items():
+        if flops.get(name) is None:
+            fits[name] = None
+            continue
+        rows = []
+        for d, layers, seq, batch in _STEP_SHAPES:
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(vocab_size=256, d_model=d, n_layer=layers,
+                                  n_head=max(1, d // 32), d_ff=4 * d, max_seq_len=seq))
+            model.to(r.device)
+            x = torch.randint(0, 256, (batch, seq + 1), device=r.device)
+
+            def fwd_bwd():
+                with torch.autocast(r.device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = model(x[:, :-1], x[:, 1:])
+                loss.backward()
+                for p in model.parameters():
+                    p.grad = None
+
+            seconds, iters = r.time(fwd_bwd, target=0.1, repeats=3, warmup=1)
+            rows.append({"d_model": d, "n_layer": layers, "seq_len": seq, "batch": batch,
+                         "flops": model.config.flops_per_token(seq) * batch * seq,
+                         "seconds": seconds, "iters": iters})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt_seconds, _ = r.time(opt.step, target=0.05, repeats=3, warmup=1)
+        n_params = sum(p.numel() for p in model.parameters())
+        fit = _fit_step(rows, peak=flops[name])
+        fit["optimizer_per_param"] = opt_seconds / n_params
+        fits[name] = fit
+        raw[name] = {"rows": rows, "optimizer_seconds": opt_seconds, "params": n_params,
+                     "max_relative_error": fit.pop("max_relative_error")}
+    return fits, raw
+
+
+def _fit_step(rows: list[dict], peak: float) -> dict[str, float]:
+    """Least squares (weights 1/seconds²: relative errors) of seconds = overhead + a ·
+    n_layer + flops / R over the rows, every term >= 0 and R at most `peak`."""
+    import numpy as np
+
+    X = np.array([[1.0, row["n_layer"], row["flops"]] for row in rows])
+    t = np.array([row["seconds"] for row in rows])
+    w = 1.0 / t
+    scale = X.max(axis=0)  # columns of one size: FLOPs are ~1e10 times the others
+    free = [0, 1, 2]
+    coef = np.zeros(3)
+    while free:  # drop a term that comes out negative, refit the rest
+        sol, *_ = np.linalg.lstsq(X[:, free] / scale[free] * w[:, None], t * w, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[free] = sol / scale[free]
+            break
+        free.pop(int(np.argmin(sol)))
+    if coef[2] < 1.0 / peak:  # no faster than the fastest matmul: refit the overheads
+        coef[2] = 1.0 / peak
+        rest = t - X[:, 2] * coef[2]
+        sol, *_ = np.linalg.lstsq(X[:, :2] * w[:, None], rest * w, rcond=None)
+        coef[:2] = np.maximum(sol, 0.0)
+    err = float(np.max(np.abs(X @ coef - t) / t))
+    return {"step_overhead": float(coef[0]), "block_overhead": float(coef[1]),
+            "flops": float(1.0 / coef[2]), "max_relative_error": err}
+
+
 def measure(out: Path, sizes: tuple[int, ...] | None = None,
             cpu: bool = False) -> dict | None:
     """Measure on every rank of this job (one process, or each of the launched workers,
@@ -394,6 +520,7 @@ def measure(out: Path, sizes: tuple[int, ...] | None = None,
         flops, raw_mm = _matmul(r)
         bandwidth, raw_mem = _memory(r)
         colls, raw_coll = _collectives(r, sizes)
+        steps, raw_steps = _train_steps(r, flops)
         if env.rank == 0:
             now = datetime.datetime.now(datetime.timezone.utc)
             result = {
@@ -402,8 +529,9 @@ def measure(out: Path, sizes: tuple[int, ...] | None = None,
                 "backend": env.backend or ("nccl" if cuda else "gloo"),
                 "world_size": env.world_size, "torch": torch.__version__,
                 "time": now.isoformat(timespec="seconds"), "matmul_flops": flops,
-                "memory_bandwidth": bandwidth, "collectives": colls,
+                "memory_bandwidth": bandwidth, "collectives": colls, "train_step": steps,
                 "raw": {"matmul": raw_mm, "memory": raw_mem, "collectives": raw_coll,
+                        "train_step": raw_steps,
                         "threads": torch.get_num_threads(),
                         "seconds": time.perf_counter() - started}}
             atomic_write_text(out, json.dumps(result, indent=1) + "\n")

@@ -58,6 +58,8 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
     def flops(self, dtype: str) -> float:
+        """FLOP/s a training step's matrix products reach: the profile's measured matmul,
+        or the data sheet's peak x the device's assumed efficiency."""
         if self.calibration is not None:  # measured: achieved, not peak
             measured = self.calibration.matmul_flops.get(dtype)
             if not measured:
@@ -65,6 +67,45 @@ class Cluster:
                                  "could not run it); use another --dtype")
             return measured
         return self.device.flops[dtype] * self.device.efficiency
+
+    def peak_flops(self, dtype: str) -> float:
+        """What MFU divides by: the data sheet's peak, or with a profile the fastest matmul
+        it measured (no step can beat either, so MFU stays at most 100%)."""
+        if self.calibration is not None:
+            return self.calibration.peak_flops(dtype) or self.flops(dtype)
+        return self.device.flops[dtype]
+
+    def step_fit(self, dtype: str):
+        """The profile's training-step fit for `dtype` (`TrainStepFit`), or None."""
+        steps = getattr(self.calibration, "train_step", None)
+        return (steps or {}).get(dtype)
+
+    def sources(self, dtype: str) -> dict[str, str]:
+        """Where each predicted figure comes from, in words."""
+        fit = self.step_fit(dtype)
+        if fit is not None:
+            compute = (f"measured training steps ({self.calibration.device}, profile): "
+                       f"{fit.step_overhead * 1e3:.2f} ms per micro-batch + "
+                       f"{fit.block_overhead * 1e3:.2f} ms per block + FLOPs at "
+                       f"{fit.flops / 1e9:.1f} GFLOP/s; AdamW {fit.optimizer_per_param * 1e9:.2f}"
+                       " ns per parameter")
+        elif self.calibration is not None:
+            compute = (f"measured matmul ({self.calibration.device}, profile): "
+                       f"{self.flops(dtype) / 1e12:.3g} TFLOP/s, no framework overhead (a "
+                       "profile without training steps: rerun meshfit calibrate)")
+        else:
+            compute = (f"{self.device.name} data sheet {self.device.flops[dtype] / 1e12:.0f} "
+                       f"TFLOP/s {dtype} x an assumed efficiency of "
+                       f"{self.device.efficiency:.0%} (not measured)")
+        links = ("measured collectives (profile)" if self.calibration is not None else
+                 f"link table: {self.interconnect_name} "
+                 f"{self.interconnect.bandwidth / 1e9:.0f} GB/s, {self.network_name} "
+                 f"{self.network.bandwidth / 1e9:.0f} GB/s (not measured)")
+        peak = (f"the fastest measured {dtype} matmul, {self.peak_flops(dtype) / 1e12:.3g} "
+                "TFLOP/s" if self.calibration is not None else
+                f"the data sheet's {self.peak_flops(dtype) / 1e12:.0f} TFLOP/s")
+        return {"compute": compute, "collectives": links, "mfu_peak": peak,
+                "memory": "meshfit.memory.estimate (model states, activations, buffers)"}
 
     def collective(self, kind: str, nbytes: float, n: int, span: int) -> float:
         """Seconds of one collective of `kind` over `n` ranks whose group spans `span`
@@ -87,6 +128,8 @@ class Plan:
     mfu: float
     why: str
     breakdown: dict = field(default_factory=dict)
+    host_bytes_per_node: float = 0.0
+    """Host memory the offloaded states of one node's ranks take (CPU offload)."""
 
     @property
     def layout(self) -> LayoutSpec:
@@ -94,6 +137,7 @@ class Plan:
 
     def to_json(self) -> dict:
         return {"layout": self.layout.to_json(), "per_rank_bytes": self.estimate.per_rank_bytes,
+                "host_bytes_per_node": self.host_bytes_per_node,
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "mfu": self.mfu, "why": self.why}
 
@@ -109,12 +153,15 @@ class SearchResult:
     refused: int
     """Layouts meshfit's rules refuse for this model and world size."""
     too_big: int
-    """Legal layouts that did not fit in memory."""
+    """Legal layouts that did not fit in memory (the GPUs', or the host's for offload)."""
     scenario: str
+    sources: dict = field(default_factory=dict)
+    """Where the predicted figures come from (`Cluster.sources`)."""
 
     def to_json(self) -> dict:
         return {"model": self.model.name, "params": self.model.params,
-                "scenario": self.scenario, "plans": [p.to_json() for p in self.plans]}
+                "scenario": self.scenario, "sources": self.sources,
+                "plans": [p.to_json() for p in self.plans]}
 
 
 # ---------------------------------------------------------------------------- the cost model
@@ -128,7 +175,17 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
     tokens = global_batch_size * seq_len
     flops = shape.flops_per_token(seq_len) * tokens
     recompute = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}[layout.activation_checkpointing]
-    compute = flops * recompute / (cluster.world_size * cluster.flops(dtype))
+    per_dp = global_batch_size // layout.dp
+    micro = per_dp // layout.micro_batch_size  # micro-batches per rank per step
+    blocks = math.ceil(shape.n_layer / P)
+    fit = cluster.step_fit(dtype)
+    if fit is None:
+        compute = flops * recompute / (cluster.world_size * cluster.flops(dtype))
+    else:  # measured steps: the framework's overheads + FLOPs at the achieved rate
+        compute = (micro * (fit.step_overhead + fit.block_overhead * blocks * recompute)
+                   + flops * recompute / (cluster.world_size * fit.flops))
+    # never below the FLOPs bound (so MFU <= 100%)
+    compute = max(compute, flops * recompute / (cluster.world_size * cluster.peak_flops(dtype)))
     m = layout.microbatches if P > 1 else 1
     v = layout.virtual_stages
     bubble = 0.0
@@ -136,9 +193,6 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
         bubble = {"gpipe": (P - 1) / m, "1f1b": (P - 1) / m,
                   "interleaved_1f1b": (P - 1) / (v * m),
                   "zero_bubble": (P - 1) / (3 * v * m)}[layout.schedule]
-    per_dp = global_batch_size // layout.dp
-    micro = per_dp // layout.micro_batch_size  # micro-batches per rank per step
-    blocks = math.ceil(shape.n_layer / P)
     activation_msg = layout.micro_batch_size * seq_len * shape.d_model * act
     tp_calls = 6 if layout.activation_checkpointing == "full" else 4
     tp = micro * blocks * tp_calls * cluster.collective("all_reduce", activation_msg, T, T)
@@ -169,12 +223,17 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
     if layout.offload == "cpu":
         est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)
         offload = 2 * est.host / cluster.device.host_link + est.host / 20e9
+    optimizer = 0.0
+    if fit is not None:  # the optimizer step over this rank's parameters (ZeRO: its shard)
+        optimizer = local / (S if layout.zero_stage >= 1 else 1) * fit.optimizer_per_param
     exposed_dp = max(0.0, dp - 0.8 * compute)
     # Overlapped collectives still take memory bandwidth and SMs from the compute: 10% of
     # their time is charged (so that, all else equal, less traffic ranks first).
-    step = compute * (1 + bubble) + tp + pp + exposed_dp + 0.1 * (dp - exposed_dp) + offload
+    step = (compute * (1 + bubble) + tp + pp + exposed_dp + 0.1 * (dp - exposed_dp) + offload
+            + optimizer)
     return step, {"compute": compute, "bubble": compute * bubble, "tp": tp, "pp": pp,
-                  "dp": dp, "dp_exposed": exposed_dp, "offload": offload}
+                  "dp": dp, "dp_exposed": exposed_dp, "offload": offload,
+                  "optimizer": optimizer}
 
 
 # ---------------------------------------------------------------------------- the guide
@@ -219,7 +278,7 @@ def scenario(shape: ModelShape, cluster: Cluster, *, seq_len: int, dtype: str,
 
 
 def _why(layout: LayoutSpec, scene: str, est: Estimate, terms: dict) -> str:
-    biggest = max(("compute", "bubble", "tp", "pp", "dp_exposed", "offload"),
+    biggest = max(("compute", "bubble", "tp", "pp", "dp_exposed", "offload", "optimizer"),
                   key=lambda k: terms[k])
     states = (est.params + est.grads + est.optimizer) / GiB
     return (f"{scene}. This layout: {layout.describe()}; {states:.1f} GiB of model states and "
@@ -235,9 +294,11 @@ def _micro_batches(per_dp: int, limit: int = 64) -> list[int]:
 def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_batch_size: int,
            dtype: str = "bf16", optimizer: str = "adamw", margin: float = 0.1,
            checkpointing: tuple[str, ...] = ("none", "selective", "full"),
-           attention: str = "flash", top: int | None = None) -> SearchResult:
+           attention: str = "flash", top: int | None = None,
+           host_memory: float | None = None) -> SearchResult:
     """Rank every legal layout of `cluster` for `model` that fits in memory with `margin`
-    (a share of the device's memory kept free: allocator caching, workspaces)."""
+    (a share of the device's memory kept free: allocator caching, workspaces) and, with
+    `host_memory` (bytes per node), whose CPU-offloaded states fit the host."""
     from meshfit.parallel.layout import Layout, ModelFacts
 
     shape = ModelShape.of(model) if isinstance(model, str) else model
@@ -260,7 +321,8 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
             considered += 1
             est = estimate(shape, spec, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                            attention=attention)
-            if est.total > budget:
+            if est.total > budget or (host_memory is not None
+                                      and est.host * cluster.gpus_per_node > host_memory):
                 too_big += 1
                 continue
             plans.append(_plan(shape, spec, cluster, est, scene, seq_len=seq_len,
@@ -268,10 +330,10 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
     plans.sort(key=lambda p: (p.step_time_s, p.estimate.total))
     if not plans:
         raise ValueError(_impossible(shape, cluster, budget, seq_len=seq_len, dtype=dtype,
-                                     optimizer=optimizer))
+                                     optimizer=optimizer, host_memory=host_memory))
     return SearchResult(model=shape, cluster=cluster, plans=plans[:top] if top else plans,
                         considered=considered, refused=refused, too_big=too_big,
-                        scenario=scene)
+                        scenario=scene, sources=cluster.sources(dtype))
 
 
 def _check_request(shape: ModelShape, seq_len: int, global_batch_size: int,
@@ -314,14 +376,15 @@ def _plan(shape: ModelShape, spec: LayoutSpec, cluster: Cluster, est: Estimate, 
     step, terms = predict(shape, spec, cluster, seq_len=seq_len,
                           global_batch_size=global_batch_size, dtype=dtype, est=est)
     tokens = global_batch_size * seq_len / step
-    mfu = shape.flops_per_token(seq_len) * tokens / (cluster.device.flops[dtype] *
+    mfu = shape.flops_per_token(seq_len) * tokens / (cluster.peak_flops(dtype) *
                                                      cluster.world_size)
     return Plan(estimate=est, step_time_s=step, tokens_per_s=tokens, mfu=mfu,
-                why=_why(spec, scene, est, terms), breakdown=terms)
+                why=_why(spec, scene, est, terms), breakdown=terms,
+                host_bytes_per_node=est.host * cluster.gpus_per_node)
 
 
 def _impossible(shape: ModelShape, cluster: Cluster, budget: float, *, seq_len: int,
-                dtype: str, optimizer: str) -> str:
+                dtype: str, optimizer: str, host_memory: float | None = None) -> str:
     """What would make a request possible: the GPUs ZeRO-3 with full checkpointing and
     micro-batch 1 needs, or CPU offload's host memory."""
     per_gpu = budget / GiB
@@ -338,8 +401,11 @@ def _impossible(shape: ModelShape, cluster: Cluster, budget: float, *, seq_len: 
     need = math.ceil(states / (budget - rest))
     need = math.ceil(need / cluster.gpus_per_node) * cluster.gpus_per_node
     host = states / cluster.world_size / GiB
+    offload = (f"ZeRO-3 with CPU offload (~{host:.0f} GiB of host memory per rank)"
+               if host_memory is None else
+               f"more host memory than --host-memory={host_memory / GiB:,.0f} GiB per node for "
+               f"ZeRO-3 with CPU offload (~{host * cluster.gpus_per_node:,.0f} GiB per node)")
     return (f"no layout fits {cluster.world_size} GPU(s) of {cluster.device.memory / GiB:.0f} "
             f"GiB ({per_gpu:.0f} GiB usable): the model states alone are "
             f"{states / GiB:.0f} GiB; it needs at least {need} GPUs of that size (ZeRO-3, full "
-            f"checkpointing, micro-batch 1), or ZeRO-3 with CPU offload (~{host:.0f} GiB of host "
-            "memory per rank)")
+            f"checkpointing, micro-batch 1), or {offload}")
