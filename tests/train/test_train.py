@@ -77,6 +77,21 @@ def test_config_file_and_overrides(tmp_path):
     assert load_config(again) == cfg  # the resolved config round-trips
 
 
+@pytest.mark.parametrize("text", [
+    "run 🚀",  # outside the Basic Multilingual Plane: JSON's "\ud83d\ude80" is no TOML
+    'quote " and \\ backslash', "tab\tnewline\nbell\x07", "ünïcödé ∑ 漢字", "it's 'quoted'",
+    "trailing \\"])
+def test_any_string_setting_round_trips_through_config_toml(text, tmp_path):
+    """config.toml is written by a TOML library and read back before it is used: every
+    string a setting can hold comes back as itself (the run folder, a resume and the workers
+    all read this file)."""
+    cfg = load_config(None, [f"--log.project={text}", f"--data.cache_dir={tmp_path / text}"])
+    assert cfg.log.project == text
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg), encoding="utf-8")
+    assert load_config(path) == cfg
+
+
 def test_accumulation_from_global_batch():
     cfg = load_config(None, ["--train.global_batch_size=64", "--train.micro_batch_size=8"])
     assert cfg.grad_accumulation(1) == 8 and cfg.grad_accumulation(2) == 4

@@ -206,7 +206,10 @@ def _check_before_starting(cfg, out: Path, ns, launch_cfg) -> bool:
     warnings). False: a resumed run that is already finished (said, nothing to start)."""
     world_size = launch_cfg.nproc * launch_cfg.nnodes
     cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
+    from meshfit.train.configfile import to_toml
     from meshfit.train.runfolder import check_run_folder
+
+    to_toml(cfg)  # the config.toml the run will write reads back as this config
 
     # Node 0 claims the run folder (lock, existing run, --overwrite); the other nodes of a
     # multi-node job join its run and only check that they can write there.

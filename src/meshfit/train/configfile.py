@@ -4,7 +4,6 @@ rejected and listed, and the resolved config written back (`to_toml`)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -100,12 +99,24 @@ def _override(data: dict[str, Any], item: str, allowed: tuple[str, ...] | None) 
 
 
 def to_toml(cfg: RunConfig) -> str:
-    """The whole config as a TOML file (unset fields left out: they mean the default)."""
-    lines = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is not None:  # TOML has no null; unset means "the default"
-                lines.append(f"{key} = {json.dumps(value)}")
-        lines.append("")
-    return "\n".join(lines)
+    """The whole config as a TOML file (unset fields left out: they mean the default),
+    written by a TOML library (tomli-w: any Unicode, every escape TOML's own) and read back
+    before it is returned: a config that would not come back as itself is refused in one
+    line naming the setting, before any run folder or process depends on the file."""
+    import tomli_w
+
+    data = {section: {key: list(value) if isinstance(value, tuple) else value
+                      for key, value in values.items() if value is not None}  # no null
+            for section, values in cfg.to_dict().items()}
+    try:
+        text = tomli_w.dumps(data)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"the config cannot be written as TOML ({err}); check the settings' "
+                         "values") from None
+    back = build_config(tomllib.loads(text))
+    if back != cfg:
+        differ = [f"{s}.{k}" for s, values in cfg.to_dict().items()
+                  for k, v in values.items() if back.to_dict()[s].get(k) != v]
+        raise ValueError(f"{', '.join(differ) or 'the config'} would not read back as written "
+                         "in config.toml; use plain values (strings, numbers, booleans, lists)")
+    return text
