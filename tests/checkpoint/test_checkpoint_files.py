@@ -117,10 +117,10 @@ def test_only_complete_checkpoints_are_found_and_pruned(saved, tmp_path):
     folder, _ = saved
     root = tmp_path / "run"
     root.mkdir()
-    for step in (10, 20, 30):
+    for step in (10, 20, 30, 50):
         shutil.copytree(folder, root / f"step-{step}")
+        _edit_manifest(root / f"step-{step}", step=step)  # each named by its own step
     shutil.copytree(folder, root / "step-40.tmp-abc")  # an interrupted save
-    shutil.copytree(folder, root / "step-50")
     (root / "step-50" / "manifest.json").unlink()  # never committed
     assert latest(root) == root / "step-30"
     assert [s for s, _ in list_complete(root)] == [10, 20, 30]
@@ -198,3 +198,58 @@ def test_sigkill_at_any_moment_of_saving_leaves_complete_checkpoints_loadable(tm
             fresh, _, _ = _prepared()
             assert fresh.load_state(folder).step == int(folder.name.split("-")[1])
     assert latest(root) is not None and interrupted >= 5  # saves were cut in the middle
+
+
+def _edit_manifest(folder, **changes):
+    import json
+
+    path = folder / "manifest.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def test_a_manifest_that_disagrees_with_its_folder_name_or_its_data_is_refused(saved, tmp_path):
+    """What a checkpoint says about itself must agree with its name (step-<N>) and with the
+    step saved inside its checksummed data: an edited manifest is refused in one line, and
+    `latest` passes over it, saying why (`skipped`)."""
+    from meshfit.checkpoint import skipped
+
+    folder, _ = saved  # saved at step 1, in a folder not named by its step
+    _edit_manifest(folder, step=40)
+    _refused(folder, r"ckpt: manifest.json says step 40, the checkpoint's data says step 1; "
+                     "the manifest was edited")
+    root = tmp_path / "run"
+    root.mkdir()
+    named = root / "step-1"
+    shutil.copytree(folder, named)  # its manifest still says 40
+    _refused(named, r"step-1: its manifest says step 40, its name step 1")
+    assert latest(root) is None
+    assert skipped(root) == [(named, "its manifest says step 40")]
+
+
+def test_skipped_checkpoints_say_why(saved, tmp_path):
+    """A checkpoint missing a shard, its .metadata or its manifest is passed over by `latest`
+    and `meshfit train --resume` names it and the reason."""
+    from meshfit.checkpoint import skipped
+    from meshfit.train.run import find_checkpoint
+
+    folder, _ = saved
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    for step, remove in ((1, None), (2, "__0_0.distcp"), (3, ".metadata"), (4, "manifest.json")):
+        target = root / f"step-{step}"
+        shutil.copytree(folder, target)
+        _edit_manifest(target, step=step)  # (named by its step, as meshfit train names them)
+        if remove:
+            (target / remove).unlink()
+    assert latest(root) == root / "step-1"
+    reasons = dict((p.name, why) for p, why in skipped(root))
+    assert reasons == {"step-2": "1 of its 2 files missing: __0_0.distcp",
+                       "step-3": "1 of its 2 files missing: .metadata",
+                       "step-4": "no manifest.json; it is not a complete meshfit checkpoint (a "
+                                 "save that was interrupted leaves none)"}
+    shutil.rmtree(root / "step-1")
+    with pytest.raises(ValueError, match=r"holds no complete checkpoint \(skipped step-4: no "
+                                         r"manifest.json.*; step-3: 1 of its 2 files missing"):
+        find_checkpoint(root)

@@ -230,9 +230,11 @@ def _write(acc: Accelerator, output_dir, *, step: int | None, async_save: bool) 
     folder = Path(output_dir)
     models = _models(acc)
     state = _collect(acc, models)
+    step = acc._optimizer_steps if step is None else step
+    state["accelerator"]["step"] = step  # the manifest's step, inside the checksummed data
     layout = acc.layout
     manifest = Manifest(
-        step=acc._optimizer_steps if step is None else step, world_size=acc.num_processes,
+        step=step, world_size=acc.num_processes,
         layout={"dims": {a: getattr(layout.dims, a) for a in layout.dims.enabled()},
                 "engine": layout.engine.value, "zero_stage": layout.zero_stage},
         model={"shapes": _shapes(models), "ties": _ties(acc), "hf_config": _hf_configs(models),
@@ -300,7 +302,14 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
     if acc.precision.scaler is not None:
         _restore(load, "scaler", acc.precision.scaler)
     counters = {"accelerator": {"optimizer_steps": 0, "micro_step": 0}}
+    if "accelerator.step" in saved_keys(folder):  # (checkpoints before it have no copy)
+        counters["accelerator"]["step"] = -1
     load(counters)
+    saved_step = counters["accelerator"].get("step")
+    if saved_step is not None and int(saved_step) != manifest.step:
+        raise CheckpointError(f"{folder}: manifest.json says step {manifest.step}, the "
+                              f"checkpoint's data says step {int(saved_step)}; the manifest "
+                              "was edited or belongs to another checkpoint")
     acc._optimizer_steps = int(counters["accelerator"]["optimizer_steps"])
     acc.grad_state.step = int(counters["accelerator"]["micro_step"])
     _load_rng(acc, manifest, load)

@@ -8,6 +8,7 @@ with a manifest, loaded without unpickling, resharded to any layout.
     pretrained.py  a local Hugging Face model folder loaded rank-efficiently
 """
 
-from meshfit.checkpoint.store import CheckpointError, Manifest, latest, list_complete, prune
+from meshfit.checkpoint.store import (CheckpointError, Manifest, latest, list_complete, prune,
+                                      skipped)
 
-__all__ = ["CheckpointError", "Manifest", "latest", "list_complete", "prune"]
+__all__ = ["CheckpointError", "Manifest", "latest", "list_complete", "prune", "skipped"]

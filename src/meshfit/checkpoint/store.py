@@ -45,8 +45,9 @@ import torch.distributed as dist
 from meshfit._files import atomic_write_text, fsync_path
 from meshfit.distributed.settle import barrier as settled_barrier
 
-__all__ = ["CheckpointError", "Manifest", "commit", "is_complete", "latest", "list_complete",
-           "load_dcp", "prune", "save_dcp", "save_dcp_async", "saved_keys", "verify"]
+__all__ = ["CheckpointError", "Manifest", "commit", "incomplete_reason", "is_complete", "latest",
+           "list_complete", "load_dcp", "prune", "save_dcp", "save_dcp_async", "saved_keys",
+           "skipped", "verify"]
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -191,14 +192,48 @@ def commit(tmp: Path, folder: Path, manifest: Manifest) -> Path:
 def is_complete(folder: Path) -> bool:
     """A committed checkpoint folder: its manifest reads and lists exactly its files with
     their sizes (checksums are checked by `verify`, before loading)."""
+    return incomplete_reason(folder) is None
+
+
+def incomplete_reason(folder: Path) -> str | None:
+    """Why `folder` is not a complete checkpoint (None: it is)."""
     try:
         manifest = Manifest.read(folder)
-    except CheckpointError:
-        return False
+    except CheckpointError as err:
+        return str(err).removeprefix(f"{folder}: ")
     present = {p.name for p in folder.iterdir()} - {MANIFEST}
-    if present != set(manifest.files):
-        return False
-    return all((folder / n).stat().st_size == f["bytes"] for n, f in manifest.files.items())
+    missing = sorted(set(manifest.files) - present)
+    if missing:
+        more = ", ..." if len(missing) > 3 else ""
+        return (f"{len(missing)} of its {len(manifest.files)} files missing: "
+                f"{', '.join(missing[:3])}{more}")
+    extra = sorted(present - set(manifest.files))
+    if extra:
+        return f"{extra[0]} is not in its manifest"
+    for name, f in sorted(manifest.files.items()):
+        size = (folder / name).stat().st_size
+        if size != f["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {f['bytes']}"
+    named = _STEP_DIR.match(folder.name)
+    if named and int(named.group(1)) != manifest.step:
+        return f"its manifest says step {manifest.step}"
+    return None
+
+
+def skipped(root: Path) -> list[tuple[Path, str]]:
+    """The ``step-<N>`` folders under `root` that are not complete checkpoints, and why
+    (newest first): what `latest` passed over."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir():
+            reason = incomplete_reason(path)
+            if reason is not None:
+                found.append((int(match.group(1)), path, reason))
+    return [(path, reason) for _, path, reason in sorted(found, reverse=True)]
 
 
 def list_complete(root: Path) -> list[tuple[int, Path]]:
@@ -257,6 +292,10 @@ def verify(folder: Path) -> Manifest:
                                   "its manifest); remove it, nothing unlisted is ever read")
         if missing:
             raise CheckpointError(f"{folder}: {missing[0]} listed in the manifest is missing")
+        named = _STEP_DIR.match(folder.name)
+        if named and int(named.group(1)) != manifest.step:
+            raise CheckpointError(f"{folder}: its manifest says step {manifest.step}, its name "
+                                  f"step {named.group(1)}; the manifest was edited or moved")
     except CheckpointError as err:
         manifest, problem = None, str(err)
     if manifest is not None:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from meshfit.accelerator import Accelerator
-from meshfit.checkpoint import latest, prune
+from meshfit.checkpoint import latest, prune, skipped
 from meshfit.memory import ModelShape
 from meshfit.plan.calibrate import load_calibration
 from meshfit.plan.devices import device_for_name
@@ -156,8 +156,10 @@ def find_checkpoint(root: Path) -> Path:
     """The newest complete checkpoint under `root`, for --resume (one line if none)."""
     folder = latest(root)
     if folder is None:
-        raise ValueError(f"--resume: {root} holds no complete checkpoint; train with "
-                         "--checkpoint.every=N to write some")
+        passed = "; ".join(f"{path.name}: {why}" for path, why in skipped(root))
+        raise ValueError(f"--resume: {root} holds no complete checkpoint"
+                         + (f" (skipped {passed})" if passed else "")
+                         + "; train with --checkpoint.every=N to write some")
     return folder
 
 
@@ -167,11 +169,14 @@ def resume_point(out: Path, steps: int) -> tuple[int, str]:
     logged figures); refused in one line when the checkpoint is past `steps`."""
     folder = find_checkpoint(out / "checkpoints")
     step = int(folder.name.removeprefix("step-"))
+    passed = [f"{path.name} ({why})" for path, why in skipped(out / "checkpoints")
+              if int(path.name.removeprefix("step-")) > step]
+    note = f"; skipped the newer {', '.join(passed)}" if passed else ""
     if step > steps:
         raise ValueError(f"--train.steps={steps} is behind the run's newest checkpoint "
                          f"({folder.name}); give train.steps > {step} to train further")
     if step < steps:
-        return step, f"resuming from {folder.name} to step {steps}"
+        return step, f"resuming from {folder.name} to step {steps}{note}"
     last: dict = {}
     metrics = out / "metrics.jsonl"
     for line in metrics.read_text().splitlines() if metrics.is_file() else ():
@@ -185,7 +190,7 @@ def resume_point(out: Path, steps: int) -> tuple[int, str]:
     figures = ", ".join(f"{k} {v} (step {s})" for k, (s, v) in last.items()) or "none logged"
     return step, (f"{out} is finished: {folder.name} is its last step (train.steps={steps}); "
                   f"last figures: {figures}. To train further: --resume --train.steps=N "
-                  f"with N > {steps}")
+                  f"with N > {steps}{note}")
 
 
 class Checkpoints:
