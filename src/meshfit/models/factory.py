@@ -27,6 +27,12 @@ def import_object(spec: str, field: str) -> Any:
     except ImportError as err:
         raise ValueError(f"{field}={spec!r}: cannot import {module!r} ({err}); run from the "
                          "folder holding it or add it to PYTHONPATH") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 - the module's own code failed, or exited
+        what = (f"called sys.exit({err.code!r})" if isinstance(err, SystemExit) else
+                f"raised {type(err).__name__}: {' '.join(str(err).split()) or '(no message)'}")
+        raise ValueError(f"{field}={spec!r}: importing {module!r} {what}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{field}={spec!r}: module {module!r} has no attribute {attr!r}")

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from meshfit._quiet import quiet_logs
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
 from meshfit.models.plans import PipelinePlan, TPPlan
@@ -35,7 +36,9 @@ def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
     before launch). A `hf_model` is always built on the meta device and marked with its
     folder: `Accelerator.prepare` fills each rank's shards from the files."""
     m = cfg.model
-    with torch.device("meta") if meta else contextlib.nullcontext():
+    with torch.device("meta") if meta else contextlib.nullcontext(), user_code(
+            f"model.{m.source}={getattr(m, m.source)!r}", "building the model",
+            skip=m.source == "preset"), quiet_logs():  # (torchao's notes, through transformers)
         if m.source == "preset":
             model = GPT(GPTConfig.preset(m.preset, vocab_size=vocab_size,
                                          max_seq_len=cfg.train.seq_len, **m.overrides()))
@@ -65,6 +68,48 @@ def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
         except ValueError as err:  # name the config key the user wrote
             raise ValueError(f"peft.{str(err).removeprefix('lora: ')}") from None
     return model
+
+
+@contextlib.contextmanager
+def user_code(field: str, doing: str, *, skip: bool = False):
+    """Code the user gave (a factory, a plan, a config of another library) run as one line
+    on failure: any exception, and `sys.exit` too, becomes a ValueError naming `field`, what
+    was being done, the error and the user's line it came from. meshfit's own one-line
+    ValueErrors that already name a setting pass through; Ctrl-C is left alone."""
+    if skip:
+        yield
+        return
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except ValueError as err:
+        text = " ".join(str(err).split())
+        if text.startswith(("model.", "peft.", "train.", "data.")) and "\n" not in str(err):
+            raise
+        raise ValueError(f"{field}: {doing} raised ValueError: {text}{_where(err)}") from None
+    except SystemExit as err:
+        raise ValueError(f"{field}: {doing} called sys.exit({err.code!r}); a model source must "
+                         "return (or raise), not end the process") from None
+    except BaseException as err:  # noqa: BLE001 - any error of user code, as one line
+        text = " ".join(str(err).split()) or "(no message)"
+        raise ValueError(f"{field}: {doing} raised {type(err).__name__}: {text}"
+                         f"{_where(err)}") from None
+
+
+def _where(err: BaseException) -> str:
+    """ " (at file.py:12)": the last frame of the traceback outside torch, transformers and
+    meshfit (the user's line), or nothing."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    here = str(Path(__file__).resolve().parents[1])  # meshfit's own files
+    for frame in reversed(frames):
+        path = frame.filename.replace("\\", "/")
+        if not (path.startswith((here, sys.base_prefix, sys.prefix, "<"))
+                or "-packages/" in path):
+            return f" (at {Path(path).name}:{frame.lineno})"
+    return ""
 
 
 def check_model_source(cfg, vocab_size: int) -> nn.Module:

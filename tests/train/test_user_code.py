@@ -1,0 +1,63 @@
+"""User code run by `meshfit train` (a model factory, a module it imports, a config of
+another library) that fails, in any way, is one line naming the setting, what was being
+done, the error and the user's line, before any process starts or file is written
+(`meshfit.train.models.user_code`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+FACTORIES = '''
+import sys
+import torch
+
+def raises(vocab_size=256):
+    raise RuntimeError("my factory broke")
+
+def exits(vocab_size=256):
+    sys.exit(0)
+
+def keyerror(vocab_size=256):
+    return {}["missing"]
+
+def multiline(vocab_size=256):
+    raise ValueError("first line\\nsecond line")
+'''
+
+
+@pytest.mark.parametrize("source, wanted", [
+    ("--model.factory=userfacts:raises",
+     "model.factory='userfacts:raises': building the model raised RuntimeError: my factory "
+     "broke (at userfacts.py:6)"),
+    ("--model.factory=userfacts:exits",
+     "model.factory='userfacts:exits': building the model called sys.exit(0); a model source "
+     "must return (or raise), not end the process"),
+    ("--model.factory=userfacts:multiline",
+     "model.factory='userfacts:multiline': building the model raised ValueError: first line "
+     "second line (at userfacts.py:15)"),
+    ("--model.factory=userbroken:build",
+     "model.factory='userbroken:build': importing 'userbroken' raised OSError: no such device "
+     "at import"),
+    ("--model.hf_config={t}/negative.json",
+     "building the model raised RuntimeError: Trying to create tensor with negative dimension"),
+    ("--model.hf_config={t}/stringlayers.json", "num_hidden_layers' expected int, got str"),
+])
+def test_failing_user_code_is_one_line_before_anything_starts(source, wanted, tmp_path,
+                                                              monkeypatch, capsys):
+    from meshfit.cli.main import main
+
+    (tmp_path / "userfacts.py").write_text(FACTORIES)
+    (tmp_path / "userbroken.py").write_text("raise OSError('no such device at import')\n")
+    base = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+            "num_attention_heads": 2, "num_hidden_layers": 2, "vocab_size": 256}
+    (tmp_path / "negative.json").write_text(json.dumps({**base, "hidden_size": -32}))
+    (tmp_path / "stringlayers.json").write_text(json.dumps({**base, "num_hidden_layers": "2"}))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    assert main(["train", "--nproc", "1", "--out", str(out), source.format(t=tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("meshfit train: error: "), err
+    assert wanted in err[0], err[0]
+    assert not out.exists()
