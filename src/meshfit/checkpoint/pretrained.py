@@ -44,8 +44,8 @@ from torch import nn
 
 from meshfit.distributed.tensors import local_tensor, names_by_parameter
 
-__all__ = ["PRETRAINED_ATTR", "check_folder", "load_into", "meta_model", "pretrained_folder",
-           "stage_filler", "tied_names", "to_empty"]
+__all__ = ["PRETRAINED_ATTR", "check_folder", "check_weights", "load_into", "meta_model",
+           "pretrained_folder", "stage_filler", "tied_names", "to_empty"]
 
 PRETRAINED_ATTR = "_meshfit_pretrained"
 
@@ -240,6 +240,79 @@ def _local_region(tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
                                                           tensor.placements)
     return tuple(shape), tuple(offset)
+
+
+_FLOATING = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3",
+             "F6_E3M2"}
+
+
+def _check_files(folder: Path) -> None:
+    """Each safetensors file holds all the bytes its header promises (a truncated copy is
+    refused here, not as a read error half-way through loading)."""
+    import struct
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        names = (set(json.loads(index.read_text())["weight_map"].values()) if index.is_file()
+                 else {"model.safetensors"})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"model.hf_model={str(folder)!r}: model.safetensors.index.json is not "
+                         f"a readable index ({type(err).__name__}); copy it again") from None
+    for name in sorted(names):
+        path = folder / name
+        if not path.is_file():
+            raise ValueError(f"model.hf_model={str(folder)!r}: {name}, named in "
+                             "model.safetensors.index.json, does not exist")
+        size = path.stat().st_size
+        try:
+            with path.open("rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(length)) if 8 + length <= size else None
+        except (OSError, struct.error, ValueError, UnicodeDecodeError):
+            header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"model.hf_model={str(folder)!r}: {name} is not a safetensors file "
+                             f"({size} bytes, no readable header); copy it again")
+        end = max((t["data_offsets"][1] for k, t in header.items()
+                   if k != "__metadata__" and isinstance(t, dict)), default=0)
+        if 8 + length + end > size:
+            raise ValueError(f"model.hf_model={str(folder)!r}: {name} is truncated: {size} bytes, its "
+                             f"header describes {8 + length + end}; copy it again")
+
+
+def check_weights(model: nn.Module, folder) -> None:
+    """Before launch, from the safetensors headers only (no tensor read): every parameter of
+    `model` (built from the folder's config.json, on the meta device) is in the files, with
+    its shape and a floating dtype, and no file is truncated. One line naming the first
+    tensor that differs."""
+    folder = check_folder(folder)
+    _check_files(folder)
+    files = _Files(folder)
+    prefix = getattr(model, "base_model_prefix", "") or "model"
+    tied = tied_names(model)
+    missing = []
+    for name, param in model.named_parameters():
+        key = next((k for n in (name, tied.get(name, name)) for m in _renamed(n)
+                    if (k := files.key(m, prefix)) is not None), None)
+        if key is None:
+            if _experts_source(files, model, name, prefix, param.shape) is None:
+                missing.append(name)
+            continue
+        source = files.slice(key)
+        dtype, shape = source.get_dtype(), list(source.get_shape())
+        if param.is_floating_point() and dtype not in _FLOATING:
+            raise ValueError(f"model.hf_model={str(folder)!r}: {key} is stored as {dtype}, not a "
+                             "floating-point type; a weight must be F32, F16 or BF16 (the files "
+                             "do not hold this model's weights)")
+        if shape != list(param.shape):
+            raise ValueError(f"model.hf_model={str(folder)!r}: {key} has shape {shape} in the "
+                             f"safetensors, the model its config.json describes needs "
+                             f"{list(param.shape)}; the folder's weights do not match its "
+                             "config.json")
+    if missing:
+        raise ValueError(f"model.hf_model={str(folder)!r}: the safetensors hold no "
+                         f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; the "
+                         "folder's weights do not match its config.json")
 
 
 @torch.no_grad()

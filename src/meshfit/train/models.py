@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -52,6 +53,10 @@ def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
             from meshfit.checkpoint.pretrained import meta_model
 
             model = meta_model(m.hf_model)
+            if meta:  # before launch: the files hold every weight, whole and floating
+                from meshfit.checkpoint.pretrained import check_weights
+
+                check_weights(model, m.hf_model)
         else:
             factory = import_object(m.factory, "model.factory")
             model = factory(**_factory_kwargs(factory, cfg, vocab_size))
@@ -85,7 +90,7 @@ def user_code(field: str, doing: str, *, skip: bool = False):
         raise
     except ValueError as err:
         text = " ".join(str(err).split())
-        if text.startswith(("model.", "peft.", "train.", "data.")) and "\n" not in str(err):
+        if re.match(r"[a-z_.]+=", text) and "\n" not in str(err):  # names its setting
             raise
         raise ValueError(f"{field}: {doing} raised ValueError: {text}{_where(err)}") from None
     except SystemExit as err:
