@@ -157,11 +157,23 @@ def test_user_folder(tmp_path):
     (data / ".DS_Store").write_bytes(b"meta")
     (data / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))  # not UTF-8
     (data / "empty.txt").write_bytes(b"")
-    with pytest.warns(UserWarning, match="skipped 1 of 5 files that are not valid UTF-8"):
+    (data / "zeros.bin").write_bytes(bytes(4096))  # valid UTF-8, but binary: NUL bytes
+    with pytest.warns(UserWarning, match=r"skipped 2 of 6 files that are not UTF-8 text \(not "
+                                         r"valid UTF-8, or binary: NUL bytes\)"):
         s = load_tokens(data, cache_dir=tmp_path / "cache", val_fraction=0)
     expected = "alpha ünïcødé\n\n\ngamma\n\n\nbeta 日本語 🚀\n\n\n"  # a.txt, c.txt, sub/b.md
     assert s.tokenizer.decode(s.train) == expected
-    assert s.val.size == 0 and s.meta["skipped_non_utf8"] == ["latin1.txt"]
+    assert s.val.size == 0 and s.meta["skipped_non_utf8"] == ["latin1.txt", "zeros.bin"]
+
+
+def test_data_that_is_not_text_is_refused(tmp_path):
+    """20 MB of NUL bytes used to train as "19.6M training tokens": now no text is found."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "blob.txt").write_bytes(bytes(1 << 20))
+    with pytest.raises(ValueError, match=r"data.path holds no text: all 1 files of .* are "
+                                         r"empty, not valid UTF-8 or binary \(NUL bytes\)"):
+        load_tokens(data, cache_dir=tmp_path / "cache", val_fraction=0)
 
 
 def test_user_file_splits_by_tokens(tmp_path):

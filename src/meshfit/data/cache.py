@@ -139,7 +139,8 @@ def load_tokens(path: str | os.PathLike[str] | None = None, *, tokenizer: Any = 
     if meta["skipped_non_utf8"]:
         skipped = meta["skipped_non_utf8"]
         warnings.warn(f"data: skipped {len(skipped)} of {meta['n_files']} files that are "
-                      f"not valid UTF-8 text (e.g. {skipped[:3]})", stacklevel=2)
+                      f"not UTF-8 text (not valid UTF-8, or binary: NUL bytes) (e.g. "
+                      f"{skipped[:3]})", stacklevel=2)
     return _open(stem, meta, tok)
 
 
@@ -269,7 +270,7 @@ class _Row:
 def _documents(source: Corpus | HFSource, tok: Tokenizer, dtype: np.dtype,
                skipped: list[str]) -> Iterator[tuple[SourceFile | _Row, np.ndarray]]:
     """Yield ``(document, token ids)`` per non-empty UTF-8 file or dataset row; record the
-    files that are not UTF-8 in ``skipped``."""
+    files that are not UTF-8 text (invalid UTF-8, or NUL bytes: binary) in ``skipped``."""
     if isinstance(source, HFSource):
         yield from _row_documents(source, tok, dtype)
         return
@@ -286,6 +287,9 @@ def _documents(source: Corpus | HFSource, tok: Tokenizer, dtype: np.dtype,
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
+            skipped.append(f.rel)
+            continue
+        if b"\x00" in raw:  # valid UTF-8, but binary: text files hold no NUL bytes
             skipped.append(f.rel)
             continue
         if not raw:
@@ -376,8 +380,8 @@ def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem:
                              f"data.text_column={source.text_column!r} is empty in all "
                              f"{source.n_rows} rows; choose the column that holds the text")
         raise ValueError(f"data.path holds no text: all {len(source.files)} files of "
-                         f"{source.description} are empty or not valid UTF-8; point data.path "
-                         "at UTF-8 text files")
+                         f"{source.description} are empty, not valid UTF-8 or binary (NUL "
+                         "bytes); point data.path at UTF-8 text files")
     split = "by_file"
     if val_fraction > 0 and (n_val == 0 or n_train == 0) and n_tokens >= 2:
         # Too few files for the by-file rule to put any on one side: fall back to the tail
