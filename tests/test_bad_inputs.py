@@ -276,6 +276,13 @@ T = [  # meshfit train: config overrides
     ("override without value", ["--train.steps"], ["'--train.steps' needs a value"]),
     ("bare section override", ["--train=5"], ["unknown argument '--train=5'"]),
     ("positional argument", ["oops"], ["unknown argument 'oops'"]),
+    # integers past what torch and C++ hold
+    ("train.timeout_s huge", ["--train.timeout_s=99999999999999999999"],
+     ["train.timeout_s=99999999999999999999 is too large", "from 1 to 31,622,400"]),
+    ("train.seed huge", ["--train.seed=99999999999999999999"],
+     ["train.seed=99999999999999999999 is too large", "from 0 to"]),
+    ("train.steps huge", ["--train.steps=99999999999999999999"],
+     ["train.steps=99999999999999999999 is too large", "9,223,372,036,854,775,807"]),
     # float8 (torchao): a GPU of compute capability 8.9+ only
     ("float8 on a CPU", ["--train.float8=true"], ["train.float8=True needs an NVIDIA GPU",
                                                    "device is cpu", "train.float8=False"]),

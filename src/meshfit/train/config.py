@@ -174,10 +174,14 @@ class TrainConfig(ModelOptions):
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len",
-                     "eval_batches", "log_every", "timeout_s"):
+                     "eval_batches", "log_every"):
             check_positive("train", name, getattr(self, name))
-        for name in ("warmup_steps", "seed", "eval_every", "empty_cache_steps"):
+        # A collective's deadline in milliseconds must fit C++'s clocks: a year is plenty.
+        check_positive("train", "timeout_s", self.timeout_s, most=366 * 86400)
+        for name in ("warmup_steps", "eval_every", "empty_cache_steps"):
             check_positive("train", name, getattr(self, name), allow_zero=True)
+        # The data order's seed is train.seed + epoch, in a 64-bit generator.
+        check_positive("train", "seed", self.seed, allow_zero=True, most=2**63 - 1 - 2**32)
         check_number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_number("train", "grad_clip", self.grad_clip, 0.0, 1e9)
         check_options(mixed_precision=self.mixed_precision, names=LAYOUT_NAMES)

@@ -27,13 +27,20 @@ LAYOUT_NAMES = {
     "find_batch_size": "train.find_batch_size", "seq_len": "train.seq_len"}
 
 
-def check_positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
-    """An integer >= 1 (>= 0 with `allow_zero`; True and False are not integers here)."""
-    ok = isinstance(value, int) and not isinstance(value, bool) and (
-        value >= 0 if allow_zero else value >= 1)
-    if not ok:
-        bound = ">= 0" if allow_zero else ">= 1"
-        raise ValueError(f"{section}.{name}={value!r} must be an integer {bound}")
+INT64_MAX = 2**63 - 1
+"""The largest integer a setting may hold by default: what torch and the C++ below it store."""
+
+
+def check_positive(section: str, name: str, value: Any, *, allow_zero: bool = False,
+                   most: int = INT64_MAX) -> None:
+    """An integer in [1, most] ([0, most] with `allow_zero`; True and False are not
+    integers here)."""
+    least = 0 if allow_zero else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{section}.{name}={value!r} must be an integer >= {least}")
+    if value > most:
+        raise ValueError(f"{section}.{name}={value!r} is too large: it must be an integer from "
+                         f"{least} to {most:,}")
 
 
 def check_number(section: str, name: str, value: Any, lo: float, hi: float) -> None:
