@@ -391,3 +391,30 @@ def test_log_with():
     assert read(log_with=[LoggerType.TENSORBOARD, "WandB", mine]).log_with == (
         "tensorboard", "wandb", mine)
     assert read(log_with="all").log_with == ("all",)
+
+
+@pytest.mark.parametrize("kwargs, wanted", [
+    (dict(rng_types="torch"), "rng_types='torch' must be a list of names, e.g. ['torch']"),
+    (dict(dataloader_config="even"), "dataloader_config='even' must be a "
+                                     "DataLoaderConfiguration"),
+])
+def test_arguments_of_the_wrong_kind_are_one_line(kwargs, wanted):
+    with pytest.raises(ValueError) as err:
+        read(**kwargs)
+    assert wanted in str(err.value) and "\n" not in str(err.value)
+
+
+def test_rng_type_members_are_accepted():
+    from meshfit.utils import RNGType
+
+    assert read(rng_types=[RNGType.TORCH, "generator"]).loop.rng_types == ("torch", "generator")
+
+
+def test_a_loader_without_batch_size_is_refused_for_what_it_is(monkeypatch):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    monkeypatch.setenv("MESHFIT_CPU", "1")
+    acc = Accelerator()
+    with pytest.raises(ValueError, match=r"batch_size=None \(the dataset yields whole batches\) "
+                                         "is not supported yet"):
+        acc.prepare(DataLoader(TensorDataset(torch.zeros(4)), batch_size=None))

@@ -253,3 +253,39 @@ def test_skipped_checkpoints_say_why(saved, tmp_path):
     with pytest.raises(ValueError, match=r"holds no complete checkpoint \(skipped step-4: no "
                                          r"manifest.json.*; step-3: 1 of its 2 files missing"):
         find_checkpoint(root)
+
+
+@pytest.mark.parametrize("failure", ["read-only", "disk full"])
+def test_a_save_that_cannot_be_written_is_one_line_and_leaves_nothing(failure, tmp_path,
+                                                                     monkeypatch):
+    """A read-only file system (the folder cannot be made) or a full disk (DCP fails while
+    writing, with the disk nearly full): one CheckpointError naming the checkpoint, no
+    temporary folder left, and the checkpoints before it untouched."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    from meshfit.checkpoint import store
+
+    acc, net, _ = _prepared()
+    acc.save_state(tmp_path / "step-1", step=1)
+    if failure == "read-only":
+        def mkdir(self, *args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+        wanted = r"cannot write the checkpoint .*step-2 \(Read-only file system\)"
+    else:
+        def save(*args, **kwargs):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos")
+
+        monkeypatch.setattr(dcp, "save", save)
+        monkeypatch.setattr(store.shutil, "disk_usage",
+                            lambda p: type("u", (), {"free": 12 << 20})())
+        wanted = r"cannot write the checkpoint .*step-2 \(the disk is full: 12.0 MiB free\)"
+    with pytest.raises(CheckpointError, match=wanted) as err:
+        acc.save_state(tmp_path / "step-2", step=2)
+    assert "\n" not in str(err.value)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+    assert latest(tmp_path) == tmp_path / "step-1"

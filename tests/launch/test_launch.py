@@ -567,6 +567,59 @@ def test_failure_summary_on_sigkill(monkeypatch):
         "1 worker(s) failed; first: rank 1 exit code 3"
 
 
+LEAVES_CHILDREN = """
+import os, subprocess, sys, time
+
+out, rank = sys.argv[1], os.environ["RANK"]
+pids = [subprocess.Popen(["sleep", "45"]).pid]  # a child process, never waited for
+pid = os.fork()  # a forked copy that outlives the worker
+if pid == 0:
+    time.sleep(45)
+    os._exit(0)
+pids.append(pid)
+r, w = os.pipe()
+first = os.fork()  # a daemon: double fork and a session of its own
+if first == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, str(os.getpid()).encode())
+        time.sleep(45)
+        os._exit(0)
+    os._exit(0)
+os.waitpid(first, 0)
+pids.append(int(os.read(r, 32)))
+with open(f"{out}/pids-{rank}", "w") as fh:
+    fh.write(" ".join(map(str, pids)))
+"""
+
+
+def test_what_a_job_starts_ends_with_the_job(tmp_path, subprocess_env):
+    """Each worker starts a child with subprocess.Popen, an os.fork copy and a double-forked
+    setsid daemon, then returns: the launcher (a child subreaper) ends all six when the job
+    is over, instead of leaving them running as torchrun does."""
+    import psutil
+
+    script = tmp_path / "leaves.py"
+    script.write_text(LEAVES_CHILDREN)
+    log = tmp_path / "log"
+    with log.open("w") as out:  # a file, not a pipe: a child left behind would hold a pipe
+        proc = subprocess.run([*MESHFIT, "launch", "--nproc", "2", str(script), str(tmp_path)],
+                              env=subprocess_env, stdout=out, stderr=out, timeout=120)
+    assert proc.returncode == 0, log.read_text()
+    pids = [int(p) for rank in (0, 1) for p in (tmp_path / f"pids-{rank}").read_text().split()]
+    assert len(pids) == 6
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    for pid in alive:  # (clean up before failing: they are ours)
+        os.kill(pid, 9)
+    assert alive == []
+
+
 def test_master_port_in_use_is_refused_before_starting(tmp_path, cli_refusal):
     """Also with --max-restarts, where the agent used to wait on the port forever."""
     import socket

@@ -341,6 +341,9 @@ def _fsdp_plugin(given: Mapping[str, Any], mixed_precision: str) -> tuple[str, s
 
 
 def _dataloader_config(config: DataLoaderConfiguration | None) -> DataLoaderConfiguration:
+    if config is not None and not isinstance(config, DataLoaderConfiguration):
+        raise ValueError(f"dataloader_config={config!r} must be a DataLoaderConfiguration, e.g. "
+                         "meshfit.utils.DataLoaderConfiguration(even_batches=False)")
     config = config or DataLoaderConfiguration()
     if config.dispatch_batches:
         raise ValueError("DataLoaderConfiguration(dispatch_batches=True) is not available in "
@@ -349,7 +352,13 @@ def _dataloader_config(config: DataLoaderConfiguration | None) -> DataLoaderConf
 
 
 def _rng_types(rng_types) -> tuple[str, ...]:
-    out = ("generator",) if rng_types is None else tuple(str(r) for r in rng_types)
+    if isinstance(rng_types, str) or (rng_types is not None and not isinstance(
+            rng_types, (list, tuple))):
+        raise ValueError(f"rng_types={rng_types!r} must be a list of names, e.g. "
+                         f"[{rng_types!r}] or ['generator', 'torch']")
+    out = ("generator",) if rng_types is None else tuple(
+        getattr(r, "value", r) if not isinstance(r, str) else r for r in rng_types)
+    out = tuple(str(r) for r in out)
     unknown = sorted(set(out) - {"generator", "torch", "cuda"})
     if unknown:
         raise ValueError(f"rng_types {unknown} are not available; use 'generator', 'torch' "

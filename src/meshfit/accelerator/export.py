@@ -52,8 +52,12 @@ def save_model(model: torch.nn.Module, save_directory: str | os.PathLike, *, run
     state = get_state_dict(model, runtime)
     path = folder / "model.safetensors"
     if main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_safetensors(state, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_safetensors(state, path)
+        except OSError as err:  # (written atomically: an old model.safetensors is kept)
+            raise ValueError(f"save_model: cannot write {path} ({err.strerror or err}); give "
+                             "a folder on a writable disk with free space") from None
     wait_for_everyone(env)
     return path
 

@@ -84,6 +84,10 @@ class PreparedDataLoader:
 
     def _make_batch_sampler(self, loader: DataLoader, num_replicas: int, rank: int, *,
                             even_batches: bool, split_batches: bool) -> ShardedBatchSampler:
+        if loader.batch_size is None and loader.batch_sampler is None:
+            raise ValueError("prepare(dataloader): batch_size=None (the dataset yields whole "
+                             "batches) is not supported yet: meshfit shards the samples of each "
+                             "batch over the processes; give the DataLoader a batch_size")
         if loader.batch_size is None or not isinstance(loader.batch_sampler, BatchSampler):
             raise ValueError("prepare(dataloader): a custom batch_sampler is not supported yet; "
                              "give the DataLoader a batch_size (and shuffle=True/False) instead")

@@ -122,10 +122,18 @@ def _new_tmp(folder: Path) -> Path:
         dist.broadcast_object_list(token, src=0)
     folder = Path(folder)
     tmp = folder.with_name(f"{folder.name}.tmp-{token[0]}")
+    problem = [None]
     if _rank() == 0:
-        tmp.mkdir(parents=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as err:
+            problem = [f"cannot write the checkpoint {folder} ({err.strerror or err}); give a "
+                       "folder on a writable disk with free space"]
     if _distributed():
+        dist.broadcast_object_list(problem, src=0)
         settled_barrier()
+    if problem[0]:
+        raise CheckpointError(problem[0])
     return tmp
 
 
@@ -135,10 +143,21 @@ def save_dcp(state: dict[str, Any], folder: Path, *, process_group=None) -> Path
     import torch.distributed.checkpoint as dcp
 
     tmp = _new_tmp(folder)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, checkpoint_id=str(tmp), process_group=process_group,
-                 no_dist=not _distributed())
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, checkpoint_id=str(tmp), process_group=process_group,
+                     no_dist=not _distributed())
+    except Exception as err:  # a full disk, a file system gone read-only: nothing half-kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else None
+        if isinstance(err, OSError) or (free is not None and free < 64 << 20):
+            why = err.strerror if isinstance(err, OSError) and err.strerror else (
+                f"the disk is full: {free / 2**20:.1f} MiB free")
+            raise CheckpointError(f"cannot write the checkpoint {folder} ({why}); the previous "
+                                  "checkpoints are untouched; free space or give another "
+                                  "folder") from None
+        raise
     return tmp
 
 

@@ -109,6 +109,70 @@ def master_port_in_use(cfg: LaunchConfig) -> None:
                              "for a free one (single node)") from None
 
 
+def _children() -> set[int]:
+    """PIDs of this process's children, from /proc (Linux)."""
+    me, found = os.getpid(), set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) "
+        if len(fields) > 1 and int(fields[1]) == me:
+            found.add(int(entry.name))
+    return found
+
+
+@contextlib.contextmanager
+def owning_descendants(grace_s: float = 2.0):
+    """Everything the job starts ends with the job. This process becomes a child subreaper
+    (Linux PR_SET_CHILD_SUBREAPER), so a process a worker started and left behind (a
+    ``subprocess.Popen``, an ``os.fork`` child, a double-forked ``setsid`` daemon) is
+    re-parented here instead of to init; when the job is over, each such new child is sent
+    SIGTERM, then SIGKILL after `grace_s`, and reaped. Children this process had before are
+    left alone."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    before = _children()
+    prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    try:
+        yield
+    finally:
+        try:
+            _end(lambda: _children() - before, grace_s)
+        finally:
+            prctl(36, 0)
+
+
+def _end(left, grace_s: float) -> None:
+    """SIGTERM to the children `left()` names, SIGKILL to those still there after `grace_s`;
+    each reaped."""
+    import time
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        pids = left()
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while pids and time.monotonic() < deadline:
+            for pid in list(pids):
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0]:
+                        pids.discard(pid)
+                except ChildProcessError:  # not (or no longer) ours to reap
+                    pids.discard(pid)
+            if pids:
+                time.sleep(0.02)
+
+
 def enter_worker(argv: list[str]) -> None:
     """``python -m meshfit.launch ARGS``: how the agent starts each worker. Asks Linux to
     SIGKILL this process when the launcher dies (PR_SET_PDEATHSIG; kept across exec), checks
@@ -361,7 +425,8 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     if cfg.nnodes > 1:
         _say_where(cfg, target, prog)
     try:
-        return _attempts(cfg, target, prog)
+        with owning_descendants():
+            return _attempts(cfg, target, prog)
     except SignalException as err:  # the agent passed the signal on to the workers
         if say_stopped:
             name = signal.Signals(err.sigval).name
