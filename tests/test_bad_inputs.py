@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT = "def f(x):\n    return x + 1\n" * 40  # 1,080 bytes: a few windows of 64
 FILES = {
     "small.txt": "hello world\n",
-    "old/metrics.jsonl": '{"step": 0, "val_loss": 5.5}\n',
+    "old/metrics.jsonl": '{"step": 0, "val_loss": 5.5}\n{"step": 1, "loss": 5.4}\n',
     "text/a.py": TEXT,
     "empty/": None,
     "blank/a.txt": "",
@@ -616,7 +616,8 @@ def test_surroundings(argv, setup, wanted, refuse, tmp_path, monkeypatch):
 
             monkeypatch.setattr(os, "statvfs", statvfs)
         elif setup == "old_config":
-            _write(tmp_path, {"oldcfg/config.toml": "[train]\nsteps = 3\n"})
+            _write(tmp_path, {"oldcfg/config.toml": "[train]\nsteps = 3\n",
+                              "oldcfg/metrics.jsonl": '{"step": 1, "loss": 5.4}\n'})
         elif setup == "locked":
             from meshfit.train.runfolder import RunLock
 

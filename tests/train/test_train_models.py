@@ -304,10 +304,26 @@ def test_seq_len_beyond_the_models_positions_is_refused(cli_refusal, source_file
 
 
 def test_an_out_folder_with_a_run_is_not_overwritten(cli_refusal, tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     line = cli_refusal("train", "--out", str(tmp_path))
     assert "already holds a run" in line and "--resume" in line
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
+def test_a_run_stopped_before_its_first_step_does_not_block_the_next(tmp_path):
+    """Ctrl-C between writing config.toml and the first step leaves config.toml (and the
+    first evaluation's line): nothing to keep, so the folder is not refused; a folder with a
+    logged step, a checkpoint or a model is."""
+    from meshfit.train.runfolder import check_run_folder
+
+    (tmp_path / "config.toml").write_text("[train]\nsteps = 3\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "val_loss": 5.5}\n')
+    check_run_folder(tmp_path, resume=False, overwrite=False)  # not refused
+    (tmp_path / "checkpoints").mkdir()
+    check_run_folder(tmp_path, resume=False, overwrite=False)  # an empty checkpoints folder
+    (tmp_path / "checkpoints" / "step-1.tmp-abc").mkdir()  # a save had begun
+    with pytest.raises(ValueError, match="already holds a run"):
+        check_run_folder(tmp_path, resume=False, overwrite=False)
 
 
 def test_tensor_parallel_on_a_lora_model_is_refused_with_the_reason():

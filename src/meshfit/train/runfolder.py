@@ -90,10 +90,31 @@ def check_run_folder(out: Path, *, resume: bool, overwrite: bool, claim: bool = 
         raise ValueError(f"{flag}: a run (PID {holder}) is writing to this folder now (it holds "
                          f"{absolute / LOCK_FILE}); wait for it to end, or give another --out")
     found = [name for name in RUN_MARKERS if (absolute / name).exists()]
+    if found and not resume and not overwrite and not _trained(absolute):
+        found = []  # stopped before its first step: nothing to keep, the new run replaces it
     if found and not resume and not overwrite:
         raise ValueError(f"{flag} already holds a run ({', '.join(found)}); continue it with "
                          "--resume, start over with --overwrite, or give another --out; nothing "
                          "was changed")
+
+
+def _trained(folder: Path) -> bool:
+    """Whether the run in `folder` got anywhere: a training step logged, a checkpoint, a
+    model or an adapter written. A run stopped (Ctrl-C, SIGTERM) between writing its
+    config.toml and its first step leaves only that, and an evaluation line."""
+    if any((folder / name).exists() for name in ("model", "adapter")):
+        return True
+    checkpoints = folder / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return True
+    metrics = folder / "metrics.jsonl"
+    try:
+        lines = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # unreadable: keep it safe
+    return any('"loss"' in line for line in lines)
 
 
 def _read_pid(fd: int) -> str:
