@@ -769,3 +769,29 @@ def test_meshfit_warnings_print_as_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "meshfit train: warning: data: token cache x.bin failed its checksum\n" in err
     assert "elsewhere" not in err  # left to Python's (here pytest's) own warning display
+
+
+@pytest.mark.parametrize("name, value, wanted", [
+    ("LOGLEVEL", "LOUD", "LOGLEVEL='LOUD' in the environment (torchrun's log level) is not a "
+                         "logging level"),
+    ("OMP_NUM_THREADS", "abc", "OMP_NUM_THREADS='abc' in the environment is not a number of "
+                               "threads"),
+    ("OMP_NUM_THREADS", "0", "OMP_NUM_THREADS='0'"),
+])
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_bad_environment_variables_are_one_line_before_anything(name, value, wanted, command,
+                                                                tmp_path, monkeypatch, capsys):
+    from meshfit.cli.launch import check_environment
+    from meshfit.cli.main import main
+
+    for good in ({"LOGLEVEL": "debug"}, {"LOGLEVEL": "10"}, {"OMP_NUM_THREADS": "4,2"}):
+        check_environment(good)
+    monkeypatch.setenv(name, value)
+    script = tmp_path / "s.py"
+    script.write_text("")
+    argv = (["train", "--nproc", "1", "--out", str(tmp_path / "run")] if command == "train"
+            else ["launch", "--nproc", "1", str(script)])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and wanted in err[0], err
+    assert not (tmp_path / "run").exists()

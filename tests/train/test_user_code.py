@@ -61,3 +61,24 @@ def test_failing_user_code_is_one_line_before_anything_starts(source, wanted, tm
     assert len(err) == 1 and err[0].startswith("meshfit train: error: "), err
     assert wanted in err[0], err[0]
     assert not out.exists()
+
+
+def test_an_unwritable_default_cache_blames_data_cache_dir(monkeypatch, tmp_path):
+    """A read-only HOME: the token cache's default folder cannot be made; the line names
+    data.cache_dir (the setting that moves it), not data.path."""
+    import errno
+
+    from meshfit.train import preflight, tokens
+    from meshfit.train.configfile import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    def load(cfg):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / ".cache"))
+
+    monkeypatch.setattr(tokens, "load_tokens", load)
+    with pytest.raises(ValueError) as err:
+        preflight._readable_tokens(load_config(None, []), "the built-in corpus")
+    assert str(err.value).startswith(
+        f"data.cache_dir='~/.cache/meshfit/tokens' (the default): cannot use {tmp_path}/.cache "
+        "(Read-only file system)")

@@ -92,6 +92,7 @@ def _launch_parser() -> argparse.ArgumentParser:
 
 def cmd_launch(argv: list[str]) -> int:
     ns = _launch_parser().parse_args(argv)
+    check_environment()
     cfg, env, notes = launch.config_from_args(ns)
     if not ns.module and not Path(ns.script).is_file():
         raise ValueError(f"script={ns.script!r} is not a file; give the path of a Python "
@@ -139,6 +140,7 @@ def cmd_train(argv: list[str]) -> int:
     ns, rest = _train_parser().parse_known_args(argv)
     overrides = _collect_overrides(rest)
     if not ns.worker:  # the launcher's arguments first: their refusals need no torch
+        check_environment()
         _refuse_inherited_ranks()
         launch_cfg, env, notes = launch.config_from_args(ns)
         launch.master_port_in_use(launch_cfg)
@@ -169,6 +171,23 @@ def _collect_overrides(rest: list[str]) -> list[str]:
         out.append(item)
         i += 1
     return out
+
+
+def check_environment(environ=os.environ) -> None:
+    """Variables of the environment that the launcher or the libraries below it read, checked
+    before anything starts (torchrun reads LOGLEVEL; OpenMP reads OMP_NUM_THREADS and only
+    complains on stderr): one line naming the variable, its value and the fix."""
+    level = environ.get("LOGLEVEL")
+    if level is not None and level.upper() not in ("CRITICAL", "FATAL", "ERROR", "WARN",
+                                                    "WARNING", "INFO", "DEBUG", "NOTSET") \
+            and not level.isdigit():
+        raise ValueError(f"LOGLEVEL={level!r} in the environment (torchrun's log level) is not "
+                         "a logging level; use DEBUG, INFO, WARNING or ERROR, or unset it")
+    threads = environ.get("OMP_NUM_THREADS")
+    if threads is not None and not all(p.strip().isdigit() and int(p) > 0
+                                       for p in threads.split(",")):
+        raise ValueError(f"OMP_NUM_THREADS={threads!r} in the environment is not a number of "
+                         "threads; use e.g. OMP_NUM_THREADS=4, or unset it")
 
 
 def _refuse_inherited_ranks() -> None:

@@ -260,8 +260,10 @@ def _readable_tokens(cfg, source: str):
     except OSError as err:
         where = err.filename or source
         cache = cfg.data.cache_dir or "~/.cache/meshfit/tokens"
-        field = (f"data.cache_dir={cache!r}" if str(where).startswith(
-            str(Path(cache).expanduser())) else source)
+        cache_path, at = Path(cache).expanduser(), Path(str(where))
+        in_cache = at == cache_path or cache_path in at.parents or at in cache_path.parents
+        field = (f"data.cache_dir={cache!r}" + ("" if cfg.data.cache_dir else " (the default)")
+                 if in_cache else source)
         raise ValueError(f"{field}: cannot use {where} ({err.strerror or err}); make it readable "
                          "(and the cache folder writable) or point the setting elsewhere") from None
 
