@@ -82,3 +82,26 @@ def test_an_unwritable_default_cache_blames_data_cache_dir(monkeypatch, tmp_path
     assert str(err.value).startswith(
         f"data.cache_dir='~/.cache/meshfit/tokens' (the default): cannot use {tmp_path}/.cache "
         "(Read-only file system)")
+
+
+def test_a_transformers_run_prints_only_meshfits_lines(tmp_path, subprocess_env):
+    """With torchao installed beside a torch its compiled extensions were not built for,
+    importing transformers logs "Failed to load ..._C_mxfp8...so" and torch's pytree notes:
+    a meshfit command shows none of them (its output is its own)."""
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                   num_hidden_layers=1, vocab_size=256,
+                                   max_position_embeddings=64)
+    cfg.save_pretrained(tmp_path / "cfg")
+    proc = subprocess.run([sys.executable, "-m", "meshfit", "train", "--nproc", "1", "--out",
+                           str(tmp_path / "run"), f"--model.hf_config={tmp_path / 'cfg'}",
+                           "--train.steps=1", "--train.eval_every=0", "--train.seq_len=32",
+                           f"--data.cache_dir={tmp_path / 'cache'}"],
+                          env=subprocess_env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    foreign = [line for line in (proc.stdout + proc.stderr).splitlines()
+               if "Failed to load" in line or "_pytree" in line or "torchao" in line]
+    assert foreign == []

@@ -168,6 +168,17 @@ def _one_line_warnings(prefix: str) -> None:
     warnings.showwarning = show
 
 
+def _quiet_libraries() -> None:
+    """A command's output is meshfit's: the notes torchao logs on import where its compiled
+    extensions do not match this torch ("Failed to load ..._C_mxfp8...so") and torch's
+    pytree deprecation notes about torchao's enums are not shown (errors still are). Library
+    users of meshfit keep their own logging configuration: this runs for commands only."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
@@ -183,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_help())
         return 0
     _one_line_warnings(f"meshfit {argv[0]}")
+    _quiet_libraries()
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ValueError as err:
