@@ -24,6 +24,25 @@ def keyerror(vocab_size=256):
 
 def multiline(vocab_size=256):
     raise ValueError("first line\\nsecond line")
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, ids, vocab_size, grad=True):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(ids, 16), torch.nn.Linear(16, vocab_size)
+        self.grad = grad
+
+    def forward(self, x, y=None):
+        out = self.head(self.emb(x))
+        return out if self.grad else out.detach()
+
+
+def small_embedding(vocab_size=256):
+    return _Model(100, vocab_size)
+
+
+def no_gradient(vocab_size=256):
+    return _Model(vocab_size, vocab_size, grad=False)
 '''
 
 
@@ -43,6 +62,9 @@ def multiline(vocab_size=256):
     ("--model.hf_config={t}/negative.json",
      "building the model raised RuntimeError: Trying to create tensor with negative dimension"),
     ("--model.hf_config={t}/stringlayers.json", "num_hidden_layers' expected int, got str"),
+    ("--model.factory=userfacts:small_embedding",
+     "model.factory: the model's input embedding holds 100 ids but the tokenizer "
+     "(data.tokenizer='bytes') gives up to 256"),
 ])
 def test_failing_user_code_is_one_line_before_anything_starts(source, wanted, tmp_path,
                                                               monkeypatch, capsys):
@@ -105,3 +127,20 @@ def test_a_transformers_run_prints_only_meshfits_lines(tmp_path, subprocess_env)
     foreign = [line for line in (proc.stdout + proc.stderr).splitlines()
                if "Failed to load" in line or "_pytree" in line or "torchao" in line]
     assert foreign == []
+
+
+def test_a_model_whose_loss_has_no_gradient_is_one_line(tmp_path, monkeypatch, capsys):
+    """A factory whose forward detaches its output: the first step says so in one line
+    (instead of autograd's "element 0 of tensors does not require grad")."""
+    from meshfit.cli.main import main
+
+    (tmp_path / "userfacts.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["train", "--nproc", "1", "--out", str(tmp_path / "run"),
+                 "--model.factory=userfacts:no_gradient", "--train.steps=1",
+                 "--train.eval_every=0", f"--data.cache_dir={tmp_path / 'cache'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("meshfit train: error: the model's loss does not depend on any trainable "
+                       "parameter (requires_grad is False): its forward returns values computed "
+                       "without gradient (under torch.no_grad, detached, or new tensors); return "
+                       "the output of its layers"), err

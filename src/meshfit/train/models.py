@@ -129,6 +129,12 @@ def check_model_source(cfg, vocab_size: int) -> nn.Module:
                          f"(data.tokenizer={getattr(cfg.data, 'tokenizer', 'bytes')!r}) gives up "
                          f"to {vocab_size}; use "
                          "the model's own tokenizer or a model with a larger vocab_size")
+    embedding = _input_embedding(model)
+    if embedding is not None and embedding.num_embeddings < vocab_size:
+        raise ValueError(f"{field}: the model's input embedding holds {embedding.num_embeddings} "
+                         f"ids but the tokenizer (data.tokenizer="
+                         f"{getattr(cfg.data, 'tokenizer', 'bytes')!r}) gives up to {vocab_size};"
+                         " make the embedding at least that large or use a smaller tokenizer")
     longest = getattr(config, "max_position_embeddings", None) or getattr(
         config, "n_positions", None)
     if m.source != "preset" and longest is not None and cfg.train.seq_len > longest:
@@ -141,6 +147,20 @@ def check_model_source(cfg, vocab_size: int) -> nn.Module:
                          "routers of every stage; set output_router_logits=false in its "
                          "config.json (cross-entropy only) or use pp = 1")
     return model
+
+
+def _input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The embedding the token ids index: the model's own (`get_input_embeddings`), or its
+    first nn.Embedding."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            found = getter()
+        except (NotImplementedError, AttributeError):
+            found = None
+        if isinstance(found, nn.Embedding):
+            return found
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
 
 
 def plans(cfg) -> tuple[Any, Any]:

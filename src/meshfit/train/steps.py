@@ -44,6 +44,11 @@ class ModelSteps:
 
     def forward_backward(self, x, y, accum: int) -> torch.Tensor:
         loss = self.loss(self.model, x, y)
+        if not loss.requires_grad:
+            raise ValueError("the model's loss does not depend on any trainable parameter "
+                             "(requires_grad is False): its forward returns values computed "
+                             "without gradient (under torch.no_grad, detached, or new tensors); "
+                             "return the output of its layers")
         self.acc.backward(loss)  # divides by the accumulation steps itself
         return self._cross_entropy(loss)
 
