@@ -289,3 +289,25 @@ def test_a_save_that_cannot_be_written_is_one_line_and_leaves_nothing(failure, t
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
     assert latest(tmp_path) == tmp_path / "step-1"
+
+
+def test_unfinished_saves_are_removed_when_the_job_ends(saved, tmp_path, capsys):
+    """What a save stopped half-way leaves (a second signal, a killed rank, a full disk) is
+    removed by `meshfit train` once the job's processes are gone: a temporary folder goes
+    (named on stderr); a checkpoint renamed aside to be replaced comes back when its
+    replacement never arrived, and goes when it did."""
+    from meshfit.cli.launch import _remove_unfinished_saves
+
+    folder, _ = saved
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    for name, step in (("step-4", 4), ("step-2.old-1a2b", 2), ("step-4.old-3c4d", 4)):
+        shutil.copytree(folder, root / name)
+        _edit_manifest(root / name, step=step)
+    (root / "step-6.tmp-5e6f").mkdir()
+    (root / "step-6.tmp-5e6f" / "__0_0.distcp").write_bytes(b"x" * 100)
+    _remove_unfinished_saves(tmp_path / "run")
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4"]
+    assert [s for s, _ in list_complete(root)] == [2, 4]
+    assert capsys.readouterr().err == ("meshfit train: removed step-6.tmp-5e6f, a checkpoint "
+                                       "save that did not finish\n")

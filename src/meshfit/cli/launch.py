@@ -257,10 +257,36 @@ def _train_here(cfg, out: Path, ns) -> int:
 
     try:
         with RunLock(out, overwrite=ns.overwrite):
-            train(cfg, out, resume=ns.resume)
+            try:
+                train(cfg, out, resume=ns.resume)
+            finally:
+                _remove_unfinished_saves(out)
     except Preempted as stopped:
         return _stopped(stopped)
     return 0
+
+
+def _remove_unfinished_saves(out: Path) -> None:
+    """Once the job's processes are gone (the lock still held): the temporary folders of a
+    checkpoint whose save never committed (a second signal, a rank killed, a full disk) are
+    removed and named; the committed checkpoints are left as they are."""
+    import shutil
+
+    from meshfit.checkpoint.store import is_complete
+
+    root = out / "checkpoints"
+    if not root.is_dir():
+        return
+    for path in sorted(root.glob("step-*.tmp-*")):
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"meshfit train: removed {path.name}, a checkpoint save that did not finish",
+              file=sys.stderr, flush=True)
+    for path in sorted(root.glob("step-*.old-*")):  # a step saved again, stopped mid-commit
+        target = root / path.name.split(".old-")[0]
+        if is_complete(target):
+            shutil.rmtree(path, ignore_errors=True)
+        elif not target.exists():
+            os.replace(path, target)  # the new one never arrived: the old one is kept
 
 
 def _start_workers(cfg, out: Path, ns, launch_cfg, env: dict[str, str]) -> int:
@@ -279,10 +305,14 @@ def _start_workers(cfg, out: Path, ns, launch_cfg, env: dict[str, str]) -> int:
             resolved = Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="meshfit-config-"))) / "config.toml"
         atomic_write_text(resolved, to_toml(cfg))
-        return launch.run(launch_cfg, ["meshfit", "train", "--worker", "--config",
-                                       str(resolved), "--out", str(out),
-                                       *(["--resume"] if ns.resume else [])], module=True,
-                          env=env, prog="meshfit train", say_stopped=False)
+        try:
+            return launch.run(launch_cfg, ["meshfit", "train", "--worker", "--config",
+                                           str(resolved), "--out", str(out),
+                                           *(["--resume"] if ns.resume else [])], module=True,
+                              env=env, prog="meshfit train", say_stopped=False)
+        finally:
+            if launch_cfg.node_rank == 0:
+                _remove_unfinished_saves(out)
 
 
 # ------------------------------------------------------------------------------ a worker
