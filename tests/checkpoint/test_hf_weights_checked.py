@@ -60,3 +60,12 @@ def test_weights_that_are_not_the_models_are_refused_before_launch(folders, vari
     assert len(err) == 1 and err[0].startswith(
         f"meshfit train: error: model.hf_model='{folders / variant}': "), err
     assert not out.exists()
+
+
+def test_generate_from_a_truncated_model_is_one_line(folders, capsys):
+    from meshfit.cli.main import main
+
+    assert main(["generate", str(folders / "truncated"), "--prompt", "hi",
+                 "--max-new-tokens", "2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be read" in err[0] and "incomplete" in err[0], err

@@ -246,7 +246,15 @@ def load_model(path: str, device: str | None):
         device = torch.device(device or ("cpu" if cpu else "cuda"))
     except RuntimeError:
         raise ValueError(f"--device={device!r} is not a device; use cpu, cuda or cuda:N") from None
-    model, tokenizer = load_model_folder(folder, device=device)
+    try:
+        model, tokenizer = load_model_folder(folder, device=device)
+    except Exception as err:  # a file cut short, not safetensors, another library's error
+        if type(err).__name__ != "SafetensorError" and not isinstance(err, OSError):
+            raise
+        text = " ".join(str(err).split())
+        raise ValueError(f"RUN_OR_MODEL={path!r}: the weights in {folder} cannot be read "
+                         f"({text}); the file is damaged or incomplete: export or copy the "
+                         "model again") from None
     if tokenizer is None:
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         if vocab != 256:
