@@ -335,7 +335,7 @@ def test_bf16_autocast_outputs_fp32_close_to_fp32():
 @pytest.mark.parametrize("kwargs,match", [
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0"),
     ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps=1.5"),
-    ({"mixed_precision": "fp8"}, "mixed_precision='fp8'.*'no', 'bf16', 'fp16'"),
+    ({"mixed_precision": "fp4"}, "mixed_precision='fp4'.*'no', 'bf16', 'fp16'"),
     ({"parallel": ParallelDims(dp_replicate=2)}, "product 2 but the world size is 1"),
     ({"parallel": ParallelDims(dp_replicate=1, tp=2)}, "product 2 but the world size is 1"),
 ])

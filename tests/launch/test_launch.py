@@ -177,6 +177,7 @@ def no_slurm_env(monkeypatch):
     (["--num_processes", "2", "--cpu", "--mixed_precision", "bf16"], dict(nproc=2),
      {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_CPU": "True", "MESHFIT_CPU": "1"}),
     (["--mixed_precision", "no"], dict(nproc=1), {"ACCELERATE_MIXED_PRECISION": "no"}),
+    (["--mixed_precision", "fp8"], dict(nproc=1), {"ACCELERATE_MIXED_PRECISION": "fp8"}),
     (["--gpu_ids", "all"], dict(gpus=None), {}),
     # the same setting given both ways, with the same value, is fine
     (["--nproc", "2", "--num_processes", "4", "--num_machines", "2", "--master-port", "7",
@@ -299,7 +300,6 @@ def test_slurm_derivation_is_printed_before_launching(no_slurm_env, tmp_path, ca
     (["--gpu_ids", "a"], "--gpu_ids='a' must be a comma-separated list"),
     (["--cpu", "--multi_gpu"], "--cpu and --multi_gpu exclude each other"),
     (["--cpu", "--gpu_ids", "0"], "--cpu runs on the CPU; drop --gpus / --gpu_ids"),
-    (["--mixed_precision", "fp8"], "meshfit has no fp8 training"),
     (["--mixed_precision", "fp32"], "--mixed_precision='fp32' must be one of no, fp16, bf16"),
     (["--num_processes", "3", "--num_machines", "2", "--main_process_port", "9"],
      "--num_processes=3 is the total over all 2 machines"),

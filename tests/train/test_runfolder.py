@@ -67,7 +67,14 @@ def test_new_folder_and_user_files_pass_and_nothing_is_written(tmp_path):
 def test_existing_run_is_refused_unless_resume_or_overwrite(tmp_path, marker):
     out = tmp_path / "run"
     out.mkdir()
-    (out / marker).mkdir() if marker == "checkpoints" else (out / marker).write_text("x")
+    # a run that trained: a logged step, or a checkpoint (a run stopped before its first
+    # step is not refused: test_train_models)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    if marker == "checkpoints":
+        (out / "metrics.jsonl").unlink()
+        (out / marker / "step-1").mkdir(parents=True)
+    elif marker == "config.toml":
+        (out / marker).write_text("x")
     with pytest.raises(ValueError) as err:
         check_run_folder(out, resume=False, overwrite=False)
     text = _one_line(err)
