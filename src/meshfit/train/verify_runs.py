@@ -9,6 +9,7 @@ tensor-parallel shards gathered, pipeline stages joined, regrouped projections p
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Any, Callable
 
@@ -188,21 +189,25 @@ def run_loop(step_fn: Callable, build: Callable, batches: list, request: dict, s
             "device": str(acc.device), **seen}
 
 
-# DTensor's advice on 2-D meshes (two collectives where one would do), logged by every rank at
-# every gradient-norm and gather: about torch's speed, not about the comparison.
-_ADVICE = ("torch.distributed.tensor._redistribute",)
+@contextlib.contextmanager
+def quiet():
+    """Without torchao's import noise (transformers and peft import it) and DTensor's advice
+    on 2-D meshes (two collectives where one would do, logged by every rank at every
+    gradient norm and gather): about the libraries, not about the comparison."""
+    with quiet_logs(), quiet_logs(("torch.distributed.tensor._redistribute",)):
+        yield
 
 
 def config_rank(rank: int, world_size: int, cfg: RunConfig, steps: int, dtype: str) -> dict:
     """One rank of a layout's run of a configuration (`meshfit.distributed.spawn`'s target);
     only rank 0's result carries the state dict."""
-    with quiet_logs(_ADVICE):
+    with quiet():
         out = run_config(cfg, steps, dtype)
     return out if rank == 0 else {"losses": out["losses"]}
 
 
 def loop_rank(rank: int, world_size: int, spec: dict) -> dict:
     """One rank of a layout's run of a user's loop (`meshfit.distributed.spawn`'s target)."""
-    with quiet_logs(_ADVICE):
+    with quiet():
         out = run_loop(**spec)
     return out if rank == 0 else {"losses": out["losses"]}
