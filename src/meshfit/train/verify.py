@@ -68,8 +68,10 @@ steps' weight differences), and relative to the largest movement of any paramete
 A step's loss moves by at most its gradient times the weights' difference, and N steps of
 training move it by about its gradient times the weights' movement, less than the loss itself:
 the same bound holds for |L - L_ref| / |L_ref|. For 3 float64 steps, G = 0.14 and eps = 1e-8 it
-is 4.6e-4. Measured (4 models x 3 seeds x 13 layouts, 3 steps; 10 steps alike): correct
-layouts <= 3.5e-12 (parameters) and <= 2e-16 (losses); mistakes 1.5 to 2 (a tensor-
+is 4.6e-4. Measured (4 small models x 3 seeds x 13 layouts, 3 steps, 10 steps alike; and the
+README's three user-sized runs): correct layouts <= 4.5e-12 (parameters) and <= 2e-16 (losses;
+the reference GPT's MoE under pp: 4.4e-10, because outside a pipeline the reported
+cross-entropy is the loss minus auxiliary losses that `GPT.aux_loss` sums in float32); mistakes 1.5 to 2 (a tensor-
 parallel plan that splits a fused gate|up projection column-wise, a pipeline plan that leaves
 the final norm off `last`, a DDP hook that skips the all-reduce) and 1.0 (a sum for a mean
 under SGD).
@@ -457,9 +459,12 @@ def verify_config(cfg: RunConfig, layouts: list[str] | None = None, *, steps: in
     of `layouts` (None: the configuration's own), compared (see the module docstring).
     `context`: the multiprocessing context of the layouts' processes (default: a fork server
     that has imported torch); `say`: progress lines."""
+    from meshfit._quiet import quiet_logs
+
     began = time.perf_counter()
-    reference_cfg, cases, notes = plan_config(cfg, layouts, steps=steps, dtype=dtype,
-                                              nproc=nproc)
+    with quiet_logs():  # (transformers and peft import torchao, which logs its own loading)
+        reference_cfg, cases, notes = plan_config(cfg, layouts, steps=steps, dtype=dtype,
+                                                  nproc=nproc)
     from meshfit.distributed import init
     from meshfit.train.verify_runs import config_rank, quiet, run_config
 
