@@ -79,8 +79,9 @@ under SGD).
 In float32 the same bound exceeds 1: Adam can turn float32 rounding of a gradient element near
 eps into a difference of a whole step, so nothing is proven about such elements, and
 `--dtype float32` compares against the bound without Adam's eps, N K u (1.8e-2 for 3 steps): a
-screen, not a proof (measured on correct layouts: <= 1.0e-3 (parameters), <= 8e-8 (losses);
-the mistakes above: 1 to 2).
+screen, not a proof (measured on correct layouts: up to 1.0e-3 on the small models, 3.5e-3 on
+the README's factory model under tp=2 (parameters), <= 9e-8 (losses); the mistakes above: 1 to
+2). A correct layout of a larger model may exceed it in float32: float64 decides.
 What a tolerance cannot see well: Adam is invariant to a constant scale of the gradients, so a
 sum in place of a mean over the data-parallel ranks, or a norm clipped over part of the model,
 changes AdamW's steps only through eps (measured: 1.5e-8 relative with clipped gradients,
