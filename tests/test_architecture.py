@@ -214,7 +214,7 @@ TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
               "meshfit.parallel", "meshfit.parallel.options", "meshfit.parallel.layout",
               "meshfit.parallel.rules", "meshfit.parallel.costs", "meshfit.parallel.mesh",
               "meshfit.parallel.request", "meshfit.parallel.pp", "meshfit.parallel.pp.bubble",
-              "meshfit._lazy", "meshfit.data", "meshfit.data.corpus"]
+              "meshfit._lazy", "meshfit.data", "meshfit.data.corpus", "meshfit.cli.verify"]
 
 
 def test_config_modules_import_no_torch_at_load():

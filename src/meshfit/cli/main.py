@@ -20,6 +20,7 @@ from meshfit.cli.calibrate import cmd_calibrate
 from meshfit.cli.generate import cmd_eval, cmd_export, cmd_generate, cmd_pipeline_chart, cmd_plot
 from meshfit.cli.launch import cmd_launch, cmd_train
 from meshfit.cli.plan import cmd_estimate, cmd_plan
+from meshfit.cli.verify import cmd_verify
 
 PACKAGES = ("numpy", "safetensors", "transformers", "accelerate", "peft", "datasets",
             "tokenizers", "torchao", "bitsandbytes", "matplotlib", "tensorboard", "wandb",
@@ -127,7 +128,7 @@ def cmd_env(argv: list[str]) -> int:
 COMMANDS = {"launch": cmd_launch, "train": cmd_train, "export": cmd_export,
             "pipeline-chart": cmd_pipeline_chart, "generate": cmd_generate, "eval": cmd_eval,
             "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate,
-            "plot": cmd_plot, "env": cmd_env}
+            "plot": cmd_plot, "env": cmd_env, "verify": cmd_verify}
 SUMMARIES = {  # one line per command for ``meshfit --help`` (a test checks each has one)
     "launch": "start a script on N processes per node (torchrun; accelerate launch's flags; "
               "SLURM)",
@@ -141,6 +142,7 @@ SUMMARIES = {  # one line per command for ``meshfit --help`` (a test checks each
     "calibrate": "measure this machine's compute, memory and collective speeds for plan",
     "plot": "draw runs' loss, validation loss, throughput and memory against tokens",
     "env": "versions, devices and backends to paste into a bug report",
+    "verify": "check layouts against one process: the same steps, losses and weights compared",
 }
 
 

@@ -1,0 +1,213 @@
+"""What each process of `meshfit verify` runs (`meshfit.train.verify` decides what to run and
+compares): `run_config`, a `meshfit train` configuration's first optimizer steps through the
+trainer's own code, and `run_loop`, a user's step function on `Accelerator`. Both return the
+per-step losses (the mean over the data-parallel ranks, on every rank) and, on global rank
+0, the whole model's state dict at the end (and, for the reference, at the start), gathered
+from the layout's shards under the model's own names (`Accelerator.get_state_dict`: FSDP and
+tensor-parallel shards gathered, pipeline stages joined, regrouped projections put back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Callable
+
+import torch
+
+from meshfit._quiet import quiet_logs
+from meshfit.accelerator import Accelerator
+from meshfit.distributed import DistEnv, init
+from meshfit.train import tokens
+from meshfit.train.config import RunConfig
+from meshfit.train.models import build_model, plans, resolve_plan
+from meshfit.train.steps import prepare_steps
+from meshfit.train.trainer import (_batches, _optimizer_step, _train_loader, build_accelerator,
+                                   build_optimizer, lr_lambda)
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def no_dropout(model: torch.nn.Module) -> int:
+    """Dropout off everywhere in `model`: `nn.Dropout` modules, float attributes named
+    ``*dropout*`` / ``*pdrop*`` (the reference GPT's attention, transformers' attention
+    modules) and those of a transformers config; returns how many were above 0."""
+    found = 0
+
+    def zero(obj) -> int:
+        n = 0
+        for name, value in list(vars(obj).items()):
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
+                setattr(obj, name, 0.0)
+                n += 1
+        return n
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p = 0.0
+            found += 1
+        found += zero(module)
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "__dict__"):
+            found += zero(config)
+    return found
+
+
+class _StepLosses:
+    """The trainer's metrics window as far as verify needs it: a step's micro-batch losses."""
+
+    def __init__(self):
+        self.losses: list[torch.Tensor] = []
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss.detach().double())
+
+
+def _watch_gradients(optimizer: torch.optim.Optimizer) -> dict[str, float | None]:
+    """The optimizer's eps (Adam's; None for other optimizers) and, filled in before each of
+    its steps, the largest gradient element it is given (the tolerance's G)."""
+    eps = optimizer.param_groups[0].get("eps") if optimizer.param_groups else None
+    seen = {"max_grad": 0.0, "eps": float(eps) if isinstance(eps, float) and eps > 0 else None}
+
+    def before_step(opt, args, kwargs) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.numel():
+                    seen["max_grad"] = max(seen["max_grad"], float(p.grad.detach().abs().max()))
+
+    optimizer.register_step_pre_hook(before_step)
+    return seen
+
+
+def _state(acc: Accelerator, module, copy: bool) -> dict[str, torch.Tensor]:
+    """The whole state dict on rank 0 ({} elsewhere); `copy`: detached from the live tensors
+    (on one process `get_state_dict` hands out the parameters themselves)."""
+    state = acc.get_state_dict(module)
+    return {k: v.detach().clone() for k, v in state.items()} if copy else state
+
+
+def run_config(cfg: RunConfig, steps: int, dtype: str, env: DistEnv | None = None, *,
+               reference: bool = False) -> dict[str, Any]:
+    """`steps` optimizer steps of `cfg`'s run, as `meshfit.train.trainer.train` makes them
+    (the same model, data order, accumulation, clipping, optimizer and schedule), the model
+    in `dtype` with dropout off. Call on every rank of the layout."""
+    env = env or init()
+    t = cfg.train
+    splits = tokens.load_tokens(cfg)
+    torch.manual_seed(t.seed)
+    model = build_model(cfg, splits.vocab_size)
+    dropouts = no_dropout(model)
+    model = model.to(DTYPES[dtype])
+    acc = build_accelerator(cfg, env, tp_plan=resolve_plan(plans(cfg)[0], model))
+    chunks = cfg.microbatches(env.world_size)
+    trained = prepare_steps(acc, cfg, model, chunks)
+    optimizer = build_optimizer(trained.params, cfg)
+    seen = _watch_gradients(optimizer) if reference else {}
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    loader = _train_loader(cfg, splits, t.micro_batch_size * chunks, acc.device)
+    optimizer, loader, scheduler = acc.prepare(optimizer, loader, schedule)
+    initial = _state(acc, trained.exported, copy=True) if reference else None
+    window = _StepLosses()
+    loop = types.SimpleNamespace(cfg=cfg, acc=acc, trained=trained, optimizer=optimizer,
+                                 scheduler=scheduler, accum=acc.gradient_accumulation_steps,
+                                 batches=_batches(loader), window=window)
+    losses = []
+    for _ in range(steps):
+        window.losses = []
+        _optimizer_step(loop, logged=False)  # the trainer's step, as `meshfit train` runs it
+        mine = torch.stack(window.losses).mean().to(acc.device)  # this rank's micro-batches
+        losses.append(float(acc.reduce(mine, "mean")))  # tp/pp ranks hold the same value
+    final = _state(acc, trained.exported, copy=reference)
+    acc.wait_for_everyone()
+    return {"losses": losses, "initial": initial, "final": final, "dropouts": dropouts,
+            "device": str(acc.device), **seen}
+
+
+def _share(batch, dp: int, rank: int, dtype: torch.dtype, device: torch.device):
+    """Data-parallel rank `rank` of `dp`'s contiguous share of the rows of every tensor in
+    `batch` (a tensor, or a tuple/list/dict of them), floating tensors in `dtype`."""
+    if isinstance(batch, torch.Tensor):
+        n = batch.shape[0] // dp
+        part = batch[rank * n:(rank + 1) * n]
+        if part.is_floating_point():
+            part = part.to(dtype)
+        return part.to(device)
+    if isinstance(batch, dict):
+        return {k: _share(v, dp, rank, dtype, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_share(v, dp, rank, dtype, device) for v in batch)
+    return batch
+
+
+def default_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """`compare_layouts`' optimizer when none is given: AdamW, lr 1e-3, torch's defaults."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def run_loop(step_fn: Callable, build: Callable, batches: list, request: dict, steps: int,
+             dtype: str, make_optimizer: Callable, accelerator_kwargs: dict,
+             pipeline_plan=None, env: DistEnv | None = None, *,
+             reference: bool = False) -> dict[str, Any]:
+    """`steps` calls of ``step_fn(acc, model, optimizer, batch)`` under the layout of
+    `request` (`meshfit.parallel.request.LayoutRequest`'s fields), each on this
+    data-parallel rank's share of one global batch. Call on every rank of the layout."""
+    env = env or init()
+    options = dict(request)
+    sizes = {k: options.pop(k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+             if k in options}
+    pipe = {k: options.pop(k) for k in ("schedule", "microbatches", "virtual_stages")
+            if k in options}
+    from meshfit import ParallelDims
+
+    acc = Accelerator(parallel=ParallelDims(**sizes), env=env, **options,
+                      **(accelerator_kwargs or {}))
+    torch.manual_seed(0)
+    model = build().to(DTYPES[dtype])
+    dropouts = no_dropout(model)
+    if acc.parallel.pp > 1:
+        prepared = acc.prepare_pipeline(model, schedule=pipe.get("schedule", "1f1b"),
+                                        microbatches=pipe.get("microbatches") or acc.parallel.pp,
+                                        virtual_stages=pipe.get("virtual_stages"),
+                                        plan=pipeline_plan)
+    else:
+        prepared = acc.prepare(model)
+    optimizer = make_optimizer(prepared)
+    seen = _watch_gradients(optimizer) if reference else {}
+    optimizer = acc.prepare(optimizer)
+    initial = _state(acc, prepared, copy=True) if reference else None
+    dp, rank = acc.runtime.dp_size, acc.runtime.dp_rank
+    losses = []
+    for batch in batches[:steps]:
+        loss = step_fn(acc, prepared, optimizer, _share(batch, dp, rank, DTYPES[dtype],
+                                                        acc.device))
+        mine = torch.as_tensor(loss).detach().double().reshape(()).to(acc.device)
+        losses.append(float(acc.reduce(mine, "mean")))
+    final = _state(acc, prepared, copy=reference)
+    acc.wait_for_everyone()
+    return {"losses": losses, "initial": initial, "final": final, "dropouts": dropouts,
+            "device": str(acc.device), **seen}
+
+
+@contextlib.contextmanager
+def quiet():
+    """Without torchao's import noise (transformers and peft import it) and DTensor's advice
+    on 2-D meshes (two collectives where one would do, logged by every rank at every
+    gradient norm and gather): about the libraries, not about the comparison."""
+    with quiet_logs(), quiet_logs(("torch.distributed.tensor._redistribute",)):
+        yield
+
+
+def config_rank(rank: int, world_size: int, cfg: RunConfig, steps: int, dtype: str) -> dict:
+    """One rank of a layout's run of a configuration (`meshfit.distributed.spawn`'s target);
+    only rank 0's result carries the state dict."""
+    with quiet():
+        out = run_config(cfg, steps, dtype)
+    return out if rank == 0 else {"losses": out["losses"]}
+
+
+def loop_rank(rank: int, world_size: int, spec: dict) -> dict:
+    """One rank of a layout's run of a user's loop (`meshfit.distributed.spawn`'s target)."""
+    with quiet():
+        out = run_loop(**spec)
+    return out if rank == 0 else {"losses": out["losses"]}
