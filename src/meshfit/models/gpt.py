@@ -394,7 +394,10 @@ class GPT(nn.Module):
         """Sum of the MoE blocks' auxiliary losses from the last forward; None if dense."""
         losses = [m.last_aux_loss for m in self.moe_layers().values()
                   if m.last_aux_loss is not None]
-        return torch.stack([a.float() for a in losses]).sum() if losses else None
+        if not losses:
+            return None
+        dtype = torch.promote_types(losses[0].dtype, torch.float32)  # fp32 at least; fp64 kept
+        return torch.stack([a.to(dtype) for a in losses]).sum()
 
     @torch.no_grad()
     def moe_stats(self) -> dict[str, float | int]:
