@@ -6,8 +6,8 @@ Every `import` and `from ... import` statement counts, also the ones inside func
 deferred import is still a dependency). Layers, bottom to top:
 
     0  meshfit._quiet, meshfit._files,         processes, devices, mesh axes, collectives,
-       meshfit._lazy, meshfit.distributed      the spawner; files written atomically; names
-                                               imported on first use
+       meshfit._lazy, meshfit._torchao,        the spawner; files written atomically; names
+       meshfit.distributed                     imported on first use; the torchao of a torch
     1  meshfit.models, meshfit.data            models with their plans as data; token data
     2  meshfit.parallel, optim, memory, peft,  the techniques; distributed checkpoints;
        meshfit.checkpoint, meshfit.plan,       memory estimates and the layout planner;
@@ -27,6 +27,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [("meshfit._quiet", 0), ("meshfit._files", 0), ("meshfit._lazy", 0),
+          ("meshfit._torchao", 0),
           ("meshfit.distributed", 0), ("meshfit.models", 1),
           ("meshfit.data", 1), ("meshfit.parallel", 2), ("meshfit.optim", 2),
           ("meshfit.optim_names", 2), ("meshfit.memory", 2), ("meshfit.peft", 2),

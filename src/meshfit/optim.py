@@ -216,8 +216,13 @@ def _adamw_8bit(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
                          'pip install "meshfit[optim]"')
     from meshfit._quiet import quiet_logs
 
-    with quiet_logs():
-        from torchao.optim import AdamW8bit  # first step compiles (~50 s cold on a CPU)
+    try:
+        with quiet_logs():
+            from torchao.optim import AdamW8bit  # first step compiles (~50 s cold on a CPU)
+    except ImportError as err:  # installed, but a release made for another torch
+        from meshfit._torchao import torchao_error
+
+        raise torchao_error("optimizer='adamw_8bit'", err) from None
     return AdamW8bit(groups, **args)
 
 

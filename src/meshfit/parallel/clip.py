@@ -44,11 +44,27 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, *, coun
             dist.all_reduce(total, group=across)
             total = total.pow(1.0 / norm_type)
         total = total.to(dtype)
-    for group in _by_mesh(params, lambda p: p.grad).values():
+    partial = [p for p in params if _is_partial(p.grad)]
+    for group in _by_mesh([p for p in params if not _is_partial(p.grad)],
+                          lambda p: p.grad).values():
         # one call per mesh: the foreach multiply refuses DTensors of different meshes
         # (expert parallelism puts the experts on the ep mesh, the rest on dp_shard)
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    if partial:
+        # Gradients still Partial (a norm's weight under sequence parallel: each tp rank's
+        # sum over its part of the sequence) are scaled one by one: torch 2.11's foreach
+        # multiply leaves a Partial DTensor as it was (measured: x2 stays x2), while the
+        # in-place multiply of one tensor scales its local part on every torch.
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as clip_grads_with_norm_
+        for p in partial:
+            p.grad.mul_(coef.to(p.grad.device))
     return total
+
+
+def _is_partial(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor) and any(pl.is_partial() for pl in t.placements)
 
 
 def _by_mesh(items, tensor_of=lambda t: t) -> dict:

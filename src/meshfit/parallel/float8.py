@@ -87,14 +87,20 @@ def apply_float8(model: nn.Module, recipe: str = "rowwise", *,
         raise ValueError(f"float8_recipe={recipe!r} is not one of {', '.join(FLOAT8_RECIPES)}")
     if not emulate:
         check_float8_device(device if device is not None else "cpu")
+    import importlib.util
+
     from meshfit._quiet import quiet_logs
 
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError("float8=True needs torchao (pip install torchao, or meshfit[optim]); "
+                         "or set float8=False")
     try:
         with quiet_logs():  # torchao's notes on extensions it cannot load here
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        raise ValueError("float8=True needs torchao (pip install torchao, or meshfit[optim]); "
-                         "or set float8=False") from None
+    except ImportError as err:  # installed, but a release made for another torch
+        from meshfit._torchao import torchao_error
+
+        raise torchao_error("float8=True", err) from None
     keep = float8_filter(model)
     count = sum(keep(m, n) for n, m in model.named_modules())
     if count == 0:
