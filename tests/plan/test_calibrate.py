@@ -181,10 +181,12 @@ def test_two_gloo_ranks_write_a_calibration(tmp_path, subprocess_env):
         raw = c.raw["collectives"][kind]
         assert len(raw["nbytes"]) == len(raw["seconds"]) == 3 and "r2" in raw
         assert good(c.collective_time(kind, 1 << 20, 2))
-    for d in ("fp32", "bf16", "fp16"):  # the training steps: each term possible
+    assert c.train_step["fp16"] is None  # (timed on CUDA only)
+    for d in ("fp32", "bf16"):  # the training steps: each term possible
         step = c.train_step[d]
         assert good(step.flops) and step.flops <= c.peak_flops(d) * (1 + 1e-12)
-        assert step.step_overhead >= 0 and step.block_overhead >= 0
+        assert min(step.step_overhead, step.block_overhead, step.token_width,
+                   step.attention_scores) >= 0
         assert good(step.optimizer_per_param)
-        assert len(c.raw["train_step"][d]["rows"]) == 5
+        assert len(c.raw["train_step"][d]["rows"]) == 8
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []

@@ -66,12 +66,21 @@ def test_offload_host_memory_is_printed_and_checked(capsys):
 
 
 def test_step_fit_recovers_known_coefficients_and_never_beats_the_matmul():
-    rows = [{"n_layer": n, "flops": f,
-             "seconds": 0.002 + 0.001 * n + f / 5e10} for n, f in
-            ((2, 1e8), (6, 3e8), (2, 1.5e9), (4, 2e10), (2, 2.3e10))]
+    """Seconds made from known coefficients of every term (`STEP_TERMS`) at the shapes
+    `meshfit calibrate` times: the fit gives them back."""
+    from meshfit.plan.calibrate import _STEP_SHAPES, step_columns
+
+    truth = [0.002, 0.001, 1e-7, 2e-9, 1 / 5e10]
+    rows = []
+    for d, layers, seq, batch in _STEP_SHAPES:
+        flops = 6 * 12 * d * d * layers * batch * seq  # any positive FLOPs will do
+        cols = step_columns(d_model=d, n_layer=layers, seq_len=seq, tokens=batch * seq,
+                            heads=max(1, d // 32), flops=flops)
+        rows.append({"d_model": d, "n_layer": layers, "seq_len": seq, "batch": batch,
+                     "flops": flops, "seconds": sum(c * x for c, x in zip(truth, cols))})
     fit = _fit_step(rows, peak=1e11)
-    assert fit["step_overhead"] == pytest.approx(0.002, rel=1e-6)
-    assert fit["block_overhead"] == pytest.approx(0.001, rel=1e-6)
+    assert [fit[k] for k in ("step_overhead", "block_overhead", "token_width",
+                             "attention_scores")] == pytest.approx(truth[:4], rel=1e-6)
     assert fit["flops"] == pytest.approx(5e10, rel=1e-6)
     assert fit["max_relative_error"] < 1e-8
     capped = _fit_step(rows, peak=2e10)  # a matmul slower than the fit: the rate is capped

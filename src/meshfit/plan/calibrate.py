@@ -19,9 +19,9 @@ The file (schema 1)::
      "collectives": {"all_reduce": {"bus_bandwidth": B, "latency": s},
                      "all_gather": {...}, "reduce_scatter": {...},
                      "all_to_all": {...}, "send_recv": {...}},
-     "train_step": {"fp32": {"step_overhead": s, "block_overhead": s,  # optional: older
-                             "flops": F, "optimizer_per_param": s},  # files lack it
-                    ...},
+     "train_step": {"fp32": {"step_overhead": s, "block_overhead": s,   # optional: older
+                             "token_width": s, "attention_scores": s,  # files lack it
+                             "flops": F, "optimizer_per_param": s}, ...},
      "raw": {...}}
 
 * ``matmul_flops``: achieved FLOP/s (2·n³ per n×n matmul) of one process while all N run
@@ -42,15 +42,15 @@ The file (schema 1)::
   with a negative latency is redone through the origin. With N=1 nothing is measured:
   both figures are null.
 * ``train_step``: what a training step achieves, which a bare matmul does not tell: per
-  dtype, the forward and backward of the reference GPT at five shapes (widths 64 to 256,
-  2 to 6 blocks; fp32 weights, autocast for bf16/fp16), all N processes at once, fitted by
-  least squares on relative errors to ``seconds = step_overhead + block_overhead · blocks +
-  FLOPs / flops``: the two overheads are the seconds of a micro-batch and of one block's
-  forward and backward that do not scale with FLOPs (the framework, kernel launches,
-  memory-bound elementwise work), ``flops`` the FLOP/s of the rest, at most the fastest
-  matmul;
-  ``optimizer_per_param``: the seconds per parameter of one AdamW step (foreach) on the
-  largest shape. null where the dtype cannot run here.
+  dtype, the forward and backward of the reference GPT at eight shapes (widths 64 to 256,
+  2 to 6 blocks, 64 to 256 positions; fp32 weights, autocast for bf16, fp16 on CUDA only),
+  all N processes at once, fitted by least squares on relative errors to ``seconds =
+  step_overhead + block_overhead · blocks + token_width · tokens · width · blocks +
+  attention_scores · tokens · positions · heads · blocks + FLOPs / flops`` (`STEP_TERMS`):
+  what a micro-batch and a block cost besides their FLOPs (the framework, kernel launches),
+  the memory-bound elementwise work, the attention scores, and the FLOP/s of the matrix
+  products (at most the fastest matmul); ``optimizer_per_param``: the seconds per parameter
+  of one AdamW step (foreach) on the largest shape. null where the dtype is not timed.
 * ``raw``: the per-size timings every figure came from, and each fit's R² (on the times)
   and largest relative error under ``raw.collectives.<kind>.r2`` / ``.max_relative_error``.
 """
@@ -69,8 +69,8 @@ from typing import Any
 
 from meshfit._files import atomic_write_text
 
-__all__ = ["DTYPES", "KINDS", "SCHEMA", "Calibration", "CollectiveFit", "TrainStepFit",
-           "bus_factor",
+__all__ = ["DTYPES", "KINDS", "SCHEMA", "STEP_TERMS", "Calibration", "CollectiveFit",
+           "TrainStepFit", "bus_factor", "step_columns",
            "fit_latency_bandwidth", "load_calibration", "measure"]
 
 SCHEMA = 1
@@ -112,6 +112,17 @@ class TrainStepFit:
     flops: float
     optimizer_per_param: float
     step_overhead: float = 0.0
+    token_width: float = 0.0
+    attention_scores: float = 0.0
+
+    def seconds(self, *, d_model: int, n_layer: float, seq_len: int, tokens: float,
+                heads: float, flops: float) -> float:
+        """One micro-batch's forward and backward (`step_columns`' terms)."""
+        cols = step_columns(d_model=d_model, n_layer=n_layer, seq_len=seq_len, tokens=tokens,
+                            heads=heads, flops=flops)
+        coef = (self.step_overhead, self.block_overhead, self.token_width,
+                self.attention_scores, 1.0 / self.flops)
+        return sum(c * x for c, x in zip(coef, cols))
 
 
 @dataclass(frozen=True)
@@ -215,10 +226,12 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
         fits = {}
         for d in DTYPES:
             entry = steps.get(d)
-            keys = ("block_overhead", "flops", "optimizer_per_param", "step_overhead")
+            keys = ("block_overhead", "flops", "optimizer_per_param")
+            extra = ("step_overhead", "token_width", "attention_scores")  # 0 when absent
             if isinstance(entry, dict) and all(_number(entry.get(k)) for k in keys) \
-                    and entry["flops"] > 0:
-                fits[d] = TrainStepFit(*(float(entry[k]) for k in keys))
+                    and entry["flops"] > 0 and all(_number(entry.get(k, 0.0)) for k in extra):
+                fits[d] = TrainStepFit(**{k: float(entry[k]) for k in keys},
+                                       **{k: float(entry.get(k, 0.0)) for k in extra})
             elif entry is None:
                 fits[d] = None
             else:
@@ -424,27 +437,42 @@ def _collectives(r: _Ranks, sizes: tuple[int, ...]) -> tuple[dict, dict]:
     return fits, raw
 
 
-_STEP_SHAPES = ((64, 2, 64, 2), (64, 6, 64, 2), (128, 2, 128, 4), (256, 4, 128, 8),
-                (256, 2, 256, 8))
-"""(d_model, n_layer, seq_len, batch) of the reference GPT the training steps are timed on."""
+_STEP_SHAPES = ((64, 2, 64, 8), (64, 6, 64, 8), (128, 2, 256, 8), (128, 4, 128, 8),
+                (256, 2, 128, 8), (256, 4, 256, 4), (64, 2, 256, 8), (192, 3, 192, 4))
+"""(d_model, n_layer, seq_len, batch) of the reference GPT the training steps are timed on:
+widths, depths and lengths varied apart, so that each term of the fit is seen."""
+STEP_TERMS = ("step_overhead", "block_overhead", "token_width", "attention_scores", "flops")
+"""The fit's terms, each a column of `step_columns`: seconds per micro-batch, per block, per
+token x width x block (memory-bound elementwise work: norms, activations, residuals), per
+token x position x head x block (the attention score matrices), and FLOPs at the rate
+``flops`` (FLOP/s)."""
+
+
+def step_columns(*, d_model: int, n_layer: float, seq_len: int, tokens: float, heads: float,
+                 flops: float) -> list[float]:
+    """The fit's regressors for one micro-batch of `tokens` tokens on `n_layer` blocks."""
+    return [1.0, n_layer, tokens * d_model * n_layer, tokens * seq_len * heads * n_layer,
+            flops]
 
 
 def _train_steps(r: _Ranks, flops: dict) -> tuple[dict, dict]:
-    """Per dtype that ran a matmul: the training-step fit (module docstring) and its rows."""
+    """Per dtype that ran a matmul: the training-step fit (module docstring) and its rows.
+    fp16 is timed on CUDA only (on a CPU its autocast is an emulation nobody trains with)."""
     torch = r.torch
     from meshfit.models import GPT, GPTConfig
 
     dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     fits, raw = {}, {}
     for name, dtype in dtypes.items():
-        if flops.get(name) is None:
+        if flops.get(name) is None or (name == "fp16" and r.device.type != "cuda"):
             fits[name] = None
             continue
         rows = []
         for d, layers, seq, batch in _STEP_SHAPES:
             torch.manual_seed(0)
-            model = GPT(GPTConfig(vocab_size=256, d_model=d, n_layer=layers,
-                                  n_head=max(1, d // 32), d_ff=4 * d, max_seq_len=seq))
+            heads = max(1, d // 32)
+            model = GPT(GPTConfig(vocab_size=256, d_model=d, n_layer=layers, n_head=heads,
+                                  d_ff=4 * d, max_seq_len=seq))
             model.to(r.device)
             x = torch.randint(0, 256, (batch, seq + 1), device=r.device)
 
@@ -455,8 +483,9 @@ def _train_steps(r: _Ranks, flops: dict) -> tuple[dict, dict]:
                 for p in model.parameters():
                     p.grad = None
 
-            seconds, iters = r.time(fwd_bwd, target=0.1, repeats=3, warmup=1)
+            seconds, iters = r.time(fwd_bwd, target=0.05, repeats=3, warmup=1)
             rows.append({"d_model": d, "n_layer": layers, "seq_len": seq, "batch": batch,
+                         "heads": heads,
                          "flops": model.config.flops_per_token(seq) * batch * seq,
                          "seconds": seconds, "iters": iters})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -473,31 +502,40 @@ def _train_steps(r: _Ranks, flops: dict) -> tuple[dict, dict]:
 
 
 def _fit_step(rows: list[dict], peak: float) -> dict[str, float]:
-    """Least squares (weights 1/seconds²: relative errors) of seconds = overhead + a ·
-    n_layer + flops / R over the rows, every term >= 0 and R at most `peak`."""
+    """Least squares on relative errors (weights 1/seconds) of the rows' seconds against
+    `step_columns`, every coefficient >= 0 (a negative one is dropped and the rest refitted)
+    and the FLOP rate at most `peak`."""
     import numpy as np
 
-    X = np.array([[1.0, row["n_layer"], row["flops"]] for row in rows])
-    t = np.array([row["seconds"] for row in rows])
+    X = np.array([step_columns(d_model=r["d_model"], n_layer=r["n_layer"],
+                               seq_len=r["seq_len"], tokens=r["batch"] * r["seq_len"],
+                               heads=r.get("heads", max(1, r["d_model"] // 32)),
+                               flops=r["flops"]) for r in rows])
+    t = np.array([r["seconds"] for r in rows])
     w = 1.0 / t
-    scale = X.max(axis=0)  # columns of one size: FLOPs are ~1e10 times the others
-    free = [0, 1, 2]
-    coef = np.zeros(3)
-    while free:  # drop a term that comes out negative, refit the rest
-        sol, *_ = np.linalg.lstsq(X[:, free] / scale[free] * w[:, None], t * w, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0
-            coef[free] = sol / scale[free]
-            break
-        free.pop(int(np.argmin(sol)))
-    if coef[2] < 1.0 / peak:  # no faster than the fastest matmul: refit the overheads
-        coef[2] = 1.0 / peak
-        rest = t - X[:, 2] * coef[2]
-        sol, *_ = np.linalg.lstsq(X[:, :2] * w[:, None], rest * w, rcond=None)
-        coef[:2] = np.maximum(sol, 0.0)
+    scale = X.max(axis=0)  # columns of one size (FLOPs are ~1e10 times the intercept)
+    last = len(STEP_TERMS) - 1
+
+    def solve(free, target):
+        coef = np.zeros(len(STEP_TERMS))
+        while free:  # drop a term that comes out negative, refit the rest
+            sol, *_ = np.linalg.lstsq(X[:, free] / scale[free] * w[:, None], target * w,
+                                      rcond=None)
+            if (sol >= 0).all():
+                coef[free] = sol / scale[free]
+                return coef
+            free = [f for k, f in enumerate(free) if k != int(np.argmin(sol))]
+        return coef
+
+    coef = solve(list(range(len(STEP_TERMS))), t)
+    if coef[last] < 1.0 / peak:  # no faster than the fastest matmul: the rest refitted
+        coef = solve(list(range(last)), t - X[:, last] / peak)
+        coef[last] = 1.0 / peak
     err = float(np.max(np.abs(X @ coef - t) / t))
-    return {"step_overhead": float(coef[0]), "block_overhead": float(coef[1]),
-            "flops": float(1.0 / coef[2]), "max_relative_error": err}
+    out = dict(zip(STEP_TERMS, (float(c) for c in coef)))
+    out["flops"] = float(1.0 / coef[last])
+    out["max_relative_error"] = err
+    return out
 
 
 def measure(out: Path, sizes: tuple[int, ...] | None = None,

@@ -85,10 +85,10 @@ class Cluster:
         fit = self.step_fit(dtype)
         if fit is not None:
             compute = (f"measured training steps ({self.calibration.device}, profile): "
-                       f"{fit.step_overhead * 1e3:.2f} ms per micro-batch + "
-                       f"{fit.block_overhead * 1e3:.2f} ms per block + FLOPs at "
-                       f"{fit.flops / 1e9:.1f} GFLOP/s; AdamW {fit.optimizer_per_param * 1e9:.2f}"
-                       " ns per parameter")
+                       f"{fit.step_overhead * 1e3:.2f} ms per micro-batch, "
+                       f"{fit.block_overhead * 1e3:.2f} ms per block, elementwise and "
+                       f"attention-score terms, FLOPs at {fit.flops / 1e9:.1f} GFLOP/s; AdamW "
+                       f"{fit.optimizer_per_param * 1e9:.2f} ns per parameter")
         elif self.calibration is not None:
             compute = (f"measured matmul ({self.calibration.device}, profile): "
                        f"{self.flops(dtype) / 1e12:.3g} TFLOP/s, no framework overhead (a "
@@ -181,9 +181,12 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
     fit = cluster.step_fit(dtype)
     if fit is None:
         compute = flops * recompute / (cluster.world_size * cluster.flops(dtype))
-    else:  # measured steps: the framework's overheads + FLOPs at the achieved rate
-        compute = (micro * (fit.step_overhead + fit.block_overhead * blocks * recompute)
-                   + flops * recompute / (cluster.world_size * fit.flops))
+    else:  # measured steps, each term of the fit for this rank's share of a micro-batch
+        per_micro = fit.seconds(
+            d_model=shape.d_model, n_layer=blocks * recompute, seq_len=seq_len,
+            tokens=layout.micro_batch_size * seq_len / T, heads=shape.n_head,
+            flops=flops * recompute / (cluster.world_size * micro))
+        compute = micro * per_micro
     # never below the FLOPs bound (so MFU <= 100%)
     compute = max(compute, flops * recompute / (cluster.world_size * cluster.peak_flops(dtype)))
     m = layout.microbatches if P > 1 else 1
