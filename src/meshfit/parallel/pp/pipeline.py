@@ -43,6 +43,7 @@ class Pipeline:
         self.has_first = 0 in self.stage_indices
         self.has_last = num_stages - 1 in self.stage_indices
         self.device = stages[0].device
+        self._trained = False  # the schedule has run a step with backward (see eval_loss)
 
     def record_timings(self, on: bool) -> None:
         """Start or stop appending per-micro-batch timings to `timings` (built with
@@ -133,6 +134,7 @@ class Pipeline:
             for m in moes:
                 m.aux_grad_scale = None
         self._step_info["step"] += 1
+        self._trained = True
         self._sum_tied_grads(before)
         return self._broadcast_loss(losses) / scale
 
@@ -150,8 +152,13 @@ class Pipeline:
         not recorded. Forward only through the schedule's `eval`, except under zero_bubble:
         torch 2.13's eval of the V-shaped schedule fails where a rank hands a micro-batch
         to its own second stage ("can't steal_bwd_input if this stage doesn't have
-        backward"), so there a full step runs and its gradients are dropped."""
-        by_step = self.schedule_name == "zero_bubble"
+        backward"), so there a full step runs and its gradients are dropped. The same is
+        done for an evaluation before the first training step on a schedule that does not
+        re-initialise its stages when it switches from eval to training (torch 2.11: the
+        stages keep receive buffers that need no gradient, and the first training step then
+        fails with "for chunk 0 has gradients None and is expecting to send gradients")."""
+        by_step = self.schedule_name == "zero_bubble" or (
+            not self._trained and not _switches_modes(self.schedule))
         if not by_step and not hasattr(self.schedule, "eval"):
             raise RuntimeError(f"torch {torch.__version__}'s pipeline schedules have no eval(); "
                                "upgrade torch to evaluate a pipeline")
@@ -176,6 +183,7 @@ class Pipeline:
             if by_step:
                 for p in self.parameters():
                     p.grad = None
+        self._trained = self._trained or by_step
         return self._broadcast_loss(losses)
 
     def _inputs(self, inputs, targets):
@@ -189,8 +197,10 @@ class Pipeline:
             if needed and t is None:
                 raise ValueError(f"{what}=None on pp rank {self.pp_rank}, which holds stage(s) "
                                  f"{self.stage_indices}; pass the batch's {what} on every rank")
-        args = (inputs.to(self.device),) if self.has_first else ()
-        target = targets.to(self.device) if self.has_last else None
+        # Contiguous: torch 2.11's stages check each micro-batch's strides against those of
+        # the first ("stride mismatch: expected (256, 1) actual (257, 1)" for x = w[:, :-1]).
+        args = (inputs.to(self.device).contiguous(),) if self.has_first else ()
+        target = targets.to(self.device).contiguous() if self.has_last else None
         if isinstance(self._loss_fn, TokenCrossEntropy) and self.has_last:
             self._loss_fn.count = (target != self._loss_fn.ignore_index).sum()
         return args, target
@@ -267,6 +277,13 @@ class Pipeline:
                 return None  # asked again next step (every rank agrees: nothing cached)
             self._tie_shapes[i] = mine
         return self._tie_shapes[i]
+
+
+def _switches_modes(schedule) -> bool:
+    """Whether the torch schedule re-initialises its stages when it goes from eval to
+    training (torch 2.13's schedules do so in `_initialize_pp_stages`; 2.11's do not). Where
+    this cannot tell, eval_loss takes the path that works either way."""
+    return callable(getattr(schedule, "_initialize_pp_stages", None))
 
 
 def _grad_as_param(p: torch.Tensor) -> torch.Tensor | None:
