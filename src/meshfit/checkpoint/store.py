@@ -242,30 +242,22 @@ def incomplete_reason(folder: Path) -> str | None:
 def skipped(root: Path) -> list[tuple[Path, str]]:
     """The ``step-<N>`` folders under `root` that are not complete checkpoints, and why
     (newest first): what `latest` passed over."""
+    found = [(step, path, incomplete_reason(path)) for step, path in _step_folders(root)]
+    return [(path, why) for _, path, why in sorted(found, reverse=True) if why is not None]
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every ``step-<N>`` folder under `root`, complete or not."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and path.is_dir():
-            reason = incomplete_reason(path)
-            if reason is not None:
-                found.append((int(match.group(1)), path, reason))
-    return [(path, reason) for _, path, reason in sorted(found, reverse=True)]
+    return [(int(m.group(1)), path) for path in root.iterdir()
+            if (m := _STEP_DIR.match(path.name)) and path.is_dir()]
 
 
 def list_complete(root: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every complete ``step-<N>`` checkpoint under `root`, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and path.is_dir() and is_complete(path):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+    return sorted((step, path) for step, path in _step_folders(root) if is_complete(path))
 
 
 def latest(root: Path) -> Path | None:

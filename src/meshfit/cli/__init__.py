@@ -28,3 +28,22 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise ValueError(f"{message} (`{self.prog} --help` lists the options)")
+
+
+def collect_overrides(rest: list[str], options: str, example: str) -> list[str]:
+    """Config overrides in the ``--a.b=v`` and ``--a.b v`` forms; anything else is an error
+    naming it, the command's `options` and an `example` override (``--train.steps=100``)."""
+    out, i = [], 0
+    while i < len(rest):
+        item = rest[i]
+        if not item.startswith("--") or "." not in item.split("=")[0]:
+            raise ValueError(f"unknown argument {item!r}; options are {options} and config "
+                             f"overrides such as {example}")
+        if "=" not in item:
+            if i + 1 >= len(rest):
+                value = example.split("=", 1)[1]
+                raise ValueError(f"override {item!r} needs a value, e.g. {item}={value}")
+            item, i = f"{item}={rest[i + 1]}", i + 1
+        out.append(item)
+        i += 1
+    return out

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 
 from meshfit import launch
-from meshfit.cli import OneLineParser
+from meshfit.cli import OneLineParser, collect_overrides
 
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
@@ -158,19 +158,8 @@ def cmd_train(argv: list[str]) -> int:
 
 def _collect_overrides(rest: list[str]) -> list[str]:
     """``--a.b=v`` and ``--a.b v`` forms; anything else is an error naming it."""
-    out, i = [], 0
-    while i < len(rest):
-        item = rest[i]
-        if not item.startswith("--") or "." not in item.split("=")[0]:
-            raise ValueError(f"unknown argument {item!r}; options are --nproc, --config, --out, "
-                             "--resume, --overwrite and config overrides such as --train.steps=100")
-        if "=" not in item:
-            if i + 1 >= len(rest):
-                raise ValueError(f"override {item!r} needs a value, e.g. {item}=100")
-            item, i = f"{item}={rest[i + 1]}", i + 1
-        out.append(item)
-        i += 1
-    return out
+    return collect_overrides(rest, "--nproc, --config, --out, --resume, --overwrite",
+                             "--train.steps=100")
 
 
 def check_environment(environ=os.environ) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from meshfit.cli import OneLineParser
+from meshfit.cli import OneLineParser, collect_overrides
 
 
 def _parser() -> OneLineParser:
@@ -36,20 +36,8 @@ def _parser() -> OneLineParser:
 
 def _overrides(rest: list[str]) -> list[str]:
     """``--a.b=v`` and ``--a.b v``; anything else is an error naming it."""
-    out, i = [], 0
-    while i < len(rest):
-        item = rest[i]
-        if not item.startswith("--") or "." not in item.split("=")[0]:
-            raise ValueError(f"unknown argument {item!r}; options are --layouts, --steps, "
-                             "--dtype, --nproc, --json, --timeout and config overrides such as "
+    return collect_overrides(rest, "--layouts, --steps, --dtype, --nproc, --json, --timeout",
                              "--train.micro_batch_size=4")
-        if "=" not in item:
-            if i + 1 >= len(rest):
-                raise ValueError(f"override {item!r} needs a value, e.g. {item}=4")
-            item, i = f"{item}={rest[i + 1]}", i + 1
-        out.append(item)
-        i += 1
-    return out
 
 
 def cmd_verify(argv: list[str]) -> int:
