@@ -28,11 +28,13 @@ from meshfit._quiet import quiet_logs
 with quiet_logs():  # peft imports torchao, whose CPU-only import logs warnings
     import peft
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING  # noqa: E402
+import torch
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshfit._files import atomic_write_dir
+from meshfit.checkpoint.pretrained import ADAPTER_VALUES_ATTR, pretrained_folder
 from meshfit.models.gpt import GPT
 
 try:
@@ -80,13 +82,47 @@ def lora(model: nn.Module, r: int = 8, alpha: float = 16,
         target_modules = _default_targets(model)
     config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules,
                              lora_dropout=dropout, **kwargs)
+    on_meta = pretrained_folder(model) is not None
+    if on_meta and config.init_lora_weights not in (True, False, "gaussian"):
+        raise ValueError(f"lora: init_lora_weights={config.init_lora_weights!r} derives the "
+                         "adapters from the base weights, which a model from meta_model(folder) "
+                         "does not hold yet; use the default (True) or 'gaussian'")
     try:
-        return peft.get_peft_model(model, config)
+        wrapped = peft.get_peft_model(model, config)
     except NoMatchingPeftModuleError as e:
         # Raised before any module is replaced, so `model` is left untouched.
         raise ValueError(f"lora: target_modules={target_modules!r} matches no module of "
                          f"{type(model).__name__}; pass names of its nn.Linear modules, "
                          f"e.g. {_linear_names(model)[:8]}") from e
+    if on_meta:
+        _draw_meta_adapters(wrapped)
+    return wrapped
+
+
+def _draw_meta_adapters(model: peft.PeftModel) -> None:
+    """Adapters added to a `meta_model` (its weights still in the folder) are on the meta
+    device too, without values. Draw them now, on the CPU, as peft draws them (its own
+    `reset_lora_parameters`, from the global generator: every rank seeded alike draws the
+    same), and keep them where `load_into` finds them when it fills the model."""
+    from peft.tuners.lora import LoraLayer
+
+    initial = {}
+    for prefix, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        for name in layer.lora_A.keys() | layer.lora_embedding_A.keys():
+            parts = [m[name] for m in (layer.lora_A, layer.lora_B) if name in m]
+            for part in parts:
+                part.to_empty(device="cpu")
+            for table in (layer.lora_embedding_A, layer.lora_embedding_B):
+                if name in table:
+                    table[name] = nn.Parameter(torch.empty_like(table[name], device="cpu"))
+            layer.reset_lora_parameters(name, model.peft_config[name].init_lora_weights)
+            for local, value in layer.named_parameters():
+                if value.device.type == "cpu":
+                    initial[f"{prefix}.{local}"] = value.detach().clone()
+            layer.to("meta")
+    setattr(model.base_model.model, ADAPTER_VALUES_ATTR, initial)
 
 
 def _default_targets(model: nn.Module) -> list[str] | None:

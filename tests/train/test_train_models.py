@@ -113,6 +113,12 @@ def _config(files, case: str, nproc: int):
     elif case == "factory_tp":
         model = {"factory": "mymodels:build", "tp_plan": "mymodels:PLAN"}
         parallel = {"tp": 2, "dp_replicate": 1} if nproc == 2 else {}
+    elif case.startswith("lora_hf_model"):  # LoRA on pretrained weights
+        model = {"hf_model": str(files / "llama")}
+        peft = {"method": "lora", "r": 4, "merge": True}  # peft's Llama default: q/v_proj
+        parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} \
+            if case.endswith("zero3") else {"dp_replicate": 2}
+        parallel = parallel if nproc == 2 else {}
     elif case == "lora_gpt2_zero3":
         model = {"hf_config": str(files / "gpt2")}
         peft = {"method": "lora", "r": 4, "target_modules": ["c_attn", "c_fc"], "merge": True}
@@ -121,7 +127,8 @@ def _config(files, case: str, nproc: int):
                          "peft": peft, "optim": {"optimizer": "adamw", "lr": 1e-2}})
 
 
-CASES = ("hf_model_zero3", "hf_model_pp", "factory_tp", "lora_gpt2_zero3")
+CASES = ("hf_model_zero3", "hf_model_pp", "factory_tp", "lora_gpt2_zero3", "lora_hf_model_ddp",
+         "lora_hf_model_zero3")
 
 
 def _train_cases(rank, world_size, files):
@@ -176,7 +183,8 @@ def test_two_processes_match_one(runs, case):
     assert len(one) == len(two) == STEPS
     for a, b in zip(one, two):
         assert math.isclose(a, b, rel_tol=RTOL), (one, two)
-    assert two[-1] < two[0]  # it trained
+    if not case.startswith("lora_hf_model"):  # (their val_loss is checked to move below)
+        assert two[-1] < two[0]  # it trained
 
 
 def _val_loss(model, cfg, n: int, *, hf: bool) -> float:
@@ -248,6 +256,62 @@ def test_lora_under_zero3_writes_a_peft_adapter_and_the_merged_model(runs):
     merged = transformers.GPT2LMHeadModel.from_pretrained(runs / "lora_gpt2_zero3-2" / "model")
     assert vals[-1] == pytest.approx(_val_loss(merged, cfg, n, hf=True), rel=RTOL)
     assert not any("lora" in k for k in merged.state_dict())
+
+
+def test_lora_on_a_pretrained_folder_starts_from_its_weights(runs):
+    """LoRA on an hf_model folder (one process, DDP and ZeRO-3, each equal to one process
+    above): the base weights are read from the folder under peft's wrapped names, the
+    adapters drawn as peft draws them (B = 0), so the first evaluation is the folder's own
+    model; the adapter loads with PeftModel.from_pretrained onto the folder and the merged
+    model with from_pretrained, both giving the run's last val_loss."""
+    import peft
+    import transformers
+
+    cfg = _config(runs, "lora_hf_model_zero3", 2)
+    n = cfg.eval_windows()
+    original = transformers.LlamaForCausalLM.from_pretrained(runs / "llama")
+    first = _val_loss(original, cfg, n, hf=True)
+    for case in ("lora_hf_model_zero3-2", "lora_hf_model_ddp-2", "lora_hf_model_zero3-1"):
+        _, vals = _losses(runs / case)
+        assert vals[0] == pytest.approx(first, rel=RTOL), case
+        assert abs(vals[-1] - vals[0]) > 1e-3, case  # the adapters trained
+        base = transformers.LlamaForCausalLM.from_pretrained(runs / "llama")
+        adapted = peft.PeftModel.from_pretrained(base, runs / case / "adapter")
+        assert vals[-1] == pytest.approx(_val_loss(adapted, cfg, n, hf=True), rel=RTOL), case
+        merged = transformers.LlamaForCausalLM.from_pretrained(runs / case / "model")
+        assert vals[-1] == pytest.approx(_val_loss(merged, cfg, n, hf=True), rel=RTOL), case
+        assert json.loads((runs / case / "model" / "config.json").read_text())[
+            "architectures"] == ["LlamaForCausalLM"]
+
+
+def test_lora_adapters_on_a_meta_model_are_drawn_as_peft_draws_them(tmp_path):
+    """The adapters of a meta_model under LoRA get values by peft's rule (A kaiming-uniform
+    with a=sqrt(5): uniform within 1/sqrt(fan_in); B zero), the same for the same seed (so
+    every rank, seeded alike, holds the same adapters), one per adapted linear."""
+    import math
+
+    import transformers
+
+    from meshfit.checkpoint.pretrained import ADAPTER_VALUES_ATTR, meta_model
+    from meshfit.peft import lora
+
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                      num_hidden_layers=1, vocab_size=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    drawn = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        model = lora(meta_model(tmp_path), r=2)
+        drawn.append(getattr(model, ADAPTER_VALUES_ATTR))
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert drawn[-1].keys() == trainable and len(trainable) == 4  # q/v_proj: A and B
+    for name, value in drawn[0].items():
+        torch.testing.assert_close(value, drawn[1][name], rtol=0, atol=0)
+        if "lora_B" in name:
+            assert not value.any(), name
+        else:
+            bound = 1 / math.sqrt(value.shape[1])
+            assert 0 < value.abs().max() <= bound and value.std() > bound / 4, name
 
 
 # ---------------------------------------------------------------------------- refusals

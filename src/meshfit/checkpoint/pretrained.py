@@ -48,6 +48,9 @@ __all__ = ["PRETRAINED_ATTR", "check_folder", "check_weights", "load_into", "met
            "pretrained_folder", "stage_filler", "tied_names", "to_empty"]
 
 PRETRAINED_ATTR = "_meshfit_pretrained"
+ADAPTER_VALUES_ATTR = "_meshfit_adapter_values"
+"""On a `meta_model` under LoRA: {name in the PeftModel: initial value} of the adapters,
+which the folder does not hold (`meshfit.peft.lora` draws them)."""
 
 
 def check_folder(folder, field: str = "hf_model") -> Path:
@@ -145,7 +148,10 @@ _MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."),)  # Mixtral's MoE block
 
 
 def _renamed(name: str) -> list[str]:
-    """`name` and its checkpoint spellings (`_MODULE_RENAMES`)."""
+    """`name` and its checkpoint spellings (`_MODULE_RENAMES`); a name inside a PeftModel
+    (``base_model.model.`` ahead, ``.base_layer`` in an adapted linear) as the base model's."""
+    if name.startswith("base_model.model."):
+        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
     return [name, *(name.replace(a, b, 1) for a, b in _MODULE_RENAMES if a in name)]
 
 
@@ -335,11 +341,13 @@ def load_into(model: nn.Module, folder, *, buffers: dict[str, torch.Tensor] | No
     missing = []
     tied_sources = tied_names(model) if aliases is None else aliases
     params = dict(model.named_parameters())
+    adapters = getattr(model, ADAPTER_VALUES_ATTR, None) or {}
     for name, tensor in [*params.items(), *model.named_buffers()]:
         key = next((k for n in (name, tied_sources.get(name, name)) for m in _renamed(n)
                     if (k := files.key(m, prefix)) is not None), None)
-        source = files.slice(key) if key is not None else \
-            _experts_source(files, model, name, prefix, tensor.shape) if name in params else None
+        source = files.slice(key) if key is not None else adapters.get(name) if \
+            name in adapters else _experts_source(files, model, name, prefix, tensor.shape) \
+            if name in params else None
         if source is None:
             if buffers is not None and name in buffers:
                 local_tensor(tensor).copy_(buffers[name])
