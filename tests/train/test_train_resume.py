@@ -21,6 +21,7 @@ import sys
 
 import psutil
 import pytest
+import torch
 
 MESHFIT = [sys.executable, "-m", "meshfit"]
 RUN = ["--train.steps=6", "--train.log_every=1", "--train.eval_every=0",
@@ -253,6 +254,8 @@ def test_a_killed_worker_is_restarted_and_the_run_equals_the_uninterrupted_one(
             proc.wait()
     assert proc.returncode == 0, err
     assert "restart 1 of the workers" in out and "resuming from" in out, out
+    # the survivor, whose collective failed when rank 1 died, leaves without a traceback
+    assert "Traceback" not in err and "[rank0]" not in err, err
     assert _losses(cut) == _losses(uninterrupted["folder"])
 
 
@@ -306,6 +309,78 @@ def test_a_hung_rank_is_named_not_waited_for():
     assert message is not None and "\n" not in message
     assert message.startswith("rank 0 waited more than 2 s for the other ranks during step 7 (")
     assert "Timed out waiting" in message and "raise train.timeout_s" in message
+
+
+def _one_rank_signalled(rank, world_size):
+    import signal
+    from types import SimpleNamespace
+
+    from meshfit.train import run
+
+    stop = run.StopOnSignal()
+    try:
+        acc = SimpleNamespace(env=SimpleNamespace(is_distributed=True, rank=rank,
+                                                  world_size=world_size),
+                              device=torch.device("cpu"))
+        before = stop.requested(acc)
+        if rank == 1:
+            stop._handle(signal.SIGTERM, None)
+        return before, stop.requested(acc), stop.ranks
+    finally:
+        stop.restore()
+
+
+def test_a_signal_to_one_rank_stops_every_rank_and_names_it():
+    """SIGTERM to rank 1 alone: after the step every rank knows of it and which rank got it
+    (the line says "sent to rank 1 only"), so all stop together with a checkpoint."""
+    import signal
+    from pathlib import Path
+
+    from conftest import run_distributed
+
+    from meshfit.train.run import Preempted
+
+    got = run_distributed(_one_rank_signalled, 2, timeout=60)
+    assert got == [(0, signal.SIGTERM, [1])] * 2
+    line = str(Preempted(signal.SIGTERM, 7, Path("out/checkpoints/step-7"), Path("out"), [1]))
+    assert line.startswith("stopped by SIGTERM (sent to rank 1 only) after step 7; ")
+    assert str(Preempted(signal.SIGINT, 7, Path("c"), Path("out"))).startswith(
+        "stopped by SIGINT after step 7; ")
+
+
+def test_workers_that_stopped_together_are_not_a_failure():
+    """The launcher takes every worker leaving with 128 + SIGTERM (or SIGINT) as the stop
+    the workers already reported (their exit code, no failure summary, no restart); any
+    other mix is a failure."""
+    from types import SimpleNamespace
+
+    from meshfit.launch.torchrun import agreed_stop
+
+    def codes(*exits):
+        return {rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(exits)}
+
+    assert agreed_stop(codes(143, 143), 2) == 143
+    assert agreed_stop(codes(130, 130), 2) == 130
+    assert agreed_stop(codes(143, -15), 2) == 143  # the agent ended one that was leaving
+    assert agreed_stop(codes(143), 2) is None  # rank 1 did not stop
+    assert agreed_stop(codes(143, 1), 2) is None
+    assert agreed_stop(codes(-15, -15), 2) is None  # killed, not stopped
+    assert agreed_stop(codes(143, 130), 2) is None
+
+
+def test_errors_that_mean_another_rank_died_are_recognised():
+    """gloo's error when the other end of a collective has gone, as one line without the
+    C++ location; NCCL's after a peer failure; other errors are not taken for it."""
+    from meshfit.distributed.env import peer_lost
+
+    gloo = RuntimeError("[/w/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                        "by peer [127.0.0.1]:41873. This is typically caused by a remote worker "
+                        "crashing. Check the logs of the remote worker before reporting.")
+    assert peer_lost(gloo) == "Connection closed by peer [127.0.0.1]:41873"
+    assert peer_lost(RuntimeError("NCCL error: remote process exited or there was a network "
+                                  "error, NCCL version 2.27.3 ncclRemoteError"))
+    assert peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert peer_lost(ValueError("Connection closed by peer")) is None  # not a backend's error
 
 
 def test_a_second_signal_ends_the_run_at_once(monkeypatch):

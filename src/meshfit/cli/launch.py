@@ -326,9 +326,29 @@ def _run_worker(cfg, out: Path, *, resume: bool) -> int:
         _record_error(err)
         raise
     except Exception as err:  # a traceback: its last lines in the launcher's summary
+        from meshfit.distributed.env import peer_lost
+
+        reason = peer_lost(err)
+        if reason is not None:  # another rank died: its failure is the one to report
+            return _lost_peer(err, reason)
         _record_error(err, traceback.format_exc().strip().splitlines()[-3:])
         raise
     return _leave_worker()
+
+
+def _lost_peer(err: BaseException, reason: str) -> int:
+    """A rank whose collective failed because another rank died (killed, out of memory,
+    failed) leaves without a traceback: one line per node (its local rank 0, unless that is
+    the one that died); the launcher's summary names the rank that failed first. No
+    teardown of the broken process group (it can hang or abort)."""
+    _record_error(err)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"meshfit train: rank {os.environ.get('RANK', '0')} stopped: another rank of the "
+              f"job is gone ({reason})", file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _leave_worker() -> int:

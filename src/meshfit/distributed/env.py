@@ -157,3 +157,23 @@ def _attempt_store(rank: int, world_size: int, restart: int,
                           world_size=world_size, is_master=False, timeout=timeout)
     return {"store": dist.PrefixStore(f"meshfit/attempt_{restart}", store), "rank": rank,
             "world_size": world_size}
+
+
+# What the backends say when the other end of a collective has gone (its process died or was
+# killed): gloo's TCP pairs, NCCL's communicator after a peer's failure, the store.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote process exited", "ncclRemoteError", "NCCL communicator was aborted",
+              "Socket Timeout", "failed to recv, got 0 bytes", "Connection refused")
+
+
+def peer_lost(err: BaseException) -> str | None:
+    """The backend's reason, in one line, when `err` says another rank of the job has gone
+    (its own failure is what to report, by the launcher); None for any other error."""
+    import re
+
+    text = " ".join(str(err).split())
+    if not isinstance(err, (RuntimeError, OSError)) or not any(p in text for p in _PEER_LOST):
+        return None
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)  # the C++ source location
+    text = text.split(". This is typically")[0]  # gloo's advice: the launcher names the rank
+    return text if len(text) <= 200 else text[:197] + "..."

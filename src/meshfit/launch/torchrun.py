@@ -378,8 +378,25 @@ def _attempt_args(cfg: LaunchConfig, target: list[str], attempt: int, ours: bool
     return torchrun_args(once, target, module=True)
 
 
-def _attempts(cfg: LaunchConfig, target: list[str], prog: str) -> int:
-    """Run the job's attempts until one succeeds or none is left; the exit code."""
+def agreed_stop(failures: dict, nproc: int) -> int | None:
+    """The exit code when every worker of this node left with the same 128 + SIGTERM or
+    SIGINT (as `meshfit train`'s workers do when they stop together on a signal, after a
+    checkpoint): a stop, not a failure, and no reason to restart; None otherwise (a worker
+    killed by a signal has a negative exit code, not these; the agent's own SIGTERM to a
+    worker that was already leaving is allowed beside them)."""
+    codes = {f.exitcode for f in failures.values()}
+    stops = {128 + signal.SIGTERM, 128 + signal.SIGINT}
+    own = codes & stops
+    # (a worker still tearing down when the agent ends the others shows the agent's -SIGTERM)
+    if len(failures) == nproc and len(own) == 1 and codes <= stops | {-signal.SIGTERM}:
+        return own.pop()
+    return None
+
+
+def _attempts(cfg: LaunchConfig, target: list[str], prog: str, say_stopped: bool = True) -> int:
+    """Run the job's attempts until one succeeds or none is left; the exit code. With
+    `say_stopped` False, workers that stopped together on a signal (`agreed_stop`) have said
+    so themselves: their exit code, no summary."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -393,6 +410,9 @@ def _attempts(cfg: LaunchConfig, target: list[str], prog: str) -> int:
                 torchrun.run(parser.parse_args(_attempt_args(cfg, target, attempt, ours)))
                 return 0
             except ChildFailedError as err:
+                stopped = agreed_stop(err.failures, cfg.nproc)
+                if stopped is not None and not say_stopped:  # the workers said it, once
+                    return stopped
                 summary = failure_summary(err.failures, first, oom_before)
                 first.clear()
                 if attempt + 1 == attempts:
@@ -426,7 +446,7 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
         _say_where(cfg, target, prog)
     try:
         with owning_descendants():
-            return _attempts(cfg, target, prog)
+            return _attempts(cfg, target, prog, say_stopped)
     except SignalException as err:  # the agent passed the signal on to the workers
         if say_stopped:
             name = signal.Signals(err.sigval).name

@@ -105,18 +105,22 @@ def collective_deadline(rank: int, timeout_s: float, what: str):
 class Preempted(Exception):
     """Training stopped on a signal after a whole optimizer step, with a checkpoint."""
 
-    def __init__(self, signum: int, step: int, folder: Path, out_dir: Path):
+    def __init__(self, signum: int, step: int, folder: Path, out_dir: Path,
+                 ranks: list[int] | None = None):
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} after step {step}; checkpoint {folder}; continue "
-                         f"with: meshfit train --out {out_dir} --resume")
-        self.signum, self.step, self.folder = signum, step, folder
+        got = "" if not ranks else f" (sent to rank{'s' * (len(ranks) > 1)} " \
+            f"{', '.join(map(str, ranks[:8]))}{' ...' if len(ranks) > 8 else ''} only)"
+        super().__init__(f"stopped by {name}{got} after step {step}; checkpoint {folder}; "
+                         f"continue with: meshfit train --out {out_dir} --resume")
+        self.signum, self.step, self.folder, self.ranks = signum, step, folder, ranks
 
 
 class StopOnSignal:
     """SIGTERM or SIGINT (a cluster preempting the job, Ctrl-C): the ranks finish the current
     optimizer step, write a checkpoint and stop; a second signal ends the process at once.
-    Ranks may get the signal at different moments, so after each step they agree on it (one
-    tiny all-reduce of the signal number, MAX). On GPUs that all-reduce runs on the host,
+    Ranks may get the signal at different moments, or one rank alone may get it, so after
+    each step they agree on it: one tiny all-reduce (MAX) of each rank's signal number in its
+    own slot, so that every rank also knows which ranks got one. On GPUs that all-reduce runs on the host,
     over a gloo group of the same ranks, so reading its result never waits for the device's
     queued work (a per-step host synchronisation would stall the GPU pipeline)."""
 
@@ -124,6 +128,8 @@ class StopOnSignal:
 
     def __init__(self):
         self.signum = 0
+        self.ranks: list[int] | None = None
+        """After `requested` returned a signal: the ranks that got one, when not all did."""
         self.previous = {}
         self.group = None  # the host-side group on GPUs, made at the first (collective) check
         if threading.current_thread() is threading.main_thread():  # handlers live there
@@ -142,9 +148,14 @@ class StopOnSignal:
         dist = torch.distributed
         if acc.device.type != "cpu" and self.group is None:
             self.group = dist.new_group(backend="gloo")  # every rank checks at the same step
-        flag = torch.tensor([self.signum], device="cpu" if self.group else acc.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
+        flags = torch.zeros(acc.env.world_size, dtype=torch.int32,
+                            device="cpu" if self.group else acc.device)
+        flags[acc.env.rank] = self.signum
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        flags = flags.tolist()
+        got = [rank for rank, signum in enumerate(flags) if signum]
+        self.ranks = got if len(got) < len(flags) else None
+        return max(flags)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():

@@ -211,7 +211,7 @@ def _stop_if_asked(loop: _Loop, stop: StopOnSignal, step: int) -> None:
     folder = checkpoints.folder(step) if checkpoints.due(step) else \
         checkpoints.save(step, wait=True)
     stop.restore()
-    raise Preempted(signum, step, folder, loop.out_dir)
+    raise Preempted(signum, step, folder, loop.out_dir, stop.ranks)
 
 
 # ------------------------------------------------------------------------------ the set-up
