@@ -93,6 +93,12 @@ def test_load_calibration_reads_and_refuses(tmp_path):
     d["collectives"]["all_to_all"]["bus_bandwidth"] = "fast"
     path.write_text(json.dumps(d))
     _refusal(path, "invalid collectives.all_to_all.bus_bandwidth")
+    path.write_text(json.dumps({**_file_dict(), "data_parallel": {"ddp": 1.5, "zero1": None,
+                                                                  "fsdp2": 2}}))
+    assert load_calibration(path).data_parallel == {"ddp": 1.5, "zero1": None, "fsdp2": 2.0}
+    assert load_calibration(path).data_parallel is not None
+    path.write_text(json.dumps({**_file_dict(), "data_parallel": {"ddp": "x"}}))
+    _refusal(path, "invalid data_parallel")
 
 
 def test_fit_recovers_latency_and_bandwidth_exactly():
@@ -189,4 +195,74 @@ def test_two_gloo_ranks_write_a_calibration(tmp_path, subprocess_env):
                    step.attention_scores) >= 0
         assert good(step.optimizer_per_param)
         assert len(c.raw["train_step"][d]["rows"]) == 8
+    # each data-parallel engine timed in a training step: exposed seconds over modelled ones
+    raw = c.raw["data_parallel"]
+    assert set(c.data_parallel) == {"ddp", "zero1", "fsdp2"}
+    for engine, scale in c.data_parallel.items():
+        timed = raw[engine]
+        assert timed["modelled_seconds"] > 0 and timed["exposed_seconds"] >= 0
+        assert scale == pytest.approx(timed["exposed_seconds"] / timed["modelled_seconds"])
+        assert timed["exposed_seconds"] == pytest.approx(max(0.0, timed["seconds"] - raw[
+            "alone_seconds"] - timed["optimizer_seconds"]))
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_data_parallel_seconds_counts_each_unit_and_bucket():
+    """The engines' collectives by hand: DDP one all-reduce per 25 MiB bucket (+ ZeRO-1's
+    all-gather); FSDP2 per unit `gathers` all-gathers and a reduce-scatter, and an all-reduce
+    across replicas."""
+    from meshfit.plan.calibrate import data_parallel_seconds
+
+    c = _calibration()
+    calls = []
+
+    def coll(kind, nbytes, n, span):
+        calls.append((kind, nbytes, n))
+        return c.collective_time(kind, nbytes, n)
+
+    params = 20 * 2**20  # 80 MiB of fp32 gradients: 4 buckets
+    ddp = data_parallel_seconds("ddp", coll, params=params, units=5, shard=1, replicate=4,
+                                spans=(4, 1), gathers=2, gathered_bytes=4)
+    assert calls == [("all_reduce", 20 * 2**20, 4)] * 1 and ddp == pytest.approx(
+        4 * (50e-6 + 1.5 * 20 * 2**20 / 1e9))
+    calls.clear()
+    data_parallel_seconds("zero1", coll, params=params, units=5, shard=4, replicate=1,
+                          spans=(4, 4), gathers=2, gathered_bytes=4)
+    assert calls == [("all_reduce", 20 * 2**20, 4), ("all_gather", 80 * 2**20, 4)]
+    calls.clear()
+    fsdp = data_parallel_seconds("fsdp2", coll, params=params, units=5, shard=4, replicate=2,
+                                 spans=(8, 4), gathers=3, gathered_bytes=2)
+    assert calls == [("all_gather", params * 2 / 5, 4), ("reduce_scatter", params * 4 / 5, 4),
+                     ("all_reduce", params * 4 / 4 / 5, 2)]
+    assert fsdp == pytest.approx(
+        3 * 5 * (40e-6 + 0.75 * params * 2 / 5 / 2e9) + 5 * (30e-6 + 0.75 * params * 4 / 5 / 3e9)
+        + 5 * (50e-6 + 1.0 * params / 5 / 1e9))
+    with pytest.raises(ValueError, match="engine='tp'"):
+        data_parallel_seconds("tp", coll, params=1, units=1, shard=2, replicate=1,
+                              spans=(2, 2), gathers=1, gathered_bytes=4)
+
+
+def test_a_measured_exposed_share_replaces_the_assumed_overlap():
+    """With a profile that timed the engines, the step is charged the modelled collectives
+    x the measured share (none hidden behind compute by assumption), and the sources say so;
+    without it the assumed 80% overlap stays."""
+    import dataclasses
+
+    from meshfit.memory.estimate import LayoutSpec
+    from meshfit.memory.shape import ModelShape
+    from meshfit.plan import DEVICES, Cluster, predict
+
+    shape = ModelShape.of("tiny")
+    spec = LayoutSpec(dp_shard=2, dp_replicate=1, zero_stage=3, micro_batch_size=4)
+    plain = Cluster(gpus_per_node=2, device=DEVICES["cpu"], calibration=_calibration())
+    measured = Cluster(gpus_per_node=2, device=DEVICES["cpu"], calibration=dataclasses.replace(
+        _calibration(), data_parallel={"ddp": 1.5, "zero1": 2.0, "fsdp2": 3.0}))
+    step0, terms0 = predict(shape, spec, plain, seq_len=64, global_batch_size=16, dtype="fp32")
+    step1, terms1 = predict(shape, spec, measured, seq_len=64, global_batch_size=16,
+                            dtype="fp32")
+    assert terms0["dp"] == terms1["dp"] > 0
+    assert terms1["dp_exposed"] == pytest.approx(3.0 * terms1["dp"])
+    assert step1 - step0 == pytest.approx(3.0 * terms1["dp"] - terms0["dp_exposed"]
+                                          - 0.1 * (terms0["dp"] - terms0["dp_exposed"]))
+    assert "fsdp2 x3.00 of the modelled time" in measured.sources("fp32")["collectives"]
+    assert plain.sources("fp32")["collectives"].endswith("80% hidden behind compute (assumed)")

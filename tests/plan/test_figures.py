@@ -40,7 +40,7 @@ def test_sources_say_measured_or_assumed():
     table = Cluster(gpus_per_node=8).sources("bf16")
     assert table["compute"] == ("h100 data sheet 989 TFLOP/s bf16 x an assumed efficiency of "
                                 "50% (not measured)")
-    assert table["collectives"].endswith("(not measured)")
+    assert table["collectives"].endswith("(not measured), 80% hidden behind compute (assumed)")
     old = Cluster(gpus_per_node=2, calibration=load_calibration(OLD_PROFILE)).sources("fp32")
     assert old["compute"].startswith("measured matmul (cpu, profile)")
     assert "rerun meshfit calibrate" in old["compute"]

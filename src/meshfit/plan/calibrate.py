@@ -22,6 +22,7 @@ The file (schema 1)::
      "train_step": {"fp32": {"step_overhead": s, "block_overhead": s,   # optional: older
                              "token_width": s, "attention_scores": s,  # files lack it
                              "flops": F, "optimizer_per_param": s}, ...},
+     "data_parallel": {"ddp": x, "zero1": x, "fsdp2": x},                # optional
      "raw": {...}}
 
 * ``matmul_flops``: achieved FLOP/s (2·n³ per n×n matmul) of one process while all N run
@@ -51,6 +52,12 @@ The file (schema 1)::
   the memory-bound elementwise work, the attention scores, and the FLOP/s of the matrix
   products (at most the fastest matmul); ``optimizer_per_param``: the seconds per parameter
   of one AdamW step (foreach) on the largest shape. null where the dtype is not timed.
+* ``data_parallel`` (optional; N > 1 only): per engine ("ddp", "zero1": DDP with
+  ZeroRedundancyOptimizer, "fsdp2": ZeRO-3), the seconds a training step of the reference GPT
+  (`_DP_SHAPE`) under that engine takes beyond the same step alone and its optimizer step,
+  divided by what `data_parallel_seconds` models for its collectives from the figures
+  above: how much of the collectives a real step exposes, with its hooks, copies and waits
+  (on a CPU nothing overlaps; on GPUs most of it does). null where not measured.
 * ``raw``: the per-size timings every figure came from, and each fit's R² (on the times)
   and largest relative error under ``raw.collectives.<kind>.r2`` / ``.max_relative_error``.
 """
@@ -69,8 +76,8 @@ from typing import Any
 
 from meshfit._files import atomic_write_text
 
-__all__ = ["DTYPES", "KINDS", "SCHEMA", "STEP_TERMS", "Calibration", "CollectiveFit",
-           "TrainStepFit", "bus_factor", "step_columns",
+__all__ = ["DP_ENGINES", "DTYPES", "KINDS", "SCHEMA", "STEP_TERMS", "Calibration",
+           "CollectiveFit", "TrainStepFit", "bus_factor", "data_parallel_seconds", "step_columns",
            "fit_latency_bandwidth", "load_calibration", "measure"]
 
 SCHEMA = 1
@@ -79,6 +86,37 @@ DTYPES = ("fp32", "bf16", "fp16")
 _MATMUL_SECONDS = 0.5  # no matmul size whose single product would take longer than this
 _CPU_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB ... 64 MiB
 _GPU_SIZES = tuple(16384 * 4**i for i in range(9))  # 16 KiB ... 1 GiB
+DP_ENGINES = ("ddp", "zero1", "fsdp2")
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce per bucket
+
+
+def data_parallel_seconds(engine: str, collective, *, params: float, units: int, shard: int,
+                          replicate: int, spans: tuple[int, int], gathers: int,
+                          gathered_bytes: float) -> float:
+    """The modelled seconds of one optimizer step's data-parallel collectives on this rank's
+    `params` (elements) over `shard` x `replicate` ranks: DDP, one all-reduce of the fp32
+    gradients per 25 MiB bucket (ZeRO-1: then the parameters' all-gather); FSDP2 ("fsdp2"),
+    per unit (`units`: the blocks and the root) `gathers` all-gathers of the parameters at
+    `gathered_bytes` each, a reduce-scatter of the fp32 gradients and, with replicas, their
+    all-reduce. `collective(kind, nbytes, n, span)`: one collective's seconds; `spans`: the
+    ranks the data-parallel and the shard groups span."""
+    dp_span, shard_span = spans
+    grads = params * 4
+    if engine in ("ddp", "zero1"):
+        buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
+        out = buckets * collective("all_reduce", grads / buckets, replicate * shard, dp_span)
+        if engine == "zero1":
+            out += collective("all_gather", grads, shard, shard_span)
+        return out
+    if engine != "fsdp2":
+        raise ValueError(f"engine={engine!r} is not one of {', '.join(DP_ENGINES)}")
+    units = max(1, units)
+    out = gathers * units * collective("all_gather", params * gathered_bytes / units, shard,
+                                       shard_span)
+    out += units * collective("reduce_scatter", grads / units, shard, shard_span)
+    if replicate > 1:
+        out += units * collective("all_reduce", grads / shard / units, replicate, dp_span)
+    return out
 
 
 def bus_factor(kind: str, n: int) -> float:
@@ -141,6 +179,9 @@ class Calibration:
     raw: dict[str, Any]
     train_step: dict[str, TrainStepFit | None] | None = None
     """None in a file written before meshfit measured training steps."""
+    data_parallel: dict[str, float | None] | None = None
+    """Per engine of `DP_ENGINES`: the exposed share of the modelled collectives (module
+    docstring); None in a file without it (one process, or written before)."""
 
     def peak_flops(self, dtype: str) -> float | None:
         """The fastest matmul measured for `dtype` (FLOP/s): the peak MFU is counted
@@ -236,8 +277,15 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
                 fits[d] = None
             else:
                 raise ValueError(f"calibration file {path} has invalid train_step.{d}; {fix}")
+    engines = data.get("data_parallel")
+    if engines is not None:
+        if not isinstance(engines, dict) or not all(
+                _number(engines.get(e), null=True) for e in DP_ENGINES):
+            raise ValueError(f"calibration file {path} has invalid data_parallel; {fix}")
+        engines = {e: None if engines.get(e) is None else float(engines[e]) for e in DP_ENGINES}
     return Calibration(
         schema=SCHEMA, device=data["device"], backend=data["backend"], train_step=fits,
+        data_parallel=engines,
         world_size=data["world_size"], torch=data["torch"], time=data["time"],
         matmul_flops={d: None if flops[d] is None else float(flops[d]) for d in DTYPES},
         memory_bandwidth=float(data["memory_bandwidth"]),
@@ -538,6 +586,80 @@ def _fit_step(rows: list[dict], peak: float) -> dict[str, float]:
     return out
 
 
+_DP_SHAPES = {"cpu": (192, 3, 192, 4), "cuda": (1024, 4, 1024, 8)}
+"""(d_model, n_layer, seq_len, batch) of the reference GPT the engines are timed on."""
+
+
+def _data_parallel(r: _Ranks, colls: dict, fit: dict | None) -> tuple[dict | None, dict]:
+    """Per engine, the exposed share of its modelled collectives (module docstring) and the
+    timings it came from; (None, {}) on one process or without an fp32 step fit."""
+    if not r.group or fit is None or any(colls[k]["latency"] is None for k in
+                                         ("all_reduce", "all_gather", "reduce_scatter")):
+        return None, {}
+    torch = r.torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshfit.models import GPT, GPTConfig
+    from meshfit.parallel.ddp import apply_ddp
+    from meshfit.parallel.fsdp import apply_fsdp
+    from meshfit.parallel.zero1 import apply_zero1
+
+    n = r.env.world_size
+    d, layers, seq, batch = _DP_SHAPES["cuda" if r.device.type == "cuda" else "cpu"]
+    mesh = init_device_mesh(r.device.type, (n,))
+    x = torch.randint(0, 256, (batch, seq + 1), device=r.device)
+
+    def model():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=256, d_model=d, n_layer=layers, n_head=d // 32,
+                             d_ff=4 * d, max_seq_len=seq)).to(r.device)
+
+    def fwd_bwd(m):
+        m(x[:, :-1], x[:, 1:]).backward()
+
+    plain = model()
+    params = sum(p.numel() for p in plain.parameters())
+
+    def alone():
+        fwd_bwd(plain)
+        for p in plain.parameters():
+            p.grad = None
+
+    base, _ = r.time(alone, target=0.3, repeats=3, warmup=1)
+
+    def collective(kind, nbytes, k, span):
+        fit = colls[kind]
+        return 0.0 if k <= 1 or nbytes <= 0 else \
+            fit["latency"] + bus_factor(kind, k) * nbytes / fit["bus_bandwidth"]
+
+    scales, raw = {}, {"shape": {"d_model": d, "n_layer": layers, "seq_len": seq,
+                                 "batch": batch, "params": params}, "alone_seconds": base}
+    for engine in DP_ENGINES:
+        m = model()
+        m = apply_fsdp(m, mesh, reshard_after_forward=True) if engine == "fsdp2" else \
+            apply_ddp(m, mesh, device=r.device)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)
+        if engine == "zero1":
+            opt = apply_zero1(opt, mesh.get_group())
+
+        def step(m=m, opt=opt):
+            fwd_bwd(m)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        seconds, _ = r.time(step, target=0.3, repeats=3, warmup=2)
+        optimizer = params / (1 if engine == "ddp" else n) * fit["optimizer_per_param"]
+        exposed = max(0.0, seconds - base - optimizer)
+        modelled = data_parallel_seconds(engine, collective, params=params, units=layers + 1,
+                                         shard=n, replicate=1, spans=(n, n), gathers=2,
+                                         gathered_bytes=4)
+        scales[engine] = exposed / modelled
+        raw[engine] = {"seconds": seconds, "optimizer_seconds": optimizer,
+                       "exposed_seconds": exposed, "modelled_seconds": modelled}
+        del m, opt
+    return scales, raw
+
+
 def measure(out: Path, sizes: tuple[int, ...] | None = None,
             cpu: bool = False) -> dict | None:
     """Measure on every rank of this job (one process, or each of the launched workers,
@@ -559,6 +681,7 @@ def measure(out: Path, sizes: tuple[int, ...] | None = None,
         bandwidth, raw_mem = _memory(r)
         colls, raw_coll = _collectives(r, sizes)
         steps, raw_steps = _train_steps(r, flops)
+        engines, raw_engines = _data_parallel(r, colls, steps.get("fp32"))
         if env.rank == 0:
             now = datetime.datetime.now(datetime.timezone.utc)
             result = {
@@ -568,8 +691,9 @@ def measure(out: Path, sizes: tuple[int, ...] | None = None,
                 "world_size": env.world_size, "torch": torch.__version__,
                 "time": now.isoformat(timespec="seconds"), "matmul_flops": flops,
                 "memory_bandwidth": bandwidth, "collectives": colls, "train_step": steps,
+                "data_parallel": engines,
                 "raw": {"matmul": raw_mm, "memory": raw_mem, "collectives": raw_coll,
-                        "train_step": raw_steps,
+                        "train_step": raw_steps, "data_parallel": raw_engines,
                         "threads": torch.get_num_threads(),
                         "seconds": time.perf_counter() - started}}
             atomic_write_text(out, json.dumps(result, indent=1) + "\n")

@@ -8,14 +8,18 @@ Cost model of one optimizer step (seconds), per rank:
                 x 4/3 with full checkpointing (the forward again), 7/6 with selective
     bubble    = compute x (p-1)/m (GPipe, 1F1B), (p-1)/(v m) (interleaved), (p-1)/(3 v m)
                 (zero-bubble: a third of interleaved's, ZB-H1's ratio; ZB-V reaches ~0 only
-                when the weight-gradient work fills every gap)
+                when the weight-gradient work fills every gap); (p-1)/m for any schedule
+                when m < p (each stage waits for the one micro-batch ahead of it)
     tp        = per micro-batch and block, 4 all-reduces of b·s·d activations (6 with full
                 checkpointing) over the TP group's link, not overlapped
     pp        = per micro-batch, a send and a receive of b·s·d activations
-    dp        = DDP/ZeRO-1: an all-reduce of the fp32 gradients (ZeRO-1: + the parameters'
-                all-gather); FSDP2: parameter all-gathers per micro-batch (twice at stage 3)
-                + a gradient reduce-scatter (+ all-reduce across replicas); overlapped with
-                compute up to 80% of it, the overlapped part still charged 10%
+    dp        = DDP/ZeRO-1: an all-reduce of the fp32 gradients per 25 MiB bucket (ZeRO-1:
+                + the parameters' all-gather); FSDP2: per unit (each block and the root)
+                parameter all-gathers per micro-batch (twice at stage 3) + a gradient
+                reduce-scatter (+ all-reduce across replicas) (`data_parallel_seconds`);
+                overlapped with compute up to 80% of it, the overlapped part still charged
+                10% -- or, with a profile that measured the engine in training steps, that
+                measured exposed share of it
     offload   = the sharded states over the host link, twice, + the optimizer step on the CPU
 
 Each collective: latency + factor x bytes / bus bandwidth (all-reduce 2(n-1)/n, all-gather
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from meshfit.memory.estimate import (DTYPE_BYTES, Estimate, LayoutSpec, estimate,
                                      resolve_layout)
 from meshfit.memory.shape import ModelShape
-from meshfit.plan.calibrate import bus_factor
+from meshfit.plan.calibrate import DP_ENGINES, bus_factor, data_parallel_seconds
 from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, GiB, Link
 
 __all__ = ["Cluster", "Plan", "SearchResult", "predict", "search"]
@@ -80,6 +84,12 @@ class Cluster:
         steps = getattr(self.calibration, "train_step", None)
         return (steps or {}).get(dtype)
 
+    def dp_exposed(self, engine: str) -> float | None:
+        """The profile's measured exposed share of `engine`'s modelled data-parallel
+        collectives (`meshfit.plan.calibrate`, ``data_parallel``), or None."""
+        engines = getattr(self.calibration, "data_parallel", None)
+        return (engines or {}).get(engine)
+
     def sources(self, dtype: str) -> dict[str, str]:
         """Where each predicted figure comes from, in words."""
         fit = self.step_fit(dtype)
@@ -97,10 +107,17 @@ class Cluster:
             compute = (f"{self.device.name} data sheet {self.device.flops[dtype] / 1e12:.0f} "
                        f"TFLOP/s {dtype} x an assumed efficiency of "
                        f"{self.device.efficiency:.0%} (not measured)")
-        links = ("measured collectives (profile)" if self.calibration is not None else
+        engines = getattr(self.calibration, "data_parallel", None) or {}
+        exposed = ", ".join(f"{name} x{value:.2f}" for name, value in engines.items()
+                            if value is not None)
+        links = ((f"measured collectives (profile); exposed in a training step as measured "
+                  f"there: {exposed} of the modelled time") if exposed else
+                 "measured collectives (profile), 80% hidden behind compute (assumed)")
+        links = (links if self.calibration is not None else
                  f"link table: {self.interconnect_name} "
                  f"{self.interconnect.bandwidth / 1e9:.0f} GB/s, {self.network_name} "
-                 f"{self.network.bandwidth / 1e9:.0f} GB/s (not measured)")
+                 f"{self.network.bandwidth / 1e9:.0f} GB/s (not measured), 80% hidden "
+                 "behind compute (assumed)")
         peak = (f"the fastest measured {dtype} matmul, {self.peak_flops(dtype) / 1e12:.3g} "
                 "TFLOP/s" if self.calibration is not None else
                 f"the data sheet's {self.peak_flops(dtype) / 1e12:.0f} TFLOP/s")
@@ -196,6 +213,8 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
         bubble = {"gpipe": (P - 1) / m, "1f1b": (P - 1) / m,
                   "interleaved_1f1b": (P - 1) / (v * m),
                   "zero_bubble": (P - 1) / (3 * v * m)}[layout.schedule]
+        if m < P:  # too few micro-batches to fill the stages: no schedule hides the wait
+            bubble = (P - 1) / m
     activation_msg = layout.micro_batch_size * seq_len * shape.d_model * act
     tp_calls = 6 if layout.activation_checkpointing == "full" else 4
     tp = micro * blocks * tp_calls * cluster.collective("all_reduce", activation_msg, T, T)
@@ -207,21 +226,15 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
     local = stage_params * (shape.tp_split / T + 1 - shape.tp_split)
     resolved = resolve_layout(layout, dtype)
     engine = resolved.engine.value
-    dp_span, shard_span = T * S * R, T * S
+    family = "fsdp2" if engine.startswith("fsdp2") else engine
     dp = 0.0
-    if engine in ("ddp", "zero1"):
-        dp = cluster.collective("all_reduce", local * 4, R * S, dp_span)
-        if engine == "zero1":
-            dp += cluster.collective("all_gather", local * 4, S, shard_span)
-    elif engine.startswith("fsdp2"):
-        gathered = act if resolved.param_dtype is not None else 4
-        gathers = 2 if layout.zero_stage == 3 else 1
+    if family in DP_ENGINES:
         passes = micro if P == 1 else 1  # a pipeline gathers once per schedule step
-        dp = passes * gathers * cluster.collective("all_gather", local * gathered, S,
-                                                   shard_span)
-        dp += cluster.collective("reduce_scatter", local * 4, S, shard_span)
-        if R > 1:
-            dp += cluster.collective("all_reduce", local * 4 / S, R, dp_span)
+        dp = data_parallel_seconds(
+            family, cluster.collective, params=local, units=blocks + 1, shard=S,
+            replicate=R, spans=(T * S * R, T * S),
+            gathers=passes * (2 if layout.zero_stage == 3 else 1),
+            gathered_bytes=act if resolved.param_dtype is not None else 4)
     offload = 0.0
     if layout.offload == "cpu":
         est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)
@@ -229,11 +242,15 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
     optimizer = 0.0
     if fit is not None:  # the optimizer step over this rank's parameters (ZeRO: its shard)
         optimizer = local / (S if layout.zero_stage >= 1 else 1) * fit.optimizer_per_param
-    exposed_dp = max(0.0, dp - 0.8 * compute)
-    # Overlapped collectives still take memory bandwidth and SMs from the compute: 10% of
-    # their time is charged (so that, all else equal, less traffic ranks first).
-    step = (compute * (1 + bubble) + tp + pp + exposed_dp + 0.1 * (dp - exposed_dp) + offload
-            + optimizer)
+    scale = cluster.dp_exposed(family)
+    if scale is not None:  # measured on this machine: the exposed share of the modelled time
+        exposed_dp = charged_dp = dp * scale
+    else:
+        exposed_dp = max(0.0, dp - 0.8 * compute)
+        # Overlapped collectives still take memory bandwidth and SMs from the compute: 10%
+        # of their time is charged (so that, all else equal, less traffic ranks first).
+        charged_dp = exposed_dp + 0.1 * (dp - exposed_dp)
+    step = compute * (1 + bubble) + tp + pp + charged_dp + offload + optimizer
     return step, {"compute": compute, "bubble": compute * bubble, "tp": tp, "pp": pp,
                   "dp": dp, "dp_exposed": exposed_dp, "offload": offload,
                   "optimizer": optimizer}
