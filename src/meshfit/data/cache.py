@@ -94,6 +94,16 @@ class TokenSplits:
     path: Path
     """The ``.bin`` file both streams are mapped from."""
 
+    def windows(self, split: str, seq_len: int):
+        """The ``"train"`` or ``"val"`` stream as `TokenDataset` windows of `seq_len`."""
+        from meshfit.data.dataset import TokenDataset
+
+        return TokenDataset(self.train if split == "train" else self.val, seq_len)
+
+    @property
+    def train_tokens(self) -> int:
+        return int(self.train.shape[0])
+
 
 def load_tokens(path: str | os.PathLike[str] | None = None, *, tokenizer: Any = None,
                 cache_dir: str | os.PathLike[str] | None = None,

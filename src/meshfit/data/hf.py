@@ -68,7 +68,7 @@ class HFSource:
             start += len(values)
 
 
-def open_hf_dataset(path: str | os.PathLike[str], text_column: str = "text", *,
+def open_hf_dataset(path: str | os.PathLike[str], text_column: str | None = "text", *,
                     cache_dir: Path | None = None) -> HFSource:
     """Open the dataset at ``path`` (see the module docstring); errors name the field
     (``data.hf_dataset``, ``data.text_column``) and say how to fix it."""
@@ -78,7 +78,7 @@ def open_hf_dataset(path: str | os.PathLike[str], text_column: str = "text", *,
     except ImportError:
         raise ValueError(f"data.hf_dataset={text!r} needs the datasets library, which is not "
                          'installed; pip install "meshfit[data]"') from None
-    if not isinstance(text_column, str) or not text_column:
+    if text_column is not None and (not isinstance(text_column, str) or not text_column):
         raise ValueError(f"data.text_column={text_column!r} must be the name of a column of "
                          "strings, e.g. \"text\"")
     p = Path(text).expanduser()
@@ -104,7 +104,7 @@ def open_hf_dataset(path: str | os.PathLike[str], text_column: str = "text", *,
         raise ValueError(f"data.hf_dataset={text!r} loaded as {type(loaded).__name__}; give a "
                          "Dataset or DatasetDict saved on disk")
     for ds in (train, validation):
-        if ds is not None:
+        if ds is not None and text_column is not None:  # None: the caller checks its columns
             _check_column(ds, text_column, text)
     parts: list[Any] = [how, text_column]
     for ds in (train, validation):

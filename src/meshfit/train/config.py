@@ -260,6 +260,18 @@ class DataConfig:
     """A `datasets` dataset on local disk (save_to_disk folder, or a data folder/file that
     datasets.load_dataset reads offline) to train on instead of data.path."""
     text_column: str = "text"  # The data.hf_dataset column holding each document's text
+    format: str = "text"
+    """"text" (documents packed, every token trained), "completion" (prompt and completion
+    columns: only the completion trained) or "chat" (a messages column rendered by the
+    tokenizer's chat template: only the assistant's turns trained); see
+    `meshfit.data.examples`."""
+    prompt_column: str = "prompt"  # format "completion": the prompt's column
+    completion_column: str = "completion"  # format "completion": the completion's column
+    messages_column: str = "messages"  # format "chat": the column of [{role, content}] lists
+    chat_template: str = ""
+    """format "chat": a Jinja template (a file, or the text) instead of the tokenizer's."""
+    train_on_prompt: bool = False
+    """Train on every token of an example (prompt and user turns too), not only the answer."""
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
     prefetch_factor: int = 2  # Batches each worker loads ahead (with num_workers > 0)
     persistent_workers: bool = True
@@ -300,6 +312,28 @@ class DataConfig:
         if not isinstance(self.text_column, str) or not self.text_column:
             raise ValueError(f"data.text_column={self.text_column!r} must be a column name, "
                              'e.g. "text"')
+        formats = ("text", "completion", "chat")  # meshfit.data.examples.FORMATS
+        if self.format not in formats:
+            raise ValueError(f"data.format={self.format!r} must be one of "
+                             f"{', '.join(map(repr, formats))}")
+        for name in ("prompt_column", "completion_column", "messages_column"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"data.{name}={getattr(self, name)!r} must be a column name")
+        if not isinstance(self.chat_template, str):
+            raise ValueError(f"data.chat_template={self.chat_template!r} must be a file or the "
+                             "template's text (a string)")
+        check_bool("data", "train_on_prompt", self.train_on_prompt)
+        if self.format != "text":
+            if not self.hf_dataset:
+                raise ValueError(f"data.format={self.format!r} reads data.hf_dataset (a datasets "
+                                 "folder, or a .json/.jsonl file of rows); set it")
+            if self.tokenizer in ("", "bytes"):
+                raise ValueError(f"data.format={self.format!r} needs a Hugging Face tokenizer "
+                                 "folder in data.tokenizer (the byte tokenizer has no chat "
+                                 "template or special tokens)")
+        elif self.chat_template or self.train_on_prompt:
+            raise ValueError("data.chat_template and data.train_on_prompt apply to "
+                             "data.format='chat' or 'completion', not 'text'")
 
 
 @dataclass(frozen=True, kw_only=True)

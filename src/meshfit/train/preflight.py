@@ -239,6 +239,9 @@ def check_data(cfg, world_size: int) -> None:
     dims = cfg.parallel.dims().resolve(world_size)
     chunks = cfg.microbatches(world_size)
     accum = cfg.grad_accumulation(world_size)
+    if cfg.data.format != "text":
+        _check_examples(cfg, splits, dims, rows=t.micro_batch_size * chunks)
+        return
     n_train, n_val = int(splits.train.shape[0]), int(splits.val.shape[0])
     windows = max(0, n_train - 1) // t.seq_len
     if windows < t.global_batch_size:
@@ -250,6 +253,26 @@ def check_data(cfg, world_size: int) -> None:
             f"rank(s) x {accum} accumulation); lower train.global_batch_size or train.seq_len, "
             "or give more data")
     _check_validation_windows(cfg, source, n_val, dims, rows=t.micro_batch_size * chunks)
+
+
+def _check_examples(cfg, splits, dims, rows: int) -> None:
+    """Examples (format "completion" or "chat"): one global batch of training rows, one
+    validation row, and no pipeline (its loss does not weigh tokens across micro-batches
+    yet)."""
+    t, d = cfg.train, cfg.data
+    if dims.pp > 1:
+        raise ValueError(f"data.format={d.format!r} does not run under parallel.pp="
+                         f"{dims.pp} yet (the pipeline's loss cannot weigh the trained tokens "
+                         "across micro-batches); use data, tensor or ZeRO parallelism")
+    n_train, n_val = len(splits.train), len(splits.val)
+    if n_train < t.global_batch_size:
+        raise ValueError(f"data.hf_dataset={d.hf_dataset!r} gives {n_train} training examples "
+                         f"(one per row), fewer than train.global_batch_size="
+                         f"{t.global_batch_size}; lower train.global_batch_size or give more "
+                         "examples")
+    if n_val < 1:
+        raise ValueError(f"data.hf_dataset={d.hf_dataset!r} gives no validation example; add "
+                         "a 'validation' split or more rows")
 
 
 def _readable_tokens(cfg, source: str):

@@ -42,15 +42,24 @@ class ModelSteps:
     def accumulate(self):
         return self.acc.accumulate(self.model)
 
-    def forward_backward(self, x, y, accum: int) -> torch.Tensor:
+    def forward_backward(self, x, y, accum: int, weight: float | None = None) -> torch.Tensor:
+        """The micro-batch's loss, backpropagated (x `weight`: the token weighting of
+        `meshfit.train.trainer._token_weights`; a micro-batch without a trained target is
+        run with one target made up and weight 0, so every rank still runs its backward)."""
+        if weight is not None and weight == 0:
+            y = y.clone()
+            y.view(-1)[0] = 0
         loss = self.loss(self.model, x, y)
         if not loss.requires_grad:
             raise ValueError("the model's loss does not depend on any trainable parameter "
                              "(requires_grad is False): its forward returns values computed "
                              "without gradient (under torch.no_grad, detached, or new tensors); "
                              "return the output of its layers")
+        reported = self._cross_entropy(loss)
+        if weight is not None:
+            loss, reported = loss * weight, reported * weight
         self.acc.backward(loss)  # divides by the accumulation steps itself
-        return self._cross_entropy(loss)
+        return reported
 
     def eval_loss(self, x, y) -> torch.Tensor:
         return self._cross_entropy(self.loss(self.model, x, y))
@@ -90,7 +99,9 @@ class PipelineSteps:
     def accumulate(self):
         return self.acc.accumulate()  # the schedule synchronises on its last micro-batch
 
-    def forward_backward(self, x, y, accum: int) -> torch.Tensor:
+    def forward_backward(self, x, y, accum: int, weight: float | None = None) -> torch.Tensor:
+        if weight is not None:  # refused before launch (meshfit.train.preflight)
+            raise ValueError("data.format 'completion' and 'chat' do not run under pp > 1 yet")
         return self.pipeline.step(x, y, scale=1.0 / accum)
 
     def eval_loss(self, x, y) -> torch.Tensor:

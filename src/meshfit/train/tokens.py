@@ -21,9 +21,16 @@ def vocab_size(cfg) -> int:
 
 
 def load_tokens(cfg):
-    """The run's token splits, through the run's tokenizer; cached."""
+    """The run's token splits, through the run's tokenizer; cached. With [data] format
+    "completion" or "chat": the examples with their loss masks (`ExampleSplits`)."""
     from meshfit.data import load_tokens as load
 
     d = cfg.data
+    if d.format != "text":  # instructions or conversations, one example per row
+        from meshfit.data import DEFAULT_VAL_FRACTION
+        from meshfit.data.examples import load_examples
+
+        return load_examples(d, tokenizer=tokenizer(cfg), seq_len=cfg.train.seq_len,
+                             val_fraction=DEFAULT_VAL_FRACTION)
     return load(d.path or None, cache_dir=d.cache_dir or None, tokenizer=tokenizer(cfg),
                 hf_dataset=d.hf_dataset or None, text_column=d.text_column)

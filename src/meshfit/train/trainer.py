@@ -64,9 +64,11 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     train_loader = _train_loader(cfg, splits, micro * chunks, acc.device)
     optimizer, train_loader, scheduler = acc.prepare(optimizer, train_loader, schedule)
-    val_loader = ValidationBatches(TokenDataset(splits.val, t.seq_len), cfg.eval_windows(),
+    val_loader = ValidationBatches(splits.windows("val", t.seq_len), cfg.eval_windows(),
                                    micro * chunks, acc.runtime.dp_size, acc.runtime.dp_rank)
-    acc.print(_banner(acc, model, trained, micro, splits.train.shape[0], out_dir))
+    acc.print(_banner(acc, model, trained, micro, splits.train_tokens, out_dir))
+    if hasattr(splits, "describe"):  # examples with loss masks
+        acc.print(f"meshfit train: {splits.describe()}")
     checkpoints = Checkpoints(acc, cfg, out_dir / "checkpoints")
     start = checkpoints.resume() if resume else 0
     if start:
@@ -76,7 +78,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     loop = _Loop(
         acc=acc, cfg=cfg, trained=trained, optimizer=optimizer, scheduler=scheduler,
         val_loader=val_loader, out_dir=out_dir, exchanges=exchanges, checkpoints=checkpoints,
-        accum=acc.gradient_accumulation_steps,
+        accum=acc.gradient_accumulation_steps, masked=cfg.data.format != "text",
         writer=MetricsWriter(main_out, cfg, after_step=start),
         progress=RunReporter(acc, cfg, main_out, model, t.steps),
         batches=timed_batches(_batches(train_loader, _loader_name(
@@ -108,6 +110,7 @@ class _Loop:
     exchanges: list  # expert-parallel exchanges, timed for the routing metrics
     checkpoints: Checkpoints
     accum: int  # micro-batches per optimizer step on each rank
+    masked: bool  # targets may be ignored (-100): each token weighs the same in the step
     writer: MetricsWriter
     progress: RunReporter
     batches: object  # the endless stream of training batches
@@ -152,10 +155,11 @@ def _optimizer_step(loop: _Loop, logged: bool) -> float | None:
     step (measured even without clipping), else None."""
     t, acc, trained = loop.cfg.train, loop.acc, loop.trained
     grad_norm = None
-    for _ in range(loop.accum):
-        x, y = next(loop.batches)
+    batches = [next(loop.batches) for _ in range(loop.accum)]
+    weights = _token_weights(acc, batches, loop.accum) if loop.masked else [None] * loop.accum
+    for (x, y), weight in zip(batches, weights):
         with trained.accumulate():
-            loss = trained.forward_backward(x, y, loop.accum)
+            loss = trained.forward_backward(x, y, loop.accum, weight=weight)
             if acc.sync_gradients and (t.grad_clip > 0 or logged):
                 norm = trained.clip(t.grad_clip if t.grad_clip > 0 else math.inf)
                 grad_norm = float(norm) if logged else None
@@ -165,6 +169,23 @@ def _optimizer_step(loop: _Loop, logged: bool) -> float | None:
         loop.window.add(loss)
     loop.window.steps += 1
     return grad_norm
+
+
+def _token_weights(acc: Accelerator, batches: list, accum: int) -> list[float]:
+    """With ignored targets (prompts, padding), the step's loss is the mean over every
+    trained token of the global batch, not the mean of micro-batch means (which would weigh
+    a token by how full its micro-batch is, and so depend on the layout): micro-batch i of
+    n_i tokens gets weight n_i x micro-batches / N, N the trained tokens of the global batch
+    (summed over the data-parallel ranks), since backward averages over micro-batches and
+    ranks. A micro-batch with no trained token weighs 0."""
+    counts = torch.tensor([float((y != IGNORE_INDEX).sum()) for _, y in batches],
+                          dtype=torch.float64, device=acc.device)
+    total = float(acc.reduce(counts.sum(), "sum"))
+    if total == 0:
+        raise ValueError("a global batch holds no trained token (every target is a prompt "
+                         "or padding); check data.format and the masks, or raise "
+                         "train.seq_len")
+    return [float(n) * accum * acc.runtime.dp_size / total for n in counts.tolist()]
 
 
 def _log(loop: _Loop, step: int, grad_norm: float | None) -> dict:
@@ -332,7 +353,7 @@ def _train_loader(cfg: RunConfig, splits, rows: int, device: torch.device) -> Da
     workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory and device.type == "cuda")
     if d.num_workers:
         workers.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
-    return DataLoader(TokenDataset(splits.train, t.seq_len), batch_size=rows, shuffle=True,
+    return DataLoader(splits.windows("train", t.seq_len), batch_size=rows, shuffle=True,
                       generator=torch.Generator().manual_seed(t.seed), drop_last=True, **workers)
 
 

@@ -1,0 +1,337 @@
+"""Fine-tuning data: instructions and conversations as examples with a loss mask.
+
+`[data] format` says how a row of the dataset becomes training tokens:
+
+    "text"        documents packed back to back (`meshfit.data.cache`; every token trained)
+    "completion"  a prompt and its completion (columns ``prompt``, ``completion``): the text
+                  is prompt + completion + EOS (unless it ends with EOS already), tokenized
+                  with the tokenizer's special tokens; the loss counts the completion only
+    "chat"        a conversation (column ``messages``: a list of ``{"role", "content"}``),
+                  rendered by the tokenizer's chat template (``apply_chat_template``); the
+                  loss counts the assistant's turns only
+
+The masks are the ones TRL's ``SFTTrainer`` makes for the same rows and tokenizer
+(``completion_only_loss``, ``assistant_only_loss``): for "completion", the tokens after the
+longest common prefix of the tokenized prompt and the tokenized whole; for "chat", every
+token overlapping an assistant turn. Where the assistant's text is, in that order:
+1. a template with ``{% generation %}`` markers says it (transformers'
+   ``return_assistant_tokens_mask``);
+2. for a model's own template without them, TRL's training version of it with the markers
+   (``trl.chat_template_utils.get_training_chat_template``), when TRL is installed and knows
+   the template, as ``SFTTrainer`` does: the same masks to the token;
+3. otherwise an assistant turn is the text the template adds when the turn is appended to
+   the conversation so far rendered with the generation prompt. This needs a template that
+   renders the beginning of a conversation the same whatever follows (refused in one line
+   otherwise), and it leaves out what the generation prompt already holds (Qwen2.5's
+   template ends it with a newline that TRL's training version counts as the assistant's).
+``train_on_prompt = true`` trains on every token instead.
+
+Each example is one row of ``seq_len + 1`` tokens (`ExampleDataset`): truncated when longer
+(counted), padded when shorter, padding never trained and attending to nothing after it
+(attention is causal, the padding comes last), so examples never see each other. An
+example none of whose trained tokens fits in the row is left out (counted); a split where
+that leaves nothing is refused in one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["FORMATS", "ExampleDataset", "ExampleSplits", "chat_example", "completion_example",
+           "load_examples"]
+
+FORMATS = ("text", "completion", "chat")
+ROLES = ("system", "user", "assistant", "tool")
+IGNORE_INDEX = -100
+
+
+def _has_generation_markers(template: str) -> bool:
+    return any(f"{{%{dash} generation" in template for dash in ("", "-", "+"))
+
+
+def completion_example(hf: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one prompt and completion: the whole tokenized with the tokenizer's
+    special tokens and EOS added to the completion; mask 1 after the common prefix of the
+    tokenized prompt and the tokenized whole."""
+    eos = hf.eos_token
+    if eos is not None and not completion.endswith(eos):
+        completion = completion + eos
+    prompt_ids = hf(prompt)["input_ids"]
+    ids = hf(prompt + completion)["input_ids"]
+    common = 0
+    for a, b in zip(prompt_ids, ids):
+        if a != b:
+            break
+        common += 1
+    return list(ids), [0] * common + [1] * (len(ids) - common)
+
+
+def chat_example(hf: Any, messages: list[dict], *,
+                 template: str | None = None) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one conversation through the chat template (the tokenizer's, or
+    `template`); mask 1 on every token overlapping an assistant turn (module docstring)."""
+    kwargs = {"chat_template": template} if template else {}
+    active = template or hf.chat_template
+    out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=_has_generation_markers(active),
+                                 **kwargs)
+    ids = list(out["input_ids"])
+    if _has_generation_markers(active):
+        return ids, list(out["assistant_masks"])
+    text = hf.apply_chat_template(messages, tokenize=False, **kwargs)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = hf.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True,
+                                        **kwargs) if k else ""
+        upto = hf.apply_chat_template(messages[:k + 1], tokenize=False, **kwargs)
+        if not (upto.startswith(before) and text.startswith(upto)):
+            raise ValueError("data.format='chat': the chat template renders the beginning of a "
+                             "conversation differently when more messages follow, so the "
+                             "assistant's turns cannot be found; give data.chat_template a "
+                             "template with {% generation %} markers, or data.train_on_prompt"
+                             "=true")
+        spans.append((len(before), len(upto)))
+    mask = [0] * len(ids)
+    offsets = out.encodings[0].offsets if out.encodings else None
+    if offsets is None:
+        raise ValueError("data.format='chat' needs a fast (Rust) tokenizer to find the "
+                         "assistant's tokens; save the tokenizer with tokenizer.json")
+    s = 0
+    for i, (start, end) in enumerate(offsets):
+        while s < len(spans) and start >= spans[s][1]:
+            s += 1
+        if s == len(spans):
+            break
+        if end > spans[s][0]:
+            mask[i] = 1
+    return ids, mask
+
+
+@dataclass
+class ExampleSplits:
+    """Examples as rows of ``seq_len + 1`` tokens with their loss masks, train and
+    validation, and what was done to fit them (`load_examples`)."""
+
+    train: "ExampleDataset"
+    val: "ExampleDataset"
+    vocab_size: int
+    tokenizer: Any
+    stats: dict = field(default_factory=dict)
+
+    def windows(self, split: str, seq_len: int) -> "ExampleDataset":
+        return self.train if split == "train" else self.val
+
+    @property
+    def train_tokens(self) -> int:
+        """Tokens of the training examples (padding left out)."""
+        return int(self.train.lengths.sum())
+
+    def describe(self) -> str:
+        """One line for the banner: the examples and the shares of padding and masked
+        tokens, truncations and examples left out."""
+        s = self.stats
+        return (f"{s['format']} ({'trained: ' + s['masks']}): {s['train']} training / "
+                f"{s['val']} validation examples of "
+                f"up to {s['row']} tokens, one per row (packing off): padding "
+                f"{s['padding']:.0%} of the rows' tokens, not trained {s['masked']:.0%} of the "
+                f"examples' tokens; {s['truncated']} truncated, {s['dropped']} left out "
+                "(no trained token fits)")
+
+
+class ExampleDataset(Dataset):
+    """Row i as ``(x, y)``: ``x`` the row's first ``seq_len`` tokens, ``y[t]`` the token
+    after ``x[t]`` where it is trained, else -100 (prompt, padding)."""
+
+    def __init__(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray):
+        self.ids, self.mask, self.lengths = ids, mask, lengths
+        self.seq_len = ids.shape[1] - 1
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"ExampleDataset index {index} out of range for length {len(self)}")
+        row = torch.from_numpy(self.ids[index].astype(np.int64))
+        keep = torch.from_numpy(self.mask[index][1:].astype(bool))
+        y = torch.where(keep, row[1:], torch.full_like(row[1:], IGNORE_INDEX))
+        return row[:-1], y
+
+
+def _rows(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int,
+          what: str) -> tuple[ExampleDataset, dict]:
+    row = seq_len + 1
+    kept, truncated, dropped = [], 0, 0
+    for ids, mask in examples:
+        if len(ids) > row:
+            truncated += 1
+            ids, mask = ids[:row], mask[:row]
+        if not any(mask[1:]):  # no trained target fits (a target is a token after the first)
+            dropped += 1
+            continue
+        kept.append((ids, mask))
+    if not kept and examples:
+        raise ValueError(f"train.seq_len={seq_len}: none of the {len(examples)} {what} examples "
+                         f"has a trained token within its first {row} tokens ({truncated} are "
+                         "longer than that); raise train.seq_len")
+    ids = np.full((len(kept), row), pad_id, dtype=np.int32)
+    mask = np.zeros((len(kept), row), dtype=np.uint8)
+    lengths = np.zeros(len(kept), dtype=np.int64)
+    for i, (a, m) in enumerate(kept):
+        ids[i, :len(a)] = a
+        mask[i, :len(m)] = m
+        lengths[i] = len(a)
+    stats = {"truncated": truncated, "dropped": dropped, "tokens": int(lengths.sum()),
+             "trained": int(mask[:, 1:].sum())}
+    return ExampleDataset(ids, mask, lengths), stats
+
+
+def _records(source: Any, what: str, columns: dict[str, str]) -> list[dict]:
+    """The rows' `columns` ({setting: column name}); a missing column refused by name."""
+    for setting, column in columns.items():
+        if column not in source.column_names:
+            raise ValueError(f"data.{setting}={column!r} is not a column of data.hf_dataset="
+                             f"{what!r} (its columns: {', '.join(source.column_names)}); name "
+                             f"the column with data.{setting}")
+    return [{c: row[c] for c in columns.values()} for row in source]
+
+
+def _check_messages(messages: Any, index: int, column: str) -> list[dict]:
+    where = f"data.messages_column={column!r}, row {index}"
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: a conversation must be a non-empty list of "
+                         "{'role': ..., 'content': ...}")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"{where}: message {m!r} is not a {{'role', 'content'}} mapping")
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: role {m['role']!r} is not one of {', '.join(ROLES)}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: the conversation has no assistant turn, so nothing in it "
+                         "would be trained; remove it or set data.train_on_prompt=true")
+    return messages
+
+
+def load_examples(data, *, tokenizer, seq_len: int, val_fraction: float) -> ExampleSplits:
+    """The examples of `data` (a [data] section whose format is "completion" or "chat")
+    through `tokenizer` (a meshfit HFTokenizer over a transformers tokenizer) as rows of
+    ``seq_len + 1`` tokens; validation: the dataset's "validation" (or "test") split, else
+    the last `val_fraction` of the rows (at least one)."""
+    from meshfit.data.hf import open_hf_dataset
+
+    hf = getattr(tokenizer, "_hf", None)
+    if hf is None or not hasattr(hf, "apply_chat_template"):
+        raise ValueError(f"data.format={data.format!r} needs a transformers tokenizer folder "
+                         "(data.tokenizer=path/to/folder), not the byte tokenizer")
+    template = _template(data.chat_template) if data.format == "chat" else None
+    if data.format == "chat" and not (template or getattr(hf, "chat_template", None)):
+        raise ValueError(f"data.tokenizer={data.tokenizer!r} has no chat template; give one "
+                         "with data.chat_template (a .jinja file or the template text)")
+    if data.format == "chat" and template and not _has_generation_markers(template) \
+            and "{%" not in template and "{{" not in template:
+        raise ValueError(f"data.chat_template={data.chat_template!r} is neither a template file "
+                         "nor template text ({% ... %} / {{ ... }})")
+    named = {"messages_column": data.messages_column} if data.format == "chat" else {
+        "prompt_column": data.prompt_column, "completion_column": data.completion_column}
+    columns = tuple(named.values())
+    how = "prompt and completion"
+    if data.format == "chat":
+        template, how = training_template(hf, template)
+    if not data.hf_dataset:
+        raise ValueError(f"data.format={data.format!r} reads data.hf_dataset (a datasets folder "
+                         "or a .json/.jsonl file of rows); data.path is for format='text'")
+    source = open_hf_dataset(data.hf_dataset, None)
+    what = data.hf_dataset
+    splits = {}
+    for name, ds in (("train", source.train), ("val", source.validation)):
+        if ds is None:
+            continue
+        rows = _records(ds, what, named)
+        out = []
+        for i, r in enumerate(rows):
+            if data.format == "chat":
+                messages = _check_messages(r[columns[0]], i, columns[0])
+                ids, mask = chat_example(hf, messages, template=template)
+            else:
+                for c in columns:
+                    if not isinstance(r[c], str):
+                        raise ValueError(f"data.{'prompt' if c == columns[0] else 'completion'}"
+                                         f"_column={c!r}, row {i}: {type(r[c]).__name__}, not a "
+                                         "string")
+                ids, mask = completion_example(hf, r[columns[0]], r[columns[1]])
+            if data.train_on_prompt:
+                mask = [1] * len(ids)
+            out.append((ids, mask))
+        if data.format == "chat" and not data.train_on_prompt and out and not any(
+                any(m) for _, m in out):
+            raise ValueError(f"data.format='chat': the chat template marks no assistant token in "
+                             f"any of the {len(out)} {name} conversations; give data."
+                             "chat_template a template that renders the assistant's turns")
+        splits[name] = out
+    if "val" not in splits:
+        examples = splits["train"]
+        n_val = max(1, round(len(examples) * val_fraction)) if len(examples) > 1 else 0
+        splits["train"], splits["val"] = examples[:len(examples) - n_val], \
+            examples[len(examples) - n_val:]
+    pad = hf.pad_token_id if hf.pad_token_id is not None else tokenizer.eos_id or 0
+    train, st = _rows(splits["train"], seq_len, pad, "training")
+    val, sv = _rows(splits["val"], seq_len, pad, "validation")
+    row = seq_len + 1
+    total = max(1, st["tokens"] + sv["tokens"])
+    stats = {"format": data.format, "masks": "every token" if data.train_on_prompt else how,
+             "train": len(train), "val": len(val), "row": row,
+             "truncated": st["truncated"] + sv["truncated"],
+             "dropped": st["dropped"] + sv["dropped"],
+             "padding": 1 - total / max(1, row * (len(train) + len(val))),
+             "masked": 1 - (st["trained"] + sv["trained"]) / total}
+    return ExampleSplits(train=train, val=val, vocab_size=int(tokenizer.vocab_size),
+                         tokenizer=tokenizer, stats=stats)
+
+
+def training_template(hf: Any, template: str | None) -> tuple[str | None, str]:
+    """The template to render conversations with (None: the tokenizer's) and how it finds
+    the assistant's tokens (the module docstring's order)."""
+    active = template or hf.chat_template
+    if _has_generation_markers(active):
+        return template, "the template's {% generation %} markers"
+    if template is None:
+        try:
+            from trl.chat_template_utils import get_training_chat_template
+        except ImportError:
+            pass
+        else:
+            try:
+                patched = get_training_chat_template(hf)
+            except (ValueError, TypeError):
+                patched = None  # a template TRL does not know
+            if patched is not None and _has_generation_markers(patched):
+                return patched, "TRL's training version of the template"
+    return template, "the assistant turns, rendered turn by turn"
+
+
+def _template(value: str) -> str | None:
+    """data.chat_template: a file's text, or the text itself; None when empty."""
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if len(value) < 4096 and "\n" not in value and path.is_file():
+        return path.read_text()
+    return value
+
+
+def examples_key(data, tokenizer, seq_len: int) -> str:
+    """A hash of what the examples depend on (for logs and caches)."""
+    parts = [data.format, data.hf_dataset, data.chat_template, data.messages_column,
+             data.prompt_column, data.completion_column, str(data.train_on_prompt),
+             getattr(tokenizer, "name", ""), str(seq_len)]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]

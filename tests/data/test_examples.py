@@ -1,0 +1,301 @@
+"""Fine-tuning data ([data] format "completion" and "chat"): the loss masks against TRL's
+SFTTrainer on the same rows and tokenizers, training that weighs every trained token the
+same under every layout and micro-batch size, and bad input refused before launch.
+
+Tokenizers: one BPE trained here on two standard-library files, saved twice with the chat
+templates of Llama 3 and Qwen2.5 (the template files TRL ships, which TRL recognises and
+swaps for its training versions); conversations of 1-2 turns, a third with a system turn."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_distributed
+
+pytest.importorskip("trl")
+
+
+def _conversations(n: int, seed: int) -> list[dict]:
+    rnd = random.Random(seed)
+    words = "alpha beta gamma delta the quick brown fox jumps over a lazy dog import os".split()
+
+    def say(k):
+        return " ".join(rnd.choice(words) for _ in range(k))
+
+    rows = []
+    for i in range(n):
+        messages = [{"role": "system", "content": say(4)}] if i % 3 == 0 else []
+        for _ in range(1 + i % 2):
+            messages += [{"role": "user", "content": say(3 + i % 4)},
+                         {"role": "assistant", "content": say(4 + i % 5)}]
+        rows.append({"messages": messages, "prompt": say(5), "completion": " " + say(3 + i % 3)})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    import datasets
+    import transformers
+    import trl
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tmp = tmp_path_factory.mktemp("sft")
+    templates = Path(trl.__file__).parent / "chat_templates"
+    stdlib = sysconfig.get_paths()["stdlib"]
+    texts = [open(f"{stdlib}/{name}").read()[:30_000] for name in ("os.py", "textwrap.py")]
+    special = ["<unk>", "<pad>", "<|begin_of_text|>", "<|start_header_id|>",
+               "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=500, special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    for name, template, bos, eos in (("llama3", "llama3.jinja", "<|begin_of_text|>", "<|eot_id|>"),
+                                     ("qwen", "qwen2_5.jinja", None, "<|im_end|>")):
+        t = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos,
+                                                 eos_token=eos, pad_token="<pad>",
+                                                 unk_token="<unk>")
+        t.chat_template = (templates / template).read_text()
+        t.save_pretrained(tmp / name)
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_list(_conversations(48, 0)),
+        "validation": datasets.Dataset.from_list(_conversations(5, 1)),
+    }).save_to_disk(tmp / "convs")
+    with open(tmp / "rows.jsonl", "w") as fh:
+        for row in _conversations(12, 2):
+            fh.write(json.dumps(row) + "\n")
+    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
+                                     max_position_embeddings=128)
+    torch.manual_seed(7)
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp / "model")
+    return tmp
+
+
+def _trl_masks(folder: Path, rows: list[dict], fmt: str) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, mask) of each row as TRL's SFTTrainer prepares it (labels != -100)."""
+    import datasets
+    import transformers
+    from trl import SFTConfig, SFTTrainer
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    if fmt == "chat":
+        ds = datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows])
+        extra = {"assistant_only_loss": True}
+    else:
+        ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]}
+                                         for r in rows])
+        extra = {"completion_only_loss": True}
+    args = SFTConfig(output_dir=str(folder / "trl-out"), max_length=None, report_to=[],
+                     use_cpu=True, bf16=False, **extra)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_attention_heads=2, num_hidden_layers=1,
+        vocab_size=len(tok)))
+    prepared = SFTTrainer(model=model, args=args, train_dataset=ds,
+                          processing_class=tok).train_dataset
+    return [(list(r["input_ids"]), [int(x != -100) for x in r["labels"]]) for r in prepared]
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen"])
+@pytest.mark.parametrize("fmt", ["chat", "completion"])
+def test_masks_equal_trl_sft_trainer(files, name, fmt):
+    """The same token ids and masks as SFTTrainer (assistant_only_loss /
+    completion_only_loss), position by position: 0 differ."""
+    import transformers
+
+    from meshfit.data.examples import chat_example, completion_example, training_template
+
+    rows = _conversations(30, 3)
+    tok = transformers.AutoTokenizer.from_pretrained(files / name)
+    template, how = training_template(tok, None)
+    assert how == "TRL's training version of the template"  # both templates are TRL's originals
+    differ = total = trained = 0
+    for row, (ids, mask) in zip(rows, _trl_masks(files / name, rows, fmt)):
+        ours_ids, ours = (chat_example(tok, row["messages"], template=template) if fmt == "chat"
+                          else completion_example(tok, row["prompt"], row["completion"]))
+        assert ours_ids == ids
+        differ += sum(a != b for a, b in zip(ours, mask))
+        total, trained = total + len(mask), trained + sum(mask)
+    assert differ == 0 and 0 < trained < total
+
+
+def test_turn_by_turn_masks_equal_trl_where_the_template_allows(files):
+    """Without TRL's template swap, the turn-by-turn rule on Llama 3's own template gives
+    TRL's masks too (its generation prompt ends where the assistant's text begins)."""
+    import transformers
+
+    from meshfit.data.examples import chat_example
+
+    rows = _conversations(30, 4)
+    tok = transformers.AutoTokenizer.from_pretrained(files / "llama3")
+    for row, (ids, mask) in zip(rows, _trl_masks(files / "llama3", rows, "chat")):
+        assert chat_example(tok, row["messages"]) == (ids, mask)
+
+
+def test_rows_mask_prompt_and_padding_and_count_what_does_not_fit():
+    """A row's targets: the next token where it is trained, else -100; examples longer than
+    the row truncated, ones without a trained token inside the row left out, both counted."""
+    import numpy as np
+
+    from meshfit.data.examples import _rows
+
+    examples = [([1, 2, 3, 4], [0, 0, 1, 1]), ([5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 0, 0, 1, 1]),
+                ([12, 13, 14, 15, 16, 17], [0, 1, 1, 1, 1, 1])]
+    data, stats = _rows(examples, seq_len=4, pad_id=0, what="training")
+    assert (stats["truncated"], stats["dropped"], len(data)) == (2, 1, 2)
+    x, y = data[0]
+    assert x.tolist() == [1, 2, 3, 4] and y.tolist() == [-100, 3, 4, -100]
+    x, y = data[1]
+    assert x.tolist() == [12, 13, 14, 15] and y.tolist() == [13, 14, 15, 16]
+    assert data.ids.dtype == np.int32
+    with pytest.raises(ValueError, match="none of the 1 training examples has a trained token "
+                                         "within its first 5 tokens"):
+        _rows([([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0, 1])], seq_len=4, pad_id=0, what="training")
+
+
+# ---------------------------------------------------------------------------- training
+BASE = {"train": {"steps": 3, "eval_every": 0, "log_every": 1, "eval_batches": 2,
+                  "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 48,
+                  "warmup_steps": 1},
+        "optim": {"optimizer": "adamw", "lr": 1e-2}}
+RTOL = 1e-4  # fp32, layouts summing in other orders (as tests/train/test_train_models.py)
+
+
+def _config(files, case: str, nproc: int):
+    from meshfit.train.configfile import build_config
+
+    parallel, train = {}, dict(BASE["train"])
+    if nproc == 2:
+        parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} if case == "zero3" \
+            else {"dp_replicate": 2}
+    if case == "micro4":
+        train["micro_batch_size"] = 4
+    return build_config({**BASE, "train": train, "parallel": parallel,
+                         "model": {"hf_model": str(files / "model")},
+                         "data": {"format": "chat", "hf_dataset": str(files / "convs"),
+                                  "tokenizer": str(files / "llama3"),
+                                  "cache_dir": str(files / "cache")}})
+
+
+def _train_two(rank, world_size, files):
+    from meshfit.distributed import init
+    from meshfit.train.trainer import train
+
+    env = init()
+    for case in ("ddp", "zero3"):
+        train(_config(files, case, world_size), files / f"{case}-2", env)
+
+
+def _losses(folder):
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [x["loss"] for x in lines if "loss" in x], [x["val_loss"] for x in lines
+                                                        if "val_loss" in x]
+
+
+def test_every_layout_and_micro_batch_size_weighs_each_trained_token_alike(files):
+    """Chat fine-tuning of a pretrained folder: one process with micro-batches of 2 (4
+    accumulated) and of 4 (2 accumulated), DDP and ZeRO-3 on 2 processes: the same losses.
+    (A mean of micro-batch means would differ between micro-batch sizes by the share of
+    trained tokens each micro-batch holds.) The first validation loss is the folder's own
+    model on the validation conversations' assistant tokens."""
+    import transformers
+
+    from meshfit.distributed import init
+    from meshfit.train import tokens
+    from meshfit.train.trainer import train
+
+    run_distributed(_train_two, 2, files, timeout=300)
+    for case in ("one", "micro4"):
+        train(_config(files, case, 1), files / f"{case}-1", init())
+    one, val = _losses(files / "one-1")
+    assert len(one) == 3 and one[-1] != one[0]
+    for case in ("micro4-1", "ddp-2", "zero3-2"):
+        losses, vals = _losses(files / case)
+        for a, b in zip(one + val, losses + vals):
+            assert math.isclose(a, b, rel_tol=RTOL), (case, one + val, losses + vals)
+    cfg = _config(files, "one", 1)
+    splits = tokens.load_tokens(cfg)
+    model = transformers.LlamaForCausalLM.from_pretrained(files / "model")
+    total = count = 0.0
+    with torch.no_grad():
+        for i in range(len(splits.val)):
+            x, y = splits.val[i]
+            logits = model(input_ids=x[None]).logits[0]
+            total += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
+            count += (y != -100).sum().item()
+    assert val[0] == pytest.approx(total / count, rel=RTOL)
+
+
+# ---------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("args, match", [
+    (["--data.format=chat", "--data.messages_column=turns"],
+     "data.messages_column='turns' is not a column of data.hf_dataset"),
+    (["--data.format=completion", "--data.completion_column=answer"],
+     "data.completion_column='answer' is not a column"),
+    (["--data.format=chat", "--data.tokenizer=bytes"], "needs a Hugging Face tokenizer"),
+    (["--data.format=chat", "--parallel.pp=2", "--parallel.dp_replicate=1"],
+     "does not run under parallel.pp=2 yet"),
+    (["--data.format=chat", "--train.seq_len=8"], "raise train.seq_len"),
+    (["--data.format=dialogue"], "data.format='dialogue' must be one of"),
+    (["--data.chat_template=x.jinja"], "apply to data.format='chat' or 'completion'"),
+])
+def test_bad_fine_tuning_data_is_refused_before_launch(cli_refusal, files, tmp_path, args,
+                                                       match):
+    tokenizer = [] if any(a.startswith("--data.tokenizer") for a in args) else [
+        f"--data.tokenizer={files / 'llama3'}"]
+    line = cli_refusal("train", "--nproc", "2", "--out", str(tmp_path / "run"),
+                       f"--model.hf_model={files / 'model'}",
+                       f"--data.hf_dataset={files / 'rows.jsonl'}", *tokenizer,
+                       f"--data.cache_dir={files / 'cache'}", "--train.global_batch_size=4",
+                       "--train.micro_batch_size=2", *args)
+    assert match in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}],
+     "role 'bot' is not one of system, user, assistant, tool"),
+    ([{"role": "user", "content": "hi"}], "has no assistant turn"),
+    ("hello", "must be a non-empty list"),
+])
+def test_bad_conversations_are_named_by_row(files, tmp_path, messages, match):
+    from types import SimpleNamespace
+
+    from meshfit.data.examples import load_examples
+    from meshfit.data.tokenizer import load_tokenizer
+
+    path = tmp_path / "bad.jsonl"
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": messages}) + "\n")
+    data = SimpleNamespace(format="chat", hf_dataset=str(path), chat_template="",
+                           messages_column="messages", prompt_column="prompt",
+                           completion_column="completion", train_on_prompt=False,
+                           tokenizer=str(files / "llama3"))
+    with pytest.raises(ValueError, match=match) as err:
+        load_examples(data, tokenizer=load_tokenizer(str(files / "llama3")), seq_len=32,
+                      val_fraction=0.02)
+    assert "row 1" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(files, tmp_path):
+    import transformers
+
+    from meshfit.train.configfile import build_config
+    from meshfit.train.tokens import load_tokens
+
+    tok = transformers.AutoTokenizer.from_pretrained(files / "llama3")
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "plain")
+    cfg = build_config({"data": {"format": "chat", "hf_dataset": str(files / "rows.jsonl"),
+                                 "tokenizer": str(tmp_path / "plain")}})
+    with pytest.raises(ValueError, match="has no chat template; give one with "
+                                         "data.chat_template"):
+        load_tokens(cfg)
