@@ -200,21 +200,29 @@ def _losses(folder):
                                                         if "val_loss" in x]
 
 
-def test_every_layout_and_micro_batch_size_weighs_each_trained_token_alike(files):
-    """Chat fine-tuning of a pretrained folder: one process with micro-batches of 2 (4
-    accumulated) and of 4 (2 accumulated), DDP and ZeRO-3 on 2 processes: the same losses.
-    (A mean of micro-batch means would differ between micro-batch sizes by the share of
-    trained tokens each micro-batch holds.) The first validation loss is the folder's own
-    model on the validation conversations' assistant tokens."""
-    import transformers
-
+@pytest.fixture(scope="module")
+def runs(files):
+    """Chat fine-tuning of the pretrained folder: DDP and ZeRO-3 on 2 processes, and one
+    process with micro-batches of 2 (4 accumulated) and of 4 (2 accumulated)."""
     from meshfit.distributed import init
-    from meshfit.train import tokens
     from meshfit.train.trainer import train
 
     run_distributed(_train_two, 2, files, timeout=300)
     for case in ("one", "micro4"):
         train(_config(files, case, 1), files / f"{case}-1", init())
+    return files
+
+
+def test_every_layout_and_micro_batch_size_weighs_each_trained_token_alike(runs):
+    """The four runs log the same losses. (A mean of micro-batch means would differ between
+    micro-batch sizes by the share of trained tokens each micro-batch holds.) The first
+    validation loss is the folder's own model on the validation conversations' assistant
+    tokens."""
+    import transformers
+
+    from meshfit.train import tokens
+
+    files = runs
     one, val = _losses(files / "one-1")
     assert len(one) == 3 and one[-1] != one[0]
     for case in ("micro4-1", "ddp-2", "zero3-2"):
@@ -299,3 +307,30 @@ def test_a_tokenizer_without_a_chat_template_is_refused(files, tmp_path):
     with pytest.raises(ValueError, match="has no chat template; give one with "
                                          "data.chat_template"):
         load_tokens(cfg)
+
+
+def test_eval_and_generate_chat_on_a_chat_run(runs, capsys):
+    """`meshfit eval RUN` gives the run's last val_loss on its validation conversations;
+    `meshfit generate RUN --chat` puts the prompt through the saved tokenizer's template as
+    the user's turn, the generation prompt last."""
+    import transformers
+
+    from meshfit.cli.main import main
+    from meshfit.train.generate import chat_prompt_ids, load_model
+
+    files = runs
+    run = files / "one-1"
+    assert main(["eval", str(run)]) == 0
+    said = capsys.readouterr().out
+    _, vals = _losses(run)
+    assert float(said.split()[1]) == pytest.approx(vals[-1], rel=1e-5)
+    assert main(["generate", str(run), "--chat", "--prompt", "alpha beta",
+                 "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("user: alpha beta\nassistant: ")
+    _, tokenizer, _, _ = load_model(str(run), "cpu")
+    tok = transformers.AutoTokenizer.from_pretrained(files / "llama3")
+    expected = tok.apply_chat_template([{"role": "user", "content": "alpha beta"}],
+                                       add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"]
+    assert chat_prompt_ids(tokenizer, "alpha beta") == list(expected)

@@ -54,6 +54,9 @@ def cmd_generate(argv: list[str]) -> int:
                    help="sample among the K most likely tokens only; 0 = all (default)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="the sampling seed: same seed, same text (default 0)")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is the user's message: put it through the tokenizer's chat "
+                        "template and print the assistant's answer")
     ns = p.parse_args(argv)
     from meshfit.train.preflight import check_sampling
 
@@ -65,8 +68,8 @@ def cmd_generate(argv: list[str]) -> int:
 
     model, tokenizer, _, _ = load_model(ns.source, ns.device)
     text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
-                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)
-    print(ns.prompt + text)
+                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed, chat=ns.chat)
+    print(f"user: {ns.prompt}\nassistant: {text}" if ns.chat else ns.prompt + text)
     return 0
 
 
@@ -112,7 +115,11 @@ def cmd_eval(argv: list[str]) -> int:
         raise ValueError(f"RUN_OR_MODEL={ns.source!r}: the tokenizer has {tokenizer.vocab_size} "
                          f"ids but the model only {vocab}; save the model with its own tokenizer")
     tokens, where = _held_out(ns.data, cfg, tokenizer)
-    if tokens.size < seq_len + 1:
+    rows = getattr(tokens, "seq_len", None)  # fine-tuning examples: rows of the run's length
+    if rows is not None and seq_len != rows:
+        raise ValueError(f"--seq-len={seq_len}: the run's examples are rows of train.seq_len="
+                         f"{rows} tokens; leave --seq-len out")
+    if rows is None and tokens.size < seq_len + 1:
         raise ValueError(f"--seq-len={seq_len}: {where} only {tokens.size} tokens, fewer than "
                          "one window of seq_len + 1; lower --seq-len or give more --data")
     # A run's own validation split, by default as the run evaluated it (`RunConfig.eval_windows`).

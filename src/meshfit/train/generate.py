@@ -168,14 +168,30 @@ def _generate_hf(model, prompt, max_new, temperature, top_k, seed, eos_id) -> to
     return new.long()
 
 
+def chat_prompt_ids(tokenizer, message: str) -> list[int]:
+    """`message` as the user's turn of a conversation, rendered by the tokenizer's chat
+    template with the generation prompt (the assistant's turn begins), as token ids."""
+    hf = getattr(tokenizer, "_hf", None)
+    if hf is None or not getattr(hf, "chat_template", None):
+        raise ValueError("--chat needs a tokenizer with a chat template (a model fine-tuned "
+                         "with data.format='chat' keeps its tokenizer's); this one has none")
+    text = hf.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                  add_generation_prompt=True)
+    return list(hf(text, add_special_tokens=False)["input_ids"])
+
+
 def generate(model: nn.Module, tokenizer, prompt: str, *, max_new_tokens: int = 200,
-             temperature: float = 0.8, top_k: int | None = None, seed: int = 0) -> str:
+             temperature: float = 0.8, top_k: int | None = None, seed: int = 0,
+             chat: bool = False) -> str:
     """The text `model` writes after `prompt` (the continuation only). `tokenizer`: an
-    object with ``encode(text)`` and ``decode(ids)`` (and ``eos_id`` to stop at)."""
+    object with ``encode(text)`` and ``decode(ids)`` (and ``eos_id`` to stop at). `chat`:
+    `prompt` is the user's message, put through the tokenizer's chat template
+    (`chat_prompt_ids`), and the text is the assistant's answer."""
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"--prompt={prompt!r} is empty; give the text to continue, e.g. "
                          "--prompt 'def main('")
-    prompt_ids = torch.as_tensor(tokenizer.encode(prompt), dtype=torch.long)
+    prompt_ids = torch.as_tensor(chat_prompt_ids(tokenizer, prompt) if chat else
+                                 tokenizer.encode(prompt), dtype=torch.long)
     eos = getattr(tokenizer, "eos_id", None)
     new = generate_ids(model, prompt_ids, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, seed=seed,
@@ -194,8 +210,10 @@ def evaluate_loss(model: nn.Module, tokens, seq_len: int, *, batches: int = 8,
                   batch_size: int = 8) -> tuple[float, int]:
     """(mean next-token cross-entropy in nats, number of predicted tokens) over the first
     ``batches * batch_size`` windows of `seq_len` (`meshfit.data.TokenDataset`, as
-    training's validation); batches=0: every window."""
-    data = TokenDataset(tokens, seq_len)
+    training's validation; or a dataset of fine-tuning rows, `meshfit.data.examples`, whose
+    ignored targets count nothing); batches=0: every window."""
+    data = tokens if isinstance(tokens, torch.utils.data.Dataset) else \
+        TokenDataset(tokens, seq_len)  # fine-tuning examples come as their rows
     n = len(data) if batches == 0 else min(len(data), batches * batch_size)
     device = _device(model)
     was_training = model.training
@@ -211,7 +229,7 @@ def evaluate_loss(model: nn.Module, tokens, seq_len: int, *, batches: int = 8,
                 logits = logits.float()
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
             total += loss.double().cpu()
-            count += y.numel()
+            count += int((y != -100).sum())  # prompts and padding are not predicted
     finally:
         model.train(was_training)
     return (total / count).item(), count
