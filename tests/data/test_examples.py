@@ -178,7 +178,10 @@ def _config(files, case: str, nproc: int):
             else {"dp_replicate": 2}
     if case == "micro4":
         train["micro_batch_size"] = 4
-    return build_config({**BASE, "train": train, "parallel": parallel,
+    peft = {"method": "lora", "r": 4, "merge": True} if case == "lora" else {}
+    if case == "lora":
+        parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3}
+    return build_config({**BASE, "train": train, "parallel": parallel, "peft": peft,
                          "model": {"hf_model": str(files / "model")},
                          "data": {"format": "chat", "hf_dataset": str(files / "convs"),
                                   "tokenizer": str(files / "llama3"),
@@ -190,7 +193,7 @@ def _train_two(rank, world_size, files):
     from meshfit.train.trainer import train
 
     env = init()
-    for case in ("ddp", "zero3"):
+    for case in ("ddp", "zero3", "lora"):
         train(_config(files, case, world_size), files / f"{case}-2", env)
 
 
@@ -307,6 +310,40 @@ def test_a_tokenizer_without_a_chat_template_is_refused(files, tmp_path):
     with pytest.raises(ValueError, match="has no chat template; give one with "
                                          "data.chat_template"):
         load_tokens(cfg)
+
+
+def test_lora_chat_fine_tuning_under_zero3_writes_what_peft_and_transformers_load(runs):
+    """The README's example in small: LoRA on the pretrained folder, chat data, ZeRO-3 on 2
+    processes. The adapter (onto the folder) and the merged model both give the run's last
+    val_loss on the validation conversations' assistant tokens; the first val_loss is the
+    folder's own (the adapters start at zero)."""
+    import peft
+    import transformers
+
+    from meshfit.train import tokens
+
+    _, vals = _losses(runs / "lora-2")
+    _, full = _losses(runs / "one-1")
+    assert vals[0] == pytest.approx(full[0], rel=RTOL) and vals[-1] != vals[0]
+    splits = tokens.load_tokens(_config(runs, "lora", 2))
+
+    def val_loss(model):
+        total = count = 0.0
+        with torch.no_grad():
+            for i in range(len(splits.val)):
+                x, y = splits.val[i]
+                logits = model(input_ids=x[None]).logits[0]
+                total += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
+                count += (y != -100).sum().item()
+        return total / count
+
+    base = transformers.LlamaForCausalLM.from_pretrained(runs / "model")
+    adapted = peft.PeftModel.from_pretrained(base, runs / "lora-2" / "adapter")
+    assert val_loss(adapted) == pytest.approx(vals[-1], rel=RTOL)
+    merged = transformers.LlamaForCausalLM.from_pretrained(runs / "lora-2" / "model")
+    assert val_loss(merged) == pytest.approx(vals[-1], rel=RTOL)
+    assert (runs / "lora-2" / "model" / "chat_template.jinja").is_file() or \
+        "chat_template" in (runs / "lora-2" / "model" / "tokenizer_config.json").read_text()
 
 
 def test_eval_and_generate_chat_on_a_chat_run(runs, capsys):
