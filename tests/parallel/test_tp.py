@@ -165,6 +165,7 @@ def tp2(request):
              if HAS_TRANSFORMERS or CASES[n][0] == "gpt"]
     cases = {n: (_compare, *CASES[n][:3]) for n in names}
     cases["bad-input"] = (_bad_inputs,)  # well under a second
+    cases["lora"] = (_lora_grads,)
     return run_cases(cases, 2, timeout=240)
 
 
@@ -174,6 +175,52 @@ def test_tp2_matches_single_process(tp2, case):
     if kind != "gpt":
         pytest.importorskip("transformers")
     _check(case_result(tp2, case), kind, expect_tied=tied)
+
+
+def _lora_grads(rank, world_size):
+    """LoRA (peft) on the fp64 GPT, every block linear adapted, B drawn non-zero so that A's
+    gradient is too: under tp=2 (with and without sequence parallel) the loss and every
+    adapter gradient, gathered, against the same model in one process; the base stays
+    frozen (no gradient)."""
+    from meshfit.peft import lora
+
+    torch.manual_seed(0)
+    ref = lora(MODELS["gpt"](**GPT_VARIANTS["swiglu-rope-gqa"]), r=2)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    out = []
+    for sp in (False, True):
+        model = copy.deepcopy(ref)
+        apply_tp(model, _mesh(), sequence_parallel=sp)
+        x, y = _batch()
+        ref.zero_grad()
+        loss_ref = ref(x, y)
+        loss_ref.backward()
+        loss = model(x, y)
+        loss.backward()
+        grads = {}
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            if not q.requires_grad:
+                assert p.grad is None, name
+                continue
+            got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grads[name] = float((got - q.grad).abs().max() / q.grad.abs().max())
+        out.append({"sp": sp, "loss": (float(loss), float(loss_ref)), "grads": grads})
+    return out
+
+
+def test_lora_under_tp_has_the_single_process_gradients(tp2):
+    """Each adapted linear's adapters laid out to match it (`meshfit.models.plans.lora_plan`):
+    column-parallel base -> A whole, B column-parallel; row-parallel base -> A row-parallel, B
+    whole. fp64: the same loss and adapter gradients as one process (summation order only)."""
+    for r in case_result(tp2, "lora")[0]:
+        assert math.isclose(*r["loss"], rel_tol=LOSS_RTOL), r
+        assert len(r["grads"]) == 2 * 2 * 7  # 2 blocks x (wq wk wv wo w1 w2 w3) x (A, B)
+        worst = max(r["grads"].values())
+        assert worst < 1e-9, (r["sp"], sorted(r["grads"].items(), key=lambda kv: -kv[1])[:3])
 
 
 # ---------------------------------------------------------------------------- bad input

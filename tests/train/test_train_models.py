@@ -117,8 +117,13 @@ def _config(files, case: str, nproc: int):
         model = {"hf_model": str(files / "llama")}
         peft = {"method": "lora", "r": 4, "merge": True}  # peft's Llama default: q/v_proj
         parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} \
-            if case.endswith("zero3") else {"dp_replicate": 2}
+            if case.endswith("zero3") else {"tp": 2, "dp_replicate": 1} \
+            if case.endswith("tp") else {"dp_replicate": 2}
         parallel = parallel if nproc == 2 else {}
+    elif case == "lora_gpt_tp_sp":  # the reference GPT, its every block linear adapted
+        peft = {"method": "lora", "r": 4}
+        parallel = {"tp": 2, "dp_replicate": 1, "sequence_parallel": True} if nproc == 2 \
+            else {}
     elif case == "lora_gpt2_zero3":
         model = {"hf_config": str(files / "gpt2")}
         peft = {"method": "lora", "r": 4, "target_modules": ["c_attn", "c_fc"], "merge": True}
@@ -128,7 +133,7 @@ def _config(files, case: str, nproc: int):
 
 
 CASES = ("hf_model_zero3", "hf_model_pp", "factory_tp", "lora_gpt2_zero3", "lora_hf_model_ddp",
-         "lora_hf_model_zero3")
+         "lora_hf_model_zero3", "lora_hf_model_tp", "lora_gpt_tp_sp")
 
 
 def _train_cases(rank, world_size, files):
@@ -271,7 +276,8 @@ def test_lora_on_a_pretrained_folder_starts_from_its_weights(runs):
     n = cfg.eval_windows()
     original = transformers.LlamaForCausalLM.from_pretrained(runs / "llama")
     first = _val_loss(original, cfg, n, hf=True)
-    for case in ("lora_hf_model_zero3-2", "lora_hf_model_ddp-2", "lora_hf_model_zero3-1"):
+    for case in ("lora_hf_model_zero3-2", "lora_hf_model_ddp-2", "lora_hf_model_tp-2",
+                 "lora_hf_model_zero3-1"):
         _, vals = _losses(runs / case)
         assert vals[0] == pytest.approx(first, rel=RTOL), case
         assert abs(vals[-1] - vals[0]) > 1e-3, case  # the adapters trained
@@ -390,15 +396,25 @@ def test_a_run_stopped_before_its_first_step_does_not_block_the_next(tmp_path):
         check_run_folder(tmp_path, resume=False, overwrite=False)
 
 
-def test_tensor_parallel_on_a_lora_model_is_refused_with_the_reason():
+def test_a_lora_models_tp_plan_lays_the_adapters_out_like_their_linear():
+    """Under tensor parallel each adapted linear's style goes to its base_layer; a
+    column-parallel one gets A whole and B column-parallel, a row-parallel one A row-parallel
+    and B whole (the runs above check the numbers); pipeline parallel is still refused."""
     from reference import tiny_gpt
 
     from meshfit.models.plans import pipeline_plan_for, plan_for
     from meshfit.peft import lora
 
     model = lora(tiny_gpt(), r=2)
-    with pytest.raises(ValueError, match="tensor parallel of a LoRA model .* LoraLayer"):
-        plan_for(model)
+    styles = plan_for(model).styles
+    p = "base_model.model.layers.*.attn."
+    assert styles[p + "wq.base_layer"].kind == "colwise"
+    assert styles[p + "wq.lora_A.default"].kind == "replicate"
+    assert styles[p + "wq.lora_B.default"].kind == "colwise"
+    assert styles[p + "wo.base_layer"].kind == "rowwise"
+    assert styles[p + "wo.lora_A.default"].kind == "rowwise"
+    assert styles[p + "wo.lora_B.default"].kind == "replicate"
+    assert p + "wq" not in styles
     with pytest.raises(ValueError, match="pipeline parallel of a LoRA model"):
         pipeline_plan_for(model)
 

@@ -37,7 +37,7 @@ from meshfit.models.plans.hf import (hf_gpt2_pipeline_plan, hf_gpt2_plan, hf_lla
 __all__ = ["PipelinePlan", "Style", "TPPlan", "colwise", "divisibility_problem",
            "gather_sequence", "gpt_pipeline_plan", "gpt_plan", "hf_gpt2_pipeline_plan",
            "hf_gpt2_plan", "has_builtin_plans", "hf_llama_pipeline_plan", "hf_llama_plan",
-           "hf_moe_pipeline_plan", "hf_moe_plan", "pipeline_plan_for", "plan_for",
+           "hf_moe_pipeline_plan", "hf_moe_plan", "lora_plan", "pipeline_plan_for", "plan_for",
            "prepare_input", "replicate", "replicate_local", "rowwise", "sequence"]
 
 _BUILT_IN = ("meshfit GPT, transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, "
@@ -83,8 +83,13 @@ def _refuse_peft(model: nn.Module, what: str) -> None:
 def plan_for(model: nn.Module, *, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> TPPlan:
     """The built-in tensor-parallel plan for `model`'s type; ValueError naming the supported
-    types and how to pass a plan."""
-    _refuse_peft(model, "tensor parallel")
+    types and how to pass a plan. A LoRA model (peft.PeftModel): its base model's plan with
+    each adapted linear's adapters laid out to match (`lora_plan`)."""
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        base = model.base_model.model
+        return lora_plan(plan_for(base, sequence_parallel=sequence_parallel,
+                                  loss_parallel=loss_parallel), model)
     build = {"gpt": gpt_plan, "llama": hf_llama_plan, "gpt2": hf_gpt2_plan,
              "moe": hf_moe_plan}.get(_family(model))
     if build is None:
@@ -92,6 +97,74 @@ def plan_for(model: nn.Module, *, sequence_parallel: bool = False,
                          f"built-in: {_BUILT_IN}; pass plan={{module pattern: Style or "
                          "ParallelStyle}} to apply_tp, or Accelerator(tp_plan=...)")
     return build(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+_LORA_PREFIX = "base_model.model."  # where a PeftModel keeps the model it adapts
+
+
+def _adapted(module: nn.Module) -> bool:
+    """A peft LoRA layer: the wrapped linear in `base_layer`, adapters in lora_A / lora_B."""
+    return all(isinstance(getattr(module, a, None), nn.Module)
+               for a in ("base_layer", "lora_A", "lora_B"))
+
+
+def lora_plan(plan: TPPlan, model: nn.Module) -> TPPlan:
+    """`plan` (of the model inside the PeftModel `model`) for `model`: every key under peft's
+    prefix, and each adapted linear's style given to its ``base_layer`` with the adapters laid
+    out so that ``base(x) + B(A(x))`` adds like placements:
+
+    - column-parallel base (output features split): A whole on every rank (input as the
+      base gets it, output replicated), B column-parallel (its output split like the base's);
+    - row-parallel base (input features split): A row-parallel (its input split like the
+      base's, its r outputs all-reduced), B whole on every rank (output laid out like the
+      base's: replicated, or sequence-sharded under sequence parallel).
+
+    A and B whole are replicated DTensors, so their gradients are summed over the ranks
+    that computed parts of them. Other styles on an adapted module are refused."""
+    from dataclasses import replace as _replace
+
+    from meshfit.models.plans.base import REPLICATE, SHARD_LAST
+
+    names = {n: m for n, m in model.named_modules()}
+    styles: dict[str, object] = {}
+    for key, style in plan.styles.items():
+        full = _LORA_PREFIX + key
+        matched = [m for n, m in names.items() if _matches_pattern(full, n)]
+        if not any(_adapted(m) for m in matched):
+            styles[full] = style
+            continue
+        if not isinstance(style, Style) or style.kind not in ("colwise", "rowwise"):
+            kind = getattr(style, "kind", type(style).__name__)
+            raise ValueError(f"tensor parallel of a LoRA model: {key!r} is adapted by LoRA and "
+                             f"laid out as {kind!r}; only column- and row-parallel linears "
+                             "take adapters (leave it out of peft.target_modules)")
+        adapters = sorted({a for m in matched if _adapted(m) for a in m.lora_A.keys()})
+        styles[f"{full}.base_layer"] = style
+        for a in adapters:
+            if style.kind == "colwise":
+                styles[f"{full}.lora_A.{a}"] = replicate(
+                    input=style.input or REPLICATE, output=REPLICATE, local_output=True)
+                styles[f"{full}.lora_B.{a}"] = colwise(
+                    input=REPLICATE, output=style.output or SHARD_LAST,
+                    local_output=style.local_output if style.local_output is not None
+                    else True)
+            else:
+                styles[f"{full}.lora_A.{a}"] = rowwise(
+                    input=style.input or SHARD_LAST, output=REPLICATE, local_output=True)
+                styles[f"{full}.lora_B.{a}"] = replicate(
+                    input=REPLICATE, output=style.output or REPLICATE,
+                    local_output=style.local_output if style.local_output is not None
+                    else True)
+    return _replace(plan, styles=styles,
+                    local_attrs={_LORA_PREFIX + k: v for k, v in plan.local_attrs.items()})
+
+
+def _matches_pattern(pattern: str, name: str) -> bool:
+    """fnmatch per dotted atom, as `apply_tp` matches plan keys."""
+    from fnmatch import fnmatchcase
+
+    p, n = pattern.split("."), name.split(".")
+    return len(p) == len(n) and all(fnmatchcase(b, a) for a, b in zip(p, n))
 
 
 def pipeline_plan_for(model: nn.Module) -> PipelinePlan:
