@@ -417,6 +417,10 @@ def test_a_lora_models_tp_plan_lays_the_adapters_out_like_their_linear():
     assert p + "wq" not in styles
     with pytest.raises(ValueError, match="pipeline parallel of a LoRA model"):
         pipeline_plan_for(model)
+    # the layout checks before launch see the adapted model's blocks and sizes
+    from meshfit.parallel.layout import ModelFacts
+
+    assert ModelFacts.of(model) == ModelFacts.of(tiny_gpt())
 
 
 def test_save_adapter_gathers_zero3_shards(runs):

@@ -256,23 +256,21 @@ def check_data(cfg, world_size: int) -> None:
 
 
 def _check_examples(cfg, splits, dims, rows: int) -> None:
-    """Examples (format "completion" or "chat"): one global batch of training rows, one
-    validation row, and no pipeline (its loss does not weigh tokens across micro-batches
-    yet)."""
+    """Examples (format "completion" or "chat"): one global batch of training rows and the
+    validation rows evaluation needs (under pp: one pipeline batch per data-parallel rank)."""
     t, d = cfg.train, cfg.data
-    if dims.pp > 1:
-        raise ValueError(f"data.format={d.format!r} does not run under parallel.pp="
-                         f"{dims.pp} yet (the pipeline's loss cannot weigh the trained tokens "
-                         "across micro-batches); use data, tensor or ZeRO parallelism")
     n_train, n_val = len(splits.train), len(splits.val)
     if n_train < t.global_batch_size:
         raise ValueError(f"data.hf_dataset={d.hf_dataset!r} gives {n_train} training examples "
                          f"(one per row), fewer than train.global_batch_size="
                          f"{t.global_batch_size}; lower train.global_batch_size or give more "
                          "examples")
-    if n_val < 1:
-        raise ValueError(f"data.hf_dataset={d.hf_dataset!r} gives no validation example; add "
-                         "a 'validation' split or more rows")
+    need = rows * dims.dp if dims.pp > 1 else 1
+    if n_val < need:
+        raise ValueError(f"data.hf_dataset={d.hf_dataset!r} gives {n_val} validation "
+                         f"example(s), fewer than {need}"
+                         f"{' (one pipeline batch per data-parallel rank)' if dims.pp > 1 else ''}"
+                         "; add a 'validation' split or more rows")
 
 
 def _readable_tokens(cfg, source: str):

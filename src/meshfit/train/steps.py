@@ -100,9 +100,14 @@ class PipelineSteps:
         return self.acc.accumulate()  # the schedule synchronises on its last micro-batch
 
     def forward_backward(self, x, y, accum: int, weight: float | None = None) -> torch.Tensor:
-        if weight is not None:  # refused before launch (meshfit.train.preflight)
-            raise ValueError("data.format 'completion' and 'chat' do not run under pp > 1 yet")
-        return self.pipeline.step(x, y, scale=1.0 / accum)
+        """The pipeline batch's mean loss over its counted targets, backpropagated; with
+        `weight` (`ModelSteps.forward_backward`) scaled by it."""
+        if weight is None:
+            return self.pipeline.step(x, y, scale=1.0 / accum)
+        if weight == 0:  # no trained target: one made up, weighing nothing
+            y = y.clone()
+            y.view(-1)[0] = 0
+        return self.pipeline.step(x, y, scale=weight / accum) * weight
 
     def eval_loss(self, x, y) -> torch.Tensor:
         return self.pipeline.eval_loss(x, y)

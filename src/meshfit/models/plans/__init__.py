@@ -47,6 +47,9 @@ _MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def _family(model: nn.Module) -> str | None:
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):  # LoRA: the model it adapts
+        model = model.base_model.model
     if isinstance(model, GPT):
         return "gpt"
     # transformers is only looked at when the model came from it (no import cost otherwise).

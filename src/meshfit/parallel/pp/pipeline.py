@@ -136,7 +136,8 @@ class Pipeline:
         self._step_info["step"] += 1
         self._trained = True
         self._sum_tied_grads(before)
-        return self._broadcast_loss(losses) / scale
+        loss = self._broadcast_loss(losses)
+        return loss / scale if scale else loss  # scale 0: a batch that must weigh nothing
 
     def _moe_modules(self) -> list:
         """The mixture-of-experts blocks of this rank's stages: their auxiliary losses enter
