@@ -95,10 +95,17 @@ def test_load_calibration_reads_and_refuses(tmp_path):
     _refusal(path, "invalid collectives.all_to_all.bus_bandwidth")
     path.write_text(json.dumps({**_file_dict(), "data_parallel": {"ddp": 1.5, "zero1": None,
                                                                   "fsdp2": 2}}))
-    assert load_calibration(path).data_parallel == {"ddp": 1.5, "zero1": None, "fsdp2": 2.0}
+    assert load_calibration(path).data_parallel == {"ddp": 1.5, "zero1": None, "fsdp2": 2.0,
+                                                    "tp": None, "tp_sp": None}
     assert load_calibration(path).data_parallel is not None
     path.write_text(json.dumps({**_file_dict(), "data_parallel": {"ddp": "x"}}))
     _refusal(path, "invalid data_parallel")
+    path.write_text(json.dumps({**_file_dict(), "pipeline": {"gpipe": 0.003, "1f1b": None,
+                                                             "interleaved_1f1b": 0.004,
+                                                             "zero_bubble": 0.005}}))
+    assert load_calibration(path).pipeline["gpipe"] == 0.003
+    path.write_text(json.dumps({**_file_dict(), "pipeline": {"gpipe": -1}}))
+    _refusal(path, "invalid pipeline")
 
 
 def test_fit_recovers_latency_and_bandwidth_exactly():
@@ -197,8 +204,20 @@ def test_two_gloo_ranks_write_a_calibration(tmp_path, subprocess_env):
         assert len(c.raw["train_step"][d]["rows"]) == 8
     # each data-parallel engine timed in a training step: exposed seconds over modelled ones
     raw = c.raw["data_parallel"]
-    assert set(c.data_parallel) == {"ddp", "zero1", "fsdp2"}
-    for engine, scale in c.data_parallel.items():
+    assert set(c.data_parallel) == {"ddp", "zero1", "fsdp2", "tp", "tp_sp"}
+    for engine in ("tp", "tp_sp"):  # tensor parallel: beyond the prediction of all else
+        timed = raw[engine]
+        assert c.data_parallel[engine] == pytest.approx(max(0.0, timed["seconds"] - timed[
+            "predicted_without_tp"]) / timed["modelled_tp_seconds"])
+    # each pipeline schedule: seconds per micro-batch beyond the prediction
+    assert set(c.pipeline) == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
+    m = c.raw["pipeline"]["shape"]["microbatches"]
+    for schedule, per_micro in c.pipeline.items():
+        timed = c.raw["pipeline"][schedule]
+        assert per_micro == pytest.approx(max(0.0, timed["seconds"] - timed[
+            "predicted_seconds"]) / m) and per_micro >= 0
+    for engine in ("ddp", "zero1", "fsdp2"):
+        scale = c.data_parallel[engine]
         timed = raw[engine]
         assert timed["modelled_seconds"] > 0 and timed["exposed_seconds"] >= 0
         assert scale == pytest.approx(timed["exposed_seconds"] / timed["modelled_seconds"])
@@ -264,5 +283,19 @@ def test_a_measured_exposed_share_replaces_the_assumed_overlap():
     assert terms1["dp_exposed"] == pytest.approx(3.0 * terms1["dp"])
     assert step1 - step0 == pytest.approx(3.0 * terms1["dp"] - terms0["dp_exposed"]
                                           - 0.1 * (terms0["dp"] - terms0["dp_exposed"]))
-    assert "fsdp2 x3.00 of the modelled time" in measured.sources("fp32")["collectives"]
+    assert "fsdp2 x3.00" in measured.sources("fp32")["collectives"]
+    # a pipeline: each micro-batch charged the schedule's measured overhead; tensor parallel:
+    # its all-reduces x the measured multiple
+    pp = LayoutSpec(pp=2, dp_shard=1, dp_replicate=1, schedule="1f1b", microbatches=4,
+                    micro_batch_size=2)
+    timed = Cluster(gpus_per_node=2, device=DEVICES["cpu"], calibration=dataclasses.replace(
+        _calibration(), pipeline={"gpipe": None, "1f1b": 0.01, "interleaved_1f1b": None,
+                                  "zero_bubble": None}, data_parallel={"tp": 5.0}))
+    _, t0 = predict(shape, pp, plain, seq_len=64, global_batch_size=16, dtype="fp32")
+    _, t1 = predict(shape, pp, timed, seq_len=64, global_batch_size=16, dtype="fp32")
+    assert t1["pp"] - t0["pp"] == pytest.approx(8 * 0.01)  # 16 / 2 = 8 micro-batches
+    tp = LayoutSpec(tp=2, dp_shard=1, dp_replicate=1, micro_batch_size=4)
+    _, t0 = predict(shape, tp, plain, seq_len=64, global_batch_size=16, dtype="fp32")
+    _, t1 = predict(shape, tp, timed, seq_len=64, global_batch_size=16, dtype="fp32")
+    assert t1["tp"] == pytest.approx(5.0 * t0["tp"]) and t0["tp"] > 0
     assert plain.sources("fp32")["collectives"].endswith("80% hidden behind compute (assumed)")

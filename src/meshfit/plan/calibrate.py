@@ -23,6 +23,7 @@ The file (schema 1)::
                              "token_width": s, "attention_scores": s,  # files lack it
                              "flops": F, "optimizer_per_param": s}, ...},
      "data_parallel": {"ddp": x, "zero1": x, "fsdp2": x},                # optional
+     "pipeline": {"gpipe": s, "1f1b": s, "interleaved_1f1b": s, "zero_bubble": s},  # optional
      "raw": {...}}
 
 * ``matmul_flops``: achieved FLOP/s (2·n³ per n×n matmul) of one process while all N run
@@ -58,6 +59,15 @@ The file (schema 1)::
   divided by what `data_parallel_seconds` models for its collectives from the figures
   above: how much of the collectives a real step exposes, with its hooks, copies and waits
   (on a CPU nothing overlaps; on GPUs most of it does). null where not measured.
+  Beside them "tp" and "tp_sp": a training step under tensor parallel over all N ranks
+  (without and with sequence parallel) beyond the planner's prediction of everything else,
+  over its modelled TP all-reduces.
+* ``pipeline`` (optional; N > 1 only): per schedule (gpipe, 1f1b, interleaved_1f1b,
+  zero_bubble), the seconds per micro-batch a pipeline step of the reference GPT
+  (`_PP_SHAPES`, its blocks over all N ranks, 4N micro-batches of one sequence) takes beyond
+  what the planner predicts for it from the figures above (compute, bubble, sends): the
+  schedule's own work per micro-batch (its Python, the stage wrappers, the waits). null
+  where not measured.
 * ``raw``: the per-size timings every figure came from, and each fit's R² (on the times)
   and largest relative error under ``raw.collectives.<kind>.r2`` / ``.max_relative_error``.
 """
@@ -76,7 +86,7 @@ from typing import Any
 
 from meshfit._files import atomic_write_text
 
-__all__ = ["DP_ENGINES", "DTYPES", "KINDS", "SCHEMA", "STEP_TERMS", "Calibration",
+__all__ = ["DP_ENGINES", "PP_SCHEDULES", "TP_ENGINES", "DTYPES", "KINDS", "SCHEMA", "STEP_TERMS", "Calibration",
            "CollectiveFit", "TrainStepFit", "bus_factor", "data_parallel_seconds", "step_columns",
            "fit_latency_bandwidth", "load_calibration", "measure"]
 
@@ -87,6 +97,8 @@ _MATMUL_SECONDS = 0.5  # no matmul size whose single product would take longer t
 _CPU_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB ... 64 MiB
 _GPU_SIZES = tuple(16384 * 4**i for i in range(9))  # 16 KiB ... 1 GiB
 DP_ENGINES = ("ddp", "zero1", "fsdp2")
+TP_ENGINES = ("tp", "tp_sp")  # tensor parallel without and with sequence parallel
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce per bucket
 
 
@@ -182,6 +194,9 @@ class Calibration:
     data_parallel: dict[str, float | None] | None = None
     """Per engine of `DP_ENGINES`: the exposed share of the modelled collectives (module
     docstring); None in a file without it (one process, or written before)."""
+    pipeline: dict[str, float | None] | None = None
+    """Per schedule of `PP_SCHEDULES`: seconds per micro-batch beyond the prediction
+    (module docstring); None in a file without it."""
 
     def peak_flops(self, dtype: str) -> float | None:
         """The fastest matmul measured for `dtype` (FLOP/s): the peak MFU is counted
@@ -280,12 +295,22 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
     engines = data.get("data_parallel")
     if engines is not None:
         if not isinstance(engines, dict) or not all(
-                _number(engines.get(e), null=True) for e in DP_ENGINES):
+                _number(engines.get(e), null=True) and (engines.get(e) or 0) >= 0
+                for e in DP_ENGINES + TP_ENGINES):
             raise ValueError(f"calibration file {path} has invalid data_parallel; {fix}")
-        engines = {e: None if engines.get(e) is None else float(engines[e]) for e in DP_ENGINES}
+        engines = {e: None if engines.get(e) is None else float(engines[e])
+                   for e in DP_ENGINES + TP_ENGINES}
+    schedules = data.get("pipeline")
+    if schedules is not None:
+        if not isinstance(schedules, dict) or not all(
+                _number(schedules.get(k), null=True) and (schedules.get(k) or 0) >= 0
+                for k in PP_SCHEDULES):
+            raise ValueError(f"calibration file {path} has invalid pipeline; {fix}")
+        schedules = {k: None if schedules.get(k) is None else float(schedules[k])
+                     for k in PP_SCHEDULES}
     return Calibration(
         schema=SCHEMA, device=data["device"], backend=data["backend"], train_step=fits,
-        data_parallel=engines,
+        data_parallel=engines, pipeline=schedules,
         world_size=data["world_size"], torch=data["torch"], time=data["time"],
         matmul_flops={d: None if flops[d] is None else float(flops[d]) for d in DTYPES},
         memory_bandwidth=float(data["memory_bandwidth"]),
@@ -660,6 +685,129 @@ def _data_parallel(r: _Ranks, colls: dict, fit: dict | None) -> tuple[dict | Non
     return scales, raw
 
 
+def _partial_cluster(r: _Ranks, flops, bandwidth, colls, steps, engines):
+    """A `Cluster` of this job's ranks with what has been measured so far, to ask the
+    planner what it predicts for a layout being timed."""
+    from meshfit.plan.devices import DEVICES
+    from meshfit.plan.search import Cluster  # (search imports this module)
+
+    partial = Calibration(
+        schema=SCHEMA, device=str(r.device.type), backend="", world_size=r.env.world_size,
+        torch="", time="", matmul_flops=flops, memory_bandwidth=bandwidth,
+        collectives={k: CollectiveFit(**colls[k]) for k in KINDS}, raw={},
+        train_step={k: None if v is None else TrainStepFit(**v) for k, v in steps.items()},
+        data_parallel=engines)
+    return Cluster(gpus_per_node=r.env.world_size, calibration=partial,
+                   device=DEVICES["h100" if r.device.type == "cuda" else "cpu"])
+
+
+_TP_SHAPES = {"cpu": (256, 2, 128, 4), "cuda": (2048, 2, 1024, 8)}
+"""(d_model, n_layer, seq_len, batch) of the reference GPT tensor parallel is timed on."""
+
+
+def _tensor_parallel(r: _Ranks, flops, bandwidth, colls, steps, engines) -> tuple[dict, dict]:
+    """Per `TP_ENGINES`, a training step's seconds beyond the planner's prediction of all
+    else, over its modelled TP all-reduces (how much more than the bare collectives a real
+    step spends on them), and the timings."""
+    if steps.get("fp32") is None:
+        return {}, {}
+    torch = r.torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshfit.memory.estimate import LayoutSpec
+    from meshfit.memory.shape import ModelShape
+    from meshfit.models import GPT, GPTConfig
+    from meshfit.parallel.tp import apply_tp
+    from meshfit.plan.search import predict
+
+    n = r.env.world_size
+    d, layers, seq, batch = _TP_SHAPES["cuda" if r.device.type == "cuda" else "cpu"]
+    config = GPTConfig(vocab_size=256, d_model=d, n_layer=layers, n_head=d // 32, d_ff=4 * d,
+                       max_seq_len=seq)
+    if any(size % n for size in (config.n_head, config.d_ff, config.vocab_size)):
+        return {e: None for e in TP_ENGINES}, {}
+    gen = torch.Generator().manual_seed(0)  # the same batch on every rank
+    x = torch.randint(0, 256, (batch, seq + 1), generator=gen).to(r.device)
+    mesh = init_device_mesh(r.device.type, (n,))
+    cluster = _partial_cluster(r, flops, bandwidth, colls, steps, engines)
+    out, raw = {}, {"shape": {"d_model": d, "n_layer": layers, "seq_len": seq, "batch": batch}}
+    for engine in TP_ENGINES:
+        torch.manual_seed(0)
+        model = GPT(config).to(r.device)
+        shape = ModelShape.from_module(model, name="calibration")
+        apply_tp(model, mesh, sequence_parallel=engine == "tp_sp")
+
+        def step(model=model):
+            model(x[:, :-1], x[:, 1:]).backward()
+            for p in model.parameters():
+                p.grad = None
+
+        seconds, _ = r.time(step, target=0.3, repeats=3, warmup=1)
+        spec = LayoutSpec(tp=n, dp_replicate=1, dp_shard=1, micro_batch_size=batch,
+                          sequence_parallel=engine == "tp_sp")
+        predicted, terms = predict(shape, spec, cluster, seq_len=seq, global_batch_size=batch,
+                                   dtype="fp32")
+        rest = predicted - terms["optimizer"] - terms["tp"]
+        out[engine] = max(0.0, seconds - rest) / terms["tp"] if terms["tp"] > 0 else None
+        raw[engine] = {"seconds": seconds, "predicted_without_tp": rest,
+                       "modelled_tp_seconds": terms["tp"]}
+    return out, raw
+
+
+_PP_SHAPES = {"cpu": (128, 2, 128), "cuda": (1024, 2, 1024)}
+"""(d_model, blocks per rank, seq_len) of the reference GPT a pipeline is timed on."""
+
+
+def _pipeline(r: _Ranks, flops: dict, bandwidth: float, colls: dict, steps: dict,
+              engines: dict | None) -> tuple[dict | None, dict]:
+    """Per schedule, seconds per micro-batch beyond the planner's prediction (module
+    docstring) and the timings; (None, {}) on one process or without an fp32 step fit."""
+    if not r.group or steps.get("fp32") is None or colls["send_recv"]["latency"] is None:
+        return None, {}
+    torch = r.torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshfit.memory.estimate import LayoutSpec
+    from meshfit.memory.shape import ModelShape
+    from meshfit.models import GPT, GPTConfig
+    from meshfit.parallel.pp import build_pipeline
+    from meshfit.plan.search import predict  # (search imports this module)
+
+    n = r.env.world_size
+    d, per_rank, seq = _PP_SHAPES["cuda" if r.device.type == "cuda" else "cpu"]
+    m = 4 * n
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, d_model=d, n_layer=per_rank * n,
+                          n_head=d // 32, d_ff=4 * d, max_seq_len=seq))
+    gen = torch.Generator().manual_seed(0)  # the same batch on every rank
+    x = torch.randint(0, 256, (m, seq + 1), generator=gen).to(r.device)
+    cluster = _partial_cluster(r, flops, bandwidth, colls, steps, engines)
+    shape = ModelShape.from_module(model, name="calibration")
+    mesh = init_device_mesh(r.device.type, (n,))
+    out, raw = {}, {"shape": {"d_model": d, "n_layer": model.config.n_layer, "seq_len": seq,
+                              "microbatches": m}}
+    for schedule in PP_SCHEDULES:
+        v = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+        pipe = build_pipeline(model, mesh, schedule=schedule, microbatches=m,
+                              virtual_stages=v if v > 1 else None, record_timings=False)
+
+        def step(pipe=pipe):
+            pipe.step(x[:, :-1], x[:, 1:])
+            for module in pipe.modules:
+                module.zero_grad(set_to_none=True)
+
+        seconds, _ = r.time(step, target=0.3, repeats=3, warmup=1)
+        spec = LayoutSpec(pp=n, dp_replicate=1, dp_shard=1, schedule=schedule, microbatches=m,
+                          virtual_stages=v, micro_batch_size=1)
+        predicted, terms = predict(shape, spec, cluster, seq_len=seq, global_batch_size=m,
+                                   dtype="fp32")
+        base = predicted - terms["optimizer"]  # (no optimizer step is timed here)
+        out[schedule] = max(0.0, seconds - base) / m
+        raw[schedule] = {"seconds": seconds, "predicted_seconds": base}
+        del pipe
+    return out, raw
+
+
 def measure(out: Path, sizes: tuple[int, ...] | None = None,
             cpu: bool = False) -> dict | None:
     """Measure on every rank of this job (one process, or each of the launched workers,
@@ -682,6 +830,11 @@ def measure(out: Path, sizes: tuple[int, ...] | None = None,
         colls, raw_coll = _collectives(r, sizes)
         steps, raw_steps = _train_steps(r, flops)
         engines, raw_engines = _data_parallel(r, colls, steps.get("fp32"))
+        schedules, raw_schedules = _pipeline(r, flops, bandwidth, colls, steps, engines)
+        if engines is not None:
+            tp_scales, raw_tp = _tensor_parallel(r, flops, bandwidth, colls, steps, engines)
+            engines.update(tp_scales)
+            raw_engines.update(raw_tp)
         if env.rank == 0:
             now = datetime.datetime.now(datetime.timezone.utc)
             result = {
@@ -691,9 +844,10 @@ def measure(out: Path, sizes: tuple[int, ...] | None = None,
                 "world_size": env.world_size, "torch": torch.__version__,
                 "time": now.isoformat(timespec="seconds"), "matmul_flops": flops,
                 "memory_bandwidth": bandwidth, "collectives": colls, "train_step": steps,
-                "data_parallel": engines,
+                "data_parallel": engines, "pipeline": schedules,
                 "raw": {"matmul": raw_mm, "memory": raw_mem, "collectives": raw_coll,
                         "train_step": raw_steps, "data_parallel": raw_engines,
+                        "pipeline": raw_schedules,
                         "threads": torch.get_num_threads(),
                         "seconds": time.perf_counter() - started}}
             atomic_write_text(out, json.dumps(result, indent=1) + "\n")

@@ -84,6 +84,12 @@ class Cluster:
         steps = getattr(self.calibration, "train_step", None)
         return (steps or {}).get(dtype)
 
+    def pipeline_overhead(self, schedule: str) -> float | None:
+        """The profile's measured seconds per micro-batch of `schedule` beyond the model
+        (`meshfit.plan.calibrate`, ``pipeline``), or None."""
+        schedules = getattr(self.calibration, "pipeline", None)
+        return (schedules or {}).get(schedule)
+
     def dp_exposed(self, engine: str) -> float | None:
         """The profile's measured exposed share of `engine`'s modelled data-parallel
         collectives (`meshfit.plan.calibrate`, ``data_parallel``), or None."""
@@ -109,10 +115,15 @@ class Cluster:
                        f"{self.device.efficiency:.0%} (not measured)")
         engines = getattr(self.calibration, "data_parallel", None) or {}
         exposed = ", ".join(f"{name} x{value:.2f}" for name, value in engines.items()
-                            if value is not None)
+                            if value is not None)  # data-parallel engines and tp, tp_sp
         links = ((f"measured collectives (profile); exposed in a training step as measured "
                   f"there: {exposed} of the modelled time") if exposed else
                  "measured collectives (profile), 80% hidden behind compute (assumed)")
+        schedules = getattr(self.calibration, "pipeline", None) or {}
+        per_micro = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in schedules.items()
+                              if v is not None)
+        if per_micro:
+            links += f"; pipeline schedules' own work per micro-batch as measured: {per_micro}"
         links = (links if self.calibration is not None else
                  f"link table: {self.interconnect_name} "
                  f"{self.interconnect.bandwidth / 1e9:.0f} GB/s, {self.network_name} "
@@ -218,9 +229,13 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
     activation_msg = layout.micro_batch_size * seq_len * shape.d_model * act
     tp_calls = 6 if layout.activation_checkpointing == "full" else 4
     tp = micro * blocks * tp_calls * cluster.collective("all_reduce", activation_msg, T, T)
+    if T > 1:  # what a real step spends on them (DTensor's dispatch, waits), where measured
+        tp *= cluster.dp_exposed("tp_sp" if layout.sequence_parallel else "tp") or 1.0
     pp = micro * 2 * cluster.collective("send_recv", activation_msg / (T if
                                         layout.sequence_parallel else 1), 2,
                                         cluster.world_size) if P > 1 else 0.0
+    if P > 1:  # the schedule's own work per micro-batch, where a profile measured it
+        pp += micro * (cluster.pipeline_overhead(layout.schedule) or 0.0)
     stage_params = (blocks * shape.block_params + max(shape.first_params, shape.last_params)
                     if P > 1 else shape.params)
     local = stage_params * (shape.tp_split / T + 1 - shape.tp_split)
