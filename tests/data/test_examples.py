@@ -74,7 +74,7 @@ def files(tmp_path_factory):
             fh.write(json.dumps(row) + "\n")
     llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
-                                     max_position_embeddings=128)
+                                     max_position_embeddings=256)
     torch.manual_seed(7)
     transformers.LlamaForCausalLM(llama).save_pretrained(tmp / "model")
     return tmp
@@ -179,13 +179,21 @@ def _config(files, case: str, nproc: int):
             else {"dp_replicate": 2}
     if case == "micro4":
         train["micro_batch_size"] = 4
+    packing = case.startswith("packed")
+    if case.startswith(("packed", "long")):  # rows long enough to hold several examples
+        # (3 steps of 4 rows stay within the first epoch of the packed rows)
+        train.update(seq_len=240, global_batch_size=4, micro_batch_size=1,
+                     eval_batches=100)  # every validation row: the same examples either way
+        if nproc == 2:
+            parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} \
+                if case.endswith("zero3") else {"dp_replicate": 2}
     peft = {"method": "lora", "r": 4, "merge": True} if case == "lora" else {}
     if case == "lora":
         parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3}
     return build_config({**BASE, "train": train, "parallel": parallel, "peft": peft,
                          "model": {"hf_model": str(files / "model")},
                          "data": {"format": "chat", "hf_dataset": str(files / "convs"),
-                                  "tokenizer": str(files / "llama3"),
+                                  "tokenizer": str(files / "llama3"), "packing": packing,
                                   "cache_dir": str(files / "cache")}})
 
 
@@ -194,7 +202,7 @@ def _train_two(rank, world_size, files):
     from meshfit.train.trainer import train
 
     env = init()
-    for case in ("ddp", "zero3", "pp", "lora"):
+    for case in ("ddp", "zero3", "pp", "lora", "packed-ddp", "packed-zero3"):
         train(_config(files, case, world_size), files / f"{case}-2", env)
 
 
@@ -212,9 +220,26 @@ def runs(files):
     from meshfit.train.trainer import train
 
     run_distributed(_train_two, 2, files, timeout=300)
-    for case in ("one", "micro4"):
+    for case in ("one", "micro4", "packed", "long"):
         train(_config(files, case, 1), files / f"{case}-1", init())
     return files
+
+
+def test_packed_rows_train_alike_under_every_layout_and_score_as_unpacked(runs):
+    """Packing: one process, DDP and ZeRO-3 log the same losses; before any training the
+    validation loss of the packed rows equals that of the same examples one per row (each
+    packed example attends to itself only); the rows hold several examples each."""
+    from meshfit.train import tokens
+
+    packed, pvals = _losses(runs / "packed-1")
+    for case in ("packed-ddp-2", "packed-zero3-2"):
+        losses, vals = _losses(runs / case)
+        for a, b in zip(packed + pvals, losses + vals):
+            assert math.isclose(a, b, rel_tol=RTOL), (case, packed + pvals, losses + vals)
+    _, uvals = _losses(runs / "long-1")
+    assert pvals[0] == pytest.approx(uvals[0], rel=RTOL)
+    splits = tokens.load_tokens(_config(runs, "packed", 1))
+    assert splits.stats["packing"] and splits.stats["rows"][0] < splits.stats["train"] / 1.5
 
 
 def test_every_layout_and_micro_batch_size_weighs_each_trained_token_alike(runs):
@@ -247,6 +272,48 @@ def test_every_layout_and_micro_batch_size_weighs_each_trained_token_alike(runs)
     assert val[0] == pytest.approx(total / count, rel=RTOL)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_a_packed_row_computes_each_example_as_alone(family):
+    """fp64: the summed loss and the gradients of a row packing three examples (and padding)
+    equal the sums over the examples run one by one, for the transformers families whose
+    attention takes the mask (positions restart per example; no token attends across)."""
+    import transformers
+
+    from meshfit.data.examples import _rows
+    from meshfit.train.models import loss_function
+
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+    config = cls[0](hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, num_hidden_layers=2, vocab_size=64,
+                    max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = cls[1](config).double()
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for n in (7, 11, 5):
+        ids = torch.randint(0, 64, (n,), generator=g).tolist()
+        examples.append((ids, [0, 0] + [1] * (n - 2)))
+    packed, _ = _rows(examples, seq_len=30, pad_id=0, what="training", packing=True)
+    assert len(packed) == 1  # 23 tokens of examples, 8 of padding
+    loss = loss_function(model)
+    x, y, pos = (t[None] for t in packed[0])
+    total = loss(model, x, y, pos) * (y != -100).sum()
+    total.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    alone = 0.0
+    for ids, mask in examples:
+        row = torch.tensor(ids)[None]
+        target = torch.where(torch.tensor(mask[1:]).bool(), row[0, 1:], -100)[None]
+        alone = alone + loss(model, row[:, :-1], target) * (target != -100).sum()
+    alone.backward()
+    assert total.item() == pytest.approx(alone.item(), rel=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-10, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("args, match", [
     (["--data.format=chat", "--data.messages_column=turns"],
@@ -257,6 +324,8 @@ def test_every_layout_and_micro_batch_size_weighs_each_trained_token_alike(runs)
     (["--data.format=chat", "--train.seq_len=8"], "raise train.seq_len"),
     (["--data.format=dialogue"], "data.format='dialogue' must be one of"),
     (["--data.chat_template=x.jinja"], "apply to data.format='chat' or 'completion'"),
+    (["--data.format=chat", "--data.packing=true", "--parallel.tp=2",
+      "--parallel.dp_replicate=1"], "data.packing=true does not run with parallel.pp=1, tp=2"),
 ])
 def test_bad_fine_tuning_data_is_refused_before_launch(cli_refusal, files, tmp_path, args,
                                                        match):

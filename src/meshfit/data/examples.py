@@ -28,7 +28,11 @@ token overlapping an assistant turn. Where the assistant's text is, in that orde
 
 Each example is one row of ``seq_len + 1`` tokens (`ExampleDataset`): truncated when longer
 (counted), padded when shorter, padding never trained and attending to nothing after it
-(attention is causal, the padding comes last), so examples never see each other. An
+(attention is causal, the padding comes last), so examples never see each other. With
+``packing = true`` consecutive examples share a row until the next would not fit; each
+token carries its position in its own example, and a Hugging Face model's attention gets a
+causal mask that is block-diagonal by example (`meshfit.train.models.packed_attention`),
+so a packed example computes exactly what it computes alone. An
 example none of whose trained tokens fits in the row is left out (counted); a split where
 that leaves nothing is refused in one line.
 """
@@ -140,9 +144,11 @@ class ExampleSplits:
         """One line for the banner: the examples and the shares of padding and masked
         tokens, truncations and examples left out."""
         s = self.stats
+        rows = (f"packed into {s['rows'][0]} / {s['rows'][1]} rows of {s['row']} tokens, "
+                "attention kept inside each example" if s["packing"] else
+                f"of up to {s['row']} tokens, one per row (packing off)")
         return (f"{s['format']} ({'trained: ' + s['masks']}): {s['train']} training / "
-                f"{s['val']} validation examples of "
-                f"up to {s['row']} tokens, one per row (packing off): padding "
+                f"{s['val']} validation examples {rows}: padding "
                 f"{s['padding']:.0%} of the rows' tokens, not trained {s['masked']:.0%} of the "
                 f"examples' tokens; {s['truncated']} truncated, {s['dropped']} left out "
                 "(no trained token fits)")
@@ -150,26 +156,35 @@ class ExampleSplits:
 
 class ExampleDataset(Dataset):
     """Row i as ``(x, y)``: ``x`` the row's first ``seq_len`` tokens, ``y[t]`` the token
-    after ``x[t]`` where it is trained, else -100 (prompt, padding)."""
+    after ``x[t]`` where it is trained, else -100 (prompt, padding). Packed rows
+    (`positions` given) add a third tensor, each token's position in its own example
+    (restarting at 0 where an example begins), and never train a target that begins the
+    next example."""
 
-    def __init__(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray):
-        self.ids, self.mask, self.lengths = ids, mask, lengths
+    def __init__(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray,
+                 positions: np.ndarray | None = None):
+        self.ids, self.mask, self.lengths, self.positions = ids, mask, lengths, positions
         self.seq_len = ids.shape[1] - 1
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int):
         if not -len(self) <= index < len(self):
             raise IndexError(f"ExampleDataset index {index} out of range for length {len(self)}")
         row = torch.from_numpy(self.ids[index].astype(np.int64))
         keep = torch.from_numpy(self.mask[index][1:].astype(bool))
+        if self.positions is None:
+            y = torch.where(keep, row[1:], torch.full_like(row[1:], IGNORE_INDEX))
+            return row[:-1], y
+        pos = torch.from_numpy(self.positions[index].astype(np.int64))
+        keep &= pos[1:] != 0  # the next example's first token is not this one's target
         y = torch.where(keep, row[1:], torch.full_like(row[1:], IGNORE_INDEX))
-        return row[:-1], y
+        return row[:-1], y, pos[:-1]
 
 
 def _rows(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int,
-          what: str) -> tuple[ExampleDataset, dict]:
+          what: str, packing: bool = False) -> tuple[ExampleDataset, dict]:
     row = seq_len + 1
     kept, truncated, dropped = [], 0, 0
     for ids, mask in examples:
@@ -184,16 +199,33 @@ def _rows(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int
         raise ValueError(f"train.seq_len={seq_len}: none of the {len(examples)} {what} examples "
                          f"has a trained token within its first {row} tokens ({truncated} are "
                          "longer than that); raise train.seq_len")
-    ids = np.full((len(kept), row), pad_id, dtype=np.int32)
-    mask = np.zeros((len(kept), row), dtype=np.uint8)
-    lengths = np.zeros(len(kept), dtype=np.int64)
-    for i, (a, m) in enumerate(kept):
-        ids[i, :len(a)] = a
-        mask[i, :len(m)] = m
-        lengths[i] = len(a)
+    groups = [[e] for e in kept]
+    if packing:  # in order, each row filled until the next example would not fit
+        groups = []
+        for e in kept:
+            if groups and sum(len(a) for a, _ in groups[-1]) + len(e[0]) <= row:
+                groups[-1].append(e)
+            else:
+                groups.append([e])
+    ids = np.full((len(groups), row), pad_id, dtype=np.int32)
+    mask = np.zeros((len(groups), row), dtype=np.uint8)
+    positions = np.zeros((len(groups), row), dtype=np.int32) if packing else None
+    lengths = np.zeros(len(groups), dtype=np.int64)
+    for i, group in enumerate(groups):
+        at = 0
+        for a, m in group:
+            ids[i, at:at + len(a)] = a
+            mask[i, at:at + len(m)] = m
+            if packing:
+                positions[i, at:at + len(a)] = np.arange(len(a))
+            at += len(a)
+        if packing:  # the padding: an example of its own, never trained
+            positions[i, at:] = np.arange(row - at)
+        lengths[i] = at
+    trained = int(sum(sum(m[1:]) for _, m in kept))
     stats = {"truncated": truncated, "dropped": dropped, "tokens": int(lengths.sum()),
-             "trained": int(mask[:, 1:].sum())}
-    return ExampleDataset(ids, mask, lengths), stats
+             "trained": trained, "examples": len(kept)}
+    return ExampleDataset(ids, mask, lengths, positions), stats
 
 
 def _records(source: Any, what: str, columns: dict[str, str]) -> list[dict]:
@@ -284,12 +316,14 @@ def load_examples(data, *, tokenizer, seq_len: int, val_fraction: float) -> Exam
         splits["train"], splits["val"] = examples[:len(examples) - n_val], \
             examples[len(examples) - n_val:]
     pad = hf.pad_token_id if hf.pad_token_id is not None else tokenizer.eos_id or 0
-    train, st = _rows(splits["train"], seq_len, pad, "training")
-    val, sv = _rows(splits["val"], seq_len, pad, "validation")
+    packing = bool(getattr(data, "packing", False))
+    train, st = _rows(splits["train"], seq_len, pad, "training", packing)
+    val, sv = _rows(splits["val"], seq_len, pad, "validation", packing)
     row = seq_len + 1
     total = max(1, st["tokens"] + sv["tokens"])
     stats = {"format": data.format, "masks": "every token" if data.train_on_prompt else how,
-             "train": len(train), "val": len(val), "row": row,
+             "train": st["examples"], "val": sv["examples"], "row": row,
+             "rows": (len(train), len(val)), "packing": packing,
              "truncated": st["truncated"] + sv["truncated"],
              "dropped": st["dropped"] + sv["dropped"],
              "padding": 1 - total / max(1, row * (len(train) + len(val))),

@@ -272,6 +272,9 @@ class DataConfig:
     """format "chat": a Jinja template (a file, or the text) instead of the tokenizer's."""
     train_on_prompt: bool = False
     """Train on every token of an example (prompt and user turns too), not only the answer."""
+    packing: bool = False
+    """format "completion"/"chat": several examples per row, attention kept inside each
+    (Hugging Face models; not with pp or tp yet)."""
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
     prefetch_factor: int = 2  # Batches each worker loads ahead (with num_workers > 0)
     persistent_workers: bool = True
@@ -323,6 +326,7 @@ class DataConfig:
             raise ValueError(f"data.chat_template={self.chat_template!r} must be a file or the "
                              "template's text (a string)")
         check_bool("data", "train_on_prompt", self.train_on_prompt)
+        check_bool("data", "packing", self.packing)
         if self.format != "text":
             if not self.hf_dataset:
                 raise ValueError(f"data.format={self.format!r} reads data.hf_dataset (a datasets "
@@ -331,9 +335,10 @@ class DataConfig:
                 raise ValueError(f"data.format={self.format!r} needs a Hugging Face tokenizer "
                                  "folder in data.tokenizer (the byte tokenizer has no chat "
                                  "template or special tokens)")
-        elif self.chat_template or self.train_on_prompt:
-            raise ValueError("data.chat_template and data.train_on_prompt apply to "
-                             "data.format='chat' or 'completion', not 'text'")
+        elif self.chat_template or self.train_on_prompt or self.packing:
+            raise ValueError("data.chat_template, data.train_on_prompt and data.packing apply "
+                             "to data.format='chat' or 'completion', not 'text' (text "
+                             "documents are always packed)")
 
 
 @dataclass(frozen=True, kw_only=True)

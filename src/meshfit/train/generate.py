@@ -50,8 +50,18 @@ def context_length(model: nn.Module) -> int | None:
     return None
 
 
-def _logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    out = model(idx) if not _is_hf(model) else model(input_ids=idx)
+def _logits(model: nn.Module, idx: torch.Tensor,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
+    """`positions`: of rows packing several examples (a Hugging Face model's attention is
+    then kept inside each, `meshfit.train.models.packed_attention`)."""
+    if positions is not None:
+        from meshfit.train.models import packed_attention
+
+        if not _is_hf(model):
+            raise ValueError("packed fine-tuning rows need a Hugging Face model")
+        out = model(input_ids=idx, **packed_attention(positions))
+    else:
+        out = model(idx) if not _is_hf(model) else model(input_ids=idx)
     return getattr(out, "logits", out)
 
 
@@ -224,7 +234,9 @@ def evaluate_loss(model: nn.Module, tokens, seq_len: int, *, batches: int = 8,
             pairs = [data[i] for i in range(first, min(first + batch_size, n))]
             x = torch.stack([p[0] for p in pairs]).to(device)
             y = torch.stack([p[1] for p in pairs]).to(device)
-            logits = _logits(model, x)
+            positions = torch.stack([p[2] for p in pairs]).to(device) if len(pairs[0]) > 2 \
+                else None
+            logits = _logits(model, x, positions)
             if logits.dtype in (torch.float16, torch.bfloat16):
                 logits = logits.float()
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")

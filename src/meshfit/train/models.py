@@ -192,12 +192,33 @@ def loss_function(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.
     from meshfit.parallel.tp import tp_cross_entropy
 
     if isinstance(_base(model), GPT):
-        return lambda m, x, y: m(x, y)
+        return lambda m, x, y, positions=None: m(x, y) if positions is None else _unpackable()
     if _is_hf(model) and _router_aux_loss(model):
         return _with_router_aux_loss(_base(model).config.router_aux_loss_coef)
     if _is_hf(model):
-        return lambda m, x, y: tp_cross_entropy(_logits(m(input_ids=x, use_cache=False)), y)
-    return lambda m, x, y: tp_cross_entropy(_logits(m(x)), y)
+        return lambda m, x, y, positions=None: tp_cross_entropy(_logits(m(
+            input_ids=x, use_cache=False, **packed_attention(positions))), y)
+    return lambda m, x, y, positions=None: tp_cross_entropy(_logits(m(x)), y) \
+        if positions is None else _unpackable()
+
+
+def _unpackable():
+    raise ValueError("data.packing=true needs a Hugging Face model (model.hf_model or "
+                     "model.hf_config): its attention takes the per-document mask")
+
+
+def packed_attention(positions: torch.Tensor | None) -> dict:
+    """For rows packing several examples (`positions` restart at 0 where each begins): the
+    keyword arguments that keep a transformers model's attention inside each example, its
+    ``position_ids`` and a boolean [B, 1, T, T] mask, causal and block-diagonal by example;
+    {} for unpacked rows."""
+    if positions is None:
+        return {}
+    doc = (positions == 0).cumsum(-1)
+    T = positions.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal
+    return {"position_ids": positions, "attention_mask": mask[:, None]}
 
 
 def _router_aux_loss(model: nn.Module) -> bool:
@@ -216,8 +237,9 @@ def _with_router_aux_loss(coef: float):
     the router sees the whole replicated micro-batch)."""
     from meshfit.parallel.tp import tp_cross_entropy
 
-    def loss(m, x, y):
-        out = m(input_ids=x, use_cache=False, output_router_logits=m.training)
+    def loss(m, x, y, positions=None):
+        out = m(input_ids=x, use_cache=False, output_router_logits=m.training,
+                **packed_attention(positions))
         ce = tp_cross_entropy(out.logits, y)
         loss.last_aux = None
         if m.training and out.aux_loss is not None:

@@ -259,6 +259,15 @@ def _check_examples(cfg, splits, dims, rows: int) -> None:
     """Examples (format "completion" or "chat"): one global batch of training rows and the
     validation rows evaluation needs (under pp: one pipeline batch per data-parallel rank)."""
     t, d = cfg.train, cfg.data
+    if d.packing and (dims.pp > 1 or dims.tp > 1):
+        raise ValueError(f"data.packing=true does not run with parallel.pp={dims.pp}, "
+                         f"tp={dims.tp} yet (the per-example attention mask is not passed "
+                         "through pipeline stages or tensor-parallel plans); use data "
+                         "parallel or ZeRO, or data.packing=false")
+    if d.packing and cfg.model.source not in ("hf_model", "hf_config"):
+        raise ValueError(f"data.packing=true needs a Hugging Face model (model.hf_model or "
+                         f"model.hf_config), not model.{cfg.model.source}: the per-example "
+                         "attention mask goes to its attention")
     n_train, n_val = len(splits.train), len(splits.val)
     if n_train < t.global_batch_size:
         raise ValueError(f"data.hf_dataset={d.hf_dataset!r} gives {n_train} training examples "

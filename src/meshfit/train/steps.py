@@ -42,14 +42,16 @@ class ModelSteps:
     def accumulate(self):
         return self.acc.accumulate(self.model)
 
-    def forward_backward(self, x, y, accum: int, weight: float | None = None) -> torch.Tensor:
+    def forward_backward(self, x, y, accum: int, weight: float | None = None,
+                         positions: torch.Tensor | None = None) -> torch.Tensor:
         """The micro-batch's loss, backpropagated (x `weight`: the token weighting of
         `meshfit.train.trainer._token_weights`; a micro-batch without a trained target is
-        run with one target made up and weight 0, so every rank still runs its backward)."""
+        run with one target made up and weight 0, so every rank still runs its backward).
+        `positions`: of rows packing several examples (`meshfit.train.models.packed_attention`)."""
         if weight is not None and weight == 0:
             y = y.clone()
             y.view(-1)[0] = 0
-        loss = self.loss(self.model, x, y)
+        loss = self._loss(x, y, positions)
         if not loss.requires_grad:
             raise ValueError("the model's loss does not depend on any trainable parameter "
                              "(requires_grad is False): its forward returns values computed "
@@ -61,8 +63,12 @@ class ModelSteps:
         self.acc.backward(loss)  # divides by the accumulation steps itself
         return reported
 
-    def eval_loss(self, x, y) -> torch.Tensor:
-        return self._cross_entropy(self.loss(self.model, x, y))
+    def eval_loss(self, x, y, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self._cross_entropy(self._loss(x, y, positions))
+
+    def _loss(self, x, y, positions):
+        return self.loss(self.model, x, y) if positions is None else \
+            self.loss(self.model, x, y, positions)
 
     def _cross_entropy(self, loss: torch.Tensor) -> torch.Tensor:
         """A mixture of experts' loss includes its auxiliary losses (the reference GPT's MoE
@@ -99,9 +105,11 @@ class PipelineSteps:
     def accumulate(self):
         return self.acc.accumulate()  # the schedule synchronises on its last micro-batch
 
-    def forward_backward(self, x, y, accum: int, weight: float | None = None) -> torch.Tensor:
+    def forward_backward(self, x, y, accum: int, weight: float | None = None,
+                         positions=None) -> torch.Tensor:
         """The pipeline batch's mean loss over its counted targets, backpropagated; with
-        `weight` (`ModelSteps.forward_backward`) scaled by it."""
+        `weight` (`ModelSteps.forward_backward`) scaled by it. (Packed rows, `positions`,
+        are refused before launch under pp.)"""
         if weight is None:
             return self.pipeline.step(x, y, scale=1.0 / accum)
         if weight == 0:  # no trained target: one made up, weighing nothing
@@ -109,7 +117,7 @@ class PipelineSteps:
             y.view(-1)[0] = 0
         return self.pipeline.step(x, y, scale=weight / accum) * weight
 
-    def eval_loss(self, x, y) -> torch.Tensor:
+    def eval_loss(self, x, y, positions=None) -> torch.Tensor:
         return self.pipeline.eval_loss(x, y)
 
     def clip(self, max_norm: float) -> torch.Tensor:

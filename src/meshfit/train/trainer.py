@@ -157,9 +157,10 @@ def _optimizer_step(loop: _Loop, logged: bool) -> float | None:
     grad_norm = None
     batches = [next(loop.batches) for _ in range(loop.accum)]
     weights = _token_weights(acc, batches, loop.accum) if loop.masked else [None] * loop.accum
-    for (x, y), weight in zip(batches, weights):
+    for (x, y, *packed), weight in zip(batches, weights):
         with trained.accumulate():
-            loss = trained.forward_backward(x, y, loop.accum, weight=weight)
+            loss = trained.forward_backward(x, y, loop.accum, weight=weight,
+                                            positions=packed[0] if packed else None)
             if acc.sync_gradients and (t.grad_clip > 0 or logged):
                 norm = trained.clip(t.grad_clip if t.grad_clip > 0 else math.inf)
                 grad_norm = float(norm) if logged else None
@@ -178,7 +179,7 @@ def _token_weights(acc: Accelerator, batches: list, accum: int) -> list[float]:
     n_i tokens gets weight n_i x micro-batches / N, N the trained tokens of the global batch
     (summed over the data-parallel ranks), since backward averages over micro-batches and
     ranks. A micro-batch with no trained token weighs 0."""
-    counts = torch.tensor([float((y != IGNORE_INDEX).sum()) for _, y in batches],
+    counts = torch.tensor([float((b[1] != IGNORE_INDEX).sum()) for b in batches],
                           dtype=torch.float64, device=acc.device)
     total = float(acc.reduce(counts.sum(), "sum"))
     if total == 0:
@@ -375,10 +376,10 @@ class ValidationBatches:
 
     def __iter__(self):
         for b in range(self.batches):
-            pairs = [self.windows[i] for i in self.mine[b * self.rows:(b + 1) * self.rows]]
-            x0, y0 = self.windows[0]
-            pairs += [(x0, torch.full_like(y0, IGNORE_INDEX))] * (self.rows - len(pairs))
-            yield torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+            items = [self.windows[i] for i in self.mine[b * self.rows:(b + 1) * self.rows]]
+            x0, y0, *rest = self.windows[0]
+            items += [(x0, torch.full_like(y0, IGNORE_INDEX), *rest)] * (self.rows - len(items))
+            yield tuple(torch.stack(column) for column in zip(*items))  # (x, y[, positions])
 
 
 def _loader_name(loader, seq_len: int, rows: int, dp: int) -> str:
@@ -455,9 +456,9 @@ def _evaluate(acc: Accelerator, trained, batches: ValidationBatches) -> float:
         m.eval()
     total = torch.zeros(2, dtype=torch.float64, device=acc.device)
     with torch.no_grad():
-        for x, y in batches:
+        for x, y, *packed in batches:
             x, y = x.to(acc.device), y.to(acc.device)
-            loss = trained.eval_loss(x, y)
+            loss = trained.eval_loss(x, y, *(p.to(acc.device) for p in packed))
             counted = (y != IGNORE_INDEX).sum()
             if counted.item():  # a batch of padding only: its mean is 0/0
                 total += torch.stack([loss.detach().double().to(acc.device) * counted,
