@@ -1,8 +1,8 @@
 """``meshfit calibrate [--nproc N] [--out calibration.json] [--sizes S ...] [--cpu]``: its
 arguments, its workers (``meshfit calibrate --worker`` on N processes through `meshfit.launch`;
 N=1 runs in this process: every rank measures while all of them run at once, rank 0 writes
-the JSON file) and the table it prints. The measuring itself, the file's schema and its
-loader are `meshfit.plan.calibrate`'s.
+the JSON file) and the table it prints. The file's schema, its loader and the measurements
+are `meshfit.plan.calibrate`'s; `meshfit.plan.measure` runs them.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def cmd_calibrate(argv: list[str]) -> int:
 
 def _worker(out: Path, sizes: tuple[int, ...] | None, cpu: bool) -> int:
     """This process's part of the measurement; the main process prints the table."""
-    from meshfit.plan.calibrate import measure
+    from meshfit.plan.measure import measure
 
     result = measure(out, sizes, cpu)
     if result is not None:

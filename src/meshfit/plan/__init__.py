@@ -7,8 +7,10 @@
 
     devices.py    what a device, an interconnect and a network are assumed to do
     search.py     enumeration (meshfit's `Layout.candidates`), memory fit, cost model, ranking
-    calibrate.py  this machine's measured throughput and collectives (`measure`, and the
-                  file's loader; the `meshfit calibrate` command is `meshfit.cli.calibrate`)
+    calibrate.py  this machine's measured throughput, collectives and engines: the file,
+                  its loader and the measurements
+    measure.py    `measure`: all of them on every rank, then tensor parallel and pipelines
+                  against the planner's own prediction (the command: `meshfit.cli.calibrate`)
 """
 
 from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, Link, parse_bytes
