@@ -254,8 +254,9 @@ T = [  # meshfit train: config overrides
     ("parallel.ep not dividing", ["--nproc", "2", "--model.preset=moe-tiny",
                                   "--parallel.dp_shard=2", "--parallel.dp_replicate=1",
                                   "--parallel.ep=3"], ["ep", "3"]),
-    ("peft with pp", ["--nproc", "2", "--parallel.pp=2", "--parallel.dp_replicate=1",
-                      "--peft.method=lora"], ["peft.method='lora'", "pp"]),
+    ("peft with ep", ["--nproc", "2", "--parallel.dp_shard=2", "--parallel.dp_replicate=1",
+                      "--parallel.ep=2", "--model.preset=moe-tiny", "--peft.method=lora"],
+     ["peft.method='lora'", "ep > 1"]),
     # [checkpoint] and [log]
     ("checkpoint.every negative", ["--checkpoint.every=-1"], ["checkpoint.every=-1"]),
     ("checkpoint.keep=0", ["--checkpoint.keep=0"], ["checkpoint.keep=0"]),

@@ -118,7 +118,8 @@ def _config(files, case: str, nproc: int):
         peft = {"method": "lora", "r": 4, "merge": True}  # peft's Llama default: q/v_proj
         parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} \
             if case.endswith("zero3") else {"tp": 2, "dp_replicate": 1} \
-            if case.endswith("tp") else {"dp_replicate": 2}
+            if case.endswith("tp") else {"pp": 2, "dp_replicate": 1} \
+            if case.endswith("pp") else {"dp_replicate": 2}
         parallel = parallel if nproc == 2 else {}
     elif case == "lora_gpt_tp_sp":  # the reference GPT, its every block linear adapted
         peft = {"method": "lora", "r": 4}
@@ -133,7 +134,7 @@ def _config(files, case: str, nproc: int):
 
 
 CASES = ("hf_model_zero3", "hf_model_pp", "factory_tp", "lora_gpt2_zero3", "lora_hf_model_ddp",
-         "lora_hf_model_zero3", "lora_hf_model_tp", "lora_gpt_tp_sp")
+         "lora_hf_model_zero3", "lora_hf_model_tp", "lora_hf_model_pp", "lora_gpt_tp_sp")
 
 
 def _train_cases(rank, world_size, files):
@@ -277,7 +278,7 @@ def test_lora_on_a_pretrained_folder_starts_from_its_weights(runs):
     original = transformers.LlamaForCausalLM.from_pretrained(runs / "llama")
     first = _val_loss(original, cfg, n, hf=True)
     for case in ("lora_hf_model_zero3-2", "lora_hf_model_ddp-2", "lora_hf_model_tp-2",
-                 "lora_hf_model_zero3-1"):
+                 "lora_hf_model_pp-2", "lora_hf_model_zero3-1"):
         _, vals = _losses(runs / case)
         assert vals[0] == pytest.approx(first, rel=RTOL), case
         assert abs(vals[-1] - vals[0]) > 1e-3, case  # the adapters trained
@@ -415,6 +416,8 @@ def test_a_lora_models_tp_plan_lays_the_adapters_out_like_their_linear():
     assert styles[p + "wo.lora_A.default"].kind == "rowwise"
     assert styles[p + "wo.lora_B.default"].kind == "replicate"
     assert p + "wq" not in styles
+    # pipeline parallel cuts the model inside the PeftModel (meshfit.train.steps), whose
+    # adapted linears go with their blocks; the PeftModel itself has no pipeline plan
     with pytest.raises(ValueError, match="pipeline parallel of a LoRA model"):
         pipeline_plan_for(model)
     # the layout checks before launch see the adapted model's blocks and sizes

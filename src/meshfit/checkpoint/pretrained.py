@@ -150,8 +150,8 @@ _MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."),)  # Mixtral's MoE block
 def _renamed(name: str) -> list[str]:
     """`name` and its checkpoint spellings (`_MODULE_RENAMES`); a name inside a PeftModel
     (``base_model.model.`` ahead, ``.base_layer`` in an adapted linear) as the base model's."""
-    if name.startswith("base_model.model."):
-        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    # (a pipeline stage cut from the model inside a PeftModel has the inner names)
+    name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
     return [name, *(name.replace(a, b, 1) for a, b in _MODULE_RENAMES if a in name)]
 
 
@@ -345,8 +345,9 @@ def load_into(model: nn.Module, folder, *, buffers: dict[str, torch.Tensor] | No
     for name, tensor in [*params.items(), *model.named_buffers()]:
         key = next((k for n in (name, tied_sources.get(name, name)) for m in _renamed(n)
                     if (k := files.key(m, prefix)) is not None), None)
-        source = files.slice(key) if key is not None else adapters.get(name) if \
-            name in adapters else _experts_source(files, model, name, prefix, tensor.shape) \
+        adapter = adapters.get(name, adapters.get("base_model.model." + name))
+        source = files.slice(key) if key is not None else adapter if adapter is not None \
+            else _experts_source(files, model, name, prefix, tensor.shape) \
             if name in params else None
         if source is None:
             if buffers is not None and name in buffers:

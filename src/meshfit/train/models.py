@@ -301,6 +301,9 @@ def _write_lora(cfg, state: dict, vocab_size: int, tokenizer, out_dir: Path,
 
     with torch.device("meta"):
         copy = build_model(cfg, vocab_size, meta=True)
+    prefix = "base_model.model."  # a pipeline's stages hold the adapted model's own names
+    if state and not any(k.startswith(prefix) for k in state):
+        state = {prefix + k: v for k, v in state.items()}
     copy.load_state_dict(state, strict=True, assign=True)
     folders = [save_adapter(copy, out_dir / "adapter")]
     if tokenizer is not None:

@@ -96,18 +96,13 @@ def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> L
 
 
 def _check_peft(cfg, layout: Layout) -> None:
-    """LoRA works with data parallelism, ZeRO and tensor parallelism, not (yet) with pp or
-    ep."""
+    """LoRA works with data, ZeRO, tensor and pipeline parallelism, not (yet) with ep."""
     method = cfg.peft.method
     if layout.dims.ep > 1 and method != "none":
         raise ValueError(f"peft.method={method!r} with parallel.ep > 1 is not yet "
                          "available (LoRA adapts linear layers; the experts are stacked "
                          "weights split over the ep ranks); use peft.method='none' or ep=1")
-    if layout.dims.pp > 1 and method != "none":
-        raise ValueError(f"peft.method={method!r} with parallel.pp > 1 is not yet available: "
-                         "LoRA wraps each adapted linear in a peft LoraLayer, which the "
-                         "pipeline stages do not name; use peft.method='none' or pp = 1 (data "
-                         "parallel, ZeRO and tensor parallel work with LoRA)")
+
 
 
 def _check_model_split(cfg, layout: Layout, world_size: int) -> None:

@@ -137,14 +137,27 @@ def prepare_steps(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module,
         trained = ModelSteps(acc, acc.prepare(model), loss_function(model))
     else:
         p = cfg.parallel
-        pipeline = acc.prepare_pipeline(model, schedule=p.schedule, microbatches=chunks,
+        # LoRA: the stages are cut from the model inside the PeftModel (its adapted linears
+        # go with their blocks); the adapters are written back under peft's names at the end
+        inner = _peft_inner(model)
+        pipeline = acc.prepare_pipeline(inner, schedule=p.schedule, microbatches=chunks,
                                         virtual_stages=p.virtual_stages,
-                                        plan=resolve_plan(plans(cfg)[1], model),
+                                        plan=resolve_plan(plans(cfg)[1], inner),
                                         init_seed=cfg.train.seed,
                                         record_timings=True)  # for PIPELINE_TIMED_STEPS steps
         trained = PipelineSteps(acc, pipeline, cfg, cfg.train.micro_batch_size, chunks)
     trained.has_moe = bool(moe_modules([model]))  # on any stage: every rank logs routing
     return trained
+
+
+def _peft_inner(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a peft.PeftModel adapts (its LoRA layers inside), or `model`."""
+    import sys
+
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.base_model.model
+    return model
 
 
 def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:

@@ -76,11 +76,10 @@ def has_builtin_plans(model: nn.Module) -> bool:
 def _refuse_peft(model: nn.Module, what: str) -> None:
     peft = sys.modules.get("peft")
     if peft is not None and isinstance(model, peft.PeftModel):
-        raise ValueError(f"{what} of a LoRA model (peft.PeftModel) is not yet available: LoRA "
-                         "wraps each adapted linear in a LoraLayer (its weight moves to "
-                         "base_layer, beside lora_A/lora_B), which the built-in plans do not "
-                         "name; use data parallel or ZeRO with LoRA, or tensor/pipeline "
-                         "parallel without it")
+        raise ValueError(f"{what} of a LoRA model: pass the model inside the peft.PeftModel "
+                         "(peft_model.base_model.model), whose adapted linears go with their "
+                         "blocks; the stages are copies, so save the adapters from the "
+                         "pipeline's full_state_dict (meshfit train does)")
 
 
 def plan_for(model: nn.Module, *, sequence_parallel: bool = False,
