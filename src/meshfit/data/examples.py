@@ -39,8 +39,6 @@ that leaves nothing is refused in one line.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,7 +236,8 @@ def _records(source: Any, what: str, columns: dict[str, str]) -> list[dict]:
     return [{c: row[c] for c in columns.values()} for row in source]
 
 
-def _check_messages(messages: Any, index: int, column: str) -> list[dict]:
+def _check_messages(messages: Any, index: int, column: str, *,
+                    every_token: bool = False) -> list[dict]:
     where = f"data.messages_column={column!r}, row {index}"
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: a conversation must be a non-empty list of "
@@ -248,7 +247,7 @@ def _check_messages(messages: Any, index: int, column: str) -> list[dict]:
             raise ValueError(f"{where}: message {m!r} is not a {{'role', 'content'}} mapping")
         if m["role"] not in ROLES:
             raise ValueError(f"{where}: role {m['role']!r} is not one of {', '.join(ROLES)}")
-    if not any(m["role"] == "assistant" for m in messages):
+    if not every_token and not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: the conversation has no assistant turn, so nothing in it "
                          "would be trained; remove it or set data.train_on_prompt=true")
     return messages
@@ -292,7 +291,8 @@ def load_examples(data, *, tokenizer, seq_len: int, val_fraction: float) -> Exam
         out = []
         for i, r in enumerate(rows):
             if data.format == "chat":
-                messages = _check_messages(r[columns[0]], i, columns[0])
+                messages = _check_messages(r[columns[0]], i, columns[0],
+                                           every_token=data.train_on_prompt)
                 ids, mask = chat_example(hf, messages, template=template)
             else:
                 for c in columns:
@@ -361,11 +361,3 @@ def _template(value: str) -> str | None:
     if len(value) < 4096 and "\n" not in value and path.is_file():
         return path.read_text()
     return value
-
-
-def examples_key(data, tokenizer, seq_len: int) -> str:
-    """A hash of what the examples depend on (for logs and caches)."""
-    parts = [data.format, data.hf_dataset, data.chat_template, data.messages_column,
-             data.prompt_column, data.completion_column, str(data.train_on_prompt),
-             getattr(tokenizer, "name", ""), str(seq_len)]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
