@@ -259,17 +259,21 @@ def test_every_layout_and_micro_batch_size_weighs_each_trained_token_alike(runs)
         losses, vals = _losses(files / case)
         for a, b in zip(one + val, losses + vals):
             assert math.isclose(a, b, rel_tol=RTOL), (case, one + val, losses + vals)
-    cfg = _config(files, "one", 1)
-    splits = tokens.load_tokens(cfg)
+    splits = tokens.load_tokens(_config(files, "one", 1))
     model = transformers.LlamaForCausalLM.from_pretrained(files / "model")
+    assert val[0] == pytest.approx(_trained_token_loss(model, splits.val), rel=RTOL)
+
+
+def _trained_token_loss(model, rows) -> float:
+    """A transformers model's mean cross-entropy over the trained targets of `rows`."""
     total = count = 0.0
     with torch.no_grad():
-        for i in range(len(splits.val)):
-            x, y = splits.val[i]
+        for i in range(len(rows)):
+            x, y = rows[i]
             logits = model(input_ids=x[None]).logits[0]
             total += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
             count += (y != -100).sum().item()
-    assert val[0] == pytest.approx(total / count, rel=RTOL)
+    return total / count
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -397,14 +401,7 @@ def test_lora_chat_fine_tuning_under_zero3_writes_what_peft_and_transformers_loa
     splits = tokens.load_tokens(_config(runs, "lora", 2))
 
     def val_loss(model):
-        total = count = 0.0
-        with torch.no_grad():
-            for i in range(len(splits.val)):
-                x, y = splits.val[i]
-                logits = model(input_ids=x[None]).logits[0]
-                total += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
-                count += (y != -100).sum().item()
-        return total / count
+        return _trained_token_loss(model, splits.val)
 
     base = transformers.LlamaForCausalLM.from_pretrained(runs / "model")
     adapted = peft.PeftModel.from_pretrained(base, runs / "lora-2" / "adapter")

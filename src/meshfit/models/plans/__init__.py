@@ -142,21 +142,17 @@ def lora_plan(plan: TPPlan, model: nn.Module) -> TPPlan:
                              "take adapters (leave it out of peft.target_modules)")
         adapters = sorted({a for m in matched if _adapted(m) for a in m.lora_A.keys()})
         styles[f"{full}.base_layer"] = style
+        local = style.local_output if style.local_output is not None else True
+        column = style.kind == "colwise"
+        # (A, B): the split one takes the base's input (row) or output (column) layout
+        a_style, b_style = (replicate, colwise) if column else (rowwise, replicate)
         for a in adapters:
-            if style.kind == "colwise":
-                styles[f"{full}.lora_A.{a}"] = replicate(
-                    input=style.input or REPLICATE, output=REPLICATE, local_output=True)
-                styles[f"{full}.lora_B.{a}"] = colwise(
-                    input=REPLICATE, output=style.output or SHARD_LAST,
-                    local_output=style.local_output if style.local_output is not None
-                    else True)
-            else:
-                styles[f"{full}.lora_A.{a}"] = rowwise(
-                    input=style.input or SHARD_LAST, output=REPLICATE, local_output=True)
-                styles[f"{full}.lora_B.{a}"] = replicate(
-                    input=REPLICATE, output=style.output or REPLICATE,
-                    local_output=style.local_output if style.local_output is not None
-                    else True)
+            styles[f"{full}.lora_A.{a}"] = a_style(
+                input=style.input or (REPLICATE if column else SHARD_LAST), output=REPLICATE,
+                local_output=True)
+            styles[f"{full}.lora_B.{a}"] = b_style(
+                input=REPLICATE, output=style.output or (SHARD_LAST if column else REPLICATE),
+                local_output=local)
     return _replace(plan, styles=styles,
                     local_attrs={_LORA_PREFIX + k: v for k, v in plan.local_attrs.items()})
 
