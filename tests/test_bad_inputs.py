@@ -254,6 +254,8 @@ T = [  # meshfit train: config overrides
     ("parallel.ep not dividing", ["--nproc", "2", "--model.preset=moe-tiny",
                                   "--parallel.dp_shard=2", "--parallel.dp_replicate=1",
                                   "--parallel.ep=3"], ["ep", "3"]),
+    ("document_mask with the reference GPT", ["--data.document_mask=true"],
+     ["data.document_mask=true runs with a Hugging Face model", "model.preset"]),
     ("peft with ep", ["--nproc", "2", "--parallel.dp_shard=2", "--parallel.dp_replicate=1",
                       "--parallel.ep=2", "--model.preset=moe-tiny", "--peft.method=lora"],
      ["peft.method='lora'", "ep > 1"]),

@@ -20,6 +20,7 @@ import json
 import math
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,6 +111,10 @@ def _config(files, case: str, nproc: int):
     elif case == "hf_model_pp":
         model = {"hf_model": str(files / "llama")}
         parallel = {"pp": 2, "dp_replicate": 1} if nproc == 2 else {}
+    elif case == "hf_model_docs":  # text documents kept apart (data.document_mask)
+        model = {"hf_model": str(files / "llama")}
+        data = {**data, "document_mask": True}
+        parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} if nproc == 2 else {}
     elif case == "factory_tp":
         model = {"factory": "mymodels:build", "tp_plan": "mymodels:PLAN"}
         parallel = {"tp": 2, "dp_replicate": 1} if nproc == 2 else {}
@@ -134,7 +139,8 @@ def _config(files, case: str, nproc: int):
 
 
 CASES = ("hf_model_zero3", "hf_model_pp", "factory_tp", "lora_gpt2_zero3", "lora_hf_model_ddp",
-         "lora_hf_model_zero3", "lora_hf_model_tp", "lora_hf_model_pp", "lora_gpt_tp_sp")
+         "lora_hf_model_zero3", "lora_hf_model_tp", "lora_hf_model_pp", "lora_gpt_tp_sp",
+         "hf_model_docs")
 
 
 def _train_cases(rank, world_size, files):
@@ -395,6 +401,37 @@ def test_a_run_stopped_before_its_first_step_does_not_block_the_next(tmp_path):
     (tmp_path / "checkpoints" / "step-1.tmp-abc").mkdir()  # a save had begun
     with pytest.raises(ValueError, match="already holds a run"):
         check_run_folder(tmp_path, resume=False, overwrite=False)
+
+
+def test_documents_kept_apart_compute_each_document_as_alone(files):
+    """data.document_mask: a window of the token stream holding several documents gives,
+    in fp64, the loss sum and gradients of its documents run one by one (positions restart
+    after EOS, attention stays inside each, a document's first token is no target)."""
+    import transformers
+
+    from meshfit.data import TokenDataset
+    from meshfit.train.models import loss_function
+
+    model = transformers.LlamaForCausalLM.from_pretrained(files / "llama").double()
+    eos = 1
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(2, 300, (n,), generator=g).tolist() + [eos] for n in (6, 9, 4)]
+    stream = np.array(sum(docs, []) + [5], dtype=np.int64)  # 22 tokens: one window of 21
+    x, y, pos = (t[None] for t in TokenDataset(stream, 21, separator=eos)[0])
+    assert pos[0].tolist()[:8] == [0, 1, 2, 3, 4, 5, 6, 0]
+    loss = loss_function(model)
+    total = loss(model, x, y, pos) * (y != -100).sum()
+    total.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    alone = 0.0
+    for doc in docs:
+        row = torch.tensor(doc)[None]
+        alone = alone + loss(model, row[:, :-1], row[:, 1:]) * (len(doc) - 1)
+    alone.backward()
+    assert total.item() == pytest.approx(alone.item(), rel=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_a_lora_models_tp_plan_lays_the_adapters_out_like_their_linear():

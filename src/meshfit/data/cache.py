@@ -94,11 +94,23 @@ class TokenSplits:
     path: Path
     """The ``.bin`` file both streams are mapped from."""
 
-    def windows(self, split: str, seq_len: int):
-        """The ``"train"`` or ``"val"`` stream as `TokenDataset` windows of `seq_len`."""
+    def windows(self, split: str, seq_len: int, *, documents_apart: bool = False):
+        """The ``"train"`` or ``"val"`` stream as `TokenDataset` windows of `seq_len`;
+        `documents_apart`: with each token's position in its document (a single-token
+        separator: the tokenizer's EOS)."""
         from meshfit.data.dataset import TokenDataset
+        from meshfit.data.tokenizer import document_separator
 
-        return TokenDataset(self.train if split == "train" else self.val, seq_len)
+        separator = None
+        if documents_apart:
+            ids = document_separator(self.tokenizer)
+            if len(ids) != 1:
+                raise ValueError("data.document_mask=true needs a tokenizer with an EOS token "
+                                 "between documents (the byte tokenizer separates them with "
+                                 "a blank line); give data.tokenizer a Hugging Face tokenizer")
+            separator = ids[0]
+        return TokenDataset(self.train if split == "train" else self.val, seq_len,
+                            separator=separator)
 
     @property
     def train_tokens(self) -> int:

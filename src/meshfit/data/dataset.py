@@ -20,12 +20,18 @@ class TokenDataset(Dataset):
     consecutive windows share one token, so every token but the first is a target exactly
     once. ``len == (n_tokens - 1) // seq_len``; the trailing remainder is dropped.
 
+    With ``separator`` (the documents' separator token, e.g. EOS) an item is ``(x, y,
+    positions)``: each token's position in its own document, and no target that begins a
+    document (see `meshfit.train.models.packed_attention`, which keeps a Hugging Face model's
+    attention inside each document).
+
     Only the window is read per item, so a memory-mapped stream of any size costs no RAM.
     Pickling (DataLoader workers under ``spawn``) re-opens the map by file name instead of
     copying the whole array into every worker.
     """
 
-    def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int) -> None:
+    def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int, *,
+                 separator: int | None = None) -> None:
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.detach().cpu().numpy()
         if not isinstance(tokens, np.ndarray):
@@ -39,8 +45,12 @@ class TokenDataset(Dataset):
             raise ValueError(f"TokenDataset.seq_len={seq_len} needs at least seq_len+1="
                              f"{seq_len + 1} tokens for one window, but tokens has {tokens.size}; "
                              "use a smaller seq_len or more data")
+        if separator is not None and (isinstance(separator, bool) or
+                                      not isinstance(separator, int)):
+            raise ValueError(f"TokenDataset.separator={separator!r} must be a token id (int)")
         self.tokens = tokens
         self.seq_len = seq_len
+        self.separator = separator
 
     def __len__(self) -> int:
         return (self.tokens.size - 1) // self.seq_len
@@ -55,7 +65,19 @@ class TokenDataset(Dataset):
         start = index * self.seq_len
         window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1],
                                              dtype=np.int64))
-        return window[:-1], window[1:]
+        if self.separator is None:
+            return window[:-1], window[1:]
+        # Documents kept apart: a token's position counts from the first token after the
+        # last separator (the window's first token begins one too); the first token of a
+        # document is nobody's target (its context would be another document).
+        begins = torch.zeros_like(window, dtype=torch.bool)
+        begins[0] = True
+        begins[1:] = window[:-1] == self.separator
+        index_ = torch.arange(len(window))
+        start_of = torch.cummax(torch.where(begins, index_, 0), 0).values
+        positions = index_ - start_of
+        y = torch.where(positions[1:] == 0, torch.full_like(window[1:], -100), window[1:])
+        return window[:-1], y, positions[:-1]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -130,7 +130,7 @@ class ExampleSplits:
     tokenizer: Any
     stats: dict = field(default_factory=dict)
 
-    def windows(self, split: str, seq_len: int) -> "ExampleDataset":
+    def windows(self, split: str, seq_len: int, **_) -> "ExampleDataset":
         return self.train if split == "train" else self.val
 
     @property

@@ -275,6 +275,10 @@ class DataConfig:
     packing: bool = False
     """format "completion"/"chat": several examples per row, attention kept inside each
     (Hugging Face models; not with pp or tp yet)."""
+    document_mask: bool = False
+    """format "text": keep each packed document to itself (positions restart after EOS,
+    attention never crosses it, a document's first token is no target; Hugging Face models,
+    not with pp or tp yet)."""
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
     prefetch_factor: int = 2  # Batches each worker loads ahead (with num_workers > 0)
     persistent_workers: bool = True
@@ -327,6 +331,11 @@ class DataConfig:
                              "template's text (a string)")
         check_bool("data", "train_on_prompt", self.train_on_prompt)
         check_bool("data", "packing", self.packing)
+        check_bool("data", "document_mask", self.document_mask)
+        if self.document_mask and self.format != "text":
+            raise ValueError(f"data.document_mask=true is for data.format='text'; with "
+                             f"format={self.format!r} use data.packing=true (examples are "
+                             "kept apart there)")
         if self.format != "text":
             if not self.hf_dataset:
                 raise ValueError(f"data.format={self.format!r} reads data.hf_dataset (a datasets "

@@ -237,6 +237,13 @@ def check_data(cfg, world_size: int) -> None:
     if cfg.data.format != "text":
         _check_examples(cfg, splits, dims, rows=t.micro_batch_size * chunks)
         return
+    if cfg.data.document_mask:
+        if dims.pp > 1 or dims.tp > 1 or cfg.model.source not in ("hf_model", "hf_config"):
+            raise ValueError("data.document_mask=true runs with a Hugging Face model "
+                             "(model.hf_model or hf_config) under data parallel or ZeRO for "
+                             f"now, not model.{cfg.model.source} with pp={dims.pp}, "
+                             f"tp={dims.tp}")
+        splits.windows("train", t.seq_len, documents_apart=True)  # a single-token separator
     n_train, n_val = int(splits.train.shape[0]), int(splits.val.shape[0])
     windows = max(0, n_train - 1) // t.seq_len
     if windows < t.global_batch_size:

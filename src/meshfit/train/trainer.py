@@ -64,7 +64,9 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     train_loader = _train_loader(cfg, splits, micro * chunks, acc.device)
     optimizer, train_loader, scheduler = acc.prepare(optimizer, train_loader, schedule)
-    val_loader = ValidationBatches(splits.windows("val", t.seq_len), cfg.eval_windows(),
+    apart = cfg.data.document_mask
+    val_loader = ValidationBatches(splits.windows("val", t.seq_len, documents_apart=apart),
+                                   cfg.eval_windows(),
                                    micro * chunks, acc.runtime.dp_size, acc.runtime.dp_rank)
     acc.print(_banner(acc, model, trained, micro, splits.train_tokens, out_dir))
     if hasattr(splits, "describe"):  # examples with loss masks
@@ -78,7 +80,8 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     loop = _Loop(
         acc=acc, cfg=cfg, trained=trained, optimizer=optimizer, scheduler=scheduler,
         val_loader=val_loader, out_dir=out_dir, exchanges=exchanges, checkpoints=checkpoints,
-        accum=acc.gradient_accumulation_steps, masked=cfg.data.format != "text",
+        accum=acc.gradient_accumulation_steps,
+        masked=cfg.data.format != "text" or cfg.data.document_mask,
         writer=MetricsWriter(main_out, cfg, after_step=start),
         progress=RunReporter(acc, cfg, main_out, model, t.steps),
         batches=timed_batches(_batches(train_loader, _loader_name(
@@ -354,7 +357,8 @@ def _train_loader(cfg: RunConfig, splits, rows: int, device: torch.device) -> Da
     workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory and device.type == "cuda")
     if d.num_workers:
         workers.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
-    return DataLoader(splits.windows("train", t.seq_len), batch_size=rows, shuffle=True,
+    return DataLoader(splits.windows("train", t.seq_len, documents_apart=d.document_mask),
+                      batch_size=rows, shuffle=True,
                       generator=torch.Generator().manual_seed(t.seed), drop_last=True, **workers)
 
 

@@ -111,7 +111,7 @@ def run_config(cfg: RunConfig, steps: int, dtype: str, env: DistEnv | None = Non
     window = _StepLosses()
     loop = types.SimpleNamespace(cfg=cfg, acc=acc, trained=trained, optimizer=optimizer,
                                  scheduler=scheduler, accum=acc.gradient_accumulation_steps,
-                                 masked=cfg.data.format != "text",
+                                 masked=cfg.data.format != "text" or cfg.data.document_mask,
                                  batches=_batches(loader), window=window)
     losses = []
     for _ in range(steps):
