@@ -337,3 +337,40 @@ def test_expert_parallel_needs_routed_experts_that_ep_divides():
     with pytest.raises(ValueError, match="ep=3 must be an integer >= 1 that divides dp=8"):
         model_state_bytes(1e9, dp=8, zero_stage=1, ep=3, expert_params=5e8)
     assert LayoutSpec(dp_shard=4, ep=2).world_size == 4  # carved out of dp_shard
+
+
+def _validate_syncs_once(rank, world_size):
+    """`plan --validate`'s timed steps on DDP with 4 accumulated micro-batches: the gradient
+    all-reduces it runs (a DDP communication hook counts them)."""
+    import torch
+
+    from meshfit import Accelerator, ParallelDims, optim
+    from meshfit.models import GPT, GPTConfig
+    from meshfit.train.plan_validate import _timed_steps
+
+    acc = Accelerator(parallel=ParallelDims(dp_replicate=2), gradient_accumulation_steps=4)
+    torch.manual_seed(0)
+    model = acc.prepare(GPT(GPTConfig(vocab_size=64, d_model=32, n_layer=1, n_head=2,
+                                      d_ff=64, max_seq_len=16)))
+    opt = acc.prepare(optim.build("adamw", model, lr=1e-3))
+    calls = []
+
+    def hook(state, bucket):
+        calls.append(1)
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, hook)
+    tokens = torch.randint(0, 64, (4, 1, 17))
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    _timed_steps(acc, opt, batches, lambda x, y: acc.backward(model(x, y)), 2, (model,))
+    return len(calls)
+
+
+def test_plan_validate_times_steps_as_meshfit_train_runs_them():
+    """Gradients sync once per optimizer step (accumulate(model), as meshfit train), not on
+    every micro-batch: 2 steps of 4 micro-batches, one bucket each -> 2 all-reduces."""
+    from conftest import run_distributed
+
+    assert run_distributed(_validate_syncs_once, 2, timeout=120) == [2, 2]

@@ -162,9 +162,12 @@ def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, op
         else:
             acc.backward(_loss(prepared, x, y))
 
-    times = _timed_steps(acc, opt, batches, forward_backward, steps)
+    # (a pipeline synchronises on its last micro-batch; a whole model skips the gradient
+    # sync on the others, as `meshfit train` does: accumulate(model))
+    synced = () if pp > 1 else (prepared,)
+    times = _timed_steps(acc, opt, batches, forward_backward, steps, synced)
     return {"device": acc.device.type, "step_s": statistics.median(times[1:]),
-            "peak_bytes": _peak_bytes(acc, opt, measured, batches[0], forward_backward),
+            "peak_bytes": _peak_bytes(acc, opt, measured, batches[0], forward_backward, synced),
             "rank": rank}
 
 
@@ -181,7 +184,8 @@ def _accelerator(lay: dict, dtype: str, accum: int):
                        gradient_accumulation_steps=accum)
 
 
-def _timed_steps(acc, opt, batches, forward_backward, steps: int) -> list[float]:
+def _timed_steps(acc, opt, batches, forward_backward, steps: int,
+                 models: tuple = ()) -> list[float]:
     """Seconds of each of `steps` optimizer steps, every rank waiting for the others at both
     ends; on CUDA the peak memory is counted from the last step's start."""
     cuda = acc.device.type == "cuda"
@@ -194,7 +198,7 @@ def _timed_steps(acc, opt, batches, forward_backward, steps: int) -> list[float]
             dist.barrier()
         start = time.perf_counter()
         for x, y in batches:
-            with acc.accumulate():
+            with acc.accumulate(*models):
                 forward_backward(x, y)
                 opt.step()
                 opt.zero_grad()
@@ -206,7 +210,7 @@ def _timed_steps(acc, opt, batches, forward_backward, steps: int) -> list[float]
     return times
 
 
-def _peak_bytes(acc, opt, measured, batch, forward_backward) -> int:
+def _peak_bytes(acc, opt, measured, batch, forward_backward, models: tuple = ()) -> int:
     """This rank's ``measured_bytes``; on the CPU the states are counted with the gradients
     of one more forward and backward (not stepped), the net allocation during another."""
     if acc.device.type == "cuda":
@@ -214,7 +218,7 @@ def _peak_bytes(acc, opt, measured, batch, forward_backward) -> int:
     x, y = batch
 
     def once():
-        with acc.accumulate():
+        with acc.accumulate(*models):
             forward_backward(x, y)
 
     once()
