@@ -276,24 +276,30 @@ def _trained_token_loss(model, rows) -> float:
     return total / count
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt-rope", "gpt-learned"])
 def test_a_packed_row_computes_each_example_as_alone(family):
     """fp64: the summed loss and the gradients of a row packing three examples (and padding)
-    equal the sums over the examples run one by one, for the transformers families whose
-    attention takes the mask (positions restart per example; no token attends across)."""
-    import transformers
-
+    equal the sums over the examples run one by one, for the transformers families and the
+    reference GPT (RoPE or learned positions): positions restart per example, no token
+    attends across."""
     from meshfit.data.examples import _rows
     from meshfit.train.models import loss_function
 
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
-    config = cls[0](hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                    num_key_value_heads=2, num_hidden_layers=2, vocab_size=64,
-                    max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = cls[1](config).double()
+    if family.startswith("gpt"):
+        from reference import tiny_gpt
+
+        model = tiny_gpt(pos=family.removeprefix("gpt-"))  # fp64
+    else:
+        import transformers
+
+        cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+        config = cls[0](hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=64,
+                        max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = cls[1](config).double()
     g = torch.Generator().manual_seed(1)
     examples = []
     for n in (7, 11, 5):

@@ -92,6 +92,15 @@ def _norm(cfg: GPTConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """A boolean [B, 1, T, T] attention mask, causal and block-diagonal by document, from
+    each token's position in its document ([B, T], 0 where a document begins)."""
+    doc = (positions == 0).cumsum(-1)
+    T = positions.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE (Su et al. 2021) to x [B, H, T, hd] with cos/sin [T, hd/2].
 
@@ -164,15 +173,18 @@ class Attention(nn.Module):
         groups = q.shape[1] // k.shape[1]
         return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
-    def forward(self, x: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: a boolean [B, 1, T, T] attention mask (`document_causal_mask`) in place of
+        the plain causal one."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x, rope)
         k, v = self._repeat_kv(q, k, v)
         try:
             with _sdpa_context(self.backend):
                 y = F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+                    q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                    is_causal=mask is None)
         except RuntimeError as err:
             if self.backend == "auto":
                 raise
@@ -220,9 +232,11 @@ class Block(nn.Module):
         else:
             self.mlp = GeluMLP(cfg) if cfg.mlp == "gelu" else SwiGLUMLP(cfg)
 
-    def forward(self, x: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # (mask only when given: tensor-parallel plans lay out attention's inputs (x, rope))
+        h = self.attn_norm(x)
+        x = x + (self.attn(h, rope) if mask is None else self.attn(h, rope, mask))
         return x + self.mlp(self.mlp_norm(x))
 
     def forward_cached(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -335,7 +349,11 @@ class GPT(nn.Module):
         self.rope_sin.copy_(angles.sin())
 
     # ------------------------------------------------------------------ forward
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` [B, T]: each token's position in its own document (restarting at 0
+        where one begins: packed examples, documents kept apart); attention then stays
+        inside each document (`document_causal_mask`). Not as a pipeline stage."""
         T = idx.shape[1]
         if T > self.config.max_seq_len:
             raise ValueError(
@@ -345,15 +363,21 @@ class GPT(nn.Module):
             h = self.tok_emb(idx)
             # Positions go in with the tokens only: a later stage's input already has them.
             if self.pos_emb is not None:
-                h = h + self.pos_emb(torch.arange(T, device=idx.device))
+                h = h + self.pos_emb(torch.arange(T, device=idx.device) if positions is None
+                                     else positions)
             h = self.drop(h)
         else:
             h = idx
         # Positions come from the sequence, not from the layer index, so a stage starting
         # at layer k rotates exactly as the full model does.
         rope = None if self.rope_cos is None else (self.rope_cos[:T], self.rope_sin[:T])
+        mask = None
+        if positions is not None:
+            mask = document_causal_mask(positions)
+            if self.rope_cos is not None:  # [B, 1, T, hd/2]: each row its own positions
+                rope = (self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope) if mask is None else layer(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is None:

@@ -192,7 +192,8 @@ def loss_function(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.
     from meshfit.parallel.tp import tp_cross_entropy
 
     if isinstance(_base(model), GPT):
-        return lambda m, x, y, positions=None: m(x, y) if positions is None else _unpackable()
+        return lambda m, x, y, positions=None: m(x, y) if positions is None else \
+            m(x, y, positions=positions)
     if _is_hf(model) and _router_aux_loss(model):
         return _with_router_aux_loss(_base(model).config.router_aux_loss_coef)
     if _is_hf(model):
@@ -203,8 +204,8 @@ def loss_function(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.
 
 
 def _unpackable():
-    raise ValueError("data.packing=true needs a Hugging Face model (model.hf_model or "
-                     "model.hf_config): its attention takes the per-document mask")
+    raise ValueError("data.packing=true / data.document_mask=true need the reference GPT or "
+                     "a Hugging Face model: their attention takes the per-document mask")
 
 
 def packed_attention(positions: torch.Tensor | None) -> dict:
@@ -214,11 +215,9 @@ def packed_attention(positions: torch.Tensor | None) -> dict:
     {} for unpacked rows."""
     if positions is None:
         return {}
-    doc = (positions == 0).cumsum(-1)
-    T = positions.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
-    mask = (doc[:, :, None] == doc[:, None, :]) & causal
-    return {"position_ids": positions, "attention_mask": mask[:, None]}
+    from meshfit.models.gpt import document_causal_mask
+
+    return {"position_ids": positions, "attention_mask": document_causal_mask(positions)}
 
 
 def _router_aux_loss(model: nn.Module) -> bool:

@@ -238,11 +238,10 @@ def check_data(cfg, world_size: int) -> None:
         _check_examples(cfg, splits, dims, rows=t.micro_batch_size * chunks)
         return
     if cfg.data.document_mask:
-        if dims.pp > 1 or dims.tp > 1 or cfg.model.source not in ("hf_model", "hf_config"):
-            raise ValueError("data.document_mask=true runs with a Hugging Face model "
-                             "(model.hf_model or hf_config) under data parallel or ZeRO for "
-                             f"now, not model.{cfg.model.source} with pp={dims.pp}, "
-                             f"tp={dims.tp}")
+        if dims.pp > 1 or dims.tp > 1 or cfg.model.source == "factory":
+            raise ValueError("data.document_mask=true runs with the reference GPT or a "
+                             "Hugging Face model under data parallel or ZeRO for now, not "
+                             f"model.{cfg.model.source} with pp={dims.pp}, tp={dims.tp}")
         splits.windows("train", t.seq_len, documents_apart=True)  # a single-token separator
     n_train, n_val = int(splits.train.shape[0]), int(splits.val.shape[0])
     windows = max(0, n_train - 1) // t.seq_len
@@ -266,10 +265,10 @@ def _check_examples(cfg, splits, dims, rows: int) -> None:
                          f"tp={dims.tp} yet (the per-example attention mask is not passed "
                          "through pipeline stages or tensor-parallel plans); use data "
                          "parallel or ZeRO, or data.packing=false")
-    if d.packing and cfg.model.source not in ("hf_model", "hf_config"):
-        raise ValueError(f"data.packing=true needs a Hugging Face model (model.hf_model or "
-                         f"model.hf_config), not model.{cfg.model.source}: the per-example "
-                         "attention mask goes to its attention")
+    if d.packing and cfg.model.source == "factory":
+        raise ValueError("data.packing=true needs the reference GPT or a Hugging Face model "
+                         "(model.hf_model or model.hf_config), not model.factory: the "
+                         "per-example attention mask goes to its attention")
     n_train, n_val = len(splits.train), len(splits.val)
     if n_train < t.global_batch_size:
         raise ValueError(f"data.hf_dataset={d.hf_dataset!r} gives {n_train} training examples "
