@@ -274,11 +274,11 @@ class DataConfig:
     """Train on every token of an example (prompt and user turns too), not only the answer."""
     packing: bool = False
     """format "completion"/"chat": several examples per row, attention kept inside each
-    (Hugging Face models; not with pp or tp yet)."""
+    (the reference GPT and Hugging Face models; not with pp or tp yet)."""
     document_mask: bool = False
     """format "text": keep each packed document to itself (positions restart after EOS,
-    attention never crosses it, a document's first token is no target; Hugging Face models,
-    not with pp or tp yet)."""
+    attention never crosses it, a document's first token is no target; the reference GPT
+    and Hugging Face models, not with pp or tp yet)."""
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
     prefetch_factor: int = 2  # Batches each worker loads ahead (with num_workers > 0)
     persistent_workers: bool = True
