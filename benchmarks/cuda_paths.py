@@ -3,7 +3,8 @@
 Short fp32 runs (TF32 off, no compile) of the tiny presets: the plain run, activation
 checkpointing, the MoE preset (on CUDA its experts go through
 ``torch._grouped_mm`` where it works, a loop of matmuls on the CPU), an asynchronous
-checkpoint at step 10 resumed to the end, and ``meshfit generate`` (greedy, KV cache) of each
+checkpoint at step 10 resumed to the end, chat fine-tuning of a small Llama folder with
+packed examples (a boolean attention mask) and LoRA, and ``meshfit generate`` (greedy, KV cache) of each
 device's model. In-process: ZeRO-3 with CPU offload (meshfit's `apply_fsdp` on a one-rank
 NCCL group: `meshfit train` shards over two or more ranks, which one GPU cannot hold) against
 the same model unsharded, the MoE block's grouped-GEMM path against its per-expert loop, and
@@ -42,7 +43,14 @@ VARIANTS = {
     "activation_checkpointing": ["--train.activation_checkpointing=full"],
     "moe": ["--model.preset=moe-tiny"],
     "async_checkpoint": ["--checkpoint.every=10", "--checkpoint.async=true"],
+    # fine-tuning: a Llama folder, chat data packed with per-example attention masks (a
+    # boolean SDPA mask on CUDA), LoRA adapters (examples/chat_data.py writes the data)
+    "chat_packed_lora": ["--model.hf_model={chat}/model", "--data.tokenizer={chat}/tokenizer",
+                         "--data.format=chat", "--data.hf_dataset={chat}/chats.jsonl",
+                         "--data.packing=true", "--train.seq_len=256",
+                         "--peft.method=lora", "--peft.r=16", "--optim.lr=1e-2"],
 }
+CHAT_DATA = Path("runs/chat-data")  # set in main() under --runs
 
 
 SMOKE = False
@@ -64,7 +72,10 @@ def start(out: Path, flags: list[str], cpu: bool, resume: bool = False) -> subpr
     if out.exists() and not resume:
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "meshfit", "train", "--out", str(out)]
-    cmd += ["--resume"] if resume else [*BASE, *flags]
+    flags = [f.format(chat=CHAT_DATA) for f in flags]
+    base = [b for b in BASE if not (b.startswith("--model.preset") and any(
+        f.startswith("--model.hf_model") for f in flags))]  # one model source
+    cmd += ["--resume"] if resume else [*base, *flags]
     return subprocess.Popen(cmd, env=_env(cpu), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -197,6 +208,10 @@ def main() -> None:
     began = time.perf_counter()
     info = _common.machine_info()
     info["device"] = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0)
+    global CHAT_DATA
+    CHAT_DATA = runs / "chat-data"
+    subprocess.run([sys.executable, str(HERE.parent / "examples" / "chat_data.py"),
+                    str(CHAT_DATA)], env=_env(True), check=True, capture_output=True)
     # The CPU runs all at once in the background; the CUDA runs one after another.
     cpu_procs = {n: start(runs / f"cpu-{n}", f, cpu=True) for n, f in VARIANTS.items()}
     results: dict = {}
