@@ -105,13 +105,10 @@ class ModelFacts:
         """The facts of `model` (a meta-device model is enough), from its plans: the given
         ones, else the built-in ones of its type (a model without a built-in TP plan states
         no sizes; `apply_tp` then checks the plan it is given)."""
-        import sys
+        from meshfit.models.plans import (TPPlan, adapted_model, has_builtin_plans,
+                                          pipeline_plan_for, plan_for)
 
-        from meshfit.models.plans import TPPlan, has_builtin_plans, pipeline_plan_for, plan_for
-
-        peft = sys.modules.get("peft")
-        if peft is not None and isinstance(model, peft.PeftModel):
-            model = model.base_model.model  # LoRA changes no block, head or width
+        model = adapted_model(model)  # LoRA changes no block, head or width
         builtin = has_builtin_plans(model)
         if pipeline_plan is None and not builtin:
             raise ValueError(f"no built-in pipeline plan for {type(model).__name__}; pass "

@@ -17,7 +17,7 @@ from torch import nn
 from meshfit._quiet import quiet_logs
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
-from meshfit.models.plans import PipelinePlan, TPPlan
+from meshfit.models.plans import PipelinePlan, TPPlan, adapted_model
 
 
 def _factory_kwargs(factory: Callable, cfg, vocab_size: int) -> dict[str, Any]:
@@ -251,12 +251,7 @@ def _with_router_aux_loss(coef: float):
     return loss
 
 
-def _base(model: nn.Module) -> nn.Module:
-    """The model under LoRA adapters (a peft.PeftModel), or `model`."""
-    peft = sys.modules.get("peft")
-    if peft is not None and isinstance(model, peft.PeftModel):
-        return model.get_base_model()
-    return model
+_base = adapted_model  # the model under LoRA adapters (a peft.PeftModel), or `model`
 
 
 def _is_hf(model: nn.Module) -> bool:

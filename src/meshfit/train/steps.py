@@ -16,6 +16,7 @@ import torch
 
 from meshfit.accelerator import Accelerator
 from meshfit.models import GPT
+from meshfit.models.plans import adapted_model
 from meshfit.parallel.ep import moe_modules
 from meshfit.parallel.pp import gather_timings
 from meshfit.train.config import RunConfig
@@ -139,7 +140,7 @@ def prepare_steps(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module,
         p = cfg.parallel
         # LoRA: the stages are cut from the model inside the PeftModel (its adapted linears
         # go with their blocks); the adapters are written back under peft's names at the end
-        inner = _peft_inner(model)
+        inner = adapted_model(model)
         pipeline = acc.prepare_pipeline(inner, schedule=p.schedule, microbatches=chunks,
                                         virtual_stages=p.virtual_stages,
                                         plan=resolve_plan(plans(cfg)[1], inner),
@@ -148,16 +149,6 @@ def prepare_steps(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module,
         trained = PipelineSteps(acc, pipeline, cfg, cfg.train.micro_batch_size, chunks)
     trained.has_moe = bool(moe_modules([model]))  # on any stage: every rank logs routing
     return trained
-
-
-def _peft_inner(model: torch.nn.Module) -> torch.nn.Module:
-    """The model a peft.PeftModel adapts (its LoRA layers inside), or `model`."""
-    import sys
-
-    peft = sys.modules.get("peft")
-    if peft is not None and isinstance(model, peft.PeftModel):
-        return model.base_model.model
-    return model
 
 
 def _save_pipeline_timings(pipeline, out_dir: Path | None) -> None:

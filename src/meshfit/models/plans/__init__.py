@@ -34,7 +34,7 @@ from meshfit.models.plans.gpt import gpt_pipeline_plan, gpt_plan
 from meshfit.models.plans.hf import (hf_gpt2_pipeline_plan, hf_gpt2_plan, hf_llama_pipeline_plan,
                                      hf_llama_plan, hf_moe_pipeline_plan, hf_moe_plan)
 
-__all__ = ["PipelinePlan", "Style", "TPPlan", "colwise", "divisibility_problem",
+__all__ = ["PipelinePlan", "Style", "TPPlan", "adapted_model", "colwise", "divisibility_problem",
            "gather_sequence", "gpt_pipeline_plan", "gpt_plan", "hf_gpt2_pipeline_plan",
            "hf_gpt2_plan", "has_builtin_plans", "hf_llama_pipeline_plan", "hf_llama_plan",
            "hf_moe_pipeline_plan", "hf_moe_plan", "lora_plan", "pipeline_plan_for", "plan_for",
@@ -46,10 +46,17 @@ _LLAMA_LIKE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 
-def _family(model: nn.Module) -> str | None:
+def adapted_model(model: nn.Module) -> nn.Module:
+    """The model a peft.PeftModel (LoRA) adapts, its LoRA layers inside; else `model`.
+    (peft is only looked at when it is already imported: no import cost otherwise.)"""
     peft = sys.modules.get("peft")
-    if peft is not None and isinstance(model, peft.PeftModel):  # LoRA: the model it adapts
-        model = model.base_model.model
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.get_base_model()
+    return model
+
+
+def _family(model: nn.Module) -> str | None:
+    model = adapted_model(model)  # LoRA changes no module the plans name but the linears
     if isinstance(model, GPT):
         return "gpt"
     # transformers is only looked at when the model came from it (no import cost otherwise).
@@ -74,8 +81,7 @@ def has_builtin_plans(model: nn.Module) -> bool:
 
 
 def _refuse_peft(model: nn.Module, what: str) -> None:
-    peft = sys.modules.get("peft")
-    if peft is not None and isinstance(model, peft.PeftModel):
+    if adapted_model(model) is not model:
         raise ValueError(f"{what} of a LoRA model: pass the model inside the peft.PeftModel "
                          "(peft_model.base_model.model), whose adapted linears go with their "
                          "blocks; the stages are copies, so save the adapters from the "
@@ -87,9 +93,8 @@ def plan_for(model: nn.Module, *, sequence_parallel: bool = False,
     """The built-in tensor-parallel plan for `model`'s type; ValueError naming the supported
     types and how to pass a plan. A LoRA model (peft.PeftModel): its base model's plan with
     each adapted linear's adapters laid out to match (`lora_plan`)."""
-    peft = sys.modules.get("peft")
-    if peft is not None and isinstance(model, peft.PeftModel):
-        base = model.base_model.model
+    base = adapted_model(model)
+    if base is not model:
         return lora_plan(plan_for(base, sequence_parallel=sequence_parallel,
                                   loss_parallel=loss_parallel), model)
     build = {"gpt": gpt_plan, "llama": hf_llama_plan, "gpt2": hf_gpt2_plan,
