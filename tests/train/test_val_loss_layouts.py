@@ -1,6 +1,8 @@
 """The logged losses do not depend on the layout: `meshfit train` under one process, DDP,
 ZeRO-1/2/3, tp, pp, ep and their products logs the same training losses and the same
-`val_loss`, and `meshfit eval RUN` gives that `val_loss` back.
+`val_loss`, and `meshfit eval RUN` gives that `val_loss` back. The trainer runs in-process
+on the ranks of one spawn per world size (what `meshfit train --nproc N` runs on each
+worker), every layout of that size one after another.
 
 The validation set is 21 windows (train.eval_batches=7 x micro_batch_size=3), a number no
 layout divides: every rank evaluates its share of them exactly once, the ranks with fewer
@@ -19,81 +21,95 @@ as `test_train_parallel.py` states (measured here: every layout equal to one pro
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from conftest import make_subprocess_env
+from conftest import case_result, run_cases
 
-MESHFIT = [sys.executable, "-m", "meshfit"]
-BASE = ["--train.steps=3", "--train.eval_every=0", "--train.log_every=1",
-        "--train.global_batch_size=12", "--train.micro_batch_size=3", "--train.seq_len=32",
-        "--train.eval_batches=7", "--train.warmup_steps=1", "--model.dropout=0.0",
-        "--model.n_layer=4", "--model.d_model=64", "--model.d_ff=128"]
+BASE = {"train": {"steps": 3, "eval_every": 0, "log_every": 1, "global_batch_size": 12,
+                  "micro_batch_size": 3, "seq_len": 32, "eval_batches": 7, "warmup_steps": 1},
+        "model": {"dropout": 0.0, "n_layer": 4, "d_model": 64, "d_ff": 128}}
 RTOL = 1e-4  # see the module docstring
-DENSE = {  # name: (processes, options)
-    "ddp": (2, []),
-    "zero1": (2, ["--parallel.dp_shard=2", "--parallel.zero_stage=1"]),
-    "zero2": (2, ["--parallel.dp_shard=2", "--parallel.zero_stage=2"]),
-    "zero3": (2, ["--parallel.dp_shard=2", "--parallel.zero_stage=3"]),
-    "tp2": (2, ["--parallel.tp=2"]),
-    "pp2": (2, ["--parallel.pp=2", "--parallel.microbatches=2"]),
-    "ddp2xtp2": (4, ["--parallel.tp=2"]),
-    "zero1xpp2": (4, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.zero_stage=1",
-                      "--parallel.microbatches=2"]),
-    "tp2xpp2": (4, ["--parallel.pp=2", "--parallel.tp=2", "--parallel.microbatches=2"]),
+LAYOUTS = {  # name: (processes, [parallel] settings)
+    "ddp": (2, {}),
+    "zero1": (2, {"dp_shard": 2, "zero_stage": 1}),
+    "zero2": (2, {"dp_shard": 2, "zero_stage": 2}),
+    "zero3": (2, {"dp_shard": 2, "zero_stage": 3}),
+    "tp2": (2, {"tp": 2}),
+    "pp2": (2, {"pp": 2, "microbatches": 2}),
+    "ddp2xtp2": (4, {"tp": 2}),
+    "zero1xpp2": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 1, "microbatches": 2}),
+    "tp2xpp2": (4, {"pp": 2, "tp": 2, "microbatches": 2}),
+    "moe-ep2": (2, {"dp_shard": 2, "ep": 2, "zero_stage": 1}),
+    "moe-ep2xpp2": (4, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}),
 }
-MOE = {
-    "ep2": (2, ["--parallel.dp_shard=2", "--parallel.ep=2", "--parallel.zero_stage=1"]),
-    "ep2xpp2": (4, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2",
-                    "--parallel.zero_stage=1", "--parallel.microbatches=2"]),
-}
+
+
+def _config(root: Path, name: str):
+    from meshfit.train.configfile import build_config
+
+    parallel = LAYOUTS[name][1] if name in LAYOUTS else {}
+    model = {**BASE["model"], **({"preset": "moe-tiny"} if name.startswith("moe") else {})}
+    return build_config({**BASE, "model": model, "parallel": parallel,
+                         "data": {"path": str(root / "corpus"),
+                                  "cache_dir": str(root / "cache")}})
+
+
+def _train(rank, world_size, root: Path, name: str):
+    from meshfit.distributed import init
+    from meshfit.train.trainer import train
+
+    train(_config(root, name), root / name, init())
+
+
+def _logged(root: Path, name: str) -> tuple[list[float], float]:
+    lines = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    return ([line["loss"] for line in lines if "loss" in line],
+            [line["val_loss"] for line in lines if "val_loss" in line][-1])
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> tuple[Path, dict]:
-    """A corpus of 200 standard-library files and the environment the runs share."""
+def runs(tmp_path_factory) -> tuple[Path, dict]:
+    """A corpus of 200 standard-library files; every layout trained on it, each world size
+    in one spawn, and the one-process runs here."""
+    from meshfit.distributed import init
+    from meshfit.train.trainer import train
+
     root = tmp_path_factory.mktemp("val")
     corpus = root / "corpus"
     corpus.mkdir()
     for i, f in enumerate(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:200]):
         (corpus / f"{i:03d}.txt").write_text(f.read_text(errors="ignore"))
-    return root, make_subprocess_env(root)
+    for name in ("dense-one", "moe-one"):
+        train(_config(root, name), root / name, init())
+    results = {}
+    for nproc in (2, 4):
+        results.update(run_cases({name: (_train, root, name) for name, (n, _) in
+                                  LAYOUTS.items() if n == nproc}, nproc, timeout=400))
+    return root, results
 
 
-def _run(data, name: str, nproc: int, args: list[str]) -> tuple[list[float], float, Path]:
-    root, env = data
-    out = root / name
-    proc = subprocess.run([*MESHFIT, "train", "--nproc", str(nproc), "--out", str(out), *BASE,
-                           f"--data.path={root / 'corpus'}",
-                           f"--data.cache_dir={root / 'cache'}", *args],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = [line["loss"] for line in lines if "loss" in line]
-    return losses, [line["val_loss"] for line in lines if "val_loss" in line][-1], out
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_layout_logs_the_one_process_losses(runs, name):
+    root, results = runs
+    case_result(results, name)
+    losses, val = _logged(root, name)
+    one_losses, one_val = _logged(root, "moe-one" if name.startswith("moe") else "dense-one")
+    assert len(one_losses) == 3
+    assert losses == pytest.approx(one_losses, rel=RTOL)
+    assert val == pytest.approx(one_val, rel=RTOL)
 
 
-def _same(got, want, name):
-    losses, val, _ = got
-    assert losses == pytest.approx(want[0], rel=RTOL), name
-    assert val == pytest.approx(want[1], rel=RTOL), name
+def test_eval_of_a_run_gives_its_val_loss(runs, capsys):
+    """`meshfit eval RUN` evaluates the run's own validation windows by default."""
+    from meshfit.cli.main import main
 
-
-@pytest.mark.parametrize("family, layouts", [("dense", DENSE), ("moe", MOE)])
-def test_every_layout_logs_the_one_process_losses(data, family, layouts):
-    model = ["--model.preset=moe-tiny"] if family == "moe" else []
-    one = _run(data, f"{family}-one", 1, model)
-    assert len(one[0]) == 3
-    for name, (nproc, args) in layouts.items():
-        _same(_run(data, f"{family}-{name}", nproc, [*model, *args]), one, name)
-    if family == "dense":
-        # `meshfit eval RUN` evaluates the run's own validation windows by default
-        proc = subprocess.run([*MESHFIT, "eval", str(data[0] / "dense-zero3")], env=data[1],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert float(proc.stdout.split()[1]) == pytest.approx(one[1], rel=RTOL)
-        assert proc.stdout.rstrip().endswith(f"on {21 * 32} tokens")
+    root, results = runs
+    case_result(results, "zero3")
+    capsys.readouterr()
+    assert main(["eval", str(root / "zero3")]) == 0
+    out = capsys.readouterr().out
+    assert float(out.split()[1]) == pytest.approx(_logged(root, "dense-one")[1], rel=RTOL)
+    assert out.rstrip().endswith(f"on {21 * 32} tokens")
