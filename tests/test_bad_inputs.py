@@ -164,7 +164,9 @@ T = [  # meshfit train: config overrides
     ("optim.betas bool", ["--optim.betas=[0.9, true]"], ["optim.betas=[0.9, True]"]),
     ("optim.betas nan", ["--optim.betas=[nan, 0.9]"], ["optim.betas=[nan, 0.9]"]),
     # [peft]
-    ("peft.method enum", ["--peft.method=qlora"], ["peft.method='qlora'"]),
+    ("peft.method enum", ["--peft.method=dora"], ["peft.method='dora'"]),
+    ("qlora on random weights", ["--peft.method=qlora"],
+     ["peft.method='qlora'", "model.hf_model=FOLDER", "peft.method='lora'"]),
     ("peft.r=0", ["--peft.r=0"], ["peft.r=0"]),
     ("peft.alpha=0", ["--peft.alpha=0"], ["peft.alpha=0"]),
     ("peft.dropout=1", ["--peft.dropout=1.0"], ["peft.dropout=1.0"]),

@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshfit._files import atomic_write_dir
+from meshfit._torchao import torchao_error
 from meshfit.checkpoint.pretrained import ADAPTER_VALUES_ATTR, pretrained_folder
 from meshfit.models.gpt import GPT
 
@@ -42,8 +43,10 @@ try:
 except ImportError:  # older peft raises a plain ValueError when no target module matches
     NoMatchingPeftModuleError = ValueError
 
-__all__ = ["GPT_TARGET_MODULES", "lora", "trainable_parameters", "save_adapter", "load_adapter",
-           "merge"]
+__all__ = ["GPT_TARGET_MODULES", "NF4_BLOCK", "dequantize_base", "dequantized", "is_quantized", "load_adapter",
+           "lora", "merge", "check_quantized_layout", "nf4_blocks", "qlora", "quantize_after_load", "quantize_base",
+           "quantized_linears",
+           "save_adapter", "trainable_parameters"]
 
 # meshfit's GPT: every linear of a block (attention q/k/v/o and the GeLU or SwiGLU MLP), as in
 # QLoRA (Dettmers et al. 2023), which finds adapting all block linears matches full fine-tuning
@@ -226,5 +229,202 @@ def _check_config(current: peft.PeftConfig, saved: peft.PeftConfig, directory: P
 
 def merge(model: nn.Module) -> nn.Module:
     """Fold the adapters into the base weights (W += alpha/r B A) and return the plain base
-    model, e.g. a GPT again, for inference or export with no peft dependency."""
-    return _peft_model(model).merge_and_unload()
+    model, e.g. a GPT again, for inference or export with no peft dependency. A 4-bit base
+    (`qlora`) is dequantized first: the merged weights are the ones the adapters were trained
+    against."""
+    pm = _peft_model(model)
+    dequantize_base(pm)
+    return pm.merge_and_unload()
+
+
+# ---------------------------------------------------------------------------- QLoRA
+# QLoRA (Dettmers et al. 2023): the frozen base's linear weights in 4-bit NormalFloat (NF4),
+# one absmax scale per block of 64 values, the scales themselves quantized to 8 bits in
+# groups of 256 ("double quantization"), and LoRA adapters in full precision on top. The
+# arithmetic is torchao's NF4Tensor: it runs on any device (CPU included, so the layouts
+# are tested here), dequantizes in the linear's forward and backward, and FSDP2 shards and
+# all-gathers it in its 4-bit form. bitsandbytes' kernels are CUDA-first and its 4-bit
+# parameters are not FSDP2 tensors, so torchao is the one library that serves every layout.
+NF4_BLOCK = 64
+"""Values per absmax scale (QLoRA's block size)."""
+NF4_SCALER_BLOCK = 256
+"""Scales per second-level scale (QLoRA's double quantization), where a weight's blocks make
+a multiple of 8 such groups; otherwise the largest power of two below it that does (finer,
+never coarser), so that the 4-bit form splits over 2, 4 or 8 ZeRO-3 ranks (a shard must
+hold whole groups). The choice depends on the weight alone, never on the layout."""
+_GROUPS_MULTIPLE = 8
+QUANTIZE_ATTR = "_meshfit_quantize_base"
+"""On a `meta_model` under `qlora`: its base is quantized once `prepare` has filled it."""
+_OUTPUT_NAMES = ("lm_head", "output", "head")  # output projections stay in full precision
+
+
+def _nf4():
+    """torchao's (NF4Tensor, to_nf4), wherever this release keeps them (0.17 moved them
+    from torchao.dtypes.nf4tensor to torchao.quantization)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError("qlora: the 4-bit (NF4) base needs torchao; pip install "
+                         "'meshfit[qlora]' (or pip install torchao), or use LoRA on a "
+                         "full-precision base")
+    try:
+        with quiet_logs():
+            try:
+                from torchao.quantization import NF4Tensor, to_nf4
+            except ImportError:  # torchao < 0.17
+                from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+    except Exception as err:  # noqa: BLE001 - a torchao that does not import with this torch
+        raise torchao_error("qlora", err) from None
+    return NF4Tensor, to_nf4
+
+
+def is_quantized(tensor) -> bool:
+    """Whether `tensor` (a parameter, or a DTensor's local shard of one) is a 4-bit weight."""
+    import sys
+
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    module = sys.modules.get("torchao.quantization")
+    nf4 = getattr(module, "NF4Tensor", None) if module is not None else None
+    if nf4 is None:
+        old = sys.modules.get("torchao.dtypes.nf4tensor")
+        nf4 = getattr(old, "NF4Tensor", None) if old is not None else None
+    return nf4 is not None and isinstance(tensor, nf4)
+
+
+def nf4_blocks(numel: int) -> tuple[int, int] | None:
+    """(block_size, scaler_block_size) of a weight of `numel` values in NF4, or None where
+    `numel` is not a multiple of `NF4_BLOCK` (the weight stays in full precision)."""
+    if numel % NF4_BLOCK:
+        return None
+    blocks = numel // NF4_BLOCK
+    for rule in (_GROUPS_MULTIPLE, 1):  # groups a multiple of 8, else any whole number
+        scaler = NF4_SCALER_BLOCK
+        while scaler > 1 and blocks % (scaler * rule):
+            scaler //= 2
+        if blocks % (scaler * rule) == 0:
+            return NF4_BLOCK, scaler
+    return NF4_BLOCK, 1
+
+
+def quantized_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """{name: linear} of the linears whose weights `qlora` keeps in 4 bits: every
+    `nn.Linear` of the model (LoRA's base layers included) but the adapters themselves, the
+    output head, weights shared with another module, and weights whose size is not a
+    multiple of `NF4_BLOCK`."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    out = {}
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if (not isinstance(module, nn.Linear) or any(p.startswith("lora_") for p in parts)
+                or parts[-1] in _OUTPUT_NAMES
+                or (parts[-1] == "base_layer" and len(parts) > 1
+                    and parts[-2] in _OUTPUT_NAMES)):
+            continue
+        weight = module.weight
+        if counts.get(id(weight), 0) > 1 or nf4_blocks(weight.numel()) is None:
+            continue
+        out[name] = module
+    return out
+
+
+@torch.no_grad()
+def quantize_base(model: nn.Module) -> int:
+    """Turn the weights of `quantized_linears(model)` into frozen NF4 tensors, in place, on
+    their device; returns how many. Already quantized ones are left as they are."""
+    _, to_nf4 = _nf4()
+    done = 0
+    for linear in quantized_linears(model).values():
+        weight = linear.weight
+        if is_quantized(weight):
+            continue
+        if weight.is_meta:
+            raise ValueError("quantize_base: the weights are on the meta device; fill them "
+                             "first (Accelerator.prepare does it for a meta_model)")
+        block, scaler = nf4_blocks(weight.numel())
+        linear.weight = nn.Parameter(to_nf4(weight.detach().contiguous(), block, scaler),
+                                     requires_grad=False)
+        done += 1
+    return done
+
+
+@torch.no_grad()
+def dequantize_base(model: nn.Module) -> int:
+    """Turn every NF4 weight of `model` (whole, not sharded) back into a plain frozen
+    tensor of its original dtype: the values the forward used. Returns how many."""
+    done = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) and is_quantized(weight):
+            module.weight = nn.Parameter(weight.get_original_weight(), requires_grad=False)
+            done += 1
+    return done
+
+
+def dequantized(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole 4-bit weight as a plain tensor of its original dtype; other tensors as they
+    are."""
+    return tensor.get_original_weight() if is_quantized(tensor) else tensor
+
+
+def qlora(model: nn.Module, r: int = 8, alpha: float = 16,
+          target_modules: list[str] | str | None = None, dropout: float = 0.0,
+          **kwargs) -> peft.PeftModel:
+    """LoRA on a 4-bit base (QLoRA): `lora(model, ...)` with the same arguments, then the
+    base's linear weights (`quantized_linears`) in NF4 (`quantize_base`), frozen; the
+    adapters, norms, embeddings and head stay in full precision.
+
+    A model from `meshfit.checkpoint.pretrained.meta_model(folder)` is quantized when
+    `Accelerator.prepare` has read its weights (each rank reads the whole base, quantizes it,
+    then the layout shards the 4-bit tensors). Layouts: one process, DDP, ZeRO-1/2/3 (FSDP2
+    shards and gathers the 4-bit form); not tensor or expert parallel."""
+    _nf4()  # a missing or broken torchao is one line before anything is changed
+    wrapped = lora(model, r=r, alpha=alpha, target_modules=target_modules, dropout=dropout,
+                   **kwargs)
+    if not quantized_linears(wrapped):
+        raise ValueError(f"qlora: {type(model).__name__} has no linear layer to keep in 4 "
+                         f"bits (each needs a multiple of {NF4_BLOCK} weights, not the output "
+                         "head nor tied); use lora(...)")
+    if pretrained_folder(model) is not None:
+        setattr(wrapped.base_model.model, QUANTIZE_ATTR, True)
+    else:
+        quantize_base(wrapped)
+    return wrapped
+
+
+def check_quantized_layout(model: nn.Module, *, shards: int, tp: int = 1, pp: int = 1,
+                           field: str = "dp_shard") -> None:
+    """One line where a model with a 4-bit base (`qlora`) cannot be laid out: tensor or
+    pipeline parallel, or FSDP2 sharding over `shards` ranks that do not split every 4-bit
+    weight's rows and double-quantization groups evenly (a shard must hold whole groups)."""
+    if not (quantize_after_load(model) or any(is_quantized(p) for p in model.parameters())):
+        return
+    for name, size in (("tp", tp), ("pp", pp)):
+        if size > 1:
+            raise ValueError(f"qlora with {name}={size} is not available yet (4-bit weights "
+                             "are sharded by FSDP2 only); use data parallel or ZeRO, or LoRA "
+                             f"with {name}")
+    if shards == 1:
+        return
+    for name, linear in quantized_linears(model).items():
+        weight = linear.weight
+        rows, numel = weight.shape[0], weight.numel()
+        block, scaler = nf4_blocks(numel)
+        groups = numel // (block * scaler)
+        if rows % shards or groups % shards:
+            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            raise ValueError(f"qlora with {field}={shards}: {name}.weight ({rows} rows, "
+                             f"{groups} group(s) of {block}x{scaler} 4-bit values) does not "
+                             f"split evenly over {shards} ranks; use a {field} that divides "
+                             "both, or ZeRO-1 (whole weights on every rank)")
+
+
+def quantize_after_load(model: nn.Module) -> bool:
+    """Whether `model` (a `meta_model` under `qlora`) is to be quantized once filled."""
+    from meshfit.models.plans import adapted_model
+
+    return bool(getattr(adapted_model(model), QUANTIZE_ATTR, False))

@@ -254,3 +254,50 @@ def test_zero_formula_matches_the_paper():
     for bad in ({"stage": 4}, {"stage": -1}, {"world": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             zero_formula(100, **{"world": 2, "stage": 1, **bad})
+
+
+def test_estimate_counts_lora_and_qlora_states_as_measured():
+    """`estimate(..., adapters=Adapters(...))` against `rank_report` after a step of a Llama
+    (fp32, AdamW, one process): full fine-tuning, LoRA and QLoRA on every block linear. The
+    estimate counts NF4 at the paper's 4.127 bits per weight; torchao also keeps, per 4-bit
+    weight, its 16-entry code table and one mean (68 B), finer groups for small weights (4 B
+    each) and AdamW a 4 B `step` per trainable tensor: the measured bytes may exceed the
+    estimate by those, and by nothing else."""
+    import transformers
+
+    from meshfit.memory import Adapters, LayoutSpec, ModelShape, estimate
+    from meshfit.peft import lora, nf4_blocks, qlora, quantized_linears
+    from meshfit.train.fits import adapters_of
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
+                                      num_attention_heads=4, num_key_value_heads=1,
+                                      num_hidden_layers=2, vocab_size=128,
+                                      max_position_embeddings=32)
+    shape = ModelShape.from_module(transformers.LlamaForCausalLM(config))
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    for method in ("full", "lora", "qlora"):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        if method != "full":
+            model = (qlora if method == "qlora" else lora)(model, r=8,
+                                                            target_modules="all-linear")
+        adapters = adapters_of(model) if method != "full" else None
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=1e-3)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        report = rank_report(model, opt)
+        est = estimate(shape, LayoutSpec(), seq_len=16, adapters=adapters)
+        measured = report.param_bytes + report.grad_bytes + report.optimizer_bytes
+        expected = est.params + est.grads + est.optimizer
+        slack = 4 * len(trainable)
+        if method == "qlora":
+            weights = [m.weight.numel() for m in quantized_linears(model).values()]
+            slack += sum(68 + 4 * w // (64 * nf4_blocks(w)[1]) for w in weights)
+            assert adapters == Adapters(trainable=sum(p.numel() for p in trainable),
+                                        quantized=sum(weights))
+        assert expected <= measured <= expected + slack, (method, measured, expected, slack)
+        if method == "full":
+            full = measured
+        elif method == "qlora":  # 4 bits: under a fifth of the fp32 states' 16 B per weight
+            assert measured < full / 5

@@ -99,3 +99,36 @@ def test_preflight_checks_memory_unless_told_not_to(monkeypatch, tmp_path, capsy
     assert len(err) == 1 and "does not fit with dp_replicate 2" in err[0], err
     assert "12.0 GiB is available per rank" in err[0]
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_lora_is_estimated_with_its_adapters_alone_trained():
+    """A LoRA run of llama-1b: the check reads the frozen base's shape and the adapters
+    (before: "memory not checked" for any LoRA model), so a run that full training could
+    not fit passes, and its estimate is the estimate with `Adapters`."""
+    from meshfit.memory import Adapters
+    from meshfit.train.fits import adapters_of
+
+    args = ["--model.preset=llama-1b", "--train.seq_len=256", "--train.micro_batch_size=1",
+            "--train.global_batch_size=2"]
+    full = load_config(None, args)
+    cfg = load_config(None, [*args, "--peft.method=lora", "--peft.r=8"])
+    layout = cfg.layout(2, 2)
+    model = _model(cfg)
+    adapters = adapters_of(model)
+    assert 0 < adapters.trainable < 0.01 * sum(p.numel() for p in model.parameters())
+    assert adapters == Adapters(trainable=adapters.trainable)  # nothing in 4 bits
+    shape = ModelShape.from_module(_model(full))
+    spec = LayoutSpec(dp_replicate=2, micro_batch_size=1)
+    lora_est = estimate(shape, spec, seq_len=256, dtype="fp32", optimizer="adamw_fused",
+                        adapters=adapters)
+    full_est = estimate(shape, spec, seq_len=256, dtype="fp32", optimizer="adamw_fused")
+    available = int((lora_est.total + full_est.total) / 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        check_fits(full, _model(full), layout, world_size=2, local_world_size=2,
+                   device=torch.device("cpu"), available=available, host=64 * GiB)
+    assert check_fits(cfg, model, layout, world_size=2, local_world_size=2,
+                      device=torch.device("cpu"), available=available, host=64 * GiB) is None
+    with pytest.raises(ValueError) as err:  # just below: refused with the LoRA estimate
+        check_fits(cfg, model, layout, world_size=2, local_world_size=2,
+                   device=torch.device("cpu"), available=int(lora_est.total) - 1, host=64 * GiB)
+    assert f"the estimate is {lora_est.total / GiB:.1f} GiB per rank" in str(err.value)

@@ -126,6 +126,12 @@ def _config(files, case: str, nproc: int):
             if case.endswith("tp") else {"pp": 2, "dp_replicate": 1} \
             if case.endswith("pp") else {"dp_replicate": 2}
         parallel = parallel if nproc == 2 else {}
+    elif case.startswith("qlora_hf_model"):  # LoRA on the folder's weights held in 4 bits
+        model = {"hf_model": str(files / "llama")}
+        peft = {"method": "qlora", "r": 4, "merge": True}
+        parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} \
+            if case.endswith("zero3") else {"dp_replicate": 2}
+        parallel = parallel if nproc == 2 else {}
     elif case == "lora_gpt_tp_sp":  # the reference GPT, its every block linear adapted
         peft = {"method": "lora", "r": 4}
         parallel = {"tp": 2, "dp_replicate": 1, "sequence_parallel": True} if nproc == 2 \
@@ -140,7 +146,7 @@ def _config(files, case: str, nproc: int):
 
 CASES = ("hf_model_zero3", "hf_model_pp", "factory_tp", "lora_gpt2_zero3", "lora_hf_model_ddp",
          "lora_hf_model_zero3", "lora_hf_model_tp", "lora_hf_model_pp", "lora_gpt_tp_sp",
-         "hf_model_docs")
+         "hf_model_docs", "qlora_hf_model_ddp", "qlora_hf_model_zero3")
 
 
 def _train_cases(rank, world_size, files):
@@ -195,7 +201,7 @@ def test_two_processes_match_one(runs, case):
     assert len(one) == len(two) == STEPS
     for a, b in zip(one, two):
         assert math.isclose(a, b, rel_tol=RTOL), (one, two)
-    if not case.startswith("lora_hf_model"):  # (their val_loss is checked to move below)
+    if "lora_hf_model" not in case:  # (their val_loss is checked to move below)
         assert two[-1] < two[0]  # it trained
 
 
@@ -295,6 +301,53 @@ def test_lora_on_a_pretrained_folder_starts_from_its_weights(runs):
         assert vals[-1] == pytest.approx(_val_loss(merged, cfg, n, hf=True), rel=RTOL), case
         assert json.loads((runs / case / "model" / "config.json").read_text())[
             "architectures"] == ["LlamaForCausalLM"]
+
+
+def _nf4_round_trip(model):
+    """`model` with the linear weights of its blocks replaced by their NF4 round trip,
+    computed by torchao directly (QLoRA's 64-value blocks; the double quantization's groups
+    as `meshfit.peft.nf4_blocks` sizes them): the weights a QLoRA run computes with."""
+    from torchao.quantization import to_nf4
+
+    from meshfit.peft import nf4_blocks
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                block, scaler = nf4_blocks(module.weight.numel())
+                module.weight.copy_(to_nf4(module.weight.contiguous(), block,
+                                           scaler).get_original_weight())
+    return model
+
+
+def test_qlora_on_a_pretrained_folder_trains_on_its_4_bit_weights(runs):
+    """QLoRA (one process, DDP and ZeRO-3 equal to one process above): the first evaluation
+    is the folder's model with its block linears rounded to NF4 by torchao; the adapter
+    loads with PeftModel.from_pretrained onto that rounded base and the merged folder with
+    from_pretrained, both giving the run's last val_loss. The merged folder holds the
+    rounded weights where no adapter was added (k_proj: peft's Llama default adapts q_proj
+    and v_proj), bit for bit, not the folder's full-precision ones (this random model's
+    loss barely moves under rounding; its weights do, by up to 1/4 of a block's largest)."""
+    import peft
+    import transformers
+
+    cfg = _config(runs, "qlora_hf_model_zero3", 2)
+    n = cfg.eval_windows()
+    full = transformers.LlamaForCausalLM.from_pretrained(runs / "llama")
+    rounded = _nf4_round_trip(transformers.LlamaForCausalLM.from_pretrained(runs / "llama"))
+    first = _val_loss(rounded, cfg, n, hf=True)
+    k_full, k_rounded = (m.model.layers[0].self_attn.k_proj.weight for m in (full, rounded))
+    assert (k_full - k_rounded).abs().max() > 1e-3 * k_full.abs().max()
+    for case in ("qlora_hf_model_zero3-2", "qlora_hf_model_ddp-2", "qlora_hf_model_zero3-1"):
+        _, vals = _losses(runs / case)
+        assert vals[0] == pytest.approx(first, rel=RTOL), case
+        assert abs(vals[-1] - vals[0]) > 1e-3, case  # the adapters trained
+        base = _nf4_round_trip(transformers.LlamaForCausalLM.from_pretrained(runs / "llama"))
+        adapted = peft.PeftModel.from_pretrained(base, runs / case / "adapter")
+        assert vals[-1] == pytest.approx(_val_loss(adapted, cfg, n, hf=True), rel=RTOL), case
+        merged = transformers.LlamaForCausalLM.from_pretrained(runs / case / "model")
+        assert vals[-1] == pytest.approx(_val_loss(merged, cfg, n, hf=True), rel=RTOL), case
+        assert torch.equal(merged.model.layers[0].self_attn.k_proj.weight, k_rounded), case
 
 
 def test_lora_adapters_on_a_meta_model_are_drawn_as_peft_draws_them(tmp_path):

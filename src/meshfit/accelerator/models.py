@@ -18,6 +18,7 @@ its own batch. `record_timings=True` keeps per-micro-batch timings in ``pipeline
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -46,6 +47,10 @@ def check_model(model: torch.nn.Module, layout: Layout) -> str | None:
 
         layout.check_model(ModelFacts(n_blocks=1, experts=tuple(
             m.n_experts for m in moe_modules([model]))))
+    peft = sys.modules.get("meshfit.peft")  # imported wherever a model went through qlora
+    if peft is not None:
+        peft.check_quantized_layout(model, shards=layout.dims.dp_shard if layout.is_fsdp
+                                    else 1, tp=layout.dims.tp)
     folder = pretrained_folder(model)
     if folder is None and any(p.is_meta for p in model.parameters()):
         raise ValueError("prepare(model): the model has parameters on the meta device; "
@@ -75,6 +80,14 @@ def load_pretrained(model: torch.nn.Module, folder: str, *, layout: Layout, runt
     from meshfit.checkpoint.pretrained import load_into, to_empty
 
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
+    peft = sys.modules.get("meshfit.peft")  # imported wherever a model went through qlora
+    if peft is not None and peft.quantize_after_load(model):
+        # QLoRA: the whole base is read on this rank's host, quantized to 4 bits, then laid
+        # out (FSDP2 shards the 4-bit tensors; the full-precision copy is dropped)
+        to_empty(model, "cpu" if layout.is_fsdp else device)
+        load_into(model, folder, buffers=buffers)
+        peft.quantize_base(model)
+        return lay_out(model)
     if not layout.is_fsdp:
         to_empty(model, device)
         load_into(model, folder, buffers=buffers)
@@ -102,6 +115,9 @@ def build(model: torch.nn.Module, layout: Layout, options: ModelOptions, *, mesh
     if layout.dims.pp == 1:
         raise ValueError("prepare_pipeline needs a pipeline axis: Accelerator(parallel="
                          "ParallelDims(pp=P, ...)) with P > 1; use prepare(model) otherwise")
+    peft = sys.modules.get("meshfit.peft")
+    if peft is not None:
+        peft.check_quantized_layout(model, shards=1, pp=layout.dims.pp)
     facts = ModelFacts.of(model, pipeline_plan=plan, tp_plan=options.tp_plan)
     layout.check_model(facts, schedule=schedule,
                        microbatches=microbatches, virtual_stages=virtual_stages)

@@ -8,6 +8,7 @@ once; `runtime_for` picks the runtime by that enum (never by matching strings).
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -131,8 +132,16 @@ def runtime_for(layout: Layout, env: DistEnv, mesh=None) -> Runtime:
     return _RUNTIMES[layout.engine](layout, env, mesh)
 
 
+def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with a 4-bit base's weights (QLoRA) dequantized: what the forward used."""
+    peft = sys.modules.get("meshfit.peft")  # imported wherever a model went through qlora
+    if peft is None:
+        return state
+    return {k: peft.dequantized(v) for k, v in state.items()}
+
+
 def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return _plain({k: v.detach().cpu() for k, v in model.state_dict().items()})
 
 
 def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -146,7 +155,7 @@ def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # loads into a plain single-device model.
     state = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return canonical_state(state, regrouped_params(model))
+    return canonical_state(_plain(state), regrouped_params(model))
 
 
 @contextlib.contextmanager

@@ -71,22 +71,50 @@ def _strip(key: str, prefix: str) -> str:
     return key.split(".", 1)[1] if prefix == "*" else key
 
 
+def _quantized_base(root: nn.Module) -> bool:
+    """Whether `root` holds frozen parameters of a tensor subclass (QLoRA's 4-bit base,
+    `meshfit.peft.qlora`), directly or as a DTensor's shard."""
+    from torch.distributed.tensor import DTensor
+
+    for p in root.parameters():
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if not p.requires_grad and type(local) not in (torch.Tensor, nn.Parameter):
+            return True
+    return False
+
+
 def model_state(modules: list[nn.Module]) -> dict[str, Any]:
-    """The model's state by full-model parameter name (a pipeline rank: its stages')."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    """The model's state by full-model parameter name (a pipeline rank: its stages').
+
+    A model with a 4-bit base (QLoRA) keeps its trainable parameters and buffers only: its
+    frozen base is a function of the pretrained folder, rebuilt (and quantized again, the
+    same way) by the job that loads the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     root, prefix = _root(modules)
-    return {_strip(k, prefix): v for k, v in get_model_state_dict(root).items()}
+    options = StateDictOptions(ignore_frozen_params=_quantized_base(root))
+    return {_strip(k, prefix): v for k, v in get_model_state_dict(root, options=options).items()}
 
 
 def set_model_state(modules: list[nn.Module], state: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    """Load `state` (from `model_state`) into `modules`: every key, strictly; with a 4-bit
+    base, every key but its frozen parameters."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
 
     root, prefix = _root(modules)
     if prefix:
         state = {f"{i}.{k}": v for i, m in enumerate(modules) for k, v in state.items()
                  if k in m.state_dict()}
-    set_model_state_dict(root, state, options=StateDictOptions(strict=True))
+    if not _quantized_base(root):
+        set_model_state_dict(root, state, options=StateDictOptions(strict=True))
+        return
+    wanted = set(get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=True)))
+    if set(state) != wanted:
+        missing, extra = sorted(wanted - set(state)), sorted(set(state) - wanted)
+        raise ValueError(f"the checkpoint does not fit this model: missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}")
+    set_model_state_dict(root, state, options=StateDictOptions(strict=False))
 
 
 # ---------------------------------------------------------------------------- optimizers

@@ -10,11 +10,11 @@ anything runs (estimate.py: `estimate`, `model_state_bytes`; shape.py: `ModelSha
                                                               # experts split over 8 ranks
 """
 
-from meshfit.memory.estimate import (ActivationBytes, Estimate, LayoutSpec, activation_bytes,
-                                     estimate, model_state_bytes)
+from meshfit.memory.estimate import (ActivationBytes, Adapters, Estimate, LayoutSpec,
+                                     activation_bytes, estimate, model_state_bytes)
 from meshfit.memory.report import RankMemory, net_peak_bytes, rank_report, zero_formula
 from meshfit.memory.shape import ModelShape
 
-__all__ = ["ActivationBytes", "Estimate", "LayoutSpec", "ModelShape", "RankMemory",
+__all__ = ["ActivationBytes", "Adapters", "Estimate", "LayoutSpec", "ModelShape", "RankMemory",
            "activation_bytes", "estimate", "model_state_bytes", "net_peak_bytes", "rank_report",
            "zero_formula"]

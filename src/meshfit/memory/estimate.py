@@ -32,6 +32,15 @@ at stage 1 the engine (FSDP2 instead of ZeRO-1's whole parameters and gradients)
 (1/dp in all where a stage shards). The activations of an MoE block are counted as a dense
 MLP of width d_ff (not yet its top_k experts' and the routing's tensors).
 
+**Adapters** (`Adapters`: LoRA/QLoRA, `meshfit.peft`): the base is frozen, so gradients and
+optimizer state exist for the adapters alone (their share of every rank's parameters, spread
+over the blocks like the linears they adapt); QLoRA's quantized base linears are held in
+4-bit NF4, `NF4_BYTES` per weight (4 + 8/64 + 32/(64·256) bits: the 4-bit codes, one 8-bit
+scale per 64 values, one fp32 factor per 256 scales), gathered in that form by FSDP2 and
+dequantized one linear at a time in forward and backward (no low-precision copy is kept
+from forward to backward). The adapters' own activations (the rank-r intermediate of each
+adapted linear) are not counted: r/d of a block's linear inputs.
+
 **Activations**: the closed form of Korthikanti et al. (2022, "Reducing Activation
 Recomputation in Large Transformer Models", eq. 1-4), written per saved tensor so that it
 covers the model at hand. Per block and token, in elements (x the activation dtype's bytes,
@@ -98,13 +107,41 @@ from meshfit.memory.shape import ModelShape
 from meshfit.parallel.request import LayoutRequest
 from meshfit.parallel.rules import default_zero_stage
 
-__all__ = ["ActivationBytes", "Estimate", "LayoutSpec", "activation_bytes", "estimate",
-           "model_state_bytes"]
+__all__ = ["ActivationBytes", "Adapters", "Estimate", "LayoutSpec", "NF4_BYTES",
+           "activation_bytes", "estimate", "model_state_bytes"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_fused": 8.0, "adamw_8bit": 2.0, "sgd": 4.0,
                    "adafactor": 0.0}
 Checkpointing = Literal["none", "selective", "full"]
+NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
+"""Bytes per weight of QLoRA's NF4 with double quantization (Dettmers et al. 2023: 4.127
+bits): what `meshfit.peft.qlora` stores through torchao."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adapters:
+    """LoRA adapters on a frozen base, as `estimate` counts them: parameter counts of the
+    whole model (`meshfit.peft.lora` / `qlora`; `meshfit.train.fits.adapters_of` reads them
+    from a model)."""
+
+    trainable: int
+    """Adapter parameters (they alone have gradients and optimizer state)."""
+    quantized: int = 0
+    """Base parameters held in 4 bits (QLoRA's linears; 0 for LoRA)."""
+
+    def __post_init__(self) -> None:
+        for name in ("trainable", "quantized"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Adapters.{name}={value!r} must be an integer >= 0")
+
+    def shares(self, params: int) -> tuple[float, float]:
+        """(adapter parameters per base parameter, quantized share of the base)."""
+        if self.quantized > params:
+            raise ValueError(f"Adapters.quantized={self.quantized} exceeds the model's "
+                             f"{params} parameters")
+        return self.trainable / params, self.quantized / params
 
 
 def model_state_bytes(n_params: float, dp: int = 1, zero_stage: int = 0, *,
@@ -360,11 +397,12 @@ def _expert_group(layout: LayoutSpec) -> int:
 
 def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
              dtype: str = "fp32", optimizer: str = "adamw",
-             attention: str = "flash") -> Estimate:
+             attention: str = "flash", adapters: Adapters | None = None) -> Estimate:
     """Per-rank bytes of `layout` training `shape` (a `ModelShape` or what
     `ModelShape.of` takes) on sequences of `seq_len` tokens with activations in `dtype`
-    ("fp32", or "bf16"/"fp16" autocast) and `optimizer`. The model states follow meshfit's
-    engines (`meshfit.parallel.layout`); see the module docstring for every term."""
+    ("fp32", or "bf16"/"fp16" autocast) and `optimizer`; `adapters`: LoRA/QLoRA on the
+    frozen base `shape` describes. The model states follow meshfit's engines
+    (`meshfit.parallel.layout`); see the module docstring for every term."""
     if isinstance(shape, str):
         shape = ModelShape.of(shape)
     if dtype not in DTYPE_BYTES:
@@ -374,9 +412,13 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
     resolved = resolve_layout(layout, dtype)
     _check_experts(shape, layout.ep)
     rank = _RankParams.of(shape, layout)
+    adapted = adapters.shares(shape.params) if adapters is not None else None
+    if adapted is not None and layout.ep > 1:
+        raise ValueError(f"adapters with ep={layout.ep}: LoRA adapts linear layers, not the "
+                         "experts' stacked weights; use ep=1")
     params, grads, optimizer_bytes, host = _model_states(shape, rank, resolved.costs,
-                                                         optimizer)
-    buffers = _buffers(shape, layout, rank, resolved, dtype)
+                                                         optimizer, adapted)
+    buffers = _buffers(shape, layout, rank, resolved, dtype, adapted)
     activations, acts = _activations(shape, layout, rank.blocks, seq_len, dtype, attention)
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
                     activations=activations, buffers=buffers, host=host,
@@ -425,10 +467,22 @@ class _RankParams:
                    group=_expert_group(layout), ep=layout.ep)
 
 
-def _model_states(shape: ModelShape, rank: _RankParams, costs, optimizer: str
+def _model_states(shape: ModelShape, rank: _RankParams, costs, optimizer: str,
+                  adapted: tuple[float, float] | None = None
                   ) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer state, host) bytes on the device of the worst rank."""
+    """(params, grads, optimizer state, host) bytes on the device of the worst rank;
+    `adapted`: (adapter share, quantized share) of `Adapters.shares`."""
     dense, experts, ep, group = rank.dense, rank.experts, rank.ep, rank.group
+    if adapted is not None:  # ep = 1 (refused above): no expert part
+        t, q = adapted
+        parts = [(dense * ((1 - q) * 4 + q * NF4_BYTES + t * 4), costs.param_shards),
+                 (dense * t * 4, costs.grad_shards),
+                 (dense * t * (4 * 2 / shape.d_model if optimizer == "adafactor"
+                               else OPTIMIZER_BYTES[optimizer]), costs.optimizer_shards)]
+        states = [nbytes / divisor for nbytes, divisor in parts]
+        if costs.host_offload:
+            return 0.0, 0.0, 0.0, sum(states)
+        return states[0], states[1], states[2], 0.0
 
     def shares(nbytes, divisor: int) -> list[float]:
         """This rank's bytes (`nbytes` of a parameter count) of a state the engine splits
@@ -455,10 +509,12 @@ def _model_states(shape: ModelShape, rank: _RankParams, costs, optimizer: str
 
 
 def _buffers(shape: ModelShape, layout: LayoutSpec, rank: _RankParams, resolved,
-             dtype: str) -> float:
+             dtype: str, adapted: tuple[float, float] | None = None) -> float:
     """Gathered parameters, whole gradients and low-precision weight copies of the step."""
     costs, ep, group = resolved.costs, rank.ep, rank.group
     gathered_dtype = DTYPE_BYTES[dtype] if resolved.param_dtype is not None else 4
+    if adapted is not None:
+        return _adapted_buffers(layout, rank, resolved, dtype, gathered_dtype, *adapted)
     # One block as FSDP2 gathers it: under ep its unit of experts gathers this rank's
     # n_experts / ep (none when FSDP2 leaves them out)
     block_gathered = rank.block_local - rank.block_experts + (
@@ -480,6 +536,27 @@ def _buffers(shape: ModelShape, layout: LayoutSpec, rank: _RankParams, resolved,
         # experts FSDP2 leaves out stay fp32; the MoE casts them to the activations' dtype
         # in forward and keeps the copies for backward
         buffers += rank.experts / ep * DTYPE_BYTES[dtype]
+    return buffers
+
+
+def _adapted_buffers(layout: LayoutSpec, rank: _RankParams, resolved, dtype: str,
+                     gathered_dtype: int, t: float, q: float) -> float:
+    """`_buffers` with adapters on a frozen base: FSDP2 gathers the base (its 4-bit part in
+    4 bits) and the adapters, and reduce-scatters the adapters' gradients alone; autocast
+    keeps low-precision copies of the full-precision weights only (a 4-bit linear saves its
+    NF4 tensor and dequantizes again in backward)."""
+    costs = resolved.costs
+    block = rank.block_local
+    gathered = block * ((1 - q + t) * gathered_dtype + q * NF4_BYTES)
+    buffers = 0.0
+    if costs.gathered_params == "one_block":
+        buffers += 2 * gathered + block * t * 4
+    elif costs.gathered_params == "all_blocks" or costs.extra_param_copies:
+        buffers += rank.blocks * gathered + block * t * 4
+    if layout.pp > 1 and resolved.is_fsdp:
+        buffers += rank.dense * t * 4
+    if DTYPE_BYTES[dtype] < 4 and resolved.param_dtype is None:
+        buffers += rank.local * (1 - q + t) * DTYPE_BYTES[dtype]
     return buffers
 
 

@@ -25,6 +25,13 @@ def apply_ddp(model: torch.nn.Module, mesh, *, device: torch.device,
     if mesh.ndim != 1:
         raise ValueError("apply_ddp needs a 1-D data-parallel mesh, got axes "
                          f"{mesh.mesh_dim_names}")
+    # Frozen parameters of a tensor subclass (QLoRA's 4-bit base) are left out of DDP's
+    # start-up broadcast, which reads plain tensors: every rank built them from the same
+    # weights, and frozen parameters take no part in the gradient all-reduce anyway.
+    ignored = [name for name, p in model.named_parameters()
+               if not p.requires_grad and type(p) not in (torch.Tensor, torch.nn.Parameter)]
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         process_group=mesh.get_group(), bucket_cap_mb=bucket_cap_mb,

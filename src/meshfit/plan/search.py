@@ -35,7 +35,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from meshfit.memory.estimate import (DTYPE_BYTES, Estimate, LayoutSpec, estimate,
+from meshfit.memory.estimate import (DTYPE_BYTES, Adapters, Estimate, LayoutSpec, estimate,
                                      resolve_layout)
 from meshfit.memory.shape import ModelShape
 from meshfit.plan.calibrate import DP_ENGINES, bus_factor, data_parallel_seconds
@@ -273,10 +273,12 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
 
 # ---------------------------------------------------------------------------- the guide
 def scenario(shape: ModelShape, cluster: Cluster, *, seq_len: int, dtype: str,
-             optimizer: str, budget: float) -> tuple[str, dict]:
+             optimizer: str, budget: float,
+             adapters: Adapters | None = None) -> tuple[str, dict]:
     """The guide's decision tree: one GPU / one node / many nodes; the model fits one GPU /
     does not / its largest layer does not; fast or slow links."""
-    one = estimate(shape, LayoutSpec(), seq_len=seq_len, dtype=dtype, optimizer=optimizer)
+    one = estimate(shape, LayoutSpec(), seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                   adapters=adapters)
     fits_one = one.total <= budget
     layer = shape.block_params * (DTYPE_BYTES[dtype] + 4)  # one block gathered + its grads
     layer_fits = layer <= budget
@@ -330,17 +332,19 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
            dtype: str = "bf16", optimizer: str = "adamw", margin: float = 0.1,
            checkpointing: tuple[str, ...] = ("none", "selective", "full"),
            attention: str = "flash", top: int | None = None,
-           host_memory: float | None = None) -> SearchResult:
+           host_memory: float | None = None, adapters: Adapters | None = None) -> SearchResult:
     """Rank every legal layout of `cluster` for `model` that fits in memory with `margin`
     (a share of the device's memory kept free: allocator caching, workspaces) and, with
-    `host_memory` (bytes per node), whose CPU-offloaded states fit the host."""
+    `host_memory` (bytes per node), whose CPU-offloaded states fit the host. `adapters`:
+    LoRA/QLoRA on the frozen `model` (`meshfit.memory.Adapters`): the memory counts them (the
+    predicted step times are still those of full training)."""
     from meshfit.parallel.layout import Layout, ModelFacts
 
     shape = ModelShape.of(model) if isinstance(model, str) else model
     _check_request(shape, seq_len, global_batch_size, margin)
     budget = cluster.device.memory * (1 - margin)
     scene, facts = scenario(shape, cluster, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                            budget=budget)
+                            budget=budget, adapters=adapters)
     model_facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible)
     plans: list[Plan] = []
     considered = refused = too_big = 0
@@ -355,7 +359,7 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
                            checkpointing):
             considered += 1
             est = estimate(shape, spec, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                           attention=attention)
+                           attention=attention, adapters=adapters)
             if est.total > budget or (host_memory is not None
                                       and est.host * cluster.gpus_per_node > host_memory):
                 too_big += 1
@@ -365,7 +369,8 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
     plans.sort(key=lambda p: (p.step_time_s, p.estimate.total))
     if not plans:
         raise ValueError(_impossible(shape, cluster, budget, seq_len=seq_len, dtype=dtype,
-                                     optimizer=optimizer, host_memory=host_memory))
+                                     optimizer=optimizer, host_memory=host_memory,
+                                     adapters=adapters))
     return SearchResult(model=shape, cluster=cluster, plans=plans[:top] if top else plans,
                         considered=considered, refused=refused, too_big=too_big,
                         scenario=scene, sources=cluster.sources(dtype))
@@ -419,12 +424,13 @@ def _plan(shape: ModelShape, spec: LayoutSpec, cluster: Cluster, est: Estimate, 
 
 
 def _impossible(shape: ModelShape, cluster: Cluster, budget: float, *, seq_len: int,
-                dtype: str, optimizer: str, host_memory: float | None = None) -> str:
+                dtype: str, optimizer: str, host_memory: float | None = None,
+                adapters: Adapters | None = None) -> str:
     """What would make a request possible: the GPUs ZeRO-3 with full checkpointing and
     micro-batch 1 needs, or CPU offload's host memory."""
     per_gpu = budget / GiB
     smallest = estimate(shape, LayoutSpec(activation_checkpointing="full"), seq_len=seq_len,
-                        dtype=dtype, optimizer=optimizer)
+                        dtype=dtype, optimizer=optimizer, adapters=adapters)
     states = smallest.params + smallest.grads + smallest.optimizer
     # ZeRO-3's buffers: two gathered blocks in the compute dtype and one block's gradients
     rest = smallest.activations + shape.block_params * (2 * DTYPE_BYTES[dtype] + 4)

@@ -223,7 +223,9 @@ class OptimConfig:
 class PeftConfig:
     """[peft]: parameter-efficient fine-tuning (`meshfit.peft`)."""
 
-    method: str = "none"  # "none" or "lora"
+    method: str = "none"
+    """"none", "lora", or "qlora" (LoRA on the base's linear weights held in 4 bits, NF4:
+    needs torchao and a pretrained model.hf_model)."""
     r: int = 8  # LoRA rank
     alpha: float = 16.0  # LoRA scaling numerator (the update is scaled by alpha / r)
     dropout: float = 0.0  # Dropout on the LoRA branch's input
@@ -234,7 +236,7 @@ class PeftConfig:
     (OUT/model/) beside the adapter (OUT/adapter/)."""
 
     def __post_init__(self) -> None:
-        check_choice("peft", "method", self.method, ("none", "lora"))
+        check_choice("peft", "method", self.method, ("none", "lora", "qlora"))
         check_bool("peft", "merge", self.merge)
         check_positive("peft", "r", self.r)
         check_number("peft", "alpha", self.alpha, 1e-12, 1e6)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["check_fits", "host_available_bytes"]
+__all__ = ["adapters_of", "check_fits", "host_available_bytes"]
 
 GiB = 2**30
 _OPTIMIZERS = {"adamw": "adamw", "adamw_fused": "adamw_fused", "adamw_8bit": "adamw_8bit",
@@ -68,6 +68,13 @@ def check_fits(cfg, model, layout, *, world_size: int, local_world_size: int,
     from meshfit.memory import ModelShape
     from meshfit.memory.estimate import estimate
 
+    adapters = None
+    if cfg.peft.method != "none":  # the shape of the frozen base, then what LoRA adds
+        from meshfit.train.models import build_model
+
+        adapters = adapters_of(model)
+        model = build_model(dataclasses.replace(cfg, peft=type(cfg.peft)()),
+                            _vocab_size(model), meta=True)
     try:
         shape = ModelShape.from_module(model)
     except (ValueError, TypeError, AttributeError, KeyError, NotImplementedError) as err:
@@ -75,7 +82,8 @@ def check_fits(cfg, model, layout, *, world_size: int, local_world_size: int,
     spec = _spec(cfg, layout)
     dtype = {"no": "fp32"}.get(cfg.train.mixed_precision, cfg.train.mixed_precision)
     optimizer = _OPTIMIZERS.get(cfg.optim.optimizer, "adamw")
-    est = estimate(shape, spec, seq_len=cfg.train.seq_len, dtype=dtype, optimizer=optimizer)
+    est = estimate(shape, spec, seq_len=cfg.train.seq_len, dtype=dtype, optimizer=optimizer,
+                   adapters=adapters)
     host = host if host is not None else host_available_bytes()
     cuda = device.type == "cuda"
     if cuda:
@@ -104,10 +112,30 @@ def check_fits(cfg, model, layout, *, world_size: int, local_world_size: int,
         return None
     source = cfg.model.source
     fitting = _fitting(shape, cfg, world_size, local_world_size, available, dtype, optimizer,
-                       cuda=cuda, host=host)
+                       cuda=cuda, host=host, adapters=adapters)
     raise ValueError(f"model.{source}={getattr(cfg.model, source)!r} does not fit with "
                      f"{spec.describe()} on {world_size} process(es): {'; '.join(problems)}. "
                      f"{fitting}; or pass --no-memory-check to start anyway")
+
+
+def adapters_of(model: torch.nn.Module):
+    """The `meshfit.memory.Adapters` of a model from `meshfit.peft.lora` / `qlora` (on the
+    meta device is enough): its trainable parameters, and the weights `qlora` keeps in 4
+    bits."""
+    from meshfit import peft
+    from meshfit.memory import Adapters
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    quantized = 0
+    if peft.quantize_after_load(model) or any(peft.is_quantized(p) for p in model.parameters()):
+        quantized = sum(m.weight.numel() for m in peft.quantized_linears(model).values())
+    return Adapters(trainable=trainable, quantized=quantized)
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    """The vocabulary the model was built for (its input embedding's rows)."""
+    embedding = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    return embedding.num_embeddings
 
 
 def _parts(est) -> str:
@@ -119,7 +147,7 @@ def _parts(est) -> str:
 
 
 def _fitting(shape, cfg, world_size: int, local_world_size: int, available: int, dtype: str,
-             optimizer: str, *, cuda: bool, host: int | None) -> str:
+             optimizer: str, *, cuda: bool, host: int | None, adapters=None) -> str:
     """The layouts of `world_size` ranks that fit `available` bytes per rank, best first; the
     host memory that offload takes counted too (on a CPU it is the same memory)."""
     from meshfit.plan.devices import DEVICES
@@ -131,7 +159,7 @@ def _fitting(shape, cfg, world_size: int, local_world_size: int, available: int,
     try:
         found = search(shape, cluster, seq_len=cfg.train.seq_len,
                        global_batch_size=cfg.train.global_batch_size, dtype=dtype,
-                       optimizer=optimizer, margin=0.0)
+                       optimizer=optimizer, margin=0.0, adapters=adapters)
         plans = [p for p in found.plans
                  if (p.estimate.host * local_world_size <= (host or 0) if cuda
                      else p.estimate.total + p.estimate.host <= available)

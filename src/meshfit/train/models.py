@@ -63,15 +63,24 @@ def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
             if not isinstance(model, nn.Module):
                 raise ValueError(f"model.factory={m.factory!r} returned "
                                  f"{type(model).__name__}, not an nn.Module")
-    if cfg.peft.method == "lora":
-        from meshfit.peft import lora
+    if cfg.peft.method in ("lora", "qlora"):
+        from meshfit.peft import lora, qlora
 
         p = cfg.peft
         try:
-            model = lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout,
-                         target_modules=list(p.target_modules) or None)
+            model = (qlora if p.method == "qlora" else lora)(
+                model, r=p.r, alpha=p.alpha, dropout=p.dropout,
+                target_modules=list(p.target_modules) or None)
         except ValueError as err:  # name the config key the user wrote
-            raise ValueError(f"peft.{str(err).removeprefix('lora: ')}") from None
+            text = str(err)
+            for prefix in ("lora: ", "qlora: "):
+                if text.startswith(prefix):
+                    text = text.removeprefix(prefix)
+                    if not text.startswith(("r=", "alpha=", "dropout=", "target_modules=",
+                                            "init_lora_weights=")):
+                        text = f"method={p.method!r}: {text}"
+                    break
+            raise ValueError(f"peft.{text}") from None
     return model
 
 
@@ -276,7 +285,7 @@ def write_final_model(acc, trained_module, model: nn.Module, cfg, tokenizer,
         kwargs = None
         if factory:
             kwargs = _factory_kwargs(import_object(factory, "model.factory"), cfg, vocab_size)
-        if cfg.peft.method == "lora":
+        if cfg.peft.method in ("lora", "qlora"):
             written += _write_lora(cfg, state, vocab_size, tokenizer, out_dir, factory, kwargs)
         else:
             written.append(save_model_folder(out_dir / "model", state, model,

@@ -96,13 +96,32 @@ def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> L
 
 
 def _check_peft(cfg, layout: Layout) -> None:
-    """LoRA works with data, ZeRO, tensor and pipeline parallelism, not (yet) with ep."""
+    """LoRA works with data, ZeRO, tensor and pipeline parallelism, not (yet) with ep;
+    QLoRA with data parallelism and ZeRO, on a pretrained folder."""
     method = cfg.peft.method
     if layout.dims.ep > 1 and method != "none":
         raise ValueError(f"peft.method={method!r} with parallel.ep > 1 is not yet "
                          "available (LoRA adapts linear layers; the experts are stacked "
                          "weights split over the ep ranks); use peft.method='none' or ep=1")
+    if method != "qlora":
+        return
+    if cfg.model.source != "hf_model":
+        raise ValueError(f"peft.method='qlora' keeps pretrained weights in 4 bits: set "
+                         f"model.hf_model=FOLDER (model.{cfg.model.source} builds random "
+                         "weights, which 4 bits would only blur); use peft.method='lora' "
+                         "to adapt it")
+    from meshfit.peft import check_quantized_layout
+    from meshfit.train.models import build_model
 
+    model = build_model(cfg, tokens.vocab_size(cfg), meta=True)
+    try:
+        check_quantized_layout(model, shards=layout.dims.dp_shard if layout.is_fsdp else 1,
+                               tp=layout.dims.tp, pp=layout.dims.pp)
+    except ValueError as err:  # named as the config's fields
+        text = str(err).removeprefix("qlora with ")
+        axis = text.split("=", 1)[0]
+        raise ValueError(f"peft.method='qlora' with parallel.{text}".replace(
+            f"use a {axis} that", f"use a parallel.{axis} that")) from None
 
 
 def _check_model_split(cfg, layout: Layout, world_size: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -414,6 +415,11 @@ def _banner(acc: Accelerator, model: torch.nn.Module, trained, micro: int, token
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trainable = "" if n_trainable == n_params else f" ({n_trainable / 1e6:.3f}M trainable)"
+    peft = sys.modules.get("meshfit.peft")
+    if peft is not None and (peft.quantize_after_load(model) or any(
+            peft.is_quantized(p) for p in model.parameters())):
+        n_4bit = sum(m.weight.numel() for m in peft.quantized_linears(model).values())
+        trainable = f"{trainable[:-1]}, {n_4bit / 1e6:.2f}M in 4 bits)"
     layout = f", zero_stage {acc.zero_stage}" if acc.zero_stage else ""
     dims = acc.parallel
     mesh = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.enabled())
