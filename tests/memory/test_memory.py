@@ -301,3 +301,34 @@ def test_estimate_counts_lora_and_qlora_states_as_measured():
             full = measured
         elif method == "qlora":  # 4 bits: under a fifth of the fp32 states' 16 B per weight
             assert measured < full / 5
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2-shaped"])
+def test_closed_form_adapters_count_what_peft_adds(family):
+    """`Adapters.lora(shape, r)` (what `meshfit estimate --peft` uses) equals the trainable
+    and 4-bit parameters of peft's all-linear LoRA and of `qlora` on the built model."""
+    import transformers
+
+    from meshfit.memory import Adapters, ModelShape
+    from meshfit.models import GPT, GPTConfig
+    from meshfit.peft import lora, qlora
+    from meshfit.train.fits import adapters_of
+
+    def build():
+        torch.manual_seed(0)
+        if family == "llama":
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                hidden_size=128, intermediate_size=320, num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=3, vocab_size=100,
+                max_position_embeddings=32))
+        return GPT(GPTConfig.preset("tiny", d_model=128, n_layer=3, n_head=4, d_ff=512,
+                                    vocab_size=100))
+
+    # every block linear: peft's "all-linear" for a transformers model; for the reference
+    # GPT, meshfit's default (peft's "all-linear" would take its lm_head too)
+    targets = "all-linear" if family == "llama" else None
+    shape = ModelShape.from_module(build())
+    got = adapters_of(lora(build(), r=8, target_modules=targets))
+    assert Adapters.lora(shape, 8) == got
+    assert Adapters.lora(shape, 8, quantized=True) == adapters_of(
+        qlora(build(), r=8, target_modules=targets))

@@ -223,8 +223,51 @@ def test_plan_json_and_out_config_that_meshfit_train_accepts(capsys, tmp_path):
     assert cfg.train.global_batch_size == 32 and cfg.train.seq_len == 1024
 
 
+def test_estimate_and_plan_with_lora_and_qlora(capsys, tmp_path):
+    """--peft: the estimate of `Adapters.lora` (tests/memory: equal to what peft adds); the
+    plan for a 4-bit base fits where full training does not, and writes a config that
+    `meshfit train` takes (the folder as hf_model, [peft] qlora)."""
+    import transformers
+
+    from meshfit.cli.main import main
+    from meshfit.memory import Adapters, LayoutSpec, estimate
+    from meshfit.train.configfile import load_config
+
+    rows = {}
+    for peft in ("none", "lora", "qlora"):
+        assert main(["estimate", "llama-7b", "--layout", "dp_shard=8,zero_stage=3",
+                     "--seq-len", "2048", "--peft", peft, "--lora-r", "16", "--json"]) == 0
+        rows[peft] = json.loads(capsys.readouterr().out)["layouts"][0]["per_rank_bytes"]
+    shape = ModelShape.of("llama-7b")
+    spec = LayoutSpec(dp_shard=8, zero_stage=3)
+    for peft in ("lora", "qlora"):
+        want = estimate(shape, spec, seq_len=2048, dtype="bf16", adapters=Adapters.lora(
+            shape, 16, quantized=peft == "qlora"))
+        assert rows[peft] == want.per_rank_bytes
+    assert rows["qlora"]["params"] < rows["lora"]["params"] / 5
+    assert rows["lora"]["grads"] < rows["none"]["grads"] / 50
+    folder = tmp_path / "llama"
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=768,
+                                      num_attention_heads=4, num_key_value_heads=4,
+                                      num_hidden_layers=4, vocab_size=1000,
+                                      max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    out = tmp_path / "plan.toml"  # 4M parameters: ~70 MiB to train in full, ~20 with QLoRA
+    assert main(["plan", str(folder), "--gpus-per-node", "1", "--gpu-memory", "40MiB",
+                 "--seq-len", "256", "--global-batch-size", "1", "--dtype", "fp32",
+                 "--peft", "qlora", "--out", str(out)]) == 0
+    capsys.readouterr()
+    cfg = load_config(out)
+    assert cfg.peft.method == "qlora" and cfg.model.hf_model == str(folder)
+    assert main(["plan", str(folder), "--gpus-per-node", "1", "--gpu-memory", "40MiB",
+                 "--seq-len", "256", "--global-batch-size", "1", "--dtype", "fp32"]) == 2
+    assert "needs at least" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, match", [
     (["estimate", "nosuch"], "MODEL='nosuch' is not a preset"),
+    (["estimate", "gpt2", "--peft", "lora", "--lora-r", "0"], "--lora-r=0 must be >= 1"),
+    (["estimate", "moe-tiny", "--peft", "lora"], "--peft=lora: moe-tiny: LoRA estimates"),
     (["plan", "gpt2", "--gpus-per-node", "8", "--gpu-memory", "80XB"],
      "--gpu-memory='80XB' is not a memory size"),
     (["estimate", "gpt2", "--layout", "tp=5", "--seq-len", "128"], "12"),

@@ -62,6 +62,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="for presets: the tokenizer's vocabulary (default: the preset's)")
     p.add_argument("--attention", default="flash", choices=("flash", "math"),
                    help="flash/efficient kernels save no score matrix; math saves it")
+    p.add_argument("--peft", default="none", choices=("none", "lora", "qlora"),
+                   help="LoRA adapters on every block linear (gradients and optimizer state "
+                        "for them alone); qlora: the block linears in 4 bits (NF4)")
+    p.add_argument("--lora-r", type=int, default=8, help="the adapters' rank with --peft")
     p.add_argument("--json", action="store_true", help="print JSON (schema in the README)")
 
 
@@ -77,6 +81,18 @@ def _shape(ns):
         raise ValueError(f"--seq-len={ns.seq_len} is longer than the {shape.max_seq_len} "
                          f"positions of {ns.model}; lower --seq-len")
     return shape
+
+
+def _adapters(ns, shape):
+    """The `Adapters` of --peft / --lora-r (every block linear adapted), or None."""
+    if ns.peft == "none":
+        return None
+    from meshfit.memory import Adapters
+
+    try:
+        return Adapters.lora(shape, ns.lora_r, quantized=ns.peft == "qlora")
+    except ValueError as err:
+        raise ValueError(f"--peft={ns.peft}: {err}") from None
 
 
 def _positive(ns, *flags: str) -> None:
@@ -132,11 +148,13 @@ def _families(world: int, shape, ns) -> list:
 
 def cmd_estimate(argv: list[str]) -> int:
     ns = _estimate_parser().parse_args(argv)
-    _positive(ns, "--world-size", "--micro-batch-size", "--vocab-size", "--gpus-per-node")
+    _positive(ns, "--world-size", "--micro-batch-size", "--vocab-size", "--gpus-per-node",
+              "--lora-r")
     fields = parse_layout(ns.layout) if ns.layout else None
     from meshfit.memory import LayoutSpec, estimate  # torch: after the arguments' refusals
     from meshfit.memory.estimate import resolve_layout
     shape = _shape(ns)
+    adapters = _adapters(ns, shape)
     rows = []
     if fields is not None:
         spec = LayoutSpec(micro_batch_size=ns.micro_batch_size,
@@ -162,7 +180,8 @@ def cmd_estimate(argv: list[str]) -> int:
             refused.append((label, str(err)))
             continue
         results.append((label, estimate(shape, spec, seq_len=ns.seq_len, dtype=ns.dtype,
-                                        optimizer=ns.optimizer, attention=ns.attention)))
+                                        optimizer=ns.optimizer, attention=ns.attention,
+                                        adapters=adapters)))
     if ns.json:
         out = {"model": shape.name, "params": shape.params}
         if shape.active_params is not None:
@@ -174,12 +193,19 @@ def cmd_estimate(argv: list[str]) -> int:
     return 0
 
 
+def _peft_note(ns) -> str:
+    if ns.peft == "none":
+        return ""
+    return (f", {'QLoRA' if ns.peft == 'qlora' else 'LoRA'} r={ns.lora_r} on every block "
+            f"linear{' (4-bit base)' if ns.peft == 'qlora' else ''}")
+
+
 def _print_estimates(ns, shape, results: list, refused: list) -> None:
     active = (f", {shape.active_params:,} active per token" if shape.active_params is not None
               else "")
     print(f"{shape.name}: {shape.params:,} parameters{active} ({shape.n_layer} blocks of up "
           f"to {shape.block_params:,}); seq_len {ns.seq_len}, {ns.dtype} activations, "
-          f"{ns.optimizer}; GiB per rank")
+          f"{ns.optimizer}{_peft_note(ns)}; GiB per rank")
     print(f"{'layout':34} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} "
           f"{'total':>8}")
     for label, e in results:
@@ -240,7 +266,8 @@ def cmd_plan(argv: list[str]) -> int:
     from meshfit.plan import DEVICES, INTERCONNECTS, NETWORKS, Cluster, parse_bytes, search
 
     ns = _plan_parser().parse_args(argv)
-    _positive(ns, "--gpus-per-node", "--nodes", "--global-batch-size", "--top", "--vocab-size")
+    _positive(ns, "--gpus-per-node", "--nodes", "--global-batch-size", "--top", "--vocab-size",
+              "--lora-r")
     if ns.validate < 0:
         raise ValueError(f"--validate={ns.validate} must be >= 0 (the layouts to run)")
     if not 0 <= ns.margin < 1:
@@ -260,11 +287,12 @@ def cmd_plan(argv: list[str]) -> int:
                       interconnect_name=ns.interconnect, network=NETWORKS[ns.network],
                       network_name=ns.network, calibration=calibration)
     shape = _shape(ns)
+    adapters = _adapters(ns, shape)
     batch = ns.global_batch_size or 8 * cluster.world_size
     host = None if ns.host_memory is None else parse_bytes(ns.host_memory, "--host-memory")
     result = search(shape, cluster, seq_len=ns.seq_len, global_batch_size=batch, dtype=ns.dtype,
                     optimizer=ns.optimizer, margin=ns.margin, attention=ns.attention,
-                    host_memory=host)
+                    host_memory=host, adapters=adapters)
     plans = result.plans[:ns.top]
     if ns.out is not None:
         Path(ns.out).write_text(plan_toml(ns, plans[0], batch))
@@ -355,6 +383,11 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
                   "activation_checkpointing": lay.activation_checkpointing},
         "optim": {"optimizer": ns.optimizer if ns.optimizer != "adamw" else "adamw_fused"},
         "parallel": parallel}
+    if ns.peft != "none":  # (the estimate adapted every block linear: an upper bound)
+        sections["peft"] = {"method": ns.peft, "r": ns.lora_r}
+        if ns.peft == "qlora" and "hf_config" in model:  # 4 bits of pretrained weights
+            model = {"hf_model": model["hf_config"]}
+            sections["model"] = model
     lines = [f"# meshfit plan {' '.join(sys.argv[2:]) if len(sys.argv) > 2 else ns.model}",
              f"# {plan.why}"]
     for name, values in sections.items():

@@ -136,6 +136,23 @@ class Adapters:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Adapters.{name}={value!r} must be an integer >= 0")
 
+    @classmethod
+    def lora(cls, shape: ModelShape, r: int, *, quantized: bool = False) -> Adapters:
+        """LoRA of rank `r` on every linear of every block (peft's ``target_modules=
+        "all-linear"``: q, k, v, o and the MLP's), r x (in + out) each; with `quantized`
+        (QLoRA) those linears' weights in 4 bits. Dense decoders only."""
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"r={r!r} must be an integer >= 1 (the LoRA rank)")
+        if shape.expert_params or shape.active_params not in (None, shape.params):
+            raise ValueError(f"{shape.name}: LoRA estimates cover dense models; a mixture of "
+                             "experts' stacked expert weights are not linears peft adapts")
+        d, kv, f = shape.d_model, shape.kv_dim, shape.d_ff
+        linears = [(d, d), (d, kv), (d, kv), (d, d)] + \
+            ([(d, f), (d, f), (f, d)] if shape.gated_mlp else [(d, f), (f, d)])
+        trainable = shape.n_layer * sum(r * (a + b) for a, b in linears)
+        weights = shape.n_layer * sum(a * b for a, b in linears)
+        return cls(trainable=trainable, quantized=weights if quantized else 0)
+
     def shares(self, params: int) -> tuple[float, float]:
         """(adapter parameters per base parameter, quantized share of the base)."""
         if self.quantized > params:
