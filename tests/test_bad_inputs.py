@@ -37,6 +37,9 @@ FILES = {
     "bad_calib.json": "{ not json",
     "hfconf/": None,
     "hfconf/config.json": '{"model_type": "nosuchmodel"}',
+    "llamaconf/config.json": ('{"model_type": "llama", "hidden_size": 32, "intermediate_size":'
+                              ' 64, "num_attention_heads": 4, "num_hidden_layers": 1, '
+                              '"vocab_size": 300, "max_position_embeddings": 256}'),
     "script.py": "raise SystemExit('the script ran')\n",
     "scripts/": None,
 }
@@ -227,7 +230,9 @@ T = [  # meshfit train: config overrides
       "--train.micro_batch_size=2", "--train.global_batch_size=4"],
      ["data.path=", "0 validation windows", "train.seq_len=32"]),
     # [parallel]
-    ("parallel.cp=2", ["--nproc", "2", "--parallel.cp=2"], ["cp=2", "not yet available"]),
+    ("parallel.cp with pp", ["--nproc", "4", "--parallel.cp=2", "--parallel.pp=2",
+                             "--parallel.dp_replicate=1"], ["parallel.cp=2 with parallel.pp=2",
+                                                            "not yet available"]),
     ("parallel.pp=0", ["--parallel.pp=0"], ["pp", "0"]),
     ("parallel.tp negative", ["--parallel.tp=-1"], ["tp", "-1"]),
     ("parallel.tp string", ["--parallel.tp=two"], ["tp", "two"]),
@@ -261,6 +266,22 @@ T = [  # meshfit train: config overrides
     ("peft with ep", ["--nproc", "2", "--parallel.dp_shard=2", "--parallel.dp_replicate=1",
                       "--parallel.ep=2", "--model.preset=moe-tiny", "--peft.method=lora"],
      ["peft.method='lora'", "ep > 1"]),
+    # context parallel
+    ("cp with tp", ["--nproc", "4", "--parallel.cp=2", "--parallel.tp=2",
+                    "--parallel.dp_replicate=1"], ["parallel.cp=2 with parallel.tp=2",
+                                                   "not yet available"]),
+    ("cp, seq_len not in 2 x cp chunks", ["--nproc", "2", "--parallel.cp=2",
+                                          "--parallel.dp_replicate=1", "--train.seq_len=66"],
+     ["train.seq_len=66", "4 equal chunks", "multiple of 4"]),
+    ("cp with dropout", ["--nproc", "2", "--parallel.cp=2", "--parallel.dp_replicate=1",
+                         "--model.dropout=0.1"], ["parallel.cp=2 with model.dropout=0.1"]),
+    ("cp with compile", ["--nproc", "2", "--parallel.cp=2", "--parallel.dp_replicate=1",
+                         "--train.compile=true"], ["parallel.cp=2 with train.compile=true"]),
+    ("cp with a Hugging Face config", ["--nproc", "2", "--parallel.cp=2",
+                                       "--parallel.dp_replicate=1",
+                                       "--model.hf_config={t}/llamaconf"],
+     ["parallel.cp=2 with model.hf_config"]),
+    ("cp_load_balance int", ["--parallel.cp_load_balance=2"], ["parallel.cp_load_balance=2"]),
     # [checkpoint] and [log]
     ("checkpoint.every negative", ["--checkpoint.every=-1"], ["checkpoint.every=-1"]),
     ("checkpoint.keep=0", ["--checkpoint.keep=0"], ["checkpoint.keep=0"]),

@@ -4,12 +4,13 @@ resumed, a run equals the uninterrupted one.
 - Asynchronous saves (DDP, ZeRO-3) hold the state of the step they were taken at, though
   training went on while they were written.
 - Same layout (fp32): bitwise — losses and every parameter — for DDP, ZeRO-1, ZeRO-2,
-  ZeRO-3, TP2 and PP2 (1f1b) on 2 ranks and dp2 x tp2 on 4. The checkpoint holds the model,
-  the optimizer's state (ZeRO-1 partitions, FSDP2 shards), the LR schedule, the data
-  loader's position (mid-epoch) and each rank's random generators.
-- Another layout or world size (fp64): saved as ZeRO-3 on 2 ranks, resumed as DDP, TP2, PP2
-  and ZeRO-1 on 2 ranks and as dp2 x tp2 on 4; saved as dp2 x tp2 on 4, resumed as ZeRO-3
-  and DDP on 2; saved as ZeRO-3 on 4, resumed as DDP on 2. Layouts differ in the order of sums only (~1e-16 relative per operation,
+  ZeRO-3, TP2, PP2 (1f1b) and context parallel cp2 on 2 ranks and dp2 x tp2 on 4. The
+  checkpoint holds the model, the optimizer's state (ZeRO-1 partitions, FSDP2 shards), the
+  LR schedule, the data loader's position (mid-epoch) and each rank's random generators.
+- Another layout or world size (fp64): saved as ZeRO-3 on 2 ranks, resumed as DDP, TP2, PP2,
+  ZeRO-1, cp2 and cp2 x ZeRO-3 on 2 ranks and as dp2 x tp2 on 4; saved as cp2 x ZeRO-3,
+  resumed as DDP; saved as dp2 x tp2 on 4, resumed as ZeRO-3 and DDP on 2; saved as ZeRO-3
+  on 4, resumed as DDP on 2. Layouts differ in the order of sums only (~1e-16 relative per operation,
   grown by Adam over 3 steps to ~1e-13 at most); the tolerance is 1e-9 relative, and a
   resume that lost the optimizer state, the schedule or the data position misses by > 1e-3.
 
@@ -37,6 +38,8 @@ LAYOUTS = {
     "pp2": (dict(pp=2, dp_replicate=1), {}),
     "dp2xtp2": (dict(dp_replicate=2, tp=2), {}),
     "zero3x4": (dict(dp_shard=4, dp_replicate=1), dict(zero_stage=3)),
+    "cp2": (dict(cp=2, dp_replicate=1), {}),
+    "cp2-zero3": (dict(cp=2, dp_replicate=1), dict(zero_stage=3)),
 }
 RTOL = 1e-9  # fp64 across layouts: summation order only (see the module docstring)
 
@@ -67,7 +70,7 @@ def _run(name: str, dtype, *, save: str | None = None, load: str | None = None,
         params = model.parameters()
 
         def step(xb, yb):
-            loss = model(xb, yb)
+            loss = model(*acc.shard_sequence(xb, yb))  # (under cp: this rank's part)
             acc.backward(loss)
             return loss
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
@@ -94,7 +97,7 @@ def _run(name: str, dtype, *, save: str | None = None, load: str | None = None,
 
 def _two_ranks(rank, world, root):
     out = {}
-    for name in ("ddp", "zero1", "zero2", "zero3", "tp2", "pp2"):  # same layout, fp32
+    for name in ("ddp", "zero1", "zero2", "zero3", "tp2", "pp2", "cp2"):  # same layout, fp32
         folder = f"{root}/{name}"
         out[name] = (_run(name, torch.float32, save=folder),
                      _run(name, torch.float32, load=folder))
@@ -104,8 +107,10 @@ def _two_ranks(rank, world, root):
                                 _run(name, torch.float32, load=folder))
     out["fp64"] = _run("ddp", torch.float64)  # the uninterrupted reference across layouts
     out["zero3-fp64"] = _run("zero3", torch.float64, save=f"{root}/zero3-fp64")
-    for name in ("ddp", "tp2", "pp2", "zero1"):
+    for name in ("ddp", "tp2", "pp2", "zero1", "cp2", "cp2-zero3"):
         out[f"from-zero3:{name}"] = _run(name, torch.float64, load=f"{root}/zero3-fp64")
+    _run("cp2-zero3", torch.float64, save=f"{root}/cp2-zero3-fp64")
+    out["from-cp2-zero3:ddp"] = _run("ddp", torch.float64, load=f"{root}/cp2-zero3-fp64")
     return out
 
 
@@ -144,7 +149,7 @@ def _bitwise(full, resumed):
         assert torch.equal(value, resumed["state"][key]), key
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2", "pp2"])
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2", "pp2", "cp2"])
 def test_resume_same_layout_is_bitwise(runs, name):
     _bitwise(*runs["two"][name])
 
@@ -168,9 +173,14 @@ def _close(reference, resumed):
                                    msg=key)
 
 
-@pytest.mark.parametrize("name", ["ddp", "tp2", "pp2", "zero1"])
+@pytest.mark.parametrize("name", ["ddp", "tp2", "pp2", "zero1", "cp2", "cp2-zero3"])
 def test_resume_in_another_layout(runs, name):
     _close(runs["two"]["fp64"], runs["two"][f"from-zero3:{name}"])
+
+
+def test_a_context_parallel_checkpoint_resumes_without_cp(runs):
+    """Saved under cp2 x ZeRO-3 (the parameters sharded over the cp ranks), resumed as DDP."""
+    _close(runs["two"]["fp64"], runs["two"]["from-cp2-zero3:ddp"])
 
 
 def test_resume_on_more_and_fewer_ranks(runs):

@@ -1,5 +1,5 @@
 """The logged losses do not depend on the layout: `meshfit train` under one process, DDP,
-ZeRO-1/2/3, tp, pp, ep and their products logs the same training losses and the same
+ZeRO-1/2/3, tp, pp, ep, cp (context parallel) and their products logs the same training losses and the same
 `val_loss`, and `meshfit eval RUN` gives that `val_loss` back. The trainer runs in-process
 on the ranks of one spawn per world size (what `meshfit train --nproc N` runs on each
 worker), every layout of that size one after another.
@@ -42,6 +42,10 @@ LAYOUTS = {  # name: (processes, [parallel] settings)
     "ddp2xtp2": (4, {"tp": 2}),
     "zero1xpp2": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 1, "microbatches": 2}),
     "tp2xpp2": (4, {"pp": 2, "tp": 2, "microbatches": 2}),
+    "cp2": (2, {"cp": 2, "dp_replicate": 1}),
+    "cp2-contiguous-zero3": (2, {"cp": 2, "dp_replicate": 1, "zero_stage": 3,
+                                 "cp_load_balance": False}),
+    "cp2xdp2": (4, {"cp": 2, "dp_replicate": 2}),
     "moe-ep2": (2, {"dp_shard": 2, "ep": 2, "zero_stage": 1}),
     "moe-ep2xpp2": (4, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}),
 }

@@ -64,7 +64,8 @@ class Accelerator(AcceleratorAttributes):
                  parallel: ParallelDims | None = None, zero_stage: int | None = None,
                  offload: str = "none", sync_each_batch: bool | str = False,
                  sequence_parallel: bool = False, loss_parallel: bool = False,
-                 tp_plan=None, ddp_kwargs: dict | None = None, env: DistEnv | None = None):
+                 tp_plan=None, ddp_kwargs: dict | None = None, cp_load_balance: bool = True,
+                 env: DistEnv | None = None):
         given = dict(locals())  # every argument by name: the translation reads them
         del given["self"], given["env"]
         # Checked and translated before any process group or model work.
@@ -382,13 +383,29 @@ class Accelerator(AcceleratorAttributes):
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """All-reduce tensors over the data-parallel ranks; `scale` is applied by Accelerate on
         TPUs only, and ignored here likewise (`meshfit.accelerator.processes`)."""
-        return processes.reduce(tensor, reduction, self.runtime.dp_group)
+        return processes.reduce(tensor, reduction, self.runtime.reduce_group)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0,
                              pad_first: bool = False) -> Any:
         """Pad each tensor along `dim` to the largest size any data-parallel rank holds."""
         return pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first,
                                     group=self.runtime.dp_group)
+
+    def shard_sequence(self, *tensors: torch.Tensor, dim: int = 1):
+        """Under context parallel (``ParallelDims(cp=C)``): this rank's part of each tensor's
+        sequence dimension `dim` (the model's inputs, targets, masks alike; every cp rank of a
+        data-parallel rank is fed the same batch), cut as the model's ring attention expects
+        (`meshfit.parallel.cp.shard_sequence`, load-balanced unless
+        ``cp_load_balance=False``). Without cp the tensors as they are. One tensor in, one
+        out; several in, a tuple out."""
+        mesh = self.runtime.cp_mesh
+        if mesh is not None:
+            from meshfit.parallel.cp import shard_sequence
+
+            cp, rank = mesh.size(), mesh.get_local_rank()
+            tensors = tuple(shard_sequence(t, dim, cp, rank, self.model_options.cp_load_balance)
+                            for t in tensors)
+        return tensors[0] if len(tensors) == 1 else tensors
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs, apply_padding: bool = False):

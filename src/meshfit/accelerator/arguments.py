@@ -191,7 +191,8 @@ def read_arguments(given: Mapping[str, Any],
         activation_checkpointing_every=given["activation_checkpointing_every"],
         activation_checkpointing_policy=given["activation_checkpointing_policy"],
         **compiling, float8=float8, float8_recipe=given["float8_recipe"],
-        tp_plan=given["tp_plan"], ddp_kwargs=dict(ddp_kwargs or {}))
+        tp_plan=given["tp_plan"], ddp_kwargs=dict(ddp_kwargs or {}),
+        cp_load_balance=given["cp_load_balance"])
     # ACCELERATE_USE_CPU (`accelerate launch --cpu`) means True; None is left to
     # `meshfit.distributed.init` (MESHFIT_CPU).
     use_cpu = environ.get("ACCELERATE_USE_CPU", "").strip().lower() in _TRUE

@@ -39,6 +39,20 @@ class Runtime:
     dp_rank = property(lambda self: 0 if self.dp_mesh is None else self.dp_mesh.get_local_rank())
     dp_size = property(lambda self: 1 if self.dp_mesh is None else self.dp_mesh.size())
 
+    @property
+    def reduce_group(self):
+        """The ranks whose values `Accelerator.reduce` combines: the data-parallel ranks, and
+        under context parallel their cp ranks too (each holds a part of every sequence, so a
+        loss is the mean of theirs); None: one rank."""
+        if self.mesh is None:
+            return None
+        return self.layout.grad_mesh(self.mesh).get_group()
+
+    @property
+    def cp_mesh(self):
+        """The context-parallel ranks' mesh (None without cp)."""
+        return self.layout.axis_mesh(self.mesh, "cp")
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to step (ZeRO-1: a ZeroRedundancyOptimizer over it)."""
         return optimizer
@@ -91,7 +105,8 @@ class ZeRO1Runtime(DDPRuntime):
 
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             return optimizer
-        return apply_zero1(optimizer, self.layout.axis_mesh(self.mesh, "dp_shard").get_group())
+        # over dp_shard (dp_shard x cp under context parallel)
+        return apply_zero1(optimizer, self.layout.shard_mesh(self.mesh).get_group())
 
 
 class FSDPRuntime(Runtime):

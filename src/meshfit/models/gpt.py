@@ -151,6 +151,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, kv, bias=cfg.bias)
         self.wo = nn.Linear(d, d, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.sequence_shard = None
+        """Under context parallel (`meshfit.parallel.cp.apply_cp`): attention is
+        ``sequence_shard.attend(q, k, v)``, a ring over the ranks holding the sequence."""
 
     def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
         """q, k, v as [B, heads, T, head_dim], RoPE applied to q and k. -1 heads: under
@@ -179,6 +182,9 @@ class Attention(nn.Module):
         the plain causal one."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x, rope)
+        if self.sequence_shard is not None:  # causal, exact: no mask, no dropout
+            y = self.sequence_shard.attend(q, k, v).transpose(1, 2).reshape(B, T, -1)
+            return self.resid_drop(self.wo(y))
         k, v = self._repeat_kv(q, k, v)
         try:
             with _sdpa_context(self.backend):
@@ -294,6 +300,9 @@ class GPT(nn.Module):
                                      persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
+        self.sequence_shard = None
+        """Under context parallel (`meshfit.parallel.cp.apply_cp`): the model takes this
+        rank's part of each sequence and places it at ``sequence_shard.positions``."""
         if self.tok_emb.weight.device.type != "meta":
             self.init_weights()
 
@@ -355,7 +364,19 @@ class GPT(nn.Module):
         where one begins: packed examples, documents kept apart); attention then stays
         inside each document (`document_causal_mask`). Not as a pipeline stage."""
         T = idx.shape[1]
-        if T > self.config.max_seq_len:
+        shard = self.sequence_shard
+        if shard is not None:  # this rank's part of each sequence, at its global positions
+            if positions is not None:
+                raise ValueError("positions= (documents kept apart) with context parallel is "
+                                 "not available yet: the ring attends causally over the whole "
+                                 "sequence")
+            if T * shard.size > self.config.max_seq_len:
+                raise ValueError(
+                    f"sequence length {T * shard.size} ({T} tokens on each of {shard.size} "
+                    f"context-parallel ranks) exceeds GPTConfig.max_seq_len="
+                    f"{self.config.max_seq_len}; shorten the input or raise max_seq_len")
+            placed = shard.positions(T, idx.device)
+        elif T > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {T} exceeds GPTConfig.max_seq_len={self.config.max_seq_len}; "
                 "shorten the input or raise max_seq_len")
@@ -363,7 +384,8 @@ class GPT(nn.Module):
             h = self.tok_emb(idx)
             # Positions go in with the tokens only: a later stage's input already has them.
             if self.pos_emb is not None:
-                h = h + self.pos_emb(torch.arange(T, device=idx.device) if positions is None
+                h = h + self.pos_emb(placed if shard is not None else
+                                     torch.arange(T, device=idx.device) if positions is None
                                      else positions)
             h = self.drop(h)
         else:
@@ -371,6 +393,8 @@ class GPT(nn.Module):
         # Positions come from the sequence, not from the layer index, so a stage starting
         # at layer k rotates exactly as the full model does.
         rope = None if self.rope_cos is None else (self.rope_cos[:T], self.rope_sin[:T])
+        if shard is not None and self.rope_cos is not None:
+            rope = (self.rope_cos[placed], self.rope_sin[placed])
         mask = None
         if positions is not None:
             mask = document_causal_mask(positions)

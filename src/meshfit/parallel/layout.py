@@ -236,8 +236,8 @@ class Layout:
     def fsdp_axes(self) -> tuple[str, ...]:
         """FSDP2's mesh: it shards over the last axis and replicates over the first (HSDP);
         replicate-only keeps a size-1 shard axis, a size-1 replicate axis is dropped."""
-        if self.dims.dp_replicate == 1 and self.dims.dp_shard > 1:
-            return ("dp_shard",)
+        if self.dims.dp_replicate == 1 and self.dims.dp_shard * self.dims.cp > 1:
+            return ("dp_shard",)  # (under cp: `meshfit.parallel.mesh.shard_axis`)
         return DP_AXES
 
     def _forward_collective(self) -> tuple[str, int, str] | None:
@@ -247,6 +247,8 @@ class Layout:
             return "tp", self.dims.tp, "the tensor-parallel all-reduces in forward"
         if self.dims.ep > 1:
             return "ep", self.dims.ep, "the experts' all-to-alls in forward"
+        if self.dims.cp > 1:
+            return "cp", self.dims.cp, "the ring attention's sends and receives in forward"
         if self.zero_stage >= 2:
             return "zero_stage", self.zero_stage, "FSDP's all-gathers in forward"
         return None
@@ -320,6 +322,9 @@ class Layout:
     # The mesh and its sub-meshes by axis name (`meshfit.parallel.mesh`), as methods.
     build_mesh = meshes.build_mesh
     dp_mesh = meshes.dp_mesh
+    grad_mesh = meshes.grad_mesh
+    shard_mesh = meshes.shard_mesh
+    shard_axis = property(meshes.shard_axis)
     fsdp_mesh = meshes.fsdp_mesh
     expert_fsdp_mesh = meshes.expert_fsdp_mesh
     axis_mesh = meshes.axis_mesh

@@ -3,7 +3,10 @@
 The mesh is built once per job (`build_mesh`, a collective over the default group) with the
 layout's named axes, outermost first (`Layout.mesh_axes`); every technique then takes its
 sub-mesh by name and receives it explicitly. With expert parallelism, ``dp_shard`` is made of
-two mesh dimensions, ``(dp_shard_mod_ep, ep)``, flattened back into ``dp_shard``.
+two mesh dimensions, ``(dp_shard_mod_ep, ep)``, flattened back into ``dp_shard``. With
+context parallel, the parameters are replicated over the ``cp`` ranks too: the gradients are
+averaged over ``dp_cp`` (every data-parallel axis and cp, flattened) and FSDP2 shards over
+``dp_shard_cp`` (dp_shard and cp flattened; ``cp`` itself without dp_shard), as torchtitan.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: the layout module imports this one
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["axis_mesh", "build_mesh", "dp_mesh", "expert_fsdp_mesh", "fsdp_mesh"]
+__all__ = ["axis_mesh", "build_mesh", "dp_mesh", "expert_fsdp_mesh", "fsdp_mesh", "grad_mesh",
+           "shard_axis", "shard_mesh"]
 
 
 def build_mesh(layout, device_type: str) -> DeviceMesh:
@@ -37,7 +41,30 @@ def build_mesh(layout, device_type: str) -> DeviceMesh:
     mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
     if ep > 1:
         mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
+    if layout.dims.cp > 1:
+        _slice(mesh, (*layout.dp_axes, "cp"))._flatten("dp_cp")
+        if "dp_shard" in layout.mesh_axes:
+            _slice(mesh, ("dp_shard", "cp"))._flatten("dp_shard_cp")
     return mesh
+
+
+def shard_axis(layout) -> str:
+    """The mesh axis ZeRO shards over: ``dp_shard``, or under cp ``dp_shard_cp`` (``cp``
+    where dp_shard is 1)."""
+    if layout.dims.cp == 1:
+        return "dp_shard"
+    return "dp_shard_cp" if "dp_shard" in layout.mesh_axes else "cp"
+
+
+def shard_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh ZeRO shards over (`shard_axis`)."""
+    return _slice(mesh, shard_axis(layout))
+
+
+def grad_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of the ranks whose gradients are averaged: the data-parallel ranks, and
+    under cp their context-parallel ranks too (`dp_mesh` otherwise)."""
+    return _slice(mesh, "dp_cp") if layout.dims.cp > 1 else dp_mesh(layout, mesh)
 
 
 def dp_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
@@ -48,7 +75,7 @@ def dp_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
 
 def fsdp_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
     """FSDP2's mesh (`Layout.fsdp_axes`): 1-D, or 2-D (replicate, shard) for HSDP."""
-    axes = layout.fsdp_axes
+    axes = tuple(shard_axis(layout) if a == "dp_shard" else a for a in layout.fsdp_axes)
     return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)
 
 

@@ -134,6 +134,9 @@ class ModelOptions:
     built-in plan (`meshfit.parallel.tp.apply_tp`)."""
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict, metadata={"toml": None})
     """Extra keyword arguments for DistributedDataParallel (bucket_cap_mb, ...)."""
+    cp_load_balance: bool = field(default=True, metadata={"toml": None})
+    """cp > 1: rank r holds chunks r and 2·cp-1-r of each sequence (equal causal work on every
+    rank) rather than the r-th contiguous piece (`meshfit.parallel.cp`); [parallel] key."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -152,6 +155,8 @@ class ModelOptions:
         if self.float8_recipe not in FLOAT8_RECIPES:
             raise ValueError(f"{prefix}float8_recipe={self.float8_recipe!r} is not one of "
                              f"{', '.join(FLOAT8_RECIPES)}")
+        if not isinstance(self.cp_load_balance, bool):
+            raise ValueError(f"cp_load_balance={self.cp_load_balance!r} must be True or False")
         if not isinstance(self.ddp_kwargs, Mapping):
             raise ValueError(f"{prefix}ddp_kwargs={self.ddp_kwargs!r} must be a dict of "
                              "DistributedDataParallel keyword arguments")

@@ -8,7 +8,9 @@ The order is torchtitan's, and each step needs the one before it:
    shard as it shards it, so the whole unsharded model never has to fit on one device;
 2. **tensor parallel** on ``mesh["tp"]`` (`apply_tp` needs the plain module and turns its
    parameters into DTensors), then **expert parallel** on ``mesh["ep"]`` (`apply_ep`: each
-   MoE block keeps its own experts, a DTensor shard, and exchanges tokens by all-to-all);
+   MoE block keeps its own experts, a DTensor shard, and exchanges tokens by all-to-all),
+   then **context parallel** on ``mesh["cp"]`` (`apply_cp`: the model takes its part of each
+   sequence, its attention a ring over the cp ranks);
    With ``float8``, the linear layers then become torchao's float8 ones (`apply_float8`);
 3. **activation checkpointing** of each transformer block (`apply_activation_checkpointing`),
    so that the recomputation lives inside what is compiled next;
@@ -64,7 +66,13 @@ def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelO
         from meshfit.parallel.ep import apply_ep
 
         experts = apply_ep(model, ep_mesh, device=device)
-    # 2c. float8 linear layers (torchao), before they are checkpointed and compiled.
+    # 2c. Context parallel: each rank takes its part of every sequence; attention is a ring.
+    cp_mesh = layout.axis_mesh(mesh, "cp")
+    if cp_mesh is not None:
+        from meshfit.parallel.cp import apply_cp
+
+        apply_cp(model, cp_mesh, balanced=options.cp_load_balance)
+    # 2d. float8 linear layers (torchao), before they are checkpointed and compiled.
     if options.float8:
         if tp_mesh is not None:
             raise ValueError("float8=True with tensor parallel (tp > 1) is not available yet; "
@@ -92,7 +100,7 @@ def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelO
             return model  # nothing to synchronise (e.g. an evaluation-only model)
         from meshfit.parallel.ddp import apply_ddp
 
-        return apply_ddp(model, layout.dp_mesh(mesh), device=device, **options.ddp_kwargs)
+        return apply_ddp(model, layout.grad_mesh(mesh), device=device, **options.ddp_kwargs)
     if layout.is_fsdp:
         from meshfit.parallel.fsdp import apply_fsdp
 

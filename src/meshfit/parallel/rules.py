@@ -21,7 +21,7 @@ __all__ = ["AVAILABLE_AXES", "DP_AXES", "Engine", "MixedPrecision", "Offload", "
            "mesh_axes_for", "namer", "options_problem"]
 
 # Axes whose techniques exist today; the others are planned (see the README's feature table).
-AVAILABLE_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
+AVAILABLE_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 DP_AXES = ("dp_replicate", "dp_shard")
 ZERO_STAGES = (0, 1, 2, 3)
 Offload = Literal["none", "cpu"]
@@ -101,6 +101,17 @@ def _axes_available(r: Request, n) -> str | None:
     return None
 
 
+def _cp_rules(r: Request, n) -> str | None:
+    if r.dims.cp == 1:
+        return None
+    for axis in ("tp", "pp", "ep"):
+        if getattr(r.dims, axis) > 1:
+            return (f"{n('cp')}={r.dims.cp} with {n(axis)}={getattr(r.dims, axis)} is not yet "
+                    "available in meshfit; use context parallel with the data-parallel axes "
+                    f"(dp_replicate, dp_shard, ZeRO 0-3), or {axis} without cp")
+    return None
+
+
 def _ep_rules(r: Request, n) -> str | None:
     if r.dims.ep == 1:
         return None
@@ -116,7 +127,7 @@ def _ep_rules(r: Request, n) -> str | None:
 
 
 def _stage_needs_shards(r: Request, n) -> str | None:
-    if r.stage > 0 and r.dims.dp_shard == 1:
+    if r.stage > 0 and r.dims.dp_shard * r.dims.cp == 1:  # (under cp: over dp_shard x cp)
         return (f"{n('zero_stage')}={r.stage} shards over the dp_shard axis, which has size 1; "
                 f"set {n('dp_shard')} > 1 or zero_stage=0")
     if r.stage == 0 and r.dims.dp_shard > 1:
@@ -172,7 +183,7 @@ def _ddp_kwargs_need_ddp(r: Request, n) -> str | None:
     return None
 
 
-_RULES = (_axes_available, _ep_rules, _stage_needs_shards, _offload_needs_stage3,
+_RULES = (_axes_available, _cp_rules, _ep_rules, _stage_needs_shards, _offload_needs_stage3,
           _tp_options_need_tp, _not_yet_with_pp, _ddp_kwargs_need_ddp)
 
 

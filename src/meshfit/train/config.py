@@ -358,8 +358,13 @@ class ParallelConfig(LayoutRequest):
     `meshfit.ParallelDims`, ZeRO sharding, the pipeline schedule; see `meshfit.Accelerator`),
     its errors naming the config keys."""
 
+    cp_load_balance: bool = True
+    """cp > 1: each rank holds a chunk from the start and one from the end of each sequence
+    (equal causal work on every rank); false: the r-th contiguous piece."""
+
     def __post_init__(self) -> None:
         self.check(LAYOUT_NAMES)
+        check_bool("parallel", "cp_load_balance", self.cp_load_balance)
 
 
 @dataclass(frozen=True, kw_only=True)

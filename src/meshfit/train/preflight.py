@@ -81,6 +81,7 @@ def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> L
     if cfg.train.find_batch_size:
         layout.check_batch_probe(names=LAYOUT_NAMES)
     _check_peft(cfg, layout)
+    _check_cp(cfg, layout)
     if cfg.train.float8 and (layout.dims.tp > 1 or cfg.peft.method != "none"):
         raise ValueError(f"train.float8=true with parallel.tp={layout.dims.tp} and peft.method="
                          f"{cfg.peft.method!r} is not available yet: float8 works with tp = 1 and "
@@ -93,6 +94,40 @@ def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> L
         if getattr(cfg.model, name):                     # before the model is built
             import_object(getattr(cfg.model, name), f"model.{name}")
     return layout
+
+
+def _check_cp(cfg, layout: Layout) -> None:
+    """Context parallel runs the reference GPT's attention as a ring over text windows."""
+    cp = layout.dims.cp
+    if cp == 1:
+        return
+    m, d, t = cfg.model, cfg.data, cfg.train
+    if m.source != "preset":
+        raise ValueError(f"parallel.cp={cp} with model.{m.source} is not available yet: "
+                         "context parallel runs the reference GPT's attention as a ring "
+                         "(model.preset); use cp=1 with this model")
+    if d.format != "text" or d.packing or d.document_mask:
+        what = f"data.format={d.format!r}" if d.format != "text" else \
+            "data.packing=true" if d.packing else "data.document_mask=true"
+        raise ValueError(f"parallel.cp={cp} with {what} is not available yet (the ring "
+                         "attends causally over whole windows of text); use data.format="
+                         "'text' without packing or document masks, or cp=1")
+    pieces = 2 * cp if cfg.parallel.cp_load_balance else cp
+    if t.seq_len % pieces:
+        raise ValueError(f"parallel.cp={cp}: train.seq_len={t.seq_len} must divide into "
+                         f"{pieces} equal chunks ({'2 x cp, load-balanced' if pieces > cp else 'cp'}"
+                         f"); use a multiple of {pieces}")
+    from meshfit.models import GPTConfig
+
+    dropout = m.dropout if m.dropout is not None else GPTConfig.preset(m.preset).dropout
+    if dropout > 0:
+        raise ValueError(f"parallel.cp={cp} with model.dropout={dropout} is not available: "
+                         "the ring computes attention exactly, without dropout; set "
+                         "model.dropout=0")
+    if t.compile:
+        raise ValueError(f"parallel.cp={cp} with train.compile=true is not available yet "
+                         "(the ring's sends and receives sit inside each block); set "
+                         "train.compile=false")
 
 
 def _check_peft(cfg, layout: Layout) -> None:

@@ -68,6 +68,7 @@ class ModelSteps:
         return self._cross_entropy(self._loss(x, y, positions))
 
     def _loss(self, x, y, positions):
+        x, y = self.acc.shard_sequence(x, y)  # under cp: this rank's part of each sequence
         return self.loss(self.model, x, y) if positions is None else \
             self.loss(self.model, x, y, positions)
 

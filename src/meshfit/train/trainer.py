@@ -280,7 +280,8 @@ def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator
                                                   use_stateful_dataloader=True),
         gradient_accumulation_steps=cfg.grad_accumulation(env.world_size),
         mixed_precision=t.mixed_precision, tf32=t.tf32, empty_cache_steps=t.empty_cache_steps,
-        **{**t.keywords(), "tp_plan": tp_plan},  # [train]'s ModelOptions, the model's plan
+        # [train]'s ModelOptions, the model's plan, [parallel]'s context-parallel split
+        **{**t.keywords(), "tp_plan": tp_plan, "cp_load_balance": p.cp_load_balance},
         parallel=p.dims(), zero_stage=p.zero_stage, offload=p.offload,
         sync_each_batch=p.sync_each_batch, sequence_parallel=p.sequence_parallel,
         loss_parallel=p.loss_parallel, env=env)
