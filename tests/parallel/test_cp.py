@@ -112,6 +112,10 @@ LAYOUTS = {  # name: (processes, ParallelDims, Accelerator options)
     "cp4": (4, dict(cp=4, dp_replicate=1), {}),
     "cp2xdp2": (4, dict(cp=2, dp_replicate=2), {}),
     "cp2xzero3": (4, dict(cp=2, dp_shard=2, dp_replicate=1), dict(zero_stage=3)),
+    "cp2xtp2": (4, dict(cp=2, tp=2, dp_replicate=1), dict(zero_stage=3)),
+    "cp2xtp2-sp": (4, dict(cp=2, tp=2, dp_replicate=1), dict(zero_stage=1,
+                                                            sequence_parallel=True)),
+    "cp2xpp2": (4, dict(cp=2, pp=2, dp_replicate=1), dict(zero_stage=1)),
 }
 MODELS = {"rope-gqa": dict(pos="rope", n_kv_head=2), "learned": dict(pos="learned")}
 TRAIN_RTOL = 1e-9
@@ -125,7 +129,17 @@ def _train(rank, world_size, name: str | None, model_name: str) -> dict:
     else:
         _, dims, options = LAYOUTS[name]
         acc = Accelerator(parallel=ParallelDims(**dims), mixed_precision="no", **options)
-    model = acc.prepare(tiny_gpt(max_seq_len=SEQ, **MODELS[model_name]))
+    gpt = tiny_gpt(max_seq_len=SEQ, **MODELS[model_name])
+    if acc.parallel.pp > 1:
+        model = acc.prepare_pipeline(gpt, schedule="1f1b", microbatches=2)
+        train_step = model.step
+    else:
+        model = acc.prepare(gpt)
+
+        def train_step(xs, ys):
+            loss = model(xs, ys)
+            acc.backward(loss)
+            return loss
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=3e-3))
     x, y = token_batches(STEPS * GLOBAL, SEQ)
     dp, r = acc.runtime.dp_size, acc.runtime.dp_rank
@@ -133,9 +147,7 @@ def _train(rank, world_size, name: str | None, model_name: str) -> dict:
     losses = []
     for step in range(STEPS):
         rows = slice(step * GLOBAL + r * per, step * GLOBAL + (r + 1) * per)
-        xs, ys = acc.shard_sequence(x[rows], y[rows])
-        loss = model(xs, ys)
-        acc.backward(loss)
+        loss = train_step(*acc.shard_sequence(x[rows], y[rows]))
         opt.step()
         opt.zero_grad()
         losses.append(acc.reduce(loss.detach(), "mean").item())

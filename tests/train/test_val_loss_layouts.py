@@ -46,6 +46,9 @@ LAYOUTS = {  # name: (processes, [parallel] settings)
     "cp2-contiguous-zero3": (2, {"cp": 2, "dp_replicate": 1, "zero_stage": 3,
                                  "cp_load_balance": False}),
     "cp2xdp2": (4, {"cp": 2, "dp_replicate": 2}),
+    "cp2xtp2-sp": (4, {"cp": 2, "tp": 2, "dp_replicate": 1, "zero_stage": 1,
+                       "sequence_parallel": True}),
+    "cp2xpp2": (4, {"cp": 2, "pp": 2, "dp_replicate": 1, "zero_stage": 1, "microbatches": 2}),
     "moe-ep2": (2, {"dp_shard": 2, "ep": 2, "zero_stage": 1}),
     "moe-ep2xpp2": (4, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}),
 }

@@ -104,11 +104,15 @@ def _axes_available(r: Request, n) -> str | None:
 def _cp_rules(r: Request, n) -> str | None:
     if r.dims.cp == 1:
         return None
-    for axis in ("tp", "pp", "ep"):
-        if getattr(r.dims, axis) > 1:
-            return (f"{n('cp')}={r.dims.cp} with {n(axis)}={getattr(r.dims, axis)} is not yet "
-                    "available in meshfit; use context parallel with the data-parallel axes "
-                    f"(dp_replicate, dp_shard, ZeRO 0-3), or {axis} without cp")
+    if r.dims.ep > 1:
+        return (f"{n('cp')}={r.dims.cp} with {n('ep')}={r.dims.ep} is not yet available in "
+                "meshfit; use context parallel with the data-parallel axes, tp and pp, or ep "
+                "without cp")
+    axis = "tp" if r.dims.tp > 1 else "pp" if r.dims.pp > 1 else None
+    if axis and r.stage == 0:
+        return (f"{n('zero_stage')}=0 with {n('cp')}={r.dims.cp} and {n(axis)}="
+                f"{getattr(r.dims, axis)}: the data-parallel engine of a {axis} model (FSDP2) "
+                "shards its parameters over dp_shard x cp; set zero_stage 1, 2 or 3")
     return None
 
 
@@ -231,10 +235,10 @@ def engine_for(dims: ParallelDims, stage: int, distributed: bool) -> Engine:
     if not distributed:
         return Engine.NONE
     model_parallel = dims.tp > 1 or dims.pp > 1 or dims.ep > 1
-    if model_parallel and dims.dp == 1:
+    if model_parallel and dims.dp * dims.cp == 1:
         return Engine.NONE
-    if model_parallel:
-        return Engine.FSDP2_REPLICATE if dims.dp_shard == 1 else Engine.FSDP2
+    if model_parallel:  # (under cp: FSDP2 shards over dp_shard x cp)
+        return Engine.FSDP2_REPLICATE if dims.dp_shard * dims.cp == 1 else Engine.FSDP2
     if stage >= 2:
         return Engine.FSDP2
     return Engine.DDP if stage == 0 else Engine.ZERO1

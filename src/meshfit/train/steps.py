@@ -112,6 +112,7 @@ class PipelineSteps:
         """The pipeline batch's mean loss over its counted targets, backpropagated; with
         `weight` (`ModelSteps.forward_backward`) scaled by it. (Packed rows, `positions`,
         are refused before launch under pp.)"""
+        x, y = self.acc.shard_sequence(x, y)  # under cp: this rank's part of each sequence
         if weight is None:
             return self.pipeline.step(x, y, scale=1.0 / accum)
         if weight == 0:  # no trained target: one made up, weighing nothing
@@ -120,7 +121,7 @@ class PipelineSteps:
         return self.pipeline.step(x, y, scale=weight / accum) * weight
 
     def eval_loss(self, x, y, positions=None) -> torch.Tensor:
-        return self.pipeline.eval_loss(x, y)
+        return self.pipeline.eval_loss(*self.acc.shard_sequence(x, y))
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return self.acc.clip_grad_norm_(self.pipeline, max_norm)  # every stage's part
