@@ -37,9 +37,13 @@ FILES = {
     "bad_calib.json": "{ not json",
     "hfconf/": None,
     "hfconf/config.json": '{"model_type": "nosuchmodel"}',
-    "llamaconf/config.json": ('{"model_type": "llama", "hidden_size": 32, "intermediate_size":'
-                              ' 64, "num_attention_heads": 4, "num_hidden_layers": 1, '
-                              '"vocab_size": 300, "max_position_embeddings": 256}'),
+    "mistralconf/config.json": ('{"model_type": "mistral", "hidden_size": 32, '
+                                '"intermediate_size": 64, "num_attention_heads": 4, '
+                                '"num_hidden_layers": 1, "vocab_size": 300, '
+                                '"max_position_embeddings": 256, "sliding_window": 16}'),
+    "gpt2conf/config.json": ('{"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, '
+                             '"vocab_size": 300, "n_positions": 256, "bos_token_id": 0, '
+                             '"eos_token_id": 0}'),
     "script.py": "raise SystemExit('the script ran')\n",
     "scripts/": None,
 }
@@ -278,10 +282,12 @@ T = [  # meshfit train: config overrides
                          "--model.dropout=0.1"], ["parallel.cp=2 with model.dropout=0.1"]),
     ("cp with compile", ["--nproc", "2", "--parallel.cp=2", "--parallel.dp_replicate=1",
                          "--train.compile=true"], ["parallel.cp=2 with train.compile=true"]),
-    ("cp with a Hugging Face config", ["--nproc", "2", "--parallel.cp=2",
-                                       "--parallel.dp_replicate=1",
-                                       "--model.hf_config={t}/llamaconf"],
-     ["parallel.cp=2 with model.hf_config"]),
+    ("cp with a sliding window", ["--nproc", "2", "--parallel.cp=2",
+                                  "--parallel.dp_replicate=1", "--model.hf_config={t}/mistralconf"],
+     ["parallel.cp=2 with model.hf_config=", "sliding_window=16", "not available"]),
+    ("cp with a GPT-2 config", ["--nproc", "2", "--parallel.cp=2", "--parallel.dp_replicate=1",
+                                "--model.hf_config={t}/gpt2conf"],
+     ["parallel.cp=2 with model.hf_config=", "model_type 'gpt2' is not yet supported"]),
     ("cp_load_balance int", ["--parallel.cp_load_balance=2"], ["parallel.cp_load_balance=2"]),
     # [checkpoint] and [log]
     ("checkpoint.every negative", ["--checkpoint.every=-1"], ["checkpoint.every=-1"]),

@@ -10,8 +10,10 @@ attention as a ring of key/value blocks.
   1e-12, while a misplaced chunk, a wrong mask or a lost dk/dv block is off by > 1e-2.
 - Training through `Accelerator(parallel=ParallelDims(cp=...))` and `shard_sequence`: the
   reference GPT (RoPE with grouped-query attention, and learned positions) under cp2, cp4,
-  cp2 x ZeRO-1/2/3 (sharded over the cp ranks), cp2 x dp2 and cp2 x ZeRO-3 over dp_shard 2
-  (dp_shard_cp = 4), balanced and not, logs the one-process losses over 3 AdamW steps and
+  cp2 x ZeRO-1/2/3 (sharded over the cp ranks), cp2 x dp2, cp2 x ZeRO-3 over dp_shard 2
+  (dp_shard_cp = 4), cp2 x tp2 (with and without sequence parallel) and cp2 x pp2, balanced
+  and not; transformers' Llama, Qwen2 and Mistral (attention swapped through transformers'
+  attention interface) under cp2, cp2 x ZeRO-3, cp4 and cp2 x tp2 + SP; logs the one-process losses over 3 AdamW steps and
   ends with its weights (fp64, 1e-9: the order of sums only, grown by Adam; a token placed
   at the wrong position or a gradient averaged over the wrong ranks is off by > 1e-3).
 """
@@ -117,7 +119,33 @@ LAYOUTS = {  # name: (processes, ParallelDims, Accelerator options)
                                                             sequence_parallel=True)),
     "cp2xpp2": (4, dict(cp=2, pp=2, dp_replicate=1), dict(zero_stage=1)),
 }
-MODELS = {"rope-gqa": dict(pos="rope", n_kv_head=2), "learned": dict(pos="learned")}
+MODELS = {"rope-gqa": dict(pos="rope", n_kv_head=2), "learned": dict(pos="learned"),
+          "hf-llama": None, "hf-qwen2": None, "hf-mistral": None}
+HF_LAYOUTS = ("cp2", "cp2-zero3", "cp4", "cp2xtp2-sp")  # (transformers' models: these)
+
+
+def _build(model_name: str):
+    import transformers
+
+    from reference import hf_llama, hf_qwen2
+
+    if model_name == "hf-llama":
+        return hf_llama()
+    if model_name == "hf-qwen2":
+        return hf_qwen2()
+    if model_name == "hf-mistral":
+        torch.manual_seed(0)
+        cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         num_hidden_layers=2, vocab_size=256,
+                                         max_position_embeddings=32, sliding_window=None)
+        return transformers.MistralForCausalLM(cfg).double()
+    return tiny_gpt(max_seq_len=SEQ, **MODELS[model_name])
+
+
+def _cases(nproc: int):
+    return {f"{name}/{m}": (_train, name, m) for name, (n, _, _) in LAYOUTS.items()
+            if n == nproc for m in MODELS if not m.startswith("hf") or name in HF_LAYOUTS}
 TRAIN_RTOL = 1e-9
 
 
@@ -129,7 +157,7 @@ def _train(rank, world_size, name: str | None, model_name: str) -> dict:
     else:
         _, dims, options = LAYOUTS[name]
         acc = Accelerator(parallel=ParallelDims(**dims), mixed_precision="no", **options)
-    gpt = tiny_gpt(max_seq_len=SEQ, **MODELS[model_name])
+    gpt = _build(model_name)
     if acc.parallel.pp > 1:
         model = acc.prepare_pipeline(gpt, schedule="1f1b", microbatches=2)
         train_step = model.step
@@ -137,7 +165,11 @@ def _train(rank, world_size, name: str | None, model_name: str) -> dict:
         model = acc.prepare(gpt)
 
         def train_step(xs, ys):
-            loss = model(xs, ys)
+            if model_name.startswith("hf"):
+                out = model(input_ids=xs).logits
+                loss = F.cross_entropy(out.flatten(0, 1), ys.flatten())
+            else:
+                loss = model(xs, ys)
             acc.backward(loss)
             return loss
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -160,17 +192,15 @@ def trained():
     one = {m: _train(0, 1, None, m) for m in MODELS}
     runs = {}
     for nproc in (2, 4):
-        runs.update(run_cases({f"{name}/{m}": (_train, name, m) for name, (n, _, _) in
-                               LAYOUTS.items() if n == nproc for m in MODELS}, nproc,
-                              timeout=300))
+        runs.update(run_cases(_cases(nproc), nproc, timeout=300))
     return one, runs
 
 
-@pytest.mark.parametrize("model_name", MODELS)
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_context_parallel_layouts_train_like_one_process(trained, name, model_name):
+@pytest.mark.parametrize("case", [*_cases(2), *_cases(4)])
+def test_context_parallel_layouts_train_like_one_process(trained, case):
     one, runs = trained
-    got = case_result(runs, f"{name}/{model_name}")[0]
+    name, model_name = case.split("/")
+    got = case_result(runs, case)[0]
     want = one[model_name]
     assert got["losses"] == pytest.approx(want["losses"], rel=TRAIN_RTOL)
     for key, value in want["state"].items():

@@ -108,6 +108,9 @@ def _config(files, case: str, nproc: int):
     if case == "hf_model_zero3":
         model = {"hf_model": str(files / "llama")}
         parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} if nproc == 2 else {}
+    elif case == "hf_model_cp2":  # context parallel: the attention a ring over 2 ranks
+        model = {"hf_model": str(files / "llama")}
+        parallel = {"cp": 2, "dp_replicate": 1, "zero_stage": 3} if nproc == 2 else {}
     elif case == "hf_model_pp":
         model = {"hf_model": str(files / "llama")}
         parallel = {"pp": 2, "dp_replicate": 1} if nproc == 2 else {}
@@ -146,7 +149,7 @@ def _config(files, case: str, nproc: int):
 
 CASES = ("hf_model_zero3", "hf_model_pp", "factory_tp", "lora_gpt2_zero3", "lora_hf_model_ddp",
          "lora_hf_model_zero3", "lora_hf_model_tp", "lora_hf_model_pp", "lora_gpt_tp_sp",
-         "hf_model_docs", "qlora_hf_model_ddp", "qlora_hf_model_zero3")
+         "hf_model_docs", "qlora_hf_model_ddp", "qlora_hf_model_zero3", "hf_model_cp2")
 
 
 def _train_cases(rank, world_size, files):
@@ -227,7 +230,7 @@ def test_hf_model_is_loaded_then_written_as_a_from_pretrained_folder(runs):
     # every layout evaluates the same windows: eval_batches x micro_batch_size of them
     n = cfg.eval_windows()
     assert vals[0] == pytest.approx(_val_loss(original, cfg, n, hf=True), rel=RTOL)
-    for case in ("hf_model_zero3-2", "hf_model_pp-2", "hf_model_zero3-1"):
+    for case in ("hf_model_zero3-2", "hf_model_pp-2", "hf_model_zero3-1", "hf_model_cp2-2"):
         folder = runs / case / "model"
         trained = transformers.LlamaForCausalLM.from_pretrained(folder)
         _, vals = _losses(runs / case)
@@ -237,6 +240,8 @@ def test_hf_model_is_loaded_then_written_as_a_from_pretrained_folder(runs):
         # inference servers and converters choose the class by this field.
         config = json.loads((folder / "config.json").read_text())
         assert config["architectures"] == ["LlamaForCausalLM"], case
+        # (and not the ring's attention implementation, which exists in the run only)
+        assert "meshfit" not in json.dumps(config), case
     merged = json.loads((runs / "lora_gpt2_zero3-2" / "model" / "config.json").read_text())
     assert merged["architectures"] == ["GPT2LMHeadModel"]
 

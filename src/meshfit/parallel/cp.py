@@ -37,7 +37,7 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["SequenceShard", "apply_cp", "chunk_ids", "ring_attention", "sequence_positions",
+__all__ = ["HF_FAMILIES", "SequenceShard", "apply_cp", "check_hf_config", "chunk_ids", "ring_attention", "sequence_positions",
            "shard_sequence", "unshard_sequence"]
 
 
@@ -283,19 +283,34 @@ class SequenceShard:
         return ring_attention(q, k, v, self.group, balanced=self.balanced)
 
 
+HF_FAMILIES = ("llama", "qwen2", "mistral")
+"""transformers model types whose attention `apply_cp` runs as the ring (causal, RoPE from
+position ids, grouped-query attention; no sliding window)."""
+_HF_IMPLEMENTATION = "meshfit_ring"
+
+
 def apply_cp(model: torch.nn.Module, cp_mesh, *, balanced: bool = True) -> SequenceShard:
-    """Make `model` (the reference GPT, or a LoRA-adapted one) take this rank's part of each
-    sequence: its attention becomes the ring over `cp_mesh`, its positions the tokens'
-    global ones. Returns the `SequenceShard` (the inputs and targets fed to the model must be
-    cut by its `shard`)."""
+    """Make `model` take this rank's part of each sequence: its attention becomes the ring
+    over `cp_mesh`, its positions the tokens' global ones. The reference GPT, and
+    transformers' Llama, Qwen2 and Mistral (their attention swapped through transformers'
+    attention interface, their position ids filled in), LoRA-adapted or not. Returns the
+    `SequenceShard` (the inputs and targets fed to the model must be cut by its `shard`)."""
+    import sys
+
     from meshfit.models import GPT
     from meshfit.models.gpt import Attention
     from meshfit.models.plans import adapted_model
 
     base = adapted_model(model)
+    hf = sys.modules.get("transformers")
+    if hf is not None and isinstance(base, hf.PreTrainedModel):
+        shard = SequenceShard(cp_mesh.get_group(), balanced)
+        _apply_cp_hf(base, shard)
+        return shard
     if not isinstance(base, GPT):
-        raise ValueError(f"context parallel (cp > 1) runs the reference GPT's attention as a "
-                         f"ring; {type(base).__name__} is not yet supported")
+        raise ValueError(f"context parallel (cp > 1) runs the attention of the reference GPT "
+                         f"and of transformers' {', '.join(HF_FAMILIES)} models as a ring; "
+                         f"{type(base).__name__} is not yet supported")
     if base.config.dropout > 0:
         raise ValueError(f"context parallel (cp > 1) with attention dropout "
                          f"(dropout={base.config.dropout}) is not available: the ring computes "
@@ -306,3 +321,67 @@ def apply_cp(model: torch.nn.Module, cp_mesh, *, balanced: bool = True) -> Seque
         if isinstance(module, Attention):
             module.sequence_shard = shard
     return shard
+
+
+def check_hf_config(config, seq_len: int | None = None) -> str | None:
+    """Why a transformers model of `config` cannot run under context parallel, or None."""
+    kind = getattr(config, "model_type", None)
+    if kind not in HF_FAMILIES:
+        return (f"model_type {kind!r} is not yet supported (the ring replaces the attention "
+                f"of transformers' {', '.join(HF_FAMILIES)} models); use cp=1 with it")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and (
+            seq_len is None or window < seq_len):
+        return (f"its sliding-window attention (sliding_window={window}) is not available: "
+                "the ring attends to the whole sequence; use a model or a sequence length "
+                "without the window")
+    if getattr(config, "attention_dropout", 0.0):
+        return (f"attention_dropout={config.attention_dropout} is not available: the ring "
+                "computes attention exactly; set it to 0")
+    return None
+
+
+def _hf_ring(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-interface function: the ring over `module.sequence_shard`
+    (query [B, H, T, D], key/value [B, Hkv, T, D]; the causal mask is the ring's own)."""
+    shard = module.sequence_shard
+    out = ring_attention(query, key, value, shard.group, balanced=shard.balanced,
+                         scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # the ring masks causally itself: no [T, T] mask is ever built
+
+
+def _apply_cp_hf(model, shard: SequenceShard) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    problem = check_hf_config(model.config)
+    if problem:
+        raise ValueError(f"context parallel (cp > 1): {problem}")
+    AttentionInterface.register(_HF_IMPLEMENTATION, _hf_ring)
+    AttentionMaskInterface.register(_HF_IMPLEMENTATION, _no_mask)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")
+              and hasattr(m, "o_proj")]
+    if not layers:
+        raise ValueError(f"context parallel: found no attention layer in "
+                         f"{type(model).__name__}")
+    for layer in layers:
+        layer.sequence_shard = shard
+    model.config._attn_implementation = _HF_IMPLEMENTATION
+
+    def place(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs["inputs_embeds"]
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError("context parallel: an attention_mask (padding) is not "
+                             "available; the ring attends causally over whole sequences")
+        if kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = shard.positions(ids.shape[1], ids.device).expand(
+                ids.shape[0], -1)
+        return args, kwargs
+
+    model.register_forward_pre_hook(place, with_kwargs=True)

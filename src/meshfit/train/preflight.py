@@ -102,10 +102,22 @@ def _check_cp(cfg, layout: Layout) -> None:
     if cp == 1:
         return
     m, d, t = cfg.model, cfg.data, cfg.train
-    if m.source != "preset":
+    if m.source in ("hf_config", "hf_model"):
+        import transformers
+
+        from meshfit.parallel.cp import check_hf_config
+
+        folder = str(Path(getattr(m, m.source)).expanduser())
+        problem = check_hf_config(transformers.AutoConfig.from_pretrained(
+            folder, local_files_only=True), t.seq_len)
+        if problem:
+            raise ValueError(f"parallel.cp={cp} with model.{m.source}={getattr(m, m.source)!r}"
+                             f": {problem}")
+    elif m.source != "preset":
         raise ValueError(f"parallel.cp={cp} with model.{m.source} is not available yet: "
-                         "context parallel runs the reference GPT's attention as a ring "
-                         "(model.preset); use cp=1 with this model")
+                         "context parallel runs the attention of the reference GPT and of "
+                         "transformers' Llama, Qwen2 and Mistral as a ring; use cp=1 with "
+                         "this model")
     if d.format != "text" or d.packing or d.document_mask:
         what = f"data.format={d.format!r}" if d.format != "text" else \
             "data.packing=true" if d.packing else "data.document_mask=true"
@@ -119,7 +131,8 @@ def _check_cp(cfg, layout: Layout) -> None:
                          f"); use a multiple of {pieces}")
     from meshfit.models import GPTConfig
 
-    dropout = m.dropout if m.dropout is not None else GPTConfig.preset(m.preset).dropout
+    dropout = 0.0 if m.source != "preset" else m.dropout if m.dropout is not None \
+        else GPTConfig.preset(m.preset).dropout
     if dropout > 0:
         raise ValueError(f"parallel.cp={cp} with model.dropout={dropout} is not available: "
                          "the ring computes attention exactly, without dropout; set "
