@@ -12,7 +12,8 @@ deferred import is still a dependency). Layers, bottom to top:
     2  meshfit.parallel, optim, memory, peft,  the techniques; distributed checkpoints;
        meshfit.checkpoint, meshfit.plan,       memory estimates and the layout planner;
        meshfit.tracking, optim_names           experiment trackers; optimizer names
-    3  meshfit.accelerator, meshfit.utils      the facade for users' loops; Accelerate's names
+    3  meshfit.accelerator, meshfit.utils,     the facade for users' loops; Accelerate's names
+       meshfit.parallelism_config
     4  meshfit.train, meshfit.launch,          the commands: meshfit train (config, preflight,
        meshfit.cli, meshfit.__main__           loop), the launcher, every subcommand's CLI
 
@@ -33,7 +34,7 @@ LAYERS = [("meshfit._quiet", 0), ("meshfit._files", 0), ("meshfit._lazy", 0),
           ("meshfit.optim_names", 2), ("meshfit.memory", 2), ("meshfit.peft", 2),
           ("meshfit.checkpoint", 2),
           ("meshfit.plan", 2), ("meshfit.tracking", 2),
-          ("meshfit.accelerator", 3), ("meshfit.utils", 3),
+          ("meshfit.accelerator", 3), ("meshfit.utils", 3), ("meshfit.parallelism_config", 3),
           ("meshfit.train", 4), ("meshfit.launch", 4), ("meshfit.cli", 4),
           ("meshfit.__main__", 4)]
 

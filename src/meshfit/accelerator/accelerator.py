@@ -95,6 +95,7 @@ class Accelerator(AcceleratorAttributes):
         self.scaler_handler, self.autocast_handler = handlers.scaler, handlers.autocast
         self.profile_handler = handlers.profile
         self.fsdp_plugin = arguments.fsdp_plugin
+        self.parallelism_config = arguments.parallelism_config
         self.dataloader_config = loop.dataloader_config
         self.rng_types = list(loop.rng_types)
         self.project_configuration = arguments.project_configuration
@@ -390,6 +391,51 @@ class Accelerator(AcceleratorAttributes):
         """Pad each tensor along `dim` to the largest size any data-parallel rank holds."""
         return pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first,
                                     group=self.runtime.dp_group)
+
+    @property
+    def torch_device_mesh(self):
+        """The job's `DeviceMesh` (None on one process): its axes by name (``pp``,
+        ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; those of size 1 left out, as
+        `meshfit.parallel.layout.Layout.mesh_axes` decides) and the flattened ``dp_cp`` (the
+        ranks a loss is averaged over) and, under cp, ``dp_shard_cp``: Accelerate's names."""
+        return self.runtime.mesh
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
+                               buffer_seq_dims: list[int] | None = None,
+                               no_restore_buffers: set[torch.Tensor] | None = None):
+        """Accelerate's context manager: under context parallel, each tensor of `buffers` is
+        cut in place to this rank's part of its sequence dimension (`buffer_seq_dims`, one
+        per buffer; `shard_sequence`'s split), and put back on exit unless it is in
+        `no_restore_buffers`. Without cp it does nothing. Enter it anew for every batch."""
+        buffers = list(buffers or [])
+        dims = list(buffer_seq_dims or [])
+        if len(dims) != len(buffers):
+            raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but "
+                             f"{len(dims)} buffer_seq_dims; give one sequence dimension per "
+                             "buffer")
+        keep = {id(b) for b in (no_restore_buffers or ())}
+        if keep - {id(b) for b in buffers}:
+            raise ValueError("maybe_context_parallel: no_restore_buffers must be a subset "
+                             "of buffers")
+        if self.runtime.cp_mesh is None:
+            yield
+            return
+        saved = []
+        for buffer, dim in zip(buffers, dims):
+            part = self.shard_sequence(buffer, dim=dim)
+            if id(buffer) not in keep:
+                saved.append((buffer, buffer.clone()))
+            with torch.no_grad():
+                buffer.resize_(part.shape)
+                buffer.copy_(part)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, whole in saved:
+                    buffer.resize_(whole.shape)
+                    buffer.copy_(whole)
 
     def shard_sequence(self, *tensors: torch.Tensor, dim: int = 1):
         """Under context parallel (``ParallelDims(cp=C)``): this rank's part of each tensor's

@@ -15,8 +15,12 @@ defaults and meaning (a script written for Accelerate runs with ``accelerate`` r
     cpu: run on the CPU (gloo) even where CUDA is available; None: ``MESHFIT_CPU``, else
         False; ``ACCELERATE_USE_CPU=true`` (``accelerate launch --cpu``) means True.
     fsdp_plugin: instead of ``parallel``/``zero_stage`` (`FullyShardedDataParallelPlugin`).
-    deepspeed_plugin, torch_tp_plugin, megatron_lm_plugin, dynamo_plugin, deepspeed_plugins,
-        parallelism_config: None only (``parallel``, ``zero_stage``, ``compile`` instead).
+    deepspeed_plugin, torch_tp_plugin, megatron_lm_plugin, dynamo_plugin, deepspeed_plugins:
+        None only (``parallel``, ``zero_stage``, ``compile`` instead).
+    parallelism_config: Accelerate's ``ParallelismConfig(dp_replicate_size=, dp_shard_size=,
+        tp_size=, cp_size=)``, instead of ``parallel`` (its sizes; all 1: every process on
+        dp_replicate, as Accelerate); with an FSDP plugin, the plugin gives the ZeRO stage.
+        ``sp_size`` > 1 (DeepSpeed's Ulysses) is refused.
     rng_types: ``"generator"`` (default: the shuffling one), ``"torch"`` or ``"cuda"``.
     log_with: tracker names (``"csv"`` too) or objects (`meshfit.accelerator.trackers`).
     dynamo_backend: ``torch.compile`` the whole prepared model with it (``"no"``: not at all).
@@ -81,7 +85,7 @@ UNSET = object()  # an argument not given (Accelerate's split_batches)
 
 # Accelerate's arguments meshfit has no counterpart for: None only.
 _UNAVAILABLE = ("deepspeed_plugin", "deepspeed_plugins", "torch_tp_plugin",
-                "megatron_lm_plugin", "dynamo_plugin", "parallelism_config")
+                "megatron_lm_plugin", "dynamo_plugin")
 HANDLER_TYPES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, GradScalerKwargs,
                  AutocastKwargs, ProfileKwargs)
 _TRUE = ("1", "true", "yes")  # ACCELERATE_USE_CPU values that mean True
@@ -145,6 +149,8 @@ class Arguments:
     process: ProcessOptions
     handlers: Handlers
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
+    parallelism_config: Any = None
+    """Accelerate's ParallelismConfig as given (its sizes are in `layout`)."""
     project_configuration: ProjectConfiguration
     log_with: tuple = ()  # tracker names (lower case) and tracker objects
     warnings: tuple[str, ...] = ()  # for the caller to issue (without the "meshfit: " prefix)
@@ -205,6 +211,7 @@ def read_arguments(given: Mapping[str, Any],
         autocast_kwargs=None if handlers.autocast is None else handlers.autocast.to_kwargs())
     return Arguments(layout=layout, model=model, precision=precision, loop=loop, process=process,
                      handlers=handlers, fsdp_plugin=given["fsdp_plugin"],
+                     parallelism_config=given["parallelism_config"],
                      project_configuration=project, log_with=log_with,
                      warnings=() if given["split_batches"] is UNSET else (_SPLIT_BATCHES,))
 
@@ -216,7 +223,8 @@ def resolve_layout(arguments: Arguments, env: DistEnv) -> Layout:
     request, plugin = arguments.layout, arguments.fsdp_plugin
     if plugin is not None and env.world_size > 1:
         zero_stage = plugin.zero_stage()
-        sizes = ParallelDims(dp_replicate=1, dp_shard=-1).sizes() if zero_stage else {}
+        sizes = ParallelDims(dp_replicate=1, dp_shard=-1).sizes() \
+            if zero_stage and arguments.parallelism_config is None else {}
         request = dataclasses.replace(request, **sizes, zero_stage=zero_stage or None)
     if not arguments.process.device_placement and env.device.type != "cpu":
         raise ValueError("Accelerator(device_placement=False) is available on the CPU only; "
@@ -384,8 +392,41 @@ def _layout_request(given: Mapping[str, Any], *, offload: str, sync_each_batch: 
     options = dict(zero_stage=given["zero_stage"], offload=offload,
                    sync_each_batch=sync_each_batch, sequence_parallel=given["sequence_parallel"],
                    loss_parallel=given["loss_parallel"])
-    check_options(parallel=given["parallel"], mixed_precision=mixed_precision, **options)
-    return LayoutRequest.of(given["parallel"], **options)
+    dims = given["parallel"]
+    if given["parallelism_config"] is not None:
+        if dims is not None:
+            raise ValueError("Accelerator(parallelism_config=..., parallel=...): give the "
+                             "layout once, as one or the other")
+        dims = _parallelism_dims(given["parallelism_config"])
+    check_options(parallel=dims, mixed_precision=mixed_precision, **options)
+    return LayoutRequest.of(dims, **options)
+
+
+def _parallelism_dims(config) -> ParallelDims:
+    """The `ParallelDims` of Accelerate's ParallelismConfig (sizes None meaning 1; all 1:
+    every process on dp_replicate, as Accelerate fills it in)."""
+    names = {"dp_replicate": "dp_replicate_size", "dp_shard": "dp_shard_size",
+             "tp": "tp_size", "cp": "cp_size"}
+    if not all(hasattr(config, a) for a in names.values()):
+        raise ValueError(f"parallelism_config={config!r} must be Accelerate's "
+                         "ParallelismConfig (dp_replicate_size, dp_shard_size, tp_size, "
+                         "cp_size)")
+    if (getattr(config, "sp_size", None) or 1) > 1:
+        raise ValueError(f"ParallelismConfig(sp_size={config.sp_size}) (DeepSpeed's Ulysses "
+                         "sequence parallel) is not available in meshfit; split the sequence "
+                         "with cp_size (ring attention) instead")
+    backend = getattr(config, "cp_backend", None)
+    if backend not in (None, "torch"):
+        raise ValueError(f"ParallelismConfig(cp_backend={backend!r}) is not available in "
+                         "meshfit; leave it unset (meshfit's own ring attention)")
+    sizes = {axis: getattr(config, attr) or 1 for axis, attr in names.items()}
+    for axis, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"ParallelismConfig({names[axis]}={size!r}) must be an integer "
+                             ">= 1")
+    if all(size == 1 for size in sizes.values()):
+        return ParallelDims()  # every process on dp_replicate
+    return ParallelDims(**sizes)
 
 
 def init_kwargs(handler: InitProcessGroupKwargs | None) -> dict:

@@ -41,10 +41,13 @@ def build_mesh(layout, device_type: str) -> DeviceMesh:
     mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
     if ep > 1:
         mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
-    if layout.dims.cp > 1:
-        _slice(mesh, (*layout.dp_axes, "cp"))._flatten("dp_cp")
-        if "dp_shard" in layout.mesh_axes:
-            _slice(mesh, ("dp_shard", "cp"))._flatten("dp_shard_cp")
+    # The ranks a loss is averaged over (Accelerate's and torchtitan's name), and under cp
+    # the ranks ZeRO shards over.
+    cp = ("cp",) if layout.dims.cp > 1 else ()
+    if ep == 1:  # (under ep, dp_shard is itself a flattened pair: dp_mesh's "dp" then)
+        _slice(mesh, (*layout.dp_axes, *cp))._flatten("dp_cp")
+    if cp and "dp_shard" in layout.mesh_axes:
+        _slice(mesh, ("dp_shard", "cp"))._flatten("dp_shard_cp")
     return mesh
 
 
@@ -64,7 +67,7 @@ def shard_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
 def grad_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh of the ranks whose gradients are averaged: the data-parallel ranks, and
     under cp their context-parallel ranks too (`dp_mesh` otherwise)."""
-    return _slice(mesh, "dp_cp") if layout.dims.cp > 1 else dp_mesh(layout, mesh)
+    return _slice(mesh, "dp_cp") if layout.dims.ep == 1 else dp_mesh(layout, mesh)
 
 
 def dp_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:

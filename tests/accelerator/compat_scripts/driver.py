@@ -25,7 +25,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 CASES = ["shards", "accumulation", "scheduler", "uneven_eval", "checkpointing", "utilities",
-         "tracking"]
+         "context_parallel", "tracking"]
+# Accelerate's context parallel needs GPU attention kernels: on 2 CPU processes it is not
+# run (tests/accelerator/test_accelerate_compat.py compares meshfit's 2 with its 1).
+ONE_PROCESS_UNDER_ACCELERATE = ("context_parallel",)
 
 
 def as_meshfit(source: str) -> str:
@@ -72,6 +75,9 @@ def main() -> None:
         script_args = argparse.Namespace(
             cpu=True, mixed_precision=None,
             output_dir=str(out / f"{args.framework}-{world}" / case))
+        if args.framework == "accelerate" and world > 1 \
+                and case in ONE_PROCESS_UNDER_ACCELERATE:
+            continue
         try:
             module = load(case, args.framework)
             reset(args.framework)
