@@ -3,7 +3,7 @@ attention as a ring of key/value blocks.
 
 - The ring against unsharded attention (torch's `scaled_dot_product_attention`, causal, on
   the whole sequence in one process): on cp = 2 and 4 gloo ranks, with head-tail load
-  balancing and without, with grouped-query attention (4 query heads on 2 kv heads), the
+  balancing and without, each block on torch's fused CPU kernel and as matmuls, with grouped-query attention (4 query heads on 2 kv heads), the
   output and the gradients of q, k and v of each rank's tokens equal that part of the
   unsharded ones. fp64: the ring sums the same terms in another order (blocks merged by
   log-sum-exp), ~1e-16 relative per operation over a few dozen operations; the tolerance is
@@ -13,7 +13,9 @@ attention as a ring of key/value blocks.
   cp2 x ZeRO-1/2/3 (sharded over the cp ranks), cp2 x dp2, cp2 x ZeRO-3 over dp_shard 2
   (dp_shard_cp = 4), cp2 x tp2 (with and without sequence parallel) and cp2 x pp2, balanced
   and not; transformers' Llama, Qwen2 and Mistral (attention swapped through transformers'
-  attention interface) under cp2, cp2 x ZeRO-3, cp4 and cp2 x tp2 + SP; logs the one-process losses over 3 AdamW steps and
+  attention interface) under cp2, cp2 x ZeRO-3, cp4 and cp2 x tp2 + SP; mixtures of experts
+  (the reference GPT's MoE blocks, transformers' Mixtral; dropless routing, no auxiliary
+  loss) under cp2 and cp2 x ZeRO-3; logs the one-process losses over 3 AdamW steps and
   ends with its weights (fp64, 1e-9: the order of sums only, grown by Adam; a token placed
   at the wrong position or a gradient averaged over the wrong ranks is off by > 1e-3).
 """
@@ -51,36 +53,45 @@ def _reference(T: int):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _ring_case(rank, world_size, T: int, balanced: bool):
+def _ring_case(rank, world_size, T: int, balanced: bool, kernel: bool):
     import torch.distributed as dist
 
+    from meshfit.parallel import cp
     from meshfit.parallel.cp import ring_attention
+
+    used = []
+    real = cp._kernel
+    cp._kernel = lambda q: used.append(real(q) and kernel) or used[-1]
 
     q, k, v, dout = _inputs(T)
     part = [shard_sequence(t, 2, world_size, rank, balanced) for t in (q, k, v, dout)]
     q, k, v = (t.requires_grad_() for t in part[:3])
     out = ring_attention(q, k, v, dist.group.WORLD, balanced=balanced)
     out.backward(part[3])
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    cp._kernel = real
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "kernel": set(used)}
 
 
-CASES = {f"cp{cp}-{'balanced' if b else 'contiguous'}": (cp, b)
-         for cp in (2, 4) for b in (True, False)}
+# each split on the fused CPU kernel and on the matmul form
+CASES = {f"cp{cp}-{'balanced' if b else 'contiguous'}-{'kernel' if k else 'matmul'}": (cp, b, k)
+         for cp in (2, 4) for b in (True, False) for k in (True, False)}
 
 
 @pytest.fixture(scope="module")
 def rings():
     results = {}
     for cp in (2, 4):
-        results.update(run_cases({name: (_ring_case, 8 * cp, b) for name, (n, b) in
+        results.update(run_cases({name: (_ring_case, 8 * cp, b, k) for name, (n, b, k) in
                                   CASES.items() if n == cp}, cp, timeout=120))
     return results
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_ring_attention_equals_unsharded_attention(rings, name):
-    cp, balanced = CASES[name]
+    cp, balanced, kernel = CASES[name]
     per_rank = case_result(rings, name)
+    assert all(r["kernel"] == {kernel} for r in per_rank)  # the path named was taken
     want = dict(zip(("out", "dq", "dk", "dv"), _reference(8 * cp)))
     for key, full in want.items():
         got = unshard_sequence([r[key] for r in per_rank], 2, balanced)
@@ -120,8 +131,12 @@ LAYOUTS = {  # name: (processes, ParallelDims, Accelerator options)
     "cp2xpp2": (4, dict(cp=2, pp=2, dp_replicate=1), dict(zero_stage=1)),
 }
 MODELS = {"rope-gqa": dict(pos="rope", n_kv_head=2), "learned": dict(pos="learned"),
-          "hf-llama": None, "hf-qwen2": None, "hf-mistral": None}
+          # dropless routing, no auxiliary losses: each token's experts whatever the layout
+          "moe": dict(pos="rope", n_experts=4, top_k=2, aux_loss_coef=0.0,
+                      router_z_loss_coef=0.0),
+          "hf-llama": None, "hf-qwen2": None, "hf-mistral": None, "hf-mixtral": None}
 HF_LAYOUTS = ("cp2", "cp2-zero3", "cp4", "cp2xtp2-sp")  # (transformers' models: these)
+MOE_LAYOUTS = ("cp2", "cp2-zero3")  # (mixtures of experts: these)
 
 
 def _build(model_name: str):
@@ -133,6 +148,16 @@ def _build(model_name: str):
         return hf_llama()
     if model_name == "hf-qwen2":
         return hf_qwen2()
+    if model_name == "hf-mixtral":
+        torch.manual_seed(0)
+        cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=64,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         num_hidden_layers=2, vocab_size=256,
+                                         max_position_embeddings=32, num_local_experts=4,
+                                         num_experts_per_tok=2,
+                                         # (its grouped_mm kernel takes no float64)
+                                         experts_implementation="eager")
+        return transformers.MixtralForCausalLM(cfg).double()
     if model_name == "hf-mistral":
         torch.manual_seed(0)
         cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128,
@@ -144,8 +169,13 @@ def _build(model_name: str):
 
 
 def _cases(nproc: int):
+    def runs(model_name: str, name: str) -> bool:
+        if model_name in ("moe", "hf-mixtral"):
+            return name in MOE_LAYOUTS
+        return not model_name.startswith("hf") or name in HF_LAYOUTS
+
     return {f"{name}/{m}": (_train, name, m) for name, (n, _, _) in LAYOUTS.items()
-            if n == nproc for m in MODELS if not m.startswith("hf") or name in HF_LAYOUTS}
+            if n == nproc for m in MODELS if runs(m, name)}
 TRAIN_RTOL = 1e-9
 
 
