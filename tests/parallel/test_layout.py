@@ -29,6 +29,14 @@ def resolve(world: int = 8, **kw) -> Layout:
     (4, dict(tp=2), {}, Engine.FSDP2_REPLICATE, 0, ("dp_replicate", "dp_shard", "tp")),
     (8, dict(pp=2, dp_shard=2, tp=2, dp_replicate=1), dict(zero_stage=1), Engine.FSDP2, 1,
      ("pp", "dp_replicate", "dp_shard", "tp")),
+    # context parallel: the cp ranks hold the same parameters, so they join the gradient
+    # average (DDP over dp x cp) or the sharding (FSDP2 over dp_shard x cp)
+    (2, dict(cp=2, dp_replicate=1), {}, Engine.DDP, 0, ("dp_replicate", "cp")),
+    (2, dict(cp=2, dp_replicate=1), dict(zero_stage=3), Engine.FSDP2, 3, ("dp_replicate", "cp")),
+    (4, dict(cp=2, dp_shard=2, dp_replicate=1), dict(zero_stage=2), Engine.FSDP2, 2,
+     ("dp_shard", "cp")),
+    (4, dict(cp=2, tp=2, dp_replicate=1), dict(zero_stage=1), Engine.FSDP2, 1,
+     ("dp_replicate", "dp_shard", "cp", "tp")),
 ])
 def test_engine_stage_and_mesh_axes(world, dims, options, engine, stage, axes):
     layout = Layout.resolve(ParallelDims(**dims), world, **options)
@@ -55,10 +63,13 @@ def test_costs_are_the_engines_arithmetic():
     assert replicate.extra_param_copies == 1 and replicate.param_shards == 1
     offload = resolve(4, dp_shard=4, dp_replicate=1, offload="cpu").costs
     assert offload.host_offload
+    cp = resolve(4, cp=2, dp_shard=2, dp_replicate=1, zero_stage=3).costs  # over dp_shard x cp
+    assert (cp.param_shards, cp.grad_shards, cp.optimizer_shards) == (4, 4, 4)
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(cp=2), r"cp=2: this axis is not yet available"),
+    (dict(cp=2, dp_shard=2, ep=2, dp_replicate=2), r"cp=2 with ep=2 is not yet available"),
+    (dict(cp=2, tp=2, dp_replicate=2), r"zero_stage=0 with cp=2 and tp=2"),
     (dict(ep=2), r"ep=2 must divide dp_shard=1: expert parallelism is carved out"),
     (dict(dp_shard=8, ep=3), r"ep=3 must divide dp_shard=8"),
     (dict(dp_shard=4, tp=2, ep=2), r"ep=2 with tp=2 is not yet available"),

@@ -43,7 +43,7 @@ class LayoutCosts:
 
 def costs_for(dims: ParallelDims, engine: Engine, stage: int, offload: bool) -> LayoutCosts:
     fsdp = engine in (Engine.FSDP2, Engine.FSDP2_REPLICATE)
-    shards = dims.dp_shard if fsdp else 1
+    shards = dims.dp_shard * dims.cp if fsdp else 1  # (under cp ZeRO shards over dp_shard x cp)
     if engine is Engine.NONE:
         reduction = "none"
     elif engine is Engine.FSDP2 and dims.dp_replicate > 1:
@@ -57,7 +57,7 @@ def costs_for(dims: ParallelDims, engine: Engine, stage: int, offload: bool) -> 
         gathered = "one_block" if stage == 3 else "all_blocks"
     return LayoutCosts(
         param_shards=shards, grad_shards=shards,
-        optimizer_shards=dims.dp_shard if stage >= 1 else 1,
+        optimizer_shards=dims.dp_shard * dims.cp if stage >= 1 else 1,
         optimizer_partition="elements" if engine is Engine.FSDP2 else
         "whole_parameters" if engine is Engine.ZERO1 else "none",
         whole_grads_until_boundary=not fsdp or stage < 2, gathered_params=gathered,
