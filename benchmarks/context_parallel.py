@@ -92,7 +92,7 @@ def main() -> None:
         for balanced in (True, False):
             parts = [ring.shard_sequence(t, 2, world, rank, balanced) for t in (q, k, v)]
             for kernel in (True, False):
-                ring._kernel = real_kernel if kernel else (lambda t: False)
+                ring._kernel = real_kernel if kernel else (lambda t: None)
                 name = f"ring_{'balanced' if balanced else 'contiguous'}_" \
                        f"{'kernel' if kernel else 'matmul'}_s"
                 row[name] = _timed(lambda: ring_step(*parts, balanced), args.repeats)

@@ -61,7 +61,12 @@ def _ring_case(rank, world_size, T: int, balanced: bool, kernel: bool):
 
     used = []
     real = cp._kernel
-    cp._kernel = lambda q: used.append(real(q) and kernel) or used[-1]
+    def chosen(q):
+        name = real(q) if kernel else None
+        used.append(name is not None)
+        return name
+
+    cp._kernel = chosen
 
     q, k, v, dout = _inputs(T)
     part = [shard_sequence(t, 2, world_size, rank, balanced) for t in (q, k, v, dout)]
@@ -96,6 +101,28 @@ def test_ring_attention_equals_unsharded_attention(rings, name):
     for key, full in want.items():
         got = unshard_sequence([r[key] for r in per_rank], 2, balanced)
         torch.testing.assert_close(got, full, rtol=RTOL, atol=ATOL, msg=f"{name} {key}")
+
+
+def test_a_fused_kernel_is_used_only_where_it_matches_the_matmul_form(monkeypatch):
+    """The probe that admits SDPA's CUDA kernels (run here on the CPU kernel and on broken
+    stand-ins): a kernel equal to the matmul form is accepted, one off by a little or one
+    that raises (a private op whose signature moved) is not."""
+    from meshfit.parallel import cp
+
+    like = torch.empty(1, 1, 1, 16)
+    assert cp._probe("cpu_flash", like)
+    forward, backward = cp._KERNELS["cpu_flash"]
+
+    def off(*args):
+        out, lse = forward(*args)
+        return out * 1.001, lse
+
+    def raises(*args):
+        raise RuntimeError("_scaled_dot_product_flash_attention_backward() takes 14 arguments")
+
+    monkeypatch.setitem(cp._KERNELS, "off", (off, backward))
+    monkeypatch.setitem(cp._KERNELS, "raises", (forward, raises))
+    assert not cp._probe("off", like) and not cp._probe("raises", like)
 
 
 def test_sharding_round_trip_and_positions():

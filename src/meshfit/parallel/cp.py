@@ -25,10 +25,11 @@ travel the ring again with their dk/dv accumulators, which are back on their own
 steps. Grouped-query attention keeps the kv heads unrepeated (each kv head's dk/dv sums
 over its query heads).
 
-Each block runs on torch's fused CPU attention kernel where it exists (it returns the
-log-sum-exp; about 5x the matmul form on a 1024-token block on this project's CPU machine),
-else as matmuls and a log-sum-exp (any device, any dtype; on CUDA for now: SDPA's CUDA
-kernels are not wired in yet). The communication is torch.distributed's P2P on the cp group
+Each block runs on a fused attention kernel that returns the log-sum-exp where one exists
+(`_kernel`: torch's flash kernel on the CPU, about 5x the matmul form on a 1024-token block
+on this project's CPU machine; SDPA's flash or memory-efficient kernel on CUDA, each
+accepted by a probe against the matmul form first), else as matmuls and a log-sum-exp (any
+device, any dtype). The communication is torch.distributed's P2P on the cp group
 (gloo on CPU, NCCL on CUDA).
 """
 
@@ -100,26 +101,119 @@ def _scores(q, k, scale: float, causal: bool, acc: torch.dtype) -> torch.Tensor:
     return s
 
 
-def _kernel(q: torch.Tensor) -> bool:
-    """Whether a block runs on torch's fused attention kernel that returns the log-sum-exp
-    (the CPU flash kernel: about 5x the matmul form's speed on a 1024-token block, measured on
-    this project's CPU machine) rather than matmuls."""
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16) \
-        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-
-
 def _heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, Hkv, 1 or G, T, D] -> [B, Hkv x G, T, D] (kv heads repeated for their queries)."""
     B, hkv, _, T, D = t.shape
-    return t.expand(B, hkv, groups, T, D).reshape(B, hkv * groups, T, D)
+    return t.expand(B, hkv, groups, T, D).reshape(B, hkv * groups, T, D).contiguous()
+
+
+# Fused kernels that return the log-sum-exp, by name: forward(q, k, v, causal, scale) ->
+# (out, lse [B, H, T] in fp32, fp64 for fp64 inputs) and backward(dout, q, k, v, out, lse,
+# causal, scale) -> (dq, dk, dv), all [B, H, T, D] in the inputs' dtype.
+def _cpu_flash_forward(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=None, scale=scale)
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
+
+
+def _cuda_flash_forward(q, k, v, causal, scale):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    none = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout, no varlen
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, none, none, q.shape[2], k.shape[2], 0.0, causal, none, none,
+        scale=scale)
+
+
+def _cuda_efficient_forward(q, k, v, causal, scale):
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[..., :q.shape[2]]  # (its rows are padded to a multiple of 32)
+
+
+def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    pad = -(-q.shape[2] // 32) * 32 - q.shape[2]
+    lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+    none = torch.empty(0, dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse.contiguous(), none, none, 0.0,
+        [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
+
+
+_KERNELS = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward),
+            "cuda_flash": (_cuda_flash_forward, _cuda_flash_backward),
+            "cuda_efficient": (_cuda_efficient_forward, _cuda_efficient_backward)}
+_CHOSEN: dict[tuple[str, torch.dtype, int], str | None] = {}
+"""(device type, dtype, head dim) -> the kernel the probe accepted there (None: matmuls)."""
+
+
+def _kernel(q: torch.Tensor) -> str | None:
+    """The fused kernel a block on `q`'s device and dtype runs on (None: the matmul form).
+    On the CPU, torch's flash kernel (about 5x the matmul form's speed on a 1024-token
+    block on this project's CPU machine). On CUDA, SDPA's flash kernel (fp16/bf16) or its
+    memory-efficient one (fp32), each used only after a probe found its forward and
+    backward equal to the matmul form on a small block (once per device type, dtype and
+    head size): the private ops' signatures move between torch releases."""
+    key = (q.device.type, q.dtype, q.shape[-1])
+    if key not in _CHOSEN:
+        if q.device.type == "cpu":
+            ok = q.dtype in (torch.float32, torch.float64, torch.bfloat16) and hasattr(
+                torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+            _CHOSEN[key] = "cpu_flash" if ok else None
+        elif q.device.type == "cuda" and q.dtype != torch.float64:
+            name = "cuda_efficient" if q.dtype == torch.float32 else "cuda_flash"
+            _CHOSEN[key] = name if _probe(name, q) else None
+        else:
+            _CHOSEN[key] = None
+    return _CHOSEN[key]
+
+
+def _probe(name: str, like: torch.Tensor) -> bool:
+    """Whether kernel `name` gives the matmul form's block forward and backward."""
+    forward, backward = _KERNELS[name]
+    g = torch.Generator(device=like.device).manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 64, like.shape[-1], device=like.device,
+                                 dtype=like.dtype, generator=g) for _ in range(4))
+    scale = like.shape[-1] ** -0.5
+    try:
+        for causal in (True, False):
+            out, lse = forward(q, k, v, causal, scale)
+            dq, dk, dv = backward(dout, q, k, v, out, lse, causal, scale)
+            acc = torch.float32
+            grouped = [t.unsqueeze(2) for t in (q, k, v, dout)]
+            ref_out, ref_lse = _matmul_forward(*grouped[:3], scale, causal, acc)
+            delta = (grouped[3].to(acc) * ref_out).sum(-1)
+            ref = _matmul_backward(grouped[3].to(acc), *grouped[:3], ref_lse, delta, scale,
+                                   causal, acc)
+            tol = 1e-2 if like.dtype != torch.float32 else 1e-4
+            pairs = [(out, ref_out), (lse, ref_lse), (dq, ref[0]), (dk, ref[1]), (dv, ref[2])]
+            if not all(torch.allclose(a.float().reshape(b.shape), b.float(), rtol=tol, atol=tol)
+                       for a, b in pairs):
+                return False
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    return True
 
 
 def _block_forward(q, k, v, scale: float, causal: bool, acc: torch.dtype):
-    if _kernel(q):
+    name = _kernel(q)
+    if name is not None:
         B, hkv, G, T, D = q.shape
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _heads(q, G), _heads(k, G), _heads(v, G), 0.0, causal, attn_mask=None, scale=scale)
+        out, lse = _KERNELS[name][0](_heads(q, G), _heads(k, G), _heads(v, G), causal, scale)
         return out.view(B, hkv, G, T, D).to(acc), lse.view(B, hkv, G, T).to(acc)
+    return _matmul_forward(q, k, v, scale, causal, acc)
+
+
+def _matmul_forward(q, k, v, scale: float, causal: bool, acc: torch.dtype):
     s = _scores(q, k, scale, causal, acc)
     lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, Tq]
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -135,23 +229,26 @@ def _merge(out, lse, block_out, block_lse):
             + block_out * torch.exp(block_lse - new).unsqueeze(-1)), new
 
 
-def _block_backward(dout, q, k, v, lse, delta, scale: float, causal: bool, acc: torch.dtype):
-    """(dq, dk, dv) of one (query chunk, key chunk) block, given the final lse and
-    delta = rowsum(dO * O); dk, dv summed over the query heads of each kv head. The kernel
-    takes the final output instead of delta (`out`, set by the caller on this function)."""
-    if _kernel(q):
-        B, hkv, G, T, D = q.shape
-        Tk = k.shape[-2]
-        dt = q.dtype
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _heads(dout.to(dt), G), _heads(q, G), _heads(k, G), _heads(v, G),
-            _heads(delta.out.to(dt), G), lse.reshape(B, hkv * G, T).to(
-                torch.float64 if dt == torch.float64 else torch.float32),
-            0.0, causal, attn_mask=None, scale=scale)
-        return (dq.view(B, hkv, G, T, D).to(acc),
-                dk.view(B, hkv, G, Tk, D).sum(dim=2, keepdim=True).to(acc),
-                dv.view(B, hkv, G, Tk, D).sum(dim=2, keepdim=True).to(acc))
-    delta = delta.delta
+def _block_backward(dout, q, k, v, lse, rows, scale: float, causal: bool, acc: torch.dtype):
+    """(dq, dk, dv) of one (query chunk, key chunk) block, given the final lse and the query
+    chunk's `_Rows` (rowsum(dO * O) for the matmul form, the final output for a kernel); dk,
+    dv summed over the query heads of each kv head."""
+    name = _kernel(q)
+    if name is None:
+        return _matmul_backward(dout, q, k, v, lse, rows.delta, scale, causal, acc)
+    B, hkv, G, T, D = q.shape
+    Tk, dt = k.shape[-2], q.dtype
+    dq, dk, dv = _KERNELS[name][1](
+        _heads(dout.to(dt), G), _heads(q, G), _heads(k, G), _heads(v, G),
+        _heads(rows.out.to(dt), G),
+        lse.reshape(B, hkv * G, T).to(torch.float64 if dt == torch.float64 else torch.float32)
+        .contiguous(), causal, scale)
+    return (dq.view(B, hkv, G, T, D).to(acc),
+            dk.view(B, hkv, G, Tk, D).sum(dim=2, keepdim=True).to(acc),
+            dv.view(B, hkv, G, Tk, D).sum(dim=2, keepdim=True).to(acc))
+
+
+def _matmul_backward(dout, q, k, v, lse, delta, scale: float, causal: bool, acc: torch.dtype):
     s = _scores(q, k, scale, causal, acc)
     p = torch.exp(s - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dout).sum(dim=2, keepdim=True)
