@@ -13,7 +13,7 @@ attention as a ring of key/value blocks.
   cp2 x ZeRO-1/2/3 (sharded over the cp ranks), cp2 x dp2, cp2 x ZeRO-3 over dp_shard 2
   (dp_shard_cp = 4), cp2 x tp2 (with and without sequence parallel) and cp2 x pp2, balanced
   and not; transformers' Llama, Qwen2 and Mistral (attention swapped through transformers'
-  attention interface) under cp2, cp2 x ZeRO-3, cp4 and cp2 x tp2 + SP; mixtures of experts
+  attention interface) under cp2 and cp2 x tp2 + SP (Llama also cp2 x ZeRO-3 and cp4); mixtures of experts
   (the reference GPT's MoE blocks, transformers' Mixtral; dropless routing, no auxiliary
   loss) under cp2 and cp2 x ZeRO-3; logs the one-process losses over 3 AdamW steps and
   ends with its weights (fp64, 1e-9: the order of sums only, grown by Adam; a token placed
@@ -199,6 +199,8 @@ def _cases(nproc: int):
     def runs(model_name: str, name: str) -> bool:
         if model_name in ("moe", "hf-mixtral"):
             return name in MOE_LAYOUTS
+        if model_name in ("hf-qwen2", "hf-mistral"):  # Llama's attention path, other classes
+            return name in ("cp2", "cp2xtp2-sp")
         return not model_name.startswith("hf") or name in HF_LAYOUTS
 
     return {f"{name}/{m}": (_train, name, m) for name, (n, _, _) in LAYOUTS.items()
