@@ -1,5 +1,6 @@
 """The logged losses do not depend on the layout: `meshfit train` under one process, DDP,
-ZeRO-1/2/3, tp, pp, ep, cp (context parallel) and their products logs the same training losses and the same
+ZeRO-1/2/3, tp, pp, ep, cp (context parallel), their products, and the optimizer state on
+disk (offload = "disk") logs the same training losses and the same
 `val_loss`, and `meshfit eval RUN` gives that `val_loss` back. The trainer runs in-process
 on the ranks of one spawn per world size (what `meshfit train --nproc N` runs on each
 worker), every layout of that size one after another.
@@ -49,6 +50,8 @@ LAYOUTS = {  # name: (processes, [parallel] settings)
     "cp2xtp2-sp": (4, {"cp": 2, "tp": 2, "dp_replicate": 1, "zero_stage": 1,
                        "sequence_parallel": True}),
     "cp2xpp2": (4, {"cp": 2, "pp": 2, "dp_replicate": 1, "zero_stage": 1, "microbatches": 2}),
+    "ddp-disk": (2, {"offload": "disk"}),
+    "zero3-disk": (2, {"dp_shard": 2, "zero_stage": 3, "offload": "disk"}),
     "moe-ep2": (2, {"dp_shard": 2, "ep": 2, "zero_stage": 1}),
     "moe-ep2xpp2": (4, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}),
 }
@@ -57,7 +60,9 @@ LAYOUTS = {  # name: (processes, [parallel] settings)
 def _config(root: Path, name: str):
     from meshfit.train.configfile import build_config
 
-    parallel = LAYOUTS[name][1] if name in LAYOUTS else {}
+    parallel = dict(LAYOUTS[name][1]) if name in LAYOUTS else {}
+    if parallel.get("offload") == "disk":  # the optimizer state in files, streamed
+        parallel["offload_dir"] = str(root / f"{name}-offload")
     model = {**BASE["model"], **({"preset": "moe-tiny"} if name.startswith("moe") else {})}
     return build_config({**BASE, "model": model, "parallel": parallel,
                          "data": {"path": str(root / "corpus"),
@@ -107,6 +112,9 @@ def test_every_layout_logs_the_one_process_losses(runs, name):
     assert len(one_losses) == 3
     assert losses == pytest.approx(one_losses, rel=RTOL)
     assert val == pytest.approx(one_val, rel=RTOL)
+    if LAYOUTS[name][1].get("offload") == "disk":  # the ranks' state folders: gone at the end
+        assert (root / f"{name}-offload").is_dir()
+        assert not list((root / f"{name}-offload").iterdir())
 
 
 def test_eval_of_a_run_gives_its_val_loss(runs, capsys):

@@ -65,7 +65,7 @@ class Accelerator(AcceleratorAttributes):
                  offload: str = "none", sync_each_batch: bool | str = False,
                  sequence_parallel: bool = False, loss_parallel: bool = False,
                  tp_plan=None, ddp_kwargs: dict | None = None, cp_load_balance: bool = True,
-                 env: DistEnv | None = None):
+                 offload_dir: str | os.PathLike | None = None, env: DistEnv | None = None):
         given = dict(locals())  # every argument by name: the translation reads them
         del given["self"], given["env"]
         # Checked and translated before any process group or model work.
@@ -96,6 +96,7 @@ class Accelerator(AcceleratorAttributes):
         self.profile_handler = handlers.profile
         self.fsdp_plugin = arguments.fsdp_plugin
         self.parallelism_config = arguments.parallelism_config
+        self.offload_dir = arguments.offload_dir
         self.dataloader_config = loop.dataloader_config
         self.rng_types = list(loop.rng_types)
         self.project_configuration = arguments.project_configuration
@@ -207,6 +208,14 @@ class Accelerator(AcceleratorAttributes):
                              "holds the full model's); build it on pipeline.parameters()")
         inner = self.runtime.prepare_optimizer(rebuild_optimizer(optimizer, self._params))
         if inner is not optimizer:
+            self._replaced[id(optimizer)] = (weakref.ref(optimizer), inner)
+        if self.offload_dir is not None:  # offload="disk": the state in files, streamed
+            from meshfit.parallel.disk import DiskOffload, check_free_space
+
+            folder = Path(self.offload_dir) / f"rank-{self.process_index}"
+            check_free_space(inner, folder, sharing=self.env.local_world_size
+                             if self.env.is_distributed else 1)
+            inner = DiskOffload(inner, folder)
             self._replaced[id(optimizer)] = (weakref.ref(optimizer), inner)
         prepared = PreparedOptimizer(inner, self.grad_state, self.precision.scaler,
                                      on_step=self._after_optimizer_step)
@@ -513,6 +522,10 @@ class Accelerator(AcceleratorAttributes):
         """Forget every prepared object, collect garbage and empty the device cache (between two
         trainings); returns ``[None] * len(objects)`` to assign back."""
         self.wait_for_checkpoint()
+        for optimizer in self._optimizers:  # offload="disk": its files go too
+            close = getattr(optimizer.optimizer, "close", None)
+            if callable(close):
+                close()
         out = release_memory(*objects)
         self._forget_prepared()
         self.grad_state.step = 0

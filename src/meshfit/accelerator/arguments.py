@@ -64,6 +64,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from meshfit.accelerator.compat.config import (AutocastKwargs, DataLoaderConfiguration,
@@ -151,6 +152,8 @@ class Arguments:
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
     parallelism_config: Any = None
     """Accelerate's ParallelismConfig as given (its sizes are in `layout`)."""
+    offload_dir: str | None = None
+    """offload="disk": the folder each rank's optimizer state goes to (a subfolder per rank)."""
     project_configuration: ProjectConfiguration
     log_with: tuple = ()  # tracker names (lower case) and tracker objects
     warnings: tuple[str, ...] = ()  # for the caller to issue (without the "meshfit: " prefix)
@@ -212,6 +215,7 @@ def read_arguments(given: Mapping[str, Any],
     return Arguments(layout=layout, model=model, precision=precision, loop=loop, process=process,
                      handlers=handlers, fsdp_plugin=given["fsdp_plugin"],
                      parallelism_config=given["parallelism_config"],
+                     offload_dir=_offload_dir(given, offload),
                      project_configuration=project, log_with=log_with,
                      warnings=() if given["split_batches"] is UNSET else (_SPLIT_BATCHES,))
 
@@ -400,6 +404,19 @@ def _layout_request(given: Mapping[str, Any], *, offload: str, sync_each_batch: 
         dims = _parallelism_dims(given["parallelism_config"])
     check_options(parallel=dims, mixed_precision=mixed_precision, **options)
     return LayoutRequest.of(dims, **options)
+
+
+def _offload_dir(given: Mapping[str, Any], offload: str) -> str | None:
+    folder = given["offload_dir"]
+    if offload == "disk":
+        if folder is None or not str(folder).strip():
+            raise ValueError("offload='disk' needs offload_dir=PATH: a folder on a local disk "
+                             "for the optimizer state (created private to the run)")
+        return str(Path(folder).expanduser())
+    if folder is not None:
+        raise ValueError(f"offload_dir={str(folder)!r} is used with offload='disk' only, and "
+                         f"offload={offload!r}; set offload='disk' or drop offload_dir")
+    return None
 
 
 def _parallelism_dims(config) -> ParallelDims:

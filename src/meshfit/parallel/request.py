@@ -28,7 +28,9 @@ class LayoutRequest(MeshSizes):
     """0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters) over the
     dp_shard ranks; unset: 3 when dp_shard > 1, else 0."""
     offload: Offload = "none"
-    """"cpu": sharded parameters, gradients and optimizer state in host memory (stage 3)."""
+    """"cpu": sharded parameters, gradients and optimizer state in host memory (stage 3);
+    "disk": the optimizer state in files of ``offload_dir``, streamed through each step
+    (`meshfit.parallel.disk`; stages 0, 2 and 3)."""
     sync_each_batch: bool | str = False
     """Stages 2/3 under accumulation: reduce-scatter every micro-batch (true: less memory),
     only on the last (false: fewer collectives), or "auto" (decided from free memory)."""

@@ -24,7 +24,7 @@ __all__ = ["AVAILABLE_AXES", "DP_AXES", "Engine", "MixedPrecision", "Offload", "
 AVAILABLE_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 DP_AXES = ("dp_replicate", "dp_shard")
 ZERO_STAGES = (0, 1, 2, 3)
-Offload = Literal["none", "cpu"]
+Offload = Literal["none", "cpu", "disk"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 
 
@@ -62,7 +62,7 @@ def options_problem(*, zero_stage, offload, sync_each_batch, mixed_precision,
         return (f"{n('zero_stage')}={zero_stage!r} must be 0 (DDP), 1, 2 or 3 (unset: 3 when "
                 "dp_shard > 1, else 0)")
     if offload not in get_args(Offload):
-        return f"{n('offload')}={offload!r} is not one of 'none', 'cpu'"
+        return f"{n('offload')}={offload!r} is not one of 'none', 'cpu', 'disk'"
     if offload == "cpu" and zero_stage is not None and zero_stage < 3:
         return (f"{n('offload')}='cpu' needs zero_stage=3 (FSDP2 offloads the sharded "
                 f"parameters and their state), got {n('zero_stage')}={zero_stage}; set "
@@ -141,6 +141,19 @@ def _stage_needs_shards(r: Request, n) -> str | None:
     return None
 
 
+def _disk_rules(r: Request, n) -> str | None:
+    if r.offload != "disk":
+        return None
+    if r.stage == 1:
+        return (f"{n('offload')}='disk' with {n('zero_stage')}=1 is not available yet "
+                "(ZeroRedundancyOptimizer keeps its own partitioned state); use zero_stage 0, 2 "
+                "or 3")
+    if r.dims.pp > 1:
+        return (f"{n('offload')}='disk' with {n('pp')} > 1 is not available yet; use it with "
+                "the data-parallel axes and tp")
+    return None
+
+
 def _offload_needs_stage3(r: Request, n) -> str | None:
     if r.offload == "cpu" and r.stage < 3:
         return (f"{n('offload')}='cpu' needs zero_stage=3, and this layout resolves to "
@@ -187,7 +200,8 @@ def _ddp_kwargs_need_ddp(r: Request, n) -> str | None:
     return None
 
 
-_RULES = (_axes_available, _cp_rules, _ep_rules, _stage_needs_shards, _offload_needs_stage3,
+_RULES = (_axes_available, _cp_rules, _ep_rules, _stage_needs_shards, _disk_rules,
+          _offload_needs_stage3,
           _tp_options_need_tp, _not_yet_with_pp, _ddp_kwargs_need_ddp)
 
 

@@ -361,10 +361,21 @@ class ParallelConfig(LayoutRequest):
     cp_load_balance: bool = True
     """cp > 1: each rank holds a chunk from the start and one from the end of each sequence
     (equal causal work on every rank); false: the r-th contiguous piece."""
+    offload_dir: str = ""
+    """offload = "disk": the folder the optimizer state goes to (one subfolder per rank,
+    created private to the run, removed at the end)."""
 
     def __post_init__(self) -> None:
         self.check(LAYOUT_NAMES)
         check_bool("parallel", "cp_load_balance", self.cp_load_balance)
+        if not isinstance(self.offload_dir, str):
+            raise ValueError(f"parallel.offload_dir={self.offload_dir!r} must be a path")
+        if self.offload == "disk" and not self.offload_dir.strip():
+            raise ValueError("parallel.offload='disk' needs parallel.offload_dir=PATH: a "
+                             "folder on a local disk for the optimizer state")
+        if self.offload_dir and self.offload != "disk":
+            raise ValueError(f"parallel.offload_dir={self.offload_dir!r} is used with "
+                             f"parallel.offload='disk' only (offload={self.offload!r})")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -82,6 +82,7 @@ def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> L
         layout.check_batch_probe(names=LAYOUT_NAMES)
     _check_peft(cfg, layout)
     _check_cp(cfg, layout)
+    _check_disk(cfg, layout, world_size, local_world_size or world_size)
     if cfg.train.float8 and (layout.dims.tp > 1 or cfg.peft.method != "none"):
         raise ValueError(f"train.float8=true with parallel.tp={layout.dims.tp} and peft.method="
                          f"{cfg.peft.method!r} is not available yet: float8 works with tp = 1 and "
@@ -94,6 +95,49 @@ def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> L
         if getattr(cfg.model, name):                     # before the model is built
             import_object(getattr(cfg.model, name), f"model.{name}")
     return layout
+
+
+_STATE_BYTES = {"adamw": 8, "adamw_fused": 8, "sgd": 4}
+
+
+def _check_disk(cfg, layout: Layout, world_size: int, local: int) -> None:
+    """offload = "disk": an optimizer it streams, a new folder, and room on its disk for the
+    local ranks' state (AdamW 8 B, SGD with momentum 4 B per trainable parameter, divided by
+    the ZeRO shards)."""
+    import shutil
+
+    p = cfg.parallel
+    if p.offload != "disk":
+        return
+    name = cfg.optim.optimizer
+    if name not in _STATE_BYTES or (name == "sgd" and not cfg.optim.momentum):
+        raise ValueError(f"parallel.offload='disk' with optim.optimizer={name!r}"
+                         f"{' without momentum' if name == 'sgd' else ''}: the disk holds "
+                         "Adam/AdamW moments or SGD momentum; use adamw, adamw_fused or sgd "
+                         "with momentum")
+    folder = Path(p.offload_dir).expanduser()
+    from meshfit.parallel.disk import MARKER
+
+    taken = sorted(q.name for q in folder.glob("rank-*")  # (an earlier run's: replaced)
+                   if q.is_dir() and not (q / MARKER).is_file()) if folder.is_dir() else []
+    if taken:
+        raise ValueError(f"parallel.offload_dir={p.offload_dir!r} holds another run's state "
+                         f"({taken[0]}/); give a new folder, or remove that one")
+    from meshfit.train.models import build_model
+
+    model = build_model(cfg, tokens.vocab_size(cfg), meta=True)
+    trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    shards = layout.dims.dp_shard * layout.dims.cp if layout.is_fsdp else 1
+    need = _STATE_BYTES[name] * trainable / shards * min(local, world_size)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise ValueError(f"parallel.offload_dir={p.offload_dir!r}: the optimizer state of "
+                         f"{min(local, world_size)} local rank(s) needs {need / 2**30:.2f} GiB "
+                         f"and {free / 2**30:.2f} GiB is free on that disk; give a folder on a "
+                         "larger disk")
 
 
 def _check_cp(cfg, layout: Layout) -> None:

@@ -96,6 +96,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
         acc.print(f"meshfit train: wrote {folder}")
     acc.print(f"done: loss {last.get('loss')}, val_loss {last.get('val_loss')}")
     acc.wait_for_everyone()
+    acc.free_memory()  # (offload="disk": the state's folder removed)
     return last
 
 
@@ -284,7 +285,7 @@ def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator
         **{**t.keywords(), "tp_plan": tp_plan, "cp_load_balance": p.cp_load_balance},
         parallel=p.dims(), zero_stage=p.zero_stage, offload=p.offload,
         sync_each_batch=p.sync_each_batch, sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel, env=env)
+        loss_parallel=p.loss_parallel, offload_dir=p.offload_dir or None, env=env)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:

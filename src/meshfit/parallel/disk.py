@@ -1,0 +1,314 @@
+"""Optimizer state on disk (``offload="disk"``): ZeRO-Infinity's idea (Rajbhandari et al.
+2021) with torch-native parts, for a model whose optimizer state does not fit in memory.
+
+    optimizer = DiskOffload(torch.optim.AdamW(params, lr=1e-3), "/nvme/run-offload")
+    ...
+    loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+Each parameter's state tensors of its own shape (AdamW's ``exp_avg`` and ``exp_avg_sq``,
+SGD's ``momentum_buffer``; under ZeRO-2/3 the rank's local shard of them) live in one file
+each in the offload folder; small state (``step``) stays in memory. ``step()`` streams the
+parameters in chunks of about `chunk_bytes` of state: a reader thread loads chunk i+1 while
+the wrapped optimizer updates chunk i (its own ``step`` on that chunk's parameters only, so
+the update is exactly the optimizer's: every supported optimizer updates a parameter from its
+own state alone), and a writer thread writes chunk i back while chunk i+1 updates. Memory
+for the step is bounded by about three chunks, not by the model. The threads overlap because
+file reads and writes release the GIL (plain buffered files, `readinto` into preallocated
+tensors, no copy; a maintained async-I/O library would add a dependency for the same
+overlap on a local disk).
+
+The folder is private to the run (created with owner-only permissions and marked as
+meshfit's; a folder that exists with files in it is refused unless an earlier run left it,
+marked) and removed by `close`, or when the object goes or the process exits, unless `keep`. Each file is written to a
+temporary name and renamed, so a file is never half-written; a write error or a full disk
+raises one line naming the file, and the step's state already in memory is not lost to a
+half-written file (the run stops; its last checkpoint is intact). ``state_dict`` returns the
+offloaded tensors as read-only memory maps of their files (no copy in memory: a checkpoint
+of a model larger than memory streams them), ``load_state_dict`` writes them to the files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DiskOffload", "check_free_space", "state_file_bytes"]
+
+_FILE_MODE = 0o600
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _offloaded(param: torch.Tensor, value: Any) -> bool:
+    """A state entry that goes to disk: a tensor of the parameter's own shape."""
+    return isinstance(value, torch.Tensor) and value.shape == param.shape and value.numel() > 1
+
+
+def state_file_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the state of `optimizer` would take on disk per rank once every parameter has
+    state (what `DiskOffload` writes): 8 B per local element for Adam/AdamW, 4 for SGD with
+    momentum, 0 without."""
+    per = {"Adam": 8, "AdamW": 8, "SGD": 4 if optimizer.defaults.get("momentum") else 0}
+    each = per.get(type(optimizer).__name__)
+    if each is None:
+        raise ValueError(f"offload='disk' streams Adam, AdamW and SGD state; "
+                         f"{type(optimizer).__name__} is not supported yet")
+    return sum(_local(p).numel() * each for g in optimizer.param_groups for p in g["params"]
+               if p.requires_grad)
+
+
+class DiskOffload(torch.optim.Optimizer):
+    """`optimizer` with its per-parameter state in files under `folder` (see the module
+    docstring). A torch.optim.Optimizer for isinstance checks and LR schedulers; the
+    wrapped optimizer owns the parameter groups."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, folder: str | os.PathLike, *,
+                 chunk_bytes: int = 256 * 2**20, keep: bool = False):
+        # No super().__init__: the wrapped optimizer owns the parameters and their groups.
+        state_file_bytes(optimizer)  # refuses optimizers whose state it cannot stream
+        self.optimizer = optimizer
+        self.folder = Path(folder)
+        self.keep = keep
+        _make_private(self.folder)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._name = {id(p): f"p{i:05d}" for i, p in enumerate(params)}
+        self._chunks: list[list[torch.Tensor]] = []
+        chunk, size = [], 0
+        for p in params:
+            chunk.append(p)
+            size += _local(p).numel() * _local(p).element_size() * 2
+            if size >= chunk_bytes:
+                self._chunks.append(chunk)
+                chunk, size = [], 0
+        if chunk:
+            self._chunks.append(chunk)
+        # {id(param): {key: (local shape, dtype)}} of what is on disk
+        self._on_disk: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="meshfit-disk-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="meshfit-disk-write")
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+        self.bytes_read = self.bytes_written = 0
+        # the threads stopped and the folder removed (unless kept) when this object goes, or
+        # at the interpreter's exit
+        self._cleanup = weakref.finalize(self, _release, self._reader, self._writer,
+                                         str(self.folder), keep)
+
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, value: setattr(self.optimizer, "param_groups", value))
+    defaults = property(lambda self: self.optimizer.defaults)
+    state = property(lambda self: self.optimizer.state,
+                     doc="In memory: the small state (``step``); the rest is on disk.")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # ---------------------------------------------------------------- files
+    def _path(self, p: torch.Tensor, key: str) -> Path:
+        return self.folder / f"{self._name[id(p)]}.{key}.bin"
+
+    def _read(self, chunk: list[torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for p in chunk:
+            for key, (shape, dtype) in self._on_disk.get(id(p), {}).items():
+                local = torch.empty(shape, dtype=dtype)
+                path = self._path(p, key)
+                with open(path, "rb", buffering=0) as f:
+                    got = f.readinto(local.view(-1).view(torch.uint8).numpy())
+                if got != local.numel() * local.element_size():
+                    raise OSError(f"offload='disk': {path} holds {got} bytes, "
+                                  f"{local.numel() * local.element_size()} expected")
+                with self._lock:
+                    self.bytes_read += got
+                out.setdefault(id(p), {})[key] = local
+        return out
+
+    def _write(self, items: list[tuple[Path, torch.Tensor]]) -> None:
+        for path, local in items:
+            tmp = path.with_suffix(".tmp")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, _FILE_MODE)
+                with open(fd, "wb", buffering=0) as f:
+                    f.write(local.contiguous().view(-1).view(torch.uint8).numpy())
+                os.replace(tmp, path)
+            except OSError as err:
+                raise OSError(f"offload='disk': cannot write {path} "
+                              f"({err.strerror or err}); free space on that disk or give "
+                              "another offload_dir") from None
+            with self._lock:
+                self.bytes_written += local.numel() * local.element_size()
+
+    def flush(self) -> None:
+        """Wait for the last step's writes (their errors raise here)."""
+        self._wait_writes()
+
+    def _wait_writes(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()  # a write error surfaces here, as one line
+
+    # ---------------------------------------------------------------- the step
+    def _place(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The state tensor of `p` holding `local` (a DTensor like `p` under FSDP2/TP)."""
+        from torch.distributed.tensor import DTensor
+
+        local = local.to(_local(p).device, non_blocking=True)
+        if isinstance(p, DTensor):
+            return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+        return local
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._wait_writes()  # the last step's writes end before any of its files is read
+        groups = self.optimizer.param_groups
+        every = [g["params"] for g in groups]
+        reads = self._reader.submit(self._read, self._chunks[0])
+        try:
+            for i, chunk in enumerate(self._chunks):
+                loaded = reads.result()
+                if i + 1 < len(self._chunks):
+                    reads = self._reader.submit(self._read, self._chunks[i + 1])
+                ids = {id(p) for p in chunk}
+                for p in chunk:
+                    for key, local in loaded.get(id(p), {}).items():
+                        self.optimizer.state[p][key] = self._place(p, local)
+                for g, params in zip(groups, every):
+                    g["params"] = [p for p in params if id(p) in ids]
+                self.optimizer.step()
+                self._pending.append(self._writer.submit(self._write, self._evict(chunk)))
+        finally:
+            for g, params in zip(groups, every):
+                g["params"] = params
+        return loss
+
+    def _evict(self, chunk: list[torch.Tensor]) -> list[tuple[Path, torch.Tensor]]:
+        """The chunk's offloaded state, taken out of memory, as (file, local tensor) pairs
+        for the writer."""
+        items = []
+        for p in chunk:
+            state = self.optimizer.state.get(p)
+            if not state:
+                continue
+            for key in [k for k, v in state.items() if _offloaded(p, v)]:
+                local = _local(state.pop(key)).detach()
+                if local.device.type != "cpu":
+                    local = local.to("cpu")
+                self._on_disk.setdefault(id(p), {})[key] = (local.shape, local.dtype)
+                items.append((self._path(p, key), local))
+        return items
+
+    # ---------------------------------------------------------------- checkpoints
+    def _mapped(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        shape, dtype = self._on_disk[id(p)][key]
+        n = 1
+        for s in shape:
+            n *= s
+        local = torch.from_file(str(self._path(p, key)), shared=True, size=n,
+                                dtype=dtype).view(shape)
+        return self._place(p, local)
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict, its offloaded tensors as memory maps of their
+        files (writes to them go to the files: DCP loads into them in place)."""
+        self._wait_writes()
+        saved = {}
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                for key in self._on_disk.get(id(p), {}):
+                    saved.setdefault(p, {})[key] = self._mapped(p, key)
+        for p, entries in saved.items():
+            self.optimizer.state[p].update(entries)
+        try:
+            out = self.optimizer.state_dict()
+            # (its per-parameter dicts are the live ones, about to lose the mapped entries)
+            out["state"] = {i: dict(v) for i, v in out["state"].items()}
+            return out
+        finally:
+            for p, entries in saved.items():
+                for key in entries:
+                    self.optimizer.state[p].pop(key, None)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._wait_writes()
+        self.optimizer.load_state_dict(state_dict)
+        items = []
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                state = self.optimizer.state.get(p, {})
+                for key in [k for k, v in state.items() if _offloaded(p, v)]:
+                    local = _local(state.pop(key)).detach().to("cpu").clone()
+                    self._on_disk.setdefault(id(p), {})[key] = (local.shape, local.dtype)
+                    items.append((self._path(p, key), local))
+        self._write(items)
+
+    def close(self) -> None:
+        """Finish the writes and remove the folder (unless `keep`)."""
+        try:
+            self._wait_writes()
+        finally:
+            self._cleanup()
+
+
+def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, folder: str,
+             keep: bool) -> None:
+    reader.shutdown(wait=True)
+    writer.shutdown(wait=True)
+    if not keep:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def check_free_space(optimizer: torch.optim.Optimizer, folder: str | os.PathLike, *,
+                     sharing: int = 1) -> int:
+    """One line when the disk under `folder` has less free space than `sharing` ranks'
+    state of `optimizer` (`state_file_bytes`) needs; returns the bytes this rank needs."""
+    need = state_file_bytes(optimizer)
+    probe = Path(folder)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need * sharing > free:
+        raise ValueError(f"offload_dir={str(folder)!r}: the optimizer state needs "
+                         f"{need * sharing / 2**30:.2f} GiB ({sharing} rank(s) x "
+                         f"{need / 2**30:.2f}) and {free / 2**30:.2f} GiB is free there; "
+                         "give a folder on a larger disk")
+    return need
+
+
+MARKER = ".meshfit-offload"
+"""The file that marks a folder as `DiskOffload`'s scratch: a run that stopped without
+removing its folder (killed) leaves one, which the next run may replace (its state is in
+the run's checkpoints, never only here)."""
+
+
+def _make_private(folder: Path) -> None:
+    """`folder`, created for this run only: owner-only permissions. An earlier run's
+    leftover (it holds the marker) is replaced; any other folder with files in it is refused
+    (a path given by mistake: nothing of it is deleted)."""
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        if not (folder / MARKER).is_file():
+            raise ValueError(f"offload_dir={str(folder)!r} exists and is not an empty folder; "
+                             "give a new path (meshfit creates it, private to the run)")
+        shutil.rmtree(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(folder, 0o700)
+        (folder / MARKER).touch(mode=_FILE_MODE)
+    except OSError as err:
+        raise ValueError(f"offload_dir={str(folder)!r} cannot be created "
+                         f"({err.strerror or err}); give a writable folder on a local disk")
