@@ -417,3 +417,28 @@ def test_plan_validate_times_steps_as_meshfit_train_runs_them():
     from conftest import run_distributed
 
     assert run_distributed(_validate_syncs_once, 2, timeout=120) == [2, 2]
+
+
+def test_disk_offload_is_estimated_and_planned_only_when_nothing_else_fits():
+    """offload="disk": the estimate moves the optimizer state to `Estimate.disk` (AdamW's
+    8 B per parameter) and keeps three 256 MiB chunks of it in memory; the planner proposes
+    it only when no layout fits without it, its step charged with reading and writing the
+    state at the cluster's disk bandwidth."""
+    from meshfit.memory import LayoutSpec, estimate
+    from meshfit.memory.estimate import DISK_CHUNK_BYTES
+    from meshfit.plan.search import Cluster, search
+
+    shape = ModelShape.of("llama-7b")
+    full = estimate(shape, LayoutSpec(), seq_len=1024, dtype="bf16")
+    disk = estimate(shape, LayoutSpec(offload="disk"), seq_len=1024, dtype="bf16")
+    assert disk.disk == full.optimizer == 8 * shape.params
+    assert disk.optimizer == 3 * DISK_CHUNK_BYTES
+    assert disk.total == full.total - full.optimizer + 3 * DISK_CHUNK_BYTES
+    one = search("llama-7b", Cluster(gpus_per_node=1), seq_len=1024, global_batch_size=8)
+    best = one.plans[0]
+    assert all(p.layout.offload == "disk" for p in one.plans)
+    io = 2 * disk.disk / Cluster(gpus_per_node=1).disk_bandwidth
+    assert best.breakdown["offload"] == pytest.approx(io, rel=1e-9)
+    assert "nothing fits without the optimizer state on disk" in best.why
+    two = search("llama-7b", Cluster(gpus_per_node=2), seq_len=1024, global_batch_size=8)
+    assert not any(p.layout.offload == "disk" for p in two.plans)

@@ -114,6 +114,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_fused": 8.0, "adamw_8bit": 2.0, "sgd": 4.0,
                    "adafactor": 0.0}
 Checkpointing = Literal["none", "selective", "full"]
+DISK_CHUNK_BYTES = 256 * 2**20
+"""`meshfit.parallel.disk.DiskOffload`'s default chunk (of state read or written at once)."""
 NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 """Bytes per weight of QLoRA's NF4 with double quantization (Dettmers et al. 2023: 4.127
 bits): what `meshfit.peft.qlora` stores through torchao."""
@@ -236,7 +238,8 @@ class LayoutSpec(LayoutRequest):
     def to_json(self) -> dict:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
                 "pp": self.pp, "ep": self.ep, "zero_stage": self.zero_stage,
-                "offload": self.offload == "cpu",
+                "offload": self.offload == "cpu", **({"offload_to": "disk"}
+                                                     if self.offload == "disk" else {}),
                 "sequence_parallel": self.sequence_parallel,
                 "schedule": self.schedule if self.pp > 1 else None,
                 "microbatches": self.microbatches if self.pp > 1 else None,
@@ -250,6 +253,8 @@ class LayoutSpec(LayoutRequest):
         if self.zero_stage:
             text += f", ZeRO-{self.zero_stage}" + (" + CPU offload" if self.offload == "cpu"
                                                    else "")
+        if self.offload == "disk":
+            text += ", optimizer state on disk"
         if self.sequence_parallel:
             text += ", SP"
         if self.pp > 1:
@@ -368,6 +373,9 @@ class Estimate:
     buffers: float
     host: float = 0.0
     """Bytes moved to host memory per rank (CPU offload)."""
+    disk: float = 0.0
+    """Bytes of optimizer state in files per rank (offload="disk"), streamed through the
+    step: about three chunks of it are in memory at a time (`meshfit.parallel.disk`)."""
     detail: dict = field(default_factory=dict)
 
     @property
@@ -381,7 +389,10 @@ class Estimate:
                 "buffers": round(self.buffers), "total": round(self.total)}
 
     def to_json(self) -> dict:
-        return {"layout": self.layout.to_json(), "per_rank_bytes": self.per_rank_bytes}
+        out = {"layout": self.layout.to_json(), "per_rank_bytes": self.per_rank_bytes}
+        if self.disk:
+            out["disk_bytes_per_rank"] = round(self.disk)
+        return out
 
 
 def _stage_params(shape: ModelShape, layout: LayoutSpec) -> tuple[float, int]:
@@ -435,10 +446,14 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
                          "experts' stacked weights; use ep=1")
     params, grads, optimizer_bytes, host = _model_states(shape, rank, resolved.costs,
                                                          optimizer, adapted)
+    disk = 0.0
+    if layout.offload == "disk":  # the state goes to files; three chunks stay in memory
+        disk = optimizer_bytes
+        optimizer_bytes = min(optimizer_bytes, 3 * DISK_CHUNK_BYTES)
     buffers = _buffers(shape, layout, rank, resolved, dtype, adapted)
     activations, acts = _activations(shape, layout, rank.blocks, seq_len, dtype, attention)
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
-                    activations=activations, buffers=buffers, host=host,
+                    activations=activations, buffers=buffers, host=host, disk=disk,
                     detail={"blocks_on_rank": rank.blocks,
                             "per_block_activation": acts.per_block,
                             "in_flight": in_flight(layout), "engine": resolved.engine.value,

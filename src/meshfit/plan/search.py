@@ -56,6 +56,9 @@ class Cluster:
     network_name: str = "infiniband"
     calibration: object | None = None
     """A `meshfit.plan.calibrate.Calibration`: measured throughput and collectives."""
+    disk_bandwidth: float = 2e9
+    """Bytes/s each node's offload disk reads and writes sequentially (offload="disk"):
+    2 GB/s, a datacentre NVMe drive's order (measure yours: benchmarks/disk_offload.py)."""
 
     @property
     def world_size(self) -> int:
@@ -254,6 +257,9 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
     if layout.offload == "cpu":
         est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)
         offload = 2 * est.host / cluster.device.host_link + est.host / 20e9
+    elif layout.offload == "disk":  # every step reads and writes the state, the node's
+        est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)  # ranks sharing
+        offload = 2 * est.disk * cluster.gpus_per_node / cluster.disk_bandwidth  # the disk
     optimizer = 0.0
     if fit is not None:  # the optimizer step over this rank's parameters (ZeRO: its shard)
         optimizer = local / (S if layout.zero_stage >= 1 else 1) * fit.optimizer_per_param
@@ -367,6 +373,11 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
             plans.append(_plan(shape, spec, cluster, est, scene, seq_len=seq_len,
                                global_batch_size=global_batch_size, dtype=dtype))
     plans.sort(key=lambda p: (p.step_time_s, p.estimate.total))
+    if not plans:  # the last resort: the optimizer state on disk (the slowest, by far)
+        plans = _on_disk(shape, cluster, model_facts, budget, scene, seq_len=seq_len,
+                         global_batch_size=global_batch_size, dtype=dtype, optimizer=optimizer,
+                         attention=attention, checkpointing=checkpointing,
+                         adapters=adapters, precision=precision)
     if not plans:
         raise ValueError(_impossible(shape, cluster, budget, seq_len=seq_len, dtype=dtype,
                                      optimizer=optimizer, host_memory=host_memory,
@@ -374,6 +385,34 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
     return SearchResult(model=shape, cluster=cluster, plans=plans[:top] if top else plans,
                         considered=considered, refused=refused, too_big=too_big,
                         scenario=scene, sources=cluster.sources(dtype))
+
+
+def _on_disk(shape, cluster, model_facts, budget, scene, *, seq_len, global_batch_size, dtype,
+             optimizer, attention, checkpointing, adapters, precision) -> list[Plan]:
+    """The layouts that fit only with the optimizer state on disk (ZeRO stages 0, 2, 3
+    without pp), best first; each one's step time carries the state's read and write."""
+    import dataclasses
+
+    from meshfit.parallel.layout import Layout
+
+    plans = []
+    for cand in Layout.candidates(cluster.world_size, model_facts, mixed_precision=precision,
+                                  local_world_size=cluster.gpus_per_node, seq_len=seq_len,
+                                  offload=False):
+        d = cand.dims
+        if cand.layout is None or d.pp > 1 or cand.layout.zero_stage == 1 \
+                or cluster.gpus_per_node % d.tp or global_batch_size % d.dp:
+            continue
+        for spec in _specs(cand, model_facts, global_batch_size // d.dp, seq_len,
+                           checkpointing):
+            spec = dataclasses.replace(spec, offload="disk")
+            est = estimate(shape, spec, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                           attention=attention, adapters=adapters)
+            if est.total <= budget:
+                plans.append(_plan(shape, spec, cluster, est, scene, seq_len=seq_len,
+                                   global_batch_size=global_batch_size, dtype=dtype))
+    plans.sort(key=lambda p: (p.step_time_s, p.estimate.total))
+    return plans
 
 
 def _check_request(shape: ModelShape, seq_len: int, global_batch_size: int,
@@ -418,8 +457,14 @@ def _plan(shape: ModelShape, spec: LayoutSpec, cluster: Cluster, est: Estimate, 
     tokens = global_batch_size * seq_len / step
     mfu = shape.flops_per_token(seq_len) * tokens / (cluster.peak_flops(dtype) *
                                                      cluster.world_size)
+    why = _why(spec, scene, est, terms)
+    if spec.offload == "disk":
+        why += (f"; nothing fits without the optimizer state on disk ({est.disk / GiB:.1f} GiB "
+                f"per rank): reading and writing it adds {terms['offload']:.2f} s to each step "
+                f"({step / max(step - terms['offload'], 1e-12):.1f}x the step without it, at "
+                f"{cluster.disk_bandwidth / 1e9:.1f} GB/s per node)")
     return Plan(estimate=est, step_time_s=step, tokens_per_s=tokens, mfu=mfu,
-                why=_why(spec, scene, est, terms), breakdown=terms,
+                why=why, breakdown=terms,
                 host_bytes_per_node=est.host * cluster.gpus_per_node)
 
 
