@@ -442,3 +442,23 @@ def test_disk_offload_is_estimated_and_planned_only_when_nothing_else_fits():
     assert "nothing fits without the optimizer state on disk" in best.why
     two = search("llama-7b", Cluster(gpus_per_node=2), seq_len=1024, global_batch_size=8)
     assert not any(p.layout.offload == "disk" for p in two.plans)
+    slow = search("llama-7b", Cluster(gpus_per_node=1, disk_bandwidth=1e9), seq_len=1024,
+                  global_batch_size=8).plans[0]
+    assert slow.breakdown["offload"] == pytest.approx(2 * io, rel=1e-9)
+
+
+def test_plan_writes_a_disk_offload_config_meshfit_train_takes(capsys, tmp_path):
+    from meshfit.cli.main import main
+    from meshfit.train.configfile import load_config
+
+    out = tmp_path / "plan.toml"
+    assert main(["plan", "llama-7b", "--gpus-per-node", "1", "--seq-len", "1024",
+                 "--global-batch-size", "8", "--disk-bandwidth", "3", "--json",
+                 "--out", str(out)]) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    assert "nothing fits without the optimizer state on disk" in best["why"]
+    assert "at 3.0 GB/s per node" in best["why"]
+    cfg = load_config(out)
+    assert cfg.parallel.offload == "disk" and cfg.parallel.offload_dir == "./meshfit-offload"
+    assert main(["plan", "gpt2", "--gpus-per-node", "1", "--disk-bandwidth", "0"]) == 2
+    assert "--disk-bandwidth=0.0 must be > 0" in capsys.readouterr().err

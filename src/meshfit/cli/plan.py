@@ -242,6 +242,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="memory per GPU, e.g. 80GiB (default: the --gpu's)")
     p.add_argument("--interconnect", default="nvlink", choices=tuple(INTERCONNECTS))
     p.add_argument("--network", default="infiniband", choices=tuple(NETWORKS))
+    p.add_argument("--disk-bandwidth", type=float, default=2.0,
+                   help="GB/s each node's disk reads and writes, for the optimizer state on "
+                        "disk (proposed only when nothing else fits; default 2)")
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="sequences per optimizer step (default: 8 per GPU)")
     p.add_argument("--margin", type=float, default=0.1,
@@ -268,6 +271,8 @@ def cmd_plan(argv: list[str]) -> int:
     ns = _plan_parser().parse_args(argv)
     _positive(ns, "--gpus-per-node", "--nodes", "--global-batch-size", "--top", "--vocab-size",
               "--lora-r")
+    if not ns.disk_bandwidth > 0:
+        raise ValueError(f"--disk-bandwidth={ns.disk_bandwidth} must be > 0 (GB/s)")
     if ns.validate < 0:
         raise ValueError(f"--validate={ns.validate} must be >= 0 (the layouts to run)")
     if not 0 <= ns.margin < 1:
@@ -285,7 +290,8 @@ def cmd_plan(argv: list[str]) -> int:
     cluster = Cluster(gpus_per_node=ns.gpus_per_node, nodes=ns.nodes, device=device,
                       interconnect=INTERCONNECTS[ns.interconnect],
                       interconnect_name=ns.interconnect, network=NETWORKS[ns.network],
-                      network_name=ns.network, calibration=calibration)
+                      network_name=ns.network, calibration=calibration,
+                      disk_bandwidth=ns.disk_bandwidth * 1e9)
     shape = _shape(ns)
     adapters = _adapters(ns, shape)
     batch = ns.global_batch_size or 8 * cluster.world_size
@@ -372,6 +378,8 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
     parallel = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
                 "tp": lay.tp, "zero_stage": lay.zero_stage, "offload": lay.offload,
                 "sequence_parallel": lay.sequence_parallel}
+    if lay.offload == "disk":  # a folder on the node's local disk (change it to yours)
+        parallel["offload_dir"] = "./meshfit-offload"
     if lay.pp > 1:
         parallel.update(schedule=lay.schedule, microbatches=lay.microbatches,
                         virtual_stages=lay.virtual_stages)

@@ -124,8 +124,14 @@ class DiskOffload(torch.optim.Optimizer):
             for key, (shape, dtype) in self._on_disk.get(id(p), {}).items():
                 local = torch.empty(shape, dtype=dtype)
                 path = self._path(p, key)
+                view = memoryview(local.view(-1).view(torch.uint8).numpy())
+                got = 0
                 with open(path, "rb", buffering=0) as f:
-                    got = f.readinto(local.view(-1).view(torch.uint8).numpy())
+                    while got < len(view):  # (one read returns at most ~2 GiB on Linux)
+                        n = f.readinto(view[got:])
+                        if not n:
+                            break
+                        got += n
                 if got != local.numel() * local.element_size():
                     raise OSError(f"offload='disk': {path} holds {got} bytes, "
                                   f"{local.numel() * local.element_size()} expected")
@@ -139,8 +145,11 @@ class DiskOffload(torch.optim.Optimizer):
             tmp = path.with_suffix(".tmp")
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, _FILE_MODE)
+                view = memoryview(local.contiguous().view(-1).view(torch.uint8).numpy())
+                done = 0
                 with open(fd, "wb", buffering=0) as f:
-                    f.write(local.contiguous().view(-1).view(torch.uint8).numpy())
+                    while done < len(view):  # (one write takes at most ~2 GiB on Linux)
+                        done += f.write(view[done:])
                 os.replace(tmp, path)
             except OSError as err:
                 raise OSError(f"offload='disk': cannot write {path} "
