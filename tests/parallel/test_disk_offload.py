@@ -3,8 +3,9 @@ streamed through each step in chunks.
 
 - Exact: the same run without offload, bit for bit (fp32, same layout: the same operations
   on the same values), with AdamW and SGD with momentum, on one process (chunks of a few
-  parameters, so that the streaming's read-ahead and write-behind are exercised) and on 2
-  ranks under DDP, ZeRO-2 and ZeRO-3 (FSDP2: each rank's local shards on disk).
+  parameters, so that the streaming's read-ahead and write-behind are exercised; the
+  reference GPT and a transformers Llama with its gradient clipped) and on 2 ranks under
+  DDP, ZeRO-2 and ZeRO-3 (FSDP2: each rank's local shards on disk).
 - Checkpoints: saved with the state on disk and resumed into a fresh job with it on disk
   again, or without offload: bit for bit the uninterrupted run.
 - Safe: the folder is created private (0700, files 0600) and removed at the end unless
@@ -36,6 +37,37 @@ def _train(model, optimizer, steps, x, y, start: int = 0):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def test_a_transformers_llama_equals_the_state_in_memory(tmp_path):
+    """The same on a Hugging Face Llama (AdamW; its loss from the logits), with the gradient
+    clipped before each step."""
+    from reference import hf_llama
+
+    from meshfit.parallel.disk import DiskOffload
+
+    x, y = token_batches(2 * STEPS, 16)
+    runs = []
+    for offload in (False, True):
+        model = hf_llama(dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if offload:
+            opt = DiskOffload(opt, tmp_path / "off", chunk_bytes=50_000)
+        losses = []
+        for i in range(STEPS):
+            out = model(input_ids=x[2 * i:2 * i + 2]).logits
+            loss = torch.nn.functional.cross_entropy(out.flatten(0, 1),
+                                                     y[2 * i:2 * i + 2].flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+        if offload:
+            opt.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(v, runs[1][1][k]) for k, v in runs[0][1].items())
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
