@@ -55,11 +55,17 @@ def test_offload_host_memory_is_printed_and_checked(capsys):
     assert "MFU 29% (assumed efficiency)" in out
     assert "host memory for CPU offload: 1,028 GiB per node (128.5 GiB per rank); not checked " \
            "(give --host-memory)" in out
+    # too little host memory for CPU offload: the last resort, the optimizer state on disk
     assert main(["plan", "llama-70b", "--gpus-per-node", "8", "--seq-len", "4096",
-                 "--host-memory", "512GiB"]) == 2
+                 "--host-memory", "512GiB", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state on disk" in out and "host memory for CPU offload" not in out
+    # ... and where the disk does not help either (GPUs of 40 GiB: the parameters and
+    # gradients alone do not fit), the refusal names the host memory CPU offload needs
+    assert main(["plan", "llama-70b", "--gpus-per-node", "8", "--gpu-memory", "40GiB",
+                 "--seq-len", "4096", "--host-memory", "512GiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and ("more host memory than --host-memory=512 GiB per node for ZeRO-3 "
-                              "with CPU offload (~1,028 GiB per node)") in err[0], err
+    assert len(err) == 1 and "more host memory than --host-memory=512 GiB per node" in err[0], err
     assert main(["plan", "llama-70b", "--gpus-per-node", "8", "--seq-len", "4096",
                  "--host-memory", "2TiB", "--top", "1"]) == 0
     assert "host memory for CPU offload: 1,028 GiB per node" in capsys.readouterr().out
