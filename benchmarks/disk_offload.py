@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import resource
 import sys
 import time
@@ -36,28 +35,9 @@ import _common  # noqa: E402
 from meshfit import Accelerator  # noqa: E402
 from meshfit.memory import LayoutSpec, ModelShape, estimate  # noqa: E402
 from meshfit.models import GPT, GPTConfig  # noqa: E402
+from meshfit.parallel.disk import disk_bandwidth  # noqa: E402
 
 GiB = 2**30
-
-
-def disk_bandwidth(folder: Path, gib: float) -> tuple[float, float]:
-    """(write, read) bytes/s of one sequential file of `gib` in `folder`."""
-    path = folder / "bandwidth.probe"
-    block = torch.ones(64 * 2**20, dtype=torch.uint8).numpy()
-    n = max(1, int(gib * GiB // block.nbytes))
-    t0 = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        for _ in range(n):
-            f.write(block)
-        os.fsync(f.fileno())
-    write = n * block.nbytes / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(block):
-            pass
-    read = n * block.nbytes / (time.perf_counter() - t0)
-    path.unlink()
-    return write, read
 
 
 def main() -> None:
@@ -74,7 +54,7 @@ def main() -> None:
     args = p.parse_args()
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
-    write_bw, read_bw = disk_bandwidth(folder, args.probe_gib)
+    write_bw, read_bw = disk_bandwidth(folder, int(args.probe_gib * GiB))
     print(f"disk: sequential write {write_bw / 2**20:.0f} MiB/s, read {read_bw / 2**20:.0f} "
           "MiB/s", flush=True)
     cfg = GPTConfig.preset("tiny", d_model=args.d_model, n_layer=args.n_layer,

@@ -106,6 +106,12 @@ def test_load_calibration_reads_and_refuses(tmp_path):
     assert load_calibration(path).pipeline["gpipe"] == 0.003
     path.write_text(json.dumps({**_file_dict(), "pipeline": {"gpipe": -1}}))
     _refusal(path, "invalid pipeline")
+    path.write_text(json.dumps({**_file_dict(), "disk": {"folder": "/x", "write": 3e8,
+                                                         "read": 2e9}}))
+    assert load_calibration(path).disk_bandwidth() == 3e8  # the slower of the two
+    assert load_calibration(path.with_name("cal.json")).disk is not None
+    path.write_text(json.dumps({**_file_dict(), "disk": {"write": 0, "read": 2e9}}))
+    _refusal(path, "invalid disk")
 
 
 def test_fit_recovers_latency_and_bandwidth_exactly():
@@ -136,6 +142,8 @@ def test_parse_sizes():
     (["--sizes", "4K", "4096"], "--sizes=.*1 distinct size"),
     (["--sizes", "4K", "lots"], "--sizes value 'lots' is not a byte size"),
     (["--sizes", "0", "4K"], "--sizes value '0' is under 4 bytes"),
+    (["--offload-dir", "{tmp}/nowhere"], "--offload-dir=.*nowhere' is not a folder"),
+    (["--offload-dir", "{tmp}", "--offload-gib", "0"], r"--offload-gib=0.0 must be in \(0, 1024\]"),
 ])
 def test_bad_arguments_are_refused_before_any_process_starts(args, match, tmp_path,
                                                              monkeypatch):
@@ -175,12 +183,17 @@ def test_two_gloo_ranks_write_a_calibration(tmp_path, subprocess_env):
     out = tmp_path / "cal.json"
     proc = subprocess.run(
         [sys.executable, "-m", "meshfit", "calibrate", "--nproc", "2", "--cpu", "--out",
-         str(out), "--sizes", "4K", "64K", "1M"],
+         str(out), "--sizes", "4K", "64K", "1M", "--offload-dir", str(tmp_path),
+         "--offload-gib", "0.0625"],
         env=subprocess_env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all_reduce" in proc.stdout and str(out) in proc.stdout
     c = load_calibration(out)
     assert (c.device, c.backend, c.world_size) == ("cpu", "gloo", 2)
+    # --offload-dir: the folder's disk, measured (and its probe file gone)
+    assert c.disk["folder"] == str(tmp_path.resolve()) and "disk (" in proc.stdout
+    assert c.disk["write"] > 0 and c.disk["read"] > 0
+    assert not any(p.name.startswith(".meshfit-bandwidth") for p in tmp_path.iterdir())
 
     def good(x):
         return isinstance(x, float) and 0 < x < math.inf

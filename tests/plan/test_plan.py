@@ -462,3 +462,18 @@ def test_plan_writes_a_disk_offload_config_meshfit_train_takes(capsys, tmp_path)
     assert cfg.parallel.offload == "disk" and cfg.parallel.offload_dir == "./meshfit-offload"
     assert main(["plan", "gpt2", "--gpus-per-node", "1", "--disk-bandwidth", "0"]) == 2
     assert "--disk-bandwidth=0.0 must be > 0" in capsys.readouterr().err
+
+
+def test_the_offload_disk_bandwidth_comes_from_the_flag_the_profile_or_the_default():
+    import argparse
+
+    from meshfit.cli.plan import _disk_bandwidth
+
+    class Measured:
+        def disk_bandwidth(self):
+            return 3e8
+
+    flag, none = argparse.Namespace(disk_bandwidth=1.5), argparse.Namespace(disk_bandwidth=None)
+    assert _disk_bandwidth(flag, Measured()) == 1.5e9
+    assert _disk_bandwidth(none, Measured()) == 3e8
+    assert _disk_bandwidth(none, None) == 2e9

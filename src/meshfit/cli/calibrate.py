@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true",
                    help="measure the CPU with gloo even where CUDA is available "
                         "(also MESHFIT_CPU=1)")
+    p.add_argument("--offload-dir", default=None,
+                   help="also measure the sequential write (fsync'd) and read bandwidth of "
+                        "this folder's disk, for offload=\"disk\" (meshfit plan --profile)")
+    p.add_argument("--offload-gib", type=float, default=1.0,
+                   help="the size of the file --offload-dir is measured with (default 1)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -94,6 +99,11 @@ def _validate(ns) -> tuple[int, Path, tuple[int, ...] | None, bool]:
         raise ValueError(f"--out={ns.out!r}: folder {out.parent} does not exist; create it or "
                          "give another --out")
     sizes = parse_sizes(ns.sizes) if ns.sizes is not None else None
+    if ns.offload_dir is not None and not Path(ns.offload_dir).expanduser().is_dir():
+        raise ValueError(f"--offload-dir={ns.offload_dir!r} is not a folder; give an existing "
+                         "folder on the disk offload='disk' will use")
+    if not 0 < ns.offload_gib <= 1024:
+        raise ValueError(f"--offload-gib={ns.offload_gib} must be in (0, 1024]")
     return nproc, out, sizes, cpu
 
 
@@ -103,15 +113,35 @@ def cmd_calibrate(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
     nproc, out, sizes, cpu = _validate(ns)  # before any process starts
     if ns.worker or nproc == 1:
-        return _worker(out, sizes, cpu)
-    # No --nproc here: torchrun's parser would take it for an abbreviation of its own
-    # --nproc-per-node. The workers learn the world size from their environment.
-    script = ["meshfit", "calibrate", "--worker", "--out", str(out)]
-    if sizes is not None:
-        script += ["--sizes", *map(str, sizes)]
-    if cpu:
-        script.append("--cpu")
-    return launch.run(launch.LaunchConfig(nproc=nproc), script, module=True)
+        rc = _worker(out, sizes, cpu)
+    else:
+        # No --nproc here: torchrun's parser would take it for an abbreviation of its own
+        # --nproc-per-node. The workers learn the world size from their environment.
+        script = ["meshfit", "calibrate", "--worker", "--out", str(out)]
+        if sizes is not None:
+            script += ["--sizes", *map(str, sizes)]
+        if cpu:
+            script.append("--cpu")
+        rc = launch.run(launch.LaunchConfig(nproc=nproc), script, module=True)
+    if rc == 0 and ns.offload_dir is not None and not ns.worker:
+        _measure_disk(out, Path(ns.offload_dir).expanduser(), int(ns.offload_gib * 2**30))
+    return rc
+
+
+def _measure_disk(out: Path, folder: Path, nbytes: int) -> None:
+    """The offload folder's disk bandwidth, added to the calibration file (rewritten
+    atomically)."""
+    import json
+
+    from meshfit._files import atomic_write_text
+    from meshfit.parallel.disk import disk_bandwidth
+
+    write, read = disk_bandwidth(folder, nbytes)
+    data = json.loads(out.read_text())
+    data["disk"] = {"folder": str(folder.resolve()), "write": write, "read": read}
+    atomic_write_text(out, json.dumps(data, indent=2) + "\n")
+    print(f"disk ({folder}): sequential write {write / 1e9:.2f} GB/s (fsync'd), read "
+          f"{read / 1e9:.2f} GB/s -> {out}", flush=True)
 
 
 def _worker(out: Path, sizes: tuple[int, ...] | None, cpu: bool) -> int:

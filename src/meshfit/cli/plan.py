@@ -242,9 +242,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="memory per GPU, e.g. 80GiB (default: the --gpu's)")
     p.add_argument("--interconnect", default="nvlink", choices=tuple(INTERCONNECTS))
     p.add_argument("--network", default="infiniband", choices=tuple(NETWORKS))
-    p.add_argument("--disk-bandwidth", type=float, default=2.0,
+    p.add_argument("--disk-bandwidth", type=float, default=None,
                    help="GB/s each node's disk reads and writes, for the optimizer state on "
-                        "disk (proposed only when nothing else fits; default 2)")
+                        "disk (proposed only when nothing else fits; default: the --profile's "
+                        "measured disk, else 2)")
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="sequences per optimizer step (default: 8 per GPU)")
     p.add_argument("--margin", type=float, default=0.1,
@@ -271,7 +272,7 @@ def cmd_plan(argv: list[str]) -> int:
     ns = _plan_parser().parse_args(argv)
     _positive(ns, "--gpus-per-node", "--nodes", "--global-batch-size", "--top", "--vocab-size",
               "--lora-r")
-    if not ns.disk_bandwidth > 0:
+    if ns.disk_bandwidth is not None and not ns.disk_bandwidth > 0:
         raise ValueError(f"--disk-bandwidth={ns.disk_bandwidth} must be > 0 (GB/s)")
     if ns.validate < 0:
         raise ValueError(f"--validate={ns.validate} must be >= 0 (the layouts to run)")
@@ -291,7 +292,7 @@ def cmd_plan(argv: list[str]) -> int:
                       interconnect=INTERCONNECTS[ns.interconnect],
                       interconnect_name=ns.interconnect, network=NETWORKS[ns.network],
                       network_name=ns.network, calibration=calibration,
-                      disk_bandwidth=ns.disk_bandwidth * 1e9)
+                      disk_bandwidth=_disk_bandwidth(ns, calibration))
     shape = _shape(ns)
     adapters = _adapters(ns, shape)
     batch = ns.global_batch_size or 8 * cluster.world_size
@@ -362,6 +363,15 @@ def _print_validation(rows: list[dict]) -> None:
               f"{row['measured_bytes'] / GiB:.3f} GiB ({row['bytes_error']:+.0%}), "
               f"{row['predicted_step_s']:.3g} vs {row['measured_step_s']:.3g} s "
               f"({row['time_error']:+.0%})")
+
+
+def _disk_bandwidth(ns, calibration) -> float:
+    """Bytes/s of the offload disk: --disk-bandwidth, else the profile's measured disk
+    (`meshfit calibrate --offload-dir`), else 2 GB/s."""
+    if ns.disk_bandwidth is not None:
+        return ns.disk_bandwidth * 1e9
+    measured = calibration.disk_bandwidth() if calibration is not None else None
+    return measured or 2e9
 
 
 def plan_toml(ns, plan, global_batch_size: int) -> str:

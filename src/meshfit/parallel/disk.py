@@ -19,8 +19,8 @@ overlap on a local disk).
 
 The folder is private to the run (created with owner-only permissions and marked as
 meshfit's; a folder that exists with files in it is refused unless an earlier run left it,
-marked) and removed by `close`, or when the object goes or the process exits, unless `keep`. Each file is written to a
-temporary name and renamed, so a file is never half-written; a write error or a full disk
+marked) and removed by `close`, or when the object goes or the process exits, unless
+`keep`. Each file is written to a temporary name and renamed, so a file is never half-written; a write error or a full disk
 raises one line naming the file, and the step's state already in memory is not lost to a
 half-written file (the run stops; its last checkpoint is intact). ``state_dict`` returns the
 offloaded tensors as read-only memory maps of their files (no copy in memory: a checkpoint
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DiskOffload", "check_free_space", "state_file_bytes"]
+__all__ = ["DiskOffload", "check_free_space", "disk_bandwidth", "state_file_bytes"]
 
 _FILE_MODE = 0o600
 
@@ -280,6 +280,32 @@ def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, folder: str
     writer.shutdown(wait=True)
     if not keep:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def disk_bandwidth(folder: str | os.PathLike, nbytes: int = 2**30) -> tuple[float, float]:
+    """(write, read) bytes/s of `folder`'s disk: one sequential file of `nbytes` written in
+    64 MiB blocks and fsync'd, then read back (the read may be helped by the page cache: an
+    upper bound), then removed. The folder must exist."""
+    import time
+
+    path = Path(folder) / ".meshfit-bandwidth-probe"
+    block = torch.ones(min(64 * 2**20, max(nbytes, 1)), dtype=torch.uint8).numpy()
+    n = max(1, nbytes // block.nbytes)
+    try:
+        t0 = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            for _ in range(n):
+                f.write(block)
+            os.fsync(f.fileno())
+        write = n * block.nbytes / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(block):
+                pass
+        read = n * block.nbytes / (time.perf_counter() - t0)
+    finally:
+        path.unlink(missing_ok=True)
+    return write, read
 
 
 def check_free_space(optimizer: torch.optim.Optimizer, folder: str | os.PathLike, *,

@@ -196,6 +196,16 @@ class Calibration:
     pipeline: dict[str, float | None] | None = None
     """Per schedule of `PP_SCHEDULES`: seconds per micro-batch beyond the prediction
     (module docstring); None in a file without it."""
+    disk: dict[str, Any] | None = None
+    """``meshfit calibrate --offload-dir PATH``: {"folder", "write", "read"}, the sequential
+    write (fsync'd) and read bytes/s of that folder's disk, for offload="disk"; None
+    without it."""
+
+    def disk_bandwidth(self) -> float | None:
+        """The slower of the measured disk's write and read (bytes/s), or None."""
+        if not self.disk:
+            return None
+        return min(float(self.disk["write"]), float(self.disk["read"]))
 
     def peak_flops(self, dtype: str) -> float | None:
         """The fastest matmul measured for `dtype` (FLOP/s): the peak MFU is counted
@@ -307,9 +317,13 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
             raise ValueError(f"calibration file {path} has invalid pipeline; {fix}")
         schedules = {k: None if schedules.get(k) is None else float(schedules[k])
                      for k in PP_SCHEDULES}
+    disk = data.get("disk")
+    if disk is not None and not (isinstance(disk, dict) and all(
+            _number(disk.get(k)) and disk[k] > 0 for k in ("write", "read"))):
+        raise ValueError(f"calibration file {path} has invalid disk; {fix}")
     return Calibration(
         schema=SCHEMA, device=data["device"], backend=data["backend"], train_step=fits,
-        data_parallel=engines, pipeline=schedules,
+        data_parallel=engines, pipeline=schedules, disk=disk,
         world_size=data["world_size"], torch=data["torch"], time=data["time"],
         matmul_flops={d: None if flops[d] is None else float(flops[d]) for d in DTYPES},
         memory_bandwidth=float(data["memory_bandwidth"]),
