@@ -83,19 +83,26 @@ def main() -> None:
         acc.backward(loss)
         t1 = time.perf_counter()
         read0, written0 = disk.bytes_read, disk.bytes_written
+        seconds0 = dict(disk.seconds)
         opt.step()
         disk.flush()  # this step's writes, counted in its time
         t2 = time.perf_counter()
         opt.zero_grad()
         read, written = disk.bytes_read - read0, disk.bytes_written - written0
+        took = {k: disk.seconds[k] - seconds0[k] for k in seconds0}
+        io_busy = took["reading"] + took["writing"]
+        hidden = max(0.0, 1 - took["waiting"] / io_busy) if io_busy else None
         io_bound = read / read_bw + written / write_bw
         rows.append({"step": step + 1, "loss": loss.item(), "forward_backward_s": t1 - t0,
                      "optimizer_s": t2 - t1, "read_bytes": read, "written_bytes": written,
                      "io_bound_s": io_bound,
-                     "optimizer_over_io_bound": (t2 - t1) / io_bound if io_bound else None})
+                     "optimizer_over_io_bound": (t2 - t1) / io_bound if io_bound else None,
+                     "seconds": took, "io_hidden_share": hidden})
         print(f"step {step + 1}: loss {loss.item():.4f}, forward+backward {t1 - t0:.1f} s, "
               f"optimizer {t2 - t1:.1f} s (read {read / GiB:.1f} GiB, wrote "
-              f"{written / GiB:.1f} GiB; I/O bound {io_bound:.1f} s)", flush=True)
+              f"{written / GiB:.1f} GiB; I/O bound {io_bound:.1f} s; update "
+              f"{took['updating']:.1f} s, waited {took['waiting']:.1f} s of the threads' "
+              f"{io_busy:.1f} s of I/O)", flush=True)
     on_disk = sum(f.stat().st_size for f in (folder / "state").rglob("*.bin"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     info = _common.machine_info(acc)
@@ -116,17 +123,18 @@ def main() -> None:
              f"- `meshfit.memory.estimate`: {est.total / GiB:.1f} GiB in memory with the state "
              f"on disk ({est.disk / GiB:.1f} GiB there); {full.total / GiB:.1f} GiB without", "",
              "| step | loss | forward+backward | optimizer step | read | written | "
-             "(read/rbw + written/wbw) | optimizer / that |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(read/rbw + written/wbw) | optimizer / that | update | I/O (threads) | "
+             "I/O hidden |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = r["optimizer_over_io_bound"]
-        lines.append(f"| {r['step']} | {r['loss']:.4f} | {r['forward_backward_s']:.1f} s | "
-                     f"{r['optimizer_s']:.1f} s | {r['read_bytes'] / GiB:.1f} GiB | "
-                     f"{r['written_bytes'] / GiB:.1f} GiB | {r['io_bound_s']:.1f} s | "
-                     f"{ratio:.2f} |" if ratio else
-                     f"| {r['step']} | {r['loss']:.4f} | {r['forward_backward_s']:.1f} s | "
-                     f"{r['optimizer_s']:.1f} s | 0 | {r['written_bytes'] / GiB:.1f} GiB | "
-                     f"{r['io_bound_s']:.1f} s | - |")
+        ratio, hidden, took = r["optimizer_over_io_bound"], r["io_hidden_share"], r["seconds"]
+        lines.append(
+            f"| {r['step']} | {r['loss']:.4f} | {r['forward_backward_s']:.1f} s | "
+            f"{r['optimizer_s']:.1f} s | {r['read_bytes'] / GiB:.1f} GiB | "
+            f"{r['written_bytes'] / GiB:.1f} GiB | {r['io_bound_s']:.1f} s | "
+            f"{f'{ratio:.2f}' if ratio else '-'} | {took['updating']:.1f} s | "
+            f"{took['reading'] + took['writing']:.1f} s | "
+            f"{f'{hidden:.0%}' if hidden is not None else '-'} |")
     lines += ["", _common.machine_markdown(info)]
     md = "\n".join(lines)
     print(md)

@@ -90,6 +90,8 @@ def test_one_process_equals_the_state_in_memory(tmp_path, kind):
     assert len(offload._chunks) > 5  # several chunks: read-ahead and write-behind at work
     assert _train(model, offload, STEPS, x, y) == want
     offload.flush()  # (the last step's writes end while the next forward would run)
+    took = offload.seconds
+    assert min(took.values()) >= 0 and took["reading"] > 0 and took["writing"] > 0
     for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
     # on disk, private; in memory only the small state

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -100,6 +101,10 @@ class DiskOffload(torch.optim.Optimizer):
         self._pending: list[Future] = []
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
+        self.seconds = {"reading": 0.0, "writing": 0.0, "updating": 0.0, "waiting": 0.0}
+        """Summed over the steps: the threads' time reading and writing files, the time the
+        step updated chunks, and the time it waited for a read or a write. The I/O hidden
+        behind the update is ``1 - waiting / (reading + writing)``."""
         # the threads stopped and the folder removed (unless kept) when this object goes, or
         # at the interpreter's exit
         self._cleanup = weakref.finalize(self, _release, self._reader, self._writer,
@@ -119,6 +124,7 @@ class DiskOffload(torch.optim.Optimizer):
         return self.folder / f"{self._name[id(p)]}.{key}.bin"
 
     def _read(self, chunk: list[torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+        began = time.perf_counter()
         out: dict[int, dict[str, torch.Tensor]] = {}
         for p in chunk:
             for key, (shape, dtype) in self._on_disk.get(id(p), {}).items():
@@ -138,9 +144,12 @@ class DiskOffload(torch.optim.Optimizer):
                 with self._lock:
                     self.bytes_read += got
                 out.setdefault(id(p), {})[key] = local
+        with self._lock:
+            self.seconds["reading"] += time.perf_counter() - began
         return out
 
     def _write(self, items: list[tuple[Path, torch.Tensor]]) -> None:
+        began = time.perf_counter()
         for path, local in items:
             tmp = path.with_suffix(".tmp")
             try:
@@ -157,6 +166,8 @@ class DiskOffload(torch.optim.Optimizer):
                               "another offload_dir") from None
             with self._lock:
                 self.bytes_written += local.numel() * local.element_size()
+        with self._lock:
+            self.seconds["writing"] += time.perf_counter() - began
 
     def flush(self) -> None:
         """Wait for the last step's writes (their errors raise here)."""
@@ -164,8 +175,12 @@ class DiskOffload(torch.optim.Optimizer):
 
     def _wait_writes(self) -> None:
         pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()  # a write error surfaces here, as one line
+        began = time.perf_counter()
+        try:
+            for future in pending:
+                future.result()  # a write error surfaces here, as one line
+        finally:
+            self.seconds["waiting"] += time.perf_counter() - began
 
     # ---------------------------------------------------------------- the step
     def _place(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -190,7 +205,9 @@ class DiskOffload(torch.optim.Optimizer):
         reads = self._reader.submit(self._read, self._chunks[0])
         try:
             for i, chunk in enumerate(self._chunks):
+                began = time.perf_counter()
                 loaded = reads.result()
+                self.seconds["waiting"] += time.perf_counter() - began
                 if i + 1 < len(self._chunks):
                     reads = self._reader.submit(self._read, self._chunks[i + 1])
                 ids = {id(p) for p in chunk}
@@ -199,8 +216,11 @@ class DiskOffload(torch.optim.Optimizer):
                         self.optimizer.state[p][key] = self._place(p, local)
                 for g, params in zip(groups, every):
                     g["params"] = [p for p in params if id(p) in ids]
+                began = time.perf_counter()
                 self.optimizer.step()
-                self._pending.append(self._writer.submit(self._write, self._evict(chunk)))
+                evicted = self._evict(chunk)
+                self.seconds["updating"] += time.perf_counter() - began
+                self._pending.append(self._writer.submit(self._write, evicted))
         finally:
             for g, params in zip(groups, every):
                 g["params"] = params
