@@ -271,6 +271,18 @@ T = [  # meshfit train: config overrides
     ("peft with ep", ["--nproc", "2", "--parallel.dp_shard=2", "--parallel.dp_replicate=1",
                       "--parallel.ep=2", "--model.preset=moe-tiny", "--peft.method=lora"],
      ["peft.method='lora'", "ep > 1"]),
+    # optimizer state on disk
+    ("offload disk without a folder", ["--parallel.offload=disk"],
+     ["parallel.offload='disk' needs parallel.offload_dir=PATH"]),
+    ("offload_dir without disk", ["--parallel.offload_dir={t}/off"],
+     ["parallel.offload_dir=", "parallel.offload='disk' only"]),
+    ("offload disk with ZeRO-1", ["--nproc", "2", "--parallel.dp_shard=2",
+                                  "--parallel.dp_replicate=1", "--parallel.zero_stage=1",
+                                  "--parallel.offload=disk", "--parallel.offload_dir={t}/off"],
+     ["offload='disk' with parallel.zero_stage=1 is not available yet"]),
+    ("offload disk on a full disk", ["--parallel.offload=disk", "--parallel.offload_dir=/proc/x"],
+     ["parallel.offload_dir='/proc/x': the optimizer state of 1 local rank(s) needs",
+      "GiB is free on that disk"]),
     # context parallel
     ("cp with tp at zero_stage 0", ["--nproc", "4", "--parallel.cp=2", "--parallel.tp=2",
                                     "--parallel.dp_replicate=1"],

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DiskOffload", "check_free_space", "disk_bandwidth", "state_file_bytes"]
+__all__ = ["DiskOffload", "check_free_space", "disk_bandwidth", "free_bytes",
+           "state_file_bytes"]
 
 _FILE_MODE = 0o600
 
@@ -328,15 +329,20 @@ def disk_bandwidth(folder: str | os.PathLike, nbytes: int = 2**30) -> tuple[floa
     return write, read
 
 
+def free_bytes(folder: str | os.PathLike) -> int:
+    """Free bytes on the disk `folder` is (or will be, once created) on."""
+    probe = Path(folder)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
 def check_free_space(optimizer: torch.optim.Optimizer, folder: str | os.PathLike, *,
                      sharing: int = 1) -> int:
     """One line when the disk under `folder` has less free space than `sharing` ranks'
     state of `optimizer` (`state_file_bytes`) needs; returns the bytes this rank needs."""
     need = state_file_bytes(optimizer)
-    probe = Path(folder)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    free = free_bytes(folder)
     if need * sharing > free:
         raise ValueError(f"offload_dir={str(folder)!r}: the optimizer state needs "
                          f"{need * sharing / 2**30:.2f} GiB ({sharing} rank(s) x "

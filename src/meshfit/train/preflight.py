@@ -104,8 +104,6 @@ def _check_disk(cfg, layout: Layout, world_size: int, local: int) -> None:
     """offload = "disk": an optimizer it streams, a new folder, and room on its disk for the
     local ranks' state (AdamW 8 B, SGD with momentum 4 B per trainable parameter, divided by
     the ZeRO shards)."""
-    import shutil
-
     p = cfg.parallel
     if p.offload != "disk":
         return
@@ -116,7 +114,7 @@ def _check_disk(cfg, layout: Layout, world_size: int, local: int) -> None:
                          "Adam/AdamW moments or SGD momentum; use adamw, adamw_fused or sgd "
                          "with momentum")
     folder = Path(p.offload_dir).expanduser()
-    from meshfit.parallel.disk import MARKER
+    from meshfit.parallel.disk import MARKER, free_bytes
 
     taken = sorted(q.name for q in folder.glob("rank-*")  # (an earlier run's: replaced)
                    if q.is_dir() and not (q / MARKER).is_file()) if folder.is_dir() else []
@@ -129,10 +127,7 @@ def _check_disk(cfg, layout: Layout, world_size: int, local: int) -> None:
     trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
     shards = layout.dims.dp_shard * layout.dims.cp if layout.is_fsdp else 1
     need = _STATE_BYTES[name] * trainable / shards * min(local, world_size)
-    probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    free = free_bytes(folder)
     if need > free:
         raise ValueError(f"parallel.offload_dir={p.offload_dir!r}: the optimizer state of "
                          f"{min(local, world_size)} local rank(s) needs {need / 2**30:.2f} GiB "
