@@ -25,6 +25,8 @@ import torch
 from conftest import case_result, run_cases
 from reference import tiny_gpt, token_batches
 
+from meshfit.parallel.disk import DiskOffload
+
 STEPS, SAVE_AT = 4, 2
 
 
@@ -137,6 +139,20 @@ def test_bad_folders_optimizers_and_disks(tmp_path, monkeypatch):
                                          r"x 0\.\d+\) and 0\.\d+ GiB is free there"):
         check_free_space(torch.optim.AdamW(model.parameters()), tmp_path / "b")
     monkeypatch.undo()
+    # a folder that cannot be written: one line before anything is created
+    from meshfit.parallel.disk import check_writable
+
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(ValueError, match=r"offload_dir='.*afile/x/y': '.*afile' is a file, "
+                                         r"not a folder"):
+        check_writable(tmp_path / "afile" / "x" / "y")
+    monkeypatch.setattr(disk.os, "access", lambda path, mode: False)  # (root may write anyway)
+    with pytest.raises(ValueError, match=r"offload_dir='.*/new/run' \(its nearest existing "
+                                         r"folder '.*'\) is not writable by this user"):
+        check_writable(tmp_path / "new" / "run")
+    monkeypatch.undo()
+    check_writable(tmp_path / "new" / "run")
+    assert not (tmp_path / "new").exists()
     # a write that fails (a full disk): one line naming the file, when the step ends
     x, y = token_batches(4, 16)
     opt = DiskOffload(torch.optim.AdamW(model.parameters()), tmp_path / "c")
@@ -166,8 +182,12 @@ def test_bad_folders_optimizers_and_disks(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ layouts, checkpoints
-LAYOUTS = {"ddp": ({}, {}), "zero2": ({"dp_shard": 2, "dp_replicate": 1}, {"zero_stage": 2}),
-           "zero3": ({"dp_shard": 2, "dp_replicate": 1}, {"zero_stage": 3})}
+LAYOUTS = {"ddp": ({}, {}), "zero1": ({"dp_shard": 2, "dp_replicate": 1}, {"zero_stage": 1}),
+           "zero2": ({"dp_shard": 2, "dp_replicate": 1}, {"zero_stage": 2}),
+           "zero3": ({"dp_shard": 2, "dp_replicate": 1}, {"zero_stage": 3}),
+           # + the parameter shards (the fp32 master weights) in memory-mapped files
+           "zero3-params": ({"dp_shard": 2, "dp_replicate": 1},
+                            {"zero_stage": 3, "offload_params": True})}
 
 
 def _job(name: str, root, *, disk: bool, tag: str, load: str | None = None,
@@ -176,6 +196,8 @@ def _job(name: str, root, *, disk: bool, tag: str, load: str | None = None,
 
     dims, options = LAYOUTS[name]
     extra = {"offload": "disk", "offload_dir": str(root / f"{name}-{tag}")} if disk else {}
+    if not disk:  # (the reference: everything in memory)
+        options = {k: v for k, v in options.items() if k != "offload_params"}
     acc = Accelerator(parallel=ParallelDims(**dims), mixed_precision="no", **options, **extra)
     model = acc.prepare(tiny_gpt(dtype=torch.float32))
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
@@ -194,8 +216,30 @@ def _job(name: str, root, *, disk: bool, tag: str, load: str | None = None,
         if save and i + 1 == SAVE_AT:
             acc.save_state(save)
     state = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    inner = opt.optimizer  # (ZeRO-1: the local optimizer inside ZeroRedundancyOptimizer)
+    offload = getattr(inner, "optim", inner)
+    written = offload.bytes_written if isinstance(offload, DiskOffload) else None
+    mapped = _parameters_in_files(acc, model) if acc.offload_params else None
     acc.free_memory()  # (the end of a job: its offload folder removed)
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": state, "written": written, "mapped": mapped}
+
+
+def _parameters_in_files(acc, model) -> tuple[int, bool]:
+    """(bytes of parameter shards in files, whether every file holds its shard's current
+    values (the updates reached the files), the model's parameters)."""
+    import numpy as np
+
+    from meshfit.parallel.disk import _fsdp_params
+
+    files = acc._parameter_files[0]
+    same = True
+    for i, fsdp_param in enumerate(_fsdp_params(model)):
+        path = files.folder / f"w{i:05d}.bin"
+        data = fsdp_param._sharded_param_data
+        if data.numel():
+            on_disk = torch.from_numpy(np.fromfile(path, dtype=np.float32))
+            same = same and torch.equal(on_disk, data)
+    return files.bytes, same, sum(p.numel() for p in model.parameters())
 
 
 def _layout_case(rank, world_size, name, root):
@@ -227,6 +271,12 @@ def _same(a: dict, b: dict) -> None:
 def test_layouts_are_bitwise_the_run_without_offload_and_resume(layouts, name):
     got = case_result(layouts, name)[0]
     _same(got["full"], got["disk"])
+    assert got["full"]["written"] is None and got["plain"]["written"] is None
+    assert got["disk"]["written"] > 0 and got["resumed"]["written"] > 0  # (on disk indeed)
+    if LAYOUTS[name][1].get("offload_params"):  # half of the model's fp32 weights per rank
+        for run in ("disk", "resumed"):  # (+ padding: at most a row per parameter)
+            size, same, n = got[run]["mapped"]
+            assert n * 4 / 2 <= size <= n * 4 / 2 + 4096 and same
     tail = {"losses": got["full"]["losses"][SAVE_AT:], "state": got["full"]["state"]}
     _same(tail, got["resumed"])  # a checkpoint of the state on disk, back on disk
     _same(tail, got["plain"])  # ... and into a job that keeps it in memory

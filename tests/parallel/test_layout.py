@@ -86,9 +86,9 @@ def test_costs_are_the_engines_arithmetic():
     (dict(zero_stage=5), r"zero_stage=5 must be 0 \(DDP\), 1, 2 or 3"),
     (dict(mixed_precision="fp8"), r"mixed_precision='fp8' is not a precision"),
     (dict(offload="nvme"), r"offload='nvme' is not one of 'none', 'cpu', 'disk'"),
-    (dict(dp_shard=8, dp_replicate=1, zero_stage=1, offload="disk"),
-     r"offload='disk' with zero_stage=1 is not available yet"),
     (dict(pp=2, dp_replicate=4, offload="disk"), r"offload='disk' with pp > 1"),
+    (dict(dp_shard=8, dp_replicate=1, zero_stage=2, offload="disk", offload_params=True),
+     r"offload_params=true needs zero_stage=3 .* resolves to zero_stage=2"),
 ])
 def test_each_rule_refuses_with_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as err:

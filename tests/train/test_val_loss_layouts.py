@@ -51,7 +51,10 @@ LAYOUTS = {  # name: (processes, [parallel] settings)
                        "sequence_parallel": True}),
     "cp2xpp2": (4, {"cp": 2, "pp": 2, "dp_replicate": 1, "zero_stage": 1, "microbatches": 2}),
     "ddp-disk": (2, {"offload": "disk"}),
+    "zero1-disk": (2, {"dp_shard": 2, "zero_stage": 1, "offload": "disk"}),
     "zero3-disk": (2, {"dp_shard": 2, "zero_stage": 3, "offload": "disk"}),
+    "zero3-disk-params": (2, {"dp_shard": 2, "zero_stage": 3, "offload": "disk",
+                              "offload_params": True}),
     "moe-ep2": (2, {"dp_shard": 2, "ep": 2, "zero_stage": 1}),
     "moe-ep2xpp2": (4, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}),
 }

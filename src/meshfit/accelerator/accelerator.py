@@ -65,7 +65,8 @@ class Accelerator(AcceleratorAttributes):
                  offload: str = "none", sync_each_batch: bool | str = False,
                  sequence_parallel: bool = False, loss_parallel: bool = False,
                  tp_plan=None, ddp_kwargs: dict | None = None, cp_load_balance: bool = True,
-                 offload_dir: str | os.PathLike | None = None, env: DistEnv | None = None):
+                 offload_dir: str | os.PathLike | None = None, offload_params: bool = False,
+                 env: DistEnv | None = None):
         given = dict(locals())  # every argument by name: the translation reads them
         del given["self"], given["env"]
         # Checked and translated before any process group or model work.
@@ -97,6 +98,8 @@ class Accelerator(AcceleratorAttributes):
         self.fsdp_plugin = arguments.fsdp_plugin
         self.parallelism_config = arguments.parallelism_config
         self.offload_dir = arguments.offload_dir
+        self.offload_params = arguments.layout.offload_params
+        self._parameter_files: list = []  # offload_params: the models' `ParameterFiles`
         self.dataloader_config = loop.dataloader_config
         self.rng_types = list(loop.rng_types)
         self.project_configuration = arguments.project_configuration
@@ -161,6 +164,12 @@ class Accelerator(AcceleratorAttributes):
             model, folder, layout=self.layout, runtime=self.runtime, device=self.device,
             lay_out=self._prepare_module)
         self._params.record(before, dict(self.runtime.unwrap(wrapped).named_parameters()))
+        if self.offload_params:  # the loaded shards move into their files
+            from meshfit.parallel.disk import ParameterFiles
+
+            name = f"rank-{self.process_index}-params" + (
+                f"-{len(self._parameter_files)}" if self._parameter_files else "")
+            self._parameter_files.append(ParameterFiles(wrapped, Path(self.offload_dir) / name))
         if self.ddp_handler is not None and isinstance(
                 wrapped, torch.nn.parallel.DistributedDataParallel):
             self.ddp_handler.register_comm_hook(wrapped)
@@ -213,10 +222,17 @@ class Accelerator(AcceleratorAttributes):
             from meshfit.parallel.disk import DiskOffload, check_free_space
 
             folder = Path(self.offload_dir) / f"rank-{self.process_index}"
-            check_free_space(inner, folder, sharing=self.env.local_world_size
+            # ZeRO-1: the local optimizer over this rank's partition goes to disk; the
+            # ZeroRedundancyOptimizer around it broadcasts the updated parameters as before
+            zero = _zero_redundancy(inner)
+            local = inner if zero is None else zero.optim
+            check_free_space(local, folder, sharing=self.env.local_world_size
                              if self.env.is_distributed else 1)
-            inner = DiskOffload(inner, folder)
-            self._replaced[id(optimizer)] = (weakref.ref(optimizer), inner)
+            if zero is None:
+                inner = DiskOffload(local, folder)
+                self._replaced[id(optimizer)] = (weakref.ref(optimizer), inner)
+            else:
+                zero.optim = DiskOffload(local, folder)
         prepared = PreparedOptimizer(inner, self.grad_state, self.precision.scaler,
                                      on_step=self._after_optimizer_step)
         self._optimizers.append(prepared)
@@ -523,9 +539,14 @@ class Accelerator(AcceleratorAttributes):
         trainings); returns ``[None] * len(objects)`` to assign back."""
         self.wait_for_checkpoint()
         for optimizer in self._optimizers:  # offload="disk": its files go too
-            close = getattr(optimizer.optimizer, "close", None)
+            inner = optimizer.optimizer
+            zero = _zero_redundancy(inner)
+            close = getattr(inner if zero is None else zero.optim, "close", None)
             if callable(close):
                 close()
+        for files in self._parameter_files:
+            files.close()
+        self._parameter_files.clear()
         out = release_memory(*objects)
         self._forget_prepared()
         self.grad_state.step = 0
@@ -569,3 +590,13 @@ class Accelerator(AcceleratorAttributes):
                 f"parallel={self.parallel}, zero_stage={self.zero_stage}, "
                 f"mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+def _zero_redundancy(optimizer):
+    """`optimizer` if it is a ZeroRedundancyOptimizer (ZeRO-1), else None."""
+    import sys
+
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # (not loaded:
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):  # none made)
+        return optimizer
+    return None

@@ -395,14 +395,15 @@ def _layout_request(given: Mapping[str, Any], *, offload: str, sync_each_batch: 
     model work, with the techniques' own rules (the mixed precision too, with them)."""
     options = dict(zero_stage=given["zero_stage"], offload=offload,
                    sync_each_batch=sync_each_batch, sequence_parallel=given["sequence_parallel"],
-                   loss_parallel=given["loss_parallel"])
+                   loss_parallel=given["loss_parallel"], offload_params=given["offload_params"])
     dims = given["parallel"]
     if given["parallelism_config"] is not None:
         if dims is not None:
             raise ValueError("Accelerator(parallelism_config=..., parallel=...): give the "
                              "layout once, as one or the other")
         dims = _parallelism_dims(given["parallelism_config"])
-    check_options(parallel=dims, mixed_precision=mixed_precision, **options)
+    check_options(parallel=dims, mixed_precision=mixed_precision,
+                  **{k: v for k, v in options.items() if k != "offload_params"})
     return LayoutRequest.of(dims, **options)
 
 
@@ -412,6 +413,9 @@ def _offload_dir(given: Mapping[str, Any], offload: str) -> str | None:
         if folder is None or not str(folder).strip():
             raise ValueError("offload='disk' needs offload_dir=PATH: a folder on a local disk "
                              "for the optimizer state (created private to the run)")
+        from meshfit.parallel.disk import check_writable
+
+        check_writable(Path(folder).expanduser())
         return str(Path(folder).expanduser())
     if folder is not None:
         raise ValueError(f"offload_dir={str(folder)!r} is used with offload='disk' only, and "

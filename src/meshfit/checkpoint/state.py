@@ -140,7 +140,9 @@ def optimizer_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer) 
     zero = _zero(optimizer)
     if zero is not None:
         names, local = _names(modules), zero.optim
-        state = {names[id(p)]: dict(s) for p, s in local.state.items()}
+        # (offload="disk": the moments as memory maps of their files)
+        whole = local.mapped_state() if hasattr(local, "mapped_state") else local.state
+        state = {names[id(p)]: dict(s) for p, s in whole.items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [names[id(p)] for p in g["params"]]} for g in zero.param_groups]
         return {"state": state, "param_groups": groups}
@@ -205,6 +207,8 @@ def load_optimizer_state(modules: list[nn.Module], optimizer: torch.optim.Optimi
         by_id = _names(modules)
         for p, s in target.state.items():
             for k, v in template["state"][by_id[id(p)]].items():
+                if k not in s:  # offload="disk": loaded in place into its file's memory map
+                    continue
                 if isinstance(s[k], torch.Tensor):
                     s[k].copy_(v)
                 else:

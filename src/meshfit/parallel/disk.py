@@ -6,7 +6,8 @@
     loss.backward(); optimizer.step(); optimizer.zero_grad()
 
 Each parameter's state tensors of its own shape (AdamW's ``exp_avg`` and ``exp_avg_sq``,
-SGD's ``momentum_buffer``; under ZeRO-2/3 the rank's local shard of them) live in one file
+SGD's ``momentum_buffer``; under ZeRO-2/3 the rank's local shard of them; under ZeRO-1 those of
+the rank's partition, by wrapping ZeroRedundancyOptimizer's local ``optim``) live in one file
 each in the offload folder; small state (``step``) stays in memory. ``step()`` streams the
 parameters in chunks of about `chunk_bytes` of state: a reader thread loads chunk i+1 while
 the wrapped optimizer updates chunk i (its own ``step`` on that chunk's parameters only, so
@@ -40,8 +41,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DiskOffload", "check_free_space", "disk_bandwidth", "free_bytes",
-           "state_file_bytes"]
+__all__ = ["DiskOffload", "ParameterFiles", "check_free_space", "check_writable",
+           "disk_bandwidth", "free_bytes", "state_file_bytes"]
 
 _FILE_MODE = 0o600
 
@@ -152,19 +153,7 @@ class DiskOffload(torch.optim.Optimizer):
     def _write(self, items: list[tuple[Path, torch.Tensor]]) -> None:
         began = time.perf_counter()
         for path, local in items:
-            tmp = path.with_suffix(".tmp")
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, _FILE_MODE)
-                view = memoryview(local.contiguous().view(-1).view(torch.uint8).numpy())
-                done = 0
-                with open(fd, "wb", buffering=0) as f:
-                    while done < len(view):  # (one write takes at most ~2 GiB on Linux)
-                        done += f.write(view[done:])
-                os.replace(tmp, path)
-            except OSError as err:
-                raise OSError(f"offload='disk': cannot write {path} "
-                              f"({err.strerror or err}); free space on that disk or give "
-                              "another offload_dir") from None
+            _write_file(path, local)
             with self._lock:
                 self.bytes_written += local.numel() * local.element_size()
         with self._lock:
@@ -253,6 +242,18 @@ class DiskOffload(torch.optim.Optimizer):
                                 dtype=dtype).view(shape)
         return self._place(p, local)
 
+    def mapped_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """{parameter: its whole state}: the small entries from memory, the offloaded ones as
+        memory maps of their files (writes to them go to the files: DCP loads into them in
+        place). New dicts; the wrapped optimizer's state is left as it is."""
+        self._wait_writes()
+        out = {p: dict(s) for p, s in self.optimizer.state.items()}
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                for key in self._on_disk.get(id(p), {}):
+                    out.setdefault(p, {})[key] = self._mapped(p, key)
+        return out
+
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict, its offloaded tensors as memory maps of their
         files (writes to them go to the files: DCP loads into them in place)."""
@@ -295,6 +296,96 @@ class DiskOffload(torch.optim.Optimizer):
             self._cleanup()
 
 
+def _write_file(path: Path, local: torch.Tensor) -> None:
+    """`local`'s bytes in `path`, written under a temporary name and renamed (never half
+    written); an error is one line naming the file."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, _FILE_MODE)
+        view = memoryview(local.contiguous().view(-1).view(torch.uint8).numpy())
+        done = 0
+        with open(fd, "wb", buffering=0) as f:
+            while done < len(view):  # (one write takes at most ~2 GiB on Linux)
+                done += f.write(view[done:])
+        os.replace(tmp, path)
+    except OSError as err:
+        raise OSError(f"offload='disk': cannot write {path} ({err.strerror or err}); free "
+                      "space on that disk or give another offload_dir") from None
+
+
+class ParameterFiles:
+    """ZeRO-3's parameter shards in files (``offload_params``): each FSDP2 parameter's local
+    shard (with its padding), the fp32 master weight, is moved into a file of `folder` and
+    memory-mapped back in its place, so that the parameter, FSDP2's all-gather input and
+    the optimizer's in-place update all use the file's pages.
+
+    The model must be laid out with FSDP2's CPU offload policy (the shards on the host),
+    without pinned memory (a pinned copy would be anonymous memory again). What is resident
+    is then the page cache: the kernel reads a block's shard in when FSDP2 all-gathers it
+    (ahead of use: FSDP2 prefetches the next block) and writes the optimizer's updates back;
+    under memory pressure it drops clean pages instead of failing. 4-bit (tensor subclass)
+    and empty shards stay as they are. The folder is private to the run and removed by
+    `close`, when the object goes or at exit (unless `keep`); the mappings stay valid after
+    (the files are unlinked, their pages stay until the model goes)."""
+
+    def __init__(self, model: torch.nn.Module, folder: str | os.PathLike, *,
+                 keep: bool = False):
+        params = _fsdp_params(model)
+        if not params:
+            raise ValueError("offload_params=true: the model has no FSDP2 parameter shards; "
+                             "use it with zero_stage=3 (dp_shard > 1)")
+        self.folder = Path(folder)
+        _make_private(self.folder)
+        self._cleanup = weakref.finalize(self, _remove, str(self.folder), keep)
+        self.bytes = 0
+        """Bytes of parameter shards in files (this rank)."""
+        for i, fsdp_param in enumerate(params):
+            data = fsdp_param._sharded_param_data
+            if type(data) is not torch.Tensor or not data.is_floating_point() \
+                    or data.numel() == 0:
+                continue
+            if data.device.type != "cpu":
+                raise ValueError("offload_params=true needs the shards on the host (FSDP2's CPU "
+                                 f"offload policy); this one is on {data.device}")
+            path = self.folder / f"w{i:05d}.bin"
+            _write_file(path, data)
+            mapped = torch.from_file(str(path), shared=True, size=data.numel(),
+                                     dtype=data.dtype)
+            local = fsdp_param.sharded_param._local_tensor
+            with torch.no_grad():  # both views of the padded shard onto the file's pages
+                data.set_(mapped.untyped_storage(), 0, data.shape, data.stride())
+                local.set_(mapped.untyped_storage(), 0, local.shape, local.stride())
+            fsdp_param.pin_memory = False  # (FSDP2 would copy an unpinned shard to pinned)
+            self.bytes += data.numel() * data.element_size()
+
+    def close(self) -> None:
+        """Remove the folder (unless `keep`)."""
+        self._cleanup()
+
+
+def _fsdp_params(model: torch.nn.Module) -> list:
+    """The FSDP2 parameters (`FSDPParam`) of every `fully_shard`-ed module of `model`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # (older torch: one group)
+        if groups is None:
+            group = state._fsdp_param_group
+            groups = [] if group is None else [group]
+        for group in groups:
+            out.extend(group.fsdp_params)
+    return out
+
+
+def _remove(folder: str, keep: bool) -> None:
+    if not keep:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, folder: str,
              keep: bool) -> None:
     reader.shutdown(wait=True)
@@ -335,6 +426,26 @@ def free_bytes(folder: str | os.PathLike) -> int:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return shutil.disk_usage(probe).free
+
+
+def check_writable(folder: str | os.PathLike, field: str = "offload_dir") -> None:
+    """One line when `folder` cannot be created or written by this process: a file where a
+    folder should be, a read-only file system, or no write permission on the nearest folder
+    that exists. Nothing is written."""
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    where = "" if probe == folder else f" (its nearest existing folder {str(probe)!r})"
+    if not probe.is_dir():
+        raise ValueError(f"{field}={str(folder)!r}: {str(probe)!r} is a file, not a folder; "
+                         "give a folder path on a local disk")
+    if os.statvfs(probe).f_flag & os.ST_RDONLY:
+        raise ValueError(f"{field}={str(folder)!r}{where} is on a read-only file system; "
+                         "give a writable folder on a local disk")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{field}={str(folder)!r}{where} is not writable by this user; "
+                         "give a folder you can write to")
 
 
 def check_free_space(optimizer: torch.optim.Optimizer, folder: str | os.PathLike, *,

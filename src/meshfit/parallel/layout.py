@@ -152,15 +152,18 @@ class Layout:
                 offload: str = "none", mixed_precision: str = "no",
                 sequence_parallel: bool = False, loss_parallel: bool = False,
                 ddp_kwargs: Mapping | None = None, local_world_size: int | None = None,
-                names: Mapping[str, str] | None = None) -> Layout:
+                names: Mapping[str, str] | None = None, offload_params: bool = False
+                ) -> Layout:
         """The layout of `dims` on `world_size` processes, or a one-line ValueError.
 
         `distributed=False`: a single process with no process group (no engine at all).
         `local_world_size`: processes per node, for the warning about tensor-parallel groups
         that cross nodes. `names`: how the caller spells each field in errors (e.g.
-        ``{"zero_stage": "parallel.zero_stage"}``)."""
+        ``{"zero_stage": "parallel.zero_stage"}``). `offload_params` (with offload="disk"
+        under stage 3): the parameter shards in files, held on the host (`offload` true)."""
         out = cls._decide(dims, world_size, distributed=distributed, zero_stage=zero_stage,
-                          offload=offload, mixed_precision=mixed_precision,
+                          offload=offload, offload_params=offload_params,
+                          mixed_precision=mixed_precision,
                           sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                           ddp_kwargs=bool(ddp_kwargs), local_world_size=local_world_size,
                           names=names)
@@ -176,15 +179,16 @@ class Layout:
         """The layout of a `LayoutRequest` on `world_size` processes (as `resolve`)."""
         return cls.resolve(request.dims(), world_size, distributed=distributed,
                            zero_stage=request.zero_stage, offload=request.offload,
+                           offload_params=request.offload_params,
                            mixed_precision=mixed_precision,
                            sequence_parallel=request.sequence_parallel,
                            loss_parallel=request.loss_parallel, ddp_kwargs=ddp_kwargs,
                            local_world_size=local_world_size, names=names)
 
     @classmethod
-    def _decide(cls, dims, world_size, *, distributed, zero_stage, offload, mixed_precision,
-                sequence_parallel, loss_parallel, ddp_kwargs, local_world_size,
-                names) -> Layout | str:
+    def _decide(cls, dims, world_size, *, distributed, zero_stage, offload, offload_params,
+                mixed_precision, sequence_parallel, loss_parallel, ddp_kwargs,
+                local_world_size, names) -> Layout | str:
         n = namer(names)
         problem = options_problem(dims=dims, zero_stage=zero_stage, offload=offload,
                                    sync_each_batch=False, mixed_precision=mixed_precision,
@@ -196,15 +200,16 @@ class Layout:
         stage = zero_stage if zero_stage is not None else default_zero_stage(dims.dp_shard)
         engine = engine_for(dims, stage, distributed)
         request = Request(dims, stage, offload, mixed_precision, sequence_parallel,
-                          loss_parallel, ddp_kwargs, engine)
+                          loss_parallel, ddp_kwargs, engine, offload_params)
         problem = first_problem(request, n)
         if problem:
             return problem
-        return cls(dims=dims, engine=engine, zero_stage=stage, offload=offload == "cpu",
+        host = offload == "cpu" or offload_params  # (the parameter files are host memory)
+        return cls(dims=dims, engine=engine, zero_stage=stage, offload=host,
                    mixed_precision=mixed_precision, sequence_parallel=sequence_parallel,
                    loss_parallel=loss_parallel, mesh_axes=mesh_axes_for(dims),
                    warnings=layout_warnings(dims, stage, local_world_size),
-                   costs=costs_for(dims, engine, stage, offload == "cpu"))
+                   costs=costs_for(dims, engine, stage, host))
 
     # ------------------------------------------------------------------ facts
     @property

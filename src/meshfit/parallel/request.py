@@ -30,7 +30,12 @@ class LayoutRequest(MeshSizes):
     offload: Offload = "none"
     """"cpu": sharded parameters, gradients and optimizer state in host memory (stage 3);
     "disk": the optimizer state in files of ``offload_dir``, streamed through each step
-    (`meshfit.parallel.disk`; stages 0, 2 and 3)."""
+    (`meshfit.parallel.disk`; every stage)."""
+    offload_params: bool = False
+    """offload="disk" under zero_stage 3: the sharded fp32 parameters (the master weights)
+    in memory-mapped files of ``offload_dir`` too, held on the host (FSDP2's CPU offload
+    policy): each block's shard is paged in when FSDP2 all-gathers it, ahead of use, and the
+    optimizer's updates are written back to the files."""
     sync_each_batch: bool | str = False
     """Stages 2/3 under accumulation: reduce-scatter every micro-batch (true: less memory),
     only on the last (false: fewer collectives), or "auto" (decided from free memory)."""
@@ -62,6 +67,13 @@ class LayoutRequest(MeshSizes):
             sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, n=n)
         if problem:
             raise ValueError(problem)
+        if not isinstance(self.offload_params, bool):
+            raise ValueError(f"{n('offload_params')}={self.offload_params!r} must be true or "
+                             "false")
+        if self.offload_params and self.offload != "disk":
+            raise ValueError(f"{n('offload_params')}=true puts the parameters in the files of "
+                             f"offload='disk', and {n('offload')}={self.offload!r}; set "
+                             f"{n('offload')}='disk' (with an offload_dir) or drop it")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"{n('schedule')}={self.schedule!r} is not one of "
                              f"{', '.join(SCHEDULES)}")

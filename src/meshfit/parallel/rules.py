@@ -90,6 +90,7 @@ class Request:
     loss_parallel: bool
     ddp_kwargs: bool
     engine: Engine
+    offload_params: bool = False
 
 
 def _axes_available(r: Request, n) -> str | None:
@@ -144,10 +145,10 @@ def _stage_needs_shards(r: Request, n) -> str | None:
 def _disk_rules(r: Request, n) -> str | None:
     if r.offload != "disk":
         return None
-    if r.stage == 1:
-        return (f"{n('offload')}='disk' with {n('zero_stage')}=1 is not available yet "
-                "(ZeroRedundancyOptimizer keeps its own partitioned state); use zero_stage 0, 2 "
-                "or 3")
+    if r.offload_params and (r.stage != 3 or r.engine is not Engine.FSDP2):
+        return (f"{n('offload_params')}=true needs zero_stage=3 (only then is each rank's "
+                f"parameter shard its own), and this layout resolves to zero_stage={r.stage}; "
+                f"set {n('dp_shard')} > 1 and zero_stage=3, or drop offload_params")
     if r.dims.pp > 1:
         return (f"{n('offload')}='disk' with {n('pp')} > 1 is not available yet; use it with "
                 "the data-parallel axes and tp")

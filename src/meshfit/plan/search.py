@@ -389,8 +389,8 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
 
 def _on_disk(shape, cluster, model_facts, budget, scene, *, seq_len, global_batch_size, dtype,
              optimizer, attention, checkpointing, adapters, precision) -> list[Plan]:
-    """The layouts that fit only with the optimizer state on disk (ZeRO stages 0, 2, 3
-    without pp), best first; each one's step time carries the state's read and write."""
+    """The layouts that fit only with the optimizer state on disk (every ZeRO stage, without
+    pp), best first; each one's step time carries the state's read and write."""
     import dataclasses
 
     from meshfit.parallel.layout import Layout
@@ -400,8 +400,8 @@ def _on_disk(shape, cluster, model_facts, budget, scene, *, seq_len, global_batc
                                   local_world_size=cluster.gpus_per_node, seq_len=seq_len,
                                   offload=False):
         d = cand.dims
-        if cand.layout is None or d.pp > 1 or cand.layout.zero_stage == 1 \
-                or cluster.gpus_per_node % d.tp or global_batch_size % d.dp:
+        if cand.layout is None or d.pp > 1 or cluster.gpus_per_node % d.tp \
+                or global_batch_size % d.dp:
             continue
         for spec in _specs(cand, model_facts, global_batch_size // d.dp, seq_len,
                            checkpointing):

@@ -491,6 +491,7 @@ class RunConfig:
         """The run's `Layout` on `world_size` processes (errors name the config keys)."""
         p = self.parallel
         return Layout.resolve(p.dims(), world_size, zero_stage=p.zero_stage, offload=p.offload,
+                              offload_params=p.offload_params,
                               mixed_precision=self.train.mixed_precision,
                               sequence_parallel=p.sequence_parallel,
                               loss_parallel=p.loss_parallel, local_world_size=local_world_size,

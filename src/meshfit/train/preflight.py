@@ -22,7 +22,7 @@ from meshfit.train import tokens
 LAYOUT_NAMES = {
     **{k: f"parallel.{k}" for k in (*AXES, "zero_stage", "offload", "sync_each_batch",
                                      "sequence_parallel", "loss_parallel", "schedule",
-                                     "microbatches", "virtual_stages")},
+                                     "microbatches", "virtual_stages", "offload_params")},
     "parallel": "parallel", "mixed_precision": "train.mixed_precision",
     "find_batch_size": "train.find_batch_size", "seq_len": "train.seq_len"}
 
@@ -103,7 +103,7 @@ _STATE_BYTES = {"adamw": 8, "adamw_fused": 8, "sgd": 4}
 def _check_disk(cfg, layout: Layout, world_size: int, local: int) -> None:
     """offload = "disk": an optimizer it streams, a new folder, and room on its disk for the
     local ranks' state (AdamW 8 B, SGD with momentum 4 B per trainable parameter, divided by
-    the ZeRO shards)."""
+    the ZeRO shards; with offload_params, the parameter shards too)."""
     p = cfg.parallel
     if p.offload != "disk":
         return
@@ -114,8 +114,9 @@ def _check_disk(cfg, layout: Layout, world_size: int, local: int) -> None:
                          "Adam/AdamW moments or SGD momentum; use adamw, adamw_fused or sgd "
                          "with momentum")
     folder = Path(p.offload_dir).expanduser()
-    from meshfit.parallel.disk import MARKER, free_bytes
+    from meshfit.parallel.disk import MARKER, check_writable, free_bytes
 
+    check_writable(folder, "parallel.offload_dir")
     taken = sorted(q.name for q in folder.glob("rank-*")  # (an earlier run's: replaced)
                    if q.is_dir() and not (q / MARKER).is_file()) if folder.is_dir() else []
     if taken:
@@ -125,11 +126,16 @@ def _check_disk(cfg, layout: Layout, world_size: int, local: int) -> None:
 
     model = build_model(cfg, tokens.vocab_size(cfg), meta=True)
     trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
-    shards = layout.dims.dp_shard * layout.dims.cp if layout.is_fsdp else 1
-    need = _STATE_BYTES[name] * trainable / shards * min(local, world_size)
+    shards = layout.dims.dp_shard * layout.dims.cp if layout.zero_stage >= 1 else 1
+    per_rank = _STATE_BYTES[name] * trainable / shards
+    what = "the optimizer state"
+    if p.offload_params:  # + the parameter shards (fp32 masters, frozen ones too)
+        per_rank += sum(q.numel() * q.element_size() for q in model.parameters()) / shards
+        what = "the parameters and optimizer state"
+    need = per_rank * min(local, world_size)
     free = free_bytes(folder)
     if need > free:
-        raise ValueError(f"parallel.offload_dir={p.offload_dir!r}: the optimizer state of "
+        raise ValueError(f"parallel.offload_dir={p.offload_dir!r}: {what} of "
                          f"{min(local, world_size)} local rank(s) needs {need / 2**30:.2f} GiB "
                          f"and {free / 2**30:.2f} GiB is free on that disk; give a folder on a "
                          "larger disk")

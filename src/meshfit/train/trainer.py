@@ -285,7 +285,8 @@ def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator
         **{**t.keywords(), "tp_plan": tp_plan, "cp_load_balance": p.cp_load_balance},
         parallel=p.dims(), zero_stage=p.zero_stage, offload=p.offload,
         sync_each_batch=p.sync_each_batch, sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel, offload_dir=p.offload_dir or None, env=env)
+        loss_parallel=p.loss_parallel, offload_dir=p.offload_dir or None,
+        offload_params=p.offload_params, env=env)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
