@@ -60,12 +60,20 @@ def test_offload_host_memory_is_printed_and_checked(capsys):
                  "--host-memory", "512GiB", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "optimizer state on disk" in out and "host memory for CPU offload" not in out
-    # ... and where the disk does not help either (GPUs of 40 GiB: the parameters and
-    # gradients alone do not fit), the refusal names the host memory CPU offload needs
+    # GPUs of 40 GiB: the parameters and gradients do not fit on them, nor in 512 GiB of
+    # host memory; ZeRO-3 with the parameter shards on disk too keeps only the gradient
+    # shards (about 33 GiB per rank) and three state chunks on the host
     assert main(["plan", "llama-70b", "--gpus-per-node", "8", "--gpu-memory", "40GiB",
-                 "--seq-len", "4096", "--host-memory", "512GiB"]) == 2
+                 "--seq-len", "4096", "--host-memory", "512GiB", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3, parameters and optimizer state on disk" in out
+    assert "host memory for gradient shards and state chunks: " in out
+    # ... and where the disk does not help either (not even the gradients fit the host),
+    # the refusal names the host memory CPU offload needs
+    assert main(["plan", "llama-70b", "--gpus-per-node", "8", "--gpu-memory", "40GiB",
+                 "--seq-len", "4096", "--host-memory", "128GiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "more host memory than --host-memory=512 GiB per node" in err[0], err
+    assert len(err) == 1 and "more host memory than --host-memory=128 GiB per node" in err[0], err
     assert main(["plan", "llama-70b", "--gpus-per-node", "8", "--seq-len", "4096",
                  "--host-memory", "2TiB", "--top", "1"]) == 0
     assert "host memory for CPU offload: 1,028 GiB per node" in capsys.readouterr().out

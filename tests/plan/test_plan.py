@@ -447,6 +447,51 @@ def test_disk_offload_is_estimated_and_planned_only_when_nothing_else_fits():
     assert slow.breakdown["offload"] == pytest.approx(2 * io, rel=1e-9)
 
 
+def test_parameters_on_disk_are_estimated_and_planned_when_the_state_alone_is_not_enough(
+        capsys, tmp_path):
+    """offload_params (ZeRO-3): the parameter shards (4 B per parameter / dp_shard) join the
+    state on disk; the host keeps the gradient shards and three chunks of state; the device
+    none of the three. The planner takes it only where the state on disk alone does not
+    fit, and charges the shards' and gradients' trips over the host link too."""
+    from meshfit.memory import LayoutSpec, estimate
+    from meshfit.memory.estimate import DISK_CHUNK_BYTES
+    from meshfit.plan.search import Cluster, search
+
+    shape = ModelShape.of("llama-7b")
+    state = estimate(shape, LayoutSpec(dp_shard=4, zero_stage=3, offload="disk"),
+                     seq_len=1024, dtype="bf16")
+    both = estimate(shape, LayoutSpec(dp_shard=4, zero_stage=3, offload="disk",
+                                      offload_params=True), seq_len=1024, dtype="bf16")
+    assert both.disk == pytest.approx((4 + 8) * shape.params / 4, rel=1e-12)
+    assert both.host == pytest.approx(4 * shape.params / 4 + 3 * DISK_CHUNK_BYTES, rel=1e-12)
+    assert both.params == both.grads == both.optimizer == 0
+    assert both.total == pytest.approx(state.total - state.params - state.grads
+                                       - state.optimizer, rel=1e-12)
+    assert both.layout.to_json()["offload_params"] is True
+    # 4 GPUs of 16 GiB and 64 GiB of host memory: the ZeRO-3 parameter and gradient shards
+    # (13.5 GB per rank) with the activations do not fit the GPUs, even with the state on
+    # disk, and CPU offload needs 100 GiB of host memory; with the shards on disk too, the
+    # host holds 30 GB of gradient shards and chunks
+    import dataclasses
+
+    from meshfit.plan.devices import DEVICES
+
+    small = Cluster(gpus_per_node=4,
+                    device=dataclasses.replace(DEVICES["h100"], memory=16 * 2**30))
+    plans = search("llama-7b", small, seq_len=1024, global_batch_size=8,
+                   host_memory=64 * 2**30).plans
+    assert plans and all(p.layout.offload_params and p.layout.zero_stage == 3 for p in plans)
+    best = plans[0]
+    assert "nothing fits without the parameters and optimizer state on disk" in best.why
+    est = best.estimate
+    io = 2 * est.disk * 4 / small.disk_bandwidth
+    moved = 2 * (est.detail["params_on_disk"] + est.host) / small.device.host_link
+    assert best.breakdown["offload"] == pytest.approx(io + moved, rel=1e-9)
+    # 80 GB GPUs: the state alone on disk is enough, the parameters stay on the device
+    assert not any(p.layout.offload_params for p in search(
+        "llama-7b", Cluster(gpus_per_node=1), seq_len=1024, global_batch_size=8).plans)
+
+
 def test_plan_writes_a_disk_offload_config_meshfit_train_takes(capsys, tmp_path):
     from meshfit.cli.main import main
     from meshfit.train.configfile import load_config

@@ -346,7 +346,9 @@ def _print_plans(ns, shape, device, batch: int, result, plans) -> None:
               f"{p.step_time_s:.3g} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}"
               + ("" if ns.profile else " (assumed efficiency)"))
         if p.host_bytes_per_node:
-            print(f"   host memory for CPU offload: {p.host_bytes_per_node / GiB:,.0f} GiB per "
+            held = "gradient shards and state chunks" if p.layout.offload_params \
+                else "CPU offload"
+            print(f"   host memory for {held}: {p.host_bytes_per_node / GiB:,.0f} GiB per "
                   f"node ({p.host_bytes_per_node / ns.gpus_per_node / GiB:,.1f} GiB per rank)"
                   + ("" if ns.host_memory else "; not checked (give --host-memory)"))
 
@@ -390,6 +392,8 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
                 "sequence_parallel": lay.sequence_parallel}
     if lay.offload == "disk":  # a folder on the node's local disk (change it to yours)
         parallel["offload_dir"] = "./meshfit-offload"
+        if lay.offload_params:
+            parallel["offload_params"] = True
     if lay.pp > 1:
         parallel.update(schedule=lay.schedule, microbatches=lay.microbatches,
                         virtual_stages=lay.virtual_stages)

@@ -240,6 +240,7 @@ class LayoutSpec(LayoutRequest):
                 "pp": self.pp, "ep": self.ep, "zero_stage": self.zero_stage,
                 "offload": self.offload == "cpu", **({"offload_to": "disk"}
                                                      if self.offload == "disk" else {}),
+                **({"offload_params": True} if self.offload_params else {}),
                 "sequence_parallel": self.sequence_parallel,
                 "schedule": self.schedule if self.pp > 1 else None,
                 "microbatches": self.microbatches if self.pp > 1 else None,
@@ -254,7 +255,8 @@ class LayoutSpec(LayoutRequest):
             text += f", ZeRO-{self.zero_stage}" + (" + CPU offload" if self.offload == "cpu"
                                                    else "")
         if self.offload == "disk":
-            text += ", optimizer state on disk"
+            text += (", parameters and optimizer state on disk" if self.offload_params
+                     else ", optimizer state on disk")
         if self.sequence_parallel:
             text += ", SP"
         if self.pp > 1:
@@ -444,10 +446,16 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
     if adapted is not None and layout.ep > 1:
         raise ValueError(f"adapters with ep={layout.ep}: LoRA adapts linear layers, not the "
                          "experts' stacked weights; use ep=1")
-    params, grads, optimizer_bytes, host = _model_states(shape, rank, resolved.costs,
-                                                         optimizer, adapted)
-    disk = 0.0
-    if layout.offload == "disk":  # the state goes to files; three chunks stay in memory
+    params, grads, optimizer_bytes, on_host = _model_states(shape, rank, resolved.costs,
+                                                            optimizer, adapted)
+    host, disk, params_on_disk = sum(on_host), 0.0, 0.0
+    if layout.offload == "disk" and layout.offload_params:
+        # ZeRO-3's parameter shards and the state in files; the host keeps the gradient
+        # shards and three chunks of state (the parameters' pages are the page cache's)
+        params_on_disk, host_grads, host_state = on_host
+        disk = params_on_disk + host_state
+        host = host_grads + min(host_state, 3 * DISK_CHUNK_BYTES)
+    elif layout.offload == "disk":  # the state goes to files; three chunks stay in memory
         disk = optimizer_bytes
         optimizer_bytes = min(optimizer_bytes, 3 * DISK_CHUNK_BYTES)
     buffers = _buffers(shape, layout, rank, resolved, dtype, adapted)
@@ -457,6 +465,7 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
                     detail={"blocks_on_rank": rank.blocks,
                             "per_block_activation": acts.per_block,
                             "in_flight": in_flight(layout), "engine": resolved.engine.value,
+                            "params_on_disk": params_on_disk,
                             "expert_params_on_rank": rank.experts / rank.ep if rank.ep > 1
                             else None})
 
@@ -501,9 +510,10 @@ class _RankParams:
 
 def _model_states(shape: ModelShape, rank: _RankParams, costs, optimizer: str,
                   adapted: tuple[float, float] | None = None
-                  ) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer state, host) bytes on the device of the worst rank;
-    `adapted`: (adapter share, quantized share) of `Adapters.shares`."""
+                  ) -> tuple[float, float, float, tuple[float, float, float]]:
+    """(params, grads, optimizer state) bytes on the device of the worst rank, and the same
+    three on its host (CPU offload); `adapted`: (adapter share, quantized share) of
+    `Adapters.shares`."""
     dense, experts, ep, group = rank.dense, rank.experts, rank.ep, rank.group
     if adapted is not None:  # ep = 1 (refused above): no expert part
         t, q = adapted
@@ -513,8 +523,8 @@ def _model_states(shape: ModelShape, rank: _RankParams, costs, optimizer: str,
                                else OPTIMIZER_BYTES[optimizer]), costs.optimizer_shards)]
         states = [nbytes / divisor for nbytes, divisor in parts]
         if costs.host_offload:
-            return 0.0, 0.0, 0.0, sum(states)
-        return states[0], states[1], states[2], 0.0
+            return 0.0, 0.0, 0.0, tuple(states)
+        return states[0], states[1], states[2], (0.0, 0.0, 0.0)
 
     def shares(nbytes, divisor: int) -> list[float]:
         """This rank's bytes (`nbytes` of a parameter count) of a state the engine splits
@@ -528,13 +538,13 @@ def _model_states(shape: ModelShape, rank: _RankParams, costs, optimizer: str,
               shares(lambda n: n * OPTIMIZER_BYTES[optimizer], costs.optimizer_shards)]
     if optimizer == "adafactor":  # factored statistics: (rows + cols) x 4 B per matrix
         states[2] = shares(lambda n: n * 4 * 2 / shape.d_model, costs.optimizer_shards)
-    host = 0.0
+    host = (0.0, 0.0, 0.0)
     if costs.host_offload:
         # FSDP2 offloads what it shards; experts it leaves out (group 1: no other rank
         # holds them) stay on the device
         on_device = ep > 1 and group == 1
-        host = sum(dense_part + (0.0 if on_device else expert_part)
-                   for dense_part, expert_part in states)
+        host = tuple(dense_part + (0.0 if on_device else expert_part)
+                     for dense_part, expert_part in states)
         states = [[0.0, expert_part if on_device else 0.0] for _, expert_part in states]
     params, grads, optimizer_bytes = (sum(parts) for parts in states)
     return params, grads, optimizer_bytes, host

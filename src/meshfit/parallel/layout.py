@@ -186,8 +186,8 @@ class Layout:
                            local_world_size=local_world_size, names=names)
 
     @classmethod
-    def _decide(cls, dims, world_size, *, distributed, zero_stage, offload, offload_params,
-                mixed_precision, sequence_parallel, loss_parallel, ddp_kwargs,
+    def _decide(cls, dims, world_size, *, distributed, zero_stage, offload,
+                offload_params=False, mixed_precision, sequence_parallel, loss_parallel, ddp_kwargs,
                 local_world_size, names) -> Layout | str:
         n = namer(names)
         problem = options_problem(dims=dims, zero_stage=zero_stage, offload=offload,

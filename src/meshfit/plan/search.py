@@ -260,6 +260,9 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
     elif layout.offload == "disk":  # every step reads and writes the state, the node's
         est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)  # ranks sharing
         offload = 2 * est.disk * cluster.gpus_per_node / cluster.disk_bandwidth  # the disk
+        if layout.offload_params:  # + the shards and gradients over the host link (as "cpu")
+            moved = est.detail["params_on_disk"] + est.host
+            offload += 2 * moved / cluster.device.host_link
     optimizer = 0.0
     if fit is not None:  # the optimizer step over this rank's parameters (ZeRO: its shard)
         optimizer = local / (S if layout.zero_stage >= 1 else 1) * fit.optimizer_per_param
@@ -377,7 +380,7 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
         plans = _on_disk(shape, cluster, model_facts, budget, scene, seq_len=seq_len,
                          global_batch_size=global_batch_size, dtype=dtype, optimizer=optimizer,
                          attention=attention, checkpointing=checkpointing,
-                         adapters=adapters, precision=precision)
+                         adapters=adapters, precision=precision, host_memory=host_memory)
     if not plans:
         raise ValueError(_impossible(shape, cluster, budget, seq_len=seq_len, dtype=dtype,
                                      optimizer=optimizer, host_memory=host_memory,
@@ -388,9 +391,11 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
 
 
 def _on_disk(shape, cluster, model_facts, budget, scene, *, seq_len, global_batch_size, dtype,
-             optimizer, attention, checkpointing, adapters, precision) -> list[Plan]:
+             optimizer, attention, checkpointing, adapters, precision,
+             host_memory=None) -> list[Plan]:
     """The layouts that fit only with the optimizer state on disk (every ZeRO stage, without
-    pp), best first; each one's step time carries the state's read and write."""
+    pp; under ZeRO-3, with the parameter shards there too when the state alone is not
+    enough), best first; each one's step time carries the state's read and write."""
     import dataclasses
 
     from meshfit.parallel.layout import Layout
@@ -405,12 +410,15 @@ def _on_disk(shape, cluster, model_facts, budget, scene, *, seq_len, global_batc
             continue
         for spec in _specs(cand, model_facts, global_batch_size // d.dp, seq_len,
                            checkpointing):
-            spec = dataclasses.replace(spec, offload="disk")
-            est = estimate(shape, spec, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                           attention=attention, adapters=adapters)
-            if est.total <= budget:
-                plans.append(_plan(shape, spec, cluster, est, scene, seq_len=seq_len,
-                                   global_batch_size=global_batch_size, dtype=dtype))
+            for params in (False, True) if spec.zero_stage == 3 else (False,):
+                spec = dataclasses.replace(spec, offload="disk", offload_params=params)
+                est = estimate(shape, spec, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                               attention=attention, adapters=adapters)
+                if est.total <= budget and (host_memory is None or
+                                            est.host * cluster.gpus_per_node <= host_memory):
+                    plans.append(_plan(shape, spec, cluster, est, scene, seq_len=seq_len,
+                                       global_batch_size=global_batch_size, dtype=dtype))
+                    break  # (the parameters stay in memory when that fits)
     plans.sort(key=lambda p: (p.step_time_s, p.estimate.total))
     return plans
 
@@ -459,7 +467,9 @@ def _plan(shape: ModelShape, spec: LayoutSpec, cluster: Cluster, est: Estimate, 
                                                      cluster.world_size)
     why = _why(spec, scene, est, terms)
     if spec.offload == "disk":
-        why += (f"; nothing fits without the optimizer state on disk ({est.disk / GiB:.1f} GiB "
+        what = "the parameters and optimizer state" if spec.offload_params else \
+            "the optimizer state"
+        why += (f"; nothing fits without {what} on disk ({est.disk / GiB:.1f} GiB "
                 f"per rank): reading and writing it adds {terms['offload']:.2f} s to each step "
                 f"({step / max(step - terms['offload'], 1e-12):.1f}x the step without it, at "
                 f"{cluster.disk_bandwidth / 1e9:.1f} GB/s per node)")
