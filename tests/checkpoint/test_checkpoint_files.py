@@ -45,6 +45,63 @@ def test_round_trip_and_what_is_on_disk(saved):
     assert all(torch.equal(net.state_dict()[k], v) for k, v in weights.items())
 
 
+def test_checksums_are_taken_while_writing_and_equal_the_files(saved):
+    """Format 2: every file's XXH3-128, taken as DCP's writer streamed it out, equals the
+    digest of the file on disk (an independent read); and the manifest names the format."""
+    import json
+
+    import xxhash
+
+    folder, _ = saved
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["format"] == 2
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    for name, entry in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+
+
+def test_a_format_1_checkpoint_with_sha256_still_loads_and_is_checked(saved):
+    """Checkpoints written before format 2 carry SHA-256 digests: they load, and a corrupted
+    one is refused as before."""
+    import hashlib
+    import json
+
+    folder, weights = saved
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["format"] = 1
+    manifest["files"] = {name: {"bytes": e["bytes"], "sha256": hashlib.sha256(
+        (folder / name).read_bytes()).hexdigest()} for name, e in manifest["files"].items()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    acc, net, _ = _prepared()
+    assert acc.load_state(folder).format == 1
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in weights.items())
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[7] ^= 0x01
+    shard.write_bytes(bytes(data))
+    _refused(folder, r"checksum differs from the manifest \(corrupted\)")
+    manifest["format"] = 3
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    _refused(folder, r"manifest format 3, this meshfit reads formats 1, 2; load it with the "
+                     r"meshfit that wrote it")
+
+
+def test_verification_is_shared_out_by_writer_then_by_size():
+    from meshfit.checkpoint.store import _share
+
+    files = {"__0_0.distcp": {"bytes": 900}, "__1_0.distcp": {"bytes": 10},
+             "__2_0.distcp": {"bytes": 500}, "__3_0.distcp": {"bytes": 400},
+             ".metadata": {"bytes": 5}}
+    # loading on 2 ranks what 4 wrote: ranks 0 and 1 check their own, the rest by size
+    shares = [_share(files, r, 2) for r in range(2)]
+    # (rank 1: 10 + 500 + 400 bytes; rank 0: 900 + the index's 5)
+    assert shares == [[".metadata", "__0_0.distcp"], ["__1_0.distcp", "__2_0.distcp",
+                                                       "__3_0.distcp"]]
+    assert sorted(sum(shares, [])) == sorted(files)
+    assert _share(files, 0, 1) == sorted(files)
+
+
 def _refused(folder, match):
     acc, _, _ = _prepared()
     with pytest.raises(CheckpointError, match=match) as err:
@@ -89,13 +146,14 @@ def test_metadata_is_never_unpickled_freely(saved, tmp_path):
     folder, _ = saved
     (folder / ".metadata").write_bytes(pickle.dumps(_Boom()))
     # Re-sign the manifest so that only the unpickler stands in the way.
-    import hashlib
     import json
+
+    import xxhash
 
     manifest = json.loads((folder / "manifest.json").read_text())
     data = (folder / ".metadata").read_bytes()
     manifest["files"][".metadata"] = {"bytes": len(data),
-                                      "sha256": hashlib.sha256(data).hexdigest()}
+                                      "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     _refused(folder, r"refers to posix.system, which a DCP index never holds")
 

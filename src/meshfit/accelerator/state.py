@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -270,7 +271,7 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
         raise CheckpointError(f"load_state: {folder} is not a folder; give a checkpoint "
                               "written by save_state")
     manifest = verify(folder)
-    saved_keys(folder)  # reads the DCP index through the restricted unpickler, first
+    saved = saved_keys(folder)  # reads the DCP index through the restricted unpickler, first
     models = _models(acc)
     _check_models(folder, manifest, models)
     saved_tp, mine = manifest.model.get("regrouped_for_tp", 1), _regrouped(models)
@@ -278,49 +279,68 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
         raise CheckpointError(f"{folder}: its fused q|k|v weights (GPT-2's c_attn) are stored "
                               f"head-grouped for tp={saved_tp}, this job groups them for "
                               f"tp={mine}; resume with tp={saved_tp}")
-    load = lambda part: load_dcp(part, folder)  # noqa: E731
+    # Every part's template first, then one DCP read fills them all (one plan, one pass over
+    # the files), then each object takes its part, in this order.
+    parts: dict[str, Any] = {}
+    finish: list[Callable[[], None]] = []
     for i, modules in enumerate(models):
-        part = {_key("model", i): ckstate.model_state(modules)}
-        load(part)
-        ckstate.set_model_state(modules, part[_key("model", i)])
+        key = _key("model", i)
+        parts[key] = ckstate.model_state(modules)
+        finish.append(lambda modules=modules, key=key: ckstate.set_model_state(modules,
+                                                                              parts[key]))
     for i, opt in enumerate(acc._optimizers):
         key = _key("optimizer", i)
-        ckstate.load_optimizer_state(_owner(models, opt.optimizer), opt.optimizer,
-                                     lambda template, key=key: load({key: template}),
-                                     alias=_alias(acc, manifest, folder, key))
+        parts[key], done = ckstate.optimizer_load_plan(
+            _owner(models, opt.optimizer), opt.optimizer,
+            alias=_alias(acc, manifest, folder, key))
+        finish.append(done)
     for i, sched in enumerate(acc._schedulers):
-        _restore(load, _key("scheduler", i), sched.scheduler)
-    saved = saved_keys(folder) if loaders else set()
+        _plan_restore(parts, finish, _key("scheduler", i), sched.scheduler)
     for i, loader in enumerate(acc._loaders if loaders else ()):
         key = _key("dataloader", i)
         # Only the fields the checkpoint holds (older ones have no shuffle state).
         fields = {k: v for k, v in loader.state_dict().items()
                   if any(s == f"{key}.{k}" or s.startswith(f"{key}.{k}.") for s in saved)}
-        _restore(load, key, loader, fields)
+        _plan_restore(parts, finish, key, loader, fields)
     for i, obj in enumerate(acc._custom):
-        _restore(load, f"custom_{i}", obj)
+        _plan_restore(parts, finish, f"custom_{i}", obj)
     if acc.precision.scaler is not None:
-        _restore(load, "scaler", acc.precision.scaler)
-    counters = {"accelerator": {"optimizer_steps": 0, "micro_step": 0}}
-    if "accelerator.step" in saved_keys(folder):  # (checkpoints before it have no copy)
-        counters["accelerator"]["step"] = -1
-    load(counters)
-    saved_step = counters["accelerator"].get("step")
-    if saved_step is not None and int(saved_step) != manifest.step:
+        _plan_restore(parts, finish, "scaler", acc.precision.scaler)
+    parts["accelerator"] = {"optimizer_steps": 0, "micro_step": 0}
+    if "accelerator.step" in saved:  # (checkpoints before it have no copy)
+        parts["accelerator"]["step"] = -1
+    rng_key = f"rank{acc.env.rank}"
+    same_world = manifest.world_size == acc.num_processes
+    if same_world:
+        parts["rng"] = {rng_key: ckstate.rng_state()}
+    load_dcp(parts, folder)
+    saved_step = parts["accelerator"].get("step")
+    if saved_step is not None and int(saved_step) != manifest.step:  # before anything is set
         raise CheckpointError(f"{folder}: manifest.json says step {manifest.step}, the "
                               f"checkpoint's data says step {int(saved_step)}; the manifest "
                               "was edited or belongs to another checkpoint")
-    acc._optimizer_steps = int(counters["accelerator"]["optimizer_steps"])
-    acc.grad_state.step = int(counters["accelerator"]["micro_step"])
-    _load_rng(acc, manifest, load)
+    for done in finish:
+        done()
+    acc._optimizer_steps = int(parts["accelerator"]["optimizer_steps"])
+    acc.grad_state.step = int(parts["accelerator"]["micro_step"])
+    if same_world:
+        ckstate.set_rng_state(parts["rng"][rng_key])
+    else:
+        # Another world size: rank r's generators did not exist. Random draws (dropout)
+        # continue from this job's own seeds; everything else resumes exactly.
+        log.info("meshfit: load_state: saved on %d processes, loading on %d; random "
+                 "generators are not restored", manifest.world_size, acc.num_processes)
+    if dist.is_available() and dist.is_initialized():
+        settled_barrier()
     return manifest
 
 
-def _restore(load, key: str, obj, template: dict | None = None) -> None:
-    """Load `key` into `obj` (its ``state_dict()``, or `template`, says what to read)."""
-    part = {key: obj.state_dict() if template is None else template}
-    load(part)
-    obj.load_state_dict(part[key])
+def _plan_restore(parts: dict, finish: list, key: str, obj, template: dict | None = None
+                  ) -> None:
+    """`obj`'s part of the one read: its ``state_dict()`` (or `template`) as the template,
+    then ``obj.load_state_dict`` of what was read."""
+    parts[key] = obj.state_dict() if template is None else template
+    finish.append(lambda: obj.load_state_dict(parts[key]))
 
 
 def _check_models(folder: Path, manifest: Manifest, models) -> None:
@@ -339,18 +359,3 @@ def _check_models(folder: Path, manifest: Manifest, models) -> None:
             if a[name] != b[name]:
                 raise CheckpointError(f"{folder}: parameter {name!r} has shape {a[name]} in "
                                       f"the checkpoint, {b[name]} in this model")
-
-
-def _load_rng(acc: Accelerator, manifest: Manifest, load) -> None:
-    key = f"rank{acc.env.rank}"
-    if manifest.world_size != acc.num_processes:
-        # Another world size: rank r's generators did not exist. Random draws (dropout)
-        # continue from this job's own seeds; everything else resumes exactly.
-        log.info("meshfit: load_state: saved on %d processes, loading on %d; random "
-                 "generators are not restored", manifest.world_size, acc.num_processes)
-        return
-    part = {"rng": {key: ckstate.rng_state()}}
-    load(part)
-    ckstate.set_rng_state(part["rng"][key])
-    if dist.is_available() and dist.is_initialized():
-        settled_barrier()

@@ -189,6 +189,16 @@ def load_optimizer_state(modules: list[nn.Module], optimizer: torch.optim.Optimi
     `optimizer_state`'s in place (DCP reads only the entries this rank needs). `alias(name)`:
     the name under which the checkpoint holds a parameter's state, when it differs (a tied
     weight is one parameter with two names, or one copy per pipeline stage)."""
+    template, finish = optimizer_load_plan(modules, optimizer, alias)
+    load(template)
+    finish()
+
+
+def optimizer_load_plan(modules: list[nn.Module], optimizer: torch.optim.Optimizer,
+                        alias=None):
+    """`load_optimizer_state` in two halves, so that one read can fill several objects:
+    (template, finish): fill `template` in place (one DCP load, with other parts beside
+    it), then call `finish()` to put it into `optimizer`."""
     zero = _zero(optimizer)
     target = zero.optim if zero is not None else optimizer
     if not target.state:
@@ -198,7 +208,13 @@ def load_optimizer_state(modules: list[nn.Module], optimizer: torch.optim.Optimi
     template = saved_form(template)
     renamed = {n: alias(n) if alias else n for n in template["state"]}
     template["state"] = {renamed[n]: v for n, v in template["state"].items()}
-    load(template)
+    return template, lambda: _finish_optimizer_load(modules, optimizer, template, renamed,
+                                                    names)
+
+
+def _finish_optimizer_load(modules, optimizer, template, renamed, names) -> None:
+    zero = _zero(optimizer)
+    target = zero.optim if zero is not None else optimizer
     back = {v: k for k, v in renamed.items()}
     template["state"] = {back[n]: v for n, v in template["state"].items()}
     for group, params in zip(template["param_groups"], names):
