@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from meshfit.checkpoint import state as ckstate
-from meshfit.checkpoint.store import (CheckpointError, Manifest, commit, load_dcp, save_dcp,
-                                     save_dcp_async, saved_keys, verify)
+from meshfit.checkpoint.store import (CheckpointError, Manifest, commit, load_dcp, read_index,
+                                     save_dcp, save_dcp_async, saved_keys, start_verify)
 from meshfit.distributed.settle import barrier as settled_barrier
 
 # Functions here take the `Accelerator` ("acc") whose prepared objects they save; they are
@@ -123,11 +123,16 @@ def _regrouped_names(models) -> list[dict[str, list[int]]]:
     return _over_ranks(mine)
 
 
-def _shapes(models) -> list[dict[str, list[int]]]:
-    """Each model's parameter names and global shapes, over all ranks (a pipeline rank
-    holds only its stages' part)."""
-    return _over_ranks([{k: list(v.shape) for k, v in ckstate.model_state(m).items()
-                         if isinstance(v, torch.Tensor)} for m in models])
+def _shapes(models, *, pipeline: bool, states: list[dict] | None = None
+            ) -> list[dict[str, list[int]]]:
+    """Each model's parameter names and global shapes (`states`: their `model_state`s, if
+    built already). Under a pipeline, merged over all ranks (a rank holds only its stages'
+    part); otherwise every rank holds every name, with global shapes (DTensors), and this
+    rank's view is the whole."""
+    states = states if states is not None else [ckstate.model_state(m) for m in models]
+    mine = [{k: list(v.shape) for k, v in s.items() if isinstance(v, torch.Tensor)}
+            for s in states]
+    return _over_ranks(mine) if pipeline else mine
 
 
 def _over_ranks(mine: list[dict]) -> list[dict]:
@@ -238,7 +243,9 @@ def _write(acc: Accelerator, output_dir, *, step: int | None, async_save: bool) 
         step=step, world_size=acc.num_processes,
         layout={"dims": {a: getattr(layout.dims, a) for a in layout.dims.enabled()},
                 "engine": layout.engine.value, "zero_stage": layout.zero_stage},
-        model={"shapes": _shapes(models), "ties": _ties(acc), "hf_config": _hf_configs(models),
+        model={"shapes": _shapes(models, pipeline=layout.dims.pp > 1,
+                                 states=[state[_key("model", i)] for i in range(len(models))]),
+               "ties": _ties(acc), "hf_config": _hf_configs(models),
                "regrouped_for_tp": _regrouped(models), "regrouped": _regrouped_names(models)},
         versions={"meshfit": __version__, "torch": torch.__version__})
     if async_save:
@@ -270,10 +277,16 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
     if not folder.is_dir():
         raise CheckpointError(f"load_state: {folder} is not a folder; give a checkpoint "
                               "written by save_state")
-    manifest = verify(folder)
-    saved = saved_keys(folder)  # reads the DCP index through the restricted unpickler, first
+    # The file list, sizes and the index's checksum now; the other checksums in a thread
+    # while the templates are built, awaited before any tensor is read.
+    check = start_verify(folder)
+    manifest = check.manifest
+    index = read_index(folder)  # through the restricted unpickler, before anything else
+    saved = set(index.state_dict_metadata)
     models = _models(acc)
-    _check_models(folder, manifest, models)
+    templates = [ckstate.model_state(modules) for modules in models]
+    _check_models(folder, manifest, _shapes(models, pipeline=acc.layout.dims.pp > 1,
+                                            states=templates))
     saved_tp, mine = manifest.model.get("regrouped_for_tp", 1), _regrouped(models)
     if saved_tp != mine:
         raise CheckpointError(f"{folder}: its fused q|k|v weights (GPT-2's c_attn) are stored "
@@ -285,7 +298,7 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
     finish: list[Callable[[], None]] = []
     for i, modules in enumerate(models):
         key = _key("model", i)
-        parts[key] = ckstate.model_state(modules)
+        parts[key] = templates[i]
         finish.append(lambda modules=modules, key=key: ckstate.set_model_state(modules,
                                                                               parts[key]))
     for i, opt in enumerate(acc._optimizers):
@@ -313,7 +326,8 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
     same_world = manifest.world_size == acc.num_processes
     if same_world:
         parts["rng"] = {rng_key: ckstate.rng_state()}
-    load_dcp(parts, folder)
+    check.result()  # every file's checksum, on every rank
+    load_dcp(parts, folder, index=index)
     saved_step = parts["accelerator"].get("step")
     if saved_step is not None and int(saved_step) != manifest.step:  # before anything is set
         raise CheckpointError(f"{folder}: manifest.json says step {manifest.step}, the "
@@ -343,8 +357,8 @@ def _plan_restore(parts: dict, finish: list, key: str, obj, template: dict | Non
     finish.append(lambda: obj.load_state_dict(parts[key]))
 
 
-def _check_models(folder: Path, manifest: Manifest, models) -> None:
-    saved, mine = manifest.model.get("shapes", []), _shapes(models)
+def _check_models(folder: Path, manifest: Manifest, mine: list[dict]) -> None:
+    saved = manifest.model.get("shapes", [])
     if len(saved) != len(mine):
         raise CheckpointError(f"{folder}: holds {len(saved)} model(s), this job prepared "
                               f"{len(mine)}; prepare the same models before load_state")
