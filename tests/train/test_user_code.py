@@ -144,3 +144,27 @@ def test_a_model_whose_loss_has_no_gradient_is_one_line(tmp_path, monkeypatch, c
                        "parameter (requires_grad is False): its forward returns values computed "
                        "without gradient (under torch.no_grad, detached, or new tensors); return "
                        "the output of its layers"), err
+
+
+def test_a_meta_build_skips_initialisation_and_never_imports_dynamo(tmp_path):
+    """Before launch, `meshfit train` builds the model on the meta device (sizes, plans):
+    `torch.nn.init` does nothing there, so that torch's meta kernels do not import
+    torch._dynamo (0.8 s of every start). The structure is the real model's."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from meshfit.train.config import RunConfig as Config\n"
+            "from meshfit.train.models import build_model\n"
+            "m = build_model(Config(), 256, meta=True)\n"
+            "assert all(p.is_meta for p in m.parameters())\n"
+            "print(sorted((n, tuple(p.shape)) for n, p in m.named_parameters()))\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[-1] == "False"
+    from meshfit.train.config import RunConfig as Config
+    from meshfit.train.models import build_model
+
+    real = build_model(Config(), 256)
+    assert out[-2] == str(sorted((n, tuple(p.shape)) for n, p in real.named_parameters()))
