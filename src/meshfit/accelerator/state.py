@@ -277,9 +277,10 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
     if not folder.is_dir():
         raise CheckpointError(f"load_state: {folder} is not a folder; give a checkpoint "
                               "written by save_state")
-    # The file list, sizes and the index's checksum now; the other checksums in a thread
-    # while the templates are built, awaited before any tensor is read.
-    check = start_verify(folder)
+    # The file list, the sizes and the index's checksum now, on every rank; each data file's
+    # checksum when the reader first opens it, before any of its bytes is read (a large
+    # checkpoint is read from the disk once: the read after the check finds the page cache).
+    check = start_verify(folder, hash_files=False)
     manifest = check.manifest
     index = read_index(folder)  # through the restricted unpickler, before anything else
     saved = set(index.state_dict_metadata)
@@ -326,8 +327,8 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
     same_world = manifest.world_size == acc.num_processes
     if same_world:
         parts["rng"] = {rng_key: ckstate.rng_state()}
-    check.result()  # every file's checksum, on every rank
-    load_dcp(parts, folder, index=index)
+    check.result()
+    load_dcp(parts, folder, index=index, manifest=manifest)
     saved_step = parts["accelerator"].get("step")
     if saved_step is not None and int(saved_step) != manifest.step:  # before anything is set
         raise CheckpointError(f"{folder}: manifest.json says step {manifest.step}, the "

@@ -437,11 +437,13 @@ class Verification:
         return self.manifest
 
 
-def start_verify(folder: Path) -> Verification:
+def start_verify(folder: Path, *, hash_files: bool = True) -> Verification:
     """Check `folder` against its manifest: the list of files, their sizes, and the DCP index's
     checksum (so that the index may be read), now, on every rank (a collective); the
     checksums of this rank's share of the other files (`_share`) in a thread, while the
-    caller prepares its load. Call `result()` before reading any tensor."""
+    caller prepares its load. Call `result()` before reading any tensor. `hash_files=False`:
+    the data files' checksums are left to the reader (`load_dcp` with the manifest checks each
+    file when it first opens it)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     folder = Path(folder)
@@ -479,7 +481,7 @@ def start_verify(folder: Path) -> Verification:
         raise CheckpointError(problems[0])
     world = dist.get_world_size() if _distributed() else 1
     share = [n for n in _share(manifest.files, _rank(), world) if n != ".metadata"]
-    if not share:
+    if not share or not hash_files:
         done: Future = Future()
         done.set_result(None)
         return Verification(manifest, done)
@@ -534,8 +536,30 @@ class _MetadataUnpickler(pickle.Unpickler):
                               "index never holds; refusing to unpickle it")
 
 
-def _safe_reader(folder: Path, index=None):
+def _safe_reader(folder: Path, index=None, manifest: Manifest | None = None):
+    """DCP's file-system reader of `folder` reading the index through the restricted
+    unpickler (`index`: read already). With `manifest`, each data file is checked against
+    its checksum (hashed from a memory map) when the reader first opens it, before any of its
+    bytes is read: a file is read from the disk once, the read after the check finds it in
+    the page cache."""
+    from contextlib import contextmanager
+
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    checked: set[str] = set()
+
+    class CheckingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path, mode):
+            name = Path(path).name
+            if manifest is not None and "r" in mode and name not in checked:
+                problem = _checked(Path(folder), manifest, [name])
+                if problem:
+                    raise CheckpointError(problem)
+                checked.add(name)
+            with super().create_stream(path, mode) as stream:
+                yield stream
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
@@ -552,7 +576,9 @@ def _safe_reader(folder: Path, index=None):
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    return SafeReader(str(folder))
+    reader = SafeReader(str(folder))
+    reader.fs = CheckingFileSystem()
+    return reader
 
 
 def _safe_planner(keys: set[str] | None = None):
@@ -586,19 +612,30 @@ def saved_keys(folder: Path) -> set[str]:
 
 
 def load_dcp(state: dict[str, Any], folder: Path, *, process_group=None,
-             on_missing: Callable[[str], str] | None = None, index=None) -> None:
-    """Fill `state` in place from the DCP files in `folder` (checked with `verify` first),
-    resharding DTensors to whatever layout `state` has. Keys of `state` absent from the
-    checkpoint are an error naming the first one."""
+             on_missing: Callable[[str], str] | None = None, index=None,
+             manifest: Manifest | None = None) -> None:
+    """Fill `state` in place from the DCP files in `folder` (checked with `verify` first, or,
+    with `manifest`, `start_verify(..., hash_files=False)` first and each file as it is
+    opened), resharding DTensors to whatever layout `state` has. Keys of `state` absent from
+    the checkpoint are an error naming the first one."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with warnings.catch_warnings():  # the single-process notice, as in save_dcp
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=_safe_reader(folder, index), planner=_safe_planner(),
-                     process_group=process_group, no_dist=not _distributed())
+            dcp.load(state, storage_reader=_safe_reader(folder, index, manifest),
+                     planner=_safe_planner(), process_group=process_group,
+                     no_dist=not _distributed())
     except CheckpointError:
         raise
+    except CheckpointException as err:  # a rank's failure, gathered to every rank by DCP
+        for failure in err.failures.values():
+            found = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(found, CheckpointError):
+                raise CheckpointError(str(found)) from None
+        raise CheckpointError(f"{folder}: cannot be loaded into this job "
+                              f"({str(err).strip().splitlines()[-1][:200]})") from None
     except Exception as err:  # DCP reports a missing key as a RuntimeError on every rank
         text = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         missing = re.search(r"Missing key in checkpoint state_dict: ([^\s.]+(?:\.[^\s]+)?)", text)
