@@ -26,10 +26,10 @@ Safe: DCP reads its ``.metadata`` with `pickle.load` and its non-tensor values w
 Here the metadata goes through an unpickler that only builds DCP's own metadata classes,
 torch sizes, dtypes and layouts, and values through ``torch.load(weights_only=True)``; and
 before anything is read, every file is checked against the manifest (no extra file, no
-missing one, sizes and checksums equal). Each rank checks the files it wrote itself when
-the checkpoint was saved (in a resume on the same layout, the ones it reads: its check
-brings them into the page cache, and the load reads them from there), the rest are shared
-out by size.
+missing one, sizes and checksums equal). `load_dcp` with the manifest checks each data file
+when DCP's reader first opens it, before any of its bytes is read (a large checkpoint is
+read from the disk once); `verify` checks them all up front, each rank the files it wrote
+itself, the rest shared out by size.
 """
 
 from __future__ import annotations
