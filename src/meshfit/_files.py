@@ -265,3 +265,13 @@ def atomic_write_dir(target: Path, fill: Callable[[Path], object]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
     return target
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why this process cannot create files in the existing `folder` ("is on a read-only
+    file system", "is not writable by this user"), or None. Nothing is written."""
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return "is on a read-only file system"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "is not writable by this user"
+    return None

@@ -21,11 +21,15 @@ overlap on a local disk).
 The folder is private to the run (created with owner-only permissions and marked as
 meshfit's; a folder that exists with files in it is refused unless an earlier run left it,
 marked) and removed by `close`, or when the object goes or the process exits, unless
-`keep`. Each file is written to a temporary name and renamed, so a file is never half-written; a write error or a full disk
-raises one line naming the file, and the step's state already in memory is not lost to a
-half-written file (the run stops; its last checkpoint is intact). ``state_dict`` returns the
-offloaded tensors as read-only memory maps of their files (no copy in memory: a checkpoint
-of a model larger than memory streams them), ``load_state_dict`` writes them to the files.
+`keep`. Each file is written to a temporary name and renamed, so a file is never
+half-written; a write error or a full disk raises one line naming the file, and the step's
+state already in memory is not lost to a half-written file (the run stops; its last
+checkpoint is intact). ``state_dict`` returns the offloaded tensors as read-only memory
+maps of their files (no copy in memory: a checkpoint of a model larger than memory streams
+them), ``load_state_dict`` writes them to the files.
+
+Under ZeRO-3, `ParameterFiles` (``offload_params``) moves the parameter shards, the fp32
+master weights, into memory-mapped files of a folder of their own beside the state's.
 """
 
 from __future__ import annotations
@@ -440,12 +444,12 @@ def check_writable(folder: str | os.PathLike, field: str = "offload_dir") -> Non
     if not probe.is_dir():
         raise ValueError(f"{field}={str(folder)!r}: {str(probe)!r} is a file, not a folder; "
                          "give a folder path on a local disk")
-    if os.statvfs(probe).f_flag & os.ST_RDONLY:
-        raise ValueError(f"{field}={str(folder)!r}{where} is on a read-only file system; "
-                         "give a writable folder on a local disk")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{field}={str(folder)!r}{where} is not writable by this user; "
-                         "give a folder you can write to")
+    from meshfit._files import unwritable
+
+    why = unwritable(probe)
+    if why:
+        raise ValueError(f"{field}={str(folder)!r}{where} {why}; give a writable folder on "
+                         "a local disk")
 
 
 def check_free_space(optimizer: torch.optim.Optimizer, folder: str | os.PathLike, *,

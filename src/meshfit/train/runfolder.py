@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Self
 
-from meshfit._files import WriteFailed, append_line, atomic_write_text, os_reason
+from meshfit._files import WriteFailed, append_line, atomic_write_text, os_reason, unwritable
 
 __all__ = ["LOCK_FILE", "RUN_MARKERS", "RUN_OUTPUTS", "RunLock", "WriteFailed", "append_line",
            "atomic_write_text", "check_run_folder", "remove_run_outputs"]
@@ -77,12 +77,10 @@ def check_run_folder(out: Path, *, resume: bool, overwrite: bool, claim: bool = 
         raise ValueError(f"{flag} is {len(os.fsencode(str(absolute)))} bytes long; with the "
                          f"files a run writes under it that exceeds the {path_max} this system "
                          "allows; give a shorter --out")
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise ValueError(f"{flag}: {existing} is on a read-only file system; give an --out on "
-                         "a writable one")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag}: {existing} is not writable by this user (permission "
-                         "denied); give an --out in a folder you can write to")
+    why = unwritable(existing)
+    if why:
+        raise ValueError(f"{flag}: {existing} {why}; give an --out in a folder you can "
+                         "write to")
     if existing != absolute or not claim:
         return  # a new folder, or node 0's run: nothing more to check
     holder = _lock_holder(absolute)
