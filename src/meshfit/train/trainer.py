@@ -237,6 +237,8 @@ def _stop_if_asked(loop: _Loop, stop: StopOnSignal, step: int) -> None:
     checkpoints.finish()
     folder = checkpoints.folder(step) if checkpoints.due(step) else \
         checkpoints.save(step, wait=True)
+    if stop.ranks is not None:  # (the same on every rank) A signal the launcher sent to all
+        stop.requested(loop.acc)  # reaches them a moment apart: who got one, counted again
     stop.restore()
     raise Preempted(signum, step, folder, loop.out_dir, stop.ranks)
 
