@@ -430,7 +430,8 @@ def _banner(acc: Accelerator, model: torch.nn.Module, trained, micro: int, token
     mesh = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.enabled())
     layout += f", mesh {mesh}" if mesh and mesh != f"dp_replicate {dims.dp_replicate}" else ""
     if acc.offload_dir is not None:
-        layout += f", optimizer state on disk in {acc.offload_dir}"
+        what = "parameters and optimizer state" if acc.offload_params else "optimizer state"
+        layout += f", {what} on disk in {acc.offload_dir}"
     return (f"meshfit train: {n_params / 1e6:.2f}M parameters{trainable}, {acc.num_processes} "
             f"process(es) on {acc.device}{layout}{trained.description}, micro-batch {micro}, "
             f"accumulation {acc.gradient_accumulation_steps}, {tokens / 1e6:.1f}M training "
