@@ -11,10 +11,12 @@ against the disk's own.
 Parts (each runs in processes of its own, started from here):
 
 * ``saveload``: 2 processes (gloo), DDP, a Hugging Face Llama of about 25M parameters with
-  AdamW state. Interleaved trials of meshfit's ``save_state`` then raw DCP's ``save`` of the
-  same model and optimizer state dicts (``get_state_dict``), and of the loads (meshfit's
-  ``load_state``: verification against the manifest, then the state; DCP's ``load`` then
-  ``set_state_dict``). Medians.
+  AdamW state. Interleaved trials (each arm first in turn) of meshfit's ``save_state`` and
+  of raw DCP's ``save`` of the same state: the model and optimizer state dicts
+  (``get_state_dict``), each rank's RNG state and the step counters, under the keys meshfit
+  writes; and of DCP's ``save`` of the model and optimizer alone. Then the loads: meshfit's
+  ``load_state`` (the checks against the manifest, then the state); DCP's ``load`` then
+  ``set_state_dict`` (and the RNG set). Medians.
 * ``accelerate``: the same model and optimizer under Accelerate (``accelerate.Accelerator``,
   DDP on the same 2 processes, launched by torchrun): its ``save_state`` and ``load_state``.
 * ``start``: wall time of ``meshfit train --nproc 2 --train.steps=1`` (the built-in corpus)
@@ -25,6 +27,8 @@ Parts (each runs in processes of its own, started from here):
 * ``big``: 2 processes, ZeRO-3, the reference GPT at about 1B parameters with AdamW state
   (`--big-d-model`, `--big-layers`): meshfit's save and load, and raw DCP's, as MB/s per
   rank, beside the disk's fsync'd sequential write and its read measured on the same folder.
+  Which arm goes first alternates between trials; before the loads every file's pages are
+  dropped from the page cache, so both read the disk.
 
 Nothing asserts; results: benchmarks/results/checkpoint_speed.md and .json.
 """
@@ -88,6 +92,7 @@ def worker_saveload(args) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from meshfit import Accelerator
+    from meshfit.checkpoint.state import rng_state, set_rng_state
 
     acc = Accelerator(mixed_precision="no")
     model = acc.prepare(_llama())
@@ -95,28 +100,42 @@ def worker_saveload(args) -> dict:
     _train_steps(model, opt, acc.backward, acc.device)
     inner, inner_opt = acc.unwrap_model(model), opt.optimizer
     root = Path(args.dir)
-    times: dict[str, list[float]] = {k: [] for k in ("meshfit_save", "dcp_save",
-                                                     "meshfit_load", "dcp_load")}
+    arms = ("meshfit", "dcp", "dcp_mo")
+    times: dict[str, list[float]] = {f"{a}_{op}": [] for a in arms for op in ("save", "load")}
 
-    def dcp_save(folder):
+    def dcp_state(everything: bool) -> dict:
+        """What meshfit writes (`everything`: model, optimizer, this rank's RNG and the step
+        counters, under meshfit's keys), or the model and optimizer alone."""
         m, o = get_state_dict(inner, inner_opt)
-        dcp.save({"model": m, "optim": o}, checkpoint_id=str(folder))
+        state = {"model": m, "optimizer": o}
+        if everything:
+            state["rng"] = {f"rank{dist.get_rank()}": rng_state()}
+            state["accelerator"] = {"optimizer_steps": 2, "micro_step": 0, "step": 2}
+        return state
 
-    def dcp_load(folder):
-        m, o = get_state_dict(inner, inner_opt)
-        state = {"model": m, "optim": o}
+    def dcp_save(folder, everything):
+        dcp.save(dcp_state(everything), checkpoint_id=str(folder))
+
+    def dcp_load(folder, everything):
+        state = dcp_state(everything)
         dcp.load(state, checkpoint_id=str(folder))
         set_state_dict(inner, inner_opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optimizer"])
+        if everything:
+            set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
 
+    ops = {"meshfit": (lambda f: acc.save_state(f), lambda f: acc.load_state(f)),
+           "dcp": (lambda f: dcp_save(f, True), lambda f: dcp_load(f, True)),
+           "dcp_mo": (lambda f: dcp_save(f, False), lambda f: dcp_load(f, False))}
     for trial in range(args.trials):
-        mine, raw = root / f"meshfit-{trial}", root / f"dcp-{trial}"
-        times["meshfit_save"].append(_timed(lambda: acc.save_state(mine)))
-        times["dcp_save"].append(_timed(lambda: dcp_save(raw)))
-        times["meshfit_load"].append(_timed(lambda: acc.load_state(mine)))
-        times["dcp_load"].append(_timed(lambda: dcp_load(raw)))
+        folders = {a: root / f"{a}-{trial}" for a in arms}
+        order = arms[trial % 3:] + arms[:trial % 3]  # (each arm first in turn)
+        for slot, op in enumerate(("save", "load")):
+            for arm in order:
+                times[f"{arm}_{op}"].append(_timed(lambda: ops[arm][slot](folders[arm])))
         if acc.is_main_process:
-            shutil.rmtree(mine), shutil.rmtree(raw)
+            for folder in folders.values():
+                shutil.rmtree(folder)
         dist.barrier()
     params = sum(p.numel() for p in inner.parameters())
     acc.end_training()
@@ -170,34 +189,59 @@ def worker_big(args) -> dict:
     inner, inner_opt = acc.unwrap_model(model), opt.optimizer
     times: dict[str, list[float]] = {k: [] for k in ("meshfit_save", "dcp_save",
                                                      "meshfit_load", "dcp_load")}
+    first: dict[str, list[str]] = {"save": [], "load": []}
+
+    def dcp_save(folder):  # (the state dicts' making counted, as in meshfit's save)
+        m, o = get_state_dict(inner, inner_opt)
+        dcp.save({"model": m, "optim": o}, checkpoint_id=str(folder))
+
+    def dcp_load(folder):
+        m, o = get_state_dict(inner, inner_opt)
+        state = {"model": m, "optim": o}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(inner, inner_opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
     written = 0
     for trial in range(args.big_trials):
-        mine, raw = root / f"big-meshfit-{trial}", root / f"big-dcp-{trial}"
-        times["meshfit_save"].append(_timed(lambda: acc.save_state(mine)))
-
-        def save():  # (the state dicts' making counted, as in meshfit's save)
-            m, o = get_state_dict(inner, inner_opt)
-            dcp.save({"model": m, "optim": o}, checkpoint_id=str(raw))
-        times["dcp_save"].append(_timed(save))
-        written = sum(p.stat().st_size for p in mine.iterdir()
+        folders = {"meshfit": root / f"big-meshfit-{trial}", "dcp": root / f"big-dcp-{trial}"}
+        arms = {"meshfit": (lambda f: acc.save_state(f), lambda f: acc.load_state(f)),
+                "dcp": (dcp_save, dcp_load)}
+        # Which arm goes first alternates: the disk (a virtual one here) is measurably slower
+        # right after a large write, for whichever arm comes second.
+        order = ["meshfit", "dcp"] if trial % 2 == 0 else ["dcp", "meshfit"]
+        for op, slot in (("save", 0), ("load", 1)):
+            if op == "load":  # both read from the disk, not from the page cache
+                for folder in folders.values():
+                    _drop_cached(folder)
+                dist.barrier()
+            first[op].append(order[0])
+            for arm in order:
+                times[f"{arm}_{op}"].append(_timed(lambda: arms[arm][slot](folders[arm])))
+        written = sum(p.stat().st_size for p in folders["meshfit"].iterdir()
                       if p.name.startswith(f"__{acc.process_index}_"))
-        for name in ("meshfit_load", "dcp_load"):
-            if name == "meshfit_load":
-                times[name].append(_timed(lambda: acc.load_state(mine)))
-            else:
-                def load():
-                    m, o = get_state_dict(inner, inner_opt)
-                    state = {"model": m, "optim": o}
-                    dcp.load(state, checkpoint_id=str(raw))
-                    set_state_dict(inner, inner_opt, model_state_dict=state["model"],
-                                   optim_state_dict=state["optim"])
-                times[name].append(_timed(load))
         if acc.is_main_process:
-            shutil.rmtree(mine), shutil.rmtree(raw)
+            for folder in folders.values():
+                shutil.rmtree(folder)
         dist.barrier()
     params = sum(p.numel() for p in model.parameters())
     acc.end_training()
-    return {"params": params, "bytes_per_rank": written, "times": times}
+    return {"params": params, "bytes_per_rank": written, "times": times, "first": first}
+
+
+def _drop_cached(folder: Path) -> None:
+    """Drop the pages of this rank's files in `folder` from the page cache (they are clean:
+    DCP fsync'd them), so that reading them goes to the disk."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for path in folder.iterdir():
+        if path.name.startswith(f"__{rank}_") or (rank == 0 and not path.name.startswith("__")):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 MINIMAL = '''
@@ -314,7 +358,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--big-d-model", type=int, default=2048)
     p.add_argument("--big-layers", type=int, default=20)
-    p.add_argument("--big-trials", type=int, default=2)
+    p.add_argument("--big-trials", type=int, default=4)
     p.add_argument("--every", type=int, default=50, help="async part: save interval")
     p.add_argument("--async-steps", type=int, default=200)
     p.add_argument("--async-trials", type=int, default=2)
@@ -379,14 +423,18 @@ def _markdown(results: dict, args) -> str:
         n = results["saveload"]["params"]
         lines += [f"## save_state / load_state: DDP on 2 processes, a Llama of "
                   f"{n / 1e6:.1f}M parameters with AdamW state", "",
-                  "| | meshfit | raw DCP | meshfit / DCP | Accelerate | meshfit / Accelerate |",
-                  "|---|---|---|---|---|---|"]
+                  "Raw DCP of the same state (model, optimizer, each rank's RNG, the step "
+                  "counters), and of the model and optimizer alone.", "",
+                  "| | meshfit | raw DCP, same state | meshfit / DCP | raw DCP, model and "
+                  "optimizer | meshfit / that | Accelerate | meshfit / Accelerate |",
+                  "|---|---|---|---|---|---|---|---|"]
         for op in ("save", "load"):
-            acc = t.get(f"accelerate_{op}")
-            lines.append(f"| {op} | {t[f'meshfit_{op}']:.3f} s | {t[f'dcp_{op}']:.3f} s | "
-                         f"{t[f'meshfit_{op}'] / t[f'dcp_{op}']:.2f} | "
-                         + (f"{acc:.3f} s | {t[f'meshfit_{op}'] / acc:.2f} |" if acc else
-                            "- | - |"))
+            acc, mine = t.get(f"accelerate_{op}"), t[f"meshfit_{op}"]
+            mo = t.get(f"dcp_mo_{op}")
+            lines.append(f"| {op} | {mine:.3f} s | {t[f'dcp_{op}']:.3f} s | "
+                         f"{mine / t[f'dcp_{op}']:.2f} | "
+                         + (f"{mo:.3f} s | {mine / mo:.2f} | " if mo else "- | - | ")
+                         + (f"{acc:.3f} s | {mine / acc:.2f} |" if acc else "- | - |"))
         lines.append("")
     if "meshfit_train" in t:
         lines += ["## Start-up (wall time of the whole command, 2 processes)", "",
@@ -419,14 +467,27 @@ def _markdown(results: dict, args) -> str:
                   f"{b['params'] / 1e9:.2f}B parameters with AdamW state "
                   f"({per / GiB:.2f} GiB per rank)", "",
                   f"Disk (the same folder): fsync'd sequential write {disk['write'] / MiB:.0f} "
-                  f"MiB/s, read {disk['read'] / MiB:.0f} MiB/s (the read may be helped by the "
-                  "page cache). Both ranks write to that one disk at once.", "",
-                  "| | meshfit | MiB/s per rank | raw DCP | MiB/s per rank | meshfit / DCP |",
-                  "|---|---|---|---|---|---|"]
+                  f"MiB/s, read {disk['read'] / MiB:.0f} MiB/s (the file's pages dropped from "
+                  "the page cache first). Both ranks write to and read from that one disk at "
+                  "once. Each load reads from the disk: every file's pages are dropped from the "
+                  "page cache before the loads. The arm that goes first alternates between "
+                  f"trials; medians of {len(b['times']['meshfit_save'])} trials, and beside "
+                  "them the medians of the trials where each arm went first and second.", "",
+                  "| | meshfit | MiB/s per rank | raw DCP | MiB/s per rank | meshfit / DCP | "
+                  "ratio, each first | ratio, each second |",
+                  "|---|---|---|---|---|---|---|---|"]
         for op in ("save", "load"):
             m, d = bt[f"meshfit_{op}"], bt[f"dcp_{op}"]
+            went = b.get("first", {}).get(op, [])
+            by = {}
+            for arm in ("meshfit", "dcp"):
+                t = b["times"][f"{arm}_{op}"]
+                by[arm] = ([x for x, f in zip(t, went) if f == arm],
+                           [x for x, f in zip(t, went) if f != arm])
+            pos = [f"{_med(by['meshfit'][i]) / _med(by['dcp'][i]):.2f}"
+                   if by["meshfit"][i] and by["dcp"][i] else "-" for i in (0, 1)]
             lines.append(f"| {op} | {m:.1f} s | {per / m / MiB:.0f} | {d:.1f} s | "
-                         f"{per / d / MiB:.0f} | {m / d:.2f} |")
+                         f"{per / d / MiB:.0f} | {m / d:.2f} | {pos[0]} | {pos[1]} |")
         lines.append("")
     lines.append(_common.machine_markdown(_common.machine_info()))
     return "\n".join(lines)

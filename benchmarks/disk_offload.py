@@ -7,8 +7,8 @@ and AdamW's two moments take 16 B per parameter, 35 GB, where the machine has 24
 saved: the loss per step, the peak resident memory (``ru_maxrss``), the bytes on disk, each
 step's time and its optimizer step's, the bytes each step read and wrote, and the disk's
 sequential write and read bandwidth measured on the same folder first (a file of
-`--probe-gib` written with fsync, then read back; the read can be helped by the page cache,
-so it is an upper bound). The goal: the optimizer step within 1.3x of (bytes read + bytes
+`--probe-gib` written with fsync, then read back with its pages dropped from the page cache
+first). The goal: the optimizer step within 1.3x of (bytes read + bytes
 written) / bandwidth, i.e. the I/O is the step's only cost. Beside it, `meshfit.memory.
 estimate` of the same layout.
 
@@ -116,8 +116,8 @@ def main() -> None:
              f"in {built:.0f} s. Full training state without offload: "
              f"{shape.params * 16 / GiB:.1f} GiB (weights, gradients, two moments).", "",
              f"- disk (the offload folder's): sequential write {write_bw / 2**20:.0f} MiB/s, "
-             f"read {read_bw / 2**20:.0f} MiB/s (fsync'd write; the read may be helped by the "
-             "page cache)",
+             f"read {read_bw / 2**20:.0f} MiB/s (fsync'd write; the read with the file's pages "
+             "dropped from the page cache first)",
              f"- peak resident memory: {peak / GiB:.1f} GiB; state on disk: "
              f"{on_disk / GiB:.1f} GiB",
              f"- `meshfit.memory.estimate`: {est.total / GiB:.1f} GiB in memory with the state "

@@ -45,20 +45,124 @@ def test_round_trip_and_what_is_on_disk(saved):
     assert all(torch.equal(net.state_dict()[k], v) for k, v in weights.items())
 
 
+def _blocks(data: bytes, block: int) -> list[str]:
+    import xxhash
+
+    return [xxhash.xxh3_128(data[i:i + block]).hexdigest() for i in range(0, len(data), block)]
+
+
 def test_checksums_are_taken_while_writing_and_equal_the_files(saved):
-    """Format 2: every file's XXH3-128, taken as DCP's writer streamed it out, equals the
-    digest of the file on disk (an independent read); and the manifest names the format."""
+    """Format 3: each block's XXH3-128, taken as DCP's writer streamed the file out, equals
+    the digest of that block of the file on disk (an independent read)."""
+    import json
+
+    from meshfit.checkpoint.store import BLOCK
+
+    folder, _ = saved
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["format"] == 3
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    for name, entry in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        assert entry == {"bytes": len(data), "block_bytes": BLOCK,
+                         "xxh3_128_blocks": _blocks(data, BLOCK)}
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 4 KiB, so that the tiny model's shard spans dozens of them."""
+    from meshfit.checkpoint import store
+
+    monkeypatch.setattr(store, "BLOCK", 4096)
+    return 4096
+
+
+def test_many_blocks_round_trip_and_a_corrupted_block_is_named(tmp_path, small_blocks):
+    """A shard of many blocks: the digests taken while writing are the blocks' own, the
+    state loads back bit for bit through the block-checking reader, and one flipped byte in
+    a middle block is refused naming that block's bytes."""
+    import json
+
+    acc, net, _ = _prepared()
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    acc.save_state(tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "__0_0.distcp"
+    data = shard.read_bytes()
+    entry = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["files"][shard.name]
+    assert entry["block_bytes"] == small_blocks and len(entry["xxh3_128_blocks"]) > 20
+    assert entry["xxh3_128_blocks"] == _blocks(data, small_blocks)
+    acc2, net2, _ = _prepared(seed=1)
+    assert not all(torch.equal(net2.state_dict()[k], v) for k, v in weights.items())
+    acc2.load_state(tmp_path / "ckpt")
+    assert all(torch.equal(net2.state_dict()[k], v) for k, v in weights.items())
+    at = (len(data) // small_blocks // 2) * small_blocks + 100
+    corrupted = bytearray(data)
+    corrupted[at] ^= 0x10
+    shard.write_bytes(bytes(corrupted))
+    start = at - 100
+    _refused(tmp_path / "ckpt", rf"__0_0.distcp: checksum differs from the manifest "
+                                rf"\(corrupted\), in bytes {start}-{start + small_blocks}$")
+
+
+def test_the_block_checking_reader_returns_the_files_bytes_at_any_position(tmp_path):
+    """`_VerifiedStream` against the file itself: reads of every size, forwards, backwards
+    and across block boundaries, return the file's bytes; a block whose bytes changed after
+    the manifest was written is refused when first touched, and a file cut short too."""
+    import random
+
+    from meshfit.checkpoint.store import CheckpointError, _VerifiedStream
+
+    rng = random.Random(0)
+    data = bytes(rng.getrandbits(8) for _ in range(10_000))
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    block = 1000
+    stream = _VerifiedStream(path, len(data), block, _blocks(data, block))
+    for _ in range(300):
+        start, n = rng.randrange(len(data) + 5), rng.randrange(2500)
+        stream.seek(start)
+        assert stream.read(n) == data[start:start + n]
+        assert stream.tell() == min(start + n, len(data)) if start <= len(data) else True
+    stream.close()
+    digests = _blocks(data, block)
+    digests[7] = "0" * 32
+    stream = _VerifiedStream(path, len(data), block, digests)
+    stream.seek(6500)
+    assert stream.read(400) == data[6500:6900]  # (block 7 is read ahead, not yet used)
+    with pytest.raises(CheckpointError, match=r"f: checksum differs from the manifest "
+                                              r"\(corrupted\), in bytes 7000-8000$"):
+        stream.read(200)
+    stream.close()
+    path.write_bytes(data[:9500])
+    stream = _VerifiedStream(path, len(data), block, _blocks(data, block))
+    stream.seek(9000)
+    with pytest.raises(CheckpointError, match=r"f: ends at byte 9500, the manifest says "
+                                              r"10000 \(truncated while loading\)"):
+        stream.read(1000)
+    stream.close()
+
+
+def test_a_format_2_checkpoint_with_whole_file_digests_still_loads_and_is_checked(saved):
+    """Checkpoints of format 2 carry one XXH3-128 per file: they load, and a corrupted one
+    is refused before any of its bytes is read."""
     import json
 
     import xxhash
 
-    folder, _ = saved
+    folder, weights = saved
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["format"] == 2
-    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
-    for name, entry in manifest["files"].items():
-        data = (folder / name).read_bytes()
-        assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+    manifest["format"] = 2
+    manifest["files"] = {name: {"bytes": e["bytes"], "xxh3_128": xxhash.xxh3_128(
+        (folder / name).read_bytes()).hexdigest()} for name, e in manifest["files"].items()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    acc, net, _ = _prepared()
+    assert acc.load_state(folder).format == 2
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in weights.items())
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-9] ^= 0x01
+    shard.write_bytes(bytes(data))
+    _refused(folder, r"__0_0.distcp: checksum differs from the manifest \(corrupted\)$")
 
 
 def test_a_format_1_checkpoint_with_sha256_still_loads_and_is_checked(saved):
@@ -81,10 +185,10 @@ def test_a_format_1_checkpoint_with_sha256_still_loads_and_is_checked(saved):
     data[7] ^= 0x01
     shard.write_bytes(bytes(data))
     _refused(folder, r"checksum differs from the manifest \(corrupted\)")
-    manifest["format"] = 3
+    manifest["format"] = 4
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    _refused(folder, r"manifest format 3, this meshfit reads formats 1, 2; load it with the "
-                     r"meshfit that wrote it")
+    _refused(folder, r"manifest format 4, this meshfit reads formats 1, 2, 3; load it with "
+                     r"the meshfit that wrote it")
 
 
 def test_verification_is_shared_out_by_writer_then_by_size():
@@ -148,12 +252,10 @@ def test_metadata_is_never_unpickled_freely(saved, tmp_path):
     # Re-sign the manifest so that only the unpickler stands in the way.
     import json
 
-    import xxhash
-
     manifest = json.loads((folder / "manifest.json").read_text())
     data = (folder / ".metadata").read_bytes()
-    manifest["files"][".metadata"] = {"bytes": len(data),
-                                      "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+    entry = manifest["files"][".metadata"]
+    entry.update(bytes=len(data), xxh3_128_blocks=_blocks(data, entry["block_bytes"]))
     (folder / "manifest.json").write_text(json.dumps(manifest))
     _refused(folder, r"refers to posix.system, which a DCP index never holds")
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from meshfit.checkpoint import state as ckstate
 from meshfit.checkpoint.store import (CheckpointError, Manifest, commit, load_dcp, read_index,
-                                     save_dcp, save_dcp_async, saved_keys, start_verify)
+                                     save_dcp, save_dcp_async, start_verify)
 from meshfit.distributed.settle import barrier as settled_barrier
 
 # Functions here take the `Accelerator` ("acc") whose prepared objects they save; they are
@@ -78,9 +78,10 @@ def _ties(acc: Accelerator) -> list[list[str]]:
     return groups
 
 
-def _alias(acc: Accelerator, manifest: Manifest, folder: Path, key: str):
-    """name -> the name under which the checkpoint holds that weight's optimizer state."""
-    present = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in saved_keys(folder)
+def _alias(acc: Accelerator, manifest: Manifest, saved: set[str], key: str):
+    """name -> the name under which the checkpoint holds that weight's optimizer state
+    (`saved`: the checkpoint's keys)."""
+    present = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in saved
                if k.startswith(f"{key}.state.")}
     groups = _ties(acc) + [list(g) for g in manifest.model.get("ties", [])]
 
@@ -306,7 +307,7 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
         key = _key("optimizer", i)
         parts[key], done = ckstate.optimizer_load_plan(
             _owner(models, opt.optimizer), opt.optimizer,
-            alias=_alias(acc, manifest, folder, key))
+            alias=_alias(acc, manifest, saved, key))
         finish.append(done)
     for i, sched in enumerate(acc._schedulers):
         _plan_restore(parts, finish, _key("scheduler", i), sched.scheduler)
