@@ -311,6 +311,8 @@ T = [  # meshfit train: config overrides
     ("checkpoint.every negative", ["--checkpoint.every=-1"], ["checkpoint.every=-1"]),
     ("checkpoint.keep=0", ["--checkpoint.keep=0"], ["checkpoint.keep=0"]),
     ("checkpoint.async string", ["--checkpoint.async=yes"], ["checkpoint.async='yes'"]),
+    ("checkpoint.async_mode enum", ["--checkpoint.async_mode=fork"],
+     ["checkpoint.async_mode='fork' is not one of thread, process"]),
     ("log.with int", ["--log.with=5"], ["log.with=5"]),
     ("log.with unknown tracker", ["--log.with=neptune"], ["log.with", "neptune"]),
     ("log.project empty", ['--log.project=""'], ["log.project=''"]),

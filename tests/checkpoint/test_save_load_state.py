@@ -45,7 +45,7 @@ RTOL = 1e-9  # fp64 across layouts: summation order only (see the module docstri
 
 
 def _run(name: str, dtype, *, save: str | None = None, load: str | None = None,
-         async_save: bool = False) -> dict:
+         async_save: bool | str = False) -> dict:
     """Train LAYOUTS[name] to STEPS optimizer steps (saving at SAVE_AT into `save`, or
     starting from the checkpoint `load`); the losses of the steps taken and the whole model."""
     from torch.utils.data import DataLoader, TensorDataset
@@ -91,7 +91,7 @@ def _run(name: str, dtype, *, save: str | None = None, load: str | None = None,
         if save and done == SAVE_AT:  # async: written while steps 4.. run, committed after
             acc.save_state(save, async_save=async_save)
             at_save = acc.get_state_dict(model)
-    acc.wait_for_checkpoint()
+    acc.wait_for_checkpoint(close=True)
     return {"losses": losses, "state": acc.get_state_dict(model), "at_save": at_save}
 
 
@@ -105,6 +105,11 @@ def _two_ranks(rank, world, root):
         folder = f"{root}/{name}-async"
         out[f"{name}-async"] = (_run(name, torch.float32, save=folder, async_save=True),
                                 _run(name, torch.float32, load=folder))
+    # ... by a writer process of each rank's own, from shared memory
+    folder = f"{root}/zero3-async-process"
+    out["zero3-async-process"] = (_run("zero3", torch.float32, save=folder,
+                                       async_save="process"),
+                                  _run("zero3", torch.float32, load=folder))
     out["fp64"] = _run("ddp", torch.float64)  # the uninterrupted reference across layouts
     out["zero3-fp64"] = _run("zero3", torch.float64, save=f"{root}/zero3-fp64")
     for name in ("ddp", "tp2", "pp2", "zero1", "cp2", "cp2-zero3"):
@@ -154,9 +159,9 @@ def test_resume_same_layout_is_bitwise(runs, name):
     _bitwise(*runs["two"][name])
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero3"])
+@pytest.mark.parametrize("name", ["ddp", "zero3", "zero3-async-process"])
 def test_asynchronous_save_holds_the_state_of_its_step(runs, name):
-    _bitwise(*runs["two"][f"{name}-async"])
+    _bitwise(*runs["two"][name if name.endswith("process") else f"{name}-async"])
 
 
 def test_resume_dp2xtp2_on_four_ranks_is_bitwise(runs):

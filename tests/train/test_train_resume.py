@@ -27,7 +27,8 @@ MESHFIT = [sys.executable, "-m", "meshfit"]
 RUN = ["--train.steps=6", "--train.log_every=1", "--train.eval_every=0",
        "--train.eval_batches=1", "--train.global_batch_size=8", "--train.micro_batch_size=4",
        "--train.seq_len=32", "--model.n_layer=2", "--checkpoint.every=2", "--checkpoint.keep=2",
-       "--checkpoint.async=true"]  # written in the background: the same checkpoints
+       "--checkpoint.async=true", "--checkpoint.async_mode=process"]
+# (written in the background, by a writer process per rank: the same checkpoints)
 
 
 def _metrics(folder):
@@ -61,15 +62,20 @@ def runs(tmp_path_factory):
                             "--parallel.pp=2", "--parallel.dp_replicate=1"], env=env,
                            capture_output=True, text=True, timeout=240)
     yield {"full": full, "cut": cut, "listed": listed, "resumed": resumed, "env": env,
-           "as_pp": as_pp, "piped": piped}
+           "as_pp": as_pp, "piped": piped, "full_output": proc.stdout + proc.stderr}
     shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_checkpoints_are_written_and_pruned(runs):
     assert runs["listed"] == ["step-4", "step-6"]  # every=2 wrote 2, 4, 6; keep=2
-    manifest = json.loads((runs["full"] / "checkpoints" / "step-6" / "manifest.json").read_text())
+    folder = runs["full"] / "checkpoints" / "step-6"
+    manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["step"] == 6 and manifest["world_size"] == 2
     assert manifest["layout"]["engine"] == "ddp"
+    # the writer processes' digests became the manifest's, and their files are gone
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp",
+                                                        "__1_0.distcp", "manifest.json"]
+    assert "background process" not in runs["full_output"]  # (DCP's INFO lines, silenced)
 
 
 @pytest.mark.parametrize("layout", ["zero2", "pp2"])

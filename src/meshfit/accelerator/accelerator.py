@@ -125,6 +125,7 @@ class Accelerator(AcceleratorAttributes):
         self._custom: list[Any] = []  # register_for_checkpointing
         self._pending_save = None  # an asynchronous save not yet committed
         self._save_group = None  # the process group asynchronous saves write with
+        self._save_stager = None  # a process-based asynchronous save's shared-memory staging
         self._forget_prepared()
 
     def _forget_prepared(self) -> None:
@@ -297,7 +298,7 @@ class Accelerator(AcceleratorAttributes):
 
     def save_state(self, output_dir: str | os.PathLike | None = None,
                    safe_serialization: bool = True, *, step: int | None = None,
-                   async_save: bool = False, **save_model_func_kwargs) -> Path:
+                   async_save: bool | str = False, **save_model_func_kwargs) -> Path:
         """Checkpoint all that is prepared and registered; every rank calls it (`state`)."""
         return state.save_state(self, output_dir, step=step, async_save=async_save)
 
@@ -306,9 +307,18 @@ class Accelerator(AcceleratorAttributes):
         """The temporary folder an asynchronous `save_state` is writing (None: none)."""
         return None if self._pending_save is None else self._pending_save[0]
 
-    def wait_for_checkpoint(self) -> Path | None:
-        """Commit an asynchronous `save_state` (a collective); returns its folder, or None."""
-        return state.finish_save(self)
+    def wait_for_checkpoint(self, *, close: bool = False) -> Path | None:
+        """Commit an asynchronous `save_state` (a collective); returns its folder, or None.
+        `close`: then also end the writer process of ``async_save="process"`` saves (done by
+        `end_training`; a later such save starts another)."""
+        folder = state.finish_save(self)
+        if close and self._save_stager is not None:
+            from meshfit.checkpoint.store import close_writer_process
+
+            close_writer_process()
+            self._save_stager.close()
+            self._save_stager = None
+        return folder
 
     def load_state(self, input_dir: str | os.PathLike | None = None,
                    load_kwargs: dict | None = None, **load_model_func_kwargs):
@@ -582,7 +592,7 @@ class Accelerator(AcceleratorAttributes):
         process group (once, at the end of the script)."""
         for tracker in self.trackers:
             tracker.finish()
-        self.wait_for_checkpoint()
+        self.wait_for_checkpoint(close=True)
         processes.release(self.env)
 
     def __repr__(self) -> str:

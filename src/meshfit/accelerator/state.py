@@ -10,10 +10,12 @@ a manifest, and loading checks files, parameter names and shapes against it, the
 this job's layout (DDP, ZeRO-1/2/3, TP, PP combined; any world size). With
 ``automatic_checkpoint_naming`` the folder is ``project_dir/checkpoints/checkpoint_<i>`` (the
 oldest beyond ``total_limit`` deleted first; a folder given is ignored) and `load_state`
-without a folder reads the newest, as with Accelerate. ``async_save=True`` copies the state
-to host memory and writes it in the background (over a gloo group of its own) until
-`finish_save` commits it (`wait_for_checkpoint`, the next save, `load_state`,
-`end_training`). As with Accelerate, `load_state` leaves data loaders as they are (a script
+without a folder reads the newest, as with Accelerate. ``async_save=True`` (or ``"thread"``)
+copies the state to host memory and writes it in the background (a thread, over a gloo group
+of its own) until `finish_save` commits it (`wait_for_checkpoint`, the next save,
+`load_state`, `end_training`); ``async_save="process"`` stages it into shared memory and has a
+process of this rank's own write it (DCP's process-based checkpointer: no writer thread holds
+this process's GIL; it is spawned, so a script needs ``if __name__ == "__main__":``). As with Accelerate, `load_state` leaves data loaders as they are (a script
 skips batches itself) unless they are stateful: then each continues where it stood.
 """
 
@@ -175,9 +177,12 @@ def check_registrable(obj: Any) -> None:
 
 
 def save_state(acc: Accelerator, output_dir, *, step: int | None = None,
-               async_save: bool = False) -> Path:
+               async_save: bool | str = False) -> Path:
     """Write the checkpoint into `output_dir` (or the next automatic folder) and count the
     save (``save_iteration``)."""
+    if async_save not in (False, True, "thread", "process"):
+        raise ValueError(f"save_state(async_save={async_save!r}): give False, True (a writer "
+                         "thread), 'thread' or 'process' (a writer process)")
     config = acc.project_configuration
     if config.automatic_checkpoint_naming:
         output_dir = _automatic_folder(acc)
@@ -251,8 +256,17 @@ def _write(acc: Accelerator, output_dir, *, step: int | None, async_save: bool) 
         versions={"meshfit": __version__, "torch": torch.__version__})
     if async_save:
         if acc._save_group is None and dist.is_available() and dist.is_initialized():
-            acc._save_group = dist.new_group(backend="gloo")  # the writer thread's own group
-        tmp, future = save_dcp_async(state, folder, process_group=acc._save_group)
+            acc._save_group = dist.new_group(backend="gloo")  # the writer's own group
+        mode = "process" if async_save == "process" else "thread"
+        if mode == "process" and acc._save_stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Staged into shared memory (kept between saves), which the writer process maps.
+            acc._save_stager = DefaultStager(StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
+                use_async_staging=False, use_non_blocking_copy=False))
+        tmp, future = save_dcp_async(state, folder, process_group=acc._save_group, mode=mode,
+                                     stager=acc._save_stager if mode == "process" else None)
         acc._pending_save = (tmp, folder, manifest, future)
         return folder
     return commit(save_dcp(state, folder), folder, manifest)

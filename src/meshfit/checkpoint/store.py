@@ -55,9 +55,10 @@ import torch.distributed as dist
 from meshfit._files import atomic_write_text, fsync_path
 from meshfit.distributed.settle import barrier as settled_barrier
 
-__all__ = ["CheckpointError", "Manifest", "Verification", "commit", "incomplete_reason",
-           "is_complete", "latest", "list_complete", "load_dcp", "prune", "read_index",
-           "save_dcp", "save_dcp_async", "saved_keys", "skipped", "start_verify", "verify"]
+__all__ = ["CheckpointError", "Manifest", "Verification", "close_writer_process", "commit",
+           "incomplete_reason", "is_complete", "latest", "list_complete", "load_dcp", "prune",
+           "read_index", "save_dcp", "save_dcp_async", "saved_keys", "skipped", "start_verify",
+           "verify"]
 
 MANIFEST = "manifest.json"
 FORMAT = 3
@@ -302,28 +303,45 @@ class _VerifiedStream(io.RawIOBase):
         super().close()
 
 
-def _hashing_writer(folder: Path, digests: dict[str, tuple[int, list[str]]]):
-    """DCP's file-system writer for `folder` (fsyncing every file, as by default), whose
-    files are hashed as they are written: {file name: (bytes, block digests)} in `digests`."""
-    from contextlib import contextmanager
+SIDECAR = ".meshfit-digests-"
+"""Digests a save's writer process leaves in the temporary folder for `commit` (removed
+before the manifest is written; never part of a checkpoint)."""
 
-    from torch.distributed.checkpoint import FileSystemWriter
+
+def _dcp_filesystem():
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    lock = threading.Lock()
+    return FileSystem
 
-    class HashingFileSystem(FileSystem):
+
+class _HashingFileSystem(_dcp_filesystem()):
+    """DCP's file system, whose files opened for writing are hashed as they are written:
+    {file name: (bytes, block digests)} in `digests`. Picklable (a process-based asynchronous
+    save sends the writer to its writing process)."""
+
+    def __init__(self, digests: dict[str, tuple[int, list[str]]]):
+        self.digests, self._lock = digests, threading.Lock()
+
+    def __getstate__(self):
+        return {"digests": dict(self.digests)}
+
+    def __setstate__(self, state):
+        self.digests, self._lock = state["digests"], threading.Lock()
+
+    def create_stream(self, path, mode):
+        from contextlib import contextmanager
+
         @contextmanager
-        def create_stream(self, path, mode):
+        def opened():
             if "w" not in mode:
-                with super().create_stream(path, mode) as stream:
+                with _dcp_filesystem().create_stream(self, path, mode) as stream:
                     yield stream
                 return
             name = Path(path).name
 
             def record(nbytes: int, blocks: list[str]) -> None:
-                with lock:
-                    digests[name] = (nbytes, blocks)
+                with self._lock:
+                    self.digests[name] = (nbytes, blocks)
 
             with open(path, mode) as raw:
                 stream = _HashingStream(raw, record)
@@ -331,16 +349,54 @@ def _hashing_writer(folder: Path, digests: dict[str, tuple[int, list[str]]]):
                     yield stream
                 finally:
                     stream.close()
+        return opened()
 
-        def rename(self, path, new_path) -> None:
-            super().rename(path, new_path)
-            with lock:  # (DCP writes ".metadata.tmp", then renames it)
-                if Path(path).name in digests:
-                    digests[Path(new_path).name] = digests.pop(Path(path).name)
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        with self._lock:  # (DCP writes ".metadata.tmp", then renames it)
+            if Path(path).name in self.digests:
+                self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
 
-    writer = FileSystemWriter(str(folder), sync_files=True)
-    writer.fs = HashingFileSystem()
-    return writer
+
+def _dcp_writer():
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter
+
+
+class _HashingWriter(_dcp_writer()):
+    """DCP's file-system writer (fsyncing every file, as by default) over `_HashingFileSystem`.
+    `sidecar`: it runs in a process of its own (a process-based asynchronous save), so it also
+    writes the digests into the folder, a `SIDECAR` file per rank and one for the index, where
+    `commit` reads them."""
+
+    def __init__(self, folder: Path, digests: dict, *, sidecar: bool = False):
+        super().__init__(str(folder), sync_files=True)
+        self.fs = _HashingFileSystem(digests)
+        self.sidecar = sidecar
+
+    def _leave(self, tag: str) -> None:
+        if self.sidecar:
+            atomic_write_text(Path(self.path) / f"{SIDECAR}{tag}.json",
+                              json.dumps({k: list(v) for k, v in self.fs.digests.items()}))
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        future.wait()  # (written already: DCP's file-system writer returns a done future)
+        self._leave(f"rank{self.rank if self.rank is not None else _rank()}")
+        return future
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        self._leave("index")
+
+
+def _hashing_writer(folder: Path, digests: dict[str, tuple[int, list[str]]], *,
+                    sidecar: bool = False):
+    """DCP's file-system writer for `folder` (fsyncing every file, as by default), whose
+    files are hashed as they are written: {file name: (bytes, block digests)} in `digests`
+    (`sidecar`: also in files beside them, for a writer in another process)."""
+    return _HashingWriter(folder, digests, sidecar=sidecar)
 
 
 _WRITTEN: dict[str, dict[str, tuple[int, list[str]]]] = {}
@@ -413,20 +469,59 @@ def save_dcp(state: dict[str, Any], folder: Path, *, process_group=None) -> Path
     return tmp
 
 
-def save_dcp_async(state: dict[str, Any], folder: Path, *, process_group):
+def save_dcp_async(state: dict[str, Any], folder: Path, *, process_group,
+                   mode: str = "thread", stager=None):
     """`save_dcp` in the background: the state is copied to host memory now, the files are
-    written by a thread; returns (temporary folder, future). `process_group` must be a group
-    of its own (gloo), so that the thread's collectives never interleave with training's.
-    Wait for the future before `commit`."""
+    written by a thread (`mode="thread"`) or by a process of this rank's own
+    (``"process"``: DCP's process-based checkpointer, started at the first such save and
+    kept; `stager`: a `DefaultStager` staging into shared memory, kept between saves, so
+    the copy reaches that process without another); returns (temporary folder, future).
+    `process_group` must be a group of its own (gloo), so that the writer's collectives
+    never interleave with training's. Wait for the future before `commit`."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     tmp = _new_tmp(folder)
     digests = _WRITTEN.setdefault(str(tmp), {})
+    kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    if mode == "process":
+        _quiet_writer_process()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        future = dcp.async_save(state, storage_writer=_hashing_writer(tmp, digests),
-                                process_group=process_group, no_dist=not _distributed())
-    return tmp, future
+        future = dcp.async_save(
+            state, storage_writer=_hashing_writer(tmp, digests, sidecar=mode == "process"),
+            process_group=process_group, no_dist=not _distributed(),
+            async_checkpointer_type=kind, async_stager=stager)
+    return tmp, getattr(future, "upload_completion", future)
+
+
+def _writer_process_main(pg_init_info, parent_conn) -> None:
+    """The writer process's entry: DCP's own, without the INFO lines it logs to stderr at
+    every request."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    executor._init_logger = lambda rank: None
+    executor._AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+
+
+def _quiet_writer_process() -> None:
+    """Have DCP start its writer process at `_writer_process_main` (a function of this module,
+    which the spawned process imports by name)."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    cls = executor._AsyncCheckpointProcess
+    if not getattr(cls, "_meshfit_quiet", False):
+        cls._checkpointing_subprocess = staticmethod(_writer_process_main)
+        cls._meshfit_quiet = True
+
+
+def close_writer_process() -> None:
+    """End the process a process-based asynchronous save started (if any), after its saves."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+    if process is not None:
+        process.__del__()  # (sends it the request to stop, then waits up to 5 s)
 
 
 def commit(tmp: Path, folder: Path, manifest: Manifest) -> Path:
@@ -438,6 +533,8 @@ def commit(tmp: Path, folder: Path, manifest: Manifest) -> Path:
     if rank == 0:
         mine.append(".metadata")
     written = _WRITTEN.pop(str(tmp), {})
+    for side in sorted(tmp.glob(f"{SIDECAR}*.json")):  # (a writer process's digests)
+        written.update({k: (v[0], v[1]) for k, v in json.loads(side.read_text()).items()})
     hashes = {}
     for name in mine:
         path = tmp / name
@@ -449,6 +546,8 @@ def commit(tmp: Path, folder: Path, manifest: Manifest) -> Path:
         hashes[name] = _entry(size, known[1])
     everyone = _gather(hashes)
     if rank == 0:
+        for side in tmp.glob(f"{SIDECAR}*"):  # (every rank has read them: it is past the gather)
+            side.unlink()
         files = {k: v for part in everyone for k, v in part.items()}
         manifest = Manifest(**{**asdict(manifest), "files": files})
         atomic_write_text(tmp / MANIFEST, json.dumps(asdict(manifest), indent=1,

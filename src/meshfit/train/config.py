@@ -387,13 +387,18 @@ class CheckpointConfig:
     keep: int = 3  # Complete checkpoints kept: older ones are deleted once a newer one is committed
     async_save: bool = field(default=False, metadata={"toml": "async"})
     """(TOML key `async`) Write in the background while training goes on: the state is
-    copied to host memory, files are written by a thread, and the checkpoint is committed
-    (manifest, rename) at the next save or at the end."""
+    copied to host memory, files are written by a thread (or a process: `async_mode`), and
+    the checkpoint is committed (manifest, rename) at the next save or at the end."""
+    async_mode: str = "thread"
+    """Who writes an asynchronous save: "thread" (in each rank's process) or "process" (a
+    process of each rank's own, staged through shared memory: no writer holds the training
+    process's GIL; started at the first save, about 2 s, and kept)."""
 
     def __post_init__(self) -> None:
         check_positive("checkpoint", "every", self.every, allow_zero=True)
         check_positive("checkpoint", "keep", self.keep)
         check_bool("checkpoint", "async", self.async_save)
+        check_choice("checkpoint", "async_mode", self.async_mode, ("thread", "process"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -219,7 +219,7 @@ class Checkpoints:
 
     def save(self, step: int, *, wait: bool = False) -> Path:
         """Save (in the background with [checkpoint] async, unless `wait`), then prune."""
-        background = self.cfg.async_save and not wait
+        background = self.cfg.async_mode if self.cfg.async_save and not wait else False
         self.acc.save_state(self.folder(step), step=step, async_save=background)
         if not background:
             self.acc.wait_for_checkpoint()
@@ -231,8 +231,8 @@ class Checkpoints:
             prune(self.root, self.cfg.keep, writing=self.acc.checkpoint_in_flight)
 
     def finish(self) -> None:
-        """Commit a checkpoint still being written."""
-        if self.acc.wait_for_checkpoint() is not None:
+        """Commit a checkpoint still being written (and end a writer process)."""
+        if self.acc.wait_for_checkpoint(close=True) is not None:
             self._prune()
 
     def resume(self) -> int:
