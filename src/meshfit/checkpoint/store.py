@@ -12,24 +12,28 @@ Atomic: all ranks write into ``step-<N>.tmp-<token>/``; once every rank has fini
 writes the manifest, fsyncs, and renames the folder to ``step-<N>`` (then fsyncs the
 parent). The checksums are taken while the files are written: DCP's writer streams every
 byte through an XXH3-128 digest on its way to the file (and fsyncs each file), so a save
-makes one pass over the data, as raw DCP does. XXH3-128 and not SHA-256: the checksum
-guards against a truncated, overwritten or corrupted file; a manifest is no signature
-(anyone who can rewrite a file can rewrite it too), and what keeps a crafted checkpoint
-from running code is the restricted reading below, not the hash. XXH3 runs at memory speed
-(about 10 GB/s here against SHA-256's 1.2). Format 1 checkpoints (SHA-256) still load. A process
-killed at any moment leaves either the previous checkpoints untouched plus a ``.tmp-``
-folder, which nothing ever loads, or the new complete one. `latest` only returns folders
-whose manifest matches their files.
+makes one pass over the data, as raw DCP does. A digest covers each `BLOCK` (32 MiB) of a
+file (manifest format 3), so that a reader can check every block before using it. XXH3-128
+and not SHA-256: the checksum guards against a truncated, overwritten or corrupted file; a
+manifest is no signature (anyone who can rewrite a file can rewrite it too), and what keeps a
+crafted checkpoint from running code is the restricted reading below, not the hash. XXH3
+runs at memory speed (about 10 GB/s here against SHA-256's 1.2). Checkpoints of format 2
+(one XXH3-128 per file) and 1 (SHA-256) still load. A process killed at any moment leaves
+either the previous checkpoints untouched plus a ``.tmp-`` folder, which nothing ever loads,
+or the new complete one. `latest` only returns folders whose manifest matches their files.
 
 Safe: DCP reads its ``.metadata`` with `pickle.load` and its non-tensor values with
 ``torch.load(weights_only=False)``, either of which runs arbitrary code from a crafted file.
 Here the metadata goes through an unpickler that only builds DCP's own metadata classes,
 torch sizes, dtypes and layouts, and values through ``torch.load(weights_only=True)``; and
-before anything is read, every file is checked against the manifest (no extra file, no
-missing one, sizes and checksums equal). `load_dcp` with the manifest checks each data file
-when DCP's reader first opens it, before any of its bytes is read (a large checkpoint is
-read from the disk once); `verify` checks them all up front, each rank the files it wrote
-itself, the rest shared out by size.
+before anything is read, the folder is checked against the manifest (no extra file, no
+missing one, sizes equal, the index's checksum). `load_dcp` with the manifest then reads
+each data file once: no byte of a block is used before the block's digest has matched
+(`_VerifiedStream`; the next block is hashed ahead by a thread while the current one is
+deserialized), so a corrupted block stops the load on every rank before any of its bytes
+reaches a tensor (the blocks before it have been loaded, each checked: what a failed load
+leaves in the model is checkpoint data, not the whole of it). `verify` checks every file up
+front, each rank the files it wrote itself, the rest shared out by size.
 """
 
 from __future__ import annotations
