@@ -43,6 +43,8 @@ VARIANTS = {
     "activation_checkpointing": ["--train.activation_checkpointing=full"],
     "moe": ["--model.preset=moe-tiny"],
     "async_checkpoint": ["--checkpoint.every=10", "--checkpoint.async=true"],
+    "async_checkpoint_process": ["--checkpoint.every=10", "--checkpoint.async=true",
+                                 "--checkpoint.async_mode=process"],
     # fine-tuning: a Llama folder, chat data packed with per-example attention masks (a
     # boolean SDPA mask on CUDA), LoRA adapters (examples/chat_data.py writes the data)
     "chat_packed_lora": ["--model.hf_model={chat}/model", "--data.tokenizer={chat}/tokenizer",

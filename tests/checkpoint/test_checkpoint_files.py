@@ -485,3 +485,18 @@ def test_unfinished_saves_are_removed_when_the_job_ends(saved, tmp_path, capsys)
     assert [s for s, _ in list_complete(root)] == [2, 4]
     assert capsys.readouterr().err == ("meshfit train: removed step-6.tmp-5e6f, a checkpoint "
                                        "save that did not finish\n")
+
+
+def test_starting_a_run_does_not_import_dcp():
+    """DCP (0.3 s of imports per process) is imported at the first save or load, not when
+    the trainer and the Accelerator are: `meshfit train`'s start stays as fast as torchrun's."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import meshfit, meshfit.train.trainer, meshfit.accelerator.state\n"
+            "import meshfit.checkpoint.store\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[-1] == "[]"

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import threading
 import json
 import os
 import pickle
@@ -312,95 +311,14 @@ SIDECAR = ".meshfit-digests-"
 before the manifest is written; never part of a checkpoint)."""
 
 
-def _dcp_filesystem():
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    return FileSystem
-
-
-class _HashingFileSystem(_dcp_filesystem()):
-    """DCP's file system, whose files opened for writing are hashed as they are written:
-    {file name: (bytes, block digests)} in `digests`. Picklable (a process-based asynchronous
-    save sends the writer to its writing process)."""
-
-    def __init__(self, digests: dict[str, tuple[int, list[str]]]):
-        self.digests, self._lock = digests, threading.Lock()
-
-    def __getstate__(self):
-        return {"digests": dict(self.digests)}
-
-    def __setstate__(self, state):
-        self.digests, self._lock = state["digests"], threading.Lock()
-
-    def create_stream(self, path, mode):
-        from contextlib import contextmanager
-
-        @contextmanager
-        def opened():
-            if "w" not in mode:
-                with _dcp_filesystem().create_stream(self, path, mode) as stream:
-                    yield stream
-                return
-            name = Path(path).name
-
-            def record(nbytes: int, blocks: list[str]) -> None:
-                with self._lock:
-                    self.digests[name] = (nbytes, blocks)
-
-            with open(path, mode) as raw:
-                stream = _HashingStream(raw, record)
-                try:
-                    yield stream
-                finally:
-                    stream.close()
-        return opened()
-
-    def rename(self, path, new_path) -> None:
-        super().rename(path, new_path)
-        with self._lock:  # (DCP writes ".metadata.tmp", then renames it)
-            if Path(path).name in self.digests:
-                self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
-
-
-def _dcp_writer():
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    return FileSystemWriter
-
-
-class _HashingWriter(_dcp_writer()):
-    """DCP's file-system writer (fsyncing every file, as by default) over `_HashingFileSystem`.
-    `sidecar`: it runs in a process of its own (a process-based asynchronous save), so it also
-    writes the digests into the folder, a `SIDECAR` file per rank and one for the index, where
-    `commit` reads them."""
-
-    def __init__(self, folder: Path, digests: dict, *, sidecar: bool = False):
-        super().__init__(str(folder), sync_files=True)
-        self.fs = _HashingFileSystem(digests)
-        self.sidecar = sidecar
-
-    def _leave(self, tag: str) -> None:
-        if self.sidecar:
-            atomic_write_text(Path(self.path) / f"{SIDECAR}{tag}.json",
-                              json.dumps({k: list(v) for k, v in self.fs.digests.items()}))
-
-    def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
-        future.wait()  # (written already: DCP's file-system writer returns a done future)
-        self._leave(f"rank{self.rank if self.rank is not None else _rank()}")
-        return future
-
-    def finish(self, metadata, results) -> None:
-        super().finish(metadata, results)
-        self._leave("index")
-
-
 def _hashing_writer(folder: Path, digests: dict[str, tuple[int, list[str]]], *,
                     sidecar: bool = False):
     """DCP's file-system writer for `folder` (fsyncing every file, as by default), whose
     files are hashed as they are written: {file name: (bytes, block digests)} in `digests`
     (`sidecar`: also in files beside them, for a writer in another process)."""
-    return _HashingWriter(folder, digests, sidecar=sidecar)
+    from meshfit.checkpoint._writer import HashingWriter  # (imports DCP: not at start-up)
+
+    return HashingWriter(folder, digests, sidecar=sidecar)
 
 
 _WRITTEN: dict[str, dict[str, tuple[int, list[str]]]] = {}

@@ -1,0 +1,87 @@
+"""DCP's file-system writer whose files are hashed as they are written
+(`meshfit.checkpoint.store._hashing_writer`). A module of its own: it subclasses DCP's
+classes, so importing it imports DCP, which `meshfit train` does not need before its first
+save; and its classes are found by name in a process-based asynchronous save's writer
+process, which unpickles the writer."""
+
+from __future__ import annotations
+
+import json
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from meshfit._files import atomic_write_text
+from meshfit.checkpoint.store import SIDECAR, _HashingStream, _rank
+
+__all__ = ["HashingFileSystem", "HashingWriter"]
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's file system, whose files opened for writing are hashed as they are written:
+    {file name: (bytes, block digests)} in `digests`. Picklable (a process-based asynchronous
+    save sends the writer to its writing process)."""
+
+    def __init__(self, digests: dict[str, tuple[int, list[str]]]):
+        self.digests, self._lock = digests, threading.Lock()
+
+    def __getstate__(self):
+        return {"digests": dict(self.digests)}
+
+    def __setstate__(self, state):
+        self.digests, self._lock = state["digests"], threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = Path(path).name
+
+        def record(nbytes: int, blocks: list[str]) -> None:
+            with self._lock:
+                self.digests[name] = (nbytes, blocks)
+
+        with open(path, mode) as raw:
+            stream = _HashingStream(raw, record)
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        with self._lock:  # (DCP writes ".metadata.tmp", then renames it)
+            if Path(path).name in self.digests:
+                self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
+
+
+class HashingWriter(FileSystemWriter):
+    """DCP's file-system writer (fsyncing every file, as by default) over `HashingFileSystem`.
+    `sidecar`: it runs in a process of its own (a process-based asynchronous save), so it also
+    writes the digests into the folder, a `SIDECAR` file per rank and one for the index, where
+    `commit` reads them."""
+
+    def __init__(self, folder: Path, digests: dict, *, sidecar: bool = False):
+        super().__init__(str(folder), sync_files=True)
+        self.fs = HashingFileSystem(digests)
+        self.sidecar = sidecar
+
+    def _leave(self, tag: str) -> None:
+        if self.sidecar:
+            atomic_write_text(Path(self.path) / f"{SIDECAR}{tag}.json",
+                              json.dumps({k: list(v) for k, v in self.fs.digests.items()}))
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        future.wait()  # (written already: DCP's file-system writer returns a done future)
+        self._leave(f"rank{self.rank if self.rank is not None else _rank()}")
+        return future
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        self._leave("index")
