@@ -15,24 +15,27 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from meshfit._files import atomic_write_text
-from meshfit.checkpoint.store import SIDECAR, _HashingStream, _rank
+from meshfit.checkpoint._digest import BlockHashingStream
 
 __all__ = ["HashingFileSystem", "HashingWriter"]
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's file system, whose files opened for writing are hashed as they are written:
-    {file name: (bytes, block digests)} in `digests`. Picklable (a process-based asynchronous
-    save sends the writer to its writing process)."""
+    """DCP's file system, whose files opened for writing are hashed as they are written, a
+    digest per `block` bytes: {file name: (bytes, block digests)} in `digests`. Picklable (a
+    process-based asynchronous save sends the writer to its writing process)."""
 
-    def __init__(self, digests: dict[str, tuple[int, list[str]]]):
-        self.digests, self._lock = digests, threading.Lock()
+    def __init__(self, digests: dict[str, tuple[int, list[str]]], *, block: int,
+                 algorithm: str):
+        self.digests, self.block, self.algorithm = digests, block, algorithm
+        self._lock = threading.Lock()
 
     def __getstate__(self):
-        return {"digests": dict(self.digests)}
+        return {"digests": dict(self.digests), "block": self.block, "algorithm": self.algorithm}
 
     def __setstate__(self, state):
-        self.digests, self._lock = state["digests"], threading.Lock()
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @contextmanager
     def create_stream(self, path, mode):
@@ -47,7 +50,8 @@ class HashingFileSystem(FileSystem):
                 self.digests[name] = (nbytes, blocks)
 
         with open(path, mode) as raw:
-            stream = _HashingStream(raw, record)
+            stream = BlockHashingStream(raw, record, block=self.block,
+                                        algorithm=self.algorithm)
             try:
                 yield stream
             finally:
@@ -62,24 +66,29 @@ class HashingFileSystem(FileSystem):
 
 class HashingWriter(FileSystemWriter):
     """DCP's file-system writer (fsyncing every file, as by default) over `HashingFileSystem`.
-    `sidecar`: it runs in a process of its own (a process-based asynchronous save), so it also
-    writes the digests into the folder, a `SIDECAR` file per rank and one for the index, where
-    `commit` reads them."""
+    `sidecar` (a file-name prefix): it runs in a process of its own (a process-based
+    asynchronous save), so it also writes the digests into the folder, in a file per rank and
+    one for the index, named `sidecar`..., where `commit` reads them."""
 
-    def __init__(self, folder: Path, digests: dict, *, sidecar: bool = False):
+    def __init__(self, folder: Path, digests: dict, *, block: int, algorithm: str,
+                 sidecar: str | None = None):
         super().__init__(str(folder), sync_files=True)
-        self.fs = HashingFileSystem(digests)
+        self.fs = HashingFileSystem(digests, block=block, algorithm=algorithm)
         self.sidecar = sidecar
 
     def _leave(self, tag: str) -> None:
         if self.sidecar:
-            atomic_write_text(Path(self.path) / f"{SIDECAR}{tag}.json",
+            atomic_write_text(Path(self.path) / f"{self.sidecar}{tag}.json",
                               json.dumps({k: list(v) for k, v in self.fs.digests.items()}))
 
     def write_data(self, plan, planner):
+        import torch.distributed as dist
+
         future = super().write_data(plan, planner)
         future.wait()  # (written already: DCP's file-system writer returns a done future)
-        self._leave(f"rank{self.rank if self.rank is not None else _rank()}")
+        rank = self.rank if self.rank is not None else (
+            dist.get_rank() if dist.is_initialized() else 0)
+        self._leave(f"rank{rank}")
         return future
 
     def finish(self, metadata, results) -> None:

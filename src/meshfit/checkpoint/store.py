@@ -38,7 +38,6 @@ front, each rank the files it wrote itself, the rest shared out by size.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -56,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from meshfit._files import atomic_write_text, fsync_path
+from meshfit.checkpoint._digest import new_digest as _new_digest
 from meshfit.distributed.settle import barrier as settled_barrier
 
 __all__ = ["CheckpointError", "Manifest", "Verification", "close_writer_process", "commit",
@@ -111,14 +111,6 @@ class Manifest:
             raise CheckpointError(f"{path}: not a readable manifest ({err})") from None
 
 
-def _new_digest(algorithm: str):
-    if algorithm == "xxh3_128":
-        import xxhash
-
-        return xxhash.xxh3_128()
-    return hashlib.new(algorithm)
-
-
 def _file_digest(path: Path, algorithm: str = "xxh3_128",
                  block: int | None = None) -> str | list[str]:
     """The file's digest (`block`: the digest of every `block` bytes, a list), hashed from a
@@ -155,59 +147,6 @@ def _expected(manifest: Manifest, name: str) -> tuple[str | list[str] | None, in
     if manifest.format >= 3:
         return entry.get("xxh3_128_blocks"), entry.get("block_bytes")
     return entry.get(HASHES[manifest.format]), None
-
-
-class _HashingStream(io.RawIOBase):
-    """A file opened for writing whose bytes also go through a digest per `BLOCK`, in order;
-    a seek (never made by DCP's writer) makes the digests unusable, and the file is hashed
-    from disk instead."""
-
-    def __init__(self, raw, record):
-        super().__init__()
-        self._raw, self._record = raw, record
-        self._digest, self._digests = _new_digest(HASHES[FORMAT]), []
-        self._bytes, self._in_block, self._sequential = 0, 0, True
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        done = self._raw.write(view)
-        done = len(view) if done is None else done
-        rest = view[:done]
-        while len(rest):
-            part = rest[:BLOCK - self._in_block]
-            self._digest.update(part)
-            self._in_block += len(part)
-            rest = rest[len(part):]
-            if self._in_block == BLOCK:
-                self._digests.append(self._digest.hexdigest())
-                self._digest, self._in_block = _new_digest(HASHES[FORMAT]), 0
-        self._bytes += done
-        return done
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._sequential = False
-        return self._raw.seek(offset, whence)
-
-    def seekable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def close(self) -> None:
-        if not self.closed and self._sequential:
-            last = [self._digest.hexdigest()] if self._in_block else []
-            self._record(self._bytes, self._digests + last)
-        super().close()
 
 
 class _VerifiedStream(io.RawIOBase):
@@ -318,7 +257,8 @@ def _hashing_writer(folder: Path, digests: dict[str, tuple[int, list[str]]], *,
     (`sidecar`: also in files beside them, for a writer in another process)."""
     from meshfit.checkpoint._writer import HashingWriter  # (imports DCP: not at start-up)
 
-    return HashingWriter(folder, digests, sidecar=sidecar)
+    return HashingWriter(folder, digests, block=BLOCK, algorithm=HASHES[FORMAT],
+                         sidecar=SIDECAR if sidecar else None)
 
 
 _WRITTEN: dict[str, dict[str, tuple[int, list[str]]]] = {}
