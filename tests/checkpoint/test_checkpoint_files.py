@@ -68,6 +68,44 @@ def test_checksums_are_taken_while_writing_and_equal_the_files(saved):
                          "xxh3_128_blocks": _blocks(data, BLOCK)}
 
 
+def _record_crc32s(data: bytes) -> list[int]:
+    """The CRC-32 of every record in the zip central directories of `data` (`torch.save`'s
+    files; a DCP shard holds one per item)."""
+    import re
+    import struct
+
+    return [struct.unpack_from("<I", data, m.start() + 16)[0]
+            for m in re.finditer(b"PK\x01\x02", data)]
+
+
+def test_hashed_files_skip_torch_saves_crc32_and_no_other_save_does(saved, tmp_path):
+    """`torch.save`'s CRC-32 of each record (which `torch.load` never checks) is left out of
+    the files meshfit hashes, and only there: a `torch.save` after the save, or in another
+    thread during one, still writes it."""
+    import threading
+
+    from meshfit.checkpoint._writer import HashingFileSystem
+
+    folder, _ = saved
+    shard = _record_crc32s((folder / "__0_0.distcp").read_bytes())
+    assert len(shard) > 10 and set(shard) == {0}
+    torch.save({"w": torch.randn(8)}, tmp_path / "after.pt")
+    assert 0 not in _record_crc32s((tmp_path / "after.pt").read_bytes())
+
+    fs, seen = HashingFileSystem({}, block=4096, algorithm="xxh3_128"), {}
+    weight = torch.randn(8)
+    with fs.create_stream(tmp_path / "hashed", "wb") as stream:
+        torch.save({"w": weight}, stream)
+        other = threading.Thread(target=lambda: seen.update(
+            other=torch.serialization.get_crc32_options()))
+        other.start()
+        other.join()
+    assert seen == {"other": True} and torch.serialization.get_crc32_options()
+    assert set(_record_crc32s((tmp_path / "hashed").read_bytes())) == {0}
+    assert torch.equal(torch.load(tmp_path / "hashed", weights_only=True)["w"], weight)
+    assert fs.digests["hashed"][0] == (tmp_path / "hashed").stat().st_size
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 4 KiB, so that the tiny model's shard spans dozens of them."""

@@ -37,7 +37,12 @@ class BlockHashingStream(io.RawIOBase):
         view = memoryview(data).cast("B")
         done = self._raw.write(view)
         done = len(view) if done is None else done
-        rest = view[:done]
+        rest = view if done == len(view) else view[:done]
+        if self._in_block + done < self._block:  # (nearly every write: within a block)
+            self._digest.update(rest)
+            self._in_block += done
+            self._bytes += done
+            return done
         while len(rest):
             part = rest[:self._block - self._in_block]
             self._digest.update(part)
