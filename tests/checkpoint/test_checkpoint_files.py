@@ -143,19 +143,19 @@ def test_many_blocks_round_trip_and_a_corrupted_block_is_named(tmp_path, small_b
 
 
 def test_the_block_checking_reader_returns_the_files_bytes_at_any_position(tmp_path):
-    """`_VerifiedStream` against the file itself: reads of every size, forwards, backwards
+    """`VerifiedStream` against the file itself: reads of every size, forwards, backwards
     and across block boundaries, return the file's bytes; a block whose bytes changed after
     the manifest was written is refused when first touched, and a file cut short too."""
     import random
 
-    from meshfit.checkpoint.store import CheckpointError, _VerifiedStream
+    from meshfit.checkpoint._reader import CheckpointError, VerifiedStream
 
     rng = random.Random(0)
     data = bytes(rng.getrandbits(8) for _ in range(10_000))
     path = tmp_path / "f"
     path.write_bytes(data)
     block = 1000
-    stream = _VerifiedStream(path, len(data), block, _blocks(data, block))
+    stream = VerifiedStream(path, len(data), block, _blocks(data, block))
     for _ in range(300):
         start, n = rng.randrange(len(data) + 5), rng.randrange(2500)
         stream.seek(start)
@@ -164,7 +164,7 @@ def test_the_block_checking_reader_returns_the_files_bytes_at_any_position(tmp_p
     stream.close()
     digests = _blocks(data, block)
     digests[7] = "0" * 32
-    stream = _VerifiedStream(path, len(data), block, digests)
+    stream = VerifiedStream(path, len(data), block, digests)
     stream.seek(6500)
     assert stream.read(400) == data[6500:6900]  # (block 7 is read ahead, not yet used)
     with pytest.raises(CheckpointError, match=r"f: checksum differs from the manifest "
@@ -172,11 +172,98 @@ def test_the_block_checking_reader_returns_the_files_bytes_at_any_position(tmp_p
         stream.read(200)
     stream.close()
     path.write_bytes(data[:9500])
-    stream = _VerifiedStream(path, len(data), block, _blocks(data, block))
+    stream = VerifiedStream(path, len(data), block, _blocks(data, block))
     stream.seek(9000)
     with pytest.raises(CheckpointError, match=r"f: ends at byte 9500, the manifest says "
                                               r"10000 \(truncated while loading\)"):
         stream.read(1000)
+    stream.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_tensors_are_copied_from_the_checked_mapping_or_read_as_dcp_reads_them(tmp_path,
+                                                                                 monkeypatch):
+    """Each tensor lands in its destination equal to what was saved: copied from the file's
+    mapping where its bytes can be (any dtype, views, a scalar), read with `torch.load` where
+    not (a destination of another dtype, or with strides); equal to DCP's own reader of the
+    same files in every case."""
+    import torch.distributed.checkpoint as dcp
+
+    from meshfit.checkpoint import _reader, store
+
+    base = torch.randn(10, 7)
+    saved = {"f32": torch.randn(6, 5), "bf16": torch.randn(9, dtype=torch.bfloat16),
+             "i64": torch.arange(11), "flags": torch.tensor([True, False, True]),
+             "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3),
+             "offset_view": torch.randn(40)[5:15], "strided_view": base[2:, 1:5],
+             "to_bf16": torch.randn(4, 4), "to_strided": torch.randn(5, 6)}
+    folder = tmp_path / "ck"
+    tmp = store.save_dcp({"s": dict(saved)}, folder)
+    store.commit(tmp, folder, store.Manifest(step=0, world_size=1, layout={}, model={}))
+    mapped: dict[str, bool] = {}
+    real = _reader._copy_mapped
+
+    def counted(stream, part, base_offset, req, target):
+        mapped[req.storage_index.fqn] = real(stream, part, base_offset, req, target)
+        return mapped[req.storage_index.fqn]
+
+    monkeypatch.setattr(_reader, "_copy_mapped", counted)
+
+    def templates():
+        out = {k: torch.full_like(v, 7) for k, v in saved.items()}
+        out["to_bf16"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+        out["to_strided"] = torch.zeros(6, 5).t()
+        return {"s": out}
+
+    ours, theirs = templates(), templates()
+    manifest = store.start_verify(folder, hash_files=False).manifest
+    store.load_dcp(ours, folder, manifest=manifest)
+    dcp.load(theirs, checkpoint_id=str(folder), no_dist=True)
+    for key, value in saved.items():
+        expected = value.to(ours["s"][key].dtype)
+        assert torch.equal(ours["s"][key], expected), key
+        assert torch.equal(theirs["s"][key], expected), key
+    assert mapped == {"s.f32": True, "s.bf16": True, "s.i64": True, "s.flags": True,
+                      "s.scalar": True, "s.offset_view": True, "s.strided_view": True,
+                      "s.to_bf16": False, "s.to_strided": False}  # ("empty": nothing to copy)
+
+
+def test_a_part_of_a_saved_chunk_is_copied_from_its_offset(tmp_path):
+    """A read item asking for part of a saved chunk (a shard resharded to another layout):
+    rows (one byte range, at an offset inside the record) are copied from the mapping;
+    columns (strided) are left to `torch.load`."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from meshfit.checkpoint._reader import VerifiedStream, _copy_mapped, _Part
+
+    chunk = torch.randn(8, 6)
+    archive = io.BytesIO()
+    torch.save(chunk, archive)
+    data = b"x" * 13 + archive.getvalue()  # (an item starts anywhere in a DCP file)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+
+    def item(offsets, lengths):
+        return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("w"),
+                        dest_offsets=torch.Size([0, 0]), storage_index=MetadataIndex("w"),
+                        storage_offsets=torch.Size(offsets), lengths=torch.Size(lengths))
+
+    stream = VerifiedStream(path, len(data), 64, _blocks(data, 64))
+    rows = torch.zeros(3, 6)
+    assert _copy_mapped(stream, _Part(stream, 13, len(data) - 13), 13, item([2, 0], [3, 6]),
+                        rows)
+    assert torch.equal(rows, chunk[2:5])
+    cols = torch.zeros(8, 3)
+    assert not _copy_mapped(stream, _Part(stream, 13, len(data) - 13), 13,
+                            item([0, 1], [8, 3]), cols)
+    assert torch.equal(cols, torch.zeros(8, 3))
+    with pytest.raises(RuntimeError, match=r"w: the checkpoint holds a part of size \(3, 6\), "
+                                           r"this job's is \(2, 6\)"):
+        _copy_mapped(stream, _Part(stream, 13, len(data) - 13), 13, item([2, 0], [3, 6]),
+                     torch.zeros(2, 6))
     stream.close()
 
 

@@ -29,10 +29,11 @@ torch sizes, dtypes and layouts, and values through ``torch.load(weights_only=Tr
 before anything is read, the folder is checked against the manifest (no extra file, no
 missing one, sizes equal, the index's checksum). `load_dcp` with the manifest then reads
 each data file once: no byte of a block is used before the block's digest has matched
-(`_VerifiedStream`; the next block is hashed ahead by a thread while the current one is
-deserialized), so a corrupted block stops the load on every rank before any of its bytes
+(`meshfit.checkpoint._reader`; the next block is hashed ahead by a thread while the current
+one is copied), so a corrupted block stops the load on every rank before any of its bytes
 reaches a tensor (the blocks before it have been loaded, each checked: what a failed load
-leaves in the model is checkpoint data, not the whole of it). `verify` checks every file up
+leaves in the model is checkpoint data, not the whole of it). Each tensor is copied once,
+from the file's memory map into its destination, where DCP's reader copies it twice. `verify` checks every file up
 front, each rank the files it wrote itself, the rest shared out by size.
 """
 
@@ -56,6 +57,7 @@ import torch.distributed as dist
 
 from meshfit._files import atomic_write_text, fsync_path
 from meshfit.checkpoint._digest import new_digest as _new_digest
+from meshfit.checkpoint._reader import CheckpointError, VerifiedStream, read_verified
 from meshfit.distributed.settle import barrier as settled_barrier
 
 __all__ = ["CheckpointError", "Manifest", "Verification", "close_writer_process", "commit",
@@ -74,8 +76,6 @@ BLOCK = 32 << 20
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as it is (one line: what differs, and where)."""
 
 
 # ---------------------------------------------------------------------------- the manifest
@@ -147,102 +147,6 @@ def _expected(manifest: Manifest, name: str) -> tuple[str | list[str] | None, in
     if manifest.format >= 3:
         return entry.get("xxh3_128_blocks"), entry.get("block_bytes")
     return entry.get(HASHES[manifest.format]), None
-
-
-class _VerifiedStream(io.RawIOBase):
-    """A checkpoint file opened for reading (format 3) that returns no byte of a block before
-    the block's digest has matched the manifest's. The file is memory-mapped; a thread hashes
-    the next block ahead (reading it from the disk as it goes; XXH3 releases the GIL) while
-    the caller deserializes the current one. The bytes are copied once, from the page cache
-    to the caller, as a plain read does: one pass over the file at the disk's speed, in place
-    of a check pass before the read."""
-
-    def __init__(self, path: Path, size: int, block: int, digests: list[str]):
-        import mmap
-
-        super().__init__()
-        self._path, self._size, self._block, self._digests = path, size, block, digests
-        self._pos, self._checked, self._ahead, self._pool = 0, set(), None, None
-        self._lo = self._hi = 0  # the checked span [lo, hi) last served from
-        with open(path, "rb") as fh:
-            mapped = os.fstat(fh.fileno()).st_size
-            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if mapped else None
-        if self._map is not None and hasattr(self._map, "madvise"):
-            self._map.madvise(mmap.MADV_SEQUENTIAL)
-        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
-        self._mapped = mapped
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset + (0 if whence == 0 else self._pos if whence == 1 else self._size)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        pos, n = self._pos, len(b)
-        if self._lo <= pos and pos + n <= self._hi:  # (most reads: within the block at hand)
-            memoryview(b).cast("B")[:] = self._view[pos:pos + n]
-            self._pos = pos + n
-            return n
-        out, done = memoryview(b).cast("B"), 0
-        while done < n and self._pos < self._size:
-            k = self._pos // self._block
-            self._check(k)
-            self._lo, self._hi = k * self._block, min((k + 1) * self._block, self._size)
-            take = min(n - done, self._hi - self._pos)
-            out[done:done + take] = self._view[self._pos:self._pos + take]
-            done += take
-            self._pos += take
-        return done
-
-    def _hash(self, k: int) -> None:
-        start = k * self._block
-        end = min(start + self._block, self._size)
-        if end > self._mapped:
-            raise CheckpointError(f"{self._path}: ends at byte {self._mapped}, the manifest "
-                                  f"says {self._size} (truncated while loading)")
-        digest = _new_digest("xxh3_128")
-        digest.update(self._view[start:end])
-        if k >= len(self._digests) or digest.hexdigest() != self._digests[k]:
-            raise CheckpointError(f"{self._path}: checksum differs from the manifest "
-                                  f"(corrupted), in bytes {start}-{end}")
-
-    def _check(self, k: int) -> None:
-        if k not in self._checked:
-            ahead, self._ahead = self._ahead, None
-            if ahead is not None and ahead[0] == k:
-                ahead[1].result()
-            else:
-                if ahead is not None:
-                    ahead[1].exception()  # (wait; its error, if any, comes when it is read)
-                self._hash(k)
-            self._checked.add(k)
-        nxt = k + 1
-        if (self._ahead is None and nxt * self._block < self._size
-                and nxt not in self._checked):
-            from concurrent.futures import ThreadPoolExecutor
-
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshfit-read")
-            self._ahead = (nxt, self._pool.submit(self._hash, nxt))
-
-    def close(self) -> None:
-        if not self.closed:
-            if self._ahead is not None:
-                self._ahead[1].exception()  # (wait: it reads the mapping)
-            if self._pool is not None:
-                self._pool.shutdown()
-            self._view.release()
-            if self._map is not None:
-                self._map.close()
-        super().close()
 
 
 SIDECAR = ".meshfit-digests-"
@@ -642,9 +546,10 @@ def _safe_reader(folder: Path, index=None, manifest: Manifest | None = None):
     """DCP's file-system reader of `folder` reading the index through the restricted
     unpickler (`index`: read already). With `manifest`, no byte of a data file is used before
     it has been checked against the manifest: format 3 checks each block as it is read
-    (`_VerifiedStream`: one pass over the file); formats 1 and 2 check the whole file when the
-    reader first opens it (hashed from a memory map; the read after the check finds the page
-    cache). Each file's items are read in the order they lie in it."""
+    (`VerifiedStream`, `read_verified`: one pass over the file, each tensor copied once);
+    formats 1 and 2 check the whole file when the reader first opens it (hashed from a memory
+    map; the read after the check finds the page cache). Each file's items are read in the
+    order they lie in it."""
     import dataclasses
     from contextlib import contextmanager
 
@@ -663,7 +568,7 @@ def _safe_reader(folder: Path, index=None, manifest: Manifest | None = None):
                 return
             expected, block = _expected(manifest, name)
             if block:
-                stream = _VerifiedStream(Path(path), manifest.files[name]["bytes"], block,
+                stream = VerifiedStream(Path(path), manifest.files[name]["bytes"], block,
                                          expected)
                 try:
                     yield stream
@@ -695,10 +600,17 @@ def _safe_reader(folder: Path, index=None, manifest: Manifest | None = None):
 
         def read_data(self, plan, planner):
             where = self.storage_data
-            items = sorted(plan.items, key=lambda item: (
-                str(where[item.storage_index].relative_path),
-                where[item.storage_index].offset))
-            return super().read_data(dataclasses.replace(plan, items=items), planner)
+            if manifest is None or any(getattr(where[item.storage_index],
+                                               "transform_descriptors", None)
+                                       for item in plan.items):
+                items = sorted(plan.items, key=lambda item: (
+                    str(where[item.storage_index].relative_path),
+                    where[item.storage_index].offset))
+                return super().read_data(dataclasses.replace(plan, items=items), planner)
+            read_verified(self, plan, planner)
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(None)
+            return done
 
     reader = SafeReader(str(folder))
     reader.fs = CheckingFileSystem()
