@@ -185,8 +185,8 @@ def test_tensors_are_copied_from_the_checked_mapping_or_read_as_dcp_reads_them(t
                                                                                  monkeypatch):
     """Each tensor lands in its destination equal to what was saved: copied from the file's
     mapping where its bytes can be (any dtype, views, a scalar), read with `torch.load` where
-    not (a destination of another dtype, or with strides); equal to DCP's own reader of the
-    same files in every case."""
+    not (a destination of another dtype, or with strides; a conjugate view, whose bytes are
+    not its values); equal to DCP's own reader of the same files in every case."""
     import torch.distributed.checkpoint as dcp
 
     from meshfit.checkpoint import _reader, store
@@ -196,7 +196,8 @@ def test_tensors_are_copied_from_the_checked_mapping_or_read_as_dcp_reads_them(t
              "i64": torch.arange(11), "flags": torch.tensor([True, False, True]),
              "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3),
              "offset_view": torch.randn(40)[5:15], "strided_view": base[2:, 1:5],
-             "to_bf16": torch.randn(4, 4), "to_strided": torch.randn(5, 6)}
+             "to_bf16": torch.randn(4, 4), "to_strided": torch.randn(5, 6),
+             "conjugate": torch.randn(3, dtype=torch.complex64).conj()}
     folder = tmp_path / "ck"
     tmp = store.save_dcp({"s": dict(saved)}, folder)
     store.commit(tmp, folder, store.Manifest(step=0, world_size=1, layout={}, model={}))
@@ -225,7 +226,8 @@ def test_tensors_are_copied_from_the_checked_mapping_or_read_as_dcp_reads_them(t
         assert torch.equal(theirs["s"][key], expected), key
     assert mapped == {"s.f32": True, "s.bf16": True, "s.i64": True, "s.flags": True,
                       "s.scalar": True, "s.offset_view": True, "s.strided_view": True,
-                      "s.to_bf16": False, "s.to_strided": False}  # ("empty": nothing to copy)
+                      "s.to_bf16": False, "s.to_strided": False,
+                      "s.conjugate": False}  # ("empty": nothing to copy)
 
 
 def test_a_part_of_a_saved_chunk_is_copied_from_its_offset(tmp_path):

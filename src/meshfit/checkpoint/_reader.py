@@ -34,8 +34,7 @@ class VerifiedStream(io.RawIOBase):
     the next block ahead (reading it from the disk as it goes; XXH3 releases the GIL) while
     the caller deserializes the current one. The bytes are copied once, from the page cache
     to the caller, as a plain read does (`copy_into`: straight into a tensor): one pass over
-    the file at the disk's speed, in place of a check pass before the read. The mapping is
-    private (copy-on-write; nothing writes to it), so that tensors can view it."""
+    the file at the disk's speed, in place of a check pass before the read."""
 
     def __init__(self, path: Path, size: int, block: int, digests: list[str]):
         import mmap
@@ -46,7 +45,7 @@ class VerifiedStream(io.RawIOBase):
         self._lo = self._hi = 0  # the checked span [lo, hi) last served from
         with open(path, "rb") as fh:
             mapped = os.fstat(fh.fileno()).st_size
-            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if mapped else None
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if mapped else None
         if self._map is not None and hasattr(self._map, "madvise"):
             self._map.madvise(mmap.MADV_SEQUENTIAL)
         self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
@@ -91,6 +90,7 @@ class VerifiedStream(io.RawIOBase):
             k = pos // self._block
             self._check(k)
             take = min(n - done, (k + 1) * self._block - pos)
+            _quiet_frombuffer()
             dst[done:done + take].copy_(torch.frombuffer(self._map, dtype=torch.uint8,
                                                          count=take, offset=pos))
             done += take
@@ -141,6 +141,23 @@ class VerifiedStream(io.RawIOBase):
         super().close()
 
 
+_FROMBUFFER_WARNED = False
+
+
+def _quiet_frombuffer() -> None:
+    """`torch.frombuffer` of a read-only buffer (the file's mapping, only ever read here)
+    warns once per process that the tensor could be written through: have that once happen
+    here, silenced."""
+    global _FROMBUFFER_WARNED
+    if not _FROMBUFFER_WARNED:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.frombuffer(bytes(1), dtype=torch.uint8)
+        _FROMBUFFER_WARNED = True
+
+
 class _Part(io.RawIOBase):
     """Bytes [`base`, `base` + `length`) of `stream`, as a seekable file of their own."""
 
@@ -185,30 +202,44 @@ def _same_size(req, target: torch.Tensor, found: torch.Tensor) -> None:
                            f"{tuple(found.size())}, this job's is {tuple(target.size())}")
 
 
+def _plain(tensor) -> bool:
+    """A dense tensor whose bytes are its values (no subclass, no conjugate or negative view
+    bit, not quantized)."""
+    return (type(tensor) is torch.Tensor and tensor.layout == torch.strided
+            and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg())
+
+
 def _copy_mapped(stream: VerifiedStream, part: _Part, base: int, req,
                  target: torch.Tensor) -> bool:
     """Copy the item's tensor from the file's mapping straight into `target`; False (nothing
     copied) where that cannot be done."""
-    if target.numel() == 0 or not target.is_contiguous():
+    if target.numel() == 0 or not target.is_contiguous() or not _plain(target):
         return False
-    meta = torch.load(part, map_location="meta", weights_only=True)  # (no data is read)
-    if not isinstance(meta, torch.Tensor):
-        return False
-    part.seek(0)
-    archive = torch._C.PyTorchFileReader(part)
-    records = [n for n in archive.get_all_records() if n.startswith("data/")]
-    if (len(records) != 1 or not archive.has_record("byteorder")
-            or bytes(archive.get_record("byteorder")).decode() != sys.byteorder):
+    try:
+        meta = torch.load(part, map_location="meta", weights_only=True)  # (no data is read)
+        part.seek(0)
+        archive = torch._C.PyTorchFileReader(part)
+        records = [n for n in archive.get_all_records() if n.startswith("data/")]
+        if (not isinstance(meta, torch.Tensor) or len(records) != 1
+                or not archive.has_record("byteorder")
+                or bytes(archive.get_record("byteorder")).decode() != sys.byteorder):
+            return False
+        record, record_bytes = (archive.get_record_offset(records[0]),
+                                archive.get_record_size(records[0]))
+    except CheckpointError:
+        raise
+    except Exception:  # (anything torch.load reads otherwise: left to it)
         return False
     found = _narrow(meta, req.storage_offsets, req.lengths)
     _same_size(req, target, found)
-    if found.dtype != target.dtype or not found.is_contiguous():
+    if found.dtype != target.dtype or not found.is_contiguous() or not _plain(found):
         return False
-    start = archive.get_record_offset(records[0]) + found.storage_offset() * found.element_size()
+    first = found.storage_offset() * found.element_size()
     nbytes = found.numel() * found.element_size()
-    if start + nbytes > part._length:
+    if (first + nbytes > min(record_bytes, meta.untyped_storage().nbytes())
+            or record + record_bytes > part._length):
         return False
-    stream.copy_into(target.reshape(-1).view(torch.uint8), base + start)
+    stream.copy_into(target.reshape(-1).view(torch.uint8), base + record + first)
     return True
 
 
