@@ -125,6 +125,15 @@ class VerifiedStream(io.RawIOBase):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshfit-read")
             self._ahead = (nxt, self._pool.submit(self._hash, nxt))
+            self._prefetch(nxt + 1)
+
+    def _prefetch(self, k: int) -> None:
+        """Have the kernel start reading block `k` from the disk now (it is hashed next)."""
+        import mmap
+
+        start = k * self._block
+        if start < self._mapped and hasattr(mmap, "MADV_WILLNEED"):
+            self._map.madvise(mmap.MADV_WILLNEED, start, min(self._block, self._mapped - start))
 
     def close(self) -> None:
         if not self.closed:
