@@ -132,8 +132,13 @@ class VerifiedStream(io.RawIOBase):
         import mmap
 
         start = k * self._block
+        start -= start % mmap.PAGESIZE
         if start < self._mapped and hasattr(mmap, "MADV_WILLNEED"):
-            self._map.madvise(mmap.MADV_WILLNEED, start, min(self._block, self._mapped - start))
+            try:
+                self._map.madvise(mmap.MADV_WILLNEED, start,
+                                  min(self._block + mmap.PAGESIZE, self._mapped - start))
+            except OSError:  # (advice only)
+                pass
 
     def close(self) -> None:
         if not self.closed:
