@@ -371,6 +371,8 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary "
                                                "folder, removed at the end)")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--name", default="checkpoint_speed",
+                   help="results file name (benchmarks/results/NAME.md and .json)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -407,7 +409,7 @@ def main() -> None:
     if not args.no_write:
         import _common
 
-        paths = _common.write_results("checkpoint_speed", md, {
+        paths = _common.write_results(args.name, md, {
             "args": vars(args), "results": results, "machine": _common.machine_info()})
         print(f"wrote {', '.join(str(x) for x in paths)}")
 

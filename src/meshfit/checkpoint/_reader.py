@@ -43,6 +43,7 @@ class VerifiedStream(io.RawIOBase):
         self._path, self._size, self._block, self._digests = path, size, block, digests
         self._pos, self._checked, self._ahead, self._pool = 0, set(), None, None
         self._lo = self._hi = 0  # the checked span [lo, hi) last served from
+        self._released = 0  # bytes [0, released) unmapped from this process (`_let_go`)
         with open(path, "rb") as fh:
             mapped = os.fstat(fh.fileno()).st_size
             self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if mapped else None
@@ -117,6 +118,7 @@ class VerifiedStream(io.RawIOBase):
                     ahead[1].exception()  # (wait; its error, if any, comes when it is read)
                 self._hash(k)
             self._checked.add(k)
+            self._let_go(k - 1)
         nxt = k + 1
         if (self._ahead is None and nxt * self._block < self._size
                 and nxt not in self._checked):
@@ -125,20 +127,21 @@ class VerifiedStream(io.RawIOBase):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshfit-read")
             self._ahead = (nxt, self._pool.submit(self._hash, nxt))
-            self._prefetch(nxt + 1)
 
-    def _prefetch(self, k: int) -> None:
-        """Have the kernel start reading block `k` from the disk now (it is hashed next)."""
+    def _let_go(self, upto: int) -> None:
+        """Unmap the blocks before `upto` from this process (read and copied: their pages stay
+        in the page cache, unmapped, as a plain read leaves them, where the kernel reclaims
+        them first when memory is short; touched again, they fault back in)."""
         import mmap
 
-        start = k * self._block
-        start -= start % mmap.PAGESIZE
-        if start < self._mapped and hasattr(mmap, "MADV_WILLNEED"):
+        end = min(max(upto, 0) * self._block, self._mapped)
+        end -= end % mmap.PAGESIZE
+        if end > self._released and hasattr(mmap, "MADV_DONTNEED"):
             try:
-                self._map.madvise(mmap.MADV_WILLNEED, start,
-                                  min(self._block + mmap.PAGESIZE, self._mapped - start))
+                self._map.madvise(mmap.MADV_DONTNEED, self._released, end - self._released)
             except OSError:  # (advice only)
-                pass
+                return
+            self._released = end
 
     def close(self) -> None:
         if not self.closed:
