@@ -28,7 +28,26 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used as it is (one line: what differs, and where)."""
 
 
-class VerifiedStream(io.RawIOBase):
+class _ReadOnly(io.RawIOBase):
+    """A seekable file read with `readinto`, `_size` bytes long, at `_pos`."""
+
+    _size = _pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset + (0 if whence == 0 else self._pos if whence == 1 else self._size)
+        return self._pos
+
+
+class VerifiedStream(_ReadOnly):
     """A checkpoint file opened for reading (format 3) that returns no byte of a block before
     the block's digest has matched the manifest's. The file is memory-mapped; a thread hashes
     the next block ahead (reading it from the disk as it goes; XXH3 releases the GIL) while
@@ -51,19 +70,6 @@ class VerifiedStream(io.RawIOBase):
             self._map.madvise(mmap.MADV_SEQUENTIAL)
         self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
         self._mapped = mapped
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset + (0 if whence == 0 else self._pos if whence == 1 else self._size)
-        return self._pos
 
     def readinto(self, b) -> int:
         pos, n = self._pos, len(b)
@@ -175,28 +181,15 @@ def _quiet_frombuffer() -> None:
         _FROMBUFFER_WARNED = True
 
 
-class _Part(io.RawIOBase):
+class _Part(_ReadOnly):
     """Bytes [`base`, `base` + `length`) of `stream`, as a seekable file of their own."""
 
     def __init__(self, stream, base: int, length: int):
         super().__init__()
-        self._stream, self._base, self._length, self._pos = stream, base, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset + (0 if whence == 0 else self._pos if whence == 1 else self._length)
-        return self._pos
+        self._stream, self._base, self._size, self._pos = stream, base, length, 0
 
     def readinto(self, b) -> int:
-        want = max(0, min(len(b), self._length - self._pos))
+        want = max(0, min(len(b), self._size - self._pos))
         if not want:
             return 0
         self._stream.seek(self._base + self._pos)
@@ -254,7 +247,7 @@ def _copy_mapped(stream: VerifiedStream, part: _Part, base: int, req,
     first = found.storage_offset() * found.element_size()
     nbytes = found.numel() * found.element_size()
     if (first + nbytes > min(record_bytes, meta.untyped_storage().nbytes())
-            or record + record_bytes > part._length):
+            or record + record_bytes > part._size):
         return False
     stream.copy_into(target.reshape(-1).view(torch.uint8), base + record + first)
     return True
