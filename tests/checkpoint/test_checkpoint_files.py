@@ -627,3 +627,40 @@ def test_starting_a_run_does_not_import_dcp():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out[-1] == "[]"
+
+
+def test_a_background_save_whose_writer_died_is_one_line_and_the_next_save_works(
+        tmp_path, monkeypatch):
+    """A background save whose writer failed (a writer process ended by a signal): waiting for
+    it raises one CheckpointError naming the checkpoint, its temporary folder is removed, the
+    checkpoints before it are untouched, and the state saved next, from memory, loads."""
+    from concurrent.futures import Future
+
+    from meshfit.accelerator import state as accstate
+
+    acc, net, _ = _prepared()
+    acc.save_state(tmp_path / "before")
+    real = accstate.save_dcp_async
+
+    def dying(state, folder, **kwargs):
+        tmp, future = real(state, folder, **kwargs)
+        future.result()
+        dead: Future = Future()
+        dead.set_exception(RuntimeError("Checkpoint background process is dead. Exit code: -15"))
+        return tmp, dead
+
+    monkeypatch.setattr(accstate, "save_dcp_async", dying)
+    acc.save_state(tmp_path / "after", async_save=True)
+    with pytest.raises(CheckpointError, match=r"^the background save of \S+after failed on "
+                                              r"rank 0 \(RuntimeError: Checkpoint background "
+                                              r"process is dead. Exit code: -15\); it was "
+                                              r"removed, the checkpoints before it are "
+                                              r"untouched$"):
+        acc.wait_for_checkpoint()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["before"]
+    assert acc.checkpoint_in_flight is None
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    acc.save_state(tmp_path / "again")
+    fresh, fresh_net, _ = _prepared()
+    fresh.load_state(tmp_path / "again")
+    assert all(torch.equal(fresh_net.state_dict()[k], v) for k, v in weights.items())

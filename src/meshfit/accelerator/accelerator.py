@@ -311,14 +311,15 @@ class Accelerator(AcceleratorAttributes):
         """Commit an asynchronous `save_state` (a collective); returns its folder, or None.
         `close`: then also end the writer process of ``async_save="process"`` saves (done by
         `end_training`; a later such save starts another)."""
-        folder = state.finish_save(self)
-        if close and self._save_stager is not None:
-            from meshfit.checkpoint.store import close_writer_process
+        try:
+            return state.finish_save(self)
+        finally:
+            if close and self._save_stager is not None:
+                from meshfit.checkpoint.store import close_writer_process
 
-            close_writer_process()
-            self._save_stager.close()
-            self._save_stager = None
-        return folder
+                close_writer_process()
+                self._save_stager.close()
+                self._save_stager = None
 
     def load_state(self, input_dir: str | os.PathLike | None = None,
                    load_kwargs: dict | None = None, **load_model_func_kwargs):

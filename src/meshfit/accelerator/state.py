@@ -278,7 +278,23 @@ def finish_save(acc: Accelerator) -> Path | None:
     if pending is None:
         return None
     tmp, folder, manifest, future = pending
-    future.result()
+    try:
+        future.result()
+        problem = None
+    except Exception as err:  # (a writer process killed, a full disk: on any rank)
+        text = str(err).strip()
+        problem = type(err).__name__ + (f": {text.splitlines()[-1][:200]}" if text else "")
+    problems = [problem]
+    if dist.is_available() and dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    failed = [(rank, p) for rank, p in enumerate(problems) if p]
+    if failed:
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        rank, why = failed[0]
+        raise CheckpointError(f"the background save of {folder} failed on rank {rank} ({why}); "
+                              "it was removed, the checkpoints before it are untouched")
     return commit(tmp, folder, manifest)
 
 

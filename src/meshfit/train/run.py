@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from meshfit.accelerator import Accelerator
-from meshfit.checkpoint import latest, prune, skipped
+from meshfit.checkpoint import CheckpointError, latest, prune, skipped
 from meshfit.memory import ModelShape
 from meshfit.plan.calibrate import load_calibration
 from meshfit.plan.devices import device_for_name
@@ -220,6 +220,7 @@ class Checkpoints:
     def save(self, step: int, *, wait: bool = False) -> Path:
         """Save (in the background with [checkpoint] async, unless `wait`), then prune."""
         background = self.cfg.async_mode if self.cfg.async_save and not wait else False
+        self._settle()
         self.acc.save_state(self.folder(step), step=step, async_save=background)
         if not background:
             self.acc.wait_for_checkpoint()
@@ -230,10 +231,22 @@ class Checkpoints:
         if self.acc.is_main_process:
             prune(self.root, self.cfg.keep, writing=self.acc.checkpoint_in_flight)
 
-    def finish(self) -> None:
-        """Commit a checkpoint still being written (and end a writer process)."""
-        if self.acc.wait_for_checkpoint(close=True) is not None:
-            self._prune()
+    def _settle(self, *, close: bool = False) -> bool:
+        """Commit the checkpoint being written in the background (`close`: then end a writer
+        process); one whose writing failed is reported in one line and dropped (the state is
+        still in memory: the next save writes it). False: it failed."""
+        try:
+            if self.acc.wait_for_checkpoint(close=close) is not None:
+                self._prune()
+        except CheckpointError as err:
+            self.acc.print(f"meshfit train: {err}; the next checkpoint is written from memory")
+            return False
+        return True
+
+    def finish(self) -> bool:
+        """Commit a checkpoint still being written (and end a writer process); False: its
+        writing failed (reported)."""
+        return self._settle(close=True)
 
     def resume(self) -> int:
         """Load the newest complete checkpoint; returns its step."""

@@ -234,8 +234,8 @@ def _stop_if_asked(loop: _Loop, stop: StopOnSignal, step: int) -> None:
         return
     loop.progress.finish()
     checkpoints = loop.checkpoints
-    checkpoints.finish()
-    folder = checkpoints.folder(step) if checkpoints.due(step) else \
+    written = checkpoints.finish()
+    folder = checkpoints.folder(step) if checkpoints.due(step) and written else \
         checkpoints.save(step, wait=True)
     if stop.ranks is not None:  # (the same on every rank) A signal the launcher sent to all
         stop.requested(loop.acc)  # reaches them a moment apart: who got one, counted again
