@@ -33,8 +33,9 @@ each data file once: no byte of a block is used before the block's digest has ma
 one is copied), so a corrupted block stops the load on every rank before any of its bytes
 reaches a tensor (the blocks before it have been loaded, each checked: what a failed load
 leaves in the model is checkpoint data, not the whole of it). Each tensor is copied once,
-from the file's memory map into its destination, where DCP's reader copies it twice. `verify` checks every file up
-front, each rank the files it wrote itself, the rest shared out by size.
+from the file's memory map into its destination, where DCP's reader copies it twice.
+`verify` checks every file up front, each rank the files it wrote itself, the rest shared
+out by size.
 """
 
 from __future__ import annotations
@@ -74,8 +75,6 @@ HASHES = {1: "sha256", 2: "xxh3_128", 3: "xxh3_128"}
 BLOCK = 32 << 20
 """Format 3's block: the unit a reader checks before using any of its bytes."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
 
 
 # ---------------------------------------------------------------------------- the manifest
