@@ -19,10 +19,10 @@ from meshfit.distributed.dims import AXES, ParallelDims
 
 # env.py imports torch: its names load on first use, so that the mesh axes (dims.py, no
 # torch) can be read and checked without it.
-_LAZY = {"DistEnv": "env", "cpu_requested": "env", "init": "env", "SpawnError": "spawn",
-         "free_port": "spawn", "spawn": "spawn"}
+_LAZY = {"DistEnv": "env", "cpu_requested": "env", "init": "env", "is_initialized": "env",
+         "SpawnError": "spawn", "free_port": "spawn", "spawn": "spawn"}
 __all__ = ["AXES", "DistEnv", "ParallelDims", "SpawnError", "cpu_requested", "free_port", "init",
-           "spawn"]
+           "is_initialized", "spawn"]
 
 __getattr__, __dir__ = lazy_exports(
     __name__, {name: f"{__name__}.{module}" for name, module in _LAZY.items()}, globals())

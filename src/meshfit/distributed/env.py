@@ -10,7 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "cpu_requested", "init"]
+__all__ = ["DistEnv", "cpu_requested", "init", "is_initialized"]
+
+
+def is_initialized() -> bool:
+    """Whether this process is in a process group: the one spelling of torch's two-part
+    question (a build without distributed support has no `is_initialized` to ask)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 @dataclass(frozen=True)
