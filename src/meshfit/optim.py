@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshfit._compat import nn as nn_internals
+from meshfit._compat import optim as optim_internals
 from meshfit.distributed.tensors import local_tensor, storage_bytes
 from meshfit.optim_names import OPTIMIZERS, OptimizerName
 
@@ -53,7 +55,7 @@ __all__ = ["OPTIMIZERS", "OptimizerName", "StateReport", "build", "format_report
 # Normalisation layers by type; modules whose class name ends in "Norm" (LlamaRMSNorm,
 # T5LayerNorm, ...) count too, as Hugging Face's ALL_LAYERNORM_LAYERS list intends.
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm,
-               nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+               *nn_internals.NORM_BASES)
 
 
 # ---------------------------------------------------------------- parameter groups
@@ -174,7 +176,7 @@ def _adamw(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
 
 
 def _adamw_fused(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
-    supported = _fused_devices()
+    supported = optim_internals.fused_devices()
     for p in _flat_params(groups):
         if p.device.type not in supported or not p.is_floating_point():
             raise ValueError(
@@ -182,14 +184,6 @@ def _adamw_fused(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
                 f"{', '.join(supported)}; got {p.dtype} on {p.device}; use optimizer='adamw'")
     return torch.optim.AdamW(groups, **{"lr": lr, "betas": betas, "eps": eps,
                                         "weight_decay": weight_decay, "fused": True, **kwargs})
-
-
-def _fused_devices() -> list[str]:
-    try:  # private, but it is the list AdamW(fused=True) itself checks against
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-        return _get_fused_kernels_supported_devices()
-    except ImportError:
-        return ["cuda", "cpu"]
 
 
 def _adafactor(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):

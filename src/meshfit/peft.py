@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshfit._files import atomic_write_dir
 from meshfit._torchao import torchao_error
 from meshfit.checkpoint.pretrained import ADAPTER_VALUES_ATTR, pretrained_folder
+from meshfit.distributed.tensors import local_tensor
 from meshfit.models.gpt import GPT
 
 try:
@@ -282,10 +283,7 @@ def is_quantized(tensor) -> bool:
     """Whether `tensor` (a parameter, or a DTensor's local shard of one) is a 4-bit weight."""
     import sys
 
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tensor, DTensor):
-        tensor = tensor._local_tensor
+    tensor = local_tensor(tensor)
     module = sys.modules.get("torchao.quantization")
     nf4 = getattr(module, "NF4Tensor", None) if module is not None else None
     if nf4 is None:

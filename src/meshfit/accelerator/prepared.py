@@ -9,13 +9,13 @@ Under zero_stage 1 it becomes a ZeroRedundancyOptimizer (`meshfit.accelerator.ru
 
 from __future__ import annotations
 
-import functools
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader
 
+from meshfit._compat import optim as lr_internals
 from meshfit.accelerator.loader import PreparedDataLoader
 
 __all__ = ["GradientState", "ParameterMap", "PreparedOptimizer", "PreparedScheduler",
@@ -168,14 +168,14 @@ class PreparedScheduler:
             return
         if not self.grad_state.sync_gradients:
             if self.grad_state.adjust_scheduler:
-                self.scheduler._step_count += 1
+                lr_internals.count_step(self.scheduler)
             return
         if any(opt.step_was_skipped for opt in self.optimizers):
             return
         for _ in range(self.steps_per_optimizer_step):
             # OneCycleLR refuses to step past its total_steps (an epoch not dividing evenly)
             total = getattr(self.scheduler, "total_steps", None)
-            if total is not None and self.scheduler._step_count > total:
+            if total is not None and lr_internals.step_count(self.scheduler) > total:
                 break
             self.scheduler.step(*args, **kwargs)
 
@@ -269,14 +269,4 @@ def repoint_scheduler(scheduler, optimizer: torch.optim.Optimizer) -> None:
     scheduler's check that ``optimizer.step()`` runs first wraps the optimizer's step at
     construction; the same marker is put on the new optimizer's step."""
     scheduler.optimizer = optimizer
-    step = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-
-    @functools.wraps(step)
-    def wrapper(*args, **kwargs):
-        optimizer._opt_called = True
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True
-    optimizer.step = wrapper
+    lr_internals.mark_stepping(optimizer)

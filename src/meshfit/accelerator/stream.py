@@ -15,11 +15,10 @@ resumed one is re-read and its first items dropped.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from meshfit._compat import data as data_internals
 from meshfit.accelerator.sampler import check_shard
 
 __all__ = ["StreamShard", "stream_loader", "worker_options"]
@@ -80,24 +79,13 @@ _END = object()
 def _hidden_workers(dataset):
     """Iterate ``dataset`` with ``get_worker_info()`` reporting None (while ``iter`` and each
     ``next`` run): the whole stream, which the shard splits."""
-    from torch.utils.data._utils import worker as worker_mod
-
-    if not hasattr(worker_mod, "_worker_info"):  # pragma: no cover - other torch layouts
+    if not data_internals.can_hide_worker():  # pragma: no cover - other torch layouts
         yield from dataset
         return
-
-    @contextlib.contextmanager
-    def hidden():
-        saved, worker_mod._worker_info = worker_mod._worker_info, None
-        try:
-            yield
-        finally:
-            worker_mod._worker_info = saved
-
-    with hidden():
+    with data_internals.hidden_worker():
         it = iter(dataset)
     while True:
-        with hidden():
+        with data_internals.hidden_worker():
             item = next(it, _END)
         if item is _END:
             return

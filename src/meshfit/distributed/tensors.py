@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from meshfit._compat.ops import is_traceable_wrapper_subclass
 
 __all__ = ["local_tensor", "names_by_parameter", "storage_bytes"]
 

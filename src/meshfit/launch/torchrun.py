@@ -201,24 +201,18 @@ def stopping_workers():
     the signal it got on to the workers: a Ctrl-C (SIGINT) would raise KeyboardInterrupt in
     every Python worker, one traceback each. They get SIGTERM instead (`meshfit train`'s
     workers treat both alike: checkpoint, one line)."""
-    from torch.distributed.elastic.multiprocessing import api
+    from meshfit._compat import elastic
 
-    real = api.SubprocessContext._close
     first: set[int] = set()
 
-    def _close(self, death_sig, timeout: int = 30):
-        if not getattr(self, "_meshfit_closing", False):
-            self._meshfit_closing = True
-            first.update(f.pid for f in self._failures.values())
-        if death_sig == signal.SIGINT:
-            death_sig = signal.SIGTERM
-        return real(self, death_sig, timeout)
+    def adjust(context, death_sig):
+        if not getattr(context, "_meshfit_closing", False):
+            context._meshfit_closing = True
+            first.update(elastic.failed_pids(context))
+        return signal.SIGTERM if death_sig == signal.SIGINT else death_sig
 
-    api.SubprocessContext._close = _close
-    try:
+    with elastic.before_close(adjust):
         yield first
-    finally:
-        api.SubprocessContext._close = real
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ fp16/bf16 (routing decisions are precision-sensitive), in the input's dtype othe
 
 Computation: the N*k (token, expert) assignments are sorted by expert with a stable sort, so
 within an expert they stay in token order (token index = flattened batch-major position).
-Each expert then runs one matmul chain over its contiguous slice: with `torch._grouped_mm`
+Each expert then runs one matmul chain over its contiguous slice: with `F.grouped_mm`
 on CUDA for bf16/fp16 when a one-time probe shows it works there, otherwise (CPU, fp32/fp64,
 older torch) a Python loop over experts. Outputs are scaled by the combine weights and
 scatter-added back to their tokens.
@@ -54,23 +54,23 @@ from meshfit.models.mlp import GeluMLP, SwiGLUMLP
 
 __all__ = ["Experts", "MoE"]
 
-# (device type, dtype) -> whether torch._grouped_mm ran correctly there.
+# (device type, dtype) -> whether F.grouped_mm ran correctly there.
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Probe torch._grouped_mm once per (device type, dtype) against a loop of matmuls."""
+    """Probe F.grouped_mm once per (device type, dtype) against a loop of matmuls."""
     key = (device.type, dtype)
     if key not in _GROUPED_MM_OK:
         ok = False
-        if (hasattr(torch, "_grouped_mm") and device.type == "cuda"
+        if (hasattr(F, "grouped_mm") and device.type == "cuda"
                 and dtype in (torch.bfloat16, torch.float16)):
             try:
                 g = torch.Generator(device=device).manual_seed(0)
                 x = torch.randn(40, 32, device=device, dtype=dtype, generator=g)
                 w = torch.randn(3, 32, 16, device=device, dtype=dtype, generator=g)
                 offs = torch.tensor([8, 8, 40], device=device, dtype=torch.int32)
-                y = torch._grouped_mm(x, w, offs=offs)
+                y = F.grouped_mm(x, w, offs=offs)
                 ref = torch.cat([x[:8] @ w[0], x[8:8] @ w[1], x[8:] @ w[2]])
                 ok = bool(torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-1))
             except (RuntimeError, TypeError, NotImplementedError):
@@ -236,9 +236,9 @@ class Experts(nn.Module):
             grouped = _grouped_mm_works(xs.device, xs.dtype)
         if grouped:
             offs = counts.cumsum(0).to(torch.int32)
-            mm = [torch._grouped_mm(xs, w.to(xs.dtype), offs=offs) for w in ws[:-1]]
+            mm = [F.grouped_mm(xs, w.to(xs.dtype), offs=offs) for w in ws[:-1]]
             h = F.silu(mm[0]) * mm[1] if self.swiglu else F.gelu(mm[0], approximate="tanh")
-            return torch._grouped_mm(h, ws[-1].to(xs.dtype), offs=offs)
+            return F.grouped_mm(h, ws[-1].to(xs.dtype), offs=offs)
         outs = []
         for e, rows in enumerate(torch.split(xs, counts.tolist())):
             if rows.shape[0] == 0:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from meshfit._compat import ops as aten_ops
 from meshfit.models.gpt import GPT
 from meshfit.parallel.options import CheckpointMode, CheckpointPolicy, check_checkpointing
 
@@ -52,15 +53,13 @@ __all__ = ["CheckpointMode", "CheckpointPolicy", "SAVED_OPS", "apply_activation_
            "check_checkpointing", "find_blocks", "is_checkpointed"]
 
 _aten = torch.ops.aten
-# Outputs kept by policy="op": the matmuls and attention, whose recompute costs most FLOPs
-# (torchtitan's `_save_list` keeps the same, minus collectives). Linear layers reach these as
-# mm/addmm (2-D after flattening) and batched matmul as bmm. Everything else is recomputed.
-SAVED_OPS: list[torch._ops.OpOverload] = [
+# Outputs kept by policy="op": the matmuls and attention (SDPA's fused kernels), whose
+# recompute costs most FLOPs (torchtitan's `_save_list` keeps the same, minus collectives).
+# Linear layers reach these as mm/addmm (2-D after flattening) and batched matmul as bmm.
+# Everything else is recomputed.
+SAVED_OPS: list[aten_ops.OpOverload] = [
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default]
+    *aten_ops.ATTENTION_OPS]
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: CheckpointMode = "full", *,

@@ -22,10 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
-import torch
-import torch._dynamo
 from torch import nn
 
+from meshfit._compat import dynamo
 from meshfit.parallel.activation import find_blocks
 from meshfit.parallel.options import CompileScope, check_backend_mode, check_compile_args
 
@@ -50,8 +49,8 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", mode: str | No
 
 @dataclass(frozen=True)
 class CompileStats:
-    """Counts from `torch._dynamo.utils.counters`, per process. `torch._dynamo.reset()` does
-    not clear them: compare two snapshots, or call `torch._dynamo.utils.counters.clear()`."""
+    """Counts from dynamo's counters (`meshfit._compat.dynamo.counters`), per process.
+    `torch.compiler.reset()` does not clear them: compare two snapshots."""
 
     frames: int
     """Python frames dynamo converted successfully."""
@@ -65,7 +64,7 @@ def compile_stats() -> CompileStats:
     """What torch.compile did so far in this process. Read it before and after the first step
     of a compiled model: if `graphs` did not grow, that model ran eager (later steps reuse
     the graphs, so only the first step adds to it)."""
-    counters = torch._dynamo.utils.counters
+    counters = dynamo.counters()
     return CompileStats(frames=counters["frames"]["ok"],
                         graphs=counters["stats"]["unique_graphs"],
                         graph_breaks=sum(counters["graph_break"].values()))

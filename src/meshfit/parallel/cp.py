@@ -40,6 +40,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from meshfit._compat import ops as aten_ops
+from meshfit._compat import transformers as hf_internals
+
 __all__ = ["HF_FAMILIES", "SequenceShard", "apply_cp", "check_hf_config", "chunk_ids", "ring_attention", "sequence_positions",
            "shard_sequence", "unshard_sequence"]
 
@@ -107,51 +110,14 @@ def _heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.expand(B, hkv, groups, T, D).reshape(B, hkv * groups, T, D).contiguous()
 
 
-# Fused kernels that return the log-sum-exp, by name: forward(q, k, v, causal, scale) ->
-# (out, lse [B, H, T] in fp32, fp64 for fp64 inputs) and backward(dout, q, k, v, out, lse,
-# causal, scale) -> (dq, dk, dv), all [B, H, T, D] in the inputs' dtype.
-def _cpu_flash_forward(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=None, scale=scale)
-
-
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
-
-
-def _cuda_flash_forward(q, k, v, causal, scale):
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, causal, False, scale=scale)
-    return out, lse
-
-
-def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    none = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout, no varlen
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, none, none, q.shape[2], k.shape[2], 0.0, causal, none, none,
-        scale=scale)
-
-
-def _cuda_efficient_forward(q, k, v, causal, scale):
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal, scale=scale)
-    return out, lse[..., :q.shape[2]]  # (its rows are padded to a multiple of 32)
-
-
-def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
-    pad = -(-q.shape[2] // 32) * 32 - q.shape[2]
-    lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
-    none = torch.empty(0, dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse.contiguous(), none, none, 0.0,
-        [True, True, True, False], causal, scale=scale)
-    return dq, dk, dv
-
-
-_KERNELS = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward),
-            "cuda_flash": (_cuda_flash_forward, _cuda_flash_backward),
-            "cuda_efficient": (_cuda_efficient_forward, _cuda_efficient_backward)}
+# Fused kernels that return the log-sum-exp, by name (SDPA's private kernels, called through
+# `meshfit._compat.ops`): forward(q, k, v, causal, scale) -> (out, lse [B, H, T] in fp32,
+# fp64 for fp64 inputs) and backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv),
+# all [B, H, T, D] in the inputs' dtype.
+_KERNELS = {"cpu_flash": (aten_ops.cpu_flash_forward, aten_ops.cpu_flash_backward),
+            "cuda_flash": (aten_ops.cuda_flash_forward, aten_ops.cuda_flash_backward),
+            "cuda_efficient": (aten_ops.cuda_efficient_forward,
+                               aten_ops.cuda_efficient_backward)}
 _CHOSEN: dict[tuple[str, torch.dtype, int], str | None] = {}
 """(device type, dtype, head dim) -> the kernel the probe accepted there (None: matmuls)."""
 
@@ -166,8 +132,8 @@ def _kernel(q: torch.Tensor) -> str | None:
     key = (q.device.type, q.dtype, q.shape[-1])
     if key not in _CHOSEN:
         if q.device.type == "cpu":
-            ok = q.dtype in (torch.float32, torch.float64, torch.bfloat16) and hasattr(
-                torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+            ok = q.dtype in (torch.float32, torch.float64, torch.bfloat16) and \
+                aten_ops.has_cpu_flash()
             _CHOSEN[key] = "cpu_flash" if ok else None
         elif q.device.type == "cuda" and q.dtype != torch.float64:
             name = "cuda_efficient" if q.dtype == torch.float32 else "cuda_flash"
@@ -514,7 +480,7 @@ def _apply_cp_hf(model, shard: SequenceShard) -> None:
                          f"{type(model).__name__}")
     for layer in layers:
         layer.sequence_shard = shard
-    model.config._attn_implementation = _HF_IMPLEMENTATION
+    hf_internals.set_attention(model, _HF_IMPLEMENTATION)
 
     def place(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from meshfit._compat import distributed as dist_internals
+
 
 def apply_ddp(model: torch.nn.Module, mesh, *, device: torch.device,
               bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
@@ -31,7 +33,7 @@ def apply_ddp(model: torch.nn.Module, mesh, *, device: torch.device,
     ignored = [name for name, p in model.named_parameters()
                if not p.requires_grad and type(p) not in (torch.Tensor, torch.nn.Parameter)]
     if ignored:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+        dist_internals.ddp_ignore(model, ignored)
     return DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         process_group=mesh.get_group(), bucket_cap_mb=bucket_cap_mb,

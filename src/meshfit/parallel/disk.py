@@ -45,16 +45,13 @@ from typing import Any
 
 import torch
 
+from meshfit._compat import fsdp as fsdp_internals
+from meshfit.distributed.tensors import local_tensor
+
 __all__ = ["DiskOffload", "ParameterFiles", "check_free_space", "check_writable",
            "disk_bandwidth", "free_bytes", "state_file_bytes"]
 
 _FILE_MODE = 0o600
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _offloaded(param: torch.Tensor, value: Any) -> bool:
@@ -71,7 +68,7 @@ def state_file_bytes(optimizer: torch.optim.Optimizer) -> int:
     if each is None:
         raise ValueError(f"offload='disk' streams Adam, AdamW and SGD state; "
                          f"{type(optimizer).__name__} is not supported yet")
-    return sum(_local(p).numel() * each for g in optimizer.param_groups for p in g["params"]
+    return sum(local_tensor(p).numel() * each for g in optimizer.param_groups for p in g["params"]
                if p.requires_grad)
 
 
@@ -94,7 +91,7 @@ class DiskOffload(torch.optim.Optimizer):
         chunk, size = [], 0
         for p in params:
             chunk.append(p)
-            size += _local(p).numel() * _local(p).element_size() * 2
+            size += local_tensor(p).numel() * local_tensor(p).element_size() * 2
             if size >= chunk_bytes:
                 self._chunks.append(chunk)
                 chunk, size = [], 0
@@ -181,7 +178,7 @@ class DiskOffload(torch.optim.Optimizer):
         """The state tensor of `p` holding `local` (a DTensor like `p` under FSDP2/TP)."""
         from torch.distributed.tensor import DTensor
 
-        local = local.to(_local(p).device, non_blocking=True)
+        local = local.to(local_tensor(p).device, non_blocking=True)
         if isinstance(p, DTensor):
             return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                       shape=p.shape, stride=p.stride())
@@ -229,7 +226,7 @@ class DiskOffload(torch.optim.Optimizer):
             if not state:
                 continue
             for key in [k for k, v in state.items() if _offloaded(p, v)]:
-                local = _local(state.pop(key)).detach()
+                local = local_tensor(state.pop(key)).detach()
                 if local.device.type != "cpu":
                     local = local.to("cpu")
                 self._on_disk.setdefault(id(p), {})[key] = (local.shape, local.dtype)
@@ -287,7 +284,7 @@ class DiskOffload(torch.optim.Optimizer):
             for p in g["params"]:
                 state = self.optimizer.state.get(p, {})
                 for key in [k for k, v in state.items() if _offloaded(p, v)]:
-                    local = _local(state.pop(key)).detach().to("cpu").clone()
+                    local = local_tensor(state.pop(key)).detach().to("cpu").clone()
                     self._on_disk.setdefault(id(p), {})[key] = (local.shape, local.dtype)
                     items.append((self._path(p, key), local))
         self._write(items)
@@ -334,7 +331,7 @@ class ParameterFiles:
 
     def __init__(self, model: torch.nn.Module, folder: str | os.PathLike, *,
                  keep: bool = False):
-        params = _fsdp_params(model)
+        params = fsdp_internals.fsdp_params(model)
         if not params:
             raise ValueError("offload_params=true: the model has no FSDP2 parameter shards; "
                              "use it with zero_stage=3 (dp_shard > 1)")
@@ -344,7 +341,7 @@ class ParameterFiles:
         self.bytes = 0
         """Bytes of parameter shards in files (this rank)."""
         for i, fsdp_param in enumerate(params):
-            data = fsdp_param._sharded_param_data
+            data = fsdp_internals.padded_shard(fsdp_param)
             if type(data) is not torch.Tensor or not data.is_floating_point() \
                     or data.numel() == 0:
                 continue
@@ -355,34 +352,13 @@ class ParameterFiles:
             _write_file(path, data)
             mapped = torch.from_file(str(path), shared=True, size=data.numel(),
                                      dtype=data.dtype)
-            local = fsdp_param.sharded_param._local_tensor
-            with torch.no_grad():  # both views of the padded shard onto the file's pages
-                data.set_(mapped.untyped_storage(), 0, data.shape, data.stride())
-                local.set_(mapped.untyped_storage(), 0, local.shape, local.stride())
-            fsdp_param.pin_memory = False  # (FSDP2 would copy an unpinned shard to pinned)
+            # both views of the padded shard onto the file's pages, not pinned
+            fsdp_internals.map_shard(fsdp_param, mapped.untyped_storage())
             self.bytes += data.numel() * data.element_size()
 
     def close(self) -> None:
         """Remove the folder (unless `keep`)."""
         self._cleanup()
-
-
-def _fsdp_params(model: torch.nn.Module) -> list:
-    """The FSDP2 parameters (`FSDPParam`) of every `fully_shard`-ed module of `model`."""
-    from torch.distributed.fsdp import FSDPModule
-
-    out = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)  # (older torch: one group)
-        if groups is None:
-            group = state._fsdp_param_group
-            groups = [] if group is None else [group]
-        for group in groups:
-            out.extend(group.fsdp_params)
-    return out
 
 
 def _remove(folder: str, keep: bool) -> None:

@@ -43,7 +43,9 @@ import warnings
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from meshfit._compat import fsdp as fsdp_internals
 
 __all__ = ["apply_fsdp", "available_memory_bytes", "held_gradient_bytes",
            "unsharded_gradient_bytes"]
@@ -163,10 +165,10 @@ def held_gradient_bytes(model: nn.Module) -> int:
 
     `meshfit.memory.rank_report` counts ``p.grad`` of the parameters the module exposes;
     under `set_requires_gradient_sync(False)` FSDP2 keeps the accumulated *unsharded*
-    gradients on its internal unsharded parameters (``FSDPParam._unsharded_param.grad``, or
-    ``unsharded_accumulated_grad`` when it upcasts), which that does not see. This reads
-    those fields (FSDP2 internals, as of torch 2.13) plus the sharded gradients' local
-    shards; each storage once. Plain (non-FSDP) parameters count their ``.grad``."""
+    gradients on its internal unsharded parameters, which that does not see. This reads
+    them (FSDP2's internals: `meshfit._compat.fsdp.held_gradients`) plus the sharded
+    gradients' local shards; each storage once. Plain (non-FSDP) parameters count their
+    ``.grad``."""
     seen: set[tuple[str, int]] = set()
     total = 0
 
@@ -181,21 +183,10 @@ def held_gradient_bytes(model: nn.Module) -> int:
             total += local.untyped_storage().nbytes()
 
     managed: set[int] = set()
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = fully_shard.state(module)
-        # Older torch releases keep one group per module (`_fsdp_param_group`), 2.13 a list.
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
-        for group in groups:
-            for fp in group.fsdp_params:
-                managed.add(id(fp.sharded_param))
-                add(fp.sharded_param.grad)
-                unsharded = getattr(fp, "_unsharded_param", None)
-                add(None if unsharded is None else unsharded.grad)
-                add(getattr(fp, "unsharded_accumulated_grad", None))
+    for fp in fsdp_internals.fsdp_params(model):
+        managed.add(id(fsdp_internals.sharded_parameter(fp)))
+        for grad in fsdp_internals.held_gradients(fp):
+            add(grad)
     for p in model.parameters():
         if id(p) not in managed:
             add(p.grad)

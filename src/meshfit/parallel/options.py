@@ -28,10 +28,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 """Pipeline schedules by name (`meshfit.parallel.pp.schedule.TORCH_SCHEDULES` maps each to
 torch's class)."""
 
-# Debug backends that torch._dynamo.list_backends() hides but that are useful in tests.
+# Debug backends that torch.compiler.list_backends() hides but that are useful in tests.
 _DEBUG_BACKENDS = ("eager", "aot_eager")
 # Names accepted without asking torch (each is registered by every torch 2.x); any other
-# backend or mode is looked up in torch's registry, which imports torch._dynamo.
+# backend or mode is looked up in torch's registry, which imports dynamo.
 _COMMON_BACKENDS = ("inductor", *_DEBUG_BACKENDS)
 _COMMON_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -72,10 +72,10 @@ def check_backend_mode(backend: object, mode: str | None, backend_field: str, mo
     """One-line ValueError for a torch.compile backend or inductor mode torch does not know
     (torch is imported only for a name outside the common ones)."""
     if not callable(backend) and backend not in _COMMON_BACKENDS:  # a function is a backend too
-        import torch._dynamo
+        import torch.compiler
 
-        backends = sorted(set(torch._dynamo.list_backends()) | {"inductor", *_DEBUG_BACKENDS})
-        registered = torch._dynamo.list_backends(exclude_tags=())  # with the debug ones
+        backends = sorted(set(torch.compiler.list_backends()) | {"inductor", *_DEBUG_BACKENDS})
+        registered = torch.compiler.list_backends(exclude_tags=())  # with the debug ones
         if backend not in backends and backend not in registered:
             raise ValueError(f"{where}{backend_field}={backend!r} is not a torch.compile "
                              f"backend; use one of {backends}")
@@ -87,9 +87,9 @@ def check_backend_mode(backend: object, mode: str | None, backend_field: str, mo
             f"{backend_field}={backend!r}; drop {mode_field} or use {backend_field}='inductor'")
     if mode in _COMMON_MODES:
         return
-    from torch._inductor import list_mode_options  # heavy import: only for an unusual mode
+    from meshfit._compat import dynamo  # heavy import (inductor): only for an unusual mode
 
-    modes = list(list_mode_options())
+    modes = dynamo.inductor_modes()
     if mode not in modes:
         raise ValueError(f"{where}{mode_field}={mode!r} is not an inductor mode; use None or "
                          f"one of {modes}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshfit._compat.ops import is_view
 from meshfit.parallel.layout import Engine, Layout
 from meshfit.parallel.options import ModelOptions, compile_mode
 
@@ -49,68 +50,106 @@ def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelO
     may not have complete support on cpu device mesh").
     """
     device = device or torch.device("cpu")
-    # 1. Place (FSDP2 places each unit's shard itself).
-    if not layout.is_fsdp:
+    # The fixed order (the module docstring says why each step needs the one before it).
+    if not layout.is_fsdp:  # 1. place (FSDP2 places each unit's shard itself)
         model = model.to(device)
-    # 2. Tensor parallel: parameters become DTensors on mesh["tp"].
     tp_mesh = layout.axis_mesh(mesh, "tp")
-    if tp_mesh is not None:
-        from meshfit.parallel.tp import apply_tp
+    _tensor_parallel(model, tp_mesh, layout, options)          # 2. parameters: DTensors
+    experts = _expert_parallel(model, layout, mesh, device)    # 2b. this rank's experts
+    _context_parallel(model, layout, mesh, options)            # 2c. attention: a ring
+    _float8(model, options, tp_mesh, device)                   # 2d. torchao's linear layers
+    _checkpointing(model, options)                             # 3. inside what is compiled
+    _compile(model, options)                                   # 4. before any DP hook exists
+    return _data_parallel(model, layout, options, mesh, device,  # 5. outermost
+                          tp=tp_mesh is not None, experts=experts)
 
-        apply_tp(model, tp_mesh, plan=options.tp_plan,
-                 sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel)
-    # 2b. Expert parallel: this rank's experts, as DTensors on mesh["ep"].
-    experts = None
+
+def _tensor_parallel(model: nn.Module, tp_mesh, layout: Layout, options: ModelOptions) -> None:
+    """Tensor parallel on ``mesh["tp"]``: `apply_tp` needs the plain module."""
+    if tp_mesh is None:
+        return
+    from meshfit.parallel.tp import apply_tp
+
+    apply_tp(model, tp_mesh, plan=options.tp_plan, sequence_parallel=layout.sequence_parallel,
+             loss_parallel=layout.loss_parallel)
+
+
+def _expert_parallel(model: nn.Module, layout: Layout, mesh, device: torch.device):
+    """Expert parallel on ``mesh["ep"]``: each MoE block keeps its own experts (DTensor
+    shards) and exchanges tokens by all-to-all; returns what `apply_ep` returns (None
+    without ep), which FSDP2 shards on their own mesh."""
     ep_mesh = layout.axis_mesh(mesh, "ep")
-    if ep_mesh is not None:
-        from meshfit.parallel.ep import apply_ep
+    if ep_mesh is None:
+        return None
+    from meshfit.parallel.ep import apply_ep
 
-        experts = apply_ep(model, ep_mesh, device=device)
-    # 2c. Context parallel: each rank takes its part of every sequence; attention is a ring.
+    return apply_ep(model, ep_mesh, device=device)
+
+
+def _context_parallel(model: nn.Module, layout: Layout, mesh, options: ModelOptions) -> None:
+    """Context parallel on ``mesh["cp"]``: each rank takes its part of every sequence."""
     cp_mesh = layout.axis_mesh(mesh, "cp")
-    if cp_mesh is not None:
-        from meshfit.parallel.cp import apply_cp
+    if cp_mesh is None:
+        return
+    from meshfit.parallel.cp import apply_cp
 
-        apply_cp(model, cp_mesh, balanced=options.cp_load_balance)
-    # 2d. float8 linear layers (torchao), before they are checkpointed and compiled.
-    if options.float8:
-        if tp_mesh is not None:
-            raise ValueError("float8=True with tensor parallel (tp > 1) is not available yet; "
-                             "use float8 with data parallel, ZeRO/FSDP or pipeline layouts")
-        from meshfit.parallel.float8 import apply_float8
+    apply_cp(model, cp_mesh, balanced=options.cp_load_balance)
 
-        apply_float8(model, options.float8_recipe, device=device)
-    # 3. Activation checkpointing, inside what is compiled.
-    if options.activation_checkpointing != "none":
-        from meshfit.parallel.activation import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model, options.activation_checkpointing,
-                                       every=options.activation_checkpointing_every,
-                                       policy=options.activation_checkpointing_policy)
-    # 4. Compile, before the data-parallel wrapper's hooks exist.
-    if options.compile:
-        from meshfit.parallel.compile import apply_compile
+def _float8(model: nn.Module, options: ModelOptions, tp_mesh, device: torch.device) -> None:
+    """torchao's float8 linear layers, before they are checkpointed and compiled."""
+    if not options.float8:
+        return
+    if tp_mesh is not None:
+        raise ValueError("float8=True with tensor parallel (tp > 1) is not available yet; "
+                         "use float8 with data parallel, ZeRO/FSDP or pipeline layouts")
+    from meshfit.parallel.float8 import apply_float8
 
-        apply_compile(model, backend=options.compile_backend,
-                      mode=compile_mode(options.compile_mode),
-                      scope=options.compile_scope)
-    # 5. The data-parallel wrapper, outermost.
+    apply_float8(model, options.float8_recipe, device=device)
+
+
+def _checkpointing(model: nn.Module, options: ModelOptions) -> None:
+    """Activation checkpointing of each transformer block."""
+    if options.activation_checkpointing == "none":
+        return
+    from meshfit.parallel.activation import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, options.activation_checkpointing,
+                                   every=options.activation_checkpointing_every,
+                                   policy=options.activation_checkpointing_policy)
+
+
+def _compile(model: nn.Module, options: ModelOptions) -> None:
+    """torch.compile of each (checkpointed) block, or of the whole model."""
+    if not options.compile:
+        return
+    from meshfit.parallel.compile import apply_compile
+
+    apply_compile(model, backend=options.compile_backend, mode=compile_mode(options.compile_mode),
+                  scope=options.compile_scope)
+
+
+def _data_parallel(model: nn.Module, layout: Layout, options: ModelOptions, mesh,
+                   device: torch.device, *, tp: bool, experts) -> nn.Module:
+    """The data-parallel wrapper: DDP over the ranks whose gradients are averaged (ZeRO 0
+    and 1), or FSDP2 (ZeRO 2/3, and every data-parallel layout with tp or pp); the model
+    itself where neither applies."""
     if layout.engine in (Engine.DDP, Engine.ZERO1):
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (e.g. an evaluation-only model)
         from meshfit.parallel.ddp import apply_ddp
 
         return apply_ddp(model, layout.grad_mesh(mesh), device=device, **options.ddp_kwargs)
-    if layout.is_fsdp:
-        from meshfit.parallel.fsdp import apply_fsdp
+    if not layout.is_fsdp:
+        return model
+    from meshfit.parallel.fsdp import apply_fsdp
 
-        if tp_mesh is not None:
-            model.register_forward_hook(_fresh_outputs)  # runs before FSDP2's own hook
-        return apply_fsdp(model, layout.fsdp_mesh(mesh),
-                          reshard_after_forward=layout.reshard_after_forward,
-                          param_dtype=layout.param_dtype, offload=layout.offload,
-                          experts=experts, expert_mesh=layout.expert_fsdp_mesh(mesh))
-    return model
+    if tp:
+        model.register_forward_hook(_fresh_outputs)  # runs before FSDP2's own hook
+    return apply_fsdp(model, layout.fsdp_mesh(mesh),
+                      reshard_after_forward=layout.reshard_after_forward,
+                      param_dtype=layout.param_dtype, offload=layout.offload,
+                      experts=experts, expert_mesh=layout.expert_fsdp_mesh(mesh))
 
 
 def _fresh_outputs(module: nn.Module, args, output):
@@ -121,5 +160,4 @@ def _fresh_outputs(module: nn.Module, args, output):
     is copied once, here, before FSDP2 registers its hook."""
     from meshfit.distributed.collectives import apply_to_tensors
 
-    return apply_to_tensors(
-        lambda t: t.clone() if t.requires_grad and t._base is not None else t, output)
+    return apply_to_tensors(lambda t: t.clone() if t.requires_grad and is_view(t) else t, output)

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from meshfit import optim
+from meshfit._compat import optim as lr_internals
 from meshfit.accelerator import Accelerator
 from meshfit.accelerator.compat import DataLoaderConfiguration
 from meshfit.checkpoint import latest
@@ -310,7 +311,7 @@ def _follow_schedule(schedule, factor) -> None:
             group["lr"].fill_(base * factor(step))
         else:
             group["lr"] = base * factor(step)
-    schedule._last_lr = [g["lr"] for g in schedule.optimizer.param_groups]
+    lr_internals.set_last_lr(schedule, [g["lr"] for g in schedule.optimizer.param_groups])
 
 
 def lr_lambda(cfg: RunConfig):

@@ -24,66 +24,92 @@ def gpt_plan(model: GPT, *, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> TPPlan:
     """The residual stream is a local tensor, as in torchtitan: replicated [B, T, d], or
     [B, T/T_tp, d] under sequence parallel."""
-    cfg, sp = model.config, sequence_parallel
-    mlp = {"w_in": "col", "w_out": "row"} if cfg.mlp == "gelu" else \
-        {"w1": "col", "w3": "col", "w2": "row"}
-    drop = cfg.dropout > 0
+    sp = sequence_parallel
     seq = SHARD_SEQ if sp else REPLICATE  # the residual stream between blocks
-    styles: dict[str, Style] = {}
-    if model.tok_emb is not None:
-        styles["tok_emb"] = rowwise(input=REPLICATE, output=seq)
-    if model.pos_emb is not None:
-        # forward adds pos_emb(arange(T)) [T, d] to the embedding: under SP each rank takes
-        # its rows, which are the positions of its sequence shard.
-        styles["pos_emb"] = replicate(output=SHARD_FIRST if sp else REPLICATE)
-    if sp and drop:
-        styles["drop"] = sequence(local_output=True)
-    blocks = (("attn", {"wq": "col", "wk": "col", "wv": "col", "wo": "row"}, "resid_drop"),
-              ("mlp", mlp, "drop"))
-    # A mixture-of-experts block's router and routed experts stay whole on every tp rank
-    # (replicate_local: their indexing cannot run on DTensors); every tp rank routes and
-    # computes the same tokens — under sequence parallel the block gathers the sequence on
-    # the way in and hands back its slice. Its shared expert is split as a dense MLP,
-    # all-reduced inside the block. Only the dense blocks' MLPs follow the pattern.
-    moe = [i for i, b in model.layers.items() if isinstance(b.mlp, MoE)]
-    for part, linears, out_drop in blocks if len(model.layers) else ():
-        owners = ["*"] if part == "attn" or not moe else \
-            [i for i in model.layers if i not in moe]
-        styles[f"layers.*.{part}_norm"] = sequence() if sp else replicate()
-        if sp:
-            # attn(x, rope): x sequence-sharded -> all-gathered; rope tables pass through.
-            ins = (SHARD_SEQ, None) if part == "attn" else (SHARD_SEQ,)
-            outs = (REPLICATE, None) if part == "attn" else (REPLICATE,)
-            for i in owners:
-                styles[f"layers.{i}.{part}"] = prepare_input(input=ins, desired=outs)
-        for name, kind in linears.items():
-            for i in owners:
-                styles[f"layers.{i}.{part}.{name}"] = colwise() if kind == "col" else \
-                    rowwise(output=seq)
-        for i in moe if part == "mlp" else ():
-            if sp:
-                styles[f"layers.{i}.mlp"] = gather_sequence(local_output=True)
-            styles[f"layers.{i}.mlp.router"] = replicate_local()
-            styles[f"layers.{i}.mlp.experts"] = replicate_local()
-            if model.layers[i].mlp.shared is not None:
-                for name, kind in linears.items():
-                    styles[f"layers.{i}.mlp.shared.{name}"] = colwise() if kind == "col" \
-                        else rowwise(output=REPLICATE)
-        if sp and drop:
-            for i in owners:
-                styles[f"layers.{i}.{part}.{out_drop}"] = sequence(local_output=True)
+    styles = _embedding_styles(model, sp)
+    mlp = {"w_in": "col", "w_out": "row"} if model.config.mlp == "gelu" else \
+        {"w1": "col", "w3": "col", "w2": "row"}
+    parts = (("attn", {"wq": "col", "wk": "col", "wv": "col", "wo": "row"}, "resid_drop"),
+             ("mlp", mlp, "drop"))
+    for part, linears, out_drop in parts if len(model.layers) else ():
+        styles.update(_block_styles(model, part, linears, out_drop, sp))
     if model.norm is not None:
         styles["norm"] = sequence() if sp else replicate()
     if model.lm_head is not None:
         styles["lm_head"] = head(loss_parallel, input=seq)
+    return TPPlan(styles=styles, divisible=_divisible(model.config), input_kwarg="idx",
+                  targets_arg=(1, "targets"))
+
+
+def _embedding_styles(model: GPT, sp: bool) -> dict[str, Style]:
+    """The token and position embeddings (and the dropout after them, under SP)."""
+    styles: dict[str, Style] = {}
+    if model.tok_emb is not None:
+        styles["tok_emb"] = rowwise(input=REPLICATE, output=SHARD_SEQ if sp else REPLICATE)
+    if model.pos_emb is not None:
+        # forward adds pos_emb(arange(T)) [T, d] to the embedding: under SP each rank takes
+        # its rows, which are the positions of its sequence shard.
+        styles["pos_emb"] = replicate(output=SHARD_FIRST if sp else REPLICATE)
+    if sp and model.config.dropout > 0:
+        styles["drop"] = sequence(local_output=True)
+    return styles
+
+
+def _block_styles(model: GPT, part: str, linears: dict[str, str], out_drop: str,
+                  sp: bool) -> dict[str, Style]:
+    """One part ("attn" or "mlp") of every block: its norm, its linears (colwise in,
+    rowwise out), its output dropout under SP.
+
+    A mixture-of-experts block's router and routed experts stay whole on every tp rank
+    (replicate_local: their indexing cannot run on DTensors); every tp rank routes and
+    computes the same tokens — under sequence parallel the block gathers the sequence on
+    the way in and hands back its slice. Its shared expert is split as a dense MLP,
+    all-reduced inside the block. Only the dense blocks' MLPs follow the pattern."""
+    seq = SHARD_SEQ if sp else REPLICATE
+    moe = [i for i, b in model.layers.items() if isinstance(b.mlp, MoE)]
+    owners = ["*"] if part == "attn" or not moe else [i for i in model.layers if i not in moe]
+    styles: dict[str, Style] = {f"layers.*.{part}_norm": sequence() if sp else replicate()}
+    if sp:
+        # attn(x, rope): x sequence-sharded -> all-gathered; rope tables pass through.
+        ins = (SHARD_SEQ, None) if part == "attn" else (SHARD_SEQ,)
+        outs = (REPLICATE, None) if part == "attn" else (REPLICATE,)
+        for i in owners:
+            styles[f"layers.{i}.{part}"] = prepare_input(input=ins, desired=outs)
+    for name, kind in linears.items():
+        for i in owners:
+            styles[f"layers.{i}.{part}.{name}"] = colwise() if kind == "col" else \
+                rowwise(output=seq)
+    for i in moe if part == "mlp" else ():
+        styles.update(_moe_styles(model, i, linears, sp))
+    if sp and model.config.dropout > 0:
+        for i in owners:
+            styles[f"layers.{i}.{part}.{out_drop}"] = sequence(local_output=True)
+    return styles
+
+
+def _moe_styles(model: GPT, i: str, linears: dict[str, str], sp: bool) -> dict[str, Style]:
+    """Block `i`'s mixture of experts (see `_block_styles`)."""
+    styles: dict[str, Style] = {}
+    if sp:
+        styles[f"layers.{i}.mlp"] = gather_sequence(local_output=True)
+    styles[f"layers.{i}.mlp.router"] = replicate_local()
+    styles[f"layers.{i}.mlp.experts"] = replicate_local()
+    if model.layers[i].mlp.shared is not None:
+        for name, kind in linears.items():
+            styles[f"layers.{i}.mlp.shared.{name}"] = colwise() if kind == "col" \
+                else rowwise(output=REPLICATE)
+    return styles
+
+
+def _divisible(cfg) -> tuple[tuple[str, int, str], ...]:
+    """The sizes the tp degree must divide: (field, value, what is split)."""
     divisible = [("GPTConfig.n_head", cfg.n_head, "heads")]
     if cfg.kv_heads != cfg.n_head:
         divisible.append(("GPTConfig.n_kv_head", cfg.kv_heads, "heads"))
     divisible += [("GPTConfig.d_model", cfg.d_model, "width"),
                   ("GPTConfig.d_ff", cfg.d_ff, "width"),
                   ("GPTConfig.vocab_size", cfg.vocab_size, "vocab")]
-    return TPPlan(styles=styles, divisible=tuple(divisible), input_kwarg="idx",
-                  targets_arg=(1, "targets"))
+    return tuple(divisible)
 
 
 def gpt_pipeline_plan(model: GPT) -> PipelinePlan:

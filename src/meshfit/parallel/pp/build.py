@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,49 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     `meshfit.parallel.layout`), as `Accelerator.prepare_pipeline` passes. The schedule
     reduces the wrapper's gradients once per `step`, after its last micro-batch.
     """
+    cut = _cut(model, pp_mesh, plan, schedule=schedule, microbatches=microbatches,
+               virtual_stages=virtual_stages, points=points, balance=balance, times=times)
+    pp_rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if pp_mesh.device_type == "cuda" else torch.device(pp_mesh.device_type)
+    held = cut.placement[pp_rank]
+    modules = _stage_modules(model, cut.plan, held, cut.num_stages, cut.points, device,
+                             group, init_seed=init_seed, fill_stage=fill_stage)
+    runs = [parallelize(m) for m in modules] if parallelize is not None else modules
+    modules = [r.module if isinstance(r, nn.parallel.DistributedDataParallel) else r
+               for r in runs]
+    timings = [] if record_timings else None
+    info = {"step": 0, "rank": pp_rank, "record": True}
+    stages = _timed_stages(runs, held, cut.num_stages, device, group, timings, info)
+    loss = TokenCrossEntropy() if loss_fn is None else MicrobatchMean(loss_fn, microbatches)
+    sched = TORCH_SCHEDULES[schedule](stages[0] if cut.virtual_stages == 1 else stages,
+                                      n_microbatches=microbatches, loss_fn=loss,
+                                      scale_grads=False)
+    last_rank = next(r for r, on in enumerate(cut.placement) if cut.num_stages - 1 in on)
+    return Pipeline(modules, stages, sched, name=schedule, pp_group=group, pp_rank=pp_rank,
+                    num_stages=cut.num_stages, points=cut.points, microbatches=microbatches,
+                    loss_fn=loss, last_rank=last_rank,
+                    tied=ties(model, cut.plan, cut.placement, cut.num_stages, cut.points),
+                    timings=timings, step_info=info, virtual_stages=cut.virtual_stages,
+                    placement=cut.placement)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Cut:
+    """Where the model is cut: its plan, the stages (`virtual_stages` per rank), where each
+    begins, and which ranks hold which (`stage_placement`)."""
+
+    plan: PipelinePlan
+    virtual_stages: int
+    num_stages: int
+    points: list[int]
+    placement: list[list[int]]
+
+
+def _cut(model: nn.Module, pp_mesh, plan: PipelinePlan | None, *, schedule: str,
+         microbatches: int, virtual_stages: int | None, points: Sequence[int] | None,
+         balance: str, times: Sequence[float] | None) -> _Cut:
+    """The pipeline's stages over `pp_mesh`, checked before anything is built."""
     if pp_mesh.ndim != 1:
         raise ValueError(f"build_pipeline needs a 1-D mesh, got axes {pp_mesh.mesh_dim_names}; "
                          "pass mesh['pp']")
@@ -63,36 +107,21 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     pp = pp_mesh.size()
     v = check_pipeline(len(plan.blocks_of(model)), pp, schedule=schedule,
                        microbatches=microbatches, virtual_stages=virtual_stages)
-    num_stages = pp * v
-    points = split_points(model, num_stages, balance=balance, times=times, points=points,
+    points = split_points(model, pp * v, balance=balance, times=times, points=points,
                           plan=plan)
-    pp_rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
-    placement = stage_placement(schedule, pp, v)
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if pp_mesh.device_type == "cuda" else torch.device(pp_mesh.device_type)
-    modules = _stage_modules(model, plan, placement[pp_rank], num_stages, points, device,
-                             group, init_seed=init_seed, fill_stage=fill_stage)
-    runs = [parallelize(m) for m in modules] if parallelize is not None else modules
-    modules = [r.module if isinstance(r, nn.parallel.DistributedDataParallel) else r
-               for r in runs]
+    return _Cut(plan=plan, virtual_stages=v, num_stages=pp * v, points=points,
+                placement=stage_placement(schedule, pp, v))
 
-    timings = [] if record_timings else None
+
+def _timed_stages(runs: list[nn.Module], held: Sequence[int], num_stages: int,
+                  device: torch.device, group, timings: list | None,
+                  info: dict) -> list[TimedStage]:
+    """This rank's torch stages over the modules the schedule runs, recording into
+    `timings` (None: not recorded) on a wall clock read through `perf_counter`."""
     anchor_wall, anchor_perf = time.time(), time.perf_counter()
-    info = {"step": 0, "rank": pp_rank, "record": True}
-    stages = [TimedStage(m, s, num_stages, device, group=group, log=timings, info=info,
-                          clock=lambda: anchor_wall + time.perf_counter() - anchor_perf)
-              for m, s in zip(runs, placement[pp_rank])]
-    loss = TokenCrossEntropy() if loss_fn is None else MicrobatchMean(loss_fn, microbatches)
-    sched = TORCH_SCHEDULES[schedule](stages[0] if v == 1 else stages,
-                                      n_microbatches=microbatches, loss_fn=loss,
-                                      scale_grads=False)
-    last_rank = next(r for r, held in enumerate(placement) if num_stages - 1 in held)
-
-    return Pipeline(modules, stages, sched, name=schedule, pp_group=group, pp_rank=pp_rank,
-                    num_stages=num_stages, points=points, microbatches=microbatches,
-                    loss_fn=loss, last_rank=last_rank,
-                    tied=ties(model, plan, placement, num_stages, points), timings=timings,
-                    step_info=info, virtual_stages=v, placement=placement)
+    return [TimedStage(m, s, num_stages, device, group=group, log=timings, info=info,
+                       clock=lambda: anchor_wall + time.perf_counter() - anchor_perf)
+            for m, s in zip(runs, held)]
 
 
 def _stage_modules(model: nn.Module, plan: PipelinePlan, held: Sequence[int], num_stages: int,

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshfit._compat import pipelining as pp_internals
+from meshfit.distributed.tensors import local_tensor
 from meshfit.parallel.clip import clip_grad_norm_
 from meshfit.parallel.pp.schedule import TokenCrossEntropy, check_batch
 
@@ -159,7 +161,7 @@ class Pipeline:
         stages keep receive buffers that need no gradient, and the first training step then
         fails with "for chunk 0 has gradients None and is expecting to send gradients")."""
         by_step = self.schedule_name == "zero_bubble" or (
-            not self._trained and not _switches_modes(self.schedule))
+            not self._trained and not pp_internals.switches_modes(self.schedule))
         if not by_step and not hasattr(self.schedule, "eval"):
             raise RuntimeError(f"torch {torch.__version__}'s pipeline schedules have no eval(); "
                                "upgrade torch to evaluate a pipeline")
@@ -242,7 +244,7 @@ class Pipeline:
         for tie in self._tied:
             local = self._local_copies(tie.names)
             g0 = _grad_as_param(local[0]) if local else None
-            out.append(None if g0 is None else _local(g0).clone())
+            out.append(None if g0 is None else local_tensor(g0).clone())
         return out
 
     def _sum_tied_grads(self, before) -> None:
@@ -257,19 +259,19 @@ class Pipeline:
             shape, dtype = layout
             added = torch.zeros(shape, dtype=dtype, device=self.device)
             for g in grads:
-                added += _local(g) if g0 is None else _local(g) - g0
+                added += local_tensor(g) if g0 is None else local_tensor(g) - g0
             if tie.cross_rank:  # ranks without a copy take part with zeros
                 dist.all_reduce(added, group=self.pp_group)
             total = added if g0 is None else g0 + added
             for p in local:
                 if p.grad is None:
                     continue  # (a stage that received no gradient at all: nothing to add to)
-                _local(p.grad).copy_(total)
+                local_tensor(p.grad).copy_(total)
 
     def _tie_local_shape(self, i: int, tie, grads):
         """(local shape, dtype) of the tie's gradient, or None when no copy has one yet."""
         if i not in self._tie_shapes:
-            mine = (tuple(_local(grads[0]).shape), grads[0].dtype) if grads else None
+            mine = (tuple(local_tensor(grads[0]).shape), grads[0].dtype) if grads else None
             if tie.cross_rank:
                 everyone: list = [None] * dist.get_world_size(self.pp_group)
                 dist.all_gather_object(everyone, mine, group=self.pp_group)
@@ -278,13 +280,6 @@ class Pipeline:
                 return None  # asked again next step (every rank agrees: nothing cached)
             self._tie_shapes[i] = mine
         return self._tie_shapes[i]
-
-
-def _switches_modes(schedule) -> bool:
-    """Whether the torch schedule re-initialises its stages when it goes from eval to
-    training (torch 2.13's schedules do so in `_initialize_pp_stages`; 2.11's do not). Where
-    this cannot tell, eval_loss takes the path that works either way."""
-    return callable(getattr(schedule, "_initialize_pp_stages", None))
 
 
 def _grad_as_param(p: torch.Tensor) -> torch.Tensor | None:
@@ -296,9 +291,3 @@ def _grad_as_param(p: torch.Tensor) -> torch.Tensor | None:
     if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
         p.grad = g = g.redistribute(p.device_mesh, p.placements)
     return g
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t

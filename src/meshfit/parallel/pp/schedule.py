@@ -29,8 +29,10 @@ from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, \
-    ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, \
+    ScheduleZBVZeroBubble
+
+from meshfit._compat import pipelining as pp_internals
 
 from meshfit.parallel.options import SCHEDULES
 from meshfit.parallel.rules import namer
@@ -119,8 +121,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class TimedStage(PipelineStage):
-    """A PipelineStage that records its timings (see the module docstring) into `log`."""
+class TimedStage(pp_internals.LocalPeerStage):
+    """A PipelineStage that records its timings (see the module docstring) into `log` (and
+    warms up no communicator from its rank to itself: `meshfit._compat.pipelining`)."""
 
     def __init__(self, *args, log: list | None, clock: Callable[[], float], info: dict, **kwargs):
         super().__init__(*args, **kwargs)
@@ -137,17 +140,6 @@ class TimedStage(PipelineStage):
                               stage=self.stage_index, microbatch=mb, phase=phase,
                               start=start, end=self._clock()))
         return out
-
-    def _get_init_p2p_neighbors_ops(self):
-        """The schedule's warm-up sends and receives to the neighbouring stages, less those
-        to this rank itself. Schedules that warm up with these ops (torch 2.11, 2.12; from
-        2.13 only a stage that is not a PipelineStage does) send a dummy tensor to every
-        neighbour's rank, and under zero_bubble's V-shape a rank holds two adjacent stages
-        (pp=2: rank 1 holds stages 1 and 2): gloo has no connection of a rank to itself and
-        fails ("Pair is not connected ... <--> [none]"). Stages on one rank hand activations
-        over in memory, so there is no communicator to warm up between them."""
-        ops = super()._get_init_p2p_neighbors_ops()
-        return [op for op in ops if getattr(op, "group_peer", None) != self.group_rank]
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         return self._timed("forward", fwd_chunk_id, super().forward_one_chunk, fwd_chunk_id,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshfit._compat import nn as nn_internals
 from meshfit.distributed.tensors import names_by_parameter
 from meshfit.models.plans import PipelinePlan, pipeline_plan_for
 from meshfit.parallel.pp.schedule import _sync
@@ -37,7 +38,7 @@ def resolve_plan(model: nn.Module, plan: PipelinePlan | None) -> PipelinePlan:
 
 
 def _block_items(blocks: nn.Module) -> dict[str, nn.Module]:
-    return {k: m for k, m in blocks._modules.items() if m is not None}
+    return {k: m for k, m in nn_internals.child_slots(blocks).items() if m is not None}
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:
@@ -62,7 +63,7 @@ class StageBlocks(nn.ModuleList):
             self.add_module(key, block)
 
     def __getitem__(self, idx):
-        return list(self._modules.values())[idx]  # a slice gives a plain list
+        return list(iter(self))[idx]  # by position, not key; a slice gives a plain list
 
 
 # ---------------------------------------------------------------------------- splitting

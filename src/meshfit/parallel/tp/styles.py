@@ -11,8 +11,6 @@ data into PyTorch `ParallelStyle` objects.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, \
@@ -20,6 +18,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, \
     PrepareModuleOutput, RowwiseParallel, SequenceParallel
 
+from meshfit._compat import nn as nn_internals
+from meshfit._compat import tensor_parallel as tp_internals
 from meshfit.models.plans.base import Style
 from meshfit.models.plans.regroup import group_columns, mark_regrouped
 
@@ -28,7 +28,7 @@ __all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "ReplicateParallel"
 
 
 # ---------------------------------------------------------------------------- styles
-class ReplicateParallel(ParallelStyle):
+class ReplicateParallel(tp_internals.Hooks, ParallelStyle):
     """Parameters replicated on the mesh (broadcast from the first rank) for modules that TP
     does not split: norms outside sequence parallel, learned position tables.
 
@@ -57,7 +57,7 @@ class ReplicateParallel(ParallelStyle):
         out = out.redistribute(placements=self.output_layouts)
         return out.to_local() if self.use_local_output else out
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def apply_to(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._prepare_input,
                                  self._prepare_output)
 
@@ -71,13 +71,18 @@ def _distribute(module: nn.Module, name: str, p: torch.Tensor, mesh, placement: 
                           src_data_rank=src_data_rank), requires_grad=p.requires_grad))
 
 
+def _own_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`module`'s own parameters by name, a tensor registered under two names twice."""
+    return list(module.named_parameters(recurse=False, remove_duplicate=False))
+
+
 def _local(x):
     if isinstance(x, DTensor):
         return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
     return x
 
 
-class ReplicateLocal(ParallelStyle):
+class ReplicateLocal(tp_internals.Hooks, ParallelStyle):
     """Parameters replicated on the mesh (broadcast from the first rank, so `apply_tp` finds
     DTensors only), while each forward of the module sees their local tensors and plain
     inputs (a DTensor input is replicated first): for a module DTensor cannot run
@@ -85,37 +90,37 @@ class ReplicateLocal(ParallelStyle):
     computes what one process would; gradients reach the DTensors through ``to_local``,
     equal on every rank."""
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def apply_to(self, module: nn.Module, device_mesh) -> nn.Module:
         for owner in module.modules():
-            for name, p in list(owner._parameters.items()):
-                if p is not None and not isinstance(p, DTensor):
+            for name, p in _own_parameters(owner):
+                if not isinstance(p, DTensor):
                     _distribute(owner, name, p, device_mesh, Replicate(), self.src_data_rank)
         held: list[list] = []  # a stack: one entry per call in flight (re-entrant)
 
         def swap_in(mod, args, kwargs):
             swapped = []
             for owner in mod.modules():
-                for name, p in list(owner._parameters.items()):
+                for name, p in _own_parameters(owner):
                     if isinstance(p, DTensor):
-                        owner._parameters[name] = p.to_local()
+                        nn_internals.put_parameter(owner, name, p.to_local())
                         swapped.append((owner, name, p))
             held.append(swapped)
             return tuple(_local(a) for a in args), {k: _local(v) for k, v in kwargs.items()}
 
         def swap_out(mod, args, kwargs, out):
             for owner, name, p in held.pop():
-                owner._parameters[name] = p
+                nn_internals.put_parameter(owner, name, p)
 
         module.register_forward_pre_hook(swap_in, with_kwargs=True)
         module.register_forward_hook(swap_out, with_kwargs=True, always_call=True)
         return module
 
 
-class SequenceParallelBroadcast(SequenceParallel):
+class SequenceParallelBroadcast(tp_internals.SequenceParallelHooks):
     """torch's `SequenceParallel`, except that the replicated parameters are broadcast from
     the first rank instead of assumed equal (torch's assumes a norm's ones-init)."""
 
-    def _replicate_module_fn(self, name, module, device_mesh) -> None:
+    def replicate_module(self, name, module, device_mesh) -> None:
         ReplicateParallel._partition(self, name, module, device_mesh)
 
 
@@ -127,7 +132,7 @@ def _is_conv1d(module: nn.Module) -> bool:
     return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
 
 
-class Conv1DColwiseParallel(ColwiseParallel):
+class Conv1DColwiseParallel(tp_internals.Hooks, ColwiseParallel):
     """ColwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(1); bias Shard(0)).
     `fused=3`: a fused q|k|v projection (GPT-2's `c_attn`), its columns regrouped rank-major
     first (`meshfit.models.plans.regroup`), so each rank receives q, k and v of its own heads
@@ -147,7 +152,7 @@ class Conv1DColwiseParallel(ColwiseParallel):
         if self.fused > 1:  # the parameters' global layout now depends on the TP degree
             mark_regrouped(module, self.fused, tp)
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def apply_to(self, module: nn.Module, device_mesh) -> nn.Module:
         if not _is_conv1d(module):
             raise ValueError(f"Conv1DColwiseParallel needs a transformers Conv1D, got "
                              f"{type(module).__name__}; use ColwiseParallel for nn.Linear")
@@ -155,15 +160,11 @@ class Conv1DColwiseParallel(ColwiseParallel):
 
 
 def _distribute_conv1d(style, module: nn.Module, device_mesh) -> nn.Module:
-    return distribute_module(
-        module, device_mesh, style._partition_conv1d,
-        functools.partial(style._prepare_input_fn, style.input_layouts,
-                          style.desired_input_layouts),
-        functools.partial(style._prepare_output_fn, style.output_layouts,
-                          style.use_local_output))
+    return distribute_module(module, device_mesh, style._partition_conv1d,
+                             tp_internals.input_hook(style), tp_internals.output_hook(style))
 
 
-class Conv1DRowwiseParallel(RowwiseParallel):
+class Conv1DRowwiseParallel(tp_internals.Hooks, RowwiseParallel):
     """RowwiseParallel for Hugging Face's `Conv1D` (weight [in, out]: Shard(0); bias
     Replicate)."""
 
@@ -172,7 +173,7 @@ class Conv1DRowwiseParallel(RowwiseParallel):
             placement = Shard(0) if p_name == "weight" else Replicate()
             _distribute(module, p_name, p, mesh, placement, self.src_data_rank)
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def apply_to(self, module: nn.Module, device_mesh) -> nn.Module:
         if not _is_conv1d(module):
             raise ValueError(f"Conv1DRowwiseParallel needs a transformers Conv1D, got "
                              f"{type(module).__name__}; use RowwiseParallel for nn.Linear")
