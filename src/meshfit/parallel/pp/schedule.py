@@ -33,7 +33,6 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
     ScheduleZBVZeroBubble
 
 from meshfit._compat import pipelining as pp_internals
-
 from meshfit.parallel.options import SCHEDULES
 from meshfit.parallel.rules import namer
 
