@@ -60,9 +60,7 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     cut = _cut(model, pp_mesh, plan, schedule=schedule, microbatches=microbatches,
                virtual_stages=virtual_stages, points=points, balance=balance, times=times)
     pp_rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if pp_mesh.device_type == "cuda" else torch.device(pp_mesh.device_type)
-    held = cut.placement[pp_rank]
+    device, held = _device(pp_mesh), cut.placement[pp_rank]
     modules = _stage_modules(model, cut.plan, held, cut.num_stages, cut.points, device,
                              group, init_seed=init_seed, fill_stage=fill_stage)
     runs = [parallelize(m) for m in modules] if parallelize is not None else modules
@@ -75,10 +73,9 @@ def build_pipeline(model: nn.Module, pp_mesh, *, schedule: str = "1f1b", microba
     sched = TORCH_SCHEDULES[schedule](stages[0] if cut.virtual_stages == 1 else stages,
                                       n_microbatches=microbatches, loss_fn=loss,
                                       scale_grads=False)
-    last_rank = next(r for r, on in enumerate(cut.placement) if cut.num_stages - 1 in on)
     return Pipeline(modules, stages, sched, name=schedule, pp_group=group, pp_rank=pp_rank,
                     num_stages=cut.num_stages, points=cut.points, microbatches=microbatches,
-                    loss_fn=loss, last_rank=last_rank,
+                    loss_fn=loss, last_rank=cut.last_rank,
                     tied=ties(model, cut.plan, cut.placement, cut.num_stages, cut.points),
                     timings=timings, step_info=info, virtual_stages=cut.virtual_stages,
                     placement=cut.placement)
@@ -94,6 +91,11 @@ class _Cut:
     num_stages: int
     points: list[int]
     placement: list[list[int]]
+
+    @property
+    def last_rank(self) -> int:
+        """The pp rank holding the last stage."""
+        return next(r for r, held in enumerate(self.placement) if self.num_stages - 1 in held)
 
 
 def _cut(model: nn.Module, pp_mesh, plan: PipelinePlan | None, *, schedule: str,
@@ -111,6 +113,13 @@ def _cut(model: nn.Module, pp_mesh, plan: PipelinePlan | None, *, schedule: str,
                           plan=plan)
     return _Cut(plan=plan, virtual_stages=v, num_stages=pp * v, points=points,
                 placement=stage_placement(schedule, pp, v))
+
+
+def _device(pp_mesh) -> torch.device:
+    """This rank's device on the mesh (the current CUDA device on a CUDA mesh)."""
+    if pp_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(pp_mesh.device_type)
 
 
 def _timed_stages(runs: list[nn.Module], held: Sequence[int], num_stages: int,
