@@ -53,7 +53,7 @@ DENIED = frozenset({
 torch name (``param._local_tensor``, ``getattr(state, "_fsdp_param_groups")``)."""
 
 _CHECKPOINT = "moves to _compat/dcp.py with the checkpoint split"
-_NOT_OURS = "outside the compat helper's files: its owner switches to {}"
+_SWITCH = "waits for its module's next change, to {}"
 WAITING: dict[str, dict[str, str]] = {
     "checkpoint/_reader.py": {"torch._C": _CHECKPOINT},
     "checkpoint/export.py": {
@@ -76,19 +76,19 @@ WAITING: dict[str, dict[str, str]] = {
         "torch.distributed.checkpoint._async_process_executor._CHECKPOINT_PROCESS": _CHECKPOINT,
         "torch.distributed.checkpoint._async_process_executor._init_logger": _CHECKPOINT},
     "accelerator/accelerator.py": {
-        "._orig_mod": _NOT_OURS.format("meshfit._compat.dynamo.uncompiled")},
+        "._orig_mod": _SWITCH.format("meshfit._compat.dynamo.uncompiled")},
     "accelerator/models.py": {
-        "._buffers": _NOT_OURS.format("named_buffers(recurse=False, remove_duplicate=False) "
+        "._buffers": _SWITCH.format("named_buffers(recurse=False, remove_duplicate=False) "
                                       "and setattr (public)")},
     "distributed/settle.py": {
-        "._world": _NOT_OURS.format("meshfit._compat.distributed.process_groups"),
+        "._world": _SWITCH.format("meshfit._compat.distributed.process_groups"),
         "torch.distributed.distributed_c10d._get_default_group":
-            _NOT_OURS.format("torch.distributed.group.WORLD (public)")},
+            _SWITCH.format("torch.distributed.group.WORLD (public)")},
     "models/gpt.py": {
-        "._forward_hooks": _NOT_OURS.format("meshfit._compat.nn.has_forward_hooks"),
-        "._forward_pre_hooks": _NOT_OURS.format("meshfit._compat.nn.has_forward_hooks")},
-    "models/plans/hf.py": {"._modules": _NOT_OURS.format("meshfit._compat.nn.child_slots")},
-    "parallel/mesh.py": {"._flatten": _NOT_OURS.format("meshfit._compat.distributed.flatten")},
+        "._forward_hooks": _SWITCH.format("meshfit._compat.nn.has_forward_hooks"),
+        "._forward_pre_hooks": _SWITCH.format("meshfit._compat.nn.has_forward_hooks")},
+    "models/plans/hf.py": {"._modules": _SWITCH.format("meshfit._compat.nn.child_slots")},
+    "parallel/mesh.py": {"._flatten": _SWITCH.format("meshfit._compat.distributed.flatten")},
 }
 """File (under src/meshfit) -> {finding: why it is still there}."""
 
@@ -332,3 +332,45 @@ class Fine(ParallelStyle):
     assert scan(snippet) == [f"Mine._apply ({style})",
                                            f"Mine._partition_embedding_fn ({style})",
                                            f"Mine._partition_linear_fn ({style})"]
+
+
+# ------------------------------------------------------- the doors not yet used in src
+# (`meshfit._compat.distributed`, `dynamo.uncompiled`, `nn.has_forward_hooks`: the modules
+# that will call them still name the private attributes, `WAITING`; until they move, the
+# doors' behaviour is checked here against torch's public views)
+def test_the_module_doors_read_what_torch_holds():
+    import torch
+    from torch import nn
+
+    from meshfit._compat import dynamo, nn as nn_internals
+
+    linear = nn.Linear(2, 2)
+    assert dynamo.uncompiled(torch.compile(linear)) is linear
+    assert dynamo.uncompiled(linear) is linear
+    assert not nn_internals.has_forward_hooks(linear)
+    handle = linear.register_forward_pre_hook(lambda module, args: None)
+    assert nn_internals.has_forward_hooks(linear)
+    handle.remove()
+    blocks = nn.ModuleList([linear, nn.ReLU(), linear])
+    assert list(nn_internals.child_slots(blocks)) == ["0", "1", "2"]  # named_children: 2
+    assert [name for name, _ in blocks.named_children()] == ["0", "1"]
+
+
+def _groups_and_flat_mesh(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshfit._compat import distributed
+
+    pair = dist.new_group([0, 1])
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    flat = distributed.flatten(mesh["a", "b"], "ab")
+    groups = distributed.process_groups()
+    return (groups[0] is dist.group.WORLD, pair in groups, flat.size(),
+            mesh["ab"].get_group() is flat.get_group())
+
+
+def test_the_distributed_doors_on_two_ranks():
+    from conftest import run_distributed
+
+    assert run_distributed(_groups_and_flat_mesh, 2) == [(True, True, 2, True)] * 2
