@@ -232,13 +232,13 @@ def _parameters_in_files(acc, model) -> tuple[int, bool]:
     values (the updates reached the files), the model's parameters)."""
     import numpy as np
 
-    from meshfit.parallel.disk import _fsdp_params
+    from meshfit._compat import fsdp as fsdp_internals
 
     files = acc._parameter_files[0]
     same = True
-    for i, fsdp_param in enumerate(_fsdp_params(model)):
+    for i, fsdp_param in enumerate(fsdp_internals.fsdp_params(model)):
         path = files.folder / f"w{i:05d}.bin"
-        data = fsdp_param._sharded_param_data
+        data = fsdp_internals.padded_shard(fsdp_param)
         if data.numel():
             on_disk = torch.from_numpy(np.fromfile(path, dtype=np.float32))
             same = same and torch.equal(on_disk, data)
