@@ -183,8 +183,9 @@ widths, depths and lengths varied apart, so that each term of the fit is seen.""
 
 
 def _train_steps(r: _Ranks, flops: dict) -> tuple[dict, dict]:
-    """Per dtype that ran a matmul: the training-step fit (module docstring) and its rows.
-    fp16 is timed on CUDA only (on a CPU its autocast is an emulation nobody trains with)."""
+    """Per dtype that ran a matmul: the training-step fit (`meshfit.plan.calibrate`'s
+    docstring) and its rows. fp16 is timed on CUDA only (on a CPU its autocast is an
+    emulation nobody trains with)."""
     torch = r.torch
     from meshfit.models import GPT, GPTConfig
 
