@@ -216,7 +216,8 @@ TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
               "meshfit.models.config", "meshfit.models.factory", "meshfit.optim_names",
               "meshfit.parallel", "meshfit.parallel.options", "meshfit.parallel.layout",
               "meshfit.parallel.rules", "meshfit.parallel.costs", "meshfit.parallel.mesh",
-              "meshfit.parallel.request", "meshfit.parallel.pp", "meshfit.parallel.pp.bubble",
+              "meshfit.parallel.request", "meshfit.parallel.spec", "meshfit.parallel.pp",
+              "meshfit.parallel.pp.bubble",
               "meshfit._lazy", "meshfit.data", "meshfit.data.corpus", "meshfit.cli.verify"]
 
 

@@ -69,6 +69,14 @@ the blocks.
 Outside the blocks, on the last stage: the final norm's and the head's inputs (2h) and the
 loss (3V fp32 elements per token, / t under loss_parallel; below).
 
+**Context parallel** (cp, `meshfit.parallel.cp`): each rank holds seq_len / cp of every
+sequence, so every activation above is of those tokens; the ring's attention saves q, k, v,
+its output (in fp32 under bf16/fp16) and the fp32 log-sum-exp, never the score matrix,
+whatever the kernel asked for; during a block's attention backward the ring holds two blocks
+of keys and values, the accumulators of their gradients and the queries' gradient
+(`_ring_bytes`), after the head's backward has freed the loss's tensors (so only what the
+ring needs beyond those counts). Under ZeRO the states are sharded over dp_shard x cp (`LayoutCosts`).
+
 Pipelines hold several micro-batches at once on their first stage (Narayanan et al. 2021):
 GPipe all m of them, 1F1B min(m, p), interleaved 1F1B p·(1 + (p-1)/(p·v)) stage-chunks,
 zero-bubble (ZB-V) min(m, p).
@@ -101,11 +109,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 from meshfit.memory.shape import ModelShape
-from meshfit.parallel.request import LayoutRequest
-from meshfit.parallel.rules import default_zero_stage
+from meshfit.parallel.spec import LayoutSpec
 
 __all__ = ["ActivationBytes", "Adapters", "Estimate", "LayoutSpec", "NF4_BYTES",
            "activation_bytes", "estimate", "model_state_bytes"]
@@ -113,7 +119,6 @@ __all__ = ["ActivationBytes", "Adapters", "Estimate", "LayoutSpec", "NF4_BYTES",
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_fused": 8.0, "adamw_8bit": 2.0, "sgd": 4.0,
                    "adafactor": 0.0}
-Checkpointing = Literal["none", "selective", "full"]
 DISK_CHUNK_BYTES = 256 * 2**20
 """`meshfit.parallel.disk.DiskOffload`'s default chunk (of state read or written at once)."""
 NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
@@ -203,71 +208,6 @@ def model_state_bytes(n_params: float, dp: int = 1, zero_stage: int = 0, *,
     return out
 
 
-@dataclass(frozen=True, kw_only=True)
-class LayoutSpec(LayoutRequest):
-    """A layout as the estimate and the planner describe it (the JSON's ``layout``): a
-    `LayoutRequest` made concrete, with the micro-batch and checkpointing it runs with.
-
-    Concrete: a spec describes its own world, so the axis left to "the remaining ranks"
-    (-1) has 1, an unset ZeRO stage is the one `meshfit train` takes
-    (`meshfit.parallel.rules.default_zero_stage`), and unset pipeline micro-batches and
-    virtual stages are 1."""
-
-    activation_checkpointing: Checkpointing = "none"
-    micro_batch_size: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # the request's own checks
-        concrete = {axis: 1 for axis, size in self.sizes().items() if size == -1}
-        dp_shard = concrete.get("dp_shard", self.dp_shard)
-        concrete.update(zero_stage=self.zero_stage if self.zero_stage is not None
-                        else default_zero_stage(dp_shard),
-                        microbatches=self.microbatches or 1,
-                        virtual_stages=self.virtual_stages or 1)
-        for name, value in concrete.items():
-            object.__setattr__(self, name, value)  # frozen: set once, while being built
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def to_json(self) -> dict:
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
-                "pp": self.pp, "ep": self.ep, "zero_stage": self.zero_stage,
-                "offload": self.offload == "cpu", **({"offload_to": "disk"}
-                                                     if self.offload == "disk" else {}),
-                **({"offload_params": True} if self.offload_params else {}),
-                "sequence_parallel": self.sequence_parallel,
-                "schedule": self.schedule if self.pp > 1 else None,
-                "microbatches": self.microbatches if self.pp > 1 else None,
-                "activation_checkpointing": self.activation_checkpointing,
-                "micro_batch_size": self.micro_batch_size}
-
-    def describe(self) -> str:
-        parts = [f"{k} {getattr(self, k)}" for k in ("pp", "dp_replicate", "dp_shard", "tp",
-                                                      "ep") if getattr(self, k) > 1]
-        text = " x ".join(parts) or "one process"
-        if self.zero_stage:
-            text += f", ZeRO-{self.zero_stage}" + (" + CPU offload" if self.offload == "cpu"
-                                                   else "")
-        if self.offload == "disk":
-            text += (", parameters and optimizer state on disk" if self.offload_params
-                     else ", optimizer state on disk")
-        if self.sequence_parallel:
-            text += ", SP"
-        if self.pp > 1:
-            text += f", {self.schedule} m={self.microbatches}"
-            if self.virtual_stages > 1:
-                text += f" v={self.virtual_stages}"
-        if self.activation_checkpointing != "none":
-            text += f", {self.activation_checkpointing} checkpointing"
-        return text + f", micro-batch {self.micro_batch_size}"
-
-
 @dataclass(frozen=True)
 class ActivationBytes:
     """Saved activations of one micro-batch on one rank, by part (bytes)."""
@@ -318,10 +258,12 @@ def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
     act = DTYPE_BYTES[dtype]
     residual = 4 if autocast and act < 4 else act
     t, sp = layout.tp, layout.sequence_parallel
-    tokens = layout.micro_batch_size * seq_len
-    e = _block_elements(shape, seq_len, attention)
+    tokens = layout.micro_batch_size * seq_len // layout.cp  # this rank's (context parallel)
+    e = _block_elements(shape, seq_len, "flash" if layout.cp > 1 else attention)
+    h = shape.d_model
+    if layout.cp > 1 and act < 4:  # the ring keeps its output in fp32 for backward
+        e["split_bytes"] += h * (4 - act)
     if autocast and act < 4:
-        h = shape.d_model
         e["replicated_bytes"] += 2 * h * (residual - act)  # norm inputs in fp32
         e["linear_inputs"] += 2 * h + (h if shape.gated_mlp else 0)  # per-projection casts
     per_token = ((e["replicated"] * act + e["replicated_bytes"]) / (t if sp else 1)
@@ -458,8 +400,11 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
     elif layout.offload == "disk":  # the state goes to files; three chunks stay in memory
         disk = optimizer_bytes
         optimizer_bytes = min(optimizer_bytes, 3 * DISK_CHUNK_BYTES)
-    buffers = _buffers(shape, layout, rank, resolved, dtype, adapted)
     activations, acts = _activations(shape, layout, rank.blocks, seq_len, dtype, attention)
+    # Context parallel's ring holds its buffers in a block's backward, after the head's
+    # backward has freed the loss's tensors: the step's peak is the larger of the two
+    buffers = _buffers(shape, layout, rank, resolved, dtype, adapted) + max(
+        0.0, _ring_bytes(shape, layout, seq_len, dtype) - acts.outside)
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
                     activations=activations, buffers=buffers, host=host, disk=disk,
                     detail={"blocks_on_rank": rank.blocks,
@@ -581,6 +526,19 @@ def _buffers(shape: ModelShape, layout: LayoutSpec, rank: _RankParams, resolved,
     return buffers
 
 
+def _ring_bytes(shape: ModelShape, layout: LayoutSpec, seq_len: int, dtype: str) -> float:
+    """Context parallel's ring during one block's attention backward (the step's peak): the
+    keys and values in use and the next ones arriving (2 x 2 kv, the activations' dtype), the
+    accumulators of their gradients travelling with them (2 x 2 kv in fp32) and the queries'
+    and the output's gradients (2 h in fp32), for this rank's tokens; 0 without cp."""
+    if layout.cp == 1:
+        return 0.0
+    tokens = layout.micro_batch_size * seq_len // layout.cp
+    kv, h = shape.kv_dim / layout.tp, shape.d_model / layout.tp
+    act, acc = DTYPE_BYTES[dtype], 4
+    return tokens * (2 * 2 * kv * act + 2 * 2 * kv * acc + 2 * h * acc)
+
+
 def _adapted_buffers(layout: LayoutSpec, rank: _RankParams, resolved, dtype: str,
                      gathered_dtype: int, t: float, q: float) -> float:
     """`_buffers` with adapters on a frozen base: FSDP2 gathers the base (its 4-bit part in
@@ -612,7 +570,7 @@ def _activations(shape: ModelShape, layout: LayoutSpec, blocks: int, seq_len: in
     activations = acts.blocks * in_flight(layout) + acts.outside + acts.recompute_peak
     if layout.pp > 1:  # the last stage's head and loss, when it is the worst rank
         residual = 4 if autocast else DTYPE_BYTES[dtype]
-        head = _head_bytes(shape, layout, layout.micro_batch_size * seq_len,
+        head = _head_bytes(shape, layout, layout.micro_batch_size * seq_len // layout.cp,
                            DTYPE_BYTES[dtype], residual)
         activations = max(activations, acts.blocks + acts.recompute_peak + head)
     return activations, acts
@@ -623,5 +581,5 @@ def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):
     for a layout meshfit refuses)."""
     from meshfit.parallel.layout import Layout
 
-    return Layout.of(layout, layout.world_size, distributed=layout.world_size > 1,
-                     mixed_precision="no" if dtype == "fp32" else dtype)
+    return Layout.resolve(layout, layout.world_size, distributed=layout.world_size > 1,
+                          mixed_precision="no" if dtype == "fp32" else dtype)

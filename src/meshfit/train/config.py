@@ -15,7 +15,7 @@ from typing import Any, get_args
 from meshfit.data.corpus import data_source
 from meshfit.models.config import AttentionBackend, GPTConfig
 from meshfit.optim_names import OPTIMIZERS
-from meshfit.parallel.layout import Layout, check_options
+from meshfit.parallel.layout import Layout, check_precision
 from meshfit.parallel.options import ModelOptions
 from meshfit.parallel.request import LayoutRequest
 from meshfit.train.preflight import (LAYOUT_NAMES, check_bool, check_choice, check_layout,
@@ -184,7 +184,7 @@ class TrainConfig(ModelOptions):
         check_positive("train", "seed", self.seed, allow_zero=True, most=2**63 - 1 - 2**32)
         check_number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_number("train", "grad_clip", self.grad_clip, 0.0, 1e9)
-        check_options(mixed_precision=self.mixed_precision, names=LAYOUT_NAMES)
+        check_precision(self.mixed_precision, names=LAYOUT_NAMES)
         for name in ("tf32", "find_batch_size"):
             check_bool("train", name, getattr(self, name))
         self.check(prefix="train.")  # the ModelOptions fields
@@ -494,13 +494,9 @@ class RunConfig:
 
     def layout(self, world_size: int, local_world_size: int | None = None) -> Layout:
         """The run's `Layout` on `world_size` processes (errors name the config keys)."""
-        p = self.parallel
-        return Layout.resolve(p.dims(), world_size, zero_stage=p.zero_stage, offload=p.offload,
-                              offload_params=p.offload_params,
+        return Layout.resolve(self.parallel, world_size,
                               mixed_precision=self.train.mixed_precision,
-                              sequence_parallel=p.sequence_parallel,
-                              loss_parallel=p.loss_parallel, local_world_size=local_world_size,
-                              names=LAYOUT_NAMES)
+                              local_world_size=local_world_size, names=LAYOUT_NAMES)
 
     def eval_windows(self) -> int:
         """Validation windows per evaluation (the split's first ones; fewer if it is shorter):

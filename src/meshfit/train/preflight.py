@@ -14,15 +14,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from meshfit.distributed.dims import AXES
 from meshfit.parallel.layout import Layout, ModelFacts
+from meshfit.parallel.request import LayoutRequest
 from meshfit.train import tokens
 
 # The layout's fields as `meshfit train`'s errors spell them (see `meshfit.parallel.layout`).
 LAYOUT_NAMES = {
-    **{k: f"parallel.{k}" for k in (*AXES, "zero_stage", "offload", "sync_each_batch",
-                                     "sequence_parallel", "loss_parallel", "schedule",
-                                     "microbatches", "virtual_stages", "offload_params")},
+    **{k: f"parallel.{k}" for k in LayoutRequest.field_names()},
     "parallel": "parallel", "mixed_precision": "train.mixed_precision",
     "find_batch_size": "train.find_batch_size", "seq_len": "train.seq_len"}
 
@@ -240,9 +238,8 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
         facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible", ())))
     else:
         facts = ModelFacts.of(model, pipeline_plan=pp_plan, tp_plan=tp_plan)
-    layout.check_model(facts, seq_len=cfg.train.seq_len, schedule=cfg.parallel.schedule,
-                       microbatches=cfg.microbatches(world_size),
-                       virtual_stages=cfg.parallel.virtual_stages, names=LAYOUT_NAMES)
+    layout.check_model(facts, seq_len=cfg.train.seq_len,
+                       microbatches=cfg.microbatches(world_size), names=LAYOUT_NAMES)
 
 
 def preflight(cfg, world_size: int | None = None, local_world_size: int | None = None, *,
