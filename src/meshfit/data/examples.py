@@ -40,6 +40,7 @@ that leaves nothing is refused in one line.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,8 @@ __all__ = ["FORMATS", "ExampleDataset", "ExampleSplits", "chat_example", "comple
 
 ROLES = ("system", "user", "assistant", "tool")
 IGNORE_INDEX = -100
+Example = tuple[list[int], list[int]]
+"""One example's token ids and loss mask (1: a trained token)."""
 
 
 def _has_generation_markers(template: str) -> bool:
@@ -275,7 +278,7 @@ def load_completions(spec: DataSpec, *, tokenizer: Any, seq_len: int,
     hf, _ = _transformers_tokenizer(spec, tokenizer)
     prompt, completion = spec.column("prompt_column"), spec.column("completion_column")
 
-    def encode(row: dict, index: int) -> tuple[list[int], list[int]]:
+    def encode(row: dict, index: int) -> Example:
         for key, column in (("prompt_column", prompt), ("completion_column", completion)):
             if not isinstance(row[column], str):
                 raise ValueError(f"data.{key}={column!r}, row {index}: "
@@ -295,16 +298,17 @@ def load_chats(spec: DataSpec, *, tokenizer: Any, seq_len: int,
     template, how = training_template(hf, template)
     column = spec.column("messages_column")
 
-    def encode(row: dict, index: int) -> tuple[list[int], list[int]]:
+    def encode(row: dict, index: int) -> Example:
         messages = _check_messages(row[column], index, column,
                                    every_token=spec.train_on_prompt)
         return chat_example(hf, messages, template=template)
 
-    def check(examples: list, split: str) -> None:
+    def check(examples: list[Example], split: str) -> None:
         if not spec.train_on_prompt and examples and not any(any(m) for _, m in examples):
-            raise ValueError(f"data.format='chat': the chat template marks no assistant token "
-                             f"in any of the {len(examples)} {split} conversations; give data."
-                             "chat_template a template that renders the assistant's turns")
+            raise ValueError(f"data.format={spec.format!r}: the chat template marks no "
+                             f"assistant token in any of the {len(examples)} {split} "
+                             "conversations; give data.chat_template a template that renders "
+                             "the assistant's turns")
 
     return _load(spec, tokenizer, encode, how=how, seq_len=seq_len, val_fraction=val_fraction,
                  check=check)
@@ -331,8 +335,9 @@ def _transformers_tokenizer(spec: DataSpec, tokenizer: Any) -> tuple[Any, str | 
     return hf, template
 
 
-def _load(spec: DataSpec, tokenizer: Any, encode, *, how: str, seq_len: int,
-          val_fraction: float, check=None) -> ExampleSplits:
+def _load(spec: DataSpec, tokenizer: Any, encode: Callable[[dict, int], Example], *, how: str,
+          seq_len: int, val_fraction: float,
+          check: Callable[[list[Example], str], None] | None = None) -> ExampleSplits:
     """The rows of data.hf_dataset as examples (``encode(row, index)`` -> ids, mask; every
     token trained with data.train_on_prompt), each split passed to ``check(examples, split)``;
     without a validation split, the last `val_fraction` of the training rows."""
@@ -362,8 +367,8 @@ def _load(spec: DataSpec, tokenizer: Any, encode, *, how: str, seq_len: int,
                            how="every token" if spec.train_on_prompt else how, seq_len=seq_len)
 
 
-def _example_splits(spec: DataSpec, tokenizer: Any, train_examples: list, val_examples: list,
-                    *, how: str, seq_len: int) -> ExampleSplits:
+def _example_splits(spec: DataSpec, tokenizer: Any, train_examples: list[Example],
+                    val_examples: list[Example], *, how: str, seq_len: int) -> ExampleSplits:
     """The examples as rows (`_rows`), with the banner's figures (`ExampleSplits.describe`)."""
     hf = tokenizer.hf
     pad = hf.pad_token_id if hf.pad_token_id is not None else tokenizer.eos_id or 0
