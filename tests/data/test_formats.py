@@ -5,6 +5,7 @@ in `meshfit.data` and nothing else."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import types
 
@@ -47,6 +48,9 @@ def test_the_format_list_and_the_column_defaults_are_the_documented_ones():
                                      "completion_column": "completion",
                                      "messages_column": "messages"}
     assert {key: fields[key] for key in formats.column_keys()} == formats.column_keys()
+    for fmt in formats.DATA_FORMATS.values():  # each loader is there, by the name given
+        module, _, name = fmt.loader.partition(":")
+        assert callable(getattr(importlib.import_module(module), name)), fmt.loader
     with pytest.raises(ValueError, match="data.format='dialogue' must be one of 'text', "
                                          "'completion', 'chat'$"):
         DataConfig(format="dialogue")
@@ -82,8 +86,7 @@ def test_a_new_format_is_one_entry_in_meshfit_data(folder, monkeypatch):
     from meshfit.train import tokens
 
     tmp, rows, vocab = folder
-    trial = formats.DataFormat(name="trial", summary="a prompt and its completion",
-                               columns=(("prompt_column", "prompt"),
+    trial = formats.DataFormat(name="trial", columns=(("prompt_column", "prompt"),
                                         ("completion_column", "completion")),
                                loader="meshfit.data.examples:load_completions", masked=True,
                                examples=True, hf_tokenizer=True, dataset=True)

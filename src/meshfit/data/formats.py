@@ -42,8 +42,6 @@ class DataFormat:
     """One entry of `DATA_FORMATS` (the module docstring says what each field means)."""
 
     name: str
-    summary: str
-    """How a row becomes tokens, in a few words (for messages and documentation)."""
     columns: tuple[tuple[str, str], ...]
     """([data] key, its default column name) for each column the format reads."""
     loader: str
@@ -71,16 +69,16 @@ class DataFormat:
 
 
 DATA_FORMATS: Mapping[str, DataFormat] = MappingProxyType({f.name: f for f in (
-    DataFormat(name="text", summary="documents packed back to back, every token trained",
-               columns=(("text_column", "text"),), loader="meshfit.data.cache:load_text",
-               masked=False, examples=False),
-    DataFormat(name="completion", summary="a prompt and its completion: only the completion "
-               "trained", columns=(("prompt_column", "prompt"),
-                                   ("completion_column", "completion")),
+    # documents packed back to back, every token trained
+    DataFormat(name="text", columns=(("text_column", "text"),),
+               loader="meshfit.data.cache:load_text", masked=False, examples=False),
+    # a prompt and its completion: only the completion (and EOS) trained
+    DataFormat(name="completion",
+               columns=(("prompt_column", "prompt"), ("completion_column", "completion")),
                loader="meshfit.data.examples:load_completions", masked=True, examples=True,
                hf_tokenizer=True, dataset=True),
-    DataFormat(name="chat", summary="a conversation through the chat template: only the "
-               "assistant's turns trained", columns=(("messages_column", "messages"),),
+    # a conversation through the chat template: only the assistant's turns trained
+    DataFormat(name="chat", columns=(("messages_column", "messages"),),
                loader="meshfit.data.examples:load_chats", masked=True, examples=True,
                hf_tokenizer=True, dataset=True, chat_template=True),
 )})
