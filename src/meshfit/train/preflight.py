@@ -161,8 +161,8 @@ def _check_cp(cfg, layout: Layout) -> None:
                          "context parallel runs the attention of the reference GPT and of "
                          "transformers' Llama, Qwen2 and Mistral as a ring; use cp=1 with "
                          "this model")
-    if d.format != "text" or d.packing or d.document_mask:
-        what = f"data.format={d.format!r}" if d.format != "text" else \
+    if d.masked or d.packing:
+        what = f"data.format={d.format!r}" if d.examples else \
             "data.packing=true" if d.packing else "data.document_mask=true"
         raise ValueError(f"parallel.cp={cp} with {what} is not available yet (the ring "
                          "attends causally over whole windows of text); use data.format="
@@ -343,7 +343,7 @@ def check_data(cfg, world_size: int) -> None:
     dims = cfg.parallel.dims().resolve(world_size)
     chunks = cfg.microbatches(world_size)
     accum = cfg.grad_accumulation(world_size)
-    if cfg.data.format != "text":
+    if cfg.data.examples:
         _check_examples(cfg, splits, dims, rows=t.micro_batch_size * chunks)
         return
     if cfg.data.document_mask:
