@@ -215,7 +215,7 @@ def test_export_reads_a_sharded_checkpoint_in_one_process(runs, tmp_path):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
 
 
-def _writer_process() -> "psutil.Process":
+def _writer_process():
     """This rank's writer process (the one child started by `spawn`)."""
     import psutil
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import os
 import pickle
 import struct
@@ -144,7 +145,7 @@ class SafeReader(FileSystemReader):
 def put(root, path, value) -> None:
     """``root[path[0]][path[1]]... = value``, making the containers on the way: DCP's path of
     a flattened key into a nested state dict (dict keys, list positions)."""
-    for key, inner in zip(path, path[1:]):
+    for key, inner in itertools.pairwise(path):
         new = {} if isinstance(inner, str) else []
         if isinstance(root, dict):
             root = root.setdefault(key, new)

@@ -12,11 +12,11 @@ in its rendezvous on one rank, `all_gather_object` on the other).
 
 The writers of a save group's ranks form a gloo group of their own, meeting through a
 `TCPStore` hosted by rank 0's training process, which outlives them. Each rank's wait for a
-save watches its own writer: one that died (by any signal, or exited) is recorded in the store
-with its rank and how it ended; every rank's wait then ends (stopping its own writer, which
-would wait for the dead peer in a collective) with the same one line, naming that rank. At the
-next save the ranks agree that a writer is gone (any failure, on any rank) and each starts a
-new one, in a new group.
+save watches its own writer: one that failed (died by any signal, exited, or could not start)
+is recorded in the store with its rank and how; every rank's wait then ends (stopping its own
+writer, which would wait for the failed peer in a collective) with the same one line, naming
+that rank. At the next save the ranks agree that a writer is unusable (any failure, on any
+rank) and each starts a new one, in a new group.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _POLL_S = 0.1
 noticed within this."""
 _PEER_GRACE_S = 5.0
 """How long a writer's error that says a peer has gone waits for that peer's rank to record
-why (its writer's death, within `_POLL_S`); past it, the error itself is reported."""
+why (its writer's death, noticed within `_POLL_S`); past it, the error itself is reported."""
 _READY, _STOP = "ready", "stop"
 
 
@@ -164,9 +164,24 @@ class _Writer:
             except OSError:  # (a writer gone already: `_answer` says how)
                 pass
             self._answer()
-        except BaseException:
+        except BaseException as err:
             self.failed = True  # (a new set of writers for the next save)
+            self._record(err)
             raise
+
+    def _record(self, err: BaseException) -> None:
+        """Record in the store that this rank's writer failed (not where the failure is
+        another rank's), so that the other ranks' waits end instead of their writers waiting
+        for this one in a collective."""
+        if self.store is None or getattr(err, "rank", self.rank) != self.rank:
+            return
+        why = str(err) if isinstance(err, WriterProcessError) else (
+            f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[-1][:200]}")
+        try:
+            self.store.set(f"failed/{self.meeting.rank}", json.dumps([self.rank, why]))
+            self.store.add("failed", 1)
+        except (RuntimeError, OSError):  # (rank 0's training process is gone: the job ends)
+            pass
 
     def _start(self) -> None:
         import torch.multiprocessing as mp
@@ -181,12 +196,12 @@ class _Writer:
 
     def _answer(self) -> Any:
         """The writer's answer to what it was sent; its error raised (after waiting a moment
-        for a peer's recorded death, where it says a peer has gone); a writer dead, here or on
-        another rank, a WriterProcessError naming that rank."""
+        for a peer's recorded failure, where it says a peer has gone); a writer dead here, or
+        failed on another rank, a WriterProcessError naming that rank."""
         while not self.conn.poll(_POLL_S):
             if not self.process.is_alive():
                 break
-            peer = self._peer_death()
+            peer = self._peer_failure()
             if peer is not None:
                 self._kill()  # (it would wait for the dead peer in a collective)
                 raise peer
@@ -196,13 +211,13 @@ class _Writer:
             raise self._died() from None
         if isinstance(answer, BaseException):
             deadline = time.monotonic() + (_PEER_GRACE_S if peer_lost(answer) else 0.0)
-            while (peer := self._peer_death()) is None and time.monotonic() < deadline:
+            while (peer := self._peer_failure()) is None and time.monotonic() < deadline:
                 time.sleep(_POLL_S)
             raise peer or answer
         return answer
 
     def _died(self) -> WriterProcessError:
-        """This rank's writer has died: how, recorded in the store for the other ranks."""
+        """This rank's writer has died: how."""
         self.process.join(timeout=5)
         code = self.process.exitcode
         if code is None:  # (its pipe broke, yet it runs: ended here)
@@ -216,18 +231,15 @@ class _Writer:
             why = f"its writer process was killed by {name}"
         else:
             why = f"its writer process exited with code {code}"
-        if self.store is not None:
-            self.store.set(f"died/{self.meeting.rank}", json.dumps([self.rank, why]))
-            self.store.add("died", 1)
         return WriterProcessError(self.rank, why)
 
-    def _peer_death(self) -> WriterProcessError | None:
-        """The recorded death of the lowest rank's writer, if one has died."""
-        if self.store is None or not self.store.check(["died"]):
+    def _peer_failure(self) -> WriterProcessError | None:
+        """The recorded failure of the lowest rank's writer, if one has failed."""
+        if self.store is None or not self.store.check(["failed"]):
             return None
         for r in range(self.meeting.world):
-            if self.store.check([f"died/{r}"]):
-                return WriterProcessError(*json.loads(self.store.get(f"died/{r}")))
+            if self.store.check([f"failed/{r}"]):
+                return WriterProcessError(*json.loads(self.store.get(f"failed/{r}")))
         return None
 
     def _kill(self) -> None:
