@@ -71,7 +71,7 @@ def crc32_skipped() -> Iterator[None]:
 
 
 def _install_crc32_switch() -> None:
-    import torch.serialization as serialization
+    from torch import serialization
 
     original = getattr(serialization, "get_crc32_options", None)
     if original is None or getattr(original, "_meshfit", False):
