@@ -315,7 +315,7 @@ class Accelerator(AcceleratorAttributes):
             return state.finish_save(self)
         finally:
             if close and self._save_stager is not None:
-                from meshfit.checkpoint.store import close_writer_process
+                from meshfit.checkpoint.save import close_writer_process
 
                 close_writer_process()
                 self._save_stager.close()
