@@ -152,8 +152,7 @@ class TrainingRun:
         loader = _train_loader(cfg, self.splits, rows, acc.device)
         self.optimizer, loader, self.scheduler = acc.prepare(optimizer, loader, self.schedule)
         self.accum = acc.gradient_accumulation_steps
-        # targets may be ignored (-100): each token then weighs the same in the step
-        self.masked = cfg.data.format != "text" or cfg.data.document_mask
+        self.masked = cfg.data.masked  # targets may be ignored: each token weighs the same
         self.data_wait_s = 0.0
         self._batches = _batches(loader, _loader_name(loader, t.seq_len, rows,
                                                       acc.runtime.dp_size))
