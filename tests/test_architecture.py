@@ -16,7 +16,9 @@ deferred import is still a dependency). Layers, bottom to top:
     3  meshfit.accelerator, meshfit.utils,     the facade for users' loops; Accelerate's names
        meshfit.parallelism_config
     4  meshfit.train, meshfit.launch,          the commands: meshfit train (config, preflight,
-       meshfit.cli, meshfit.__main__           loop), the launcher, every subcommand's CLI
+       meshfit.cli, meshfit.__main__,          loop), the launcher, every subcommand's CLI;
+       meshfit.verify, generate, charts,       the rooms above the trainer (verify, sampling,
+       meshfit.plan_validate                   charts, plan --validate)
 
 Packages of one layer may import each other, but never both ways round, and no module
 imports a private name (``_x``) from another package.

@@ -216,7 +216,7 @@ def read_arguments(given: Mapping[str, Any],
     return Arguments(layout=layout, model=model, precision=precision, loop=loop, process=process,
                      handlers=handlers, fsdp_plugin=given["fsdp_plugin"],
                      parallelism_config=given["parallelism_config"],
-                     offload_dir=_offload_dir(given, offload),
+                     offload_dir=_offload_dir(given, layout.offload),
                      project_configuration=project, log_with=log_with,
                      warnings=() if given["split_batches"] is UNSET else (_SPLIT_BATCHES,))
 
