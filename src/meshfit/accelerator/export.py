@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from meshfit.accelerator.processes import wait_for_everyone
 from meshfit.accelerator.runtime import Runtime
@@ -25,6 +26,8 @@ __all__ = ["get_state_dict", "save", "save_model"]
 
 def get_state_dict(model: torch.nn.Module, runtime: Runtime) -> dict[str, torch.Tensor]:
     """`model`'s (or a `Pipeline`'s) whole state dict on CPU on rank 0, ``{}`` elsewhere."""
+    # Lazy: the pipeline code loads torch.distributed.pipelining (about a second); a model
+    # that is a Pipeline has loaded it already.
     from meshfit.parallel.pp import Pipeline
 
     if isinstance(model, Pipeline):
@@ -67,8 +70,6 @@ def save(obj: Any, f, *, writer: bool, safe_serialization: bool = False) -> None
     if not writer:
         return
     if safe_serialization:
-        from safetensors.torch import save_file
-
         save_file(obj, f, metadata={"format": "pt"})
     else:
         torch.save(obj, f)
