@@ -227,7 +227,7 @@ def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # Lazy: DCP's state-dict helpers take about a second to import, meshfit's model code
-    # (the regrouping rules) some 20 ms; both serve a model being saved.
+    # (the regrouping rules) some 10 ms; both serve a model being saved.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from meshfit.models.plans.regroup import canonical_state, regrouped_params

@@ -110,7 +110,7 @@ def _hf_configs(models) -> list[dict | None]:
 def _regrouped(models) -> int:
     """The TP degree a fused q|k|v projection was regrouped for (GPT-2's c_attn under tp;
     1: none): such weights are stored head-grouped for that degree."""
-    # Lazy (as below): it loads meshfit's model code (some 20 ms), which only a checkpoint
+    # Lazy (as below): it loads meshfit's model code (some 10 ms), which only a checkpoint
     # needs here.
     from meshfit.models.plans.regroup import regrouped_tp
 
