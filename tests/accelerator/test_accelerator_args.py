@@ -292,7 +292,7 @@ def test_fsdp_plugin_precision_offload_and_checkpointing_from_accelerates_object
     assert args.precision.mode == "bf16" and args.layout.offload == "cpu"
     assert args.model.activation_checkpointing == "full"
     layout = resolve_layout(args, env_of(2))
-    assert (layout.zero_stage, layout.offload, layout.mixed_precision) == (3, True, "bf16")
+    assert (layout.zero_stage, layout.host_offload, layout.mixed_precision) == (3, True, "bf16")
     assert read(fsdp_plugin=plugin, activation_checkpointing="selective"
                 ).model.activation_checkpointing == "selective"
     assert read(fsdp_plugin=plugin, mixed_precision="bf16").precision.mode == "bf16"

@@ -333,7 +333,7 @@ def test_a_packed_row_computes_each_example_as_alone(family):
     (["--data.format=chat", "--data.tokenizer=bytes"], "needs a Hugging Face tokenizer"),
     (["--data.format=chat", "--train.seq_len=8"], "raise train.seq_len"),
     (["--data.format=dialogue"], "data.format='dialogue' must be one of"),
-    (["--data.chat_template=x.jinja"], "apply to data.format='chat' or 'completion'"),
+    (["--data.chat_template=x.jinja"], "apply to data.format='completion' or 'chat'"),
     (["--data.format=chat", "--data.packing=true", "--parallel.tp=2",
       "--parallel.dp_replicate=1"], "data.packing=true does not run with parallel.pp=1, tp=2"),
 ])
@@ -357,20 +357,16 @@ def test_bad_fine_tuning_data_is_refused_before_launch(cli_refusal, files, tmp_p
     ("hello", "must be a non-empty list"),
 ])
 def test_bad_conversations_are_named_by_row(files, tmp_path, messages, match):
-    from types import SimpleNamespace
-
+    from meshfit.data import DataSpec
     from meshfit.data.examples import load_examples
     from meshfit.data.tokenizer import load_tokenizer
 
     path = tmp_path / "bad.jsonl"
     good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": messages}) + "\n")
-    data = SimpleNamespace(format="chat", hf_dataset=str(path), chat_template="",
-                           messages_column="messages", prompt_column="prompt",
-                           completion_column="completion", train_on_prompt=False,
-                           tokenizer=str(files / "llama3"))
+    spec = DataSpec(format="chat", hf_dataset=str(path))
     with pytest.raises(ValueError, match=match) as err:
-        load_examples(data, tokenizer=load_tokenizer(str(files / "llama3")), seq_len=32,
+        load_examples(spec, tokenizer=load_tokenizer(str(files / "llama3")), seq_len=32,
                       val_fraction=0.02)
     assert "row 1" in str(err.value) and "\n" not in str(err.value)
 

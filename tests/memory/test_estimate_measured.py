@@ -1,12 +1,12 @@
 """The memory estimate (`meshfit.memory.estimate`) against what this machine measures.
 
-**Layouts** (13, on 1, 2 and 4 gloo ranks; one spawn per world size): the `tiny` preset of
+**Layouts** (15, on 1, 2 and 4 gloo ranks; one spawn per world size): the `tiny` preset of
 the reference GPT (0.86M parameters, 4 blocks, d 128, vocabulary 256, tied head, fp32,
 attention_backend "flash"), 4 sequences of 256 tokens per micro-batch (4 micro-batches per
 pipeline step), AdamW, through `Accelerator` as the layout tests drive it: one process;
 DDP; ZeRO-1/2/3 on 2 ranks and ZeRO-3 on 4; ZeRO-3 + CPU offload; tp 2 with and without
 sequence parallel; pp 2 (1F1B); dp_replicate 2 x tp 2; pp 2 x dp_replicate 2; ZeRO-3
-dp_shard 2 x tp 2. Each rank runs one optimizer step and one more forward and backward
+dp_shard 2 x tp 2; context parallel cp 2, alone and under ZeRO-3 (sharded over cp). Each rank runs one optimizer step and one more forward and backward
 (DDP rebuilds its buckets once, in the second step's forward: measured at +1 gradient copy
 if the peak were taken there), keeping its gradients, then:
 
@@ -95,6 +95,8 @@ LAYOUTS = {
                 dict(pp=2, dp_replicate=2, microbatches=M)),
     "fsdp2xtp2": (4, dict(dp_shard=2, tp=2), dict(zero_stage=3), False,
                   dict(dp_shard=2, tp=2, zero_stage=3)),
+    "cp2": (2, dict(cp=2), {}, False, dict(cp=2)),
+    "cp2-zero3": (2, dict(cp=2), dict(zero_stage=3), False, dict(cp=2, zero_stage=3)),
 }
 
 
@@ -115,7 +117,7 @@ def _measure(rank, world, name):
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, 256, (MICRO * (M if pipe else 1), SEQ + 1), generator=g)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    x, y = acc.shard_sequence(tokens[:, :-1], tokens[:, 1:])  # (under cp: this rank's part)
 
     def forward_backward():
         with acc.accumulate():

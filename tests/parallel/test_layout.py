@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshfit import ParallelDims
 from meshfit.models import GPT, GPTConfig
 from meshfit.parallel.layout import Engine, Layout, ModelFacts
+from meshfit.parallel.request import LayoutRequest
 
 
 def resolve(world: int = 8, **kw) -> Layout:
-    dims = {k: kw.pop(k) for k in ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep")
-            if k in kw}
-    return Layout.resolve(ParallelDims(**dims), world, **kw)
+    """`Layout.resolve` of the request of `kw`'s request fields, the rest the caller's."""
+    fields = {k: kw.pop(k) for k in LayoutRequest.field_names() if k in kw}
+    return Layout.resolve(LayoutRequest(**fields), world, **kw)
 
 
 @pytest.mark.parametrize("world, dims, options, engine, stage, axes", [
@@ -39,7 +39,7 @@ def resolve(world: int = 8, **kw) -> Layout:
      ("dp_replicate", "dp_shard", "cp", "tp")),
 ])
 def test_engine_stage_and_mesh_axes(world, dims, options, engine, stage, axes):
-    layout = Layout.resolve(ParallelDims(**dims), world, **options)
+    layout = resolve(world, **dims, **options)
     assert (layout.engine, layout.zero_stage, layout.mesh_axes) == (engine, stage, axes)
     assert layout.owns_mixed_precision == (engine in (Engine.FSDP2, Engine.FSDP2_REPLICATE))
 
@@ -158,12 +158,12 @@ def test_candidates_enumerate_every_split_with_reasons():
     refused = [c for c in cands if c.layout is None]
     assert all(c.refused is None for c in legal) and all(c.refused for c in refused)
     # pp=4 on a 2-block model is refused by the model rule, with its reason
-    pp4 = [c for c in cands if c.dims.pp == 4 and c.options["zero_stage"] == 0]
+    pp4 = [c for c in cands if c.dims.pp == 4 and c.request.zero_stage == 0]
     assert pp4 and all("exceeds the model's 2 blocks" in c.refused for c in pp4)
     # ZeRO-1 on dp_shard=4 is legal; stage 1 without a shard axis is not
     assert any(c.layout and c.layout.engine is Engine.ZERO1 for c in cands)
     assert all(c.layout is None for c in cands if c.dims.dp_shard == 1 and
-               c.options["zero_stage"] > 0)
+               c.request.zero_stage > 0)
     # every legal candidate is exactly what resolve gives for the same request
     for c in legal:
-        assert Layout.resolve(c.dims, 4, **c.options) == c.layout
+        assert Layout.resolve(c.request, 4) == c.layout

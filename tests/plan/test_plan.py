@@ -273,7 +273,7 @@ def test_estimate_and_plan_with_lora_and_qlora(capsys, tmp_path):
     (["estimate", "gpt2", "--layout", "tp=5", "--seq-len", "128"], "12"),
     (["estimate", "gpt2", "--layout", "tp=4", "--gpus-per-node", "6", "--seq-len", "128"],
      "tp=4 does not divide --gpus-per-node=6"),
-    (["estimate", "gpt2", "--layout", "tpp=2"], "--layout item 'tpp=2'"),
+    (["estimate", "gpt2", "--layout", "tpp=2"], "--layout 'tpp=2': unknown key 'tpp'"),
     (["plan", "llama-70b", "--gpus-per-node", "1", "--seq-len", "4096"],
      "needs at least"),
     (["plan", "gpt2", "--gpus-per-node", "0"], "--gpus-per-node=0 must be >= 1"),

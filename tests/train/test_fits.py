@@ -132,3 +132,33 @@ def test_lora_is_estimated_with_its_adapters_alone_trained():
         check_fits(cfg, model, layout, world_size=2, local_world_size=2,
                    device=torch.device("cpu"), available=int(lora_est.total) - 1, host=64 * GiB)
     assert f"the estimate is {lora_est.total / GiB:.1f} GiB per rank" in str(err.value)
+
+
+@pytest.mark.parametrize("args, launched, without", [
+    (["--parallel.cp=2"], dict(cp=2), {}),
+    (["--parallel.cp=2", "--parallel.zero_stage=3"], dict(cp=2, zero_stage=3), {}),
+    (["--parallel.offload=disk"], dict(dp_replicate=2, offload="disk"), dict(dp_replicate=2)),
+    (["--parallel.dp_shard=2", "--parallel.zero_stage=3", "--parallel.offload=disk",
+      "--parallel.offload_params=true"],
+     dict(dp_shard=2, zero_stage=3, offload="disk", offload_params=True),
+     dict(dp_shard=2, zero_stage=3)),
+], ids=["cp", "cp-zero3", "disk", "disk-params"])
+def test_the_check_estimates_the_layout_that_is_launched(args, launched, without, tmp_path):
+    """The check's spec is the run's [parallel] request whole: context parallel (each rank
+    holds half of every sequence; under ZeRO the states shard over cp) and the optimizer
+    state (and parameters) on disk change the figure it decides on, so a run that fits only
+    because of them is admitted, and refused just below its own estimate (before, the check
+    dropped cp and turned offload='disk' into 'none' or 'cpu')."""
+    if "--parallel.offload=disk" in args:
+        args = [*args, f"--parallel.offload_dir={tmp_path}"]
+    cfg = load_config(None, ["--model.preset=llama-1b", "--train.seq_len=1024",
+                             "--parallel.dp_replicate=-1", *args])
+    layout = cfg.layout(2, 2)
+    est, plain = _expected(cfg, **launched), _expected(cfg, **without)
+    assert est.total < plain.total  # the setting is what makes the run fit
+    fit = dict(world_size=2, local_world_size=2, device=torch.device("cpu"), host=64 * GiB)
+    assert check_fits(cfg, _model(cfg), layout, available=int(est.total + est.host) + 1,
+                      **fit) is None
+    with pytest.raises(ValueError) as err:
+        check_fits(cfg, _model(cfg), layout, available=int(est.total + est.host) - 1, **fit)
+    assert f"the estimate is {(est.total + est.host) / GiB:.1f} GiB per rank" in str(err.value)

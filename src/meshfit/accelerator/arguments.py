@@ -74,9 +74,10 @@ from meshfit.accelerator.compat.config import (AutocastKwargs, DataLoaderConfigu
                                                ProfileKwargs, ProjectConfiguration)
 from meshfit.accelerator.trackers import tracker_list
 from meshfit.distributed import DistEnv, ParallelDims
-from meshfit.parallel.layout import Layout, check_options
+from meshfit.parallel.layout import Layout
 from meshfit.parallel.options import ModelOptions
 from meshfit.parallel.request import LayoutRequest
+from meshfit.parallel.rules import namer, precision_problem
 
 __all__ = ["Arguments", "HANDLER_TYPES", "Handlers", "LayoutRequest", "LoopOptions",
            "PrecisionOptions", "ProcessOptions", "UNSET", "init_kwargs", "read_arguments",
@@ -234,10 +235,10 @@ def resolve_layout(arguments: Arguments, env: DistEnv) -> Layout:
         raise ValueError("Accelerator(device_placement=False) is available on the CPU only; "
                          f"this process runs on {env.device}")
     # The one decision of how this job is laid out (every rule lives in Layout).
-    return Layout.of(request, env.world_size, distributed=env.is_distributed,
-                     mixed_precision=arguments.precision.mode,
-                     ddp_kwargs=arguments.model.ddp_kwargs,
-                     local_world_size=env.local_world_size if env.is_distributed else None)
+    return Layout.resolve(request, env.world_size, distributed=env.is_distributed,
+                          mixed_precision=arguments.precision.mode,
+                          ddp_kwargs=arguments.model.ddp_kwargs,
+                          local_world_size=env.local_world_size if env.is_distributed else None)
 
 
 # ----------------------------------------------------------------------------- the parts
@@ -392,19 +393,45 @@ def _project_configuration(project_dir, project_config) -> ProjectConfiguration:
 def _layout_request(given: Mapping[str, Any], *, offload: str, sync_each_batch: bool | str,
                     mixed_precision: str) -> LayoutRequest:
     """The layout request: the one place it is built, checked before any process group or
-    model work, with the techniques' own rules (the mixed precision too, with them)."""
+    model work, with the techniques' own rules (the mixed precision too, with them).
+    ``parallel`` is a `LayoutRequest` whole, or the sizes (`ParallelDims`) the option
+    keywords complete; Accelerate's ParallelismConfig gives sizes too."""
     options = dict(zero_stage=given["zero_stage"], offload=offload,
                    sync_each_batch=sync_each_batch, sequence_parallel=given["sequence_parallel"],
                    loss_parallel=given["loss_parallel"], offload_params=given["offload_params"])
-    dims = given["parallel"]
+    parallel = given["parallel"]
     if given["parallelism_config"] is not None:
-        if dims is not None:
+        if parallel is not None:
             raise ValueError("Accelerator(parallelism_config=..., parallel=...): give the "
                              "layout once, as one or the other")
-        dims = _parallelism_dims(given["parallelism_config"])
-    check_options(parallel=dims, mixed_precision=mixed_precision,
-                  **{k: v for k, v in options.items() if k != "offload_params"})
-    return LayoutRequest.of(dims, **options)
+        parallel = _parallelism_dims(given["parallelism_config"])
+    problem = precision_problem(mixed_precision, namer(None))
+    if problem:
+        raise ValueError(problem)
+    if isinstance(parallel, LayoutRequest):
+        return _whole_request(parallel, options, given)
+    if parallel is not None and not isinstance(parallel, ParallelDims):
+        raise ValueError(f"parallel={parallel!r} must be a meshfit.ParallelDims (the mesh "
+                         "sizes) or a meshfit LayoutRequest (sizes and options, whole)")
+    return LayoutRequest.of(parallel, **options)
+
+
+def _whole_request(request: LayoutRequest, options: dict[str, Any],
+                   given: Mapping[str, Any]) -> LayoutRequest:
+    """``parallel=LayoutRequest(...)``: the request as given; an option keyword beside it
+    would say the same thing twice (GradientAccumulationPlugin's sync_each_batch=True, which
+    the keyword mirrors, is taken into it)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(LayoutRequest)}
+    twice = [k for k, v in options.items() if k != "sync_each_batch" and v != defaults[k]]
+    if given["sync_each_batch"] is not False:
+        twice.append("sync_each_batch")
+    if twice:
+        raise ValueError(f"Accelerator(parallel=LayoutRequest(...), {twice[0]}=...): the "
+                         f"request holds {twice[0]} already; set it in the request and drop "
+                         "the keyword")
+    if options["sync_each_batch"] is True and request.sync_each_batch is False:
+        request = dataclasses.replace(request, sync_each_batch=True)
+    return request
 
 
 def _offload_dir(given: Mapping[str, Any], offload: str) -> str | None:

@@ -89,9 +89,9 @@ def load_pretrained(model: torch.nn.Module, folder: str, *, layout: Layout, runt
         return lay_out(model)
     wrapped = lay_out(model)
     inner = runtime.unwrap(wrapped)
-    to_empty(inner, "cpu" if layout.offload else device)
+    to_empty(inner, "cpu" if layout.host_offload else device)
     load_into(inner, folder, buffers=buffers)
-    if layout.offload:  # sharded parameters stay in host memory; buffers go to the device
+    if layout.host_offload:  # sharded parameters stay in host memory; buffers go to the device
         for module in inner.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:

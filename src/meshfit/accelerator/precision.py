@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from meshfit.distributed.collectives import apply_to_tensors
-from meshfit.parallel.layout import check_options, precision_dtype
+from meshfit.parallel.layout import check_precision, precision_dtype
 
 __all__ = ["Precision", "empty_device_cache", "set_tf32"]
 
@@ -60,7 +60,7 @@ class Precision:
 
     def __init__(self, mode: str, device: torch.device, *, scaler_kwargs: dict | None = None,
                  autocast_kwargs: dict | None = None):
-        check_options(mixed_precision=mode)  # the one list of modes: meshfit.parallel.layout
+        check_precision(mode)  # the one list of modes: meshfit.parallel.rules
         self.mode = mode
         self.device_type = device.type
         self.dtype = precision_dtype(mode)

@@ -16,36 +16,11 @@ import sys
 from pathlib import Path
 
 from meshfit.cli import OneLineParser
+from meshfit.distributed.dims import AXES
+
+_PIPELINE_FIELDS = ("schedule", "microbatches", "virtual_stages")
 
 GiB = 2**30
-_LAYOUT_KEYS = {"dp_replicate": int, "dp_shard": int, "tp": int, "pp": int, "zero_stage": int,
-                "offload": bool, "sequence_parallel": bool, "loss_parallel": bool,
-                "schedule": str, "microbatches": int, "virtual_stages": int}
-
-
-def parse_layout(text: str):
-    """``dp_shard=4,tp=2,zero_stage=3`` -> `LayoutSpec` fields (unnamed axes: 1)."""
-    out: dict = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in _LAYOUT_KEYS:
-            raise ValueError(f"--layout item {item!r} must be key=value with key one of "
-                             f"{', '.join(_LAYOUT_KEYS)}")
-        kind = _LAYOUT_KEYS[key]
-        try:
-            if kind is bool:
-                if value.lower() not in ("true", "false", "1", "0", "cpu", "none"):
-                    raise ValueError
-                on = value.lower() in ("true", "1", "cpu")
-                out[key] = ("cpu" if on else "none") if key == "offload" else on
-            else:
-                out[key] = kind(value)
-        except ValueError:
-            raise ValueError(f"--layout {key}={value!r} is not a valid {kind.__name__}") from None
-        if kind is int and out[key] < (0 if key == "zero_stage" else 1):
-            raise ValueError(f"--layout {key}={value} must be >= {0 if key == 'zero_stage' else 1}")
-    return out
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -150,15 +125,19 @@ def cmd_estimate(argv: list[str]) -> int:
     ns = _estimate_parser().parse_args(argv)
     _positive(ns, "--world-size", "--micro-batch-size", "--vocab-size", "--gpus-per-node",
               "--lora-r")
-    fields = parse_layout(ns.layout) if ns.layout else None
-    from meshfit.memory import LayoutSpec, estimate  # torch: after the arguments' refusals
+    given = None
+    if ns.layout:  # (the one grammar of a layout: `LayoutRequest.parse`; no torch yet)
+        from meshfit.parallel.spec import LayoutSpec
+
+        given = LayoutSpec.parse(ns.layout, flag="--layout", micro_batch_size=ns.micro_batch_size,
+                                 activation_checkpointing=ns.activation_checkpointing)
+    from meshfit.memory import estimate  # torch: after the arguments' refusals
     from meshfit.memory.estimate import resolve_layout
     shape = _shape(ns)
     adapters = _adapters(ns, shape)
     rows = []
-    if fields is not None:
-        spec = LayoutSpec(micro_batch_size=ns.micro_batch_size,
-                          activation_checkpointing=ns.activation_checkpointing, **fields)
+    if given is not None:
+        spec = given
         if ns.gpus_per_node is not None and ns.gpus_per_node % spec.tp:
             raise ValueError(f"--layout tp={spec.tp} does not divide --gpus-per-node="
                              f"{ns.gpus_per_node}: tensor-parallel groups would cross nodes; "
@@ -175,7 +154,7 @@ def cmd_estimate(argv: list[str]) -> int:
             resolve_layout(spec, ns.dtype)
             _check_model(shape, spec, ns.seq_len)
         except ValueError as err:
-            if fields is not None:
+            if given is not None:
                 raise
             refused.append((label, str(err)))
             continue
@@ -221,10 +200,7 @@ def _check_model(shape, spec, seq_len: int) -> None:
     from meshfit.parallel.layout import ModelFacts
 
     facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible)
-    resolve_layout(spec).check_model(
-        facts, seq_len=seq_len, schedule=spec.schedule,
-        microbatches=spec.microbatches if spec.pp > 1 else None,
-        virtual_stages=spec.virtual_stages if spec.pp > 1 and spec.virtual_stages > 1 else None)
+    resolve_layout(spec).check_model(facts, seq_len=seq_len)
 
 
 # ---------------------------------------------------------------------------- plan
@@ -387,16 +363,14 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
         model = {"factory": ns.model}
     else:
         model = {"hf_config": str(Path(ns.model).resolve())}
-    parallel = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-                "tp": lay.tp, "zero_stage": lay.zero_stage, "offload": lay.offload,
-                "sequence_parallel": lay.sequence_parallel}
+    # [parallel] is the plan's request, whole: every field, sizes always, the pipeline's
+    # only with pp, the other options where they differ from the default
+    defaults = {f.name: f.default for f in dataclasses.fields(type(lay))}
+    parallel = {k: v for k, v in lay.fields_dict().items()
+                if k in AXES or k == "zero_stage" or (k in _PIPELINE_FIELDS and lay.pp > 1)
+                or (k not in _PIPELINE_FIELDS and v != defaults[k])}
     if lay.offload == "disk":  # a folder on the node's local disk (change it to yours)
         parallel["offload_dir"] = "./meshfit-offload"
-        if lay.offload_params:
-            parallel["offload_params"] = True
-    if lay.pp > 1:
-        parallel.update(schedule=lay.schedule, microbatches=lay.microbatches,
-                        virtual_stages=lay.virtual_stages)
     sections = {
         "model": model,
         "train": {"global_batch_size": global_batch_size,

@@ -48,7 +48,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +56,14 @@ import numpy as np
 
 from meshfit._files import atomic_write
 from meshfit.data.corpus import Corpus, SourceFile, data_source, find_corpus, is_validation
+from meshfit.data.dataset import TokenDataset
+from meshfit.data.formats import DataSpec
 from meshfit.data.hf import HFSource, open_hf_dataset
 from meshfit.data.tokenizer import (ByteTokenizer, HFTokenizer, Tokenizer, as_tokenizer,
                                     document_separator, token_dtype)
 
-__all__ = ["TokenSplits", "load_tokens", "DEFAULT_CACHE_DIR", "DEFAULT_VAL_FRACTION",
-           "CHECKSUM", "cache_problem"]
+__all__ = ["TokenSplits", "load_tokens", "load_text", "DEFAULT_CACHE_DIR",
+           "DEFAULT_VAL_FRACTION", "CHECKSUM", "cache_problem"]
 
 DEFAULT_CACHE_DIR = Path("~/.cache/meshfit/tokens")
 # 0.02 puts ~500k tokens (~40 of ~800 files) of the 3.11 standard library in validation:
@@ -98,9 +100,6 @@ class TokenSplits:
         """The ``"train"`` or ``"val"`` stream as `TokenDataset` windows of `seq_len`;
         `documents_apart`: with each token's position in its document (a single-token
         separator: the tokenizer's EOS)."""
-        from meshfit.data.dataset import TokenDataset
-        from meshfit.data.tokenizer import document_separator
-
         separator = None
         if documents_apart:
             ids = document_separator(self.tokenizer)
@@ -164,6 +163,16 @@ def load_tokens(path: str | os.PathLike[str] | None = None, *, tokenizer: Any = 
                       f"not UTF-8 text (not valid UTF-8, or binary: NUL bytes) (e.g. "
                       f"{skipped[:3]})", stacklevel=2)
     return _open(stem, meta, tok)
+
+
+def load_text(spec: DataSpec, *, tokenizer: Any = None, seq_len: int | None = None,
+              val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenSplits:
+    """The loader of format "text" (`meshfit.data.formats`): `load_tokens` of `spec`'s
+    data.path or data.hf_dataset (its text column) into `spec`'s cache folder. `seq_len`
+    is not needed here: the stream is cut into windows when it is read (`windows`)."""
+    return load_tokens(spec.path or None, cache_dir=spec.cache_dir or None, tokenizer=tokenizer,
+                       hf_dataset=spec.hf_dataset or None,
+                       text_column=spec.column("text_column"), val_fraction=val_fraction)
 
 
 def _files_hash(source: Corpus | HFSource) -> str:
@@ -238,9 +247,9 @@ def _meta_problem(bin_path: Path, meta: dict[str, Any], tok: Tokenizer,
     expected = {"tokenizer": tok.name, "vocab_size": int(tok.vocab_size),
                 "dtype": token_dtype(tok.vocab_size).name,
                 "separator": [int(i) for i in document_separator(tok)]}
-    for field, value in expected.items():
-        if meta[field] != value:
-            return f"records {field}={meta[field]!r} where the tokenizer has {value!r}"
+    for name, value in expected.items():
+        if meta[name] != value:
+            return f"records {name}={meta[name]!r} where the tokenizer has {value!r}"
     if not isinstance(meta["checksum"], dict) or not isinstance(
             meta["checksum"].get(CHECKSUM), str):
         return f"records no {CHECKSUM} checksum"
@@ -356,54 +365,88 @@ def _goes_to_validation(doc: SourceFile | _Row, val_fraction: float) -> bool:
     return is_validation(doc.rel, val_fraction)
 
 
+@dataclass
+class _Written:
+    """What `_write_bin` put in the ``.bin``: token counts (each document with its
+    separator), the validation documents' names, the files left out (not UTF-8 text) and
+    the `CHECKSUM` of the bytes as written."""
+
+    n_train: int = 0
+    n_train_files: int = 0
+    n_val: int = 0
+    val_files: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    checksum: str = ""
+
+
 def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem: Path,
            key: str) -> dict[str, Any]:
-    """Write ``.bin`` (train then val, each document followed by the separator), then the
-    sidecar. Validation documents are held in memory (they are ``val_fraction`` of the
-    data) so the much larger training part can stream to disk without a second pass."""
+    """Write ``.bin`` (`_write_bin`), then the sidecar, which commits it."""
     start = time.perf_counter()
     dtype = token_dtype(tok.vocab_size)
     sep = np.asarray(document_separator(tok), dtype=dtype)
     bin_path, json_path = _paths(stem)
-    skipped: list[str] = []
+    written = _write_bin(source, tok, val_fraction, bin_path, dtype, sep)
+    if written.n_train + written.n_val == 0:
+        bin_path.unlink(missing_ok=True)
+        raise _no_text(source)
+    meta = _sidecar(source, tok, val_fraction, key, written, dtype, sep)
+    meta["build_seconds"] = round(time.perf_counter() - start, 3)
+    payload = json.dumps(meta, indent=1).encode("utf-8")
+    atomic_write(json_path, lambda out: out.write(payload))
+    return meta
+
+
+def _write_bin(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float,
+               bin_path: Path, dtype: np.dtype, sep: np.ndarray) -> _Written:
+    """The ``.bin``, atomically: train then val, each document followed by the separator.
+    Validation documents are held in memory (they are ``val_fraction`` of the data) so the
+    much larger training part can stream to disk without a second pass."""
+    written = _Written()
     val_docs: list[np.ndarray] = []
-    val_files: list[str] = []
-    n_train = n_train_files = 0
     digest = hashlib.blake2b(digest_size=16)  # of the bytes as written: CHECKSUM
 
-    def write_bin(out) -> None:
-        nonlocal n_train, n_train_files
-
+    def fill(out) -> None:
         def put(ids: np.ndarray) -> None:
             out.write(memoryview(ids))
             digest.update(memoryview(ids))
 
-        for f, ids in _documents(source, tok, dtype, skipped):
+        for f, ids in _documents(source, tok, dtype, written.skipped):
             if _goes_to_validation(f, val_fraction):
                 if val_fraction == 0:  # 0 means no validation, whatever the dataset has
                     continue
                 val_docs.extend((ids, sep))
-                val_files.append(f.rel)
+                written.val_files.append(f.rel)
                 continue
             put(ids)
             put(sep)
-            n_train += ids.size + sep.size
-            n_train_files += 1
+            written.n_train += ids.size + sep.size
+            written.n_train_files += 1
         for ids in val_docs:
             put(ids)
 
-    atomic_write(bin_path, write_bin)
-    n_val = sum(a.size for a in val_docs)
+    atomic_write(bin_path, fill)
+    written.n_val = sum(a.size for a in val_docs)
+    written.checksum = digest.hexdigest()
+    return written
+
+
+def _no_text(source: Corpus | HFSource) -> ValueError:
+    """The one line for a source whose documents hold no token at all."""
+    if isinstance(source, HFSource):
+        return ValueError(f"data.hf_dataset={str(source.path)!r} holds no text: column "
+                          f"data.text_column={source.text_column!r} is empty in all "
+                          f"{source.n_rows} rows; choose the column that holds the text")
+    return ValueError(f"data.path holds no text: all {len(source.files)} files of "
+                      f"{source.description} are empty, not valid UTF-8 or binary (NUL "
+                      "bytes); point data.path at UTF-8 text files")
+
+
+def _sidecar(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, key: str,
+             written: _Written, dtype: np.dtype, sep: np.ndarray) -> dict[str, Any]:
+    """The sidecar's fields (the module docstring), and where the split falls."""
+    n_train, n_val = written.n_train, written.n_val
     n_tokens = n_train + n_val
-    if n_tokens == 0:
-        bin_path.unlink(missing_ok=True)
-        if isinstance(source, HFSource):
-            raise ValueError(f"data.hf_dataset={str(source.path)!r} holds no text: column "
-                             f"data.text_column={source.text_column!r} is empty in all "
-                             f"{source.n_rows} rows; choose the column that holds the text")
-        raise ValueError(f"data.path holds no text: all {len(source.files)} files of "
-                         f"{source.description} are empty, not valid UTF-8 or binary (NUL "
-                         "bytes); point data.path at UTF-8 text files")
     split = "by_file"
     if val_fraction > 0 and (n_val == 0 or n_train == 0) and n_tokens >= 2:
         # Too few files for the by-file rule to put any on one side: fall back to the tail
@@ -415,19 +458,15 @@ def _build(source: Corpus | HFSource, tok: Tokenizer, val_fraction: float, stem:
     # actually written (empty and non-UTF-8 files are listed but not written).
     # For a dataset, "files" are rows; their names (split/index) are not listed.
     hf = isinstance(source, HFSource)
-    meta = {"format": _FORMAT, "key": key, "source": source.description,
+    return {"format": _FORMAT, "key": key, "source": source.description,
             "root": str(source.path if hf else source.root), "files_hash": _files_hash(source),
             "n_files": source.n_rows if hf else len(source.files),
-            "n_train_files": n_train_files, "n_val_files": len(val_files),
-            "val_files": [] if hf else val_files, "skipped_non_utf8": skipped,
+            "n_train_files": written.n_train_files, "n_val_files": len(written.val_files),
+            "val_files": [] if hf else written.val_files, "skipped_non_utf8": written.skipped,
             "tokenizer": tok.name, "vocab_size": int(tok.vocab_size), "dtype": dtype.name,
             "separator": [int(i) for i in sep], "val_fraction": val_fraction, "split": split,
             "n_tokens": n_tokens, "n_train": n_train, "n_val": n_val,
-            "checksum": {CHECKSUM: digest.hexdigest()},
-            "build_seconds": round(time.perf_counter() - start, 3)}
-    payload = json.dumps(meta, indent=1).encode("utf-8")
-    atomic_write(json_path, lambda out: out.write(payload))
-    return meta
+            "checksum": {CHECKSUM: written.checksum}}
 
 
 def _open(stem: Path, meta: dict[str, Any], tok: Tokenizer) -> TokenSplits:

@@ -40,6 +40,7 @@ that leaves nothing is refused in one line.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,12 +49,17 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["FORMATS", "ExampleDataset", "ExampleSplits", "chat_example", "completion_example",
-           "load_examples"]
+from meshfit.data.cache import DEFAULT_VAL_FRACTION
+from meshfit.data.formats import FORMATS, DataSpec, data_format
+from meshfit.data.hf import open_hf_dataset
 
-FORMATS = ("text", "completion", "chat")
+__all__ = ["FORMATS", "ExampleDataset", "ExampleSplits", "chat_example", "completion_example",
+           "load_chats", "load_completions", "load_examples", "training_template"]
+
 ROLES = ("system", "user", "assistant", "tool")
 IGNORE_INDEX = -100
+Example = tuple[list[int], list[int]]
+"""One example's token ids and loss mask (1: a trained token)."""
 
 
 def _has_generation_markers(template: str) -> bool:
@@ -254,77 +260,125 @@ def _check_messages(messages: Any, index: int, column: str, *,
     return messages
 
 
-def load_examples(data, *, tokenizer, seq_len: int, val_fraction: float) -> ExampleSplits:
-    """The examples of `data` (a [data] section whose format is "completion" or "chat")
-    through `tokenizer` (a meshfit HFTokenizer over a transformers tokenizer) as rows of
+def load_examples(spec: DataSpec, *, tokenizer: Any, seq_len: int,
+                  val_fraction: float = DEFAULT_VAL_FRACTION) -> ExampleSplits:
+    """The examples of `spec` (a `DataSpec` whose format is "completion" or "chat") through
+    `tokenizer` (a meshfit HFTokenizer over a transformers tokenizer) as rows of
     ``seq_len + 1`` tokens; validation: the dataset's "validation" (or "test") split, else
-    the last `val_fraction` of the rows (at least one)."""
-    from meshfit.data.hf import open_hf_dataset
+    the last `val_fraction` of the rows (at least one). The format's own loader
+    (`meshfit.data.formats`): `load_completions` or `load_chats`."""
+    return data_format(spec.format).load(spec, tokenizer=tokenizer, seq_len=seq_len,
+                                         val_fraction=val_fraction)
 
-    hf = getattr(tokenizer, "_hf", None)
+
+def load_completions(spec: DataSpec, *, tokenizer: Any, seq_len: int,
+                     val_fraction: float = DEFAULT_VAL_FRACTION) -> ExampleSplits:
+    """The loader of format "completion" (`load_examples`): each row's prompt and
+    completion columns through `completion_example`."""
+    hf, _ = _transformers_tokenizer(spec, tokenizer)
+    prompt, completion = spec.column("prompt_column"), spec.column("completion_column")
+
+    def encode(row: dict, index: int) -> Example:
+        for key, column in (("prompt_column", prompt), ("completion_column", completion)):
+            if not isinstance(row[column], str):
+                raise ValueError(f"data.{key}={column!r}, row {index}: "
+                                 f"{type(row[column]).__name__}, not a string")
+        return completion_example(hf, row[prompt], row[completion])
+
+    return _load(spec, tokenizer, encode, how="prompt and completion", seq_len=seq_len,
+                 val_fraction=val_fraction)
+
+
+def load_chats(spec: DataSpec, *, tokenizer: Any, seq_len: int,
+               val_fraction: float = DEFAULT_VAL_FRACTION) -> ExampleSplits:
+    """The loader of format "chat" (`load_examples`): each row's conversation through
+    `chat_example` with the template `training_template` gives; a split where the template
+    marks no assistant token at all is refused."""
+    hf, template = _transformers_tokenizer(spec, tokenizer)
+    template, how = training_template(hf, template)
+    column = spec.column("messages_column")
+
+    def encode(row: dict, index: int) -> Example:
+        messages = _check_messages(row[column], index, column,
+                                   every_token=spec.train_on_prompt)
+        return chat_example(hf, messages, template=template)
+
+    def check(examples: list[Example], split: str) -> None:
+        if not spec.train_on_prompt and examples and not any(any(m) for _, m in examples):
+            raise ValueError(f"data.format={spec.format!r}: the chat template marks no "
+                             f"assistant token in any of the {len(examples)} {split} "
+                             "conversations; give data.chat_template a template that renders "
+                             "the assistant's turns")
+
+    return _load(spec, tokenizer, encode, how=how, seq_len=seq_len, val_fraction=val_fraction,
+                 check=check)
+
+
+def _transformers_tokenizer(spec: DataSpec, tokenizer: Any) -> tuple[Any, str | None]:
+    """(the transformers tokenizer `tokenizer` wraps, data.chat_template's text or None),
+    refused in one line where the format cannot use them."""
+    hf = getattr(tokenizer, "hf", None)  # HFTokenizer's; the byte tokenizer has none
     if hf is None or not hasattr(hf, "apply_chat_template"):
-        raise ValueError(f"data.format={data.format!r} needs a transformers tokenizer folder "
+        raise ValueError(f"data.format={spec.format!r} needs a transformers tokenizer folder "
                          "(data.tokenizer=path/to/folder), not the byte tokenizer")
-    template = _template(data.chat_template) if data.format == "chat" else None
-    if data.format == "chat" and not (template or getattr(hf, "chat_template", None)):
-        raise ValueError(f"data.tokenizer={data.tokenizer!r} has no chat template; give one "
-                         "with data.chat_template (a .jinja file or the template text)")
-    if data.format == "chat" and template and not _has_generation_markers(template) \
+    if not data_format(spec.format).chat_template:
+        return hf, None
+    template = _template(spec.chat_template)
+    if not (template or getattr(hf, "chat_template", None)):
+        raise ValueError(f"data.tokenizer={getattr(hf, 'name_or_path', '')!r} has no chat "
+                         "template; give one with data.chat_template (a .jinja file or the "
+                         "template text)")
+    if template and not _has_generation_markers(template) \
             and "{%" not in template and "{{" not in template:
-        raise ValueError(f"data.chat_template={data.chat_template!r} is neither a template file "
+        raise ValueError(f"data.chat_template={spec.chat_template!r} is neither a template file "
                          "nor template text ({% ... %} / {{ ... }})")
-    named = {"messages_column": data.messages_column} if data.format == "chat" else {
-        "prompt_column": data.prompt_column, "completion_column": data.completion_column}
-    columns = tuple(named.values())
-    how = "prompt and completion"
-    if data.format == "chat":
-        template, how = training_template(hf, template)
-    if not data.hf_dataset:
-        raise ValueError(f"data.format={data.format!r} reads data.hf_dataset (a datasets folder "
+    return hf, template
+
+
+def _load(spec: DataSpec, tokenizer: Any, encode: Callable[[dict, int], Example], *, how: str,
+          seq_len: int, val_fraction: float,
+          check: Callable[[list[Example], str], None] | None = None) -> ExampleSplits:
+    """The rows of data.hf_dataset as examples (``encode(row, index)`` -> ids, mask; every
+    token trained with data.train_on_prompt), each split passed to ``check(examples, split)``;
+    without a validation split, the last `val_fraction` of the training rows."""
+    if not spec.hf_dataset:
+        raise ValueError(f"data.format={spec.format!r} reads data.hf_dataset (a datasets folder "
                          "or a .json/.jsonl file of rows); data.path is for format='text'")
-    source = open_hf_dataset(data.hf_dataset, None)
-    what = data.hf_dataset
+    source = open_hf_dataset(spec.hf_dataset, None)
+    keys = data_format(spec.format).column_keys
+    named = {key: spec.column(key) for key in keys}
     splits = {}
     for name, ds in (("train", source.train), ("val", source.validation)):
         if ds is None:
             continue
-        rows = _records(ds, what, named)
-        out = []
-        for i, r in enumerate(rows):
-            if data.format == "chat":
-                messages = _check_messages(r[columns[0]], i, columns[0],
-                                           every_token=data.train_on_prompt)
-                ids, mask = chat_example(hf, messages, template=template)
-            else:
-                for c in columns:
-                    if not isinstance(r[c], str):
-                        raise ValueError(f"data.{'prompt' if c == columns[0] else 'completion'}"
-                                         f"_column={c!r}, row {i}: {type(r[c]).__name__}, not a "
-                                         "string")
-                ids, mask = completion_example(hf, r[columns[0]], r[columns[1]])
-            if data.train_on_prompt:
-                mask = [1] * len(ids)
-            out.append((ids, mask))
-        if data.format == "chat" and not data.train_on_prompt and out and not any(
-                any(m) for _, m in out):
-            raise ValueError(f"data.format='chat': the chat template marks no assistant token in "
-                             f"any of the {len(out)} {name} conversations; give data."
-                             "chat_template a template that renders the assistant's turns")
-        splits[name] = out
+        examples = []
+        for i, row in enumerate(_records(ds, spec.hf_dataset, named)):
+            ids, mask = encode(row, i)
+            examples.append((ids, [1] * len(ids) if spec.train_on_prompt else mask))
+        if check is not None:
+            check(examples, name)
+        splits[name] = examples
     if "val" not in splits:
         examples = splits["train"]
         n_val = max(1, round(len(examples) * val_fraction)) if len(examples) > 1 else 0
         splits["train"], splits["val"] = examples[:len(examples) - n_val], \
             examples[len(examples) - n_val:]
+    return _example_splits(spec, tokenizer, splits["train"], splits["val"],
+                           how="every token" if spec.train_on_prompt else how, seq_len=seq_len)
+
+
+def _example_splits(spec: DataSpec, tokenizer: Any, train_examples: list[Example],
+                    val_examples: list[Example], *, how: str, seq_len: int) -> ExampleSplits:
+    """The examples as rows (`_rows`), with the banner's figures (`ExampleSplits.describe`)."""
+    hf = tokenizer.hf
     pad = hf.pad_token_id if hf.pad_token_id is not None else tokenizer.eos_id or 0
-    packing = bool(getattr(data, "packing", False))
-    train, st = _rows(splits["train"], seq_len, pad, "training", packing)
-    val, sv = _rows(splits["val"], seq_len, pad, "validation", packing)
+    train, st = _rows(train_examples, seq_len, pad, "training", spec.packing)
+    val, sv = _rows(val_examples, seq_len, pad, "validation", spec.packing)
     row = seq_len + 1
     total = max(1, st["tokens"] + sv["tokens"])
-    stats = {"format": data.format, "masks": "every token" if data.train_on_prompt else how,
+    stats = {"format": spec.format, "masks": how,
              "train": st["examples"], "val": sv["examples"], "row": row,
-             "rows": (len(train), len(val)), "packing": packing,
+             "rows": (len(train), len(val)), "packing": spec.packing,
              "truncated": st["truncated"] + sv["truncated"],
              "dropped": st["dropped"] + sv["dropped"],
              "padding": 1 - total / max(1, row * (len(train) + len(val))),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["AXES", "MESH_AXES", "MeshSizes", "ParallelDims"]
+__all__ = ["AXES", "DP_AXES", "MESH_AXES", "MeshSizes", "ParallelDims"]
 
 # Mesh axes in the order torchtitan lays them out: pipeline outermost (crosses nodes most
 # cheaply: one activation per micro-batch), tensor parallel innermost (needs the fastest
@@ -20,6 +20,8 @@ __all__ = ["AXES", "MESH_AXES", "MeshSizes", "ParallelDims"]
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 # The axes whose sizes multiply to the world size: ep lives inside dp_shard.
 MESH_AXES = AXES[:-1]
+# The data-parallel axes: their ranks see different data.
+DP_AXES = ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +50,15 @@ class MeshSizes:
     def sizes(self) -> dict[str, int]:
         """{axis: size} for every axis of `AXES`."""
         return {name: getattr(self, name) for name in AXES}
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different data (an axis left to "the
+        remaining ranks", -1, counts 1 until resolved)."""
+        out = 1
+        for name in DP_AXES:
+            out *= max(getattr(self, name), 1)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,11 +129,6 @@ class ParallelDims(MeshSizes):
                 f"to the world size; set dp_shard to a multiple of {sizes['ep']} (e.g. "
                 f"dp_shard={sizes['ep']} on {sizes['ep']} processes)")
         return dataclasses.replace(self, world_size=world_size, **sizes)
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: ranks that see different data."""
-        return max(self.dp_replicate, 1) * max(self.dp_shard, 1)
 
     def enabled(self) -> tuple[str, ...]:
         """Names of the axes larger than one, outermost first."""

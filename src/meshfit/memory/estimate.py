@@ -41,37 +41,8 @@ dequantized one linear at a time in forward and backward (no low-precision copy 
 from forward to backward). The adapters' own activations (the rank-r intermediate of each
 adapted linear) are not counted: r/d of a block's linear inputs.
 
-**Activations**: the closed form of Korthikanti et al. (2022, "Reducing Activation
-Recomputation in Large Transformer Models", eq. 1-4), written per saved tensor so that it
-covers the model at hand. Per block and token, in elements (x the activation dtype's bytes,
-b x s tokens):
-
-    norms           2h                    (the inputs of the two norms)
-    attention       h + (h + 2·kv) + h    (q/k/v input, q, k, v, the attention output)
-                    + a·s scores          only for the math kernel (flash/efficient save
-                                          4 B x a of log-sum-exp instead; with dropout,
-                                          its output a·s and mask a·s bytes too)
-    MLP             h + 2f (GELU)  or  h + 4f (SwiGLU: gate, its SiLU, up, product)
-    dropout masks   2h bytes (the two residual dropouts) when dropout > 0
-
-For GPT-2's shape (f = 4h, kv = h, dropout, math attention, 2-byte activations) this is
-the paper's 34·s·b·h + 5·a·s²·b bytes. Tensor parallel t divides everything but the norm
-inputs, the two linear inputs and the dropout masks (the paper's 10·s·b·h replicated) by t.
-Sequence parallel divides the norm inputs and the masks too, but in `estimate` not the two
-linear inputs: torch's SequenceParallel (what meshfit runs) all-gathers a block's
-sequence-sharded input before the column-parallel linears and autograd saves the gathered
-tensor (measured in tests/memory/test_estimate_measured.py); the paper's eq. 4 assumes
-Megatron-LM, which saves the shard and gathers again in backward (`activation_bytes`'s
-default, ``gathered_linear_inputs=False``, gives that form). Full checkpointing keeps each block's
-input (h) and recomputes one block at a time in backward (one block's activations more at
-the peak); "selective" (meshfit's default policy: every 2nd block) keeps the inputs of half
-the blocks.
-Outside the blocks, on the last stage: the final norm's and the head's inputs (2h) and the
-loss (3V fp32 elements per token, / t under loss_parallel; below).
-
-Pipelines hold several micro-batches at once on their first stage (Narayanan et al. 2021):
-GPipe all m of them, 1F1B min(m, p), interleaved 1F1B p·(1 + (p-1)/(p·v)) stage-chunks,
-zero-bubble (ZB-V) min(m, p).
+**Activations** (`meshfit.memory.activations`): Korthikanti et al.'s closed form per saved
+tensor, context parallel's share and ring, and the micro-batches each pipeline schedule holds.
 
 **Buffers**: FSDP2's gathered parameters (stage 3: two blocks in the parameter dtype — the
 current one and the prefetched next; stage 2 and replicate-only FSDP2: every block, held
@@ -101,19 +72,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
+from meshfit.memory.activations import (DTYPE_BYTES, ActivationBytes, activation_bytes, in_flight,
+                                        peak_activations, ring_bytes)
 from meshfit.memory.shape import ModelShape
-from meshfit.parallel.request import LayoutRequest
-from meshfit.parallel.rules import default_zero_stage
+from meshfit.parallel.spec import LayoutSpec
 
 __all__ = ["ActivationBytes", "Adapters", "Estimate", "LayoutSpec", "NF4_BYTES",
            "activation_bytes", "estimate", "model_state_bytes"]
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_fused": 8.0, "adamw_8bit": 2.0, "sgd": 4.0,
                    "adafactor": 0.0}
-Checkpointing = Literal["none", "selective", "full"]
 DISK_CHUNK_BYTES = 256 * 2**20
 """`meshfit.parallel.disk.DiskOffload`'s default chunk (of state read or written at once)."""
 NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
@@ -201,166 +170,6 @@ def model_state_bytes(n_params: float, dp: int = 1, zero_stage: int = 0, *,
            "optimizer": share(zero_stage >= 1) * k}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayoutSpec(LayoutRequest):
-    """A layout as the estimate and the planner describe it (the JSON's ``layout``): a
-    `LayoutRequest` made concrete, with the micro-batch and checkpointing it runs with.
-
-    Concrete: a spec describes its own world, so the axis left to "the remaining ranks"
-    (-1) has 1, an unset ZeRO stage is the one `meshfit train` takes
-    (`meshfit.parallel.rules.default_zero_stage`), and unset pipeline micro-batches and
-    virtual stages are 1."""
-
-    activation_checkpointing: Checkpointing = "none"
-    micro_batch_size: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # the request's own checks
-        concrete = {axis: 1 for axis, size in self.sizes().items() if size == -1}
-        dp_shard = concrete.get("dp_shard", self.dp_shard)
-        concrete.update(zero_stage=self.zero_stage if self.zero_stage is not None
-                        else default_zero_stage(dp_shard),
-                        microbatches=self.microbatches or 1,
-                        virtual_stages=self.virtual_stages or 1)
-        for name, value in concrete.items():
-            object.__setattr__(self, name, value)  # frozen: set once, while being built
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def to_json(self) -> dict:
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
-                "pp": self.pp, "ep": self.ep, "zero_stage": self.zero_stage,
-                "offload": self.offload == "cpu", **({"offload_to": "disk"}
-                                                     if self.offload == "disk" else {}),
-                **({"offload_params": True} if self.offload_params else {}),
-                "sequence_parallel": self.sequence_parallel,
-                "schedule": self.schedule if self.pp > 1 else None,
-                "microbatches": self.microbatches if self.pp > 1 else None,
-                "activation_checkpointing": self.activation_checkpointing,
-                "micro_batch_size": self.micro_batch_size}
-
-    def describe(self) -> str:
-        parts = [f"{k} {getattr(self, k)}" for k in ("pp", "dp_replicate", "dp_shard", "tp",
-                                                      "ep") if getattr(self, k) > 1]
-        text = " x ".join(parts) or "one process"
-        if self.zero_stage:
-            text += f", ZeRO-{self.zero_stage}" + (" + CPU offload" if self.offload == "cpu"
-                                                   else "")
-        if self.offload == "disk":
-            text += (", parameters and optimizer state on disk" if self.offload_params
-                     else ", optimizer state on disk")
-        if self.sequence_parallel:
-            text += ", SP"
-        if self.pp > 1:
-            text += f", {self.schedule} m={self.microbatches}"
-            if self.virtual_stages > 1:
-                text += f" v={self.virtual_stages}"
-        if self.activation_checkpointing != "none":
-            text += f", {self.activation_checkpointing} checkpointing"
-        return text + f", micro-batch {self.micro_batch_size}"
-
-
-@dataclass(frozen=True)
-class ActivationBytes:
-    """Saved activations of one micro-batch on one rank, by part (bytes)."""
-
-    per_block: float
-    blocks: float
-    outside: float
-    recompute_peak: float
-
-    @property
-    def total(self) -> float:
-        return self.blocks + self.outside + self.recompute_peak
-
-
-def _block_elements(shape: ModelShape, seq_len: int, attention: str) -> dict[str, float]:
-    """What one block saves per token: elements in the activation dtype that tensor
-    parallel keeps whole ("replicated": the norm inputs, "linear_inputs") or splits
-    ("split"), and raw bytes of masks and log-sum-exp likewise ("replicated_bytes",
-    "split_bytes")."""
-    h, f, kv, a = shape.d_model, shape.d_ff, shape.kv_dim, shape.n_head
-    out = {"replicated": 2 * h, "linear_inputs": h + h,  # norm inputs; attention, MLP input
-           "split": (h + 2 * kv) + h + (4 * f if shape.gated_mlp else 2 * f),
-           "replicated_bytes": 0.0, "split_bytes": 0.0}
-    if attention == "math":
-        out["split"] += a * seq_len  # softmax output
-        if shape.dropout:
-            out["split"] += a * seq_len  # dropout output
-            out["split_bytes"] += a * seq_len  # its mask
-    else:
-        out["split_bytes"] += 4 * a  # flash / efficient: fp32 log-sum-exp per head
-    if shape.dropout:
-        out["replicated_bytes"] += 2 * h  # masks of the two residual dropouts
-    return out
-
-
-def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
-                     dtype: str = "fp32", attention: str = "flash",
-                     blocks_on_rank: int | None = None,
-                     gathered_linear_inputs: bool = False,
-                     autocast: bool = False) -> ActivationBytes:
-    """Saved activations of one micro-batch of `layout.micro_batch_size` sequences on one
-    rank (the closed form of the module docstring). `attention`: "flash" (or "efficient",
-    "cudnn": no score matrix saved) or "math". `gathered_linear_inputs` (`estimate` passes
-    True): under sequence parallel the attention and MLP inputs are saved all-gathered, as
-    torch's SequenceParallel does, not sharded (the paper's eq. 4). `autocast` (`estimate`
-    passes it for bf16/fp16): fp32 residual stream and per-projection casts, as the module
-    docstring says; off, every activation is in `dtype` as in the paper."""
-    act = DTYPE_BYTES[dtype]
-    residual = 4 if autocast and act < 4 else act
-    t, sp = layout.tp, layout.sequence_parallel
-    tokens = layout.micro_batch_size * seq_len
-    e = _block_elements(shape, seq_len, attention)
-    if autocast and act < 4:
-        h = shape.d_model
-        e["replicated_bytes"] += 2 * h * (residual - act)  # norm inputs in fp32
-        e["linear_inputs"] += 2 * h + (h if shape.gated_mlp else 0)  # per-projection casts
-    per_token = ((e["replicated"] * act + e["replicated_bytes"]) / (t if sp else 1)
-                 + e["linear_inputs"] * act / (t if sp and not gathered_linear_inputs else 1)
-                 + (e["split"] * act + e["split_bytes"]) / t)
-    per_block = per_token * tokens
-    n = blocks_on_rank if blocks_on_rank is not None else math.ceil(shape.n_layer / layout.pp)
-    block_input = shape.d_model * residual * tokens / (t if sp else 1)
-    mode = layout.activation_checkpointing
-    if mode == "full":
-        blocks, recompute = n * block_input, per_block
-    elif mode == "selective":
-        kept = n - n // 2  # every 2nd block checkpointed
-        blocks, recompute = kept * per_block + (n // 2) * block_input, per_block if n > 1 else 0
-    else:
-        blocks, recompute = n * per_block, 0.0
-    outside = _head_bytes(shape, layout, tokens, act, residual) if layout.pp == 1 else 0.0
-    return ActivationBytes(per_block=per_block, blocks=blocks, outside=outside,
-                           recompute_peak=recompute)
-
-
-def _head_bytes(shape: ModelShape, layout: LayoutSpec, tokens: int, act: int,
-                residual: int) -> float:
-    """The last stage's activations outside the blocks (see the module docstring)."""
-    t = layout.tp
-    inputs = shape.d_model * (residual + act) * tokens / (t if layout.sequence_parallel else 1)
-    return inputs + 3 * shape.vocab_size * 4 * tokens / (t if layout.loss_parallel else 1)
-
-
-def in_flight(layout: LayoutSpec) -> float:
-    """Micro-batches (in units of one stage's activations) the first pipeline stage holds."""
-    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
-    if p == 1:
-        return 1.0
-    if layout.schedule == "gpipe":
-        return float(m)
-    if layout.schedule == "interleaved_1f1b":
-        return min(m, p) * (1 + (p - 1) / (p * v))
-    return float(min(m, p))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -458,8 +267,11 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
     elif layout.offload == "disk":  # the state goes to files; three chunks stay in memory
         disk = optimizer_bytes
         optimizer_bytes = min(optimizer_bytes, 3 * DISK_CHUNK_BYTES)
-    buffers = _buffers(shape, layout, rank, resolved, dtype, adapted)
-    activations, acts = _activations(shape, layout, rank.blocks, seq_len, dtype, attention)
+    activations, acts = peak_activations(shape, layout, rank.blocks, seq_len, dtype, attention)
+    # Context parallel's ring holds its buffers in a block's backward, after the head's
+    # backward has freed the loss's tensors: the step's peak is the larger of the two
+    buffers = _buffers(shape, layout, rank, resolved, dtype, adapted) + max(
+        0.0, ring_bytes(shape, layout, seq_len, dtype) - acts.outside)
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
                     activations=activations, buffers=buffers, host=host, disk=disk,
                     detail={"blocks_on_rank": rank.blocks,
@@ -602,26 +414,10 @@ def _adapted_buffers(layout: LayoutSpec, rank: _RankParams, resolved, dtype: str
     return buffers
 
 
-def _activations(shape: ModelShape, layout: LayoutSpec, blocks: int, seq_len: int,
-                 dtype: str, attention: str) -> tuple[float, ActivationBytes]:
-    """Peak saved activations of the worst rank, and their parts."""
-    autocast = DTYPE_BYTES[dtype] < 4
-    acts = activation_bytes(shape, layout, seq_len=seq_len, dtype=dtype, attention=attention,
-                            blocks_on_rank=blocks, gathered_linear_inputs=True,
-                            autocast=autocast)
-    activations = acts.blocks * in_flight(layout) + acts.outside + acts.recompute_peak
-    if layout.pp > 1:  # the last stage's head and loss, when it is the worst rank
-        residual = 4 if autocast else DTYPE_BYTES[dtype]
-        head = _head_bytes(shape, layout, layout.micro_batch_size * seq_len,
-                           DTYPE_BYTES[dtype], residual)
-        activations = max(activations, acts.blocks + acts.recompute_peak + head)
-    return activations, acts
-
-
 def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):
     """The `meshfit.parallel.layout.Layout` of `layout` (its rules; a one-line ValueError
     for a layout meshfit refuses)."""
     from meshfit.parallel.layout import Layout
 
-    return Layout.of(layout, layout.world_size, distributed=layout.world_size > 1,
-                     mixed_precision="no" if dtype == "fp32" else dtype)
+    return Layout.resolve(layout, layout.world_size, distributed=layout.world_size > 1,
+                          mixed_precision="no" if dtype == "fp32" else dtype)

@@ -1,9 +1,10 @@
 """`Layout`: the one decision of how a job is laid out, made once, before any model work.
 
-`Layout.resolve` takes the mesh sizes (`ParallelDims`), the world size and the options that
-change how the data-parallel engine works (ZeRO stage, offload, mixed precision, sequence /
-loss parallel, DDP keywords), checks every rule (one-line `ValueError`s naming the field,
-the value and the fix; each rule written once, in `rules.py`) and returns a frozen description:
+`Layout.resolve` takes a `LayoutRequest` whole (the mesh sizes and the options that change
+how the engines work: ZeRO stage, offload, sequence / loss parallel, the pipeline's schedule),
+the world size and what the caller adds (mixed precision, DDP keywords), checks every rule
+(one-line `ValueError`s naming the field, the value and the fix; each rule written once, in
+`rules.py`) and returns a frozen description that keeps the request, resolved:
 
 - the **engine** that keeps the data-parallel replicas in step (`Engine`, one per ZeRO
   stage and model-parallel case);
@@ -46,23 +47,23 @@ gathering, reducing and data-loader sharding use the flattened group of both axe
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from meshfit.distributed.dims import ParallelDims
 from meshfit.parallel import mesh as meshes
 from meshfit.parallel.costs import LayoutCosts, costs_for
-from meshfit.parallel.rules import (DP_AXES, ZERO_STAGES, Engine, Request, default_zero_stage,
+from meshfit.parallel.request import LayoutRequest
+from meshfit.parallel.rules import (DP_AXES, ZERO_STAGES, Engine, Resolved, default_zero_stage,
                                     engine_for, first_problem, layout_warnings, mesh_axes_for,
-                                    namer, options_problem)
+                                    namer, precision_problem)
 
 if TYPE_CHECKING:  # torch loads when a model or a mesh is at hand: a layout is checked without it
     import torch
 
-    from meshfit.parallel.request import LayoutRequest
-
 # Engine and LayoutCosts (rules.py, costs.py) are part of what a `Layout` holds.
-__all__ = ["Candidate", "Engine", "Layout", "LayoutCosts", "ModelFacts", "check_options",
+__all__ = ["Candidate", "Engine", "Layout", "LayoutCosts", "ModelFacts", "check_precision",
            "precision_dtype"]
 
 
@@ -73,15 +74,10 @@ def precision_dtype(mode: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
 
 
-def check_options(*, parallel=None, zero_stage=None, offload="none", sync_each_batch=False,
-                  mixed_precision="no", sequence_parallel=False, loss_parallel=False,
-                  names: Mapping[str, str] | None = None) -> None:
-    """One-line ValueError for an option value that is wrong whatever the layout (usable
-    before the world size is known, e.g. when a config file is read)."""
-    problem = options_problem(dims=parallel, zero_stage=zero_stage, offload=offload,
-                               sync_each_batch=sync_each_batch, mixed_precision=mixed_precision,
-                               sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                               n=namer(names))
+def check_precision(mode: str, names: Mapping[str, str] | None = None) -> None:
+    """One-line ValueError for a mixed-precision mode the layouts do not know (usable before
+    the world size is known, e.g. when a config file is read)."""
+    problem = precision_problem(mode, namer(names))
     if problem:
         raise ValueError(problem)
 
@@ -129,16 +125,13 @@ class ModelFacts:
 class Layout:
     """A resolved, valid layout: build it with `Layout.resolve`."""
 
+    request: LayoutRequest
+    """What was asked, whole, with every mesh size and the ZeRO stage resolved (the type
+    asked with: a `meshfit train` [parallel] section stays one)."""
     dims: ParallelDims
     """The mesh sizes, resolved against the world size."""
     engine: Engine
-    zero_stage: int
-    """0 (nothing sharded) to 3; the engine's stage (0 also for `Engine.NONE`)."""
-    offload: bool
-    """Sharded states in host memory (stage 3 only)."""
     mixed_precision: str
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
     mesh_axes: tuple[str, ...] = ()
     """The device mesh's named axes, outermost first (`build_mesh`)."""
     warnings: tuple[str, ...] = ()
@@ -147,71 +140,71 @@ class Layout:
 
     # ------------------------------------------------------------------ resolving
     @classmethod
-    def resolve(cls, dims: ParallelDims | None = None, world_size: int = 1, *,
-                distributed: bool = True, zero_stage: int | None = None,
-                offload: str = "none", mixed_precision: str = "no",
-                sequence_parallel: bool = False, loss_parallel: bool = False,
+    def resolve(cls, request: LayoutRequest | None = None, world_size: int = 1, *,
+                distributed: bool = True, mixed_precision: str = "no",
                 ddp_kwargs: Mapping | None = None, local_world_size: int | None = None,
-                names: Mapping[str, str] | None = None, offload_params: bool = False
-                ) -> Layout:
-        """The layout of `dims` on `world_size` processes, or a one-line ValueError.
+                names: Mapping[str, str] | None = None) -> Layout:
+        """The layout of `request` (default: every rank on dp_replicate) on `world_size`
+        processes, or a one-line ValueError.
 
         `distributed=False`: a single process with no process group (no engine at all).
-        `local_world_size`: processes per node, for the warning about tensor-parallel groups
-        that cross nodes. `names`: how the caller spells each field in errors (e.g.
-        ``{"zero_stage": "parallel.zero_stage"}``). `offload_params` (with offload="disk"
-        under stage 3): the parameter shards in files, held on the host (`offload` true)."""
-        out = cls._decide(dims, world_size, distributed=distributed, zero_stage=zero_stage,
-                          offload=offload, offload_params=offload_params,
-                          mixed_precision=mixed_precision,
-                          sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                          ddp_kwargs=bool(ddp_kwargs), local_world_size=local_world_size,
-                          names=names)
+        `mixed_precision` and `ddp_kwargs` (given or not) are the caller's, which rules read
+        too. `local_world_size`: processes per node, for the warning about tensor-parallel
+        groups that cross nodes. `names`: how the caller spells each field in errors (e.g.
+        ``{"zero_stage": "parallel.zero_stage"}``)."""
+        out = cls._decide(request or LayoutRequest(), world_size, distributed=distributed,
+                          mixed_precision=mixed_precision, ddp_kwargs=bool(ddp_kwargs),
+                          local_world_size=local_world_size, names=names)
         if isinstance(out, str):
             raise ValueError(out)
         return out
 
     @classmethod
-    def of(cls, request: LayoutRequest, world_size: int = 1, *, distributed: bool = True,
-           mixed_precision: str = "no", ddp_kwargs: Mapping | None = None,
-           local_world_size: int | None = None,
-           names: Mapping[str, str] | None = None) -> Layout:
-        """The layout of a `LayoutRequest` on `world_size` processes (as `resolve`)."""
-        return cls.resolve(request.dims(), world_size, distributed=distributed,
-                           zero_stage=request.zero_stage, offload=request.offload,
-                           offload_params=request.offload_params,
-                           mixed_precision=mixed_precision,
-                           sequence_parallel=request.sequence_parallel,
-                           loss_parallel=request.loss_parallel, ddp_kwargs=ddp_kwargs,
-                           local_world_size=local_world_size, names=names)
-
-    @classmethod
-    def _decide(cls, dims, world_size, *, distributed, zero_stage, offload,
-                offload_params=False, mixed_precision, sequence_parallel, loss_parallel, ddp_kwargs,
-                local_world_size, names) -> Layout | str:
+    def _decide(cls, request: LayoutRequest, world_size: int, *, distributed: bool,
+                mixed_precision: str, ddp_kwargs: bool, local_world_size: int | None,
+                names) -> Layout | str:
         n = namer(names)
-        problem = options_problem(dims=dims, zero_stage=zero_stage, offload=offload,
-                                   sync_each_batch=False, mixed_precision=mixed_precision,
-                                   sequence_parallel=sequence_parallel,
-                                   loss_parallel=loss_parallel, n=n)
+        if not isinstance(request, LayoutRequest):
+            return (f"{n('parallel')}={request!r} must be a meshfit LayoutRequest (the "
+                    "mesh sizes and the layout's options, whole)")
+        problem = request.problem(n) or precision_problem(mixed_precision, n)
         if problem:
             return problem
-        dims = (dims or ParallelDims()).resolve(world_size)  # its own size checks
-        stage = zero_stage if zero_stage is not None else default_zero_stage(dims.dp_shard)
+        dims = request.dims().resolve(world_size)  # its own size checks
+        stage = request.zero_stage if request.zero_stage is not None \
+            else default_zero_stage(dims.dp_shard)
         engine = engine_for(dims, stage, distributed)
-        request = Request(dims, stage, offload, mixed_precision, sequence_parallel,
-                          loss_parallel, ddp_kwargs, engine, offload_params)
-        problem = first_problem(request, n)
+        resolved = dataclasses.replace(request, **dims.sizes(), zero_stage=stage)
+        problem = first_problem(Resolved(resolved, dims, stage, mixed_precision, ddp_kwargs,
+                                         engine), n)
         if problem:
             return problem
-        host = offload == "cpu" or offload_params  # (the parameter files are host memory)
-        return cls(dims=dims, engine=engine, zero_stage=stage, offload=host,
-                   mixed_precision=mixed_precision, sequence_parallel=sequence_parallel,
-                   loss_parallel=loss_parallel, mesh_axes=mesh_axes_for(dims),
+        host = request.offload == "cpu" or request.offload_params  # (files held on the host)
+        return cls(request=resolved, dims=dims, engine=engine, mixed_precision=mixed_precision,
+                   mesh_axes=mesh_axes_for(dims),
                    warnings=layout_warnings(dims, stage, local_world_size),
                    costs=costs_for(dims, engine, stage, host))
 
     # ------------------------------------------------------------------ facts
+    @property
+    def zero_stage(self) -> int:
+        """0 (nothing sharded) to 3; the engine's stage (0 also for `Engine.NONE`)."""
+        return self.request.zero_stage
+
+    @property
+    def host_offload(self) -> bool:
+        """Sharded states held in host memory: CPU offload (stage 3), or the parameter shards
+        in files of offload="disk" (``offload_params``)."""
+        return self.request.offload == "cpu" or self.request.offload_params
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.request.sequence_parallel
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.request.loss_parallel
+
     @property
     def is_fsdp(self) -> bool:
         return self.engine in (Engine.FSDP2, Engine.FSDP2_REPLICATE)
@@ -269,19 +262,21 @@ class Layout:
 
     # ------------------------------------------------------------------ model rules
     def check_model(self, facts: ModelFacts, *, seq_len: int | None = None,
-                    schedule: str = "1f1b", microbatches: int | None = None,
+                    schedule: str | None = None, microbatches: int | None = None,
                     virtual_stages: int | None = None,
                     names: Mapping[str, str] | None = None) -> None:
         """One-line ValueError when the model does not fit this layout: sizes that tp must
         divide, a sequence length sequence parallel cannot split, pipeline stages the
-        blocks cannot fill (with `schedule`/`microbatches`/`virtual_stages` when known)."""
+        blocks cannot fill. The pipeline's `schedule`, `microbatches` and `virtual_stages`
+        are the request's unless given (a caller that fills in an unset count, or a planner
+        trying other schedules); unset micro-batches count one per stage."""
         problem = self.model_problem(facts, seq_len=seq_len, schedule=schedule,
                                      microbatches=microbatches, virtual_stages=virtual_stages,
                                      names=names)
         if problem:
             raise ValueError(problem)
 
-    def model_problem(self, facts: ModelFacts, *, seq_len=None, schedule="1f1b",
+    def model_problem(self, facts: ModelFacts, *, seq_len=None, schedule=None,
                       microbatches=None, virtual_stages=None, names=None) -> str | None:
         from meshfit.models.plans import divisibility_problem
         from meshfit.parallel.pp import pipeline_problem
@@ -304,9 +299,12 @@ class Layout:
                 return (f"{n('seq_len')}={seq_len} does not divide by {n('tp')}={tp}, which "
                         f"{n('sequence_parallel')}=true needs; use a multiple of {tp}")
         if pp > 1:
-            problem = pipeline_problem(facts.n_blocks, pp, schedule=schedule,
+            r = self.request
+            microbatches = microbatches if microbatches is not None else r.microbatches
+            problem = pipeline_problem(facts.n_blocks, pp, schedule=schedule or r.schedule,
                                        microbatches=pp if microbatches is None else microbatches,
-                                       virtual_stages=virtual_stages, names=names)
+                                       virtual_stages=virtual_stages or r.virtual_stages,
+                                       names=names)
             if problem:
                 return problem
         return None
@@ -345,19 +343,18 @@ class Layout:
         CPU offload), with and without sequence parallel when tp > 1. A refused layout comes
         with its reason (the first rule it breaks) and no `layout`."""
         for pp, dp_replicate, dp_shard, tp in _splits(world_size, 4):
-            dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
             for stage in zero_stages:
                 for off in ("none", "cpu") if offload and stage == 3 else ("none",):
                     for sp in (False, True) if sequence_parallel and tp > 1 else (False,):
-                        options = dict(zero_stage=stage, offload=off, sequence_parallel=sp)
-                        out = cls._decide(dims, world_size, distributed=True,
-                                          mixed_precision=mixed_precision, loss_parallel=False,
-                                          ddp_kwargs=False, local_world_size=local_world_size,
-                                          names=None, **options)
+                        request = LayoutRequest(pp=pp, dp_replicate=dp_replicate,
+                                                dp_shard=dp_shard, tp=tp, zero_stage=stage,
+                                                offload=off, sequence_parallel=sp)
+                        out = cls._decide(request, world_size, distributed=True,
+                                          mixed_precision=mixed_precision, ddp_kwargs=False,
+                                          local_world_size=local_world_size, names=None)
                         if not isinstance(out, str):
-                            problem = out.model_problem(facts, seq_len=seq_len)
-                            out = problem or out
-                        yield Candidate(dims=dims, options=options,
+                            out = out.model_problem(facts, seq_len=seq_len) or out
+                        yield Candidate(request=request,
                                         layout=None if isinstance(out, str) else out,
                                         refused=out if isinstance(out, str) else None)
 
@@ -366,10 +363,14 @@ class Layout:
 class Candidate:
     """One layout `Layout.candidates` considered: `layout` when legal, else `refused`."""
 
-    dims: ParallelDims
-    options: dict
+    request: LayoutRequest
     layout: Layout | None
     refused: str | None
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The candidate's mesh sizes (all given: none is left to the remaining ranks)."""
+        return self.request.dims()
 
 
 def _splits(n: int, parts: int) -> Iterator[tuple[int, ...]]:

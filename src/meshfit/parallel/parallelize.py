@@ -108,7 +108,7 @@ def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelO
             model.register_forward_hook(_fresh_outputs)  # runs before FSDP2's own hook
         return apply_fsdp(model, layout.fsdp_mesh(mesh),
                           reshard_after_forward=layout.reshard_after_forward,
-                          param_dtype=layout.param_dtype, offload=layout.offload,
+                          param_dtype=layout.param_dtype, offload=layout.host_offload,
                           experts=experts, expert_mesh=layout.expert_fsdp_mesh(mesh))
     return model
 

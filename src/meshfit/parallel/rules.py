@@ -1,30 +1,27 @@
 """The layout rules: every check of a requested layout, each written once.
 
-A rule is a function of the request (the resolved mesh sizes, the ZeRO stage and the options
-that change the data-parallel engine) that returns its refusal as one line naming the field,
-the value and the fix, or None. `meshfit.parallel.layout.Layout.resolve` runs the option
-checks, then every rule in order. Also here: which engine a layout runs on, which mesh axes
+A rule is a function of the request resolved against the world size (`Resolved`: the
+`LayoutRequest` whole, its mesh sizes and ZeRO stage resolved, the engine it runs on) that
+returns its refusal as one line naming the field, the value and the fix, or None. The values
+a request holds are checked when it is built (`LayoutRequest.problem`);
+`meshfit.parallel.layout.Layout.resolve` then runs every rule here in order. Also here: which engine a layout runs on, which mesh axes
 it keeps, and the warnings the guide gives for layouts that work but are not advised.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from meshfit.distributed.dims import AXES, ParallelDims
+from meshfit.distributed.dims import AXES, DP_AXES, ParallelDims
+from meshfit.parallel.request import (ZERO_STAGES, LayoutRequest, Offload, namer,
+                                      offload_stage_problem)
 
-__all__ = ["AVAILABLE_AXES", "DP_AXES", "Engine", "MixedPrecision", "Offload", "Request",
-           "ZERO_STAGES", "default_zero_stage", "engine_for", "first_problem", "layout_warnings",
-           "mesh_axes_for", "namer", "options_problem"]
+__all__ = ["DP_AXES", "Engine", "MixedPrecision", "Offload", "Resolved", "ZERO_STAGES",
+           "default_zero_stage", "engine_for", "first_problem", "layout_warnings",
+           "mesh_axes_for", "namer", "offload_stage_problem", "precision_problem"]
 
-# Axes whose techniques exist today; the others are planned (see the README's feature table).
-AVAILABLE_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-DP_AXES = ("dp_replicate", "dp_shard")
-ZERO_STAGES = (0, 1, 2, 3)
-Offload = Literal["none", "cpu", "disk"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 
 
@@ -45,64 +42,36 @@ class Engine(enum.Enum):
     pipeline-parallel model (DDP does not take DTensor parameters)."""
 
 
-# Field names in errors are the Accelerator's keywords unless the caller passes its own
-# spellings (`meshfit train` passes its config keys: `meshfit.train.config.LAYOUT_NAMES`).
-def namer(names: Mapping[str, str] | None):
-    names = names or {}
-    return lambda key: names.get(key, key)
-
-
 # ----------------------------------------------------------------------------- the options
-def options_problem(*, zero_stage, offload, sync_each_batch, mixed_precision,
-                    sequence_parallel, loss_parallel, n, dims=None) -> str | None:
-    """Values that are wrong whatever the layout."""
-    if dims is not None and not isinstance(dims, ParallelDims):
-        return f"{n('parallel')}={dims!r} must be a meshfit.ParallelDims"
-    if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
-        return (f"{n('zero_stage')}={zero_stage!r} must be 0 (DDP), 1, 2 or 3 (unset: 3 when "
-                "dp_shard > 1, else 0)")
-    if offload not in get_args(Offload):
-        return f"{n('offload')}={offload!r} is not one of 'none', 'cpu', 'disk'"
-    if offload == "cpu" and zero_stage is not None and zero_stage < 3:
-        return (f"{n('offload')}='cpu' needs zero_stage=3 (FSDP2 offloads the sharded "
-                f"parameters and their state), got {n('zero_stage')}={zero_stage}; set "
-                "zero_stage=3 or offload='none'")
-    if not (sync_each_batch is True or sync_each_batch is False or sync_each_batch == "auto"):
-        return f"{n('sync_each_batch')}={sync_each_batch!r} must be true, false or 'auto'"
+# (The values of a request itself are checked when it is built: `LayoutRequest.problem`.)
+def precision_problem(mixed_precision, n) -> str | None:
+    """A mixed-precision mode the layouts do not know."""
     if mixed_precision not in get_args(MixedPrecision):
         return (f"{n('mixed_precision')}={mixed_precision!r} is not a precision meshfit knows; "
                 f"use one of {', '.join(repr(v) for v in get_args(MixedPrecision))}")
-    for key, value in (("sequence_parallel", sequence_parallel),
-                       ("loss_parallel", loss_parallel)):
-        if not isinstance(value, bool):
-            return f"{n(key)}={value!r} must be true or false"
     return None
 
 
 # ----------------------------------------------------------------------------- the rules
 @dataclass(frozen=True)
-class Request:
+class Resolved:
+    """What the rules read: the request whole (`LayoutRequest`), its sizes resolved against
+    the world size, the ZeRO stage it resolves to, and what the caller adds (the precision,
+    whether DDP keywords were given, the engine)."""
+
+    request: LayoutRequest
     dims: ParallelDims  # resolved
     stage: int
-    offload: str
     mixed_precision: str
-    sequence_parallel: bool
-    loss_parallel: bool
     ddp_kwargs: bool
     engine: Engine
-    offload_params: bool = False
+
+    @property
+    def offload(self) -> str:
+        return self.request.offload
 
 
-def _axes_available(r: Request, n) -> str | None:
-    planned = [a for a in r.dims.enabled() if a not in AVAILABLE_AXES]
-    if planned:
-        sizes = ", ".join(f"{a}={getattr(r.dims, a)}" for a in planned)
-        return (f"{n('parallel')}: {sizes}: this axis is not yet available in meshfit; use the "
-                "data-parallel axes (dp_replicate, dp_shard), tp, pp and ep for now")
-    return None
-
-
-def _cp_rules(r: Request, n) -> str | None:
+def _cp_rules(r: Resolved, n) -> str | None:
     if r.dims.cp == 1:
         return None
     if r.dims.ep > 1:
@@ -117,7 +86,7 @@ def _cp_rules(r: Request, n) -> str | None:
     return None
 
 
-def _ep_rules(r: Request, n) -> str | None:
+def _ep_rules(r: Resolved, n) -> str | None:
     if r.dims.ep == 1:
         return None
     if r.dims.tp > 1:
@@ -131,7 +100,7 @@ def _ep_rules(r: Request, n) -> str | None:
     return None
 
 
-def _stage_needs_shards(r: Request, n) -> str | None:
+def _stage_needs_shards(r: Resolved, n) -> str | None:
     if r.stage > 0 and r.dims.dp_shard * r.dims.cp == 1:  # (under cp: over dp_shard x cp)
         return (f"{n('zero_stage')}={r.stage} shards over the dp_shard axis, which has size 1; "
                 f"set {n('dp_shard')} > 1 or zero_stage=0")
@@ -142,10 +111,10 @@ def _stage_needs_shards(r: Request, n) -> str | None:
     return None
 
 
-def _disk_rules(r: Request, n) -> str | None:
+def _disk_rules(r: Resolved, n) -> str | None:
     if r.offload != "disk":
         return None
-    if r.offload_params and (r.stage != 3 or r.engine is not Engine.FSDP2):
+    if r.request.offload_params and (r.stage != 3 or r.engine is not Engine.FSDP2):
         return (f"{n('offload_params')}=true needs zero_stage=3 (only then is each rank's "
                 f"parameter shard its own), and this layout resolves to zero_stage={r.stage}; "
                 f"set {n('dp_shard')} > 1 and zero_stage=3, or drop offload_params")
@@ -155,25 +124,21 @@ def _disk_rules(r: Request, n) -> str | None:
     return None
 
 
-def _offload_needs_stage3(r: Request, n) -> str | None:
-    if r.offload == "cpu" and r.stage < 3:
-        return (f"{n('offload')}='cpu' needs zero_stage=3, and this layout resolves to "
-                f"zero_stage={r.stage}; set {n('dp_shard')} > 1 and zero_stage=3, or "
-                "offload='none'")
-    return None
+def _offload_needs_stage3(r: Resolved, n) -> str | None:
+    return offload_stage_problem(r.offload, r.stage, n)
 
 
-def _tp_options_need_tp(r: Request, n) -> str | None:
+def _tp_options_need_tp(r: Resolved, n) -> str | None:
     for key in ("sequence_parallel", "loss_parallel"):
-        if getattr(r, key) and r.dims.tp == 1:
+        if getattr(r.request, key) and r.dims.tp == 1:
             return f"{n(key)}=true needs {n('tp')} > 1 (tensor parallel); set tp or drop it"
     return None
 
 
-def _not_yet_with_pp(r: Request, n) -> str | None:
+def _not_yet_with_pp(r: Resolved, n) -> str | None:
     if r.dims.pp == 1:
         return None
-    if r.loss_parallel:
+    if r.request.loss_parallel:
         return (f"{n('loss_parallel')}=true with {n('pp')} > 1 is not yet available in meshfit "
                 "(the last stage would hand vocabulary-sharded logits to the schedule); set "
                 "loss_parallel=false")
@@ -187,7 +152,7 @@ def _not_yet_with_pp(r: Request, n) -> str | None:
     return None
 
 
-def _ddp_kwargs_need_ddp(r: Request, n) -> str | None:
+def _ddp_kwargs_need_ddp(r: Resolved, n) -> str | None:
     # A single process (engine NONE) accepts them: the same script runs DDP on more ranks.
     model_parallel = r.dims.tp > 1 or r.dims.pp > 1
     if r.ddp_kwargs and (model_parallel or r.stage >= 2):
@@ -201,12 +166,12 @@ def _ddp_kwargs_need_ddp(r: Request, n) -> str | None:
     return None
 
 
-_RULES = (_axes_available, _cp_rules, _ep_rules, _stage_needs_shards, _disk_rules,
+_RULES = (_cp_rules, _ep_rules, _stage_needs_shards, _disk_rules,
           _offload_needs_stage3,
           _tp_options_need_tp, _not_yet_with_pp, _ddp_kwargs_need_ddp)
 
 
-def first_problem(request: Request, n) -> str | None:
+def first_problem(request: Resolved, n) -> str | None:
     """The refusal of the first rule `request` breaks (None: it breaks none); `n` spells the
     fields as the caller's user writes them (`namer`)."""
     for rule in _RULES:

@@ -452,9 +452,10 @@ def _specs(cand, model_facts, per_dp: int, seq_len: int,
                                                       virtual_stages=v):
                 continue
             for ckpt in checkpointing:
-                yield LayoutSpec(**d.sizes(), **cand.options, schedule=schedule,
-                                 microbatches=m if d.pp > 1 else 1, virtual_stages=v,
-                                 activation_checkpointing=ckpt, micro_batch_size=mbs)
+                yield LayoutSpec.from_request(cand.request, schedule=schedule,
+                                              microbatches=m if d.pp > 1 else 1,
+                                              virtual_stages=v, activation_checkpointing=ckpt,
+                                              micro_batch_size=mbs)
 
 
 def _plan(shape: ModelShape, spec: LayoutSpec, cluster: Cluster, est: Estimate, scene: str,

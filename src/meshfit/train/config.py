@@ -12,10 +12,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args
 
+from meshfit.data import column_keys, data_format, format_names
 from meshfit.data.corpus import data_source
 from meshfit.models.config import AttentionBackend, GPTConfig
 from meshfit.optim_names import OPTIMIZERS
-from meshfit.parallel.layout import Layout, check_options
+from meshfit.parallel.layout import Layout, check_precision
 from meshfit.parallel.options import ModelOptions
 from meshfit.parallel.request import LayoutRequest
 from meshfit.train.preflight import (LAYOUT_NAMES, check_bool, check_choice, check_layout,
@@ -184,7 +185,7 @@ class TrainConfig(ModelOptions):
         check_positive("train", "seed", self.seed, allow_zero=True, most=2**63 - 1 - 2**32)
         check_number("train", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_number("train", "grad_clip", self.grad_clip, 0.0, 1e9)
-        check_options(mixed_precision=self.mixed_precision, names=LAYOUT_NAMES)
+        check_precision(self.mixed_precision, names=LAYOUT_NAMES)
         for name in ("tf32", "find_batch_size"):
             check_bool("train", name, getattr(self, name))
         self.check(prefix="train.")  # the ModelOptions fields
@@ -261,15 +262,20 @@ class DataConfig:
     hf_dataset: str = ""
     """A `datasets` dataset on local disk (save_to_disk folder, or a data folder/file that
     datasets.load_dataset reads offline) to train on instead of data.path."""
-    text_column: str = "text"  # The data.hf_dataset column holding each document's text
+    text_column: str = column_keys()["text_column"]
+    """format "text": the data.hf_dataset column holding each document's text ("text")."""
     format: str = "text"
-    """"text" (documents packed, every token trained), "completion" (prompt and completion
-    columns: only the completion trained) or "chat" (a messages column rendered by the
-    tokenizer's chat template: only the assistant's turns trained); see
-    `meshfit.data.examples`."""
-    prompt_column: str = "prompt"  # format "completion": the prompt's column
-    completion_column: str = "completion"  # format "completion": the completion's column
-    messages_column: str = "messages"  # format "chat": the column of [{role, content}] lists
+    """How a row becomes training tokens, a format of `meshfit.data.formats`: "text"
+    (documents packed, every token trained), "completion" (prompt and completion columns:
+    only the completion trained) or "chat" (a messages column rendered by the tokenizer's
+    chat template: only the assistant's turns trained); see `meshfit.data.examples`."""
+    # Each column's default is its format's (`meshfit.data.formats`).
+    prompt_column: str = column_keys()["prompt_column"]
+    """format "completion": the prompt's column ("prompt")."""
+    completion_column: str = column_keys()["completion_column"]
+    """format "completion": the completion's column ("completion")."""
+    messages_column: str = column_keys()["messages_column"]
+    """format "chat": the column of [{role, content}] lists ("messages")."""
     chat_template: str = ""
     """format "chat": a Jinja template (a file, or the text) instead of the tokenizer's."""
     train_on_prompt: bool = False
@@ -294,6 +300,11 @@ class DataConfig:
         check_positive("data", "prefetch_factor", self.prefetch_factor)
         for name in ("persistent_workers", "pin_memory"):
             check_bool("data", name, getattr(self, name))
+        self._check_sources()
+        self._check_format()
+
+    def _check_sources(self) -> None:
+        """Where the text and the tokenizer come from: strings, paths that exist."""
         for name in ("path", "cache_dir"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"data.{name}={getattr(self, name)!r} must be a path (a string)")
@@ -318,38 +329,48 @@ class DataConfig:
         if self.hf_dataset and not Path(self.hf_dataset).expanduser().exists():
             raise ValueError(f"data.hf_dataset={self.hf_dataset!r} does not exist; give a "
                              "folder written by save_to_disk or a local data folder/file")
-        if not isinstance(self.text_column, str) or not self.text_column:
-            raise ValueError(f"data.text_column={self.text_column!r} must be a column name, "
-                             'e.g. "text"')
-        formats = ("text", "completion", "chat")  # meshfit.data.examples.FORMATS
-        if self.format not in formats:
-            raise ValueError(f"data.format={self.format!r} must be one of "
-                             f"{', '.join(map(repr, formats))}")
-        for name in ("prompt_column", "completion_column", "messages_column"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"data.{name}={getattr(self, name)!r} must be a column name")
+
+    def _check_format(self) -> None:
+        """data.format against its entry of `meshfit.data.formats`: the columns, what the
+        format needs, and the settings that apply to its kind of rows only."""
+        for key, column in column_keys().items():  # every format's, as each has a default
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ValueError(f"data.{key}={getattr(self, key)!r} must be a column name, "
+                                 f'e.g. "{column}"')
+        fmt = data_format(self.format)
         if not isinstance(self.chat_template, str):
             raise ValueError(f"data.chat_template={self.chat_template!r} must be a file or the "
                              "template's text (a string)")
-        check_bool("data", "train_on_prompt", self.train_on_prompt)
-        check_bool("data", "packing", self.packing)
-        check_bool("data", "document_mask", self.document_mask)
-        if self.document_mask and self.format != "text":
-            raise ValueError(f"data.document_mask=true is for data.format='text'; with "
-                             f"format={self.format!r} use data.packing=true (examples are "
-                             "kept apart there)")
-        if self.format != "text":
-            if not self.hf_dataset:
-                raise ValueError(f"data.format={self.format!r} reads data.hf_dataset (a datasets "
-                                 "folder, or a .json/.jsonl file of rows); set it")
-            if self.tokenizer in ("", "bytes"):
-                raise ValueError(f"data.format={self.format!r} needs a Hugging Face tokenizer "
-                                 "folder in data.tokenizer (the byte tokenizer has no chat "
-                                 "template or special tokens)")
-        elif self.chat_template or self.train_on_prompt or self.packing:
+        for name in ("train_on_prompt", "packing", "document_mask"):
+            check_bool("data", name, getattr(self, name))
+        if self.document_mask and fmt.examples:
+            raise ValueError(f"data.document_mask=true is for data.format="
+                             f"{format_names(examples=False)}; with format={self.format!r} use "
+                             "data.packing=true (examples are kept apart there)")
+        if fmt.dataset and not self.hf_dataset:
+            raise ValueError(f"data.format={self.format!r} reads data.hf_dataset (a datasets "
+                             "folder, or a .json/.jsonl file of rows); set it")
+        if fmt.hf_tokenizer and self.tokenizer in ("", "bytes"):
+            raise ValueError(f"data.format={self.format!r} needs a Hugging Face tokenizer "
+                             "folder in data.tokenizer (the byte tokenizer has no chat "
+                             "template or special tokens)")
+        if not fmt.examples and (self.chat_template or self.train_on_prompt or self.packing):
             raise ValueError("data.chat_template, data.train_on_prompt and data.packing apply "
-                             "to data.format='chat' or 'completion', not 'text' (text "
-                             "documents are always packed)")
+                             f"to data.format={format_names(examples=True)}, not "
+                             f"{self.format!r} (text documents are always packed)")
+
+    @property
+    def masked(self) -> bool:
+        """Targets may be ignored (a prompt, padding, a document's first token), so the
+        trainer weighs every trained token the same in a step: the format's rows are
+        masked, or data.document_mask keeps documents apart."""
+        return data_format(self.format).masked or self.document_mask
+
+    @property
+    def examples(self) -> bool:
+        """The format's rows are examples with loss masks (not documents packed into one
+        stream)."""
+        return data_format(self.format).examples
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -494,13 +515,9 @@ class RunConfig:
 
     def layout(self, world_size: int, local_world_size: int | None = None) -> Layout:
         """The run's `Layout` on `world_size` processes (errors name the config keys)."""
-        p = self.parallel
-        return Layout.resolve(p.dims(), world_size, zero_stage=p.zero_stage, offload=p.offload,
-                              offload_params=p.offload_params,
+        return Layout.resolve(self.parallel, world_size,
                               mixed_precision=self.train.mixed_precision,
-                              sequence_parallel=p.sequence_parallel,
-                              loss_parallel=p.loss_parallel, local_world_size=local_world_size,
-                              names=LAYOUT_NAMES)
+                              local_world_size=local_world_size, names=LAYOUT_NAMES)
 
     def eval_windows(self) -> int:
         """Validation windows per evaluation (the split's first ones; fewer if it is shorter):

@@ -42,19 +42,16 @@ def host_available_bytes() -> int | None:
 
 
 def _spec(cfg, layout):
-    from meshfit.memory.estimate import LayoutSpec
+    """The estimator's spec of the run: its layout's request whole (every size and option, as
+    resolved for the launch: cp, ep and disk offload included), with [train]'s micro-batch
+    and activation checkpointing."""
+    from meshfit.memory import LayoutSpec
 
-    d = layout.dims
-    pp = d.pp
-    return LayoutSpec(pp=pp, dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp,
-                      ep=d.ep, zero_stage=layout.zero_stage,
-                      offload="cpu" if layout.offload else "none",
-                      sequence_parallel=layout.sequence_parallel,
-                      schedule=cfg.parallel.schedule if pp > 1 else "1f1b",
-                      microbatches=cfg.parallel.microbatches if pp > 1 else None,
-                      virtual_stages=cfg.parallel.virtual_stages if pp > 1 else None,
-                      activation_checkpointing=cfg.train.activation_checkpointing,
-                      micro_batch_size=cfg.train.micro_batch_size)
+    pipeline = {"microbatches": cfg.microbatches(layout.dims.world_size)} \
+        if layout.dims.pp > 1 else {}  # (unset: the whole accumulation, as the run takes it)
+    return LayoutSpec.from_request(layout.request, **pipeline,
+                                   activation_checkpointing=cfg.train.activation_checkpointing,
+                                   micro_batch_size=cfg.train.micro_batch_size)
 
 
 def check_fits(cfg, model, layout, *, world_size: int, local_world_size: int,

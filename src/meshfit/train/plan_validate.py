@@ -35,11 +35,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshfit import Accelerator, ParallelDims, optim
+from meshfit import Accelerator, optim
 from meshfit.distributed.spawn import SpawnError, spawn
 from meshfit.memory import net_peak_bytes, rank_report
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
+from meshfit.parallel.request import LayoutRequest
 
 
 def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: str,
@@ -69,8 +70,7 @@ def validate(plans, *, model: str, seq_len: int, global_batch_size: int, dtype: 
             row["skipped"] = (f"global batch {global_batch_size} does not divide into {lay.dp} "
                               f"data-parallel ranks x micro-batches of {lay.micro_batch_size}")
         else:
-            jobs.append((i, lay.to_json() | {"virtual_stages": lay.virtual_stages,
-                                             "loss_parallel": lay.loss_parallel}))
+            jobs.append((i, lay))  # (a LayoutSpec: the plan's request whole)
         rows.append(row)
     if jobs:
         results = _spawn(nproc, (jobs, model, seq_len, global_batch_size, dtype, steps,
@@ -134,17 +134,16 @@ def _run_plans(rank, world_size, jobs, model_spec, seq_len, global_batch_size, d
 def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, optimizer):
     """One plan's layout on this rank: `steps` optimizer steps on random tokens; its median
     step time after the first and its peak bytes."""
-    pp = lay["pp"]
-    m = lay["microbatches"] if pp > 1 else 1
-    accum = global_batch_size // (lay["dp_replicate"] * lay["dp_shard"]) // (
-        lay["micro_batch_size"] * m)
+    pp = lay.pp
+    m = lay.microbatches if pp > 1 else 1
+    accum = global_batch_size // lay.dp // (lay.micro_batch_size * m)
     acc = _accelerator(lay, dtype, accum)
     model = _build(model_spec)
     vocab = model.config.vocab_size  # GPTConfig and transformers configs alike
     if pp > 1:
         prepared = acc.prepare_pipeline(
-            model, schedule=lay["schedule"], microbatches=m,
-            virtual_stages=lay["virtual_stages"] if lay["virtual_stages"] > 1 else None)
+            model, schedule=lay.schedule, microbatches=m,
+            virtual_stages=lay.virtual_stages if lay.virtual_stages > 1 else None)
         measured = nn.ModuleList(prepared.wrapped_modules)
     else:
         prepared = measured = acc.prepare(model)
@@ -152,7 +151,7 @@ def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, op
     g = torch.Generator().manual_seed(1000 + acc.runtime.dp_rank)
     batches = []
     for _ in range(accum):
-        tokens = torch.randint(0, vocab, (lay["micro_batch_size"] * m, seq_len + 1),
+        tokens = torch.randint(0, vocab, (lay.micro_batch_size * m, seq_len + 1),
                                generator=g).to(acc.device)
         batches.append((tokens[:, :-1], tokens[:, 1:]))
 
@@ -171,16 +170,11 @@ def _run_one(rank, lay, model_spec, seq_len, global_batch_size, dtype, steps, op
             "rank": rank}
 
 
-def _accelerator(lay: dict, dtype: str, accum: int):
-    """The plan's layout as an `Accelerator`."""
-    dims = ParallelDims(pp=lay["pp"], dp_replicate=lay["dp_replicate"],
-                        dp_shard=lay["dp_shard"], tp=lay["tp"])
-    return Accelerator(parallel=dims, zero_stage=lay["zero_stage"],
-                       offload="cpu" if lay["offload"] else "none",
-                       sequence_parallel=lay["sequence_parallel"],
-                       loss_parallel=lay["loss_parallel"],
+def _accelerator(lay, dtype: str, accum: int):
+    """The plan's layout (a `LayoutSpec`: its request whole) as an `Accelerator`."""
+    return Accelerator(parallel=LayoutRequest.from_request(lay),
                        mixed_precision="no" if dtype == "fp32" else dtype,
-                       activation_checkpointing=lay["activation_checkpointing"],
+                       activation_checkpointing=lay.activation_checkpointing,
                        gradient_accumulation_steps=accum)
 
 

@@ -14,15 +14,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from meshfit.distributed.dims import AXES
 from meshfit.parallel.layout import Layout, ModelFacts
+from meshfit.parallel.request import LayoutRequest
 from meshfit.train import tokens
 
 # The layout's fields as `meshfit train`'s errors spell them (see `meshfit.parallel.layout`).
 LAYOUT_NAMES = {
-    **{k: f"parallel.{k}" for k in (*AXES, "zero_stage", "offload", "sync_each_batch",
-                                     "sequence_parallel", "loss_parallel", "schedule",
-                                     "microbatches", "virtual_stages", "offload_params")},
+    **{k: f"parallel.{k}" for k in LayoutRequest.field_names()},
     "parallel": "parallel", "mixed_precision": "train.mixed_precision",
     "find_batch_size": "train.find_batch_size", "seq_len": "train.seq_len"}
 
@@ -163,8 +161,8 @@ def _check_cp(cfg, layout: Layout) -> None:
                          "context parallel runs the attention of the reference GPT and of "
                          "transformers' Llama, Qwen2 and Mistral as a ring; use cp=1 with "
                          "this model")
-    if d.format != "text" or d.packing or d.document_mask:
-        what = f"data.format={d.format!r}" if d.format != "text" else \
+    if d.masked or d.packing:
+        what = f"data.format={d.format!r}" if d.examples else \
             "data.packing=true" if d.packing else "data.document_mask=true"
         raise ValueError(f"parallel.cp={cp} with {what} is not available yet (the ring "
                          "attends causally over whole windows of text); use data.format="
@@ -240,9 +238,8 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
         facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible", ())))
     else:
         facts = ModelFacts.of(model, pipeline_plan=pp_plan, tp_plan=tp_plan)
-    layout.check_model(facts, seq_len=cfg.train.seq_len, schedule=cfg.parallel.schedule,
-                       microbatches=cfg.microbatches(world_size),
-                       virtual_stages=cfg.parallel.virtual_stages, names=LAYOUT_NAMES)
+    layout.check_model(facts, seq_len=cfg.train.seq_len,
+                       microbatches=cfg.microbatches(world_size), names=LAYOUT_NAMES)
 
 
 def preflight(cfg, world_size: int | None = None, local_world_size: int | None = None, *,
@@ -346,7 +343,7 @@ def check_data(cfg, world_size: int) -> None:
     dims = cfg.parallel.dims().resolve(world_size)
     chunks = cfg.microbatches(world_size)
     accum = cfg.grad_accumulation(world_size)
-    if cfg.data.format != "text":
+    if cfg.data.examples:
         _check_examples(cfg, splits, dims, rows=t.micro_batch_size * chunks)
         return
     if cfg.data.document_mask:

@@ -1,14 +1,19 @@
 """A run's data as `meshfit train` reads it: [data]'s tokenizer and token splits (text
-files, a ``datasets`` dataset or the built-in corpus, cached by `meshfit.data`)."""
+files, a ``datasets`` dataset or the built-in corpus, cached by `meshfit.data`; or the
+fine-tuning examples of a format of `meshfit.data.formats`)."""
 
 from __future__ import annotations
 
-__all__ = ["load_tokens", "tokenizer", "vocab_size"]
+from meshfit.data import DataSpec, data_format
+
+__all__ = ["data_spec", "load_tokens", "tokenizer", "vocab_size"]
 
 
 def tokenizer(cfg):
     """The run's tokenizer: bytes ([data] tokenizer "" or "bytes"), or a Hugging Face
     tokenizer folder or tokenizer.json."""
+    # Imported here: this module is read by the config checks before torch loads (TORCH_FREE
+    # in tests/test_architecture.py), and the tokenizer module is not kept torch-free.
     from meshfit.data import ByteTokenizer, load_tokenizer
 
     name = cfg.data.tokenizer
@@ -20,17 +25,19 @@ def vocab_size(cfg) -> int:
     return int(tokenizer(cfg).vocab_size)
 
 
-def load_tokens(cfg):
-    """The run's token splits, through the run's tokenizer; cached. With [data] format
-    "completion" or "chat": the examples with their loss masks (`ExampleSplits`)."""
-    from meshfit.data import load_tokens as load
-
+def data_spec(cfg) -> DataSpec:
+    """What the run's data format reads, from its [data] section: where the rows are, the
+    format's columns, and how examples are made."""
     d = cfg.data
-    if d.format != "text":  # instructions or conversations, one example per row
-        from meshfit.data import DEFAULT_VAL_FRACTION
-        from meshfit.data.examples import load_examples
+    return DataSpec(format=d.format, path=d.path, hf_dataset=d.hf_dataset,
+                    cache_dir=d.cache_dir, chat_template=d.chat_template,
+                    columns={key: getattr(d, key) for key in data_format(d.format).column_keys},
+                    train_on_prompt=d.train_on_prompt, packing=d.packing)
 
-        return load_examples(d, tokenizer=tokenizer(cfg), seq_len=cfg.train.seq_len,
-                             val_fraction=DEFAULT_VAL_FRACTION)
-    return load(d.path or None, cache_dir=d.cache_dir or None, tokenizer=tokenizer(cfg),
-                hf_dataset=d.hf_dataset or None, text_column=d.text_column)
+
+def load_tokens(cfg):
+    """The run's token splits through the run's tokenizer, by its format's loader: the
+    cached token stream (`meshfit.data.TokenSplits`) for "text", the examples with their
+    loss masks (`meshfit.data.examples.ExampleSplits`) for "completion" and "chat"."""
+    return data_format(cfg.data.format).load(data_spec(cfg), tokenizer=tokenizer(cfg),
+                                             seq_len=cfg.train.seq_len)

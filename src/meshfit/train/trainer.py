@@ -285,10 +285,7 @@ def build_accelerator(cfg: RunConfig, env: DistEnv, tp_plan=None) -> Accelerator
         mixed_precision=t.mixed_precision, tf32=t.tf32, empty_cache_steps=t.empty_cache_steps,
         # [train]'s ModelOptions, the model's plan, [parallel]'s context-parallel split
         **{**t.keywords(), "tp_plan": tp_plan, "cp_load_balance": p.cp_load_balance},
-        parallel=p.dims(), zero_stage=p.zero_stage, offload=p.offload,
-        sync_each_batch=p.sync_each_batch, sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel, offload_dir=p.offload_dir or None,
-        offload_params=p.offload_params, env=env)
+        parallel=p, offload_dir=p.offload_dir or None, env=env)  # [parallel]: the request
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -430,7 +427,8 @@ def _banner(acc: Accelerator, model: torch.nn.Module, trained, micro: int, token
     mesh = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.enabled())
     layout += f", mesh {mesh}" if mesh and mesh != f"dp_replicate {dims.dp_replicate}" else ""
     if acc.offload_dir is not None:
-        what = "parameters and optimizer state" if acc.offload_params else "optimizer state"
+        what = "parameters and optimizer state" if acc.layout.request.offload_params \
+            else "optimizer state"
         layout += f", {what} on disk in {acc.offload_dir}"
     return (f"meshfit train: {n_params / 1e6:.2f}M parameters{trainable}, {acc.num_processes} "
             f"process(es) on {acc.device}{layout}{trained.description}, micro-batch {micro}, "

@@ -108,7 +108,6 @@ __all__ = ["LayoutResult", "Tolerance", "VerifyReport", "compare", "compare_layo
 UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24}
 ROUNDINGS = 1e5
 """K: order-sensitive roundings allowed on the path to one gradient element (see above)."""
-LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(LayoutRequest))
 
 
 @dataclass(frozen=True)
@@ -283,27 +282,10 @@ def compare(layout: str, processes: int, reference: dict, got: dict,
 
 # ------------------------------------------------------------------------ layouts
 def parse_layout(text: str) -> dict[str, Any]:
-    """``"tp=2,sequence_parallel=true"`` -> ``{"tp": 2, "sequence_parallel": True}`` (values
-    as TOML literals; one-line ValueError for a malformed item or an unknown key)."""
-    from meshfit.train.configfile import _parse_value
-
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"--layouts {text!r} is empty; write key=value pairs separated by "
-                         "commas, e.g. \"dp_shard=2\" or \"tp=2,sequence_parallel=true\"")
-    out: dict[str, Any] = {}
-    for item in text.split(","):
-        key, sep, value = item.strip().partition("=")
-        key = key.strip()
-        if not sep or not key or not value.strip():
-            raise ValueError(f"--layouts {text!r}: {item.strip()!r} must look like key=value, "
-                             "e.g. \"dp_shard=2\" or \"tp=2,sequence_parallel=true\"")
-        if key not in LAYOUT_KEYS:
-            raise ValueError(f"--layouts {text!r}: unknown key {key!r}; known keys (those of "
-                             f"[parallel]): {', '.join(LAYOUT_KEYS)}")
-        if key in out:
-            raise ValueError(f"--layouts {text!r}: {key} is given twice")
-        out[key] = _parse_value(value.strip())
-    return out
+    """``"tp=2,sequence_parallel=true"`` -> ``{"tp": 2, "sequence_parallel": True}``: the keys
+    a layout gives, in the one grammar of a layout on a command line
+    (`LayoutRequest.parse_items`; one-line ValueError for a malformed item or an unknown key)."""
+    return LayoutRequest.parse_items(text, flag="--layouts")
 
 
 def world_size_of(sizes: dict[str, Any], nproc: int | None, what: str) -> int:
@@ -375,7 +357,7 @@ def plan_config(cfg: RunConfig, layouts: list[str] | None = None, *, steps: int 
     own = data.get("parallel", {})
     data["parallel"] = {}
     asked = []  # (name, [parallel] section, processes, how errors name it): no torch yet
-    defaults = {f.name: f.default for f in dataclasses.fields(LayoutRequest)}
+    defaults = LayoutRequest().fields_dict()
     for text in layouts or [None]:
         if text is None:
             parallel, what = own, "the configuration's [parallel] section"
@@ -522,7 +504,7 @@ def compare_layouts(step_fn: Callable, build: Callable, batches: list, *,
         name = item if isinstance(item, str) else ",".join(f"{k}={v}" for k, v in item.items())
         world = world_size_of(request, nproc, f"layout {name!r}")
         try:
-            layout = Layout.of(LayoutRequest(**request), world)
+            layout = Layout.resolve(LayoutRequest(**request), world)
         except (TypeError, ValueError) as err:
             raise ValueError(f"layout {name!r} on {world} process(es): {err}") from None
         for i, batch in enumerate(batches[:steps]):
