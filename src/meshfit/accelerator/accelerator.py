@@ -86,8 +86,7 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
                                    autocast_kwargs=options.autocast_kwargs)
         mesh = self.layout.build_mesh(self.env.device.type) if self.env.is_distributed else None
         self.runtime: Runtime = runtime_for(self.layout, self.env, mesh,
-                                            offload_dir=self.offload_dir,
-                                            offload_params=self.offload_params)
+                                            offload_dir=self.offload_dir)
         if self.tf32 is not None:
             set_tf32(self.tf32)
         self._start_registries(arguments)

@@ -41,12 +41,17 @@ class Runtime:
     left as `parallelize` made them, nothing to synchronise."""
 
     def __init__(self, layout: Layout, env: DistEnv, mesh=None, *,
-                 offload_dir: str | os.PathLike | None = None, offload_params: bool = False):
+                 offload_dir: str | os.PathLike | None = None):
         self.layout, self.env, self.mesh = layout, env, mesh
         self.dp_mesh = layout.dp_mesh(mesh) if mesh is not None else None
-        self.offload_dir = None if offload_dir is None else Path(offload_dir)
+        disk = layout.request.offload == "disk"
+        if disk != (offload_dir is not None):
+            raise ValueError(f"offload={layout.request.offload!r} with offload_dir="
+                             f"{offload_dir!r}: a folder goes with offload='disk', and only "
+                             "with it; give both or neither")
+        self.offload_dir = Path(offload_dir) if disk else None
         """offload="disk": the folder of this job's files (None: nothing on the disk)."""
-        self.offload_params = offload_params
+        self.offload_params = layout.request.offload_params
         self.parameter_files: list[ParameterFiles] = []
         """offload_params: each prepared model's parameter shards in files, in order."""
         self._state_files: list[DiskOffload] = []  # offload="disk": each optimizer's state
@@ -195,12 +200,10 @@ _RUNTIMES: dict[Engine, type[Runtime]] = {
 
 
 def runtime_for(layout: Layout, env: DistEnv, mesh=None, *,
-                offload_dir: str | os.PathLike | None = None,
-                offload_params: bool = False) -> Runtime:
+                offload_dir: str | os.PathLike | None = None) -> Runtime:
     """The runtime of `layout`'s engine (`mesh`: None for one process without a group;
-    `offload_dir`: offload="disk"'s folder, `offload_params`: the parameters there too)."""
-    return _RUNTIMES[layout.engine](layout, env, mesh, offload_dir=offload_dir,
-                                    offload_params=offload_params)
+    `offload_dir`: the folder of the layout's offload="disk")."""
+    return _RUNTIMES[layout.engine](layout, env, mesh, offload_dir=offload_dir)
 
 
 def _zero_redundancy(optimizer: torch.optim.Optimizer):
