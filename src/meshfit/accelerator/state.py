@@ -274,7 +274,7 @@ def _start_writing(registry: Registry, state: dict[str, Any], folder: Path,
     if registry.save_group is None and mdist.is_initialized():
         registry.save_group = dist.new_group(backend="gloo")  # the writer's own group
     if mode == "process" and registry.save_stager is None:
-        # Lazy: DCP's staging takes about a second to import, and only process saves use it.
+        # Lazy: DCP's staging takes most of a second to import; only process saves use it.
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         # Staged into shared memory (kept between saves), which the writer process maps.
