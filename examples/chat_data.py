@@ -1,4 +1,4 @@
-"""Write everything the README's fine-tuning example needs, offline, into one folder:
+"""Write everything the fine-tuning example of docs/fine-tuning.md needs, offline, into one folder:
 
     OUT/tokenizer/    a byte-level BPE tokenizer trained on Python's own source, with a
                       ChatML-style chat template (<|im_start|>role ... <|im_end|>) whose

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def test_checksums_are_taken_while_writing_and_equal_the_files(saved):
     the digest of that block of the file on disk (an independent read)."""
     import json
 
-    from meshfit.checkpoint.store import BLOCK
+    from meshfit.checkpoint.manifest import BLOCK
 
     folder, _ = saved
     manifest = json.loads((folder / "manifest.json").read_text())
@@ -71,7 +72,6 @@ def test_checksums_are_taken_while_writing_and_equal_the_files(saved):
 def _record_crc32s(data: bytes) -> list[int]:
     """The CRC-32 of every record in the zip central directories of `data` (`torch.save`'s
     files; a DCP shard holds one per item)."""
-    import re
     import struct
 
     return [struct.unpack_from("<I", data, m.start() + 16)[0]
@@ -109,9 +109,9 @@ def test_hashed_files_skip_torch_saves_crc32_and_no_other_save_does(saved, tmp_p
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 4 KiB, so that the tiny model's shard spans dozens of them."""
-    from meshfit.checkpoint import store
+    from meshfit.checkpoint import save
 
-    monkeypatch.setattr(store, "BLOCK", 4096)
+    monkeypatch.setattr(save, "BLOCK", 4096)
     return 4096
 
 
@@ -142,13 +142,41 @@ def test_many_blocks_round_trip_and_a_corrupted_block_is_named(tmp_path, small_b
                                 rf"\(corrupted\), in bytes {start}-{start + small_blocks}$")
 
 
+def test_a_corrupted_block_past_the_first_is_named_with_its_bytes(tmp_path):
+    """A shard of two blocks (one 40 MiB tensor): a flipped byte in the second block is
+    refused naming that block's bytes, the line `verify` (export's check) gives too, not
+    torch's error about the archive, whose zip directory lies in that block."""
+    from meshfit.checkpoint.load import load_dcp
+    from meshfit.checkpoint.manifest import BLOCK, Manifest, start_verify, verify
+    from meshfit.checkpoint.save import commit, save_dcp
+
+    folder = tmp_path / "ck"
+    commit(save_dcp({"s": {"w": torch.randn(10 << 20)}}, folder), folder,
+           Manifest(step=0, world_size=1, layout={}, model={}))
+    shard = folder / "__0_0.distcp"
+    size = shard.stat().st_size
+    assert BLOCK < size < 2 * BLOCK
+    with shard.open("r+b") as fh:
+        fh.seek(BLOCK + (4 << 20))
+        byte = fh.read(1)[0]
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte ^ 0x01]))
+    wanted = (rf"^{re.escape(str(shard))}: checksum differs from the manifest \(corrupted\), "
+              rf"in bytes {BLOCK}-{size}$")
+    manifest = start_verify(folder, hash_files=False).manifest
+    with pytest.raises(CheckpointError, match=wanted):
+        load_dcp({"s": {"w": torch.zeros(10 << 20)}}, folder, manifest=manifest)
+    with pytest.raises(CheckpointError, match=wanted):
+        verify(folder)
+
+
 def test_the_block_checking_reader_returns_the_files_bytes_at_any_position(tmp_path):
     """`VerifiedStream` against the file itself: reads of every size, forwards, backwards
     and across block boundaries, return the file's bytes; a block whose bytes changed after
     the manifest was written is refused when first touched, and a file cut short too."""
     import random
 
-    from meshfit.checkpoint._reader import CheckpointError, VerifiedStream
+    from meshfit.checkpoint._reader import VerifiedStream
 
     rng = random.Random(0)
     data = bytes(rng.getrandbits(8) for _ in range(10_000))
@@ -189,7 +217,10 @@ def test_tensors_are_copied_from_the_checked_mapping_or_read_as_dcp_reads_them(t
     not its values); equal to DCP's own reader of the same files in every case."""
     import torch.distributed.checkpoint as dcp
 
-    from meshfit.checkpoint import _reader, store
+    from meshfit.checkpoint import _reader
+    from meshfit.checkpoint.load import load_dcp
+    from meshfit.checkpoint.manifest import Manifest, start_verify
+    from meshfit.checkpoint.save import commit, save_dcp
 
     base = torch.randn(10, 7)
     saved = {"f32": torch.randn(6, 5), "bf16": torch.randn(9, dtype=torch.bfloat16),
@@ -199,8 +230,8 @@ def test_tensors_are_copied_from_the_checked_mapping_or_read_as_dcp_reads_them(t
              "to_bf16": torch.randn(4, 4), "to_strided": torch.randn(5, 6),
              "conjugate": torch.randn(3, dtype=torch.complex64).conj()}
     folder = tmp_path / "ck"
-    tmp = store.save_dcp({"s": dict(saved)}, folder)
-    store.commit(tmp, folder, store.Manifest(step=0, world_size=1, layout={}, model={}))
+    tmp = save_dcp({"s": dict(saved)}, folder)
+    commit(tmp, folder, Manifest(step=0, world_size=1, layout={}, model={}))
     mapped: dict[str, bool] = {}
     real = _reader._copy_mapped
 
@@ -217,8 +248,8 @@ def test_tensors_are_copied_from_the_checked_mapping_or_read_as_dcp_reads_them(t
         return {"s": out}
 
     ours, theirs = templates(), templates()
-    manifest = store.start_verify(folder, hash_files=False).manifest
-    store.load_dcp(ours, folder, manifest=manifest)
+    manifest = start_verify(folder, hash_files=False).manifest
+    load_dcp(ours, folder, manifest=manifest)
     dcp.load(theirs, checkpoint_id=str(folder), no_dist=True)
     for key, value in saved.items():
         expected = value.to(ours["s"][key].dtype)
@@ -319,7 +350,7 @@ def test_a_format_1_checkpoint_with_sha256_still_loads_and_is_checked(saved):
 
 
 def test_verification_is_shared_out_by_writer_then_by_size():
-    from meshfit.checkpoint.store import _share
+    from meshfit.checkpoint.manifest import _share
 
     files = {"__0_0.distcp": {"bytes": 900}, "__1_0.distcp": {"bytes": 10},
              "__2_0.distcp": {"bytes": 500}, "__3_0.distcp": {"bytes": 400},
@@ -566,7 +597,7 @@ def test_a_save_that_cannot_be_written_is_one_line_and_leaves_nothing(failure, t
 
     import torch.distributed.checkpoint as dcp
 
-    from meshfit.checkpoint import store
+    from meshfit.checkpoint import save as saving
 
     acc, net, _ = _prepared()
     acc.save_state(tmp_path / "step-1", step=1)
@@ -581,7 +612,7 @@ def test_a_save_that_cannot_be_written_is_one_line_and_leaves_nothing(failure, t
             raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos")
 
         monkeypatch.setattr(dcp, "save", save)
-        monkeypatch.setattr(store.shutil, "disk_usage",
+        monkeypatch.setattr(saving.shutil, "disk_usage",
                             lambda p: type("u", (), {"free": 12 << 20})())
         wanted = r"cannot write the checkpoint .*step-2 \(the disk is full: 12.0 MiB free\)"
     with pytest.raises(CheckpointError, match=wanted) as err:
@@ -622,7 +653,8 @@ def test_starting_a_run_does_not_import_dcp():
 
     code = ("import sys\n"
             "import meshfit, meshfit.train.trainer, meshfit.accelerator.state\n"
-            "import meshfit.checkpoint.store\n"
+            "import meshfit.checkpoint, meshfit.checkpoint.store, meshfit.checkpoint.save\n"
+            "import meshfit.checkpoint.load, meshfit.checkpoint.manifest\n"
             "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.splitlines()

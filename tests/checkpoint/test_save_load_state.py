@@ -20,6 +20,7 @@ loader takes 8 / dp of them.
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -212,3 +213,68 @@ def test_export_reads_a_sharded_checkpoint_in_one_process(runs, tmp_path):
     model = tiny_gpt(n_layer=2, dtype=torch.float64)
     model.load_state_dict(load_file(str(path)), strict=True)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
+def _writer_process():
+    """This rank's writer process (the one child started by `spawn`)."""
+    import psutil
+
+    found = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _one_writer_killed(rank, world, root):
+    """Three background saves by writer processes; rank 1's writer is SIGKILLed while the
+    second is being written (stopped first, so that the kill lands mid-save: rank 0's writer
+    is then inside the save's collectives, waiting for rank 1's)."""
+    import os
+    import signal
+
+    from meshfit import Accelerator
+    from meshfit.checkpoint import CheckpointError
+
+    acc = Accelerator()
+    model = acc.prepare(tiny_gpt(n_layer=1, dtype=torch.float32))
+    acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    acc.save_state(f"{root}/first", async_save="process")
+    acc.wait_for_checkpoint()
+    writer = _writer_process()
+    if rank == 1:
+        os.kill(writer.pid, signal.SIGSTOP)
+    acc.save_state(f"{root}/second", async_save="process")
+    if rank == 1:
+        os.kill(writer.pid, signal.SIGKILL)
+    try:
+        acc.wait_for_checkpoint()
+        failure = None
+    except CheckpointError as err:
+        failure = str(err)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # (what the third checkpoint holds differs from the first's)
+    acc.save_state(f"{root}/third", async_save="process")
+    acc.wait_for_checkpoint(close=True)
+    return failure, {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+
+
+def test_a_writer_process_killed_mid_save_is_one_line_and_the_next_save_is_written(tmp_path):
+    """SIGKILL of one rank's writer process during a background save: every rank reports
+    that save in the same one line, naming the rank whose writer died and the signal; the run
+    goes on, and its next checkpoint is written (complete, holding the state of its step)."""
+    from meshfit.checkpoint.export import read_model
+    from meshfit.checkpoint.store import is_complete
+
+    ranks = run_distributed(_one_writer_killed, 2, str(tmp_path), timeout=120)
+    failures = [failure for failure, _ in ranks]
+    assert failures[0] == failures[1], failures
+    assert "\n" not in failures[0]
+    assert re.fullmatch(rf"the background save of {re.escape(str(tmp_path))}/second failed on "
+                        r"rank 1 \(.*SIGKILL.*\); it was removed, the checkpoints before it "
+                        r"are untouched", failures[0]), failures[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first", "third"]
+    assert is_complete(tmp_path / "first") and is_complete(tmp_path / "third")
+    state, _ = read_model(tmp_path / "third")
+    weights = ranks[0][1]
+    assert state.keys() == weights.keys()
+    assert all(torch.equal(state[k], v) for k, v in weights.items())

@@ -388,8 +388,8 @@ def test_a_tokenizer_without_a_chat_template_is_refused(files, tmp_path):
 
 
 def test_lora_chat_fine_tuning_under_zero3_writes_what_peft_and_transformers_load(runs):
-    """The README's example in small: LoRA on the pretrained folder, chat data, ZeRO-3 on 2
-    processes. The adapter (onto the folder) and the merged model both give the run's last
+    """The example of docs/fine-tuning.md in small: LoRA on the pretrained folder, chat
+    data, ZeRO-3 on 2 processes. The adapter (onto the folder) and the merged model both give the run's last
     val_loss on the validation conversations' assistant tokens; the first val_loss is the
     folder's own (the adapters start at zero)."""
     import peft

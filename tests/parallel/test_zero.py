@@ -433,11 +433,13 @@ def test_sync_each_batch_memory_precision_and_export(two_ranks):
 @pytest.mark.parametrize("kwargs,match", [
     ({"zero_stage": 5}, r"^zero_stage=5 must be 0 \(DDP\), 1, 2 or 3"),
     ({"zero_stage": True}, r"^zero_stage=True must be"),
-    ({"offload": "cpu", "zero_stage": 1}, r"^offload='cpu' needs zero_stage=3.*got zero_stage=1"),
+    # (one rule, one message: the stage asked for, or the stage the layout resolves to)
+    ({"offload": "cpu", "zero_stage": 1},
+     r"^offload='cpu' needs zero_stage=3 .*the layout's zero_stage is 1"),
     ({"offload": "gpu"}, r"^offload='gpu' is not one of 'none', 'cpu'"),
     ({"sync_each_batch": "sometimes"}, r"^sync_each_batch='sometimes' must be true, false"),
     ({"zero_stage": 2}, r"^zero_stage=2 shards over the dp_shard axis, which has size 1"),
-    ({"offload": "cpu"}, r"^offload='cpu' needs zero_stage=3, and this layout resolves"),
+    ({"offload": "cpu"}, r"^offload='cpu' needs zero_stage=3 .*the layout's zero_stage is 0"),
     ({"parallel": ParallelDims(dp_shard=2)}, r"world size \(1\) to be a multiple of 2"),
 ])
 def test_bad_zero_arguments(kwargs, match):

@@ -12,13 +12,8 @@ import pytest
 
 from meshfit.cli import calibrate as cal
 from meshfit.cli.calibrate import cmd_calibrate, parse_sizes
-from meshfit.plan.calibrate import (
-    KINDS,
-    Calibration,
-    CollectiveFit,
-    fit_latency_bandwidth,
-    load_calibration,
-)
+from meshfit.plan.calibrate import Calibration, load_calibration
+from meshfit.plan.fit import KINDS, CollectiveFit, TrainStepFit, fit_latency_bandwidth
 
 _FITS = {"all_reduce": (1e9, 50e-6), "all_gather": (2e9, 40e-6), "reduce_scatter": (3e9, 30e-6),
          "all_to_all": (4e9, 20e-6), "send_recv": (5e9, 10e-6)}
@@ -112,6 +107,42 @@ def test_load_calibration_reads_and_refuses(tmp_path):
     assert load_calibration(path.with_name("cal.json")).disk is not None
     path.write_text(json.dumps({**_file_dict(), "disk": {"write": 0, "read": 2e9}}))
     _refusal(path, "invalid disk")
+
+
+_STEP = {"block_overhead": 1e-3, "flops": 1e10, "optimizer_per_param": 1e-9}
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: d["collectives"].pop("all_reduce"), "lacks collectives.all_reduce;"),
+    (lambda d: d["collectives"].update(all_reduce=5), "invalid collectives.all_reduce;"),
+    (lambda d: d.update(train_step=3), "invalid train_step;"),
+    (lambda d: d.update(train_step={"bf16": {**_STEP, "flops": 0}}), "invalid train_step.bf16;"),
+    (lambda d: d.update(train_step={"fp32": {**_STEP, "token_width": None}}),
+     "invalid train_step.fp32;"),
+    (lambda d: d.update(data_parallel={"ddp": -1.0}), "invalid data_parallel.ddp;"),
+    (lambda d: d.update(world_size=0, disk={"write": 1e9}), "invalid world_size, disk.read;"),
+])
+def test_load_calibration_names_each_key_it_refuses(tmp_path, change, match):
+    """Each refusal names the key at fault by its path, every one of them in one line."""
+    d = _file_dict()
+    change(d)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(d))
+    _refusal(path, match)
+
+
+def test_load_calibration_reads_the_optional_sections(tmp_path):
+    """Absent sections read as None, absent keys of a section as None (a training step's
+    extra terms as 0), figures as floats."""
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({**_file_dict(), "train_step": {"fp32": _STEP, "bf16": None},
+                                "pipeline": None}))
+    c = load_calibration(path)
+    assert c.train_step == {"fp32": TrainStepFit(**_STEP), "bf16": None, "fp16": None}
+    assert c.train_step["fp32"].token_width == 0.0
+    assert (c.pipeline, c.data_parallel, c.disk) == (None, None, None)
+    assert c.matmul_flops == {"fp32": 1e11, "bf16": 2e11, "fp16": 3e9}
+    assert c.collectives["all_reduce"] == CollectiveFit(1e9, 50e-6)
 
 
 def test_fit_recovers_latency_and_bandwidth_exactly():
@@ -243,7 +274,7 @@ def test_data_parallel_seconds_counts_each_unit_and_bucket():
     """The engines' collectives by hand: DDP one all-reduce per 25 MiB bucket (+ ZeRO-1's
     all-gather); FSDP2 per unit `gathers` all-gathers and a reduce-scatter, and an all-reduce
     across replicas."""
-    from meshfit.plan.calibrate import data_parallel_seconds
+    from meshfit.plan.fit import data_parallel_seconds
 
     c = _calibration()
     calls = []

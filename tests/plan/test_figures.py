@@ -12,7 +12,8 @@ import pytest
 
 from meshfit.memory import ModelShape
 from meshfit.plan import DEVICES, Cluster, search
-from meshfit.plan.calibrate import _fit_step, load_calibration
+from meshfit.plan.calibrate import load_calibration
+from meshfit.plan.fit import _fit_step
 
 DATA = Path(__file__).parent / "data"
 OLD_PROFILE = DATA / "cpu_profile_without_train_steps.json"
@@ -82,7 +83,8 @@ def test_offload_host_memory_is_printed_and_checked(capsys):
 def test_step_fit_recovers_known_coefficients_and_never_beats_the_matmul():
     """Seconds made from known coefficients of every term (`STEP_TERMS`) at the shapes
     `meshfit calibrate` times: the fit gives them back."""
-    from meshfit.plan.calibrate import _STEP_SHAPES, step_columns
+    from meshfit.plan.fit import step_columns
+    from meshfit.plan.probes import _STEP_SHAPES
 
     truth = [0.002, 0.001, 1e-7, 2e-9, 1 / 5e10]
     rows = []

@@ -31,7 +31,7 @@ class PendingSave(NamedTuple):
     """The temporary folder the writer fills, renamed to `folder` at the commit."""
     folder: Path
     manifest: Any
-    """The checkpoint's `meshfit.checkpoint.store.Manifest`, written at the commit."""
+    """The checkpoint's `meshfit.checkpoint.manifest.Manifest`, written at the commit."""
     future: Any
 
 

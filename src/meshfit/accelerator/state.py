@@ -4,7 +4,7 @@ whole model out: `meshfit.accelerator.export`).
 A checkpoint holds, under Accelerate's names, ``model`` (``model_1``, ...; a pipeline's stages
 as one), ``optimizer`` (state by parameter name, also ZeRO-1's partitions and FSDP2's shards),
 ``scheduler``, ``scaler``, ``dataloader``, ``custom_<i>``, ``rng`` (per rank) and
-``accelerator`` (step counters), as one DCP checkpoint (`meshfit.checkpoint.store`; the
+``accelerator`` (step counters), as one DCP checkpoint (`meshfit.checkpoint.save`; the
 format is always DCP's): each rank writes its shards, the folder is committed atomically with
 a manifest, and loading checks files, parameter names and shapes against it, then reshards to
 this job's layout (DDP, ZeRO-1/2/3, TP, PP combined; any world size). With
@@ -14,7 +14,7 @@ without a folder reads the newest, as with Accelerate. ``async_save=True`` (or `
 copies the state to host memory and writes it in the background (a thread, over a gloo group
 of its own) until `finish_save` commits it (`wait_for_checkpoint`, the next save,
 `load_state`, `end_training`); ``async_save="process"`` stages it into shared memory and has a
-process of this rank's own write it (DCP's process-based checkpointer: no writer thread holds
+process of this rank's own write it (`meshfit.checkpoint.save`: no writer thread holds
 this process's GIL; it is spawned, so a script needs ``if __name__ == "__main__":``). As with Accelerate, `load_state` leaves data loaders as they are (a script
 skips batches itself) unless they are stateful: then each continues where it stood.
 """
@@ -36,9 +36,9 @@ from meshfit import distributed as mdist
 from meshfit.accelerator.registry import PendingSave, Registry
 from meshfit.checkpoint import state as ckstate
 from meshfit.checkpoint.saved import hf_config
-from meshfit.checkpoint.store import (CheckpointError, Manifest, close_writer_process, commit,
-                                     load_dcp, read_index, save_dcp, save_dcp_async,
-                                     start_verify)
+from meshfit.checkpoint.load import load_dcp, read_index
+from meshfit.checkpoint.manifest import CheckpointError, Manifest, start_verify
+from meshfit.checkpoint.save import close_writer_process, commit, save_dcp, save_dcp_async
 from meshfit.distributed.settle import barrier as settled_barrier
 
 # Functions here take the `Accelerator` ("acc"), whose public attributes say where this
@@ -310,12 +310,14 @@ def _commit_pending(acc: Accelerator, registry: Registry) -> Path | None:
         problem = None
     except Exception as err:  # (a writer process killed, a full disk: on any rank)
         text = str(err).strip()
-        problem = type(err).__name__ + (f": {text.splitlines()[-1][:200]}" if text else "")
+        # (a writer process's death: every rank names the rank whose writer died)
+        problem = (getattr(err, "rank", acc.process_index),
+                   type(err).__name__ + (f": {text.splitlines()[-1][:200]}" if text else ""))
     problems = [problem]
     if mdist.is_initialized():
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
-    failed = [(rank, p) for rank, p in enumerate(problems) if p]
+    failed = sorted(p for p in problems if p)
     if failed:
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)

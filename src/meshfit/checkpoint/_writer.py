@@ -1,12 +1,13 @@
 """DCP's file-system writer whose files are hashed as they are written
-(`meshfit.checkpoint.store._hashing_writer`). A module of its own: it subclasses DCP's
+(`meshfit.checkpoint.save.hashing_writer`). A module of its own: it subclasses DCP's
 classes, so importing it imports DCP, which `meshfit train` does not need before its first
 save; and its classes are found by name in a process-based asynchronous save's writer
 process, which unpickles the writer.
 
-Files written through it carry no CRC-32 per record: `torch.save` computes one by default
-(about 1.6 GB/s on one core, as slow as a fast disk), `torch.load` never checks it, and the
-manifest's XXH3-128 digest of every block, checked before any byte is used, replaces it."""
+Files written through it carry no CRC-32 per record (`meshfit._compat.dcp.crc32_skipped`):
+`torch.save` computes one by default (about 1.6 GB/s on one core, as slow as a fast disk),
+`torch.load` never checks it, and the manifest's XXH3-128 digest of every block, checked
+before any byte is used, replaces it."""
 
 from __future__ import annotations
 
@@ -18,31 +19,11 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from meshfit._compat.dcp import crc32_skipped
 from meshfit._files import atomic_write_text
 from meshfit.checkpoint._digest import BlockHashingStream
 
 __all__ = ["HashingFileSystem", "HashingWriter"]
-
-_WRITING = threading.local()  # .hashed: this thread writes into a hashed file now
-
-
-def _no_crc32_in_hashed_files() -> None:
-    """Have `torch.save` skip its CRC-32 in the threads writing a hashed file (only while
-    they do; every other `torch.save` is as before)."""
-    import torch.serialization as serialization
-
-    original = getattr(serialization, "get_crc32_options", None)
-    if original is None or getattr(original, "_meshfit", False):
-        return
-
-    def get_crc32_options() -> bool:
-        return False if getattr(_WRITING, "hashed", False) else original()
-
-    get_crc32_options.__doc__, get_crc32_options._meshfit = original.__doc__, True
-    serialization.get_crc32_options = get_crc32_options
-
-
-_no_crc32_in_hashed_files()
 
 
 class HashingFileSystem(FileSystem):
@@ -74,15 +55,12 @@ class HashingFileSystem(FileSystem):
             with self._lock:
                 self.digests[name] = (nbytes, blocks)
 
-        was = getattr(_WRITING, "hashed", False)
-        with open(path, mode) as raw:
+        with open(path, mode) as raw, crc32_skipped():
             stream = BlockHashingStream(raw, record, block=self.block,
                                         algorithm=self.algorithm)
-            _WRITING.hashed = True
             try:
                 yield stream
             finally:
-                _WRITING.hashed = was
                 stream.close()
 
     def rename(self, path, new_path) -> None:

@@ -4,8 +4,8 @@
     meshfit export CKPT_OR_RUN --to hf OUT            # + config.json: transformers loads it
 
 No process group is needed: DCP's index says where every shard of every tensor lies, and
-the tensors are rebuilt whole from it (`torch.distributed.checkpoint`'s empty-state-dict
-planner), with the same checks and the same refusal to unpickle as `load_state`.
+the tensors are rebuilt whole from it (`meshfit.checkpoint.load.read_whole`), with the same
+checks and the same refusal to unpickle as `load_state`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from meshfit.checkpoint.store import (CheckpointError, Manifest, _safe_planner, _safe_reader,
-                                      latest, verify)
+from meshfit.checkpoint.load import read_whole
+from meshfit.checkpoint.manifest import CheckpointError, Manifest, verify
+from meshfit.checkpoint.store import latest
 
 __all__ = ["export", "read_model", "resolve", "write_safetensors"]
 
@@ -37,23 +38,10 @@ def resolve(path) -> Path:
 
 def read_model(folder, index: int = 0) -> tuple[dict[str, torch.Tensor], Manifest]:
     """The whole state dict of model `index` of the checkpoint in `folder` (on CPU)."""
-    import warnings
-
-    # (the private loader, as torch's own dcp_to_torch_save: the public `load` only fills
-    # keys the caller already has, and here there are none until the index is read)
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     folder = Path(folder)
     manifest = verify(folder)
-    key = "model" if index == 0 else f"model_{index}"
-    state: dict = {}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        _load_state_dict(state, storage_reader=_safe_reader(folder),
-                         planner=_safe_planner(keys={key}), no_dist=True)
-    if key not in state:
-        raise CheckpointError(f"{folder}: holds no {key!r}")
-    return canonical(dict(state[key]), manifest, index, folder), manifest
+    state = read_whole(folder, "model" if index == 0 else f"model_{index}")
+    return canonical(dict(state), manifest, index, folder), manifest
 
 
 def canonical(state: dict[str, torch.Tensor], manifest: Manifest, index: int,

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from meshfit._compat.dcp import local_shape_and_offset
 from meshfit.distributed.tensors import local_tensor, names_by_parameter
 
 __all__ = ["PRETRAINED_ATTR", "check_folder", "check_weights", "load_into", "meta_model",
@@ -76,10 +77,9 @@ def _params_on_meta():
     original = nn.Module.register_parameter
 
     def register(module, name, param):
-        original(module, name, param)
         if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"),
-                                                    requires_grad=param.requires_grad)
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
 
     nn.Module.register_parameter = register
     try:
@@ -239,13 +239,10 @@ def _local_region(tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(shape, offset) of this rank's part of a DTensor in the global tensor, when it is one
     contiguous block (Shard/Replicate placements); None for other placements."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not all(type(p) in (Shard, Replicate) for p in tensor.placements):
         return None
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
-                                                          tensor.placements)
-    return tuple(shape), tuple(offset)
+    return local_shape_and_offset(tensor)
 
 
 _FLOATING = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3",

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from meshfit.distributed.tensors import local_tensor
+
 __all__ = ["load_optimizer_state", "model_state", "optimizer_state", "rng_state",
            "saved_form", "set_model_state", "set_rng_state"]
 
@@ -74,10 +76,8 @@ def _strip(key: str, prefix: str) -> str:
 def _quantized_base(root: nn.Module) -> bool:
     """Whether `root` holds frozen parameters of a tensor subclass (QLoRA's 4-bit base,
     `meshfit.peft.qlora`), directly or as a DTensor's shard."""
-    from torch.distributed.tensor import DTensor
-
     for p in root.parameters():
-        local = p._local_tensor if isinstance(p, DTensor) else p
+        local = local_tensor(p)
         if not p.requires_grad and type(local) not in (torch.Tensor, nn.Parameter):
             return True
     return False

@@ -1,8 +1,8 @@
 """``meshfit calibrate [--nproc N] [--out calibration.json] [--sizes S ...] [--cpu]``: its
 arguments, its workers (``meshfit calibrate --worker`` on N processes through `meshfit.launch`;
 N=1 runs in this process: every rank measures while all of them run at once, rank 0 writes
-the JSON file) and the table it prints. The file's schema, its loader and the measurements
-are `meshfit.plan.calibrate`'s; `meshfit.plan.measure` runs them.
+the JSON file) and the table it prints. The file's schema and its loader are
+`meshfit.plan.calibrate`'s; `meshfit.plan.measure` runs the measurements.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ def _si(value: float | None, unit: str) -> str:
 
 def _table(result: dict, out: Path) -> str:
     """The measured figures, one line each."""
-    from meshfit.plan.calibrate import DTYPES, KINDS
+    from meshfit.plan.calibrate import DTYPES
+    from meshfit.plan.fit import KINDS
 
     raw = result["raw"]
     lines = [(f"meshfit calibrate: {result['world_size']} process(es) on {result['device']}, "

@@ -41,7 +41,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="LoRA adapters on every block linear (gradients and optimizer state "
                         "for them alone); qlora: the block linears in 4 bits (NF4)")
     p.add_argument("--lora-r", type=int, default=8, help="the adapters' rank with --peft")
-    p.add_argument("--json", action="store_true", help="print JSON (schema in the README)")
+    p.add_argument("--json", action="store_true", help="print JSON (schema: docs/planning.md)")
 
 
 def _shape(ns):

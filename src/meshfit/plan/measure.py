@@ -1,8 +1,8 @@
 """`meshfit calibrate`'s measurement, run on every rank at once: the figures of
 `meshfit.plan.calibrate` (matmul, memory, collectives, training steps, data-parallel
-engines), then the layouts whose cost is measured against the planner's own prediction of
-them (`meshfit.plan.search.predict`): tensor parallel and each pipeline schedule. Rank 0
-writes the file (schema: `meshfit.plan.calibrate`)."""
+engines: `meshfit.plan.probes`), then the layouts whose cost is measured against the
+planner's own prediction of them (`meshfit.plan.cost.predict`): tensor parallel and each
+pipeline schedule. Rank 0 writes the file (schema: `meshfit.plan.calibrate`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 from meshfit._files import atomic_write_text
-from meshfit.plan.calibrate import (_CPU_SIZES, _GPU_SIZES, KINDS, PP_SCHEDULES, SCHEMA,
-                                    TP_ENGINES, Calibration, CollectiveFit, TrainStepFit,
-                                    _collectives, _data_parallel, _matmul, _memory, _Ranks,
-                                    _train_steps)
-from meshfit.plan.search import Cluster, predict
+from meshfit.plan.calibrate import PP_SCHEDULES, SCHEMA, TP_ENGINES, Calibration
+from meshfit.plan.cost import Cluster, predict
+from meshfit.plan.fit import KINDS, CollectiveFit, TrainStepFit
+from meshfit.plan.probes import (_CPU_SIZES, _GPU_SIZES, _collectives, _data_parallel, _matmul,
+                                 _memory, _Ranks, _train_steps)
 
 __all__ = ["measure"]
 

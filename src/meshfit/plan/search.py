@@ -1,32 +1,7 @@
 """The layout planner: every legal layout of a cluster (`Layout.candidates`, meshfit's own
 rules), those that fit in memory (`meshfit.memory.estimate` with a safety margin), ranked
-by a cost model, each with the multi-GPU guide's reason (the package docstring shows a call).
-
-Cost model of one optimizer step (seconds), per rank:
-
-    compute   = 6N+12LdT FLOPs per token x tokens / (ranks x peak x efficiency)
-                x 4/3 with full checkpointing (the forward again), 7/6 with selective
-    bubble    = compute x (p-1)/m (GPipe, 1F1B), (p-1)/(v m) (interleaved), (p-1)/(3 v m)
-                (zero-bubble: a third of interleaved's, ZB-H1's ratio; ZB-V reaches ~0 only
-                when the weight-gradient work fills every gap); (p-1)/m for any schedule
-                when m < p (each stage waits for the one micro-batch ahead of it)
-    tp        = per micro-batch and block, 4 all-reduces of b·s·d activations (6 with full
-                checkpointing) over the TP group's link, not overlapped
-    pp        = per micro-batch, a send and a receive of b·s·d activations
-    dp        = DDP/ZeRO-1: an all-reduce of the fp32 gradients per 25 MiB bucket (ZeRO-1:
-                + the parameters' all-gather); FSDP2: per unit (each block and the root)
-                parameter all-gathers per micro-batch (twice at stage 3) + a gradient
-                reduce-scatter (+ all-reduce across replicas) (`data_parallel_seconds`);
-                overlapped with compute up to 80% of it, the overlapped part still charged
-                10% -- or, with a profile that measured the engine in training steps, that
-                measured exposed share of it
-    offload   = the sharded states over the host link, twice, + the optimizer step on the CPU
-
-Each collective: latency + factor x bytes / bus bandwidth (all-reduce 2(n-1)/n, all-gather
-and reduce-scatter (n-1)/n, send 1), on the link the group crosses: the node's
-interconnect when all its ranks share a node (mesh order pp, dp_replicate, dp_shard, tp:
-tp innermost), the network otherwise. A `meshfit calibrate` profile replaces the device's
-throughput and the collectives' figures with measured ones.
+by the cost model (`meshfit.plan.cost`), each with the multi-GPU guide's reason (the package
+docstring shows a call).
 """
 
 from __future__ import annotations
@@ -35,118 +10,14 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from meshfit.memory.estimate import (DTYPE_BYTES, Adapters, Estimate, LayoutSpec, estimate,
-                                     resolve_layout)
+from meshfit.memory.estimate import DTYPE_BYTES, Adapters, Estimate, LayoutSpec, estimate
 from meshfit.memory.shape import ModelShape
-from meshfit.plan.calibrate import DP_ENGINES, bus_factor, data_parallel_seconds
-from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, GiB, Link
+from meshfit.plan.cost import Cluster, predict
+from meshfit.plan.devices import GiB
 
+# Cluster and predict are the cost model's (`meshfit.plan.cost`); this documented module
+# keeps them under the names users import them by.
 __all__ = ["Cluster", "Plan", "SearchResult", "predict", "search"]
-
-@dataclass(frozen=True, kw_only=True)
-class Cluster:
-    """The machines a plan is for."""
-
-    gpus_per_node: int
-    nodes: int = 1
-    device: Device = DEVICES["h100"]
-    interconnect: Link = INTERCONNECTS["nvlink"]
-    network: Link = NETWORKS["infiniband"]
-    interconnect_name: str = "nvlink"
-    network_name: str = "infiniband"
-    calibration: object | None = None
-    """A `meshfit.plan.calibrate.Calibration`: measured throughput and collectives."""
-    disk_bandwidth: float = 2e9
-    """Bytes/s each node's offload disk reads and writes sequentially (offload="disk"):
-    2 GB/s, a datacentre NVMe drive's order (measure yours: benchmarks/disk_offload.py)."""
-
-    @property
-    def world_size(self) -> int:
-        return self.gpus_per_node * self.nodes
-
-    def flops(self, dtype: str) -> float:
-        """FLOP/s a training step's matrix products reach: the profile's measured matmul,
-        or the data sheet's peak x the device's assumed efficiency."""
-        if self.calibration is not None:  # measured: achieved, not peak
-            measured = self.calibration.matmul_flops.get(dtype)
-            if not measured:
-                raise ValueError(f"the calibration has no {dtype} matmul figure (this device "
-                                 "could not run it); use another --dtype")
-            return measured
-        return self.device.flops[dtype] * self.device.efficiency
-
-    def peak_flops(self, dtype: str) -> float:
-        """What MFU divides by: the data sheet's peak, or with a profile the fastest matmul
-        it measured (no step can beat either, so MFU stays at most 100%)."""
-        if self.calibration is not None:
-            return self.calibration.peak_flops(dtype) or self.flops(dtype)
-        return self.device.flops[dtype]
-
-    def step_fit(self, dtype: str):
-        """The profile's training-step fit for `dtype` (`TrainStepFit`), or None."""
-        steps = getattr(self.calibration, "train_step", None)
-        return (steps or {}).get(dtype)
-
-    def pipeline_overhead(self, schedule: str) -> float | None:
-        """The profile's measured seconds per micro-batch of `schedule` beyond the model
-        (`meshfit.plan.calibrate`, ``pipeline``), or None."""
-        schedules = getattr(self.calibration, "pipeline", None)
-        return (schedules or {}).get(schedule)
-
-    def dp_exposed(self, engine: str) -> float | None:
-        """The profile's measured exposed share of `engine`'s modelled data-parallel
-        collectives (`meshfit.plan.calibrate`, ``data_parallel``), or None."""
-        engines = getattr(self.calibration, "data_parallel", None)
-        return (engines or {}).get(engine)
-
-    def sources(self, dtype: str) -> dict[str, str]:
-        """Where each predicted figure comes from, in words."""
-        fit = self.step_fit(dtype)
-        if fit is not None:
-            compute = (f"measured training steps ({self.calibration.device}, profile): "
-                       f"{fit.step_overhead * 1e3:.2f} ms per micro-batch, "
-                       f"{fit.block_overhead * 1e3:.2f} ms per block, elementwise and "
-                       f"attention-score terms, FLOPs at {fit.flops / 1e9:.1f} GFLOP/s; AdamW "
-                       f"{fit.optimizer_per_param * 1e9:.2f} ns per parameter")
-        elif self.calibration is not None:
-            compute = (f"measured matmul ({self.calibration.device}, profile): "
-                       f"{self.flops(dtype) / 1e12:.3g} TFLOP/s, no framework overhead (a "
-                       "profile without training steps: rerun meshfit calibrate)")
-        else:
-            compute = (f"{self.device.name} data sheet {self.device.flops[dtype] / 1e12:.0f} "
-                       f"TFLOP/s {dtype} x an assumed efficiency of "
-                       f"{self.device.efficiency:.0%} (not measured)")
-        engines = getattr(self.calibration, "data_parallel", None) or {}
-        exposed = ", ".join(f"{name} x{value:.2f}" for name, value in engines.items()
-                            if value is not None)  # data-parallel engines and tp, tp_sp
-        links = ((f"measured collectives (profile); exposed in a training step as measured "
-                  f"there: {exposed} of the modelled time") if exposed else
-                 "measured collectives (profile), 80% hidden behind compute (assumed)")
-        schedules = getattr(self.calibration, "pipeline", None) or {}
-        per_micro = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in schedules.items()
-                              if v is not None)
-        if per_micro:
-            links += f"; pipeline schedules' own work per micro-batch as measured: {per_micro}"
-        links = (links if self.calibration is not None else
-                 f"link table: {self.interconnect_name} "
-                 f"{self.interconnect.bandwidth / 1e9:.0f} GB/s, {self.network_name} "
-                 f"{self.network.bandwidth / 1e9:.0f} GB/s (not measured), 80% hidden "
-                 "behind compute (assumed)")
-        peak = (f"the fastest measured {dtype} matmul, {self.peak_flops(dtype) / 1e12:.3g} "
-                "TFLOP/s" if self.calibration is not None else
-                f"the data sheet's {self.peak_flops(dtype) / 1e12:.0f} TFLOP/s")
-        return {"compute": compute, "collectives": links, "mfu_peak": peak,
-                "memory": "meshfit.memory.estimate (model states, activations, buffers)"}
-
-    def collective(self, kind: str, nbytes: float, n: int, span: int) -> float:
-        """Seconds of one collective of `kind` over `n` ranks whose group spans `span`
-        consecutive ranks (inside one node when span <= gpus_per_node)."""
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        if self.calibration is not None:
-            return self.calibration.collective_time(kind, nbytes, n)
-        link = self.interconnect if span <= self.gpus_per_node else self.network
-        return link.latency + bus_factor(kind, n) * nbytes / link.bandwidth
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,91 +64,6 @@ class SearchResult:
         return {"model": self.model.name, "params": self.model.params,
                 "scenario": self.scenario, "sources": self.sources,
                 "plans": [p.to_json() for p in self.plans]}
-
-
-# ---------------------------------------------------------------------------- the cost model
-def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len: int,
-            global_batch_size: int, dtype: str = "bf16",
-            est: Estimate | None = None) -> tuple[float, dict]:
-    """Predicted seconds per optimizer step of `layout`, and the terms (see the module
-    docstring)."""
-    T, S, R, P = layout.tp, layout.dp_shard, layout.dp_replicate, layout.pp
-    act = DTYPE_BYTES[dtype]
-    tokens = global_batch_size * seq_len
-    flops = shape.flops_per_token(seq_len) * tokens
-    recompute = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}[layout.activation_checkpointing]
-    per_dp = global_batch_size // layout.dp
-    micro = per_dp // layout.micro_batch_size  # micro-batches per rank per step
-    blocks = math.ceil(shape.n_layer / P)
-    fit = cluster.step_fit(dtype)
-    if fit is None:
-        compute = flops * recompute / (cluster.world_size * cluster.flops(dtype))
-    else:  # measured steps, each term of the fit for this rank's share of a micro-batch
-        per_micro = fit.seconds(
-            d_model=shape.d_model, n_layer=blocks * recompute, seq_len=seq_len,
-            tokens=layout.micro_batch_size * seq_len / T, heads=shape.n_head,
-            flops=flops * recompute / (cluster.world_size * micro))
-        compute = micro * per_micro
-    # never below the FLOPs bound (so MFU <= 100%)
-    compute = max(compute, flops * recompute / (cluster.world_size * cluster.peak_flops(dtype)))
-    m = layout.microbatches if P > 1 else 1
-    v = layout.virtual_stages
-    bubble = 0.0
-    if P > 1:
-        bubble = {"gpipe": (P - 1) / m, "1f1b": (P - 1) / m,
-                  "interleaved_1f1b": (P - 1) / (v * m),
-                  "zero_bubble": (P - 1) / (3 * v * m)}[layout.schedule]
-        if m < P:  # too few micro-batches to fill the stages: no schedule hides the wait
-            bubble = (P - 1) / m
-    activation_msg = layout.micro_batch_size * seq_len * shape.d_model * act
-    tp_calls = 6 if layout.activation_checkpointing == "full" else 4
-    tp = micro * blocks * tp_calls * cluster.collective("all_reduce", activation_msg, T, T)
-    if T > 1:  # what a real step spends on them (DTensor's dispatch, waits), where measured
-        tp *= cluster.dp_exposed("tp_sp" if layout.sequence_parallel else "tp") or 1.0
-    pp = micro * 2 * cluster.collective("send_recv", activation_msg / (T if
-                                        layout.sequence_parallel else 1), 2,
-                                        cluster.world_size) if P > 1 else 0.0
-    if P > 1:  # the schedule's own work per micro-batch, where a profile measured it
-        pp += micro * (cluster.pipeline_overhead(layout.schedule) or 0.0)
-    stage_params = (blocks * shape.block_params + max(shape.first_params, shape.last_params)
-                    if P > 1 else shape.params)
-    local = stage_params * (shape.tp_split / T + 1 - shape.tp_split)
-    resolved = resolve_layout(layout, dtype)
-    engine = resolved.engine.value
-    family = "fsdp2" if engine.startswith("fsdp2") else engine
-    dp = 0.0
-    if family in DP_ENGINES:
-        passes = micro if P == 1 else 1  # a pipeline gathers once per schedule step
-        dp = data_parallel_seconds(
-            family, cluster.collective, params=local, units=blocks + 1, shard=S,
-            replicate=R, spans=(T * S * R, T * S),
-            gathers=passes * (2 if layout.zero_stage == 3 else 1),
-            gathered_bytes=act if resolved.param_dtype is not None else 4)
-    offload = 0.0
-    if layout.offload == "cpu":
-        est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)
-        offload = 2 * est.host / cluster.device.host_link + est.host / 20e9
-    elif layout.offload == "disk":  # every step reads and writes the state, the node's
-        est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)  # ranks sharing
-        offload = 2 * est.disk * cluster.gpus_per_node / cluster.disk_bandwidth  # the disk
-        if layout.offload_params:  # + the shards and gradients over the host link (as "cpu")
-            moved = est.detail["params_on_disk"] + est.host
-            offload += 2 * moved / cluster.device.host_link
-    optimizer = 0.0
-    if fit is not None:  # the optimizer step over this rank's parameters (ZeRO: its shard)
-        optimizer = local / (S if layout.zero_stage >= 1 else 1) * fit.optimizer_per_param
-    scale = cluster.dp_exposed(family)
-    if scale is not None:  # measured on this machine: the exposed share of the modelled time
-        exposed_dp = charged_dp = dp * scale
-    else:
-        exposed_dp = max(0.0, dp - 0.8 * compute)
-        # Overlapped collectives still take memory bandwidth and SMs from the compute: 10%
-        # of their time is charged (so that, all else equal, less traffic ranks first).
-        charged_dp = exposed_dp + 0.1 * (dp - exposed_dp)
-    step = compute * (1 + bubble) + tp + pp + charged_dp + offload + optimizer
-    return step, {"compute": compute, "bubble": compute * bubble, "tp": tp, "pp": pp,
-                  "dp": dp, "dp_exposed": exposed_dp, "offload": offload,
-                  "optimizer": optimizer}
 
 
 # ---------------------------------------------------------------------------- the guide

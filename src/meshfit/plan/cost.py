@@ -1,0 +1,303 @@
+"""The planner's cost model: the machines a plan is for (`Cluster`: a device's data sheet and
+the links' tables, or a `meshfit calibrate` profile's measured figures) and the predicted
+seconds of one optimizer step of a layout on them (`predict`), term by term.
+
+Cost model of one optimizer step (seconds), per rank:
+
+    compute   = 6N+12LdT FLOPs per token x tokens / (ranks x peak x efficiency)
+                x 4/3 with full checkpointing (the forward again), 7/6 with selective
+    bubble    = compute x (p-1)/m (GPipe, 1F1B), (p-1)/(v m) (interleaved), (p-1)/(3 v m)
+                (zero-bubble: a third of interleaved's, ZB-H1's ratio; ZB-V reaches ~0 only
+                when the weight-gradient work fills every gap); (p-1)/m for any schedule
+                when m < p (each stage waits for the one micro-batch ahead of it)
+    tp        = per micro-batch and block, 4 all-reduces of b·s·d activations (6 with full
+                checkpointing) over the TP group's link, not overlapped
+    pp        = per micro-batch, a send and a receive of b·s·d activations
+    dp        = DDP/ZeRO-1: an all-reduce of the fp32 gradients per 25 MiB bucket (ZeRO-1:
+                + the parameters' all-gather); FSDP2: per unit (each block and the root)
+                parameter all-gathers per micro-batch (twice at stage 3) + a gradient
+                reduce-scatter (+ all-reduce across replicas) (`data_parallel_seconds`);
+                overlapped with compute up to 80% of it, the overlapped part still charged
+                10% -- or, with a profile that measured the engine in training steps, that
+                measured exposed share of it
+    offload   = the sharded states over the host link, twice, + the optimizer step on the CPU;
+                on disk: the state read and written on the node's disk, which its ranks share
+
+Each collective: latency + factor x bytes / bus bandwidth (all-reduce 2(n-1)/n, all-gather
+and reduce-scatter (n-1)/n, send 1), on the link the group crosses: the node's
+interconnect when all its ranks share a node (mesh order pp, dp_replicate, dp_shard, tp:
+tp innermost), the network otherwise. A `meshfit calibrate` profile replaces the device's
+throughput and the collectives' figures with measured ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshfit.memory.estimate import DTYPE_BYTES, Estimate, LayoutSpec, estimate, resolve_layout
+from meshfit.memory.shape import ModelShape
+from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, Link
+from meshfit.plan.fit import DP_ENGINES, bus_factor, data_parallel_seconds
+
+__all__ = ["Cluster", "predict"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """The machines a plan is for."""
+
+    gpus_per_node: int
+    nodes: int = 1
+    device: Device = DEVICES["h100"]
+    interconnect: Link = INTERCONNECTS["nvlink"]
+    network: Link = NETWORKS["infiniband"]
+    interconnect_name: str = "nvlink"
+    network_name: str = "infiniband"
+    calibration: object | None = None
+    """A `meshfit.plan.calibrate.Calibration`: measured throughput and collectives."""
+    disk_bandwidth: float = 2e9
+    """Bytes/s each node's offload disk reads and writes sequentially (offload="disk"):
+    2 GB/s, a datacentre NVMe drive's order (measure yours: benchmarks/disk_offload.py)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def flops(self, dtype: str) -> float:
+        """FLOP/s a training step's matrix products reach: the profile's measured matmul,
+        or the data sheet's peak x the device's assumed efficiency."""
+        if self.calibration is not None:  # measured: achieved, not peak
+            measured = self.calibration.matmul_flops.get(dtype)
+            if not measured:
+                raise ValueError(f"the calibration has no {dtype} matmul figure (this device "
+                                 "could not run it); use another --dtype")
+            return measured
+        return self.device.flops[dtype] * self.device.efficiency
+
+    def peak_flops(self, dtype: str) -> float:
+        """What MFU divides by: the data sheet's peak, or with a profile the fastest matmul
+        it measured (no step can beat either, so MFU stays at most 100%)."""
+        if self.calibration is not None:
+            return self.calibration.peak_flops(dtype) or self.flops(dtype)
+        return self.device.flops[dtype]
+
+    def step_fit(self, dtype: str):
+        """The profile's training-step fit for `dtype` (`TrainStepFit`), or None."""
+        steps = getattr(self.calibration, "train_step", None)
+        return (steps or {}).get(dtype)
+
+    def pipeline_overhead(self, schedule: str) -> float | None:
+        """The profile's measured seconds per micro-batch of `schedule` beyond the model
+        (`meshfit.plan.calibrate`, ``pipeline``), or None."""
+        schedules = getattr(self.calibration, "pipeline", None)
+        return (schedules or {}).get(schedule)
+
+    def dp_exposed(self, engine: str) -> float | None:
+        """The profile's measured exposed share of `engine`'s modelled data-parallel
+        collectives (`meshfit.plan.calibrate`, ``data_parallel``), or None."""
+        engines = getattr(self.calibration, "data_parallel", None)
+        return (engines or {}).get(engine)
+
+    def sources(self, dtype: str) -> dict[str, str]:
+        """Where each predicted figure comes from, in words."""
+        fit = self.step_fit(dtype)
+        if fit is not None:
+            compute = (f"measured training steps ({self.calibration.device}, profile): "
+                       f"{fit.step_overhead * 1e3:.2f} ms per micro-batch, "
+                       f"{fit.block_overhead * 1e3:.2f} ms per block, elementwise and "
+                       f"attention-score terms, FLOPs at {fit.flops / 1e9:.1f} GFLOP/s; AdamW "
+                       f"{fit.optimizer_per_param * 1e9:.2f} ns per parameter")
+        elif self.calibration is not None:
+            compute = (f"measured matmul ({self.calibration.device}, profile): "
+                       f"{self.flops(dtype) / 1e12:.3g} TFLOP/s, no framework overhead (a "
+                       "profile without training steps: rerun meshfit calibrate)")
+        else:
+            compute = (f"{self.device.name} data sheet {self.device.flops[dtype] / 1e12:.0f} "
+                       f"TFLOP/s {dtype} x an assumed efficiency of "
+                       f"{self.device.efficiency:.0%} (not measured)")
+        engines = getattr(self.calibration, "data_parallel", None) or {}
+        exposed = ", ".join(f"{name} x{value:.2f}" for name, value in engines.items()
+                            if value is not None)  # data-parallel engines and tp, tp_sp
+        links = ((f"measured collectives (profile); exposed in a training step as measured "
+                  f"there: {exposed} of the modelled time") if exposed else
+                 "measured collectives (profile), 80% hidden behind compute (assumed)")
+        schedules = getattr(self.calibration, "pipeline", None) or {}
+        per_micro = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in schedules.items()
+                              if v is not None)
+        if per_micro:
+            links += f"; pipeline schedules' own work per micro-batch as measured: {per_micro}"
+        links = (links if self.calibration is not None else
+                 f"link table: {self.interconnect_name} "
+                 f"{self.interconnect.bandwidth / 1e9:.0f} GB/s, {self.network_name} "
+                 f"{self.network.bandwidth / 1e9:.0f} GB/s (not measured), 80% hidden "
+                 "behind compute (assumed)")
+        peak = (f"the fastest measured {dtype} matmul, {self.peak_flops(dtype) / 1e12:.3g} "
+                "TFLOP/s" if self.calibration is not None else
+                f"the data sheet's {self.peak_flops(dtype) / 1e12:.0f} TFLOP/s")
+        return {"compute": compute, "collectives": links, "mfu_peak": peak,
+                "memory": "meshfit.memory.estimate (model states, activations, buffers)"}
+
+    def collective(self, kind: str, nbytes: float, n: int, span: int) -> float:
+        """Seconds of one collective of `kind` over `n` ranks whose group spans `span`
+        consecutive ranks (inside one node when span <= gpus_per_node)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if self.calibration is not None:
+            return self.calibration.collective_time(kind, nbytes, n)
+        link = self.interconnect if span <= self.gpus_per_node else self.network
+        return link.latency + bus_factor(kind, n) * nbytes / link.bandwidth
+
+
+def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len: int,
+            global_batch_size: int, dtype: str = "bf16",
+            est: Estimate | None = None) -> tuple[float, dict]:
+    """Predicted seconds per optimizer step of `layout`, and the terms (see the module
+    docstring). `est`: the layout's memory estimate where the caller has it (offload reads
+    the bytes it moves from it)."""
+    share = _Share.of(shape, layout, seq_len=seq_len, global_batch_size=global_batch_size)
+    compute = _compute_seconds(shape, layout, cluster, share, seq_len=seq_len, dtype=dtype)
+    bubble = _bubble(layout)
+    tp, pp = _activation_seconds(shape, layout, cluster, share, seq_len=seq_len, dtype=dtype)
+    family, dp = _data_parallel_seconds(layout, cluster, share, dtype)
+    offload = _offload_seconds(shape, layout, cluster, est, seq_len=seq_len, dtype=dtype)
+    optimizer = _optimizer_seconds(layout, cluster, share, dtype)
+    exposed_dp, charged_dp = _exposed(dp, compute, cluster.dp_exposed(family))
+    step = compute * (1 + bubble) + tp + pp + charged_dp + offload + optimizer
+    return step, {"compute": compute, "bubble": compute * bubble, "tp": tp, "pp": pp,
+                  "dp": dp, "dp_exposed": exposed_dp, "offload": offload,
+                  "optimizer": optimizer}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Share:
+    """One rank's share of an optimizer step under a layout."""
+
+    micro: int
+    """Micro-batches per rank per step."""
+    blocks: int
+    """Blocks per pipeline stage."""
+    recompute: float
+    """The compute's multiple for recomputation: 1, 7/6 with selective checkpointing, 4/3
+    with full (the forward again)."""
+    flops: float
+    """The whole step's FLOPs, on all ranks together (without recomputation)."""
+    params: float
+    """The parameters this rank holds: its pipeline stage's, tensor parallel's share of them."""
+
+    @classmethod
+    def of(cls, shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
+           global_batch_size: int) -> _Share:
+        T, P = layout.tp, layout.pp
+        blocks = math.ceil(shape.n_layer / P)
+        stage_params = (blocks * shape.block_params + max(shape.first_params, shape.last_params)
+                        if P > 1 else shape.params)
+        per_dp = global_batch_size // layout.dp
+        return cls(micro=per_dp // layout.micro_batch_size, blocks=blocks,
+                   recompute={"none": 1.0, "selective": 7 / 6,
+                              "full": 4 / 3}[layout.activation_checkpointing],
+                   flops=shape.flops_per_token(seq_len) * (global_batch_size * seq_len),
+                   params=stage_params * (shape.tp_split / T + 1 - shape.tp_split))
+
+
+def _compute_seconds(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, share: _Share,
+                     *, seq_len: int, dtype: str) -> float:
+    """The forward and backward of this rank's micro-batches: the profile's measured
+    training steps, else the FLOPs at the device's rate; never below the FLOPs at the peak
+    (so MFU <= 100%)."""
+    work = share.flops * share.recompute
+    fit = cluster.step_fit(dtype)
+    if fit is None:
+        compute = work / (cluster.world_size * cluster.flops(dtype))
+    else:  # measured steps, each term of the fit for this rank's share of a micro-batch
+        per_micro = fit.seconds(
+            d_model=shape.d_model, n_layer=share.blocks * share.recompute, seq_len=seq_len,
+            tokens=layout.micro_batch_size * seq_len / layout.tp, heads=shape.n_head,
+            flops=work / (cluster.world_size * share.micro))
+        compute = share.micro * per_micro
+    return max(compute, work / (cluster.world_size * cluster.peak_flops(dtype)))
+
+
+def _bubble(layout: LayoutSpec) -> float:
+    """The pipeline's idle share of the compute (the module docstring's schedules)."""
+    P, m, v = layout.pp, layout.microbatches, layout.virtual_stages
+    if P == 1:
+        return 0.0
+    bubble = {"gpipe": (P - 1) / m, "1f1b": (P - 1) / m, "interleaved_1f1b": (P - 1) / (v * m),
+              "zero_bubble": (P - 1) / (3 * v * m)}[layout.schedule]
+    if m < P:  # too few micro-batches to fill the stages: no schedule hides the wait
+        bubble = (P - 1) / m
+    return bubble
+
+
+def _activation_seconds(shape: ModelShape, layout: LayoutSpec, cluster: Cluster,
+                        share: _Share, *, seq_len: int, dtype: str) -> tuple[float, float]:
+    """The activations' traffic: tensor parallel's all-reduces, and the pipeline's sends with
+    its schedule's own work, where a profile measured them."""
+    T, P = layout.tp, layout.pp
+    message = layout.micro_batch_size * seq_len * shape.d_model * DTYPE_BYTES[dtype]
+    calls = 6 if layout.activation_checkpointing == "full" else 4
+    tp = share.micro * share.blocks * calls * cluster.collective("all_reduce", message, T, T)
+    if T > 1:  # what a real step spends on them (DTensor's dispatch, waits), where measured
+        tp *= cluster.dp_exposed("tp_sp" if layout.sequence_parallel else "tp") or 1.0
+    if P == 1:
+        return tp, 0.0
+    sent = message / (T if layout.sequence_parallel else 1)
+    pp = share.micro * 2 * cluster.collective("send_recv", sent, 2, cluster.world_size)
+    return tp, pp + share.micro * (cluster.pipeline_overhead(layout.schedule) or 0.0)
+
+
+def _data_parallel_seconds(layout: LayoutSpec, cluster: Cluster, share: _Share,
+                           dtype: str) -> tuple[str, float]:
+    """The layout's data-parallel engine ("ddp", "zero1", "fsdp2", or another without
+    data-parallel collectives) and the modelled seconds of its collectives."""
+    T, S, R = layout.tp, layout.dp_shard, layout.dp_replicate
+    resolved = resolve_layout(layout, dtype)
+    engine = resolved.engine.value
+    family = "fsdp2" if engine.startswith("fsdp2") else engine
+    if family not in DP_ENGINES:
+        return family, 0.0
+    passes = share.micro if layout.pp == 1 else 1  # a pipeline gathers once per schedule step
+    return family, data_parallel_seconds(
+        family, cluster.collective, params=share.params, units=share.blocks + 1, shard=S,
+        replicate=R, spans=(T * S * R, T * S),
+        gathers=passes * (2 if layout.zero_stage == 3 else 1),
+        gathered_bytes=DTYPE_BYTES[dtype] if resolved.param_dtype is not None else 4)
+
+
+def _offload_seconds(shape: ModelShape, layout: LayoutSpec, cluster: Cluster,
+                     est: Estimate | None, *, seq_len: int, dtype: str) -> float:
+    """Offloaded states moved each step: over the host link to and from the CPU (and its
+    optimizer step there), or read and written on the node's disk, which its ranks share."""
+    if layout.offload not in ("cpu", "disk"):
+        return 0.0
+    est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)
+    if layout.offload == "cpu":
+        return 2 * est.host / cluster.device.host_link + est.host / 20e9
+    offload = 2 * est.disk * cluster.gpus_per_node / cluster.disk_bandwidth
+    if layout.offload_params:  # + the shards and gradients over the host link (as "cpu")
+        moved = est.detail["params_on_disk"] + est.host
+        offload += 2 * moved / cluster.device.host_link
+    return offload
+
+
+def _optimizer_seconds(layout: LayoutSpec, cluster: Cluster, share: _Share, dtype: str) -> float:
+    """The optimizer step over this rank's parameters (ZeRO: its shard), where a profile
+    measured one; else 0 (the data sheet's model leaves it out)."""
+    fit = cluster.step_fit(dtype)
+    if fit is None:
+        return 0.0
+    return share.params / (layout.dp_shard if layout.zero_stage >= 1 else 1) \
+        * fit.optimizer_per_param
+
+
+def _exposed(dp: float, compute: float, scale: float | None) -> tuple[float, float]:
+    """The data-parallel collectives' seconds not hidden behind the compute, and those the
+    step is charged: the measured exposed share where a profile has one (`scale`), else what
+    80% of the compute cannot hide."""
+    if scale is not None:  # measured on this machine: the exposed share of the modelled time
+        return dp * scale, dp * scale
+    exposed = max(0.0, dp - 0.8 * compute)
+    # Overlapped collectives still take memory bandwidth and SMs from the compute: 10% of
+    # their time is charged (so that, all else equal, less traffic ranks first).
+    return exposed, exposed + 0.1 * (dp - exposed)
