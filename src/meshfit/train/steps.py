@@ -21,7 +21,7 @@ from meshfit.parallel.ep import moe_modules
 from meshfit.parallel.pp import gather_timings
 from meshfit.train.config import RunConfig
 from meshfit.train.models import loss_function, plans, resolve_plan
-from meshfit.train.pipeline_chart import write_run
+from meshfit.train.pipeline_record import write_run
 
 PIPELINE_TIMED_STEPS = 5
 """Optimizer steps whose per-micro-batch timings a pipeline run records (then stops: on
