@@ -34,6 +34,7 @@ from meshfit.accelerator.registry import Registry
 from meshfit.accelerator.runtime import Runtime, runtime_for
 from meshfit.accelerator.shuffle import sync_global_generators
 from meshfit.distributed import DistEnv, ParallelDims
+from meshfit.parallel.request import LayoutRequest
 from meshfit.parallel.clip import clip_grad_norm_
 
 __all__ = ["Accelerator"]
@@ -62,7 +63,8 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
                  compile_backend: str = "inductor", compile_mode: str = "default",
                  compile_scope: str = "block", float8: bool = False,
                  float8_recipe: str = "rowwise", empty_cache_steps: int = 0,
-                 parallel: ParallelDims | None = None, zero_stage: int | None = None,
+                 parallel: ParallelDims | LayoutRequest | None = None,
+                 zero_stage: int | None = None,
                  offload: str = "none", sync_each_batch: bool | str = False,
                  sequence_parallel: bool = False, loss_parallel: bool = False,
                  tp_plan=None, ddp_kwargs: dict | None = None, cp_load_balance: bool = True,
