@@ -167,17 +167,28 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
         return models.lay_out(module, self.layout, self.model_options, mesh=self.mesh,
                               device=self.device, precision=self.precision)
 
-    def prepare_pipeline(self, model: torch.nn.Module, *, microbatches: int,
-                         schedule: str = "1f1b", virtual_stages: int | None = None,
+    def prepare_pipeline(self, model: torch.nn.Module, *, microbatches: int | None = None,
+                         schedule: str | None = None, virtual_stages: int | None = None,
                          points=None, balance: str = "params", times=None, loss_fn=None,
                          record_timings: bool = False, init_seed: int = 0, plan=None):
         """Cut `model` into pipeline stages over ``mesh["pp"]`` and prepare this rank's; returns
-        a `meshfit.parallel.pp.Pipeline` (how to drive it: `meshfit.accelerator.models`)."""
+        a `meshfit.parallel.pp.Pipeline` (how to drive it: `meshfit.accelerator.models`).
+        `microbatches`, `schedule` and `virtual_stages` default to the layout request's
+        (``parallel=LayoutRequest(pp=2, schedule="gpipe", microbatches=8)``); micro-batches
+        must be given one way or the other."""
+        request = self.layout.request
+        microbatches = microbatches if microbatches is not None else request.microbatches
+        if microbatches is None:
+            raise ValueError("prepare_pipeline needs microbatches=N (micro-batches per "
+                             "pipeline step), here or in the layout request "
+                             "(parallel=LayoutRequest(pp=..., microbatches=N))")
         pipeline = models.build(
             model, self.layout, self.model_options, mesh=self.mesh,
-            lay_out=self._prepare_module, microbatches=microbatches, schedule=schedule,
-            virtual_stages=virtual_stages, plan=plan, points=points, balance=balance,
-            times=times, loss_fn=loss_fn, record_timings=record_timings, init_seed=init_seed)
+            lay_out=self._prepare_module, microbatches=microbatches,
+            schedule=schedule or request.schedule,
+            virtual_stages=virtual_stages or request.virtual_stages, plan=plan, points=points,
+            balance=balance, times=times, loss_fn=loss_fn, record_timings=record_timings,
+            init_seed=init_seed)
         self._registry.models.append(pipeline)
         self._registry.pipeline_params.update(id(p) for p in pipeline.parameters())
         return pipeline

@@ -17,7 +17,8 @@ import torch
 
 from meshfit._quiet import quiet_logs
 from meshfit.accelerator import Accelerator
-from meshfit.distributed import DistEnv, ParallelDims, init
+from meshfit.distributed import DistEnv, init
+from meshfit.parallel.request import LayoutRequest
 from meshfit.train.config import RunConfig
 from meshfit.train.trainer import TrainingRun
 
@@ -128,21 +129,14 @@ def run_loop(step_fn: Callable, build: Callable, batches: list, request: dict, s
     `request` (`meshfit.parallel.request.LayoutRequest`'s fields), each on this
     data-parallel rank's share of one global batch. Call on every rank of the layout."""
     env = env or init()
-    options = dict(request)
-    sizes = {k: options.pop(k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-             if k in options}
-    pipe = {k: options.pop(k) for k in ("schedule", "microbatches", "virtual_stages")
-            if k in options}
-    acc = Accelerator(parallel=ParallelDims(**sizes), env=env, **options,
-                      **(accelerator_kwargs or {}))
+    layout = LayoutRequest(**request)  # the layout's [parallel] keys, whole
+    acc = Accelerator(parallel=layout, env=env, **(accelerator_kwargs or {}))
     torch.manual_seed(0)
     model = build().to(DTYPES[dtype])
     dropouts = no_dropout(model)
-    if acc.parallel.pp > 1:
-        prepared = acc.prepare_pipeline(model, schedule=pipe.get("schedule", "1f1b"),
-                                        microbatches=pipe.get("microbatches") or acc.parallel.pp,
-                                        virtual_stages=pipe.get("virtual_stages"),
-                                        plan=pipeline_plan)
+    if acc.parallel.pp > 1:  # (schedule and virtual stages: the request's)
+        prepared = acc.prepare_pipeline(model, plan=pipeline_plan,
+                                        microbatches=layout.microbatches or acc.parallel.pp)
     else:
         prepared = acc.prepare(model)
     optimizer = make_optimizer(prepared)
