@@ -4,7 +4,7 @@ layouts torchtitan publishes.
 (a) On this machine, 4 CPU processes (gloo): the `tiny` preset (0.86M parameters), 256
     tokens per sequence, global batch 16, fp32, AdamW. The planner's best plan of each of
     13 layout families (`search` on a 4-process cluster, no activation checkpointing) runs
-    through `meshfit.train.plan_validate.validate` (all in one start of 4 ranks: per-plan
+    through `meshfit.plan_validate.validate` (all in one start of 4 ranks: per-plan
     step time = median of the steps after the first, barriers at both ends; bytes = the
     worst rank's model states + the profiler's largest net allocation of a forward and
     backward). Predicted with a `meshfit calibrate --nproc 4` profile of this machine
@@ -90,7 +90,7 @@ FAMILIES = [  # (label, pp, dp_replicate, dp_shard, tp, zero_stage, offload, sp)
 def part_a(args) -> tuple[str, dict]:
     from meshfit.plan import DEVICES, Cluster, predict, search
     from meshfit.plan.calibrate import load_calibration
-    from meshfit.train.plan_validate import validate
+    from meshfit.plan_validate import validate
 
     cal_path = args.calibration
     if cal_path is None:

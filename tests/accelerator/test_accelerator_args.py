@@ -418,3 +418,28 @@ def test_a_loader_without_batch_size_is_refused_for_what_it_is(monkeypatch):
     with pytest.raises(ValueError, match=r"batch_size=None \(the dataset yields whole batches\) "
                                          "is not supported yet"):
         acc.prepare(DataLoader(TensorDataset(torch.zeros(4)), batch_size=None))
+
+
+def test_a_layout_request_is_taken_whole(tmp_path):
+    """``parallel=LayoutRequest(...)`` is the request as given (every field, disk offload's
+    folder checked against the request's offload); the option keywords say the same thing
+    again, so one beside it is refused; sizes alone (`ParallelDims`) with keywords build the
+    same request."""
+    request = LayoutRequest(dp_shard=2, zero_stage=3, offload="disk", offload_params=True,
+                            sequence_parallel=False, schedule="gpipe")
+    args = read(parallel=request, offload_dir=str(tmp_path))
+    assert args.layout == request and args.offload_dir == str(tmp_path)
+    flat = read(parallel=ParallelDims(dp_shard=2), zero_stage=3, offload="disk",
+                offload_params=True, offload_dir=str(tmp_path))
+    assert flat.layout.fields_dict() == dataclasses.replace(request, schedule="1f1b"
+                                                             ).fields_dict()
+    with pytest.raises(ValueError, match=r"the request holds zero_stage already"):
+        read(parallel=request, zero_stage=3, offload_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"offload='disk' needs offload_dir"):
+        read(parallel=request)
+    with pytest.raises(ValueError, match=r"^parallel=3 must be a meshfit.ParallelDims"):
+        read(parallel=3)
+    # the gradient-accumulation plugin's sync_each_batch joins the request
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)
+    assert read(parallel=LayoutRequest(dp_shard=2), gradient_accumulation_plugin=plugin
+                ).layout.sync_each_batch is True

@@ -123,3 +123,34 @@ def test_checkpointing_under_ddp_matches_one_process():
 def test_bad_single_device_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Accelerator(**kwargs)
+
+
+class _Meter:
+    """A script's own state, registered for checkpointing."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def test_free_memory_forgets_what_was_prepared_and_keeps_what_was_registered(tmp_path):
+    acc = Accelerator()
+    acc.register_for_checkpointing(_Meter(5))
+    _train(acc, _tiny(), steps=2)
+    acc.free_memory()  # between two trainings: the first model and optimizer are forgotten
+    model, _, _ = _train(acc, _tiny(), steps=1)
+    acc.save_state(tmp_path / "ckpt")
+    # A job of one model, one optimizer and the registered meter reads it back (a checkpoint
+    # still holding the first training's model would be refused: 2 models, 1 prepared).
+    again, meter = Accelerator(), _Meter(0)
+    again.register_for_checkpointing(meter)
+    fresh = _tiny()
+    fresh, _ = again.prepare(fresh, torch.optim.AdamW(fresh.parameters(), lr=3e-3))
+    manifest = again.load_state(tmp_path / "ckpt")
+    assert len(manifest.model["shapes"]) == 1 and meter.n == 5
+    torch.testing.assert_close(again.get_state_dict(fresh), acc.get_state_dict(model))

@@ -132,7 +132,7 @@ def _fsdp_tp_worker(rank, world):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = _train(acc, build_before=False)
-        model = acc._models[0]
+        model = acc._registry.models[0]  # (the prepared model)
         logits = model(_data(2)[0])  # the FSDP root's output, not a loss
     # FSDP2 warns when a unit returns a view (an in-place op on it would skip the backward
     # all-gather); tensor parallel's gathered logits are views unless parallelize copies them.

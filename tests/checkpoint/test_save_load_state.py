@@ -79,7 +79,7 @@ def _run(name: str, dtype, *, save: str | None = None, load: str | None = None,
     opt, loader, sched = acc.prepare(opt, loader, sched)
     if load:
         acc.load_state(load)
-    losses, done, at_save = [], acc._optimizer_steps, None
+    losses, done, at_save = [], acc._registry.optimizer_steps, None
     for xb, yb in loader:
         if done == STEPS:
             break

@@ -421,7 +421,7 @@ def test_eval_and_generate_chat_on_a_chat_run(runs, capsys):
     import transformers
 
     from meshfit.cli.main import main
-    from meshfit.train.generate import chat_prompt_ids, load_model
+    from meshfit.generate import chat_prompt_ids, load_model
 
     files = runs
     run = files / "one-1"

@@ -307,11 +307,11 @@ def test_block_activations_against_saved_tensors(name):
 
 # ---------------------------------------------------------------------------- plan --validate
 def test_validate_runs_the_plans_that_fit_this_machine():
-    """`meshfit.train.plan_validate.validate` on the planner's top 3 plans for 2 processes
+    """`meshfit.plan_validate.validate` on the planner's top 3 plans for 2 processes
     (the tiny preset, the "cpu" device table) and one plan of 4 processes, which cannot run
     here: measured bytes as the test above measures them, within the same 10%."""
     from meshfit.plan import DEVICES, Cluster, search
-    from meshfit.train.plan_validate import validate
+    from meshfit.plan_validate import validate
 
     kwargs = dict(seq_len=128, global_batch_size=8, dtype="fp32")
     plans = search("tiny", Cluster(gpus_per_node=2, device=DEVICES["cpu"]),

@@ -234,7 +234,7 @@ def _parameters_in_files(acc, model) -> tuple[int, bool]:
 
     from meshfit._compat import fsdp as fsdp_internals
 
-    files = acc._parameter_files[0]
+    files = acc.runtime.parameter_files[0]
     same = True
     for i, fsdp_param in enumerate(fsdp_internals.fsdp_params(model)):
         path = files.folder / f"w{i:05d}.bin"

@@ -107,7 +107,39 @@ def _train_pipelines(rank, world_size):
         pipe.step(x[:6], y[:6])
     except ValueError as err:  # raised on every rank before any communication: no hang
         out["bad_batch"] = str(err)
+    out.update(_from_the_request())
     return out
+
+
+def _from_the_request() -> dict:
+    """`Accelerator(parallel=LayoutRequest(pp=2, schedule=..., microbatches=...))`: the
+    request travels whole, so `prepare_pipeline` takes its schedule and micro-batches (the
+    same steps as the "gpipe" run's), and without micro-batches anywhere it says so."""
+    from meshfit import Accelerator, LayoutRequest
+
+    acc = Accelerator(parallel=LayoutRequest(pp=2, schedule="gpipe", microbatches=MB))
+    pipe = acc.prepare_pipeline(_model())
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(STEPS):
+        losses.append(pipe.step(*_batch()).item())
+        opt.step()
+        opt.zero_grad()
+    out = {"from_request": dict(losses=losses, schedule=pipe.schedule_name,
+                                microbatches=pipe.microbatches)}
+    try:
+        Accelerator(parallel=LayoutRequest(pp=2)).prepare_pipeline(_model())
+    except ValueError as err:
+        out["no_microbatches"] = str(err)
+    return out
+
+
+def test_prepare_pipeline_takes_the_layout_requests_schedule(trained):
+    for rank in trained:
+        got = rank["from_request"]
+        assert (got["schedule"], got["microbatches"]) == ("gpipe", MB)
+        assert got["losses"] == rank["gpipe"]["losses"]  # the same run, step for step
+        assert rank["no_microbatches"].startswith("prepare_pipeline needs microbatches=N")
 
 
 @pytest.fixture(scope="module")

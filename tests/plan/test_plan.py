@@ -292,29 +292,6 @@ def test_flops_per_token_matches_the_reference_gpt():
     assert math.isfinite(ModelShape.of("tiny").flops_per_token(128))
 
 
-def test_plan_validate_prints_predicted_beside_measured(capsys, monkeypatch):
-    """The flag's wiring (the measuring itself: tests/memory/test_estimate_measured.py)."""
-    from meshfit.train import plan_validate
-    from meshfit.cli.main import main
-
-    seen = {}
-
-    def fake(plans, **kwargs):
-        seen.update(kwargs, n=len(plans))
-        return [{"layout": plans[0].layout.describe(), "predicted_bytes": 2.0 * GiB,
-                 "measured_bytes": 2.5 * GiB, "predicted_step_s": 1.0, "measured_step_s": 0.8,
-                 "bytes_error": -0.2, "time_error": 0.25, "skipped": None},
-                {"layout": "pp 2", "skipped": "world size 4, not 2"}]
-
-    monkeypatch.setattr(plan_validate, "validate", fake)
-    assert main(["plan", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--seq-len", "128",
-                 "--global-batch-size", "8", "--dtype", "fp32", "--validate", "2"]) == 0
-    out = capsys.readouterr().out
-    assert seen["nproc"] == 2 and seen["n"] == 2 and seen["dtype"] == "fp32"
-    assert "2.000 vs 2.500 GiB (-20%), 1 vs 0.8 s (+25%)" in out
-    assert "pp 2: skipped (world size 4, not 2)" in out
-
-
 def test_mixture_of_experts_counts_total_and_active(capsys):
     from meshfit.cli.main import main
 
@@ -380,43 +357,6 @@ def test_expert_parallel_needs_routed_experts_that_ep_divides():
     with pytest.raises(ValueError, match="ep=3 must be an integer >= 1 that divides dp=8"):
         model_state_bytes(1e9, dp=8, zero_stage=1, ep=3, expert_params=5e8)
     assert LayoutSpec(dp_shard=4, ep=2).world_size == 4  # carved out of dp_shard
-
-
-def _validate_syncs_once(rank, world_size):
-    """`plan --validate`'s timed steps on DDP with 4 accumulated micro-batches: the gradient
-    all-reduces it runs (a DDP communication hook counts them)."""
-    import torch
-
-    from meshfit import Accelerator, ParallelDims, optim
-    from meshfit.models import GPT, GPTConfig
-    from meshfit.train.plan_validate import _timed_steps
-
-    acc = Accelerator(parallel=ParallelDims(dp_replicate=2), gradient_accumulation_steps=4)
-    torch.manual_seed(0)
-    model = acc.prepare(GPT(GPTConfig(vocab_size=64, d_model=32, n_layer=1, n_head=2,
-                                      d_ff=64, max_seq_len=16)))
-    opt = acc.prepare(optim.build("adamw", model, lr=1e-3))
-    calls = []
-
-    def hook(state, bucket):
-        calls.append(1)
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-
-    model.register_comm_hook(None, hook)
-    tokens = torch.randint(0, 64, (4, 1, 17))
-    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
-    _timed_steps(acc, opt, batches, lambda x, y: acc.backward(model(x, y)), 2, (model,))
-    return len(calls)
-
-
-def test_plan_validate_times_steps_as_meshfit_train_runs_them():
-    """Gradients sync once per optimizer step (accumulate(model), as meshfit train), not on
-    every micro-batch: 2 steps of 4 micro-batches, one bucket each -> 2 all-reduces."""
-    from conftest import run_distributed
-
-    assert run_distributed(_validate_syncs_once, 2, timeout=120) == [2, 2]
 
 
 def test_disk_offload_is_estimated_and_planned_only_when_nothing_else_fits():

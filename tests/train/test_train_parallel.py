@@ -49,7 +49,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_pp2_train_matches_one_process_and_records_timings(tmp_path, subprocess_env,
                                                            reference, schedule):
-    from meshfit.train.pipeline_chart import read_run
+    from meshfit.train.pipeline_record import read_run
 
     out, stdout, losses = _run(tmp_path, "pp2", 2, ["--parallel.pp=2",
                                                     f"--parallel.schedule={schedule}",

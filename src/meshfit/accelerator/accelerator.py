@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import warnings
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +17,24 @@ import torch
 from torch.utils.data import DataLoader
 
 from meshfit import distributed as mdist
-from meshfit.accelerator import export, models, processes, state, trackers
+from meshfit.accelerator import export, models, processes, sequence, state, trackers
 from meshfit.accelerator.attributes import AcceleratorAttributes
 from meshfit.accelerator.arguments import UNSET, Arguments, read_arguments, resolve_layout
 from meshfit.accelerator.compat import (AutocastKwargs, DataLoaderConfiguration,
                                         FullyShardedDataParallelPlugin, GradientAccumulationPlugin,
-                                        ProfileKwargs, ProjectConfiguration)
+                                        ProjectConfiguration)
 from meshfit.accelerator.compat.utilities import pad_across_processes, release_memory
 from meshfit.accelerator.loader import PreparedDataLoader
 from meshfit.accelerator.precision import Precision, empty_device_cache, set_tf32
-from meshfit.accelerator.prepared import (GradientState, ParameterMap, PreparedOptimizer,
-                                          PreparedScheduler, kind_of, rebuild_optimizer,
-                                          repoint_scheduler, unscale_gradients)
+from meshfit.accelerator.processes import ProcessControl
+from meshfit.accelerator.prepared import (GradientState, PreparedOptimizer, PreparedScheduler,
+                                          kind_of, rebuild_optimizer, repoint_scheduler,
+                                          unscale_gradients)
+from meshfit.accelerator.registry import Registry
 from meshfit.accelerator.runtime import Runtime, runtime_for
 from meshfit.accelerator.shuffle import sync_global_generators
 from meshfit.distributed import DistEnv, ParallelDims
+from meshfit.parallel.request import LayoutRequest
 from meshfit.parallel.clip import clip_grad_norm_
 
 __all__ = ["Accelerator"]
@@ -40,7 +42,7 @@ __all__ = ["Accelerator"]
 log = logging.getLogger("meshfit")
 
 
-class Accelerator(AcceleratorAttributes):
+class Accelerator(AcceleratorAttributes, ProcessControl):
     """Runs a user's training loop on one device or data parallel across processes; the
     arguments are Accelerate 1.15's, then meshfit's own (`meshfit.accelerator.arguments`)."""
 
@@ -61,7 +63,8 @@ class Accelerator(AcceleratorAttributes):
                  compile_backend: str = "inductor", compile_mode: str = "default",
                  compile_scope: str = "block", float8: bool = False,
                  float8_recipe: str = "rowwise", empty_cache_steps: int = 0,
-                 parallel: ParallelDims | None = None, zero_stage: int | None = None,
+                 parallel: ParallelDims | LayoutRequest | None = None,
+                 zero_stage: int | None = None,
                  offload: str = "none", sync_each_batch: bool | str = False,
                  sequence_parallel: bool = False, loss_parallel: bool = False,
                  tp_plan=None, ddp_kwargs: dict | None = None, cp_load_balance: bool = True,
@@ -84,7 +87,8 @@ class Accelerator(AcceleratorAttributes):
                                    scaler_kwargs=options.scaler_kwargs,
                                    autocast_kwargs=options.autocast_kwargs)
         mesh = self.layout.build_mesh(self.env.device.type) if self.env.is_distributed else None
-        self.runtime: Runtime = runtime_for(self.layout, self.env, mesh)
+        self.runtime: Runtime = runtime_for(self.layout, self.env, mesh,
+                                            offload_dir=self.offload_dir)
         if self.tf32 is not None:
             set_tf32(self.tf32)
         self._start_registries(arguments)
@@ -99,7 +103,6 @@ class Accelerator(AcceleratorAttributes):
         self.parallelism_config = arguments.parallelism_config
         self.offload_dir = arguments.offload_dir
         self.offload_params = arguments.layout.offload_params
-        self._parameter_files: list = []  # offload_params: the models' `ParameterFiles`
         self.dataloader_config = loop.dataloader_config
         self.rng_types = list(loop.rng_types)
         self.project_configuration = arguments.project_configuration
@@ -116,28 +119,13 @@ class Accelerator(AcceleratorAttributes):
         self.tf32 = arguments.precision.tf32
 
     def _start_registries(self, arguments: Arguments) -> None:
-        """What the accelerator keeps of the objects it prepares."""
+        """The accumulation state, and what the accelerator keeps of the objects it prepares
+        (`meshfit.accelerator.registry`)."""
         loop = arguments.loop
-        self._optimizer_steps = 0
         self.grad_state = GradientState(num_steps=loop.gradient_accumulation_steps,
                                         sync_with_dataloader=loop.sync_with_dataloader,
                                         adjust_scheduler=loop.adjust_scheduler)
-        self._custom: list[Any] = []  # register_for_checkpointing
-        self._pending_save = None  # an asynchronous save not yet committed
-        self._save_group = None  # the process group asynchronous saves write with
-        self._save_stager = None  # a process-based asynchronous save's shared-memory staging
-        self._forget_prepared()
-
-    def _forget_prepared(self) -> None:
-        self._params = ParameterMap()  # parameters replaced by sharding, for optimizers
-        self._pipeline_params: set[int] = set()  # ids of prepared pipeline stages' parameters
-        self._replaced: dict[int, tuple[Any, torch.optim.Optimizer]] = {}  # user opt -> new
-        self._optimizers: list[PreparedOptimizer] = []
-        self._models: list[torch.nn.Module] = []
-        # What save_state / load_state cover, in the order prepared (Accelerate's naming).
-        self._checkpointed_models: list[Any] = []  # prepared models and pipelines
-        self._schedulers: list[PreparedScheduler] = []
-        self._loaders: list[PreparedDataLoader] = []
+        self._registry = Registry()
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, *objects: Any, device_placement=None) -> Any:
@@ -164,40 +152,45 @@ class Accelerator(AcceleratorAttributes):
         wrapped = self._prepare_module(model) if folder is None else models.load_pretrained(
             model, folder, layout=self.layout, runtime=self.runtime, device=self.device,
             lay_out=self._prepare_module)
-        self._params.record(before, dict(self.runtime.unwrap(wrapped).named_parameters()))
-        if self.offload_params:  # the loaded shards move into their files
-            from meshfit.parallel.disk import ParameterFiles
-
-            name = f"rank-{self.process_index}-params" + (
-                f"-{len(self._parameter_files)}" if self._parameter_files else "")
-            self._parameter_files.append(ParameterFiles(wrapped, Path(self.offload_dir) / name))
+        self._registry.params.record(before,
+                                     dict(self.runtime.unwrap(wrapped).named_parameters()))
+        self.runtime.prepare_model(wrapped)  # (offload_params: the loaded shards to files)
         if self.ddp_handler is not None and isinstance(
                 wrapped, torch.nn.parallel.DistributedDataParallel):
             self.ddp_handler.register_comm_hook(wrapped)
         if self.sync_each_batch == "auto":
             self._decide_sync_each_batch(wrapped)
-        self._models.append(wrapped)
-        self._checkpointed_models.append(wrapped)
+        self._registry.models.append(wrapped)
         return wrapped
 
     def _prepare_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return models.lay_out(module, self.layout, self.model_options, mesh=self.mesh,
                               device=self.device, precision=self.precision)
 
-    def prepare_pipeline(self, model: torch.nn.Module, *, microbatches: int,
-                         schedule: str = "1f1b", virtual_stages: int | None = None,
+    def prepare_pipeline(self, model: torch.nn.Module, *, microbatches: int | None = None,
+                         schedule: str | None = None, virtual_stages: int | None = None,
                          points=None, balance: str = "params", times=None, loss_fn=None,
                          record_timings: bool = False, init_seed: int = 0, plan=None):
         """Cut `model` into pipeline stages over ``mesh["pp"]`` and prepare this rank's; returns
-        a `meshfit.parallel.pp.Pipeline` (how to drive it: `meshfit.accelerator.models`)."""
+        a `meshfit.parallel.pp.Pipeline` (how to drive it: `meshfit.accelerator.models`).
+        `microbatches`, `schedule` and `virtual_stages` default to the layout request's
+        (``parallel=LayoutRequest(pp=2, schedule="gpipe", microbatches=8)``); micro-batches
+        must be given one way or the other."""
+        request = self.layout.request
+        microbatches = microbatches if microbatches is not None else request.microbatches
+        if microbatches is None:
+            raise ValueError("prepare_pipeline needs microbatches=N (micro-batches per "
+                             "pipeline step), here or in the layout request "
+                             "(parallel=LayoutRequest(pp=..., microbatches=N))")
         pipeline = models.build(
             model, self.layout, self.model_options, mesh=self.mesh,
-            lay_out=self._prepare_module, microbatches=microbatches, schedule=schedule,
-            virtual_stages=virtual_stages, plan=plan, points=points, balance=balance,
-            times=times, loss_fn=loss_fn, record_timings=record_timings, init_seed=init_seed)
-        self._models.extend(pipeline.wrapped_modules)
-        self._checkpointed_models.append(pipeline)
-        self._pipeline_params.update(id(p) for p in pipeline.parameters())
+            lay_out=self._prepare_module, microbatches=microbatches,
+            schedule=schedule or request.schedule,
+            virtual_stages=virtual_stages or request.virtual_stages, plan=plan, points=points,
+            balance=balance, times=times, loss_fn=loss_fn, record_timings=record_timings,
+            init_seed=init_seed)
+        self._registry.models.append(pipeline)
+        self._registry.pipeline_params.update(id(p) for p in pipeline.parameters())
         return pipeline
 
     def _decide_sync_each_batch(self, model: torch.nn.Module) -> None:
@@ -211,53 +204,40 @@ class Accelerator(AcceleratorAttributes):
         sharded parameters if need be (`meshfit.accelerator.prepared`)."""
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
+        registry = self._registry
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        if self._pipeline_params and not any(id(p) in self._pipeline_params for p in params):
+        if registry.pipeline_params and not any(id(p) in registry.pipeline_params
+                                                for p in params):
             raise ValueError("prepare(optimizer): none of its parameters belong to the prepared "
                              "pipeline's stages (an optimizer built before prepare_pipeline "
                              "holds the full model's); build it on pipeline.parameters()")
-        inner = self.runtime.prepare_optimizer(rebuild_optimizer(optimizer, self._params))
+        # (offload="disk": the runtime puts its state in files)
+        inner = self.runtime.prepare_optimizer(rebuild_optimizer(optimizer, registry.params))
         if inner is not optimizer:
-            self._replaced[id(optimizer)] = (weakref.ref(optimizer), inner)
-        if self.offload_dir is not None:  # offload="disk": the state in files, streamed
-            from meshfit.parallel.disk import DiskOffload, check_free_space
-
-            folder = Path(self.offload_dir) / f"rank-{self.process_index}"
-            # ZeRO-1: the local optimizer over this rank's partition goes to disk; the
-            # ZeroRedundancyOptimizer around it broadcasts the updated parameters as before
-            zero = _zero_redundancy(inner)
-            local = inner if zero is None else zero.optim
-            check_free_space(local, folder, sharing=self.env.local_world_size
-                             if self.env.is_distributed else 1)
-            if zero is None:
-                inner = DiskOffload(local, folder)
-                self._replaced[id(optimizer)] = (weakref.ref(optimizer), inner)
-            else:
-                zero.optim = DiskOffload(local, folder)
+            registry.replace(optimizer, inner)
         prepared = PreparedOptimizer(inner, self.grad_state, self.precision.scaler,
                                      on_step=self._after_optimizer_step)
-        self._optimizers.append(prepared)
+        registry.optimizers.append(prepared)
         return prepared
 
     def _after_optimizer_step(self, optimizer: PreparedOptimizer) -> None:
-        if optimizer is not self._optimizers[0]:
-            return  # count each optimizer step once when several optimizers are prepared
-        self._optimizer_steps += 1
-        if self.empty_cache_steps and self._optimizer_steps % self.empty_cache_steps == 0:
+        registry = self._registry
+        if registry.count_step(optimizer) and self.empty_cache_steps and \
+                registry.optimizer_steps % self.empty_cache_steps == 0:
             empty_device_cache(self.device)
 
     def prepare_scheduler(self, scheduler) -> PreparedScheduler:
         if isinstance(scheduler, PreparedScheduler):
             return scheduler
-        entry = self._replaced.get(id(getattr(scheduler, "optimizer", None)))
-        if entry is not None and entry[0]() is scheduler.optimizer:
-            repoint_scheduler(scheduler, entry[1])  # built on an optimizer prepare replaced
+        replacement = self._registry.replacement(getattr(scheduler, "optimizer", None))
+        if replacement is not None:  # built on an optimizer prepare replaced
+            repoint_scheduler(scheduler, replacement)
         per_step = 1 if self.split_batches or not self.step_scheduler_per_process \
             else self.runtime.dp_size
-        prepared = PreparedScheduler(scheduler, self._optimizers, self.grad_state,
+        prepared = PreparedScheduler(scheduler, self._registry.optimizers, self.grad_state,
                                      with_optimizer=self.step_scheduler_with_optimizer,
                                      steps_per_optimizer_step=per_step)
-        self._schedulers.append(prepared)
+        self._registry.schedulers.append(prepared)
         return prepared
 
     def prepare_dataloader(self, loader: DataLoader) -> PreparedDataLoader:
@@ -270,7 +250,7 @@ class Accelerator(AcceleratorAttributes):
             on_end=self.grad_state.leave, even_batches=config.even_batches,
             split_batches=config.split_batches, seedable=config.use_seedable_sampler,
             data_seed=config.data_seed, sync_generator="generator" in self.rng_types)
-        self._loaders.append(prepared)
+        self._registry.loaders.append(prepared)
         return prepared
 
     def _set_active_loader(self, loader: PreparedDataLoader) -> None:
@@ -294,37 +274,32 @@ class Accelerator(AcceleratorAttributes):
         `save_state` / `load_state`, in the order registered."""
         for obj in objects:
             state.check_registrable(obj)
-            self._custom.append(obj)
+            self._registry.custom.append(obj)
 
     def save_state(self, output_dir: str | os.PathLike | None = None,
                    safe_serialization: bool = True, *, step: int | None = None,
                    async_save: bool | str = False, **save_model_func_kwargs) -> Path:
         """Checkpoint all that is prepared and registered; every rank calls it (`state`)."""
-        return state.save_state(self, output_dir, step=step, async_save=async_save)
+        return state.save_state(self, self._registry, output_dir, step=step,
+                                async_save=async_save)
 
     @property
     def checkpoint_in_flight(self) -> Path | None:
         """The temporary folder an asynchronous `save_state` is writing (None: none)."""
-        return None if self._pending_save is None else self._pending_save[0]
+        pending = self._registry.pending_save
+        return None if pending is None else pending.tmp
 
     def wait_for_checkpoint(self, *, close: bool = False) -> Path | None:
         """Commit an asynchronous `save_state` (a collective); returns its folder, or None.
         `close`: then also end the writer process of ``async_save="process"`` saves (done by
         `end_training`; a later such save starts another)."""
-        try:
-            return state.finish_save(self)
-        finally:
-            if close and self._save_stager is not None:
-                from meshfit.checkpoint.save import close_writer_process
-
-                close_writer_process()
-                self._save_stager.close()
-                self._save_stager = None
+        return state.finish_save(self, self._registry, close=close)
 
     def load_state(self, input_dir: str | os.PathLike | None = None,
                    load_kwargs: dict | None = None, **load_model_func_kwargs):
         """Restore what `save_state` wrote, on any layout; every rank calls it (`state`)."""
-        return state.load_state(self, input_dir, loaders=self.use_stateful_dataloader)
+        return state.load_state(self, self._registry, input_dir,
+                                loaders=self.use_stateful_dataloader)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0):
         """The prepared `dataloader`, its next iteration without its first `num_batches` batches
@@ -382,13 +357,14 @@ class Accelerator(AcceleratorAttributes):
     def unscale_gradients(self, optimizer=None) -> None:
         """Divide the fp16 loss scale out of gradients (`meshfit.accelerator.prepared`)."""
         if self.precision.scaler is not None and self.grad_state.sync_gradients:
-            unscale_gradients(self.precision.scaler, self._optimizers, optimizer)
+            unscale_gradients(self.precision.scaler, self._registry.optimizers, optimizer)
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0
                         ) -> torch.Tensor:
         """Clip the (unscaled, synchronised) gradients' total norm, also sharded (DTensor)
         ones (`meshfit.parallel.clip`) and a whole `Pipeline`'s; returns the norm."""
         self.unscale_gradients()
+        # Lazy (as below): the pipeline code loads torch.distributed.pipelining (about a second).
         from meshfit.parallel.pp import Pipeline
 
         if isinstance(parameters, Pipeline):  # every stage's part of the norm
@@ -436,7 +412,6 @@ class Accelerator(AcceleratorAttributes):
         ranks a loss is averaged over) and, under cp, ``dp_shard_cp``: Accelerate's names."""
         return self.runtime.mesh
 
-    @contextlib.contextmanager
     def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
                                buffer_seq_dims: list[int] | None = None,
                                no_restore_buffers: set[torch.Tensor] | None = None):
@@ -444,34 +419,9 @@ class Accelerator(AcceleratorAttributes):
         cut in place to this rank's part of its sequence dimension (`buffer_seq_dims`, one
         per buffer; `shard_sequence`'s split), and put back on exit unless it is in
         `no_restore_buffers`. Without cp it does nothing. Enter it anew for every batch."""
-        buffers = list(buffers or [])
-        dims = list(buffer_seq_dims or [])
-        if len(dims) != len(buffers):
-            raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but "
-                             f"{len(dims)} buffer_seq_dims; give one sequence dimension per "
-                             "buffer")
-        keep = {id(b) for b in (no_restore_buffers or ())}
-        if keep - {id(b) for b in buffers}:
-            raise ValueError("maybe_context_parallel: no_restore_buffers must be a subset "
-                             "of buffers")
-        if self.runtime.cp_mesh is None:
-            yield
-            return
-        saved = []
-        for buffer, dim in zip(buffers, dims):
-            part = self.shard_sequence(buffer, dim=dim)
-            if id(buffer) not in keep:
-                saved.append((buffer, buffer.clone()))
-            with torch.no_grad():
-                buffer.resize_(part.shape)
-                buffer.copy_(part)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, whole in saved:
-                    buffer.resize_(whole.shape)
-                    buffer.copy_(whole)
+        return sequence.cut_in_place(buffers, buffer_seq_dims, no_restore_buffers,
+                                     cut=None if self.runtime.cp_mesh is None
+                                     else self.shard_sequence)
 
     def shard_sequence(self, *tensors: torch.Tensor, dim: int = 1):
         """Under context parallel (``ParallelDims(cp=C)``): this rank's part of each tensor's
@@ -480,13 +430,8 @@ class Accelerator(AcceleratorAttributes):
         (`meshfit.parallel.cp.shard_sequence`, load-balanced unless
         ``cp_load_balance=False``). Without cp the tensors as they are. One tensor in, one
         out; several in, a tuple out."""
-        mesh = self.runtime.cp_mesh
-        if mesh is not None:
-            from meshfit.parallel.cp import shard_sequence
-
-            cp, rank = mesh.size(), mesh.get_local_rank()
-            tensors = tuple(shard_sequence(t, dim, cp, rank, self.model_options.cp_load_balance)
-                            for t in tensors)
+        tensors = sequence.shard(tensors, dim, self.runtime.cp_mesh,
+                                 load_balance=self.model_options.cp_load_balance)
         return tensors[0] if len(tensors) == 1 else tensors
 
     @contextlib.contextmanager
@@ -495,71 +440,20 @@ class Accelerator(AcceleratorAttributes):
         yield processes.share(inputs, self.runtime.dp_size, self.runtime.dp_rank,
                               apply_padding=apply_padding, device=self.device)
 
-    def set_trigger(self) -> None:
-        """Mark this process: the next `check_trigger` on every process returns True."""
-        self.flag_tensor = torch.tensor(1, device=self.device)
-
-    def check_trigger(self) -> bool:
-        """Whether any process called `set_trigger` since the last check (a collective; the
-        mark is cleared)."""
-        fired = processes.triggered(self.flag_tensor, self.env)
-        if fired or self.flag_tensor is None:
-            self.flag_tensor = torch.tensor(0, device=self.device)
-        return fired
-
-    def wait_for_everyone(self) -> None:
-        processes.wait_for_everyone(self.env)
-
-    def main_process_first(self):
-        """The main process runs the block first (e.g. to build a cache), then the others."""
-        return processes.first(self.is_main_process, self.env)
-
-    def local_main_process_first(self):
-        """Each node's first process runs the block first, then that node's others."""
-        return processes.first(self.is_local_main_process, self.env)
-
-    def on_main_process(self, function=None):
-        """Decorator: run `function` on the main process only (the other ``on_*``: theirs)."""
-        return processes.run_if(self.is_main_process, function)
-
-    def on_local_main_process(self, function=None):
-        return processes.run_if(self.is_local_main_process, function)
-
-    def on_last_process(self, function):
-        return processes.run_if(self.is_last_process, function)
-
-    def on_process(self, function=None, process_index: int | None = None):
-        return processes.run_if(self.process_index == process_index, function)
-
-    def on_local_process(self, function=None, local_process_index: int | None = None):
-        return processes.run_if(self.local_process_index == local_process_index, function)
-
-    def profile(self, profile_handler: ProfileKwargs | None = None):
-        """``torch.profiler`` around the block (`meshfit.accelerator.processes`)."""
-        return processes.profile(profile_handler or self.profile_handler or ProfileKwargs(),
-                                 self.env)
-
     def join_uneven_inputs(self, joinables, even_batches: bool | None = None):
         """Join for loaders with uneven batches per rank (`meshfit.accelerator.processes`)."""
         return processes.join_uneven_inputs(
-            joinables, even_batches, loaders=self._loaders, default_even_batches=self.even_batches,
+            joinables, even_batches, loaders=self._registry.loaders,
+            default_even_batches=self.even_batches,
             kind=self.distributed_type, use_distributed=self.use_distributed)
 
     def free_memory(self, *objects):
         """Forget every prepared object, collect garbage and empty the device cache (between two
         trainings); returns ``[None] * len(objects)`` to assign back."""
         self.wait_for_checkpoint()
-        for optimizer in self._optimizers:  # offload="disk": its files go too
-            inner = optimizer.optimizer
-            zero = _zero_redundancy(inner)
-            close = getattr(inner if zero is None else zero.optim, "close", None)
-            if callable(close):
-                close()
-        for files in self._parameter_files:
-            files.close()
-        self._parameter_files.clear()
+        self.runtime.release()  # offload="disk": the files it made go too
         out = release_memory(*objects)
-        self._forget_prepared()
+        self._registry.forget()
         self.grad_state.step = 0
         return out
 
@@ -584,10 +478,6 @@ class Accelerator(AcceleratorAttributes):
         if self.is_main_process:
             trackers.log(self.trackers, values, step, log_kwargs)
 
-    def print(self, *args, **kwargs) -> None:
-        if self.is_main_process:
-            print(*args, **kwargs)
-
     def end_training(self) -> None:
         """Finish the trackers, commit a checkpoint still being written, then release the
         process group (once, at the end of the script)."""
@@ -602,12 +492,3 @@ class Accelerator(AcceleratorAttributes):
                 f"mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
 
-
-def _zero_redundancy(optimizer):
-    """`optimizer` if it is a ZeroRedundancyOptimizer (ZeRO-1), else None."""
-    import sys
-
-    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # (not loaded:
-    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):  # none made)
-        return optimizer
-    return None

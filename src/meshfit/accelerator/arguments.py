@@ -37,8 +37,10 @@ train`'s [parallel] too), and:
         leaves PyTorch's setting.
     empty_cache_steps: release the device allocator's cached blocks every this many optimizer
         steps (0: never), as Transformers' ``torch_empty_cache_steps``.
-    parallel: the layout (`ParallelDims`), decided once in the constructor
-        (``accelerator.layout``); default: every process a DDP replica. ``dp_shard=N`` shards
+    parallel: the layout, decided once in the constructor (``accelerator.layout``): a
+        `LayoutRequest` whole (sizes and options: then no option keyword beside it), or the
+        sizes (`ParallelDims`) that the option keywords below complete; default: every
+        process a DDP replica. ``dp_shard=N`` shards
         over N ranks (ZeRO); with ``dp_replicate=M``, M groups of N (HSDP); all M x N ranks
         see different data. ``tp=T`` splits every block over T ranks, with any data-parallel
         axes; ``pp=P`` cuts the model into stages (`prepare_pipeline`).
@@ -74,6 +76,7 @@ from meshfit.accelerator.compat.config import (AutocastKwargs, DataLoaderConfigu
                                                ProfileKwargs, ProjectConfiguration)
 from meshfit.accelerator.trackers import tracker_list
 from meshfit.distributed import DistEnv, ParallelDims
+from meshfit.parallel.disk import check_writable
 from meshfit.parallel.layout import Layout
 from meshfit.parallel.options import ModelOptions
 from meshfit.parallel.request import LayoutRequest
@@ -216,7 +219,7 @@ def read_arguments(given: Mapping[str, Any],
     return Arguments(layout=layout, model=model, precision=precision, loop=loop, process=process,
                      handlers=handlers, fsdp_plugin=given["fsdp_plugin"],
                      parallelism_config=given["parallelism_config"],
-                     offload_dir=_offload_dir(given, offload),
+                     offload_dir=_offload_dir(given, layout.offload),
                      project_configuration=project, log_with=log_with,
                      warnings=() if given["split_batches"] is UNSET else (_SPLIT_BATCHES,))
 
@@ -440,8 +443,6 @@ def _offload_dir(given: Mapping[str, Any], offload: str) -> str | None:
         if folder is None or not str(folder).strip():
             raise ValueError("offload='disk' needs offload_dir=PATH: a folder on a local disk "
                              "for the optimizer state (created private to the run)")
-        from meshfit.parallel.disk import check_writable
-
         check_writable(Path(folder).expanduser())
         return str(Path(folder).expanduser())
     if folder is not None:

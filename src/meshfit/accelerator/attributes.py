@@ -1,7 +1,8 @@
 """Where an `Accelerator`'s process stands, under Accelerate's names: `AcceleratorAttributes`
 (a mixin of `Accelerator`) and `AcceleratorState` (``accelerator.state``). They keep nothing:
-they read the Accelerator's ``env``, ``layout``, ``runtime``, ``precision``, ``grad_state``
-and the user's ``dataloader_config`` and ``project_configuration``.
+they read the Accelerator's ``env``, ``layout``, ``runtime``, ``precision``, ``grad_state``,
+its registry of prepared objects and the user's ``dataloader_config`` and
+``project_configuration``.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class AcceleratorAttributes:
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last optimizer step was skipped (fp16 overflow; schedulers then wait)."""
-        return any(opt.step_was_skipped for opt in self._optimizers)
+        return self._registry.step_was_skipped
 
     @property
     def even_batches(self) -> bool:

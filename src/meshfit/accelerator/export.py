@@ -25,6 +25,8 @@ __all__ = ["get_state_dict", "save", "save_model"]
 
 def get_state_dict(model: torch.nn.Module, runtime: Runtime) -> dict[str, torch.Tensor]:
     """`model`'s (or a `Pipeline`'s) whole state dict on CPU on rank 0, ``{}`` elsewhere."""
+    # Lazy: the pipeline code loads torch.distributed.pipelining (about a second); a model
+    # that is a Pipeline has loaded it already.
     from meshfit.parallel.pp import Pipeline
 
     if isinstance(model, Pipeline):
@@ -67,6 +69,7 @@ def save(obj: Any, f, *, writer: bool, safe_serialization: bool = False) -> None
     if not writer:
         return
     if safe_serialization:
+        # Lazy, as in meshfit.checkpoint.export: safetensors loads when a file is written.
         from safetensors.torch import save_file
 
         save_file(obj, f, metadata={"format": "pt"})

@@ -25,7 +25,9 @@ import torch
 
 from meshfit.accelerator.precision import Precision
 from meshfit.accelerator.runtime import Runtime
-from meshfit.parallel.layout import Layout
+from meshfit.checkpoint.pretrained import load_into, pretrained_folder, stage_filler, to_empty
+from meshfit.parallel.ep import moe_modules
+from meshfit.parallel.layout import Layout, ModelFacts
 from meshfit.parallel.options import ModelOptions
 from meshfit.parallel.parallelize import parallelize
 
@@ -39,12 +41,7 @@ def check_model(model: torch.nn.Module, layout: Layout) -> str | None:
         raise ValueError(f"prepare(model) with pp={pp}: a pipeline layout splits the model "
                          "into stages; use "
                          "accelerator.prepare_pipeline(model, schedule=..., microbatches=...)")
-    from meshfit.checkpoint.pretrained import pretrained_folder
-
     if ep > 1:
-        from meshfit.parallel.ep import moe_modules
-        from meshfit.parallel.layout import ModelFacts
-
         layout.check_model(ModelFacts(n_blocks=1, experts=tuple(
             m.n_experts for m in moe_modules([model]))))
     peft = sys.modules.get("meshfit.peft")  # imported wherever a model went through qlora
@@ -77,8 +74,6 @@ def load_pretrained(model: torch.nn.Module, folder: str, *, layout: Layout, runt
     (ZeRO-2/3, and every layout with tensor parallel) laid out on the meta device, then each
     rank reads only its shards; otherwise (whole parameters on every rank) read whole, then
     laid out (`lay_out`)."""
-    from meshfit.checkpoint.pretrained import load_into, to_empty
-
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
     peft = sys.modules.get("meshfit.peft")  # imported wherever a model went through qlora
     if peft is not None and peft.quantize_after_load(model):
@@ -108,8 +103,7 @@ def build(model: torch.nn.Module, layout: Layout, options: ModelOptions, *, mesh
           lay_out: Callable[[torch.nn.Module], torch.nn.Module], microbatches: int,
           schedule: str, virtual_stages: int | None, plan, **pipeline_kwargs):
     """The `Pipeline` of `model` over ``mesh["pp"]``, this rank's stages laid out by `lay_out`."""
-    from meshfit.checkpoint.pretrained import stage_filler
-    from meshfit.parallel.layout import ModelFacts
+    # Lazy: the pipeline code loads torch.distributed.pipelining (about a second).
     from meshfit.parallel.pp import build_pipeline
 
     if layout.dims.pp == 1:

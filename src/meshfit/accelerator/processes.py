@@ -1,4 +1,5 @@
-"""Process control and collectives for the `Accelerator`. Results are exchanged over the
+"""Process control and collectives for the `Accelerator` (its process-control calls:
+`ProcessControl`, a mixin). Results are exchanged over the
 data-parallel group (``runtime.dp_group``): with tensor or pipeline parallel, the ranks of a
 tensor-parallel group share their batch, so gathering over every process would repeat
 samples. Barriers, the trigger and the process group's release act on every process; without
@@ -15,15 +16,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms import Join
 
+from meshfit import distributed as mdist
 from meshfit.accelerator.compat.config import DistributedType, ProfileKwargs
 from meshfit.accelerator.compat.utilities import check_tensors, gather_object, is_all_tensors
 from meshfit.distributed import DistEnv
 from meshfit.distributed import collectives as ops
 from meshfit.distributed.settle import barrier, settle_all
 
-__all__ = ["first", "gather", "gather_for_metrics", "join_uneven_inputs", "profile", "reduce",
-           "release", "run_if", "share", "triggered", "wait_for_everyone"]
+__all__ = ["ProcessControl", "first", "gather", "gather_for_metrics", "join_uneven_inputs",
+           "profile", "reduce", "release", "run_if", "share", "triggered", "wait_for_everyone"]
 
 
 def gather(tensor: Any, group) -> Any:
@@ -132,8 +135,6 @@ def join_uneven_inputs(joinables, even_batches: bool | None, *, loaders: list,
     """``torch.distributed.algorithms.Join`` over `joinables` for loaders whose ranks hold
     different numbers of batches; `even_batches` overrides the prepared `loaders`' inside the
     block. Under DDP, on GPUs and (unlike Accelerate, which does nothing there) CPUs."""
-    from torch.distributed.algorithms import Join
-
     if not use_distributed or kind == DistributedType.FSDP:
         if use_distributed:
             warnings.warn("meshfit: join_uneven_inputs acts under DDP only; no effect here",
@@ -172,10 +173,62 @@ def profile(handler: ProfileKwargs, env: DistEnv):
 
 def release(env: DistEnv) -> None:
     """Release the process group (end of the script)."""
-    if env.is_distributed and dist.is_initialized():
+    if env.is_distributed and mdist.is_initialized():
         # A barrier on every group, its Work kept by this thread: the model's DDP Reducer,
         # collected later, may own the last reference to a group, and the group's
         # destructor then waits for its gloo threads while holding the GIL
         # (meshfit.distributed.settle).
         settle_all()
         dist.destroy_process_group()
+
+
+class ProcessControl:
+    """The `Accelerator`'s calls that coordinate its processes, under Accelerate's names (a
+    mixin: they read the Accelerator's ``env``, where it stands and its ``flag_tensor``)."""
+
+    def set_trigger(self) -> None:
+        """Mark this process: the next `check_trigger` on every process returns True."""
+        self.flag_tensor = torch.tensor(1, device=self.device)
+
+    def check_trigger(self) -> bool:
+        """Whether any process called `set_trigger` since the last check (a collective; the
+        mark is cleared)."""
+        fired = triggered(self.flag_tensor, self.env)
+        if fired or self.flag_tensor is None:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+        return fired
+
+    def wait_for_everyone(self) -> None:
+        wait_for_everyone(self.env)
+
+    def main_process_first(self):
+        """The main process runs the block first (e.g. to build a cache), then the others."""
+        return first(self.is_main_process, self.env)
+
+    def local_main_process_first(self):
+        """Each node's first process runs the block first, then that node's others."""
+        return first(self.is_local_main_process, self.env)
+
+    def on_main_process(self, function=None):
+        """Decorator: run `function` on the main process only (the other ``on_*``: theirs)."""
+        return run_if(self.is_main_process, function)
+
+    def on_local_main_process(self, function=None):
+        return run_if(self.is_local_main_process, function)
+
+    def on_last_process(self, function):
+        return run_if(self.is_last_process, function)
+
+    def on_process(self, function=None, process_index: int | None = None):
+        return run_if(self.process_index == process_index, function)
+
+    def on_local_process(self, function=None, local_process_index: int | None = None):
+        return run_if(self.local_process_index == local_process_index, function)
+
+    def profile(self, profile_handler: ProfileKwargs | None = None):
+        """``torch.profiler`` around the block (this module's `profile`)."""
+        return profile(profile_handler or self.profile_handler or ProfileKwargs(), self.env)
+
+    def print(self, *args, **kwargs) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)

@@ -3,18 +3,28 @@ over which group data-parallel results are gathered (`dp_group`), how gradients 
 syncing (`no_sync`), what becomes of the optimizer, what the user's module is under the
 wrapper, and how the whole model's state dict is collected. The `Layout` decides the engine
 once; `runtime_for` picks the runtime by that enum (never by matching strings).
+
+With ``offload="disk"`` the runtime also puts what the engine keeps on the disk
+(`meshfit.parallel.disk`): each optimizer's state in files it streams through every step
+(under ZeRO-1 the local optimizer of this rank's partition), and with ``offload_params``
+each model's parameter shards in memory-mapped files. It made them, so it removes them
+(`release`, at the Accelerator's ``free_memory``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshfit.distributed.env import DistEnv
+from meshfit.parallel.disk import DiskOffload, ParameterFiles, check_free_space
 from meshfit.parallel.layout import Engine, Layout
+from meshfit.parallel.zero1 import apply_zero1
 
 __all__ = ["AUTO_SYNC_FREE_FRACTION", "DDPRuntime", "FSDPRuntime", "Runtime", "ZeRO1Runtime",
            "runtime_for"]
@@ -30,9 +40,21 @@ class Runtime:
     """No data-parallel wrapper (one process, or tensor/pipeline parallel alone): models are
     left as `parallelize` made them, nothing to synchronise."""
 
-    def __init__(self, layout: Layout, env: DistEnv, mesh=None):
+    def __init__(self, layout: Layout, env: DistEnv, mesh=None, *,
+                 offload_dir: str | os.PathLike | None = None):
         self.layout, self.env, self.mesh = layout, env, mesh
         self.dp_mesh = layout.dp_mesh(mesh) if mesh is not None else None
+        disk = layout.request.offload == "disk"
+        if disk != (offload_dir is not None):
+            raise ValueError(f"offload={layout.request.offload!r} with offload_dir="
+                             f"{offload_dir!r}: a folder goes with offload='disk', and only "
+                             "with it; give both or neither")
+        self.offload_dir = Path(offload_dir) if disk else None
+        """offload="disk": the folder of this job's files (None: nothing on the disk)."""
+        self.offload_params = layout.request.offload_params
+        self.parameter_files: list[ParameterFiles] = []
+        """offload_params: each prepared model's parameter shards in files, in order."""
+        self._state_files: list[DiskOffload] = []  # offload="disk": each optimizer's state
 
     dp_group = property(lambda self: None if self.dp_mesh is None else self.dp_mesh.get_group(),
                         doc="Process group of the data-parallel ranks (None: one rank).")
@@ -53,9 +75,46 @@ class Runtime:
         """The context-parallel ranks' mesh (None without cp)."""
         return self.layout.axis_mesh(self.mesh, "cp")
 
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model`, laid out (and loaded), as the engine keeps it: with ``offload_params`` its
+        parameter shards move into files of their own."""
+        if self.offload_params:
+            n = len(self.parameter_files)
+            name = f"rank-{self.env.rank}-params" + (f"-{n}" if n else "")
+            self.parameter_files.append(ParameterFiles(model, self.offload_dir / name))
+        return model
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer to step (ZeRO-1: a ZeroRedundancyOptimizer over it)."""
+        """The optimizer to step: the engine's (ZeRO-1: a ZeroRedundancyOptimizer over it),
+        with offload="disk" its state in files (`DiskOffload`)."""
+        optimizer = self._engine_optimizer(optimizer)
+        return optimizer if self.offload_dir is None else self._state_on_disk(optimizer)
+
+    def _engine_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
+
+    def _state_on_disk(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        # ZeRO-1: the local optimizer over this rank's partition goes to disk; the
+        # ZeroRedundancyOptimizer around it broadcasts the updated parameters as before.
+        zero = _zero_redundancy(optimizer)
+        local = optimizer if zero is None else zero.optim
+        folder = self.offload_dir / f"rank-{self.env.rank}"
+        check_free_space(local, folder, sharing=self.env.local_world_size
+                         if self.env.is_distributed else 1)  # (the ranks of a node share it)
+        offloaded = DiskOffload(local, folder)
+        self._state_files.append(offloaded)
+        if zero is None:
+            return offloaded
+        zero.optim = offloaded
+        return zero
+
+    def release(self) -> None:
+        """Remove the files `prepare_optimizer` and `prepare_model` made (the optimizers'
+        state, then the parameter shards'); the runtime is as new for the next models."""
+        for made in (*self._state_files, *self.parameter_files):
+            made.close()
+        self._state_files.clear()
+        self.parameter_files.clear()
 
     def no_sync(self, model: torch.nn.Module):
         return contextlib.nullcontext()
@@ -98,12 +157,8 @@ class ZeRO1Runtime(DDPRuntime):
     `meshfit.parallel.zero1`). With dp_replicate > 1 each replica group holds one copy of
     the state, partitioned inside the group."""
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        from meshfit.parallel.zero1 import apply_zero1
-
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+    def _engine_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if _zero_redundancy(optimizer) is not None:
             return optimizer
         # over dp_shard (dp_shard x cp under context parallel)
         return apply_zero1(optimizer, self.layout.shard_mesh(self.mesh).get_group())
@@ -114,6 +169,8 @@ class FSDPRuntime(Runtime):
     (`meshfit.parallel.fsdp`): `no_sync` turns off the reduce-scatter, ``sync_each_batch=
     "auto"`` is decided from free memory, the full state dict is all-gathered."""
 
+    # Lazy imports here: FSDP2 takes most of a second to import, and only this runtime needs
+    # it (`parallelize` has loaded it by then).
     def no_sync(self, model: torch.nn.Module):
         from torch.distributed.fsdp import FSDPModule
 
@@ -142,9 +199,21 @@ _RUNTIMES: dict[Engine, type[Runtime]] = {
     Engine.FSDP2: FSDPRuntime, Engine.FSDP2_REPLICATE: FSDPRuntime}
 
 
-def runtime_for(layout: Layout, env: DistEnv, mesh=None) -> Runtime:
-    """The runtime of `layout`'s engine (`mesh`: None for one process without a group)."""
-    return _RUNTIMES[layout.engine](layout, env, mesh)
+def runtime_for(layout: Layout, env: DistEnv, mesh=None, *,
+                offload_dir: str | os.PathLike | None = None) -> Runtime:
+    """The runtime of `layout`'s engine (`mesh`: None for one process without a group;
+    `offload_dir`: the folder of the layout's offload="disk")."""
+    return _RUNTIMES[layout.engine](layout, env, mesh, offload_dir=offload_dir)
+
+
+def _zero_redundancy(optimizer: torch.optim.Optimizer):
+    """`optimizer` if it is a ZeroRedundancyOptimizer (ZeRO-1), else None. Asked of the loaded
+    modules: torch.distributed.optim takes most of a second to import, and while it is not
+    loaded no ZeroRedundancyOptimizer exists."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer
+    return None
 
 
 def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -160,6 +229,8 @@ def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # Lazy: DCP's state-dict helpers take about a second to import, meshfit's model code
+    # (the regrouping rules) some 10 ms; both serve a model being saved.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from meshfit.models.plans.regroup import canonical_state, regrouped_params

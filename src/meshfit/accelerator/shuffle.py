@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
+from meshfit import distributed as mdist
+
 __all__ = ["Shuffle", "broadcast_state", "clone_generator", "draw_seed", "shuffle_for",
            "sync_global_generators"]
 
@@ -33,7 +35,7 @@ def clone_generator(generator: torch.Generator) -> torch.Generator:
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if mdist.is_initialized() else 1
 
 
 def broadcast_state(state: torch.Tensor) -> torch.Tensor:

@@ -31,14 +31,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfit import __version__
+from meshfit import distributed as mdist
+from meshfit.accelerator.registry import PendingSave, Registry
 from meshfit.checkpoint import state as ckstate
+from meshfit.checkpoint.saved import hf_config
 from meshfit.checkpoint.load import load_dcp, read_index
 from meshfit.checkpoint.manifest import CheckpointError, Manifest, start_verify
-from meshfit.checkpoint.save import commit, save_dcp, save_dcp_async
+from meshfit.checkpoint.save import close_writer_process, commit, save_dcp, save_dcp_async
 from meshfit.distributed.settle import barrier as settled_barrier
 
-# Functions here take the `Accelerator` ("acc") whose prepared objects they save; they are
-# its implementation, not a layer of their own (not imported here: it imports this module).
+# Functions here take the `Accelerator` ("acc"), whose public attributes say where this
+# process stands (its runtime, layout, precision, step counters, project configuration),
+# and its `Registry` of prepared objects, which they save and fill (the Accelerator is not
+# imported here: it imports this module).
 Accelerator = Any
 
 __all__ = ["check_registrable", "finish_save", "load_state", "save_state"]
@@ -50,10 +56,10 @@ def _key(kind: str, i: int) -> str:
     return kind if i == 0 else f"{kind}_{i}"
 
 
-def _models(acc: Accelerator) -> list[list[torch.nn.Module]]:
+def _models(acc: Accelerator, registry: Registry) -> list[list[torch.nn.Module]]:
     """Each prepared model as the modules holding its parameters under their full names."""
     return [list(entry.modules) if hasattr(entry, "stage_indices")
-            else [acc.runtime.unwrap(entry)] for entry in acc._checkpointed_models]
+            else [acc.runtime.unwrap(entry)] for entry in registry.models]
 
 
 def _owner(models: list[list[torch.nn.Module]], optimizer) -> list[torch.nn.Module]:
@@ -65,11 +71,11 @@ def _owner(models: list[list[torch.nn.Module]], optimizer) -> list[torch.nn.Modu
                      "prepare the model it optimizes with the same Accelerator")
 
 
-def _ties(acc: Accelerator) -> list[list[str]]:
+def _ties(acc: Accelerator, registry: Registry) -> list[list[str]]:
     """Names that denote one weight (a tied embedding and head): one parameter of a whole
     model, or one copy per pipeline stage."""
     groups = []
-    for entry, modules in zip(acc._checkpointed_models, _models(acc)):
+    for entry, modules in zip(registry.models, _models(acc, registry)):
         if hasattr(entry, "stage_indices"):
             groups += [list(t.names) for t in entry._tied]
             continue
@@ -81,12 +87,12 @@ def _ties(acc: Accelerator) -> list[list[str]]:
     return groups
 
 
-def _alias(acc: Accelerator, manifest: Manifest, saved: set[str], key: str):
+def _alias(ties: list[list[str]], manifest: Manifest, saved: set[str], key: str):
     """name -> the name under which the checkpoint holds that weight's optimizer state
-    (`saved`: the checkpoint's keys)."""
+    (`ties`: this job's, `_ties`; `saved`: the checkpoint's keys)."""
     present = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in saved
                if k.startswith(f"{key}.state.")}
-    groups = _ties(acc) + [list(g) for g in manifest.model.get("ties", [])]
+    groups = ties + [list(g) for g in manifest.model.get("ties", [])]
 
     def alias(name: str) -> str:
         if name in present:
@@ -98,14 +104,14 @@ def _alias(acc: Accelerator, manifest: Manifest, saved: set[str], key: str):
 
 def _hf_configs(models) -> list[dict | None]:
     """Each model's transformers config (for `meshfit export --to hf`), None for others."""
-    from meshfit.checkpoint.saved import hf_config
-
     return [hf_config(modules[0]) for modules in models]
 
 
 def _regrouped(models) -> int:
     """The TP degree a fused q|k|v projection was regrouped for (GPT-2's c_attn under tp;
     1: none): such weights are stored head-grouped for that degree."""
+    # Lazy (as below): it loads meshfit's model code (some 10 ms), which only a checkpoint
+    # needs here.
     from meshfit.models.plans.regroup import regrouped_tp
 
     return max([regrouped_tp(m) for ms in models for root in ms for m in root.modules()]
@@ -141,30 +147,30 @@ def _shapes(models, *, pipeline: bool, states: list[dict] | None = None
 
 def _over_ranks(mine: list[dict]) -> list[dict]:
     """Each model's dict (`mine`: this rank's), merged over all ranks."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not mdist.is_initialized():
         return mine
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return [{k: v for part in everyone for k, v in part[i].items()} for i in range(len(mine))]
 
 
-def _collect(acc: Accelerator, models) -> dict[str, Any]:
+def _collect(acc: Accelerator, registry: Registry, models) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for i, modules in enumerate(models):
         state[_key("model", i)] = ckstate.model_state(modules)
-    for i, opt in enumerate(acc._optimizers):
+    for i, opt in enumerate(registry.optimizers):
         state[_key("optimizer", i)] = ckstate.saved_form(
             ckstate.optimizer_state(_owner(models, opt.optimizer), opt.optimizer))
-    for i, sched in enumerate(acc._schedulers):
+    for i, sched in enumerate(registry.schedulers):
         state[_key("scheduler", i)] = sched.scheduler.state_dict()
-    for i, loader in enumerate(acc._loaders):
+    for i, loader in enumerate(registry.loaders):
         state[_key("dataloader", i)] = loader.state_dict()
-    for i, obj in enumerate(acc._custom):
+    for i, obj in enumerate(registry.custom):
         state[f"custom_{i}"] = obj.state_dict()
     if acc.precision.scaler is not None:
         state["scaler"] = acc.precision.scaler.state_dict()
     state["rng"] = {f"rank{acc.env.rank}": ckstate.rng_state()}
-    state["accelerator"] = {"optimizer_steps": acc._optimizer_steps,
+    state["accelerator"] = {"optimizer_steps": registry.optimizer_steps,
                             "micro_step": acc.grad_state.step}
     return state
 
@@ -177,7 +183,7 @@ def check_registrable(obj: Any) -> None:
                          "state_dict() and load_state_dict(); register objects that do")
 
 
-def save_state(acc: Accelerator, output_dir, *, step: int | None = None,
+def save_state(acc: Accelerator, registry: Registry, output_dir, *, step: int | None = None,
                async_save: bool | str = False) -> Path:
     """Write the checkpoint into `output_dir` (or the next automatic folder) and count the
     save (``save_iteration``)."""
@@ -190,7 +196,7 @@ def save_state(acc: Accelerator, output_dir, *, step: int | None = None,
     elif output_dir is None:
         raise ValueError("save_state() needs an output_dir (or ProjectConfiguration("
                          "automatic_checkpoint_naming=True))")
-    folder = _write(acc, output_dir, step=step, async_save=async_save)
+    folder = _write(acc, registry, output_dir, step=step, async_save=async_save)
     config.iteration += 1
     return folder
 
@@ -234,16 +240,15 @@ def _newest_folder(acc: Accelerator) -> Path:
     return max(folders, key=_number)
 
 
-def _write(acc: Accelerator, output_dir, *, step: int | None, async_save: bool) -> Path:
+def _write(acc: Accelerator, registry: Registry, output_dir, *, step: int | None,
+           async_save: bool | str) -> Path:
     """Write the checkpoint into `output_dir` (a temporary folder beside it, renamed once every
     rank has written and the manifest is in), or start writing it (`async_save`)."""
-    from meshfit import __version__
-
-    finish_save(acc)  # one save in flight at a time
+    finish_save(acc, registry)  # one save in flight at a time
     folder = Path(output_dir)
-    models = _models(acc)
-    state = _collect(acc, models)
-    step = acc._optimizer_steps if step is None else step
+    models = _models(acc, registry)
+    state = _collect(acc, registry, models)
+    step = registry.optimizer_steps if step is None else step
     state["accelerator"]["step"] = step  # the manifest's step, inside the checksummed data
     layout = acc.layout
     manifest = Manifest(
@@ -252,30 +257,51 @@ def _write(acc: Accelerator, output_dir, *, step: int | None, async_save: bool) 
                 "engine": layout.engine.value, "zero_stage": layout.zero_stage},
         model={"shapes": _shapes(models, pipeline=layout.dims.pp > 1,
                                  states=[state[_key("model", i)] for i in range(len(models))]),
-               "ties": _ties(acc), "hf_config": _hf_configs(models),
+               "ties": _ties(acc, registry), "hf_config": _hf_configs(models),
                "regrouped_for_tp": _regrouped(models), "regrouped": _regrouped_names(models)},
         versions={"meshfit": __version__, "torch": torch.__version__})
     if async_save:
-        if acc._save_group is None and dist.is_available() and dist.is_initialized():
-            acc._save_group = dist.new_group(backend="gloo")  # the writer's own group
-        mode = "process" if async_save == "process" else "thread"
-        if mode == "process" and acc._save_stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            # Staged into shared memory (kept between saves), which the writer process maps.
-            acc._save_stager = DefaultStager(StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
-                use_async_staging=False, use_non_blocking_copy=False))
-        tmp, future = save_dcp_async(state, folder, process_group=acc._save_group, mode=mode,
-                                     stager=acc._save_stager if mode == "process" else None)
-        acc._pending_save = (tmp, folder, manifest, future)
+        _start_writing(registry, state, folder, manifest,
+                       mode="process" if async_save == "process" else "thread")
         return folder
     return commit(save_dcp(state, folder), folder, manifest)
 
 
-def finish_save(acc: Accelerator) -> Path | None:
-    """Commit an asynchronous save once written (a collective); returns its folder, or None."""
-    pending, acc._pending_save = acc._pending_save, None
+def _start_writing(registry: Registry, state: dict[str, Any], folder: Path,
+                   manifest: Manifest, *, mode: str) -> None:
+    """Start the background write of `state` (`mode`: by a thread or a process of this rank),
+    over a gloo group of its own; `finish_save` commits it."""
+    if registry.save_group is None and mdist.is_initialized():
+        registry.save_group = dist.new_group(backend="gloo")  # the writer's own group
+    if mode == "process" and registry.save_stager is None:
+        # Lazy: DCP's staging takes most of a second to import; only process saves use it.
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # Staged into shared memory (kept between saves), which the writer process maps.
+        registry.save_stager = DefaultStager(StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
+            use_async_staging=False, use_non_blocking_copy=False))
+    tmp, future = save_dcp_async(state, folder, process_group=registry.save_group, mode=mode,
+                                 stager=registry.save_stager if mode == "process" else None)
+    registry.pending_save = PendingSave(tmp, folder, manifest, future)
+
+
+def finish_save(acc: Accelerator, registry: Registry, *, close: bool = False
+                ) -> Path | None:
+    """Commit an asynchronous save once written (a collective); returns its folder, or None.
+    `close`: then also end the writer process of ``async_save="process"`` saves (a later
+    such save starts another)."""
+    try:
+        return _commit_pending(acc, registry)
+    finally:
+        if close and registry.save_stager is not None:
+            close_writer_process()
+            registry.save_stager.close()
+            registry.save_stager = None
+
+
+def _commit_pending(acc: Accelerator, registry: Registry) -> Path | None:
+    pending, registry.pending_save = registry.pending_save, None
     if pending is None:
         return None
     tmp, folder, manifest, future = pending
@@ -288,7 +314,7 @@ def finish_save(acc: Accelerator) -> Path | None:
         problem = (getattr(err, "rank", acc.process_index),
                    type(err).__name__ + (f": {text.splitlines()[-1][:200]}" if text else ""))
     problems = [problem]
-    if dist.is_available() and dist.is_initialized():
+    if mdist.is_initialized():
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
     failed = sorted(p for p in problems if p)
@@ -301,12 +327,13 @@ def finish_save(acc: Accelerator) -> Path | None:
     return commit(tmp, folder, manifest)
 
 
-def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Manifest:
+def load_state(acc: Accelerator, registry: Registry, input_dir=None, *,
+               loaders: bool = True) -> Manifest:
     """Fill every prepared and registered object from `input_dir` (None: the newest automatic
     folder; `loaders`: the data loaders too); returns the checkpoint's manifest."""
     if input_dir is None:
         input_dir = _newest_folder(acc)
-    finish_save(acc)
+    finish_save(acc, registry)
     folder = Path(input_dir).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"load_state: {folder} is not a folder; give a checkpoint "
@@ -318,49 +345,11 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
     manifest = check.manifest
     index = read_index(folder)  # through the restricted unpickler, before anything else
     saved = set(index.state_dict_metadata)
-    models = _models(acc)
+    models = _models(acc, registry)
     templates = [ckstate.model_state(modules) for modules in models]
-    _check_models(folder, manifest, _shapes(models, pipeline=acc.layout.dims.pp > 1,
-                                            states=templates))
-    saved_tp, mine = manifest.model.get("regrouped_for_tp", 1), _regrouped(models)
-    if saved_tp != mine:
-        raise CheckpointError(f"{folder}: its fused q|k|v weights (GPT-2's c_attn) are stored "
-                              f"head-grouped for tp={saved_tp}, this job groups them for "
-                              f"tp={mine}; resume with tp={saved_tp}")
-    # Every part's template first, then one DCP read fills them all (one plan, one pass over
-    # the files), then each object takes its part, in this order.
-    parts: dict[str, Any] = {}
-    finish: list[Callable[[], None]] = []
-    for i, modules in enumerate(models):
-        key = _key("model", i)
-        parts[key] = templates[i]
-        finish.append(lambda modules=modules, key=key: ckstate.set_model_state(modules,
-                                                                              parts[key]))
-    for i, opt in enumerate(acc._optimizers):
-        key = _key("optimizer", i)
-        parts[key], done = ckstate.optimizer_load_plan(
-            _owner(models, opt.optimizer), opt.optimizer,
-            alias=_alias(acc, manifest, saved, key))
-        finish.append(done)
-    for i, sched in enumerate(acc._schedulers):
-        _plan_restore(parts, finish, _key("scheduler", i), sched.scheduler)
-    for i, loader in enumerate(acc._loaders if loaders else ()):
-        key = _key("dataloader", i)
-        # Only the fields the checkpoint holds (older ones have no shuffle state).
-        fields = {k: v for k, v in loader.state_dict().items()
-                  if any(s == f"{key}.{k}" or s.startswith(f"{key}.{k}.") for s in saved)}
-        _plan_restore(parts, finish, key, loader, fields)
-    for i, obj in enumerate(acc._custom):
-        _plan_restore(parts, finish, f"custom_{i}", obj)
-    if acc.precision.scaler is not None:
-        _plan_restore(parts, finish, "scaler", acc.precision.scaler)
-    parts["accelerator"] = {"optimizer_steps": 0, "micro_step": 0}
-    if "accelerator.step" in saved:  # (checkpoints before it have no copy)
-        parts["accelerator"]["step"] = -1
-    rng_key = f"rank{acc.env.rank}"
-    same_world = manifest.world_size == acc.num_processes
-    if same_world:
-        parts["rng"] = {rng_key: ckstate.rng_state()}
+    _check_fits(acc, folder, manifest, models, templates)
+    parts, finish = _read_plan(acc, registry, models, templates, manifest, saved,
+                               loaders=loaders)
     check.result()
     load_dcp(parts, folder, index=index, manifest=manifest)
     saved_step = parts["accelerator"].get("step")
@@ -370,18 +359,76 @@ def load_state(acc: Accelerator, input_dir=None, *, loaders: bool = True) -> Man
                               "was edited or belongs to another checkpoint")
     for done in finish:
         done()
-    acc._optimizer_steps = int(parts["accelerator"]["optimizer_steps"])
+    _restore_counters(acc, registry, parts, manifest)
+    if mdist.is_initialized():
+        settled_barrier()
+    return manifest
+
+
+def _check_fits(acc: Accelerator, folder: Path, manifest: Manifest, models, templates
+                ) -> None:
+    """Refuse a checkpoint of other models (names, shapes) or of fused q|k|v weights grouped
+    for another tensor-parallel degree, before anything is read."""
+    _check_models(folder, manifest, _shapes(models, pipeline=acc.layout.dims.pp > 1,
+                                            states=templates))
+    saved_tp, mine = manifest.model.get("regrouped_for_tp", 1), _regrouped(models)
+    if saved_tp != mine:
+        raise CheckpointError(f"{folder}: its fused q|k|v weights (GPT-2's c_attn) are stored "
+                              f"head-grouped for tp={saved_tp}, this job groups them for "
+                              f"tp={mine}; resume with tp={saved_tp}")
+
+
+def _read_plan(acc: Accelerator, registry: Registry, models, templates, manifest: Manifest,
+               saved: set[str], *, loaders: bool
+               ) -> tuple[dict[str, Any], list[Callable[[], None]]]:
+    """Every part's template (what one DCP read fills, in one plan, one pass over the files)
+    and what then gives each object its part, in this order."""
+    parts: dict[str, Any] = {}
+    finish: list[Callable[[], None]] = []
+    for i, modules in enumerate(models):
+        key = _key("model", i)
+        parts[key] = templates[i]
+        finish.append(lambda modules=modules, key=key: ckstate.set_model_state(modules,
+                                                                              parts[key]))
+    ties = _ties(acc, registry) if registry.optimizers else []
+    for i, opt in enumerate(registry.optimizers):
+        key = _key("optimizer", i)
+        parts[key], done = ckstate.optimizer_load_plan(
+            _owner(models, opt.optimizer), opt.optimizer,
+            alias=_alias(ties, manifest, saved, key))
+        finish.append(done)
+    for i, sched in enumerate(registry.schedulers):
+        _plan_restore(parts, finish, _key("scheduler", i), sched.scheduler)
+    for i, loader in enumerate(registry.loaders if loaders else ()):
+        key = _key("dataloader", i)
+        # Only the fields the checkpoint holds (older ones have no shuffle state).
+        fields = {k: v for k, v in loader.state_dict().items()
+                  if any(s == f"{key}.{k}" or s.startswith(f"{key}.{k}.") for s in saved)}
+        _plan_restore(parts, finish, key, loader, fields)
+    for i, obj in enumerate(registry.custom):
+        _plan_restore(parts, finish, f"custom_{i}", obj)
+    if acc.precision.scaler is not None:
+        _plan_restore(parts, finish, "scaler", acc.precision.scaler)
+    parts["accelerator"] = {"optimizer_steps": 0, "micro_step": 0}
+    if "accelerator.step" in saved:  # (checkpoints before it have no copy)
+        parts["accelerator"]["step"] = -1
+    if manifest.world_size == acc.num_processes:
+        parts["rng"] = {f"rank{acc.env.rank}": ckstate.rng_state()}
+    return parts, finish
+
+
+def _restore_counters(acc: Accelerator, registry: Registry, parts: dict[str, Any],
+                      manifest: Manifest) -> None:
+    """The step counters, and this rank's random generators when saved on as many ranks."""
+    registry.optimizer_steps = int(parts["accelerator"]["optimizer_steps"])
     acc.grad_state.step = int(parts["accelerator"]["micro_step"])
-    if same_world:
-        ckstate.set_rng_state(parts["rng"][rng_key])
+    if "rng" in parts:
+        ckstate.set_rng_state(parts["rng"][f"rank{acc.env.rank}"])
     else:
         # Another world size: rank r's generators did not exist. Random draws (dropout)
         # continue from this job's own seeds; everything else resumes exactly.
         log.info("meshfit: load_state: saved on %d processes, loading on %d; random "
                  "generators are not restored", manifest.world_size, acc.num_processes)
-    if dist.is_available() and dist.is_initialized():
-        settled_barrier()
-    return manifest
 
 
 def _plan_restore(parts: dict, finish: list, key: str, obj, template: dict | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from meshfit.accelerator.compat.config import LoggerType
+from meshfit.tracking import build_trackers
 
 __all__ = ["get_tracker", "log", "start", "tracker_list"]
 
@@ -53,8 +54,6 @@ def start(trackers: list, log_with: list, project_name: str, config: dict | None
           logging_dir: str | os.PathLike | None) -> None:
     """Append the trackers of `log_with` to `trackers` and start them (`init_kwargs`:
     ``{tracker name: {its keyword arguments}}``), then record `config` on every one."""
-    from meshfit.tracking import build_trackers
-
     for item in log_with:
         if isinstance(item, str):
             trackers.extend(build_trackers(

@@ -1,10 +1,11 @@
 """The commands that use what a run wrote: ``meshfit export`` (a checkpoint's model as
 safetensors or a Hugging Face folder, offline: `meshfit.checkpoint.export`), ``meshfit
 generate`` (sample text from a trained model) and ``meshfit eval`` (its loss and perplexity
-on held-out text: `meshfit.train.generate`), ``meshfit plot`` (runs' metrics drawn:
-`meshfit.train.plot`) and ``meshfit pipeline-chart`` (a pipeline run's schedule as a Gantt
-chart with its measured bubble: `meshfit.train.pipeline_chart`). Their arguments, checked
-before torch is imported, and what they print.
+on held-out text: `meshfit.generate`), ``meshfit plot`` (runs' metrics drawn:
+`meshfit.charts.plot`) and ``meshfit pipeline-chart`` (a pipeline run's schedule as a Gantt
+chart with its measured bubble: `meshfit.charts.pipeline`). Their arguments, checked
+before torch is imported, and what they print. The modules that do the work load when their
+command runs (`meshfit` loads every command's module at start).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def cmd_generate(argv: list[str]) -> int:
         raise ValueError("--prompt='' is empty; give the text to continue, e.g. "
                          "--prompt 'def main('")
     check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
-    from meshfit.train.generate import generate, load_model  # torch: after the refusals
+    from meshfit.generate import generate, load_model  # torch: after the refusals
 
     model, tokenizer, _, _ = load_model(ns.source, ns.device)
     text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
@@ -101,7 +102,7 @@ def _eval_args(argv: list[str]) -> argparse.Namespace:
 
 def cmd_eval(argv: list[str]) -> int:
     ns = _eval_args(argv)  # refusals before torch is imported
-    from meshfit.train.generate import context_length, evaluate_loss, load_model, resolve_model
+    from meshfit.generate import context_length, evaluate_loss, load_model, resolve_model
 
     if ns.data is not None and not Path(ns.data).expanduser().exists():
         raise ValueError(f"--data={ns.data!r} does not exist; give a text file or a folder of "
@@ -174,7 +175,7 @@ def _held_out(data: str | None, cfg, tokenizer):
 
 
 def cmd_pipeline_chart(argv: list[str]) -> int:
-    from meshfit.train.pipeline_chart import describe, draw
+    from meshfit.charts.pipeline import describe, draw
 
     p = OneLineParser("meshfit pipeline-chart", "Draw a pipeline-parallel run's schedule (one "
                       "row per pp rank) and print its measured bubble beside the theoretical "
@@ -193,7 +194,7 @@ def cmd_pipeline_chart(argv: list[str]) -> int:
 
 
 def cmd_plot(argv: list[str]) -> int:
-    from meshfit.train.plot import DPI, FIGSIZE, describe, draw
+    from meshfit.charts.plot import DPI, FIGSIZE, describe, draw
 
     p = OneLineParser(
         "meshfit plot", "Draw runs of `meshfit train` from their metrics.jsonl, overlaid and "

@@ -9,12 +9,14 @@ prefixes: no other variable is read, so nothing secret is printed).
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import sys
 import warnings
 from importlib import metadata
 
+import meshfit
 from meshfit.cli import OneLineParser
 from meshfit.cli.calibrate import cmd_calibrate
 from meshfit.cli.generate import cmd_eval, cmd_export, cmd_generate, cmd_pipeline_chart, cmd_plot
@@ -95,8 +97,6 @@ def _torch_facts() -> list[tuple[str, str]]:
 
 def collect() -> list[tuple[str, str]]:
     """(name, value) pairs, in the order `report` prints them."""
-    import meshfit
-
     out = [("meshfit", f"{meshfit.__version__} ({os.path.dirname(meshfit.__file__)})"),
            ("python", f"{platform.python_version()} ({platform.python_implementation()}, "
                       f"{sys.executable})"),
@@ -175,8 +175,6 @@ def _quiet_libraries() -> None:
     extensions do not match this torch ("Failed to load ..._C_mxfp8...so") and torch's
     pytree deprecation notes about torchao's enums are not shown (errors still are). Library
     users of meshfit keep their own logging configuration: this runs for commands only."""
-    import logging
-
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -184,9 +182,7 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
-        from meshfit import __version__
-
-        print(f"meshfit {__version__}")
+        print(f"meshfit {meshfit.__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):

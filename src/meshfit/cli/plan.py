@@ -281,7 +281,7 @@ def cmd_plan(argv: list[str]) -> int:
         Path(ns.out).write_text(plan_toml(ns, plans[0], batch))
     rows = []
     if ns.validate:
-        from meshfit.train.plan_validate import validate
+        from meshfit.plan_validate import validate
 
         rows = validate(result.plans[:ns.validate], model=ns.model, seq_len=ns.seq_len,
                         global_batch_size=batch, dtype=ns.dtype, steps=ns.validate_steps,

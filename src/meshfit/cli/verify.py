@@ -1,15 +1,17 @@
 """``meshfit verify CONFIG [--layouts L ...] [--steps N] [--dtype float64|float32] [--nproc N]
 [--json] [--section.key=value ...]``: a `meshfit train` configuration's first steps on one
-process and under each layout, compared (`meshfit.train.verify`). Prints the table (or, with
+process and under each layout, compared (`meshfit.verify`). Prints the table (or, with
 --json, one JSON object) on stdout, progress and notes on stderr; exit status 0 when every
 layout passes, 1 when one fails, 2 for a bad input (one line, before any process starts).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from meshfit.cli import OneLineParser, collect_overrides
+from meshfit.cli.launch import RANK_VARIABLES
 
 
 def _parser() -> OneLineParser:
@@ -49,16 +51,13 @@ def cmd_verify(argv: list[str]) -> int:
         bad = next(a for a in ns.layouts if a.startswith("--"))
         raise ValueError(f"--layouts takes layouts such as \"dp_shard=2\", not {bad!r}; put "
                          "options before --layouts or the config overrides after CONFIG")
-    import os
-
-    from meshfit.cli.launch import RANK_VARIABLES
-
     found = [n for n in RANK_VARIABLES if n in os.environ]
     if found:
         raise ValueError(f"{', '.join(found)} set in the environment: meshfit verify starts its "
                          f"own processes; unset {' '.join(found)}")
+    # (loaded when the command runs: `meshfit` loads every command's module at start)
     from meshfit.train.configfile import load_config
-    from meshfit.train.verify import parse_layout, verify_config
+    from meshfit.verify.layouts import parse_layout, verify_config
 
     for text in ns.layouts or ():
         parse_layout(text)  # a malformed layout before the config is read

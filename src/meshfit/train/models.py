@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,7 +18,12 @@ from torch import nn
 from meshfit._quiet import quiet_logs
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
+from meshfit.models.gpt import document_causal_mask
 from meshfit.models.plans import PipelinePlan, TPPlan, adapted_model
+
+# Imported where used: transformers and peft (optional), and the tensor-parallel loss and the
+# checkpoint code, which `meshfit train`'s checks before launch (the model built on the meta
+# device, in the launching process) do not need: half a second of imports there.
 
 
 def _factory_kwargs(factory: Callable, cfg, vocab_size: int) -> dict[str, Any]:
@@ -136,8 +142,6 @@ def user_code(field: str, doing: str, *, skip: bool = False):
 def _where(err: BaseException) -> str:
     """ " (at file.py:12)": the last frame of the traceback outside torch, transformers and
     meshfit (the user's line), or nothing."""
-    import traceback
-
     frames = traceback.extract_tb(err.__traceback__)
     here = str(Path(__file__).resolve().parents[1])  # meshfit's own files
     for frame in reversed(frames):
@@ -225,9 +229,9 @@ def loss_function(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.
     if isinstance(_base(model), GPT):
         return lambda m, x, y, positions=None: m(x, y) if positions is None else \
             m(x, y, positions=positions)
-    if _is_hf(model) and _router_aux_loss(model):
+    if is_hf(model) and _router_aux_loss(model):
         return _with_router_aux_loss(_base(model).config.router_aux_loss_coef)
-    if _is_hf(model):
+    if is_hf(model):
         return lambda m, x, y, positions=None: tp_cross_entropy(_logits(m(
             input_ids=x, use_cache=False, **packed_attention(positions))), y)
     return lambda m, x, y, positions=None: tp_cross_entropy(_logits(m(x)), y) \
@@ -246,8 +250,6 @@ def packed_attention(positions: torch.Tensor | None) -> dict:
     {} for unpacked rows."""
     if positions is None:
         return {}
-    from meshfit.models.gpt import document_causal_mask
-
     return {"position_ids": positions, "attention_mask": document_causal_mask(positions)}
 
 
@@ -285,7 +287,7 @@ def _with_router_aux_loss(coef: float):
 _base = adapted_model  # the model under LoRA adapters (a peft.PeftModel), or `model`
 
 
-def _is_hf(model: nn.Module) -> bool:
+def is_hf(model: nn.Module) -> bool:
     """Whether `model` (under LoRA adapters too) is a transformers model."""
     hf = sys.modules.get("transformers")
     return hf is not None and isinstance(_base(model), hf.PreTrainedModel)

@@ -60,7 +60,7 @@ def check_bool(section: str, name: str, value: Any) -> None:
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
-    """`meshfit generate`'s and `meshfit.train.generate.generate_ids`' settings."""
+    """`meshfit generate`'s and `meshfit.generate.generate_ids`' settings."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={max_new_tokens!r} must be an integer >= 0")

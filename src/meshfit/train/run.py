@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from meshfit.accelerator import Accelerator
 from meshfit.checkpoint import CheckpointError, latest, prune, skipped
+from meshfit.distributed import is_initialized
 from meshfit.memory import ModelShape
 from meshfit.plan.calibrate import load_calibration
 from meshfit.plan.devices import device_for_name
@@ -325,18 +325,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(kib * (1 if sys.platform == "darwin" else 1024))
 
 
-def timed_batches(batches: Iterator, clock: list[float]) -> Iterator:
-    """`batches`, adding the seconds each `next` waits to ``clock[0]``."""
-    while True:
-        began = time.perf_counter()
-        try:
-            item = next(batches)
-        except StopIteration:
-            return
-        clock[0] += time.perf_counter() - began
-        yield item
-
-
 class RunReporter:
     """The main process's outputs of a run (every rank calls `step_figures`: it gathers)."""
 
@@ -356,7 +344,7 @@ class RunReporter:
                 tracker.store_init_configuration(config)
         self.terminal = self.main and sys.stdout.isatty()
         self.bar = None
-        if self.terminal:
+        if self.terminal:  # (rich's 50 modules loaded here: a rank without a terminal skips them)
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                        TimeRemainingColumn)
             self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -380,7 +368,7 @@ class RunReporter:
                             dtype=torch.float64, device=self.acc.device)
         share = torch.tensor([wait_s / max(window_s, 1e-9)], dtype=torch.float64,
                              device=self.acc.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if is_initialized() and dist.get_world_size() > 1:
             every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(every, mine)
             dist.all_reduce(share, op=dist.ReduceOp.MAX)  # the most data-starved rank

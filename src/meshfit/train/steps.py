@@ -21,7 +21,7 @@ from meshfit.parallel.ep import moe_modules
 from meshfit.parallel.pp import gather_timings
 from meshfit.train.config import RunConfig
 from meshfit.train.models import loss_function, plans, resolve_plan
-from meshfit.train.pipeline_chart import write_run
+from meshfit.train.pipeline_record import write_run
 
 PIPELINE_TIMED_STEPS = 5
 """Optimizer steps whose per-micro-batch timings a pipeline run records (then stops: on
@@ -139,12 +139,12 @@ def prepare_steps(acc: Accelerator, cfg: RunConfig, model: torch.nn.Module,
     if acc.parallel.pp == 1:
         trained = ModelSteps(acc, acc.prepare(model), loss_function(model))
     else:
-        p = cfg.parallel
         # LoRA: the stages are cut from the model inside the PeftModel (its adapted linears
         # go with their blocks); the adapters are written back under peft's names at the end
         inner = adapted_model(model)
-        pipeline = acc.prepare_pipeline(inner, schedule=p.schedule, microbatches=chunks,
-                                        virtual_stages=p.virtual_stages,
+        # ([parallel]'s schedule and virtual stages come with the request; an unset count of
+        # micro-batches is the whole accumulation, `RunConfig.microbatches`)
+        pipeline = acc.prepare_pipeline(inner, microbatches=chunks,
                                         plan=resolve_plan(plans(cfg)[1], inner),
                                         init_seed=cfg.train.seed,
                                         record_timings=True)  # for PIPELINE_TIMED_STEPS steps

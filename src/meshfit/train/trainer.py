@@ -1,8 +1,8 @@
 """`meshfit train`'s training loop, read top to bottom, on `Accelerator` (the same
-prepare/accumulate/backward calls a user's own loop makes): `train` sets the run up, then
-`_steps` runs it; each step accumulates, steps the optimizer and the schedule, and logs,
-evaluates, checkpoints and answers a stop signal when due. What a step trains (the model, or
-this rank's pipeline stages) is behind one interface: `meshfit.train.steps`.
+prepare/accumulate/backward calls a user's own loop makes): `TrainingRun` sets a run up and
+takes its optimizer steps; `train` builds one, then `_steps` runs it, and after each step
+logs, evaluates, checkpoints and answers a stop signal when due. What a step trains (the
+model, or this rank's pipeline stages) is behind one interface: `meshfit.train.steps`.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader
@@ -31,7 +32,7 @@ from meshfit.train.batch_size import find_executable_batch_size, is_out_of_memor
 from meshfit.train.config import RunConfig
 from meshfit.train.models import build_model, plans, resolve_plan, write_final_model
 from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, RunReporter, StopOnSignal,
-                               Window, collective_deadline, find_checkpoint, timed_batches)
+                               Window, collective_deadline, find_checkpoint)
 from meshfit.train.steps import PIPELINE_TIMED_STEPS, ModelSteps, prepare_steps
 
 
@@ -43,62 +44,155 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     t = cfg.train
     env = env or init(timeout_s=t.timeout_s)
     resume = _resumes(env, out_dir / "checkpoints", resume)  # fails fast, before any build
-    with _rank_zero_first(env):  # rank 0 builds the token cache, the others reuse it
-        splits = tokens.load_tokens(cfg)
-    torch.manual_seed(t.seed)
-    model = build_model(cfg, splits.vocab_size)
-    acc = build_accelerator(cfg, env, tp_plan=resolve_plan(plans(cfg)[0], model))
-    # Parallelise first, then build the optimizer over the prepared parameters (torchtitan's
-    # order: a fused optimizer checks the parameters' device when it is built; under ZeRO-2/3
-    # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
-    chunks = cfg.microbatches(env.world_size)
-    trained = prepare_steps(acc, cfg, model, chunks)
-    # Expert-parallel exchanges, timed from now: always on the CPU (gloo waits anyway), on
-    # CUDA for the first steps (see `_steps`).
-    exchanges = [m.ep for m in moe_modules(trained.modules) if m.ep is not None]
-    for ep in exchanges:
-        ep.timing = True
-    micro = t.micro_batch_size
-    if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
-        micro, _ = _find_micro_batch(acc, trained, t.seq_len, splits.vocab_size, micro,
-                                     acc.gradient_accumulation_steps)
-    optimizer = build_optimizer(trained.params, cfg)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    train_loader = _train_loader(cfg, splits, micro * chunks, acc.device)
-    optimizer, train_loader, scheduler = acc.prepare(optimizer, train_loader, schedule)
-    apart = cfg.data.document_mask
-    val_loader = ValidationBatches(splits.windows("val", t.seq_len, documents_apart=apart),
-                                   cfg.eval_windows(),
-                                   micro * chunks, acc.runtime.dp_size, acc.runtime.dp_rank)
-    acc.print(_banner(acc, model, trained, micro, splits.train_tokens, out_dir))
+    run = TrainingRun(cfg, env)
+    acc, splits = run.accelerator, run.splits
+    rows = run.micro_batch_size * run.chunks  # sequences per data-parallel rank and batch
+    val_loader = ValidationBatches(
+        splits.windows("val", t.seq_len, documents_apart=cfg.data.document_mask),
+        cfg.eval_windows(), rows, acc.runtime.dp_size, acc.runtime.dp_rank)
+    acc.print(_banner(acc, run.model, run.trained, run.micro_batch_size, splits.train_tokens,
+                      out_dir))
     if hasattr(splits, "describe"):  # examples with loss masks
         acc.print(f"meshfit train: {splits.describe()}")
     checkpoints = Checkpoints(acc, cfg, out_dir / "checkpoints")
     start = checkpoints.resume() if resume else 0
     if start:
-        _follow_schedule(schedule, lr_lambda(cfg))
+        _follow_schedule(run.schedule, lr_lambda(cfg))
     main_out = out_dir if acc.is_main_process else None
-    wait = [0.0]  # seconds spent waiting for batches in this window
-    loop = _Loop(
-        acc=acc, cfg=cfg, trained=trained, optimizer=optimizer, scheduler=scheduler,
-        val_loader=val_loader, out_dir=out_dir, exchanges=exchanges, checkpoints=checkpoints,
-        accum=acc.gradient_accumulation_steps,
-        masked=cfg.data.format != "text" or cfg.data.document_mask,
-        writer=MetricsWriter(main_out, cfg, after_step=start),
-        progress=RunReporter(acc, cfg, main_out, model, t.steps),
-        batches=timed_batches(_batches(train_loader, _loader_name(
-            train_loader, t.seq_len, micro * chunks, acc.runtime.dp_size)), wait),
-        wait=wait, window=Window(acc, t.global_batch_size * t.seq_len))
+    loop = _Loop(run=run, val_loader=val_loader, out_dir=out_dir, checkpoints=checkpoints,
+                 writer=MetricsWriter(main_out, cfg, after_step=start),
+                 progress=RunReporter(acc, cfg, main_out, run.model, t.steps),
+                 window=Window(acc, t.global_batch_size * t.seq_len))
     last = _steps(loop, start)
-    with collective_deadline(acc.process_index, t.timeout_s, "writing the final model"):
-        written = write_final_model(acc, trained.exported, model, cfg, splits.tokenizer,
+    _finish(run, out_dir, last)
+    return last
+
+
+def _finish(run: TrainingRun, out_dir: Path, last: dict) -> None:
+    """The trained weights written (`write_final_model`) and the run's resources freed."""
+    acc, cfg, splits = run.accelerator, run.cfg, run.splits
+    with collective_deadline(acc.process_index, cfg.train.timeout_s, "writing the final model"):
+        written = write_final_model(acc, run.trained.exported, run.model, cfg, splits.tokenizer,
                                     out_dir, splits.vocab_size)
     for folder in written:
         acc.print(f"meshfit train: wrote {folder}")
     acc.print(f"done: loss {last.get('loss')}, val_loss {last.get('val_loss')}")
     acc.wait_for_everyone()
     acc.free_memory()  # (offload="disk": the state's folder removed)
-    return last
+
+
+# ------------------------------------------------------------------------------ the run
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step on this rank, as `TrainingRun.step` took it."""
+
+    losses: list[torch.Tensor]
+    """Each micro-batch's loss (detached, on the device), in the order they ran."""
+    grad_norm: float | None
+    """The gradient norm before clipping, where asked for (measured even without clipping)."""
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """This rank's mean over the step's micro-batches, in float64 (a 0-d tensor on the
+        device; ``accelerator.reduce(loss, "mean")`` averages it over the ranks, tensor- and
+        pipeline-parallel ranks holding the same value)."""
+        return torch.stack([loss.double() for loss in self.losses]).mean()
+
+
+class TrainingRun:
+    """A `meshfit train` run set up and ready to take optimizer steps, as `train` trains it:
+    the token splits of [data] (rank 0 builds the cache first); the model of [model] (with
+    [peft]'s adapters) from ``train.seed``; the `Accelerator` of [train] and [parallel]; the
+    model prepared, or this rank's pipeline stages (`meshfit.train.steps`); under
+    ``train.find_batch_size`` the largest micro-batch that fits; the optimizer of [optim]
+    with its warm-up and cosine schedule; the training batches, shuffled from the seed.
+    `step()` takes one optimizer step. Call on every rank.
+
+        run = TrainingRun(cfg, meshfit.distributed.init())
+        for _ in range(3):
+            loss = run.accelerator.reduce(run.step().loss, "mean")
+
+    `model_hook(model) -> model` changes the built model before it is laid out (`meshfit
+    verify`: dropout off, the weights in float64). Attributes: `cfg`, `env`, `splits`, `model`
+    (as built; a layout trains it through `trained`), `accelerator`, `trained` (what a step
+    trains), `optimizer` and `scheduler` (prepared; `schedule` is the LambdaLR they step),
+    `micro_batch_size`, `chunks` (micro-batches per pipeline batch), `accum` (micro-batches
+    per optimizer step on each rank), `exchanges` (expert-parallel exchanges, timed for the
+    routing metrics) and `data_wait_s` (seconds spent waiting for batches, which `train`
+    resets at each logged step)."""
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, *,
+                 model_hook: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+        t = cfg.train
+        self.cfg, self.env = cfg, env
+        with _rank_zero_first(env):  # rank 0 builds the token cache, the others reuse it
+            self.splits = tokens.load_tokens(cfg)
+        torch.manual_seed(t.seed)
+        model = build_model(cfg, self.splits.vocab_size)
+        self.model = model = model_hook(model) if model_hook is not None else model
+        acc = self.accelerator = build_accelerator(
+            cfg, env, tp_plan=resolve_plan(plans(cfg)[0], model))
+        # Parallelise first, then build the optimizer over the prepared parameters (torchtitan's
+        # order: a fused optimizer checks the parameters' device when it is built; under ZeRO-2/3
+        # they are then the sharded DTensors, and under ZeRO-1 prepare(optimizer) partitions it).
+        self.chunks = cfg.microbatches(env.world_size)
+        self.trained = trained = prepare_steps(acc, cfg, model, self.chunks)
+        # Expert-parallel exchanges, timed from now: always on the CPU (gloo waits anyway), on
+        # CUDA for the first steps (see `_steps`).
+        self.exchanges = [m.ep for m in moe_modules(trained.modules) if m.ep is not None]
+        for ep in self.exchanges:
+            ep.timing = True
+        micro = t.micro_batch_size
+        if t.find_batch_size:  # (the layout refused it where forward communicates: not with pp)
+            micro, _ = _find_micro_batch(acc, trained, t.seq_len, self.splits.vocab_size, micro,
+                                         acc.gradient_accumulation_steps)
+        self.micro_batch_size = micro
+        optimizer = build_optimizer(trained.params, cfg)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        rows = micro * self.chunks
+        loader = _train_loader(cfg, self.splits, rows, acc.device)
+        self.optimizer, loader, self.scheduler = acc.prepare(optimizer, loader, self.schedule)
+        self.accum = acc.gradient_accumulation_steps
+        self.masked = cfg.data.masked  # targets may be ignored: each token weighs the same
+        self.data_wait_s = 0.0
+        self._batches = _batches(loader, _loader_name(loader, t.seq_len, rows,
+                                                      acc.runtime.dp_size))
+
+    def step(self, *, grad_norm: bool = False) -> StepResult:
+        """One optimizer step: forward and backward over its micro-batches, the gradients
+        clipped (``train.grad_clip``), the optimizer and the schedule stepped. `grad_norm`:
+        measure the gradient norm (also without clipping)."""
+        t, acc, trained = self.cfg.train, self.accelerator, self.trained
+        norm_seen = None
+        batches = self._next_batches()
+        weights = _token_weights(acc, batches, self.accum) if self.masked else \
+            [None] * self.accum
+        losses = []
+        for (x, y, *packed), weight in zip(batches, weights):
+            with trained.accumulate():
+                loss = trained.forward_backward(x, y, self.accum, weight=weight,
+                                                positions=packed[0] if packed else None)
+                if acc.sync_gradients and (t.grad_clip > 0 or grad_norm):
+                    norm = trained.clip(t.grad_clip if t.grad_clip > 0 else math.inf)
+                    norm_seen = float(norm) if grad_norm else None
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad()
+            losses.append(loss.detach())
+        return StepResult(losses=losses, grad_norm=norm_seen)
+
+    def _next_batches(self) -> list:
+        """The step's micro-batches, the time spent waiting for them added to `data_wait_s`."""
+        began = time.perf_counter()
+        batches = [next(self._batches) for _ in range(self.accum)]
+        self.data_wait_s += time.perf_counter() - began
+        return batches
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict under the model's own names on the main process ({}
+        elsewhere): `Accelerator.get_state_dict` of what the run trains (FSDP and
+        tensor-parallel shards gathered, pipeline stages joined). A collective."""
+        return self.accelerator.get_state_dict(self.trained.exported)
 
 
 # ------------------------------------------------------------------------------ the loop
@@ -106,22 +200,17 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
 class _Loop:
     """What the loop's steps share, built once by `train`."""
 
-    acc: Accelerator
-    cfg: RunConfig
-    trained: object  # what it trains: `ModelSteps` or `PipelineSteps`
-    optimizer: torch.optim.Optimizer
-    scheduler: object
+    run: TrainingRun
     val_loader: object
     out_dir: Path
-    exchanges: list  # expert-parallel exchanges, timed for the routing metrics
     checkpoints: Checkpoints
-    accum: int  # micro-batches per optimizer step on each rank
-    masked: bool  # targets may be ignored (-100): each token weighs the same in the step
     writer: MetricsWriter
     progress: RunReporter
-    batches: object  # the endless stream of training batches
-    wait: list  # [seconds spent waiting for batches in this window]
     window: Window
+
+    acc = property(lambda self: self.run.accelerator)
+    cfg = property(lambda self: self.run.cfg)
+    trained = property(lambda self: self.run.trained)
 
 
 def _steps(loop: _Loop, start: int) -> dict:
@@ -137,13 +226,16 @@ def _steps(loop: _Loop, start: int) -> dict:
     with collective_deadline(acc.process_index, t.timeout_s, lambda: f"step {step}"):
         for step in range(start + 1, t.steps + 1):
             logged = step % t.log_every == 0 or step == t.steps
-            grad_norm = _optimizer_step(loop, logged)
+            taken = loop.run.step(grad_norm=logged)
+            for loss in taken.losses:
+                loop.window.add(loss)
+            loop.window.steps += 1
             loop.trained.after_step(step, loop.out_dir)
             if step == PIPELINE_TIMED_STEPS and acc.device.type == "cuda":
-                for ep in loop.exchanges:  # timing synchronises the device around each one
+                for ep in loop.run.exchanges:  # timing synchronises the device around each one
                     ep.timing = False
             if logged:
-                last = _log(loop, step, grad_norm)
+                last = _log(loop, step, taken.grad_norm)
             if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                 last.update(_untimed(loop, lambda: _validation(loop, step)))
             if loop.checkpoints.due(step):
@@ -153,29 +245,6 @@ def _steps(loop: _Loop, start: int) -> dict:
     loop.checkpoints.finish()
     loop.progress.finish()
     return last
-
-
-def _optimizer_step(loop: _Loop, logged: bool) -> float | None:
-    """One optimizer step: forward and backward over its micro-batches, the gradients
-    clipped, the optimizer and the schedule stepped. Returns the gradient norm of a logged
-    step (measured even without clipping), else None."""
-    t, acc, trained = loop.cfg.train, loop.acc, loop.trained
-    grad_norm = None
-    batches = [next(loop.batches) for _ in range(loop.accum)]
-    weights = _token_weights(acc, batches, loop.accum) if loop.masked else [None] * loop.accum
-    for (x, y, *packed), weight in zip(batches, weights):
-        with trained.accumulate():
-            loss = trained.forward_backward(x, y, loop.accum, weight=weight,
-                                            positions=packed[0] if packed else None)
-            if acc.sync_gradients and (t.grad_clip > 0 or logged):
-                norm = trained.clip(t.grad_clip if t.grad_clip > 0 else math.inf)
-                grad_norm = float(norm) if logged else None
-            loop.optimizer.step()
-            loop.scheduler.step()
-            loop.optimizer.zero_grad()
-        loop.window.add(loss)
-    loop.window.steps += 1
-    return grad_norm
 
 
 def _token_weights(acc: Accelerator, batches: list, accum: int) -> list[float]:
@@ -198,11 +267,12 @@ def _token_weights(acc: Accelerator, batches: list, accum: int) -> list[float]:
 def _log(loop: _Loop, step: int, grad_norm: float | None) -> dict:
     """The window's metrics line (loss, throughput, per-step figures, MoE routing), written
     and shown; a new window begins."""
+    run = loop.run
     window_s = time.perf_counter() - loop.window.start
-    last = loop.window.close(step, loop.accum, float(loop.scheduler.get_last_lr()[0]))
-    last = loop.progress.step_figures(last, grad_norm=grad_norm, wait_s=loop.wait[0],
+    last = loop.window.close(step, run.accum, float(run.scheduler.get_last_lr()[0]))
+    last = loop.progress.step_figures(last, grad_norm=grad_norm, wait_s=run.data_wait_s,
                                       window_s=window_s)
-    loop.wait[0] = 0.0
+    run.data_wait_s = 0.0
     last.update(_routing(loop.acc, loop.trained, window_s))
     loop.writer.write(last)
     loop.progress.report(last, step)
@@ -211,7 +281,7 @@ def _log(loop: _Loop, step: int, grad_norm: float | None) -> dict:
 
 def _validation(loop: _Loop, step: int) -> dict:
     """The validation loss after `step`, written and shown."""
-    with _exchanges_untimed(loop.exchanges):
+    with _exchanges_untimed(loop.run.exchanges):
         val = {"step": step, "val_loss": round(_evaluate(loop.acc, loop.trained,
                                                          loop.val_loader), 5)}
     loop.writer.write(val)

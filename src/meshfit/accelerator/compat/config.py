@@ -167,6 +167,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     def register_comm_hook(self, model: torch.nn.Module) -> None:
         """Register `comm_hook` (wrapped by `comm_wrapper`) on a DDP `model`."""
+        # Lazy: six modules (some 2 ms to import) for a hook few scripts register.
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         kinds = DDPCommunicationHookType

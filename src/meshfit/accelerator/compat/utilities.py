@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshfit import distributed as mdist
 from meshfit.distributed import collectives as ops
 
 __all__ = ["broadcast", "broadcast_object_list", "clear_device_cache",
@@ -28,7 +29,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     """Seed Python's `random`, NumPy and torch (every device); ``device_specific``: plus the
     rank; ``deterministic``: ``torch.use_deterministic_algorithms``."""
     if device_specific:
-        seed += dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        seed += dist.get_rank() if mdist.is_initialized() else 0
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -115,7 +116,7 @@ def find_executable_batch_size(function: Optional[Callable] = None, starting_bat
 
 # ----------------------------------------------------------------------------- collectives
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return mdist.is_initialized() and dist.get_world_size() > 1
 
 
 def is_all_tensors(obj: Any) -> bool:

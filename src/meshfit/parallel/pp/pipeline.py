@@ -61,7 +61,7 @@ class Pipeline:
         return [stage.submod for stage in self.stages]
 
     def meta(self) -> dict:
-        """The layout, as `meshfit.train.pipeline_chart` reads it from a run folder."""
+        """The layout, as `meshfit.charts.pipeline` reads it from a run folder (`meshfit.train.pipeline_record`)."""
         return {"schedule": self.schedule_name, "pp": len(self.placement),
                 "microbatches": self.microbatches, "virtual_stages": self.virtual_stages,
                 "num_stages": self.num_stages, "points": list(self.points),

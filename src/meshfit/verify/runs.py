@@ -1,16 +1,16 @@
-"""What each process of `meshfit verify` runs (`meshfit.train.verify` decides what to run and
-compares): `run_config`, a `meshfit train` configuration's first optimizer steps through the
-trainer's own code, and `run_loop`, a user's step function on `Accelerator`. Both return the
-per-step losses (the mean over the data-parallel ranks, on every rank) and, on global rank
-0, the whole model's state dict at the end (and, for the reference, at the start), gathered
-from the layout's shards under the model's own names (`Accelerator.get_state_dict`: FSDP and
-tensor-parallel shards gathered, pipeline stages joined, regrouped projections put back).
+"""What each process of `meshfit verify` runs (`meshfit.verify.layouts` decides what to run
+and compares): `run_config`, a `meshfit train` configuration's first optimizer steps through
+the trainer's own `meshfit.train.TrainingRun`, and `run_loop`, a user's step function on
+`Accelerator`. Both return the per-step losses (the mean over the data-parallel ranks, on
+every rank) and, on global rank 0, the whole model's state dict at the end (and, for the
+reference, at the start), gathered from the layout's shards under the model's own names
+(`Accelerator.get_state_dict`: FSDP and tensor-parallel shards gathered, pipeline stages
+joined, regrouped projections put back).
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
 from typing import Any, Callable
 
 import torch
@@ -18,12 +18,9 @@ import torch
 from meshfit._quiet import quiet_logs
 from meshfit.accelerator import Accelerator
 from meshfit.distributed import DistEnv, init
-from meshfit.train import tokens
+from meshfit.parallel.request import LayoutRequest
 from meshfit.train.config import RunConfig
-from meshfit.train.models import build_model, plans, resolve_plan
-from meshfit.train.steps import prepare_steps
-from meshfit.train.trainer import (_batches, _optimizer_step, _train_loader, build_accelerator,
-                                   build_optimizer, lr_lambda)
+from meshfit.train.trainer import TrainingRun
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -53,17 +50,6 @@ def no_dropout(model: torch.nn.Module) -> int:
     return found
 
 
-class _StepLosses:
-    """The trainer's metrics window as far as verify needs it: a step's micro-batch losses."""
-
-    def __init__(self):
-        self.losses: list[torch.Tensor] = []
-        self.steps = 0
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.losses.append(loss.detach().double())
-
-
 def _watch_gradients(optimizer: torch.optim.Optimizer) -> dict[str, float | None]:
     """The optimizer's eps (Adam's; None for other optimizers) and, filled in before each of
     its steps, the largest gradient element it is given (the tolerance's G)."""
@@ -80,48 +66,37 @@ def _watch_gradients(optimizer: torch.optim.Optimizer) -> dict[str, float | None
     return seen
 
 
-def _state(acc: Accelerator, module, copy: bool) -> dict[str, torch.Tensor]:
-    """The whole state dict on rank 0 ({} elsewhere); `copy`: detached from the live tensors
-    (on one process `get_state_dict` hands out the parameters themselves)."""
-    state = acc.get_state_dict(module)
-    return {k: v.detach().clone() for k, v in state.items()} if copy else state
+def _copied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` detached from the live tensors (on one process `Accelerator.get_state_dict`
+    hands out the parameters themselves)."""
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def run_config(cfg: RunConfig, steps: int, dtype: str, env: DistEnv | None = None, *,
                reference: bool = False) -> dict[str, Any]:
-    """`steps` optimizer steps of `cfg`'s run, as `meshfit.train.trainer.train` makes them
-    (the same model, data order, accumulation, clipping, optimizer and schedule), the model
-    in `dtype` with dropout off. Call on every rank of the layout."""
-    env = env or init()
-    t = cfg.train
-    splits = tokens.load_tokens(cfg)
-    torch.manual_seed(t.seed)
-    model = build_model(cfg, splits.vocab_size)
-    dropouts = no_dropout(model)
-    model = model.to(DTYPES[dtype])
-    acc = build_accelerator(cfg, env, tp_plan=resolve_plan(plans(cfg)[0], model))
-    chunks = cfg.microbatches(env.world_size)
-    trained = prepare_steps(acc, cfg, model, chunks)
-    optimizer = build_optimizer(trained.params, cfg)
-    seen = _watch_gradients(optimizer) if reference else {}
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    loader = _train_loader(cfg, splits, t.micro_batch_size * chunks, acc.device)
-    optimizer, loader, scheduler = acc.prepare(optimizer, loader, schedule)
-    initial = _state(acc, trained.exported, copy=True) if reference else None
-    window = _StepLosses()
-    loop = types.SimpleNamespace(cfg=cfg, acc=acc, trained=trained, optimizer=optimizer,
-                                 scheduler=scheduler, accum=acc.gradient_accumulation_steps,
-                                 masked=cfg.data.format != "text" or cfg.data.document_mask,
-                                 batches=_batches(loader), window=window)
+    """`steps` optimizer steps of `cfg`'s run, as `meshfit train` takes them
+    (`meshfit.train.TrainingRun`: the same model, data order, accumulation, clipping,
+    optimizer and schedule), the model in `dtype` with dropout off. Call on every rank of the
+    layout."""
+    dropouts = []
+
+    def comparable(model: torch.nn.Module) -> torch.nn.Module:
+        dropouts.append(no_dropout(model))
+        return model.to(DTYPES[dtype])
+
+    run = TrainingRun(cfg, env or init(), model_hook=comparable)
+    acc = run.accelerator
+    # the optimizer that steps (the prepared one wraps it): the largest gradient it is given
+    seen = _watch_gradients(run.optimizer.optimizer) if reference else {}
+    initial = _copied(run.state_dict()) if reference else None
     losses = []
     for _ in range(steps):
-        window.losses = []
-        _optimizer_step(loop, logged=False)  # the trainer's step, as `meshfit train` runs it
-        mine = torch.stack(window.losses).mean().to(acc.device)  # this rank's micro-batches
+        mine = run.step().loss  # this rank's micro-batches, in float64
         losses.append(float(acc.reduce(mine, "mean")))  # tp/pp ranks hold the same value
-    final = _state(acc, trained.exported, copy=reference)
+    final = run.state_dict()
+    final = _copied(final) if reference else final
     acc.wait_for_everyone()
-    return {"losses": losses, "initial": initial, "final": final, "dropouts": dropouts,
+    return {"losses": losses, "initial": initial, "final": final, "dropouts": dropouts[0],
             "device": str(acc.device), **seen}
 
 
@@ -154,29 +129,20 @@ def run_loop(step_fn: Callable, build: Callable, batches: list, request: dict, s
     `request` (`meshfit.parallel.request.LayoutRequest`'s fields), each on this
     data-parallel rank's share of one global batch. Call on every rank of the layout."""
     env = env or init()
-    options = dict(request)
-    sizes = {k: options.pop(k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-             if k in options}
-    pipe = {k: options.pop(k) for k in ("schedule", "microbatches", "virtual_stages")
-            if k in options}
-    from meshfit import ParallelDims
-
-    acc = Accelerator(parallel=ParallelDims(**sizes), env=env, **options,
-                      **(accelerator_kwargs or {}))
+    layout = LayoutRequest(**request)  # the layout's [parallel] keys, whole
+    acc = Accelerator(parallel=layout, env=env, **(accelerator_kwargs or {}))
     torch.manual_seed(0)
     model = build().to(DTYPES[dtype])
     dropouts = no_dropout(model)
-    if acc.parallel.pp > 1:
-        prepared = acc.prepare_pipeline(model, schedule=pipe.get("schedule", "1f1b"),
-                                        microbatches=pipe.get("microbatches") or acc.parallel.pp,
-                                        virtual_stages=pipe.get("virtual_stages"),
-                                        plan=pipeline_plan)
+    if acc.parallel.pp > 1:  # (schedule and virtual stages: the request's)
+        prepared = acc.prepare_pipeline(model, plan=pipeline_plan,
+                                        microbatches=layout.microbatches or acc.parallel.pp)
     else:
         prepared = acc.prepare(model)
     optimizer = make_optimizer(prepared)
     seen = _watch_gradients(optimizer) if reference else {}
     optimizer = acc.prepare(optimizer)
-    initial = _state(acc, prepared, copy=True) if reference else None
+    initial = _copied(acc.get_state_dict(prepared)) if reference else None
     dp, rank = acc.runtime.dp_size, acc.runtime.dp_rank
     losses = []
     for batch in batches[:steps]:
@@ -184,7 +150,8 @@ def run_loop(step_fn: Callable, build: Callable, batches: list, request: dict, s
                                                         acc.device))
         mine = torch.as_tensor(loss).detach().double().reshape(()).to(acc.device)
         losses.append(float(acc.reduce(mine, "mean")))
-    final = _state(acc, prepared, copy=reference)
+    final = acc.get_state_dict(prepared)
+    final = _copied(final) if reference else final
     acc.wait_for_everyone()
     return {"losses": losses, "initial": initial, "final": final, "dropouts": dropouts,
             "device": str(acc.device), **seen}

@@ -1,4 +1,4 @@
-"""`meshfit verify` (`meshfit.train.verify`): a configuration's first steps on one process and
+"""`meshfit verify` (`meshfit.verify`): a configuration's first steps on one process and
 under each layout, compared against the tolerance it states; and `compare_layouts`, the same
 for a loop of one's own on `Accelerator`.
 
@@ -12,7 +12,7 @@ column- and row-wise (DTensor refuses the shapes: the layout's error is the repo
 pipeline plan that leaves the final norm off `last` (every stage then applies it: 1.6), a
 data-parallel loop whose DDP communication hook skips the all-reduce (each rank steps on its
 own gradient) and one that sums instead of averaging under SGD (the step doubles). The
-tolerance's derivation and the measurements behind it are in `meshfit.train.verify`'s
+tolerance's derivation and the measurements behind it are in `meshfit.verify.layouts`'
 docstring (float64: N K u G/eps, 2e-4 to 1e-3 here, against correct layouts' <= 3.5e-12 and
 the mistakes' 1 to 2).
 
@@ -143,7 +143,7 @@ def _config(sources, model: dict, **sections):
 
 
 def _verify(cfg, layouts, **kw):
-    from meshfit.train.verify import verify_config
+    from meshfit.verify import verify_config
 
     return verify_config(cfg, layouts, context=_mp_context(), timeout_s=300, **kw)
 
@@ -303,7 +303,7 @@ def step_summing(acc, model, optimizer, batch):
 
 
 def test_compare_layouts_on_a_loop_of_ones_own():
-    from meshfit.train.verify import compare_layouts
+    from meshfit.verify import compare_layouts
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 64, (3, 8, 17), generator=g)

@@ -16,7 +16,7 @@ from meshfit.data import ByteTokenizer, document_separator, load_tokens
 from meshfit.checkpoint.saved import save_model_folder
 from meshfit.cli.main import main
 from meshfit.train.configfile import build_config, to_toml
-from meshfit.train.generate import evaluate_loss, generate, generate_ids
+from meshfit.generate import evaluate_loss, generate, generate_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

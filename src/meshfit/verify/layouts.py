@@ -20,7 +20,7 @@ there are enough GPUs for every layout). Everything is checked before any proces
 
 **A loop of your own** (`compare_layouts`)::
 
-    from meshfit.train.verify import compare_layouts
+    from meshfit.verify import compare_layouts
 
     def build():                                  # module level: each process calls it
         torch.manual_seed(0)
@@ -91,16 +91,28 @@ weights by as little; to see such scale mistakes, verify with ``--optim.optimize
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from meshfit._quiet import quiet_logs
 from meshfit.distributed.dims import MESH_AXES
+from meshfit.distributed.spawn import SpawnError, spawn
+from meshfit.models.config import GPTConfig
+from meshfit.parallel.layout import Layout
 from meshfit.parallel.request import LayoutRequest
 from meshfit.train.config import RunConfig
+from meshfit.train.configfile import build_config
+from meshfit.train.preflight import check_data
+
+# No torch here when the module loads: `meshfit verify` refuses a bad layout or configuration
+# before torch is imported (every check runs first); torch, `meshfit.distributed.init` and the
+# processes' code (`meshfit.verify.runs`) are imported by the functions that run.
 
 __all__ = ["LayoutResult", "Tolerance", "VerifyReport", "compare", "compare_layouts",
            "parse_layout", "plan_config", "verify_config"]
@@ -235,7 +247,7 @@ class VerifyReport:
 def compare(layout: str, processes: int, reference: dict, got: dict,
             tolerance: Tolerance) -> LayoutResult:
     """`got`'s per-step losses and final state against `reference`'s (results of
-    `meshfit.train.verify_runs`); PASS when both relative differences are within
+    `meshfit.verify.runs`); PASS when both relative differences are within
     `tolerance` and the state dicts hold the same names and shapes."""
     res = LayoutResult(layout=layout, processes=processes, losses=list(got["losses"]))
     ref_losses = reference["losses"]
@@ -325,10 +337,30 @@ def plan_config(cfg: RunConfig, layouts: list[str] | None = None, *, steps: int 
     """The reference's configuration, each layout's (name, configuration, processes), and
     the notes on what verify changed; every check `meshfit train` makes before launch,
     per layout (one-line ValueErrors naming the layout and the key). Needs no process."""
-    from meshfit.train.configfile import build_config
-    from meshfit.train.preflight import check_data
-
     _check_steps_dtype(steps, dtype)
+    data, notes = _comparable(cfg, steps, dtype)
+    own = data.get("parallel", {})
+    data["parallel"] = {}
+    asked = _asked(own, layouts, nproc)  # no torch yet
+    reference = build_config(data)
+    reference.validate_for(1)
+    cases = []
+    for name, parallel, world, what in asked:
+        with _naming(what, world):
+            case = build_config({**data, "parallel": parallel})
+            case.validate_for(world, world)  # meshfit train's checks before launch
+        cases.append((name, case, world))
+    check_data(reference, 1)  # the token cache built here, read by every process
+    for (name, case, world), (_, _, _, what) in zip(cases, asked):
+        with _naming(what, world):
+            check_data(case, world)
+    return reference, cases, notes
+
+
+def _comparable(cfg: RunConfig, steps: int, dtype: str) -> tuple[dict, list[str]]:
+    """`cfg` as nested dicts with what makes runs comparable (computed in `dtype`, eagerly,
+    without dropout, `steps` steps of the configured schedule, no evaluation), and a note
+    for each setting verify changed."""
     data = {s: {k: v for k, v in values.items() if v is not None}
             for s, values in cfg.to_dict().items()}
     notes = []
@@ -345,8 +377,6 @@ def plan_config(cfg: RunConfig, layouts: list[str] | None = None, *, steps: int 
                          "depend on how each tensor is sharded, so layouts differ by design; "
                          "verify the layout with --optim.optimizer=adamw")
     if cfg.model.source == "preset":
-        from meshfit.models.config import GPTConfig
-
         dropout = cfg.model.dropout if cfg.model.dropout is not None else \
             GPTConfig.preset(cfg.model.preset).dropout
         if dropout:
@@ -354,9 +384,14 @@ def plan_config(cfg: RunConfig, layouts: list[str] | None = None, *, steps: int 
         data["model"]["dropout"] = 0.0
     t["steps"] = max(t.get("steps", 1), steps)  # the schedule as configured, N steps of it
     t["eval_every"] = 0
-    own = data.get("parallel", {})
-    data["parallel"] = {}
-    asked = []  # (name, [parallel] section, processes, how errors name it): no torch yet
+    return data, notes
+
+
+def _asked(own: dict, layouts: list[str] | None, nproc: int | None
+           ) -> list[tuple[str, dict, int, str]]:
+    """Each layout asked for (None: the configuration's own [parallel] section `own`) as
+    (name, [parallel] section, processes, how an error names it)."""
+    asked = []
     defaults = LayoutRequest().fields_dict()
     for text in layouts or [None]:
         if text is None:
@@ -367,33 +402,24 @@ def plan_config(cfg: RunConfig, layouts: list[str] | None = None, *, steps: int 
             parallel, name, what = parse_layout(text), text, f"--layouts {text!r}"
         world = world_size_of(parallel, nproc, what)
         asked.append((name or f"dp_replicate={world}", parallel, world, what))
-    reference = build_config(data)
-    reference.validate_for(1)
-    cases = []
-    for name, parallel, world, what in asked:
-        try:
-            case = build_config({**data, "parallel": parallel})
-            case.validate_for(world, world)  # meshfit train's checks before launch
-        except ValueError as err:
-            raise ValueError(f"{what} on {world} process(es): {err}") from None
-        cases.append((name, case, world))
-    check_data(reference, 1)  # the token cache built here, read by every process
-    for (name, case, world), (_, _, _, what) in zip(cases, asked):
-        try:
-            check_data(case, world)
-        except ValueError as err:
-            raise ValueError(f"{what} on {world} process(es): {err}") from None
-    return reference, cases, notes
+    return asked
+
+
+@contextlib.contextmanager
+def _naming(what: str, world: int):
+    """A ValueError of the block as one line naming the layout it is about."""
+    try:
+        yield
+    except ValueError as err:
+        raise ValueError(f"{what} on {world} process(es): {err}") from None
 
 
 # ------------------------------------------------------------------------ running
 def _context(extra_preload: tuple[str, ...] = ()):
     """A fork server that has imported torch and meshfit's run code once: each rank then
     starts in a fraction of the time a fresh interpreter takes."""
-    import multiprocessing as mp
-
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "meshfit.train.verify_runs",
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "meshfit.verify.runs",
                                 *extra_preload])
     return ctx
 
@@ -416,8 +442,6 @@ def _devices(worlds: list[int]) -> tuple[bool, str | None]:
 def _run_layouts(cases, target, args_of, reference: dict, tolerance: Tolerance, *, cpu: bool,
                  context, timeout_s: float, say: Callable[[str], None]) -> list[LayoutResult]:
     """Each case in its own start of processes (a failing layout cannot hold up the next)."""
-    from meshfit.distributed.spawn import SpawnError, spawn
-
     results = []
     for name, case, world in cases:
         began = time.perf_counter()
@@ -442,14 +466,12 @@ def verify_config(cfg: RunConfig, layouts: list[str] | None = None, *, steps: in
     of `layouts` (None: the configuration's own), compared (see the module docstring).
     `context`: the multiprocessing context of the layouts' processes (default: a fork server
     that has imported torch); `say`: progress lines."""
-    from meshfit._quiet import quiet_logs
-
     began = time.perf_counter()
     with quiet_logs():  # (transformers and peft import torchao, which logs its own loading)
         reference_cfg, cases, notes = plan_config(cfg, layouts, steps=steps, dtype=dtype,
                                                   nproc=nproc)
-    from meshfit.distributed import init
-    from meshfit.train.verify_runs import config_rank, quiet, run_config
+    from meshfit.distributed import init  # (torch, loaded once every layout is checked)
+    from meshfit.verify.runs import config_rank, quiet, run_config
 
     cpu, note = _devices([w for _, _, w in cases])
     notes += [note] if note else []
@@ -487,9 +509,8 @@ def compare_layouts(step_fn: Callable, build: Callable, batches: list, *,
     (default: all) global `batches`, the model from ``build()``, the optimizer from
     ``make_optimizer(model)``; `accelerator_kwargs` go to every `Accelerator` (e.g.
     tp_plan, gradient_accumulation_steps). Returns the `VerifyReport`."""
-    from meshfit.distributed import init
-    from meshfit.parallel.layout import Layout
-    from meshfit.train.verify_runs import default_optimizer, loop_rank, quiet, run_loop
+    from meshfit.distributed import init  # (torch, loaded once every layout is checked)
+    from meshfit.verify.runs import default_optimizer, loop_rank, quiet, run_loop
 
     began = time.perf_counter()
     steps = len(batches) if steps is None else steps

@@ -16,10 +16,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from conftest import run_distributed
 from reference import idle_share
+from meshfit.charts.pipeline import draw
 from meshfit.cli.main import main
 from meshfit.models import GPT, GPTConfig
 from meshfit.parallel import pp
-from meshfit.train.pipeline_chart import draw, read_run, write_run
+from meshfit.train.pipeline_record import read_run, write_run
 
 matplotlib_image = pytest.importorskip("matplotlib.image")
 

@@ -16,7 +16,6 @@ text. Decoding stops after `max_new_tokens` or at the tokenizer's end-of-sequenc
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,10 @@ from torch import nn
 
 from meshfit.checkpoint.saved import load_model_folder
 from meshfit.data import ByteTokenizer, TokenDataset
+from meshfit.distributed import cpu_requested
 from meshfit.models import GPT
+from meshfit.train.models import is_hf, packed_attention
 from meshfit.train.preflight import check_sampling
-from meshfit.train.models import _is_hf
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -55,13 +55,11 @@ def _logits(model: nn.Module, idx: torch.Tensor,
     """`positions`: of rows packing several examples (a Hugging Face model's attention is
     then kept inside each, `meshfit.train.models.packed_attention`)."""
     if positions is not None:
-        from meshfit.train.models import packed_attention
-
-        if not _is_hf(model):
+        if not is_hf(model):
             raise ValueError("packed fine-tuning rows need a Hugging Face model")
         out = model(input_ids=idx, **packed_attention(positions))
     else:
-        out = model(idx) if not _is_hf(model) else model(input_ids=idx)
+        out = model(idx) if not is_hf(model) else model(input_ids=idx)
     return getattr(out, "logits", out)
 
 
@@ -96,7 +94,7 @@ def generate_ids(model: nn.Module, prompt_ids, *, max_new_tokens: int = 200,
     was_training = model.training
     model.eval()
     try:
-        if _is_hf(model):
+        if is_hf(model):
             return _generate_hf(model, prompt, max_new_tokens, temperature, top_k, seed, eos_id)
         gen = torch.Generator(device=device).manual_seed(seed)
         if isinstance(model, GPT):
@@ -271,7 +269,7 @@ def load_model(path: str, device: str | None):
     """(model, tokenizer, model folder, run folder) for RUN_OR_MODEL, on `device` (default:
     cuda when available, unless MESHFIT_CPU=1)."""
     folder, run = resolve_model(path)
-    cpu = os.environ.get("MESHFIT_CPU", "") not in ("", "0") or not torch.cuda.is_available()
+    cpu = cpu_requested(None) or not torch.cuda.is_available()
     try:
         device = torch.device(device or ("cpu" if cpu else "cuda"))
     except RuntimeError:

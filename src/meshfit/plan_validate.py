@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit import Accelerator, optim
+from meshfit.distributed import is_initialized
 from meshfit.distributed.spawn import SpawnError, spawn
 from meshfit.memory import net_peak_bytes, rank_report
 from meshfit.models import GPT, GPTConfig
@@ -188,7 +189,7 @@ def _timed_steps(acc, opt, batches, forward_backward, steps: int,
         if cuda and step == steps - 1:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(acc.device)
-        if dist.is_initialized():
+        if is_initialized():
             dist.barrier()
         start = time.perf_counter()
         for x, y in batches:
@@ -198,7 +199,7 @@ def _timed_steps(acc, opt, batches, forward_backward, steps: int,
                 opt.zero_grad()
         if cuda:
             torch.cuda.synchronize()
-        if dist.is_initialized():
+        if is_initialized():
             dist.barrier()
         times.append(time.perf_counter() - start)
     return times

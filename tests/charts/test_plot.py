@@ -1,5 +1,5 @@
-"""`meshfit plot`, `meshfit env`, `meshfit --help` and `--version`, in this process (fast: no
-training, synthetic run folders)."""
+"""`meshfit plot` (`meshfit.charts.plot`), in this process (fast: no training, synthetic run
+folders)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from meshfit.cli.main import COMMANDS, SUMMARIES, main
+from meshfit.cli.main import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -43,7 +43,7 @@ matplotlib = pytest.importorskip("matplotlib")
 
 
 def test_plot_two_runs_overlaid(tmp_path, capsys):
-    from meshfit.train.plot import DPI, FIGSIZE
+    from meshfit.charts.plot import DPI, FIGSIZE
 
     a = _run(tmp_path / "lr-3e-3", lr=3e-3)
     b = _run(tmp_path / "lr-1e-3", lr=1e-3, batch=16, memory=False)  # no memory field
@@ -61,7 +61,7 @@ def test_plot_two_runs_overlaid(tmp_path, capsys):
 
 
 def test_plot_reads_what_it_draws(tmp_path, monkeypatch):
-    from meshfit.train.plot import draw, read_run
+    from meshfit.charts.plot import draw, read_run
 
     monkeypatch.chdir(tmp_path)  # where the default output of several runs goes
 
@@ -118,50 +118,3 @@ def test_plot_output_name_and_missing_matplotlib(tmp_path, capsys, monkeypatch):
     assert main(["plot", str(a)]) == 2
     assert capsys.readouterr().err.strip() == \
         'meshfit plot: error: meshfit plot needs matplotlib; pip install "meshfit[chart]"'
-
-
-def test_env_names_the_versions(capsys, monkeypatch):
-    import platform
-
-    import torch
-
-    import meshfit
-
-    monkeypatch.setenv("MESHFIT_CPU", "1")
-    monkeypatch.setenv("SOME_TOKEN", "secret")  # not one of the variables meshfit reads
-    assert main(["env"]) == 0
-    out = capsys.readouterr().out
-    facts = dict(line.split(":", 1) for line in out.splitlines())
-    facts = {k: v.strip() for k, v in facts.items()}
-    assert facts["meshfit"].startswith(meshfit.__version__ + " (")
-    assert facts["torch"].startswith(torch.__version__ + " (")
-    assert facts["python"].startswith(platform.python_version())
-    for key in ("torch CUDA build", "cuDNN", "NCCL", "CUDA available", "devices",
-                "distributed backends", "transformers", "accelerate", "peft"):
-        assert facts[key], key
-    assert "gloo yes" in facts["distributed backends"]
-    assert facts["devices"].startswith("cpu (")
-    for name in ("transformers", "accelerate", "peft"):
-        try:
-            from importlib.metadata import version
-            expected = version(name)
-        except Exception:  # noqa: BLE001 - not installed
-            expected = "not installed"
-        assert facts[name] == expected
-    assert "MESHFIT_CPU=1" in facts["environment"] and "secret" not in out
-
-
-def test_help_lists_every_command_and_version(capsys):
-    import meshfit
-
-    assert set(SUMMARIES) == set(COMMANDS)
-    assert main(["--help"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    listed = [line.split()[0] for line in out if line.startswith("  ")]
-    assert listed == list(COMMANDS)
-    assert all(len(line.split(None, 1)) == 2 for line in out if line.startswith("  "))
-    assert main([]) == 0 and capsys.readouterr().out.splitlines() == out
-    assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"meshfit {meshfit.__version__}"
-    assert main(["nosuch"]) == 2
-    assert "unknown command 'nosuch'" in capsys.readouterr().err
