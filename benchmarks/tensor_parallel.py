@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 from meshfit import distributed  # noqa: E402
+from meshfit.distributed.tensors import local_tensor  # noqa: E402
 from meshfit.memory import rank_report  # noqa: E402
 from meshfit.parallel.tp import apply_tp  # noqa: E402
 
@@ -106,7 +107,7 @@ class Variant:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 def saved_bytes(model, x, y) -> int:

@@ -53,22 +53,7 @@ DENIED = frozenset({
 torch name (``param._local_tensor``, ``getattr(state, "_fsdp_param_groups")``)."""
 
 _SWITCH = "waits for its module's next change, to {}"
-WAITING: dict[str, dict[str, str]] = {
-    "accelerator/accelerator.py": {
-        "._orig_mod": _SWITCH.format("meshfit._compat.dynamo.uncompiled")},
-    "accelerator/models.py": {
-        "._buffers": _SWITCH.format("named_buffers(recurse=False, remove_duplicate=False) "
-                                    "and setattr (public)")},
-    "distributed/settle.py": {
-        "._world": _SWITCH.format("meshfit._compat.distributed.process_groups"),
-        "torch.distributed.distributed_c10d._get_default_group":
-            _SWITCH.format("torch.distributed.group.WORLD (public)")},
-    "models/gpt.py": {
-        "._forward_hooks": _SWITCH.format("meshfit._compat.nn.has_forward_hooks"),
-        "._forward_pre_hooks": _SWITCH.format("meshfit._compat.nn.has_forward_hooks")},
-    "models/plans/hf.py": {"._modules": _SWITCH.format("meshfit._compat.nn.child_slots")},
-    "parallel/mesh.py": {"._flatten": _SWITCH.format("meshfit._compat.distributed.flatten")},
-}
+WAITING: dict[str, dict[str, str]] = {}
 """File (under src/meshfit) -> {finding: why it is still there}."""
 
 

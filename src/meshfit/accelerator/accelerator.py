@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from meshfit import distributed as mdist
+from meshfit._compat.dynamo import uncompiled
 from meshfit.accelerator import export, models, processes, sequence, state, trackers
 from meshfit.accelerator.attributes import AcceleratorAttributes
 from meshfit.accelerator.arguments import UNSET, Arguments, read_arguments, resolve_layout
@@ -264,9 +265,7 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
         use `get_state_dict`); `keep_torch_compile=False` also removes a whole-model compile;
         `keep_fp32_wrapper` is accepted (meshfit's autocast wrapper is part of the module)."""
         module = self.runtime.unwrap(model)
-        if not keep_torch_compile and hasattr(module, "_orig_mod"):
-            module = module._orig_mod
-        return module
+        return module if keep_torch_compile else uncompiled(module)
 
     # ----------------------------------------------------------------- checkpoints
     def register_for_checkpointing(self, *objects: Any) -> None:

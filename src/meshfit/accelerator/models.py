@@ -93,9 +93,8 @@ def load_pretrained(model: torch.nn.Module, folder: str, *, layout: Layout, runt
     load_into(inner, folder, buffers=buffers)
     if layout.host_offload:  # sharded parameters stay in host memory; buffers go to the device
         for module in inner.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[name] = buf.to(device)
+            for name, buf in module.named_buffers(recurse=False, remove_duplicate=False):
+                setattr(module, name, buf.to(device))  # (a registered buffer stays one)
     return wrapped
 
 

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from meshfit._compat.distributed import process_groups
+
 # group name -> the Work of the last barrier on it; a newer barrier's replaces it (and this
 # thread then destroys the older one).
 _KEPT: dict[str, object] = {}
 
 
 def _name(group) -> str:
-    from torch.distributed import distributed_c10d as c10d
-
-    pg = group if group is not None else c10d._get_default_group()
+    pg = group if group is not None else dist.group.WORLD
     return getattr(pg, "group_name", None) or str(id(pg))
 
 
@@ -50,13 +50,10 @@ def barrier(group=None) -> None:
 def groups() -> list:
     """Every process group this process belongs to, in the order they were created (the
     same order on every rank, since groups are created collectively); the default first."""
-    from torch.distributed import distributed_c10d as c10d
-
-    world = getattr(c10d, "_world", None)
-    found = list(getattr(world, "pg_map", {}) or {})
+    found = process_groups()
     if not found and dist.is_initialized():
-        found = [c10d._get_default_group()]
-    return [g for g in found if g is not c10d.GroupMember.NON_GROUP_MEMBER
+        found = [dist.group.WORLD]
+    return [g for g in found if g is not dist.GroupMember.NON_GROUP_MEMBER
             and dist.get_rank(g) >= 0]
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfit._compat.nn import has_forward_hooks
 from meshfit.models.config import AttentionBackend, GPTConfig
 from meshfit.models.loss import linear_cross_entropy, plain_cross_entropy
 from meshfit.models.mlp import GeluMLP, SwiGLUMLP
@@ -424,8 +425,8 @@ class GPT(nn.Module):
         if self.fused_loss == "off":
             return False
         head = self.lm_head
-        if type(head) is not nn.Linear or head.bias is not None or head._forward_hooks \
-                or head._forward_pre_hooks or type(head.weight) not in (torch.Tensor,
+        if type(head) is not nn.Linear or head.bias is not None or has_forward_hooks(head) \
+                or type(head.weight) not in (torch.Tensor,
                                                                         nn.Parameter):
             return False
         if self.fused_loss == "on":

@@ -14,6 +14,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
+from meshfit._compat.distributed import flatten
+
 if TYPE_CHECKING:  # annotations only: the layout module imports this one
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -40,14 +42,14 @@ def build_mesh(layout, device_type: str) -> DeviceMesh:
             shape.append(getattr(layout.dims, a))
     mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
     if ep > 1:
-        mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
+        flatten(mesh[("dp_shard_mod_ep", "ep")], "dp_shard")
     # The ranks a loss is averaged over (Accelerate's and torchtitan's name), and under cp
     # the ranks ZeRO shards over.
     cp = ("cp",) if layout.dims.cp > 1 else ()
     if ep == 1:  # (under ep, dp_shard is itself a flattened pair: dp_mesh's "dp" then)
-        _slice(mesh, (*layout.dp_axes, *cp))._flatten("dp_cp")
+        flatten(_slice(mesh, (*layout.dp_axes, *cp)), "dp_cp")
     if cp and "dp_shard" in layout.mesh_axes:
-        _slice(mesh, ("dp_shard", "cp"))._flatten("dp_shard_cp")
+        flatten(_slice(mesh, ("dp_shard", "cp")), "dp_shard_cp")
     return mesh
 
 
@@ -73,7 +75,7 @@ def grad_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
 def dp_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh of all data-parallel ranks (dp_replicate x dp_shard flattened)."""
     axes = layout.dp_axes
-    return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)._flatten("dp")
+    return _slice(mesh, axes[0]) if len(axes) == 1 else flatten(_slice(mesh, axes), "dp")
 
 
 def fsdp_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:

@@ -38,6 +38,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from meshfit._compat.nn import child_slots
 from meshfit.models.plans.base import (REPLICATE, SHARD_SEQ, PipelinePlan, Style, TPPlan,
                                        colwise, gather_sequence, prepare_input, replicate,
                                        replicate_local, rowwise, sequence)
@@ -161,7 +162,7 @@ def _layer_kinds(model: nn.Module) -> dict[str, str]:
     except AttributeError:
         return {}
     return {key: "moe" if hasattr(layer.mlp, "experts") else "dense"
-            for key, layer in layers._modules.items() if layer is not None}
+            for key, layer in child_slots(layers).items() if layer is not None}
 
 
 def hf_moe_plan(model: nn.Module, *, sequence_parallel: bool = False,
@@ -198,7 +199,7 @@ def hf_moe_plan(model: nn.Module, *, sequence_parallel: bool = False,
         styles[f"{prefix}.mlp.gate"] = replicate_local()
         styles[f"{prefix}.mlp.experts"] = replicate_local()
         index = prefix.rsplit(".", 1)[-1]
-        layer = (next(iter(layers._modules.values())) if index == "*"
+        layer = (next(iter(child_slots(layers).values())) if index == "*"
                  else layers.get_submodule(index))
         if hasattr(layer.mlp, "shared_expert"):
             shared = True
@@ -267,7 +268,7 @@ def _moe_stage_forward(forward, x: torch.Tensor) -> torch.Tensor:
     types = getattr(getattr(stage, "config", None), "layer_types", None)
     if stage is not None and types and len(set(types)) > 1:
         # Qwen2-MoE's forward picks each layer's mask by its position in the stage's list.
-        kept = [int(k) for k, m in stage.get_submodule("model.layers")._modules.items()
+        kept = [int(k) for k, m in child_slots(stage.get_submodule("model.layers")).items()
                 if m is not None]
         if [types[i] for i in kept] != list(types[:len(kept)]):
             raise ValueError(f"{type(stage).__name__} with layer_types mixing "
