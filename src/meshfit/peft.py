@@ -174,6 +174,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     and the first rank writes them. Returns the directory.
     """
     import torch.distributed as dist
+    from meshfit.distributed import is_initialized
     from torch.distributed.tensor import DTensor
 
     pm = _peft_model(model)
@@ -181,7 +182,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     if any(isinstance(p, DTensor) for p in pm.parameters()):
         state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
                  for k, v in pm.state_dict().items() if "lora_" in k}
-        if dist.is_initialized() and dist.get_rank() != 0:
+        if is_initialized() and dist.get_rank() != 0:
             return Path(directory)
     return atomic_write_dir(Path(directory), lambda tmp: pm.save_pretrained(
         str(tmp), safe_serialization=True, state_dict=state))

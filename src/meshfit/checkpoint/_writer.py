@@ -89,11 +89,12 @@ class HashingWriter(FileSystemWriter):
 
     def write_data(self, plan, planner):
         import torch.distributed as dist
+        from meshfit.distributed import is_initialized
 
         future = super().write_data(plan, planner)
         future.wait()  # (written already: DCP's file-system writer returns a done future)
         rank = self.rank if self.rank is not None else (
-            dist.get_rank() if dist.is_initialized() else 0)
+            dist.get_rank() if is_initialized() else 0)
         self._leave(f"rank{rank}")
         return future
 

@@ -359,10 +359,11 @@ def _leave_worker() -> int:
     any tears down (settle_all: no gloo thread needs the GIL afterwards), and a worker whose run is
     complete (files written, trackers finished) leaves without the interpreter's teardown."""
     import torch.distributed as dist
+    from meshfit.distributed import is_initialized
 
     from meshfit.distributed import init
 
-    if not (init().is_distributed and dist.is_initialized()):
+    if not (init().is_distributed and is_initialized()):
         return 0
     from meshfit.distributed.settle import settle_all
 
@@ -388,10 +389,11 @@ def _record_error(err: BaseException, lines: list[str] | None = None) -> None:
 def _stopped(stopped, code: int | None = None) -> int:
     """One line from the main process; exit code `code`, else 128 + the signal, as if killed."""
     import torch.distributed as dist
+    from meshfit.distributed import is_initialized
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if not is_initialized() or dist.get_rank() == 0:
         error = "" if code is None else "error: "
         print(f"meshfit train: {error}{stopped}", file=sys.stderr, flush=True)
-    if dist.is_initialized():
+    if is_initialized():
         dist.destroy_process_group()
     return 128 + stopped.signum if code is None else code

@@ -11,6 +11,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from meshfit.distributed.env import is_initialized
+
 
 def apply_to_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """Apply `fn` to every tensor in a nest of lists, tuples, dicts and named tuples."""
@@ -35,7 +37,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def _active(group) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return is_initialized() and dist.get_world_size(group) > 1
 
 
 def gather(obj: Any, group=None) -> Any:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from meshfit._compat.distributed import process_groups
+from meshfit.distributed.env import is_initialized
 
 # group name -> the Work of the last barrier on it; a newer barrier's replaces it (and this
 # thread then destroys the older one).
@@ -51,7 +52,7 @@ def groups() -> list:
     """Every process group this process belongs to, in the order they were created (the
     same order on every rank, since groups are created collectively); the default first."""
     found = process_groups()
-    if not found and dist.is_initialized():
+    if not found and is_initialized():
         found = [dist.group.WORLD]
     return [g for g in found if g is not dist.GroupMember.NON_GROUP_MEMBER
             and dist.get_rank(g) >= 0]
@@ -60,7 +61,7 @@ def groups() -> list:
 def settle_all() -> None:
     """A kept barrier on every group of `groups()`, in their creation order (so no two ranks
     wait on each other's groups). Every rank calls it, before `destroy_process_group()`."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_initialized():
         return
     for group in groups():
         barrier(group)

@@ -50,6 +50,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
         os.environ["MESHFIT_CPU"] = "1"  # gloo + CPU even beside GPUs
     import torch
     import torch.distributed as dist
+    from meshfit.distributed.env import is_initialized
 
     torch.seed()  # a random seed of its own, as a new interpreter has (forked: the parent's)
     if "numpy" in sys.modules:
@@ -69,7 +70,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
     except BaseException:  # any failure reaches the parent with its traceback
         channel.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
+        if is_initialized():
             dist.destroy_process_group()
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshfit.distributed import is_initialized
 from meshfit.distributed.tensors import local_tensor, storage_bytes
 from meshfit.optim import state_bytes
 
@@ -107,7 +108,7 @@ def rank_report(model: nn.Module,
     if cuda is not None:
         allocated = torch.cuda.memory_allocated(cuda)
         peak = torch.cuda.max_memory_allocated(cuda)
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = is_initialized()
     return RankMemory(rank=dist.get_rank() if distributed else 0, param_bytes=param_bytes,
                       grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
                       buffer_bytes=buffer_bytes, host_bytes=where["host"],

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshfit.distributed import is_initialized
+
 __all__ = ["ExpertParallel", "apply_ep", "ep_problem", "moe_modules", "routing_metrics"]
 
 
@@ -166,7 +168,7 @@ def routing_metrics(moes: list[nn.Module], *, dp_group=None, dp_size: int = 1,
     ``moe_a2a_s`` (seconds spent in expert-parallel exchanges since the last call, the
     slowest rank's; 0 without ep), or {} for a dense model."""
     stats = [m.last_stats for m in moes if m.last_stats is not None]
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    distributed = is_initialized() and dist.get_world_size() > 1
     if stats:
         device = stats[0]["tokens_per_expert"].device
     elif distributed and dist.get_backend() == "nccl":

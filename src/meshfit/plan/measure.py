@@ -149,6 +149,7 @@ def measure(out: Path, sizes: tuple[int, ...] | None = None,
     the CPU, 16 KiB .. 1 GiB on GPUs); `cpu`: the CPU and gloo even beside CUDA."""
     import torch
     import torch.distributed as dist
+    from meshfit.distributed import is_initialized
 
     from meshfit.distributed import init
 
@@ -187,6 +188,6 @@ def measure(out: Path, sizes: tuple[int, ...] | None = None,
         if r.group:
             dist.barrier()
     finally:
-        if env.is_distributed and dist.is_initialized():
+        if env.is_distributed and is_initialized():
             dist.destroy_process_group()
     return result if env.rank == 0 else None

@@ -28,10 +28,11 @@ class _Ranks:
     def __init__(self, env):
         import torch
         import torch.distributed as dist
+        from meshfit.distributed import is_initialized
 
         self.torch, self.dist, self.env = torch, dist, env
         self.device = env.device
-        self.group = env.is_distributed and dist.is_initialized()
+        self.group = env.is_distributed and is_initialized()
 
     def sync(self) -> None:
         if self.device.type == "cuda":
