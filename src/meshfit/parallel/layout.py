@@ -167,7 +167,7 @@ class Layout:
         if not isinstance(request, LayoutRequest):
             return (f"{n('parallel')}={request!r} must be a meshfit LayoutRequest (the "
                     "mesh sizes and the layout's options, whole)")
-        problem = request.problem(n) or precision_problem(mixed_precision, n)
+        problem = precision_problem(mixed_precision, n)  # (the request checked itself)
         if problem:
             return problem
         dims = request.dims().resolve(world_size)  # its own size checks
