@@ -6,14 +6,14 @@ from __future__ import annotations
 import hashlib
 import io
 
+import xxhash
+
 __all__ = ["BlockHashingStream", "new_digest"]
 
 
 def new_digest(algorithm: str):
     """A fresh digest: "xxh3_128" (`xxhash`) or a `hashlib` name."""
     if algorithm == "xxh3_128":
-        import xxhash
-
         return xxhash.xxh3_128()
     return hashlib.new(algorithm)
 

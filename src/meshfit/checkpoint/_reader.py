@@ -30,11 +30,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import mmap
 import os
 import pickle
 import struct
 import sys
+import warnings
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -199,8 +202,6 @@ class VerifiedStream(_ReadOnly):
     the file at the disk's speed, in place of a check pass before the read."""
 
     def __init__(self, path: Path, size: int, block: int, digests: list[str]):
-        import mmap
-
         super().__init__()
         self._path, self._size, self._block, self._digests = path, size, block, digests
         self._pos, self._checked, self._ahead, self._pool = 0, set(), None, None
@@ -271,8 +272,6 @@ class VerifiedStream(_ReadOnly):
         nxt = k + 1
         if (self._ahead is None and nxt * self._block < self._size
                 and nxt not in self._checked):
-            from concurrent.futures import ThreadPoolExecutor
-
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshfit-read")
             self._ahead = (nxt, self._pool.submit(self._hash, nxt))
@@ -281,8 +280,6 @@ class VerifiedStream(_ReadOnly):
         """Unmap the blocks before `upto` from this process (read and copied: their pages stay
         in the page cache, unmapped, as a plain read leaves them, where the kernel reclaims
         them first when memory is short; touched again, they fault back in)."""
-        import mmap
-
         end = min(max(upto, 0) * self._block, self._mapped)
         end -= end % mmap.PAGESIZE
         if end > self._released and hasattr(mmap, "MADV_DONTNEED"):
@@ -316,8 +313,6 @@ def _quiet_frombuffer() -> None:
     here, silenced."""
     global _FROMBUFFER_WARNED
     if not _FROMBUFFER_WARNED:
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             torch.frombuffer(bytes(1), dtype=torch.uint8)

@@ -16,12 +16,14 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from meshfit._compat.dcp import crc32_skipped
 from meshfit._files import atomic_write_text
 from meshfit.checkpoint._digest import BlockHashingStream
+from meshfit.distributed import is_initialized
 
 __all__ = ["HashingFileSystem", "HashingWriter"]
 
@@ -88,9 +90,6 @@ class HashingWriter(FileSystemWriter):
                               json.dumps({k: list(v) for k, v in self.fs.digests.items()}))
 
     def write_data(self, plan, planner):
-        import torch.distributed as dist
-        from meshfit.distributed import is_initialized
-
         future = super().write_data(plan, planner)
         future.wait()  # (written already: DCP's file-system writer returns a done future)
         rank = self.rank if self.rank is not None else (

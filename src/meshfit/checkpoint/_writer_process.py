@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from meshfit.checkpoint.manifest import CheckpointError
 from meshfit.distributed import is_initialized
@@ -91,7 +92,7 @@ def _writer_main(meeting: _Meeting | None, conn) -> None:
 
 def _serve(conn, *, no_dist: bool) -> None:
     """Write each (state, storage writer) received with `dcp.save`; answer None or the error."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # (~2 s of imports: the writer process's only)
 
     while True:
         try:
@@ -184,8 +185,6 @@ class _Writer:
             pass
 
     def _start(self) -> None:
-        import torch.multiprocessing as mp
-
         context = mp.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_writer_main, args=(self.meeting, child),

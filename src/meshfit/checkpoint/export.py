@@ -15,11 +15,14 @@ import os
 import shutil
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
+from meshfit._files import fsync_path, new_file_mode, remove_stale_temps, temp_sibling
 from meshfit.checkpoint.load import read_whole
 from meshfit.checkpoint.manifest import CheckpointError, Manifest, verify
 from meshfit.checkpoint.store import latest
+from meshfit.models.plans.regroup import canonical_state
 
 __all__ = ["export", "read_model", "resolve", "write_safetensors"]
 
@@ -48,8 +51,6 @@ def canonical(state: dict[str, torch.Tensor], manifest: Manifest, index: int,
               folder: Path) -> dict[str, torch.Tensor]:
     """The model's own layout: fused q|k|v weights that tensor parallel stored head-grouped
     (GPT-2's c_attn; the manifest lists them) are put back as the plain model has them."""
-    from meshfit.models.plans.regroup import canonical_state
-
     tp = manifest.model.get("regrouped_for_tp", 1)
     names = (manifest.model.get("regrouped") or [{}] * (index + 1))[index]
     if tp != 1 and not names:  # written before the manifest listed them
@@ -64,10 +65,6 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
     the folder; the temporary files of a killed earlier save are removed first). Tensors
     sharing storage (tied weights) are written as separate copies, which safetensors
     requires; both names load back into the tied model."""
-    from safetensors.torch import save_file
-
-    from meshfit._files import fsync_path, new_file_mode, remove_stale_temps, temp_sibling
-
     seen: set[int] = set()
     tensors = {}
     for name, tensor in state.items():
@@ -83,7 +80,7 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
     folder = temp_sibling(path)
     try:
         tmp = folder / path.name
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        safetensors.torch.save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.chmod(tmp, new_file_mode(path))
         fsync_path(tmp)
         os.replace(tmp, path)

@@ -22,7 +22,7 @@ __all__ = ["load_dcp", "read_index", "read_whole", "saved_keys"]
 
 def read_index(folder: Path):
     """The checkpoint's DCP index (`Metadata`), read through the restricted unpickler."""
-    from meshfit.checkpoint._reader import SafeReader
+    from meshfit.checkpoint._reader import SafeReader  # (imports DCP: ~2 s, at the first load)
 
     return SafeReader(folder).read_metadata()
 
@@ -39,6 +39,7 @@ def load_dcp(state: dict[str, Any], folder: Path, *, process_group=None,
     with `manifest`, `start_verify(..., hash_files=False)` first and each file as it is
     opened), resharding DTensors to whatever layout `state` has. Keys of `state` absent from
     the checkpoint are an error naming the first one."""
+    # DCP: ~2 s of imports (it imports DTensor, which imports sympy), at the first load
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -60,7 +61,7 @@ def _load_error(err: BaseException, folder: Path,
                 on_missing: Callable[[str], str] | None) -> CheckpointError:
     """DCP's failure of a load as one line: a rank's CheckpointError (gathered to every rank
     by DCP), or a missing key (a RuntimeError on every rank) named with `on_missing`'s hint."""
-    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.api import CheckpointException  # (DCP: as in load_dcp)
 
     if isinstance(err, CheckpointException):
         for failure in err.failures.values():
@@ -83,7 +84,7 @@ def read_whole(folder: Path, key: str) -> dict[str, Any]:
     whole on the CPU, in one process without a process group: its template built from the
     index alone (each tensor empty, of its global shape and dtype), then filled by DCP's load,
     which reads every shard of every rank into it."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # (DCP: as in load_dcp)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from meshfit.checkpoint._reader import SafePlanner, SafeReader, put

@@ -23,8 +23,10 @@ it.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,8 +94,6 @@ def file_digest(path: Path, algorithm: str = "xxh3_128",
     """The file's digest (`block`: the digest of every `block` bytes, a list), hashed from a
     read-only memory map of it (no copy of the bytes: 3x faster than reading into a buffer,
     measured on a cached 167 MiB shard)."""
-    import mmap
-
     digest, digests = new_digest(algorithm), []
     step = block or 64 << 20
     with path.open("rb") as fh:
@@ -222,8 +222,6 @@ def start_verify(folder: Path, *, hash_files: bool = True) -> Verification:
     caller prepares its load. Call `result()` before reading any tensor. `hash_files=False`:
     the data files' checksums are left to the reader (`load_dcp` with the manifest checks each
     file when it first opens it)."""
-    from concurrent.futures import Future, ThreadPoolExecutor
-
     folder = Path(folder)
     problem = None
     try:

@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from meshfit._compat.dcp import local_shape_and_offset
 from meshfit.distributed.tensors import local_tensor, names_by_parameter
+from meshfit.models.plans.regroup import group_columns, regrouped_params
 
 __all__ = ["PRETRAINED_ATTR", "check_folder", "check_weights", "load_into", "meta_model",
            "pretrained_folder", "stage_filler", "tied_names", "to_empty"]
@@ -110,8 +113,6 @@ class _Files:
     """Tensor name -> file, over a single or sharded safetensors checkpoint."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
-
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -128,8 +129,6 @@ class _Files:
         return None
 
     def slice(self, key: str):
-        from safetensors import safe_open
-
         file = self.weight_map[key]
         if file not in self._open:
             self._open[file] = safe_open(str(self.folder / file), "pt")
@@ -238,7 +237,7 @@ def _whole(source, dtype: torch.dtype) -> torch.Tensor:
 def _local_region(tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(shape, offset) of this rank's part of a DTensor in the global tensor, when it is one
     contiguous block (Shard/Replicate placements); None for other placements."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard  # (DTensor: ~2 s of imports, sympy)
 
     if not all(type(p) in (Shard, Replicate) for p in tensor.placements):
         return None
@@ -252,8 +251,6 @@ _FLOATING = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4",
 def _check_files(folder: Path) -> None:
     """Each safetensors file holds all the bytes its header promises (a truncated copy is
     refused here, not as a read error half-way through loading)."""
-    import struct
-
     index = folder / "model.safetensors.index.json"
     try:
         names = (set(json.loads(index.read_text())["weight_map"].values()) if index.is_file()
@@ -327,9 +324,7 @@ def load_into(model: nn.Module, folder, *, buffers: dict[str, torch.Tensor] | No
     tables), by name, taken before `to_empty`; `aliases`: name -> another name of the same
     tied tensor in the full model (a pipeline stage holding the head but not the embedding
     it is tied to; default: the ties within `model`)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from meshfit.models.plans.regroup import group_columns, regrouped_params
+    from torch.distributed.tensor import DTensor, distribute_tensor  # (~2 s of imports, sympy)
 
     folder = check_folder(folder)
     files = _Files(folder)

@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshfit._files import atomic_write_text, fsync_path
+from meshfit.checkpoint import _writer_process
 from meshfit.checkpoint.manifest import (BLOCK, FORMAT, HASHES, MANIFEST, CheckpointError,
                                          Manifest, entry, file_digest)
 from meshfit.distributed import is_initialized
@@ -85,7 +86,7 @@ def _new_tmp(folder: Path) -> Path:
 def save_dcp(state: dict[str, Any], folder: Path, *, process_group=None) -> Path:
     """Write `state` with DCP into a fresh temporary folder beside `folder`; every rank calls
     it and gets the same temporary path. `commit` then makes it `folder`."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # (~2 s of imports: at the first save)
 
     tmp = _new_tmp(folder)
     digests = _WRITTEN.setdefault(str(tmp), {})
@@ -120,8 +121,6 @@ def save_dcp_async(state: dict[str, Any], folder: Path, *, process_group,
     tmp = _new_tmp(folder)
     digests = _WRITTEN.setdefault(str(tmp), {})
     if mode == "process":
-        from meshfit.checkpoint import _writer_process
-
         owned = stager is None
         if owned:
             stager = _shared_memory_stager()
@@ -130,7 +129,7 @@ def save_dcp_async(state: dict[str, Any], folder: Path, *, process_group,
         if owned:
             future.add_done_callback(lambda _: stager.close())
         return tmp, future
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # (as in save_dcp)
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     with warnings.catch_warnings():
@@ -144,7 +143,7 @@ def save_dcp_async(state: dict[str, Any], folder: Path, *, process_group,
 
 def _shared_memory_stager():
     """A stager copying a state into shared memory, which a writer process maps."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # (DCP)
 
     return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
                                         use_async_staging=False, use_non_blocking_copy=False))
@@ -152,8 +151,6 @@ def _shared_memory_stager():
 
 def close_writer_process() -> None:
     """End the process a process-based asynchronous save started (if any), after its saves."""
-    from meshfit.checkpoint import _writer_process
-
     _writer_process.close()
 
 

@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from meshfit._files import (atomic_write_dir, fsync_tree, remove_stale_temps, replace_dir,
                             stale_temps, temp_sibling)
+from meshfit.checkpoint import export
+from meshfit.data import load_tokenizer
+from meshfit.models import GPT, GPTConfig
+from meshfit.models.factory import import_object
 
 __all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "fsync_tree", "hf_config",
            "load_model_folder", "model_class", "remove_stale_temps", "replace_dir",
@@ -34,8 +40,6 @@ FACTORY_TYPE = "meshfit-factory"
 
 
 def _is_hf(model: nn.Module) -> bool:
-    import sys
-
     hf = sys.modules.get("transformers")
     return hf is not None and isinstance(model, hf.PreTrainedModel)
 
@@ -43,7 +47,7 @@ def _is_hf(model: nn.Module) -> bool:
 def model_class(model: nn.Module) -> type:
     """The model's own class: FSDP2's `fully_shard` swaps a module's class for a subclass of
     it and `FSDPModule` ("FSDPLlamaForCausalLM"), a name no other tool knows."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # (FSDP2: ~2 s of imports, for its class)
 
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
@@ -61,8 +65,6 @@ def hf_config(model: nn.Module) -> dict[str, Any] | None:
 def describe_model(model: nn.Module, factory: str | None = None,
                    factory_kwargs: dict | None = None) -> dict[str, Any]:
     """The config.json of `model`, as the module docstring lists (`factory`: "module:function")."""
-    from meshfit.models import GPT
-
     if _is_hf(model):
         return hf_config(model)
     if isinstance(model, GPT):
@@ -82,12 +84,10 @@ def save_model_folder(folder, state: dict[str, torch.Tensor], model: nn.Module, 
     of `model` (any instance of the same architecture: the trained one, or one on the meta
     device) and `tokenizer` (an object with ``save(folder)``) into `folder`, atomically
     (`meshfit._files.atomic_write_dir`). Call on one process."""
-    from meshfit.checkpoint.export import write_safetensors
-
     config = describe_model(model, factory, factory_kwargs)
 
     def fill(tmp: Path) -> None:
-        write_safetensors(state, tmp / "model.safetensors")
+        export.write_safetensors(state, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if _is_hf(model) and getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
@@ -99,16 +99,12 @@ def save_model_folder(folder, state: dict[str, torch.Tensor], model: nn.Module, 
 
 def build_from_config(config: dict[str, Any], *, device="cpu") -> nn.Module:
     """An untrained model of the architecture a folder's config.json describes."""
-    from meshfit.models import GPT, GPTConfig
-
     kind = config.get("model_type")
     with torch.device(device):
         if kind == GPT_TYPE:
             fields = {f.name for f in dataclasses.fields(GPTConfig)}
             return GPT(GPTConfig(**{k: v for k, v in config.items() if k in fields}))
         if kind == FACTORY_TYPE:
-            from meshfit.models.factory import import_object
-
             factory = import_object(config["factory"], "config.json factory")
             return factory(**config.get("kwargs", {}))
         import transformers
@@ -122,8 +118,6 @@ def load_model_folder(folder, *, device="cpu", dtype: torch.dtype | None = None
     """The model of a folder written by `save_model_folder` (weights loaded strictly, in
     eval mode; transformers models through their own ``from_pretrained``) and its
     tokenizer (None when the folder holds none)."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     config_path, weights = folder / "config.json", folder / "model.safetensors"
     if not config_path.is_file() or not weights.is_file():
@@ -147,7 +141,5 @@ def load_model_folder(folder, *, device="cpu", dtype: torch.dtype | None = None
     tokenizer = None
     if any((folder / name).is_file() for name in
            ("tokenizer.json", "tokenizer_config.json", "meshfit_tokenizer.json")):
-        from meshfit.data import load_tokenizer
-
         tokenizer = load_tokenizer(str(folder))
     return model.eval(), tokenizer
