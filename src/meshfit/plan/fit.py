@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = ["DDP_BUCKET_BYTES", "DP_ENGINES", "KINDS", "STEP_TERMS", "CollectiveFit",
            "TrainStepFit", "bus_factor", "data_parallel_seconds", "fit_latency_bandwidth",
            "step_columns"]
@@ -123,8 +125,6 @@ def _fit_step(rows: list[dict], peak: float) -> dict[str, float]:
     """Least squares on relative errors (weights 1/seconds) of the rows' seconds against
     `step_columns`, every coefficient >= 0 (a negative one is dropped and the rest refitted)
     and the FLOP rate at most `peak`."""
-    import numpy as np
-
     X = np.array([step_columns(d_model=r["d_model"], n_layer=r["n_layer"],
                                seq_len=r["seq_len"], tokens=r["batch"] * r["seq_len"],
                                heads=r.get("heads", max(1, r["d_model"] // 32)),

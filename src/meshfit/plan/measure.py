@@ -11,9 +11,18 @@ import json
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
 from meshfit._files import atomic_write_text
+from meshfit.distributed import init, is_initialized
+from meshfit.memory.estimate import LayoutSpec
+from meshfit.memory.shape import ModelShape
+from meshfit.models import GPT, GPTConfig
 from meshfit.plan.calibrate import PP_SCHEDULES, SCHEMA, TP_ENGINES, Calibration
 from meshfit.plan.cost import Cluster, predict
+from meshfit.plan.devices import DEVICES
 from meshfit.plan.fit import KINDS, CollectiveFit, TrainStepFit
 from meshfit.plan.probes import (_CPU_SIZES, _GPU_SIZES, _collectives, _data_parallel, _matmul,
                                  _memory, _Ranks, _train_steps)
@@ -24,8 +33,6 @@ __all__ = ["measure"]
 def _partial_cluster(r: _Ranks, flops, bandwidth, colls, steps, engines):
     """A `Cluster` of this job's ranks with what has been measured so far, to ask the
     planner what it predicts for a layout being timed."""
-    from meshfit.plan.devices import DEVICES
-
     partial = Calibration(
         schema=SCHEMA, device=str(r.device.type), backend="", world_size=r.env.world_size,
         torch="", time="", matmul_flops=flops, memory_bandwidth=bandwidth,
@@ -46,13 +53,7 @@ def _tensor_parallel(r: _Ranks, flops, bandwidth, colls, steps, engines) -> tupl
     step spends on them), and the timings."""
     if steps.get("fp32") is None:
         return {}, {}
-    torch = r.torch
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from meshfit.memory.estimate import LayoutSpec
-    from meshfit.memory.shape import ModelShape
-    from meshfit.models import GPT, GPTConfig
-    from meshfit.parallel.tp import apply_tp
+    from meshfit.parallel.tp import apply_tp  # (DTensor: ~2 s of imports; one process: unused)
 
     n = r.env.world_size
     d, layers, seq, batch = _TP_SHAPES["cuda" if r.device.type == "cuda" else "cpu"]
@@ -98,12 +99,7 @@ def _pipeline(r: _Ranks, flops: dict, bandwidth: float, colls: dict, steps: dict
     docstring) and the timings; (None, {}) on one process or without an fp32 step fit."""
     if not r.group or steps.get("fp32") is None or colls["send_recv"]["latency"] is None:
         return None, {}
-    torch = r.torch
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from meshfit.memory.estimate import LayoutSpec
-    from meshfit.memory.shape import ModelShape
-    from meshfit.models import GPT, GPTConfig
+    # torch.distributed.pipelining: ~3 s of imports, which one process never uses
     from meshfit.parallel.pp import build_pipeline
 
     n = r.env.world_size
@@ -147,12 +143,6 @@ def measure(out: Path, sizes: tuple[int, ...] | None = None,
     calling it at once): rank 0 writes `out` (atomically) and returns what it wrote, the
     other ranks None. `sizes`: the collectives' sizes in bytes (default: 4 KiB .. 64 MiB on
     the CPU, 16 KiB .. 1 GiB on GPUs); `cpu`: the CPU and gloo even beside CUDA."""
-    import torch
-    import torch.distributed as dist
-    from meshfit.distributed import is_initialized
-
-    from meshfit.distributed import init
-
     env = init(cpu=cpu or None)
     try:
         r = _Ranks(env)

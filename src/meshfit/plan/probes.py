@@ -13,6 +13,14 @@ import statistics
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from meshfit.distributed import is_initialized
+from meshfit.models import GPT, GPTConfig
+from meshfit.parallel.ddp import apply_ddp
+from meshfit.parallel.zero1 import apply_zero1
 from meshfit.plan.fit import (DP_ENGINES, KINDS, _fit_step, bus_factor, data_parallel_seconds,
                               fit_latency_bandwidth)
 
@@ -26,29 +34,25 @@ class _Ranks:
     them, and timings taken on the slowest of them."""
 
     def __init__(self, env):
-        import torch
-        import torch.distributed as dist
-        from meshfit.distributed import is_initialized
-
-        self.torch, self.dist, self.env = torch, dist, env
+        self.env = env
         self.device = env.device
         self.group = env.is_distributed and is_initialized()
 
     def sync(self) -> None:
         if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)
 
     def barrier(self) -> None:
         self.sync()
         if self.group:
-            self.dist.barrier()
+            dist.barrier()
 
     def max(self, values: list[float]) -> list[float]:
         """Elementwise maximum over the ranks."""
         if not self.group:
             return list(values)
-        t = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
     def time(self, op, *, target: float, repeats: int = 5, warmup: int = 1) -> tuple[float, int]:
@@ -74,7 +78,6 @@ class _Ranks:
 
 def _matmul_once(r: _Ranks, n: int, dtype) -> dict[str, Any] | None:
     """One n×n product of `dtype` timed on every rank; None on every rank if any failed."""
-    torch = r.torch
     a = b = None
     try:
         a = torch.randn(n, n, device=r.device).to(dtype)
@@ -92,7 +95,6 @@ def _matmul_once(r: _Ranks, n: int, dtype) -> dict[str, Any] | None:
 
 
 def _matmul(r: _Ranks) -> tuple[dict[str, float | None], dict[str, Any]]:
-    torch = r.torch
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     cuda = r.device.type == "cuda"
     sizes = [2**k for k in (range(10, 15) if cuda else range(7, 13))]  # GPU 1K..16K, CPU 128..4K
@@ -112,7 +114,6 @@ def _matmul(r: _Ranks) -> tuple[dict[str, float | None], dict[str, Any]]:
 
 
 def _memory(r: _Ranks) -> tuple[float, dict[str, Any]]:
-    torch = r.torch
     nbytes = (1 << 30) if r.device.type == "cuda" else (256 << 20)
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=r.device).fill_(1.0)
     dst = torch.empty_like(src)
@@ -123,7 +124,6 @@ def _memory(r: _Ranks) -> tuple[float, dict[str, Any]]:
 
 def _collective_op(r: _Ranks, kind: str, size: int):
     """The callable for one collective of about `size` bytes, and S as it really is."""
-    torch, dist = r.torch, r.dist
     n, rank = r.env.world_size, r.env.rank
     per_rank = max(1, size // (4 * n))  # fp32 elements in one rank's chunk
 
@@ -187,9 +187,6 @@ def _train_steps(r: _Ranks, flops: dict) -> tuple[dict, dict]:
     """Per dtype that ran a matmul: the training-step fit (`meshfit.plan.calibrate`'s
     docstring) and its rows. fp16 is timed on CUDA only (on a CPU its autocast is an
     emulation nobody trains with)."""
-    torch = r.torch
-    from meshfit.models import GPT, GPTConfig
-
     dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     fits, raw = {}, {}
     for name, dtype in dtypes.items():
@@ -241,10 +238,6 @@ def _data_parallel(r: _Ranks, colls: dict, fit: dict | None) -> tuple[dict | Non
     if not r.group or fit is None or any(colls[k]["latency"] is None for k in
                                          ("all_reduce", "all_gather", "reduce_scatter")):
         return None, {}
-    torch = r.torch
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from meshfit.models import GPT, GPTConfig
 
     n = r.env.world_size
     d, layers, seq, batch = _DP_SHAPES["cuda" if r.device.type == "cuda" else "cpu"]
@@ -287,13 +280,11 @@ def _data_parallel(r: _Ranks, colls: dict, fit: dict | None) -> tuple[dict | Non
 def _engine_step_seconds(r: _Ranks, engine: str, model, mesh, fwd_bwd) -> float:
     """Seconds of one training step of `model` (forward, backward, AdamW) under `engine`
     over all of `mesh`'s ranks."""
-    from meshfit.parallel.ddp import apply_ddp
-    from meshfit.parallel.fsdp import apply_fsdp
-    from meshfit.parallel.zero1 import apply_zero1
+    from meshfit.parallel.fsdp import apply_fsdp  # (FSDP2: ~2 s of imports; one process: unused)
 
     m = apply_fsdp(model, mesh, reshard_after_forward=True) if engine == "fsdp2" else \
         apply_ddp(model, mesh, device=r.device)
-    opt = r.torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)
     if engine == "zero1":
         opt = apply_zero1(opt, mesh.get_group())
 

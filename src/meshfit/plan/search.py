@@ -6,12 +6,15 @@ docstring shows a call).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from meshfit.memory.estimate import DTYPE_BYTES, Adapters, Estimate, LayoutSpec, estimate
 from meshfit.memory.shape import ModelShape
+from meshfit.parallel.layout import Layout, ModelFacts
+from meshfit.parallel.pp import SCHEDULES
 from meshfit.plan.cost import Cluster, predict
 from meshfit.plan.devices import GiB
 
@@ -133,8 +136,6 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
     `host_memory` (bytes per node), whose CPU-offloaded states fit the host. `adapters`:
     LoRA/QLoRA on the frozen `model` (`meshfit.memory.Adapters`): the memory counts them (the
     predicted step times are still those of full training)."""
-    from meshfit.parallel.layout import Layout, ModelFacts
-
     shape = ModelShape.of(model) if isinstance(model, str) else model
     _check_request(shape, seq_len, global_batch_size, margin)
     budget = cluster.device.memory * (1 - margin)
@@ -182,10 +183,6 @@ def _on_disk(shape, cluster, model_facts, budget, scene, *, seq_len, global_batc
     """The layouts that fit only with the optimizer state on disk (every ZeRO stage, without
     pp; under ZeRO-3, with the parameter shards there too when the state alone is not
     enough), best first; each one's step time carries the state's read and write."""
-    import dataclasses
-
-    from meshfit.parallel.layout import Layout
-
     plans = []
     for cand in Layout.candidates(cluster.world_size, model_facts, mixed_precision=precision,
                                   local_world_size=cluster.gpus_per_node, seq_len=seq_len,
@@ -225,8 +222,6 @@ def _specs(cand, model_facts, per_dp: int, seq_len: int,
     """Every way to run a legal candidate layout on `per_dp` sequences per data-parallel
     rank: each micro-batch size, each pipeline schedule the blocks allow (with pp), each
     checkpointing mode."""
-    from meshfit.parallel.pp import SCHEDULES
-
     d = cand.dims
     for mbs in _micro_batches(per_dp):
         m = per_dp // mbs
