@@ -8,10 +8,16 @@ the JSON file) and the table it prints. The file's schema and its loader are
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
 from meshfit import launch
+
+# Each command imports its work when it runs: torch and what imports it (a refused argument
+# costs no torch load), and the torch-free modules only that command needs (the config, the
+# layouts, the charts: 3 to 230 ms each, which `meshfit --help` and every other command would
+# otherwise pay when this module loads).
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2,
           "MIB": 1024**2, "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
@@ -131,8 +137,6 @@ def cmd_calibrate(argv: list[str]) -> int:
 def _measure_disk(out: Path, folder: Path, nbytes: int) -> None:
     """The offload folder's disk bandwidth, added to the calibration file (rewritten
     atomically)."""
-    import json
-
     from meshfit._files import atomic_write_text
     from meshfit.parallel.disk import disk_bandwidth
 

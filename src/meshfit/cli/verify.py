@@ -55,7 +55,7 @@ def cmd_verify(argv: list[str]) -> int:
     if found:
         raise ValueError(f"{', '.join(found)} set in the environment: meshfit verify starts its "
                          f"own processes; unset {' '.join(found)}")
-    # (loaded when the command runs: `meshfit` loads every command's module at start)
+    # (loaded when the command runs, ~0.2 s: `meshfit` loads every command's module at start)
     from meshfit.train.configfile import load_config
     from meshfit.verify.layouts import parse_layout, verify_config
 

@@ -76,7 +76,7 @@ def gpu_environment(gpus: tuple[int, ...], nproc: int, available: int) -> dict[s
 
 def visible_cuda_devices() -> int:
     """CUDA devices this machine has, counted in PCI bus order before any selection."""
-    import torch
+    import torch  # (this module is torch-free at load: flags are refused before torch loads)
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -16,10 +16,15 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from meshfit.distributed.spawn import free_port
 from meshfit.launch.resolve import LaunchConfig
+
+# torch (its launcher and elastic agent) is imported where used: `meshfit train` and `meshfit
+# launch` refuse bad flags before torch loads (this module is on TORCH_FREE's list in
+# tests/test_architecture.py).
 
 WORKER_ENTRY = "meshfit.launch"
 """The module torch's agent runs for each worker (`enter_worker`, through the package's
@@ -152,8 +157,6 @@ def owning_descendants(grace_s: float = 2.0):
 def _end(left, grace_s: float) -> None:
     """SIGTERM to the children `left()` names, SIGKILL to those still there after `grace_s`;
     each reaped."""
-    import time
-
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         pids = left()
         if not pids:
@@ -201,6 +204,7 @@ def stopping_workers():
     the signal it got on to the workers: a Ctrl-C (SIGINT) would raise KeyboardInterrupt in
     every Python worker, one traceback each. They get SIGTERM instead (`meshfit train`'s
     workers treat both alike: checkpoint, one line)."""
+    # (torch-free, but not on TORCH_FREE's list in tests/test_architecture.py)
     from meshfit._compat import elastic
 
     first: set[int] = set()

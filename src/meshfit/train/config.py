@@ -105,7 +105,7 @@ class ModelConfig:
                 raise ValueError(f"model.hf_config={self.hf_config!r} is neither a config.json "
                                  "file nor a folder holding one")
         if self.hf_model:
-            from meshfit.checkpoint.pretrained import check_folder
+            from meshfit.checkpoint.pretrained import check_folder  # (imports torch)
 
             check_folder(self.hf_model, "model.hf_model")
         for name in ("factory", "tp_plan", "pipeline_plan"):
@@ -438,6 +438,7 @@ class LogConfig:
     figure (unset: the data sheet of a known GPU; "n/a" on a CPU)."""
 
     def __post_init__(self) -> None:
+        # (torch-free, but not on TORCH_FREE's list in tests/test_architecture.py)
         from meshfit.tracking import resolve_names
 
         if isinstance(self.with_, str):  # --log.with=tensorboard: one tracker
@@ -452,7 +453,7 @@ class LogConfig:
             raise ValueError(f"log.calibration={self.calibration!r} must be the path of a "
                              "`meshfit calibrate` file (a string)")
         if self.calibration:
-            from meshfit.plan.calibrate import load_calibration
+            from meshfit.plan.calibrate import load_calibration  # (imports torch)
 
             load_calibration(self.calibration)  # one line if missing or of another schema
 

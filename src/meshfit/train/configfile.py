@@ -13,6 +13,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+import tomli_w
+
 from meshfit.train.config import RunConfig, config_fields, toml_name
 
 _SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
@@ -103,8 +105,6 @@ def to_toml(cfg: RunConfig) -> str:
     written by a TOML library (tomli-w: any Unicode, every escape TOML's own) and read back
     before it is returned: a config that would not come back as itself is refused in one
     line naming the setting, before any run folder or process depends on the file."""
-    import tomli_w
-
     data = {section: {key: list(value) if isinstance(value, tuple) else value
                       for key, value in values.items() if value is not None}  # no null
             for section, values in cfg.to_dict().items()}

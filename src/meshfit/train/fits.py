@@ -23,6 +23,12 @@ from pathlib import Path
 
 import torch
 
+from meshfit.memory import Adapters, LayoutSpec, ModelShape
+from meshfit.memory.estimate import estimate
+from meshfit.plan.devices import DEVICES
+from meshfit.plan.search import Cluster, search
+from meshfit.train.models import build_model
+
 __all__ = ["adapters_of", "check_fits", "host_available_bytes"]
 
 GiB = 2**30
@@ -45,8 +51,6 @@ def _spec(cfg, layout):
     """The estimator's spec of the run: its layout's request whole (every size and option, as
     resolved for the launch: cp, ep and disk offload included), with [train]'s micro-batch
     and activation checkpointing."""
-    from meshfit.memory import LayoutSpec
-
     pipeline = {"microbatches": cfg.microbatches(layout.dims.world_size)} \
         if layout.dims.pp > 1 else {}  # (unset: the whole accumulation, as the run takes it)
     return LayoutSpec.from_request(layout.request, **pipeline,
@@ -62,13 +66,8 @@ def check_fits(cfg, model, layout, *, world_size: int, local_world_size: int,
     when the check could not be made (a model without a block structure the estimate reads),
     None otherwise. `available` (bytes per rank on the device) and `host` (MemAvailable)
     default to this machine's."""
-    from meshfit.memory import ModelShape
-    from meshfit.memory.estimate import estimate
-
     adapters = None
     if cfg.peft.method != "none":  # the shape of the frozen base, then what LoRA adds
-        from meshfit.train.models import build_model
-
         adapters = adapters_of(model)
         model = build_model(dataclasses.replace(cfg, peft=type(cfg.peft)()),
                             _vocab_size(model), meta=True)
@@ -119,8 +118,7 @@ def adapters_of(model: torch.nn.Module):
     """The `meshfit.memory.Adapters` of a model from `meshfit.peft.lora` / `qlora` (on the
     meta device is enough): its trainable parameters, and the weights `qlora` keeps in 4
     bits."""
-    from meshfit import peft
-    from meshfit.memory import Adapters
+    from meshfit import peft  # (transformers, DCP and FSDP2: seconds of imports, for LoRA only)
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     quantized = 0
@@ -147,9 +145,6 @@ def _fitting(shape, cfg, world_size: int, local_world_size: int, available: int,
              optimizer: str, *, cuda: bool, host: int | None, adapters=None) -> str:
     """The layouts of `world_size` ranks that fit `available` bytes per rank, best first; the
     host memory that offload takes counted too (on a CPU it is the same memory)."""
-    from meshfit.plan.devices import DEVICES
-    from meshfit.plan.search import Cluster, search
-
     device = dataclasses.replace(DEVICES["h100"], memory=available)
     cluster = Cluster(gpus_per_node=local_world_size,
                       nodes=max(1, world_size // local_world_size), device=device)

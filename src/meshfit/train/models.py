@@ -16,14 +16,17 @@ import torch
 from torch import nn
 
 from meshfit._quiet import quiet_logs
+from meshfit.checkpoint.pretrained import check_weights, meta_model
+from meshfit.checkpoint.saved import save_model_folder
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
 from meshfit.models.gpt import document_causal_mask
 from meshfit.models.plans import PipelinePlan, TPPlan, adapted_model
 
-# Imported where used: transformers and peft (optional), and the tensor-parallel loss and the
-# checkpoint code, which `meshfit train`'s checks before launch (the model built on the meta
-# device, in the launching process) do not need: half a second of imports there.
+# Imported where used: transformers (optional), meshfit.peft (it imports transformers, DCP and
+# FSDP2) and the tensor-parallel loss (DTensor: ~2 s of imports, sympy's), which `meshfit
+# train`'s checks before launch (the model built on the meta device, in the launching process)
+# do not need.
 
 
 def _factory_kwargs(factory: Callable, cfg, vocab_size: int) -> dict[str, Any]:
@@ -56,12 +59,8 @@ def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
                 str(Path(m.hf_config).expanduser()), local_files_only=True)
             model = transformers.AutoModelForCausalLM.from_config(config)
         elif m.source == "hf_model":
-            from meshfit.checkpoint.pretrained import meta_model
-
             model = meta_model(m.hf_model)
             if meta:  # before launch: the files hold every weight, whole and floating
-                from meshfit.checkpoint.pretrained import check_weights
-
                 check_weights(model, m.hf_model)
         else:
             factory = import_object(m.factory, "model.factory")
@@ -300,8 +299,6 @@ def write_final_model(acc, trained_module, model: nn.Module, cfg, tokenizer,
     model's folder loads with ``from_pretrained``), or with LoRA ``OUT/adapter/`` (a PEFT
     folder ``PeftModel.from_pretrained`` loads) and, with ``peft.merge``, ``OUT/model/``
     with the adapters folded in. Returns the folders written (on the main process)."""
-    from meshfit.checkpoint.saved import save_model_folder
-
     state = acc.get_state_dict(trained_module)
     written: list[Path] = []
     if acc.is_main_process:
@@ -323,7 +320,6 @@ def _write_lora(cfg, state: dict, vocab_size: int, tokenizer, out_dir: Path,
                 factory, kwargs) -> list[Path]:
     """A CPU copy of the LoRA model holding the gathered weights: its adapter as a PEFT
     folder, and with peft.merge the merged model."""
-    from meshfit.checkpoint.saved import save_model_folder
     from meshfit.peft import merge, save_adapter
 
     with torch.device("meta"):

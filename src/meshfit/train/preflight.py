@@ -14,9 +14,17 @@ import math
 from pathlib import Path
 from typing import Any
 
+from meshfit import distributed as mdist
+from meshfit.data.corpus import data_source
+from meshfit.models import GPTConfig
+from meshfit.models.factory import import_object
 from meshfit.parallel.layout import Layout, ModelFacts
 from meshfit.parallel.request import LayoutRequest
 from meshfit.train import tokens
+
+# Imported where used: torch and the modules that import it (the model, the optimizers, the
+# devices' checks, the memory estimate), so that a config is refused before torch loads (this
+# module is on TORCH_FREE's list in tests/test_architecture.py); transformers (optional).
 
 # The layout's fields as `meshfit train`'s errors spell them (see `meshfit.parallel.layout`).
 LAYOUT_NAMES = {
@@ -87,8 +95,6 @@ def check_layout(cfg, world_size: int, local_world_size: int | None = None) -> L
                          "no adapters (dp, ZeRO/FSDP and pp layouts); set train.float8=false")
     if layout.dims.tp > 1 or layout.dims.pp > 1 or layout.dims.ep > 1:
         _check_model_split(cfg, layout, world_size)
-    from meshfit.models.factory import import_object
-
     for name in ("factory", "tp_plan", "pipeline_plan"):  # a missing module or name, named
         if getattr(cfg.model, name):                     # before the model is built
             import_object(getattr(cfg.model, name), f"model.{name}")
@@ -172,8 +178,6 @@ def _check_cp(cfg, layout: Layout) -> None:
         raise ValueError(f"parallel.cp={cp}: train.seq_len={t.seq_len} must divide into "
                          f"{pieces} equal chunks ({'2 x cp, load-balanced' if pieces > cp else 'cp'}"
                          f"); use a multiple of {pieces}")
-    from meshfit.models import GPTConfig
-
     dropout = 0.0 if m.source != "preset" else m.dropout if m.dropout is not None \
         else GPTConfig.preset(m.preset).dropout
     if dropout > 0:
@@ -251,7 +255,6 @@ def preflight(cfg, world_size: int | None = None, local_world_size: int | None =
     `Layout.warnings`)."""
     import torch
 
-    from meshfit import distributed as mdist
     from meshfit.accelerator.precision import Precision
     from meshfit.train.batch_size import shape_advice
 
@@ -335,8 +338,6 @@ def check_data(cfg, world_size: int) -> None:
     and the workers reuse it) and hold one global batch of training windows and the
     validation windows the evaluation needs; one-line ValueError otherwise. A training split
     smaller than one batch per data-parallel rank would give every epoch zero batches."""
-    from meshfit.data.corpus import data_source
-
     source = data_source(cfg.data.path, cfg.data.hf_dataset)  # the [data] key, as errors name it
     splits = _readable_tokens(cfg, source)
     t = cfg.train

@@ -344,7 +344,8 @@ class RunReporter:
                 tracker.store_init_configuration(config)
         self.terminal = self.main and sys.stdout.isatty()
         self.bar = None
-        if self.terminal:  # (rich's 50 modules loaded here: a rank without a terminal skips them)
+        if self.terminal:  # rich's 50 modules (~0.1 s) load here: a rank without a terminal
+            # skips them
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                        TimeRemainingColumn)
             self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
