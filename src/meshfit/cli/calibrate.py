@@ -14,11 +14,6 @@ from pathlib import Path
 
 from meshfit import launch
 
-# Each command imports its work when it runs: torch and what imports it (a refused argument
-# costs no torch load), and the torch-free modules only that command needs (the config, the
-# layouts, the charts: 3 to 230 ms each, which `meshfit --help` and every other command would
-# otherwise pay when this module loads).
-
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2,
           "MIB": 1024**2, "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
 

@@ -16,11 +16,6 @@ from pathlib import Path
 
 from meshfit.cli import OneLineParser
 
-# Each command imports its work when it runs: torch and what imports it (a refused argument
-# costs no torch load), and the torch-free modules only that command needs (the config, the
-# layouts, the charts: 3 to 230 ms each, which `meshfit --help` and every other command would
-# otherwise pay when this module loads).
-
 
 def cmd_export(argv: list[str]) -> int:
     p = OneLineParser("meshfit export", "Write a checkpoint's model as one safetensors file (or "

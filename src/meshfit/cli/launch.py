@@ -22,11 +22,6 @@ from pathlib import Path
 from meshfit import launch
 from meshfit.cli import OneLineParser, collect_overrides
 
-# Each command imports its work when it runs: torch and what imports it (a refused argument
-# costs no torch load), and the torch-free modules only that command needs (the config, the
-# layouts, the charts: 3 to 230 ms each, which `meshfit --help` and every other command would
-# otherwise pay when this module loads).
-
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     """meshfit's own launch flags (`meshfit launch` and `meshfit train`). Their defaults are

@@ -18,11 +18,6 @@ from pathlib import Path
 from meshfit.cli import OneLineParser
 from meshfit.distributed.dims import AXES
 
-# Each command imports its work when it runs: torch and what imports it (a refused argument
-# costs no torch load), and the torch-free modules only that command needs (the config, the
-# layouts, the charts: 3 to 230 ms each, which `meshfit --help` and every other command would
-# otherwise pay when this module loads).
-
 _PIPELINE_FIELDS = ("schedule", "microbatches", "virtual_stages")
 
 GiB = 2**30

@@ -118,7 +118,7 @@ def adapters_of(model: torch.nn.Module):
     """The `meshfit.memory.Adapters` of a model from `meshfit.peft.lora` / `qlora` (on the
     meta device is enough): its trainable parameters, and the weights `qlora` keeps in 4
     bits."""
-    from meshfit import peft  # (transformers, DCP and FSDP2: seconds of imports, for LoRA only)
+    from meshfit import peft  # (it imports peft and transformers, optional: for LoRA only)
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     quantized = 0

@@ -23,10 +23,9 @@ from meshfit.models.factory import import_object
 from meshfit.models.gpt import document_causal_mask
 from meshfit.models.plans import PipelinePlan, TPPlan, adapted_model
 
-# Imported where used: transformers (optional), meshfit.peft (it imports transformers, DCP and
-# FSDP2) and the tensor-parallel loss (DTensor: ~2 s of imports, sympy's), which `meshfit
-# train`'s checks before launch (the model built on the meta device, in the launching process)
-# do not need.
+# Imported where used: transformers and meshfit.peft (it imports peft: both optional), and the
+# tensor-parallel loss (DTensor: ~2 s of imports, sympy's), which `meshfit train`'s checks
+# before launch (the model built on the meta device, in the launching process) do not need.
 
 
 def _factory_kwargs(factory: Callable, cfg, vocab_size: int) -> dict[str, Any]:
