@@ -1,8 +1,8 @@
 """DCP's reader made safe (`SafeReader`, `SafePlanner`), and a format-3 checkpoint file read
 with every 32 MiB block checked against the manifest before any of its bytes is used, each
 tensor copied once, from the page cache into its destination. A module of its own, imported
-at the first load: it subclasses DCP's classes (0.3 s of imports `meshfit train` does not
-need at its start).
+at the first load: it subclasses DCP's classes (~2 s of imports with the DTensor and sympy DCP
+pulls in, which `meshfit train` does not need at its start).
 
 Safe: DCP reads its ``.metadata`` with `pickle.load` and its non-tensor values with
 ``torch.load(weights_only=False)``, either of which runs arbitrary code from a crafted file.
