@@ -25,7 +25,7 @@ __all__ = ["axis_mesh", "build_mesh", "dp_mesh", "expert_fsdp_mesh", "fsdp_mesh"
 
 def build_mesh(layout, device_type: str) -> DeviceMesh:
     """The `DeviceMesh` of `layout` over the default process group (a collective)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh  # here: mesh.py is torch-free
 
     ep = layout.dims.ep
     names, shape = [], []

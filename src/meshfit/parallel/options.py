@@ -72,7 +72,7 @@ def check_backend_mode(backend: object, mode: str | None, backend_field: str, mo
     """One-line ValueError for a torch.compile backend or inductor mode torch does not know
     (torch is imported only for a name outside the common ones)."""
     if not callable(backend) and backend not in _COMMON_BACKENDS:  # a function is a backend too
-        import torch.compiler
+        import torch.compiler  # here: this module is torch-free at import (TORCH_FREE)
 
         backends = sorted(set(torch.compiler.list_backends()) | {"inductor", *_DEBUG_BACKENDS})
         registered = torch.compiler.list_backends(exclude_tags=())  # with the debug ones
@@ -87,7 +87,9 @@ def check_backend_mode(backend: object, mode: str | None, backend_field: str, mo
             f"{backend_field}={backend!r}; drop {mode_field} or use {backend_field}='inductor'")
     if mode in _COMMON_MODES:
         return
-    from meshfit._compat import dynamo  # heavy import (inductor): only for an unusual mode
+    # here: this module is torch-free (TORCH_FREE) and meshfit._compat.dynamo is not on that
+    # list; the heavy import (inductor) is inside inductor_modes, for an unusual mode only
+    from meshfit._compat import dynamo
 
     modes = dynamo.inductor_modes()
     if mode not in modes:
