@@ -69,7 +69,7 @@ __all__ = ["Candidate", "Engine", "Layout", "LayoutCosts", "ModelFacts", "check_
 
 def precision_dtype(mode: str) -> torch.dtype | None:
     """The low-precision compute dtype of a mixed-precision mode (None for "no")."""
-    import torch  # here: this module is torch-free at import (TORCH_FREE)
+    import torch  # here: torch-free at import (TORCH_FREE, tests/test_architecture.py)
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
 

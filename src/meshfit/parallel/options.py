@@ -72,7 +72,7 @@ def check_backend_mode(backend: object, mode: str | None, backend_field: str, mo
     """One-line ValueError for a torch.compile backend or inductor mode torch does not know
     (torch is imported only for a name outside the common ones)."""
     if not callable(backend) and backend not in _COMMON_BACKENDS:  # a function is a backend too
-        import torch.compiler  # here: this module is torch-free at import (TORCH_FREE)
+        import torch.compiler  # here: torch-free at import (TORCH_FREE, tests/test_architecture.py)
 
         backends = sorted(set(torch.compiler.list_backends()) | {"inductor", *_DEBUG_BACKENDS})
         registered = torch.compiler.list_backends(exclude_tags=())  # with the debug ones
