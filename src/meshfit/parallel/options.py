@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from meshfit._compat import dynamo
+
 __all__ = ["CheckpointMode", "CheckpointPolicy", "CompileScope", "FLOAT8_RECIPES", "ModelOptions",
            "SCHEDULES",
            "check_checkpointing", "check_compile_args", "compile_mode"]
@@ -87,11 +89,7 @@ def check_backend_mode(backend: object, mode: str | None, backend_field: str, mo
             f"{backend_field}={backend!r}; drop {mode_field} or use {backend_field}='inductor'")
     if mode in _COMMON_MODES:
         return
-    # here: this module is torch-free (TORCH_FREE) and meshfit._compat.dynamo is not on that
-    # list; the heavy import (inductor) is inside inductor_modes, for an unusual mode only
-    from meshfit._compat import dynamo
-
-    modes = dynamo.inductor_modes()
+    modes = dynamo.inductor_modes()  # (inductor loads here, for an unusual mode only)
     if mode not in modes:
         raise ValueError(f"{where}{mode_field}={mode!r} is not an inductor mode; use None or "
                          f"one of {modes}")
