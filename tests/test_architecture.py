@@ -223,7 +223,8 @@ TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
               "meshfit.parallel.pp.bubble",
               "meshfit._lazy", "meshfit.data", "meshfit.data.corpus", "meshfit.data.formats",
               "meshfit.cli.verify", "meshfit.verify", "meshfit.verify.layouts", "meshfit._quiet",
-              "meshfit._compat", "meshfit._compat.distributed", "meshfit._compat._probe"]
+              "meshfit._compat", "meshfit._compat.distributed", "meshfit._compat._probe",
+              "meshfit._compat.dynamo"]
 
 
 def test_config_modules_import_no_torch_at_load():

@@ -46,6 +46,8 @@ from torch import nn
 
 from meshfit._compat import nn as nn_internals
 from meshfit._compat import optim as optim_internals
+from meshfit._quiet import quiet_logs
+from meshfit._torchao import torchao_error
 from meshfit.distributed.tensors import local_tensor, storage_bytes
 from meshfit.optim_names import OPTIMIZERS, OptimizerName
 
@@ -208,14 +210,10 @@ def _adamw_8bit(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
     if importlib.util.find_spec("torchao") is None:
         raise ValueError("optimizer='adamw_8bit' needs torchao (or bitsandbytes on CUDA); "
                          'pip install "meshfit[optim]"')
-    from meshfit._quiet import quiet_logs
-
     try:
         with quiet_logs():
             from torchao.optim import AdamW8bit  # first step compiles (~50 s cold on a CPU)
     except ImportError as err:  # installed, but a release made for another torch
-        from meshfit._torchao import torchao_error
-
         raise torchao_error("optimizer='adamw_8bit'", err) from None
     return AdamW8bit(groups, **args)
 

@@ -20,24 +20,31 @@ The functions below accept a DDP-wrapped model where they need the PeftModel ins
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from meshfit._quiet import quiet_logs
 
 with quiet_logs():  # peft imports torchao, whose CPU-only import logs warnings
     import peft
+from peft.tuners.lora import LoraLayer  # noqa: E402
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING  # noqa: E402
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshfit._files import atomic_write_dir
 from meshfit._torchao import torchao_error
 from meshfit.checkpoint.pretrained import ADAPTER_VALUES_ATTR, pretrained_folder
+from meshfit.distributed import is_initialized
 from meshfit.distributed.tensors import local_tensor
 from meshfit.models.gpt import GPT
+from meshfit.models.plans import adapted_model
 
 try:
     from peft.utils.error import NoMatchingPeftModuleError
@@ -108,8 +115,6 @@ def _draw_meta_adapters(model: peft.PeftModel) -> None:
     device too, without values. Draw them now, on the CPU, as peft draws them (its own
     `reset_lora_parameters`, from the global generator: every rank seeded alike draws the
     same), and keep them where `load_into` finds them when it fills the model."""
-    from peft.tuners.lora import LoraLayer
-
     initial = {}
     for prefix, layer in model.named_modules():
         if not isinstance(layer, LoraLayer):
@@ -173,10 +178,6 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     parameters): call on every rank — the adapter's tensors alone are gathered (a collective)
     and the first rank writes them. Returns the directory.
     """
-    import torch.distributed as dist
-    from meshfit.distributed import is_initialized
-    from torch.distributed.tensor import DTensor
-
     pm = _peft_model(model)
     state = None
     if any(isinstance(p, DTensor) for p in pm.parameters()):
@@ -263,8 +264,6 @@ _OUTPUT_NAMES = ("lm_head", "output", "head")  # output projections stay in full
 def _nf4():
     """torchao's (NF4Tensor, to_nf4), wherever this release keeps them (0.17 moved them
     from torchao.dtypes.nf4tensor to torchao.quantization)."""
-    import importlib.util
-
     if importlib.util.find_spec("torchao") is None:
         raise ValueError("qlora: the 4-bit (NF4) base needs torchao; pip install "
                          "'meshfit[qlora]' (or pip install torchao), or use LoRA on a "
@@ -282,8 +281,6 @@ def _nf4():
 
 def is_quantized(tensor) -> bool:
     """Whether `tensor` (a parameter, or a DTensor's local shard of one) is a 4-bit weight."""
-    import sys
-
     tensor = local_tensor(tensor)
     module = sys.modules.get("torchao.quantization")
     nf4 = getattr(module, "NF4Tensor", None) if module is not None else None
@@ -424,6 +421,4 @@ def check_quantized_layout(model: nn.Module, *, shards: int, tp: int = 1, pp: in
 
 def quantize_after_load(model: nn.Module) -> bool:
     """Whether `model` (a `meta_model` under `qlora`) is to be quantized once filled."""
-    from meshfit.models.plans import adapted_model
-
     return bool(getattr(adapted_model(model), QUANTIZE_ATTR, False))

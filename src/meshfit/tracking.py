@@ -103,7 +103,7 @@ class TensorBoardTracker(Tracker):
 
     def __init__(self, run_name: str, logging_dir, **kwargs) -> None:
         super().__init__(run_name, logging_dir)
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: needs tensorboard
 
         self.writer = SummaryWriter(str(self.logging_dir / run_name), **kwargs)
 

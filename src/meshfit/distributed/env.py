@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -175,8 +176,6 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
 def peer_lost(err: BaseException) -> str | None:
     """The backend's reason, in one line, when `err` says another rank of the job has gone
     (its own failure is what to report, by the launcher); None for any other error."""
-    import re
-
     text = " ".join(str(err).split())
     if not isinstance(err, (RuntimeError, OSError)) or not any(p in text for p in _PEER_LOST):
         return None

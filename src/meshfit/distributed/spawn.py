@@ -48,8 +48,11 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
                       MASTER_PORT=str(port))
     if cpu:
         os.environ["MESHFIT_CPU"] = "1"  # gloo + CPU even beside GPUs
+    # torch, env.py and settle.py load here, not at the top: this module is torch-free at
+    # import (the `meshfit` command imports it before it has refused a bad config).
     import torch
     import torch.distributed as dist
+
     from meshfit.distributed.env import is_initialized
 
     torch.seed()  # a random seed of its own, as a new interpreter has (forked: the parent's)
@@ -96,7 +99,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
              for r in range(world_size)]
     for p in procs:
         p.start()
-    import torch
+    import torch  # here: this module is torch-free at import (see _rank_main)
 
     results: dict[int, object] = {}
     error = None

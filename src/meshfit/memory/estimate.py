@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from meshfit.memory.activations import (DTYPE_BYTES, ActivationBytes, activation_bytes, in_flight,
                                         peak_activations, ring_bytes)
 from meshfit.memory.shape import ModelShape
+from meshfit.parallel.layout import Layout
 from meshfit.parallel.spec import LayoutSpec
 
 __all__ = ["ActivationBytes", "Adapters", "Estimate", "LayoutSpec", "NF4_BYTES",
@@ -417,7 +418,5 @@ def _adapted_buffers(layout: LayoutSpec, rank: _RankParams, resolved, dtype: str
 def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):
     """The `meshfit.parallel.layout.Layout` of `layout` (its rules; a one-line ValueError
     for a layout meshfit refuses)."""
-    from meshfit.parallel.layout import Layout
-
     return Layout.resolve(layout, layout.world_size, distributed=layout.world_size > 1,
                           mixed_precision="no" if dtype == "fp32" else dtype)

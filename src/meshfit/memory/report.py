@@ -35,7 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
+from meshfit._quiet import quiet_stderr
 from meshfit.distributed import is_initialized
 from meshfit.distributed.tensors import local_tensor, storage_bytes
 from meshfit.optim import state_bytes
@@ -217,10 +219,6 @@ def net_peak_bytes(fn) -> int:
     free events (every thread's) in time order, summed as they come. On a CPU build, which
     keeps no allocator statistics, this is what a step's activations and temporaries peak
     at beyond the memory held before it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from meshfit._quiet import quiet_stderr
-
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with quiet_stderr():  # the profiler's own start and stop lines
         prof.start()

@@ -18,6 +18,7 @@ config's expert counts and its ``*Experts`` modules.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,10 @@ import torch
 from torch import nn
 
 from meshfit.distributed.tensors import names_by_parameter
+from meshfit.models.config import GPTConfig
+from meshfit.models.factory import import_object
+from meshfit.models.gpt import GPT
+from meshfit.models.plans import has_builtin_plans, pipeline_plan_for, plan_for
 
 __all__ = ["ModelShape"]
 
@@ -110,8 +115,6 @@ class ModelShape:
     def of(cls, spec: str, *, vocab_size: int | None = None) -> ModelShape:
         """From a preset name, a transformers config.json (or a folder holding one), or a
         ``module:function`` factory (called with no arguments, or with `vocab_size`)."""
-        from meshfit.models import GPT, GPTConfig
-
         if not isinstance(spec, str) or not spec:
             raise ValueError(f"MODEL={spec!r} must be a preset name, a config.json path or "
                              "module:function")
@@ -127,17 +130,13 @@ class ModelShape:
                                  "config.json; give a preset "
                                  f"({', '.join(GPTConfig.preset_names())}), a config.json or "
                                  "module:function")
-            import transformers
+            import transformers  # optional: a config.json names a transformers model
 
             hf_config = transformers.AutoConfig.from_pretrained(str(config))
             with torch.device("meta"):
                 model = transformers.AutoModelForCausalLM.from_config(hf_config)
             return cls.from_module(model, name=str(spec))
         if ":" in spec:
-            import inspect
-
-            from meshfit.models.factory import import_object
-
             factory = import_object(spec, "MODEL")
             kwargs = {}
             if vocab_size and "vocab_size" in inspect.signature(factory).parameters:
@@ -152,9 +151,6 @@ class ModelShape:
         """From a model (on the meta device is enough) with a decoder-block structure: the
         built-in plans' (reference GPT, Llama, Qwen2, Mistral, GPT-2) or, for another model,
         its largest ModuleList of blocks and a config with the usual size names."""
-        from meshfit.models import GPT
-        from meshfit.models.plans import has_builtin_plans, pipeline_plan_for, plan_for
-
         name = name or type(model).__name__
         params = _count(model, set())
         if has_builtin_plans(model):
@@ -250,8 +246,6 @@ def _has_gate(block: nn.Module) -> bool:
 
 
 def _sizes(model: nn.Module) -> dict:
-    from meshfit.models import GPT
-
     if isinstance(model, GPT):
         c = model.config
         return dict(d_model=c.d_model, n_head=c.n_head, n_kv_head=c.kv_heads, d_ff=c.d_ff,

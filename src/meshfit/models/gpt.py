@@ -31,6 +31,7 @@ from typing import get_args
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshfit._compat.nn import has_forward_hooks
 from meshfit.models.config import AttentionBackend, GPTConfig
@@ -50,8 +51,6 @@ def _sdpa_context(backend: str):
     """A context that restricts SDPA to `backend` (a no-op for "auto")."""
     if backend == "auto":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[backend]))
 
 

@@ -62,13 +62,15 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, *, coun
 
 
 def _is_partial(t: torch.Tensor) -> bool:
+    # DTensor loads here, not at the top: torch.distributed.tensor adds ~0.5 s to the trainer's
+    # import (-X importtime) and a run on one device never makes a DTensor.
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor) and any(pl.is_partial() for pl in t.placements)
 
 
 def _by_mesh(items, tensor_of=lambda t: t) -> dict:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # deferred: see _is_partial
 
     groups: dict = {}
     for item in items:
@@ -79,7 +81,7 @@ def _by_mesh(items, tensor_of=lambda t: t) -> dict:
 
 
 def _local_norm(grads, norm_type: float, device: torch.device) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # deferred: see _is_partial
 
     norms = []
     for group in _by_mesh(grads).values():

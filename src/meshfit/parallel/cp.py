@@ -36,12 +36,15 @@ device, any dtype). The communication is torch.distributed's P2P on the cp group
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
 
 from meshfit._compat import ops as aten_ops
 from meshfit._compat import transformers as hf_internals
+from meshfit.models.gpt import GPT, Attention
+from meshfit.models.plans import adapted_model
 
 __all__ = ["HF_FAMILIES", "SequenceShard", "apply_cp", "check_hf_config", "chunk_ids", "ring_attention", "sequence_positions",
            "shard_sequence", "unshard_sequence"]
@@ -405,12 +408,6 @@ def apply_cp(model: torch.nn.Module, cp_mesh, *, balanced: bool = True) -> Seque
     transformers' attention interface, their position ids filled in), LoRA-adapted or not.
     Returns the
     `SequenceShard` (the inputs and targets fed to the model must be cut by its `shard`)."""
-    import sys
-
-    from meshfit.models import GPT
-    from meshfit.models.gpt import Attention
-    from meshfit.models.plans import adapted_model
-
     base = adapted_model(model)
     hf = sys.modules.get("transformers")
     if hf is not None and isinstance(base, hf.PreTrainedModel):

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from meshfit._compat import fsdp as fsdp_internals
+from meshfit._files import unwritable
 from meshfit.distributed.tensors import local_tensor
 
 __all__ = ["DiskOffload", "ParameterFiles", "check_free_space", "check_writable",
@@ -176,6 +177,8 @@ class DiskOffload(torch.optim.Optimizer):
     # ---------------------------------------------------------------- the step
     def _place(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The state tensor of `p` holding `local` (a DTensor like `p` under FSDP2/TP)."""
+        # deferred: torch.distributed.tensor adds ~0.5 s to the trainer's import, which loads
+        # this module for every run (offload="disk" or not)
         from torch.distributed.tensor import DTensor
 
         local = local.to(local_tensor(p).device, non_blocking=True)
@@ -379,8 +382,6 @@ def disk_bandwidth(folder: str | os.PathLike, nbytes: int = 2**30) -> tuple[floa
     64 MiB blocks and fsync'd, then read back after its pages are dropped from the page cache
     (``posix_fadvise(DONTNEED)``; where that is missing the read may be helped by the cache:
     an upper bound), then removed. The folder must exist."""
-    import time
-
     path = Path(folder) / ".meshfit-bandwidth-probe"
     block = torch.ones(min(64 * 2**20, max(nbytes, 1)), dtype=torch.uint8).numpy()
     n = max(1, nbytes // block.nbytes)
@@ -424,8 +425,6 @@ def check_writable(folder: str | os.PathLike, field: str = "offload_dir") -> Non
     if not probe.is_dir():
         raise ValueError(f"{field}={str(folder)!r}: {str(probe)!r} is a file, not a folder; "
                          "give a folder path on a local disk")
-    from meshfit._files import unwritable
-
     why = unwritable(probe)
     if why:
         raise ValueError(f"{field}={str(folder)!r}{where} {why}; give a writable folder on "

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfit.distributed import is_initialized
+from meshfit.models.moe import MoE
 
 __all__ = ["ExpertParallel", "apply_ep", "ep_problem", "moe_modules", "routing_metrics"]
 
@@ -122,9 +123,9 @@ def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> l
     """Split every MoE block's experts of `model` over the 1-D `ep_mesh`, in place (taken
     from the whole weights every rank holds, without communication; the local shards go to
     `device`, default: where the weights are). Returns the `Experts` modules (for FSDP2)."""
+    # deferred: torch.distributed.tensor adds ~0.5 s to the trainer's import, which loads this
+    # module for every run (moe_modules, routing_metrics)
     from torch.distributed.tensor import DTensor, Shard
-
-    from meshfit.models.moe import MoE
 
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     problem = ep_problem(model, size)
@@ -148,8 +149,6 @@ def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> l
 
 def moe_modules(modules) -> list[nn.Module]:
     """The mixture-of-experts blocks (`meshfit.models.MoE`) inside `modules`."""
-    from meshfit.models.moe import MoE
-
     return [m for module in modules for m in module.modules() if isinstance(m, MoE)]
 
 

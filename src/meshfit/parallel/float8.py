@@ -22,9 +22,14 @@ device; it checks the conversion and its numerics, not its speed.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+
 import torch
 from torch import nn
 
+from meshfit._quiet import quiet_logs
+from meshfit._torchao import torchao_error
 from meshfit.parallel.options import FLOAT8_RECIPES
 
 __all__ = ["FLOAT8_RECIPES", "apply_float8", "check_float8_device", "float8_filter"]
@@ -87,10 +92,6 @@ def apply_float8(model: nn.Module, recipe: str = "rowwise", *,
         raise ValueError(f"float8_recipe={recipe!r} is not one of {', '.join(FLOAT8_RECIPES)}")
     if not emulate:
         check_float8_device(device if device is not None else "cpu")
-    import importlib.util
-
-    from meshfit._quiet import quiet_logs
-
     if importlib.util.find_spec("torchao") is None:
         raise ValueError("float8=True needs torchao (pip install torchao, or meshfit[optim]); "
                          "or set float8=False")
@@ -98,8 +99,6 @@ def apply_float8(model: nn.Module, recipe: str = "rowwise", *,
         with quiet_logs():  # torchao's notes on extensions it cannot load here
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:  # installed, but a release made for another torch
-        from meshfit._torchao import torchao_error
-
         raise torchao_error("float8=True", err) from None
     keep = float8_filter(model)
     count = sum(keep(m, n) for n, m in model.named_modules())
@@ -116,6 +115,4 @@ def apply_float8(model: nn.Module, recipe: str = "rowwise", *,
 
 def _with_emulation(config):
     """A copy of torchao's frozen config with ``emulate=True``."""
-    import dataclasses
-
     return dataclasses.replace(config, emulate=True)

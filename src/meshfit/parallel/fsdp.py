@@ -46,6 +46,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from meshfit._compat import fsdp as fsdp_internals
+from meshfit.parallel.activation import find_blocks
 
 __all__ = ["apply_fsdp", "available_memory_bytes", "held_gradient_bytes",
            "unsharded_gradient_bytes"]
@@ -101,8 +102,6 @@ def _policy(policy: MixedPrecisionPolicy | None) -> dict:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    from meshfit.parallel.activation import find_blocks
-
     try:
         return find_blocks(model)
     except ValueError:  # no repeated blocks: the root is the only unit
@@ -140,7 +139,7 @@ def available_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
-        import psutil
+        import psutil  # optional (a test dependency, not meshfit's)
 
         return int(psutil.virtual_memory().available)
     except ImportError:

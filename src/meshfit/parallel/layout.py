@@ -69,7 +69,7 @@ __all__ = ["Candidate", "Engine", "Layout", "LayoutCosts", "ModelFacts", "check_
 
 def precision_dtype(mode: str) -> torch.dtype | None:
     """The low-precision compute dtype of a mixed-precision mode (None for "no")."""
-    import torch
+    import torch  # here: torch-free at import (TORCH_FREE, tests/test_architecture.py)
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
 
@@ -101,8 +101,10 @@ class ModelFacts:
         """The facts of `model` (a meta-device model is enough), from its plans: the given
         ones, else the built-in ones of its type (a model without a built-in TP plan states
         no sizes; `apply_tp` then checks the plan it is given)."""
+        # here: the plans and ep.py import torch, and this module is torch-free (TORCH_FREE)
         from meshfit.models.plans import (TPPlan, adapted_model, has_builtin_plans,
                                           pipeline_plan_for, plan_for)
+        from meshfit.parallel.ep import moe_modules
 
         model = adapted_model(model)  # LoRA changes no block, head or width
         builtin = has_builtin_plans(model)
@@ -114,8 +116,6 @@ class ModelFacts:
             divisible = tuple(tp_plan.divisible)
         else:
             divisible = tuple(plan_for(model).divisible) if builtin and tp_plan is None else ()
-        from meshfit.parallel.ep import moe_modules
-
         return cls(n_blocks=len(pipeline_plan.blocks_of(model)), divisible=divisible,
                    experts=tuple(m.n_experts for m in moe_modules([model])))
 
@@ -278,6 +278,8 @@ class Layout:
 
     def model_problem(self, facts: ModelFacts, *, seq_len=None, schedule=None,
                       microbatches=None, virtual_stages=None, names=None) -> str | None:
+        # here: both import torch (pipeline_problem with torch.distributed.pipelining), and
+        # this module is torch-free (TORCH_FREE)
         from meshfit.models.plans import divisibility_problem
         from meshfit.parallel.pp import pipeline_problem
 

@@ -25,6 +25,7 @@ __all__ = ["axis_mesh", "build_mesh", "dp_mesh", "expert_fsdp_mesh", "fsdp_mesh"
 
 def build_mesh(layout, device_type: str) -> DeviceMesh:
     """The `DeviceMesh` of `layout` over the default process group (a collective)."""
+    # here: this module is torch-free at import (TORCH_FREE, tests/test_architecture.py)
     from torch.distributed.device_mesh import init_device_mesh
 
     ep = layout.dims.ep

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from meshfit._compat import dynamo
+
 __all__ = ["CheckpointMode", "CheckpointPolicy", "CompileScope", "FLOAT8_RECIPES", "ModelOptions",
            "SCHEDULES",
            "check_checkpointing", "check_compile_args", "compile_mode"]
@@ -72,7 +74,7 @@ def check_backend_mode(backend: object, mode: str | None, backend_field: str, mo
     """One-line ValueError for a torch.compile backend or inductor mode torch does not know
     (torch is imported only for a name outside the common ones)."""
     if not callable(backend) and backend not in _COMMON_BACKENDS:  # a function is a backend too
-        import torch.compiler
+        import torch.compiler  # here: torch-free at import (TORCH_FREE, tests/test_architecture.py)
 
         backends = sorted(set(torch.compiler.list_backends()) | {"inductor", *_DEBUG_BACKENDS})
         registered = torch.compiler.list_backends(exclude_tags=())  # with the debug ones
@@ -87,9 +89,7 @@ def check_backend_mode(backend: object, mode: str | None, backend_field: str, mo
             f"{backend_field}={backend!r}; drop {mode_field} or use {backend_field}='inductor'")
     if mode in _COMMON_MODES:
         return
-    from meshfit._compat import dynamo  # heavy import (inductor): only for an unusual mode
-
-    modes = dynamo.inductor_modes()
+    modes = dynamo.inductor_modes()  # (inductor loads here, for an unusual mode only)
     if mode not in modes:
         raise ValueError(f"{where}{mode_field}={mode!r} is not an inductor mode; use None or "
                          f"one of {modes}")

@@ -32,6 +32,13 @@ import torch
 from torch import nn
 
 from meshfit._compat.ops import is_view
+from meshfit.distributed.collectives import apply_to_tensors
+from meshfit.parallel.activation import apply_activation_checkpointing
+from meshfit.parallel.compile import apply_compile
+from meshfit.parallel.cp import apply_cp
+from meshfit.parallel.ddp import apply_ddp
+from meshfit.parallel.ep import apply_ep
+from meshfit.parallel.float8 import apply_float8
 from meshfit.parallel.layout import Engine, Layout
 from meshfit.parallel.options import ModelOptions, compile_mode
 
@@ -68,6 +75,8 @@ def _tensor_parallel(model: nn.Module, tp_mesh, layout: Layout, options: ModelOp
     """Tensor parallel on ``mesh["tp"]``: `apply_tp` needs the plain module."""
     if tp_mesh is None:
         return
+    # deferred: tp/ loads torch.distributed.tensor.parallel, ~0.5 s at import (-X importtime,
+    # after the trainer's imports), which a run without tp does not need
     from meshfit.parallel.tp import apply_tp
 
     apply_tp(model, tp_mesh, plan=options.tp_plan, sequence_parallel=layout.sequence_parallel,
@@ -81,8 +90,6 @@ def _expert_parallel(model: nn.Module, layout: Layout, mesh, device: torch.devic
     ep_mesh = layout.axis_mesh(mesh, "ep")
     if ep_mesh is None:
         return None
-    from meshfit.parallel.ep import apply_ep
-
     return apply_ep(model, ep_mesh, device=device)
 
 
@@ -91,8 +98,6 @@ def _context_parallel(model: nn.Module, layout: Layout, mesh, options: ModelOpti
     cp_mesh = layout.axis_mesh(mesh, "cp")
     if cp_mesh is None:
         return
-    from meshfit.parallel.cp import apply_cp
-
     apply_cp(model, cp_mesh, balanced=options.cp_load_balance)
 
 
@@ -103,8 +108,6 @@ def _float8(model: nn.Module, options: ModelOptions, tp_mesh, device: torch.devi
     if tp_mesh is not None:
         raise ValueError("float8=True with tensor parallel (tp > 1) is not available yet; "
                          "use float8 with data parallel, ZeRO/FSDP or pipeline layouts")
-    from meshfit.parallel.float8 import apply_float8
-
     apply_float8(model, options.float8_recipe, device=device)
 
 
@@ -112,8 +115,6 @@ def _checkpointing(model: nn.Module, options: ModelOptions) -> None:
     """Activation checkpointing of each transformer block."""
     if options.activation_checkpointing == "none":
         return
-    from meshfit.parallel.activation import apply_activation_checkpointing
-
     apply_activation_checkpointing(model, options.activation_checkpointing,
                                    every=options.activation_checkpointing_every,
                                    policy=options.activation_checkpointing_policy)
@@ -123,8 +124,6 @@ def _compile(model: nn.Module, options: ModelOptions) -> None:
     """torch.compile of each (checkpointed) block, or of the whole model."""
     if not options.compile:
         return
-    from meshfit.parallel.compile import apply_compile
-
     apply_compile(model, backend=options.compile_backend, mode=compile_mode(options.compile_mode),
                   scope=options.compile_scope)
 
@@ -137,11 +136,11 @@ def _data_parallel(model: nn.Module, layout: Layout, options: ModelOptions, mesh
     if layout.engine in (Engine.DDP, Engine.ZERO1):
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (e.g. an evaluation-only model)
-        from meshfit.parallel.ddp import apply_ddp
-
         return apply_ddp(model, layout.grad_mesh(mesh), device=device, **options.ddp_kwargs)
     if not layout.is_fsdp:
         return model
+    # deferred: FSDP2 (torch.distributed.fsdp) adds ~0.6 s to the trainer's import (-X
+    # importtime), which a DDP or one-device run does not need
     from meshfit.parallel.fsdp import apply_fsdp
 
     if tp:
@@ -158,6 +157,4 @@ def _fresh_outputs(module: nn.Module, args, output):
     node, dropping that hook, and the backward all-gather is silently skipped. Tensor
     parallel's `to_local()` returns views (the gathered logits, for one), so such an output
     is copied once, here, before FSDP2 registers its hook."""
-    from meshfit.distributed.collectives import apply_to_tensors
-
     return apply_to_tensors(lambda t: t.clone() if t.requires_grad and is_view(t) else t, output)

@@ -22,14 +22,16 @@ of another type passes its own plans (``apply_tp(plan=...)``, ``prepare_pipeline
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from fnmatch import fnmatchcase
 
 from torch import nn
 
 from meshfit.models.gpt import GPT
-from meshfit.models.plans.base import (PipelinePlan, Style, TPPlan, colwise, divisibility_problem,
-                                       gather_sequence, prepare_input, replicate,
-                                       replicate_local, rowwise, sequence)
+from meshfit.models.plans.base import (REPLICATE, SHARD_LAST, PipelinePlan, Style, TPPlan, colwise,
+                                       divisibility_problem, gather_sequence, prepare_input,
+                                       replicate, replicate_local, rowwise, sequence)
 from meshfit.models.plans.gpt import gpt_pipeline_plan, gpt_plan
 from meshfit.models.plans.hf import (hf_gpt2_pipeline_plan, hf_gpt2_plan, hf_llama_pipeline_plan,
                                      hf_llama_plan, hf_moe_pipeline_plan, hf_moe_plan)
@@ -128,10 +130,6 @@ def lora_plan(plan: TPPlan, model: nn.Module) -> TPPlan:
 
     A and B whole are replicated DTensors, so their gradients are summed over the ranks
     that computed parts of them. Other styles on an adapted module are refused."""
-    from dataclasses import replace as _replace
-
-    from meshfit.models.plans.base import REPLICATE, SHARD_LAST
-
     names = {n: m for n, m in model.named_modules()}
     styles: dict[str, object] = {}
     for key, style in plan.styles.items():
@@ -158,14 +156,12 @@ def lora_plan(plan: TPPlan, model: nn.Module) -> TPPlan:
             styles[f"{full}.lora_B.{a}"] = b_style(
                 input=REPLICATE, output=style.output or (SHARD_LAST if column else REPLICATE),
                 local_output=local)
-    return _replace(plan, styles=styles,
-                    local_attrs={_LORA_PREFIX + k: v for k, v in plan.local_attrs.items()})
+    local_attrs = {_LORA_PREFIX + k: v for k, v in plan.local_attrs.items()}
+    return dataclasses.replace(plan, styles=styles, local_attrs=local_attrs)
 
 
 def _matches_pattern(pattern: str, name: str) -> bool:
     """fnmatch per dotted atom, as `apply_tp` matches plan keys."""
-    from fnmatch import fnmatchcase
-
     p, n = pattern.split("."), name.split(".")
     return len(p) == len(n) and all(fnmatchcase(b, a) for a, b in zip(p, n))
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshfit._compat import pipelining as pp_internals
 from meshfit.distributed.tensors import local_tensor
+from meshfit.models.plans.regroup import canonical_state, regrouped_params
 from meshfit.parallel.clip import clip_grad_norm_
+from meshfit.parallel.ep import moe_modules
 from meshfit.parallel.pp.schedule import TokenCrossEntropy, check_batch
 
 __all__ = ["Pipeline"]
@@ -86,10 +89,6 @@ class Pipeline:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict (every stage's part, sharded tensors gathered) on CPU
         on global rank 0, {} elsewhere; a collective: call on every rank."""
-        from torch.distributed.tensor import DTensor
-
-        from meshfit.models.plans.regroup import canonical_state, regrouped_params
-
         mine = {}
         for m in self.modules:  # full_tensor: collectives inside this stage's tp/dp groups
             whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
@@ -145,8 +144,6 @@ class Pipeline:
         """The mixture-of-experts blocks of this rank's stages: their auxiliary losses enter
         backward from each block's output (`MoE.aux_grad_scale`), since the loss the
         schedule differentiates is the last stage's cross-entropy alone."""
-        from meshfit.parallel.ep import moe_modules
-
         return moe_modules(self.modules)
 
     def eval_loss(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
@@ -285,8 +282,6 @@ class Pipeline:
 def _grad_as_param(p: torch.Tensor) -> torch.Tensor | None:
     """`p.grad`, laid out as `p` (a tensor-parallel embedding's gradient can come back
     replicated while its weight is sharded); re-assigned so that writes to it land."""
-    from torch.distributed.tensor import DTensor
-
     g = p.grad
     if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
         p.grad = g = g.redistribute(p.device_mesh, p.placements)

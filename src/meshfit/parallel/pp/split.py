@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from torch import nn
 
 from meshfit._compat import nn as nn_internals
 from meshfit.distributed.tensors import names_by_parameter
+from meshfit.models.config import GPTConfig
 from meshfit.models.plans import PipelinePlan, pipeline_plan_for
 from meshfit.parallel.pp.schedule import _sync
 
@@ -72,8 +74,6 @@ def _part_costs(model_or_cfg, plan) -> tuple[float, list[float], float]:
 
     A tied head counts on the last stage too: in a pipeline it is a second copy there.
     """
-    from meshfit.models.config import GPTConfig
-
     if isinstance(model_or_cfg, GPTConfig):
         cfg, parts = model_or_cfg, model_or_cfg.param_breakdown()
         head = cfg.vocab_size * cfg.d_model
@@ -154,8 +154,6 @@ def block_times(model: nn.Module, sample: torch.Tensor, *, repeats: int = 3,
     """Measured forward+backward seconds of [first extras, each block, last extras] on `sample`
     ids [b, T]: each part run alone (cut out as `build_stage_module` cuts stages), median of
     `repeats` runs after one warm-up, CUDA synchronised. For `split_points(balance="time")`."""
-    import statistics
-
     plan = resolve_plan(model, plan)
     n = len(plan.blocks_of(model))
     pieces = [_prune(model, plan, [], first=True, last=False),

@@ -27,12 +27,14 @@ import hashlib
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from meshfit.distributed.tensors import names_by_parameter
+from meshfit.models import plans
 from meshfit.parallel.tp.styles import NO_PARAMS, planned_placement, to_torch_style
 
 __all__ = ["apply_tp", "tp_cross_entropy"]
@@ -97,8 +99,6 @@ def _check_same_rng(model: nn.Module, tp_mesh) -> None:
     replicas drift apart silently (Megatron keeps one RNG stream per TP group for them)."""
     if not any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
         return
-    import torch.distributed as dist
-
     state = torch.get_rng_state().numpy().tobytes()
     if any(p.is_cuda for p in model.parameters()):
         state += torch.cuda.get_rng_state().numpy().tobytes()
@@ -170,8 +170,6 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan=None, sequence_parallel: bool = 
     reference GPT's `model(idx, targets)` then computes its loss that way by itself, while
     Hugging Face `labels=` is refused with advice. `sequence_parallel=True` needs T divisible
     by the TP degree (checked per forward)."""
-    from meshfit.models import plans
-
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D mesh, got axes {tp_mesh.mesh_dim_names}; pass "
                          "mesh['tp']")

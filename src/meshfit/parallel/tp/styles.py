@@ -11,12 +11,14 @@ data into PyTorch `ParallelStyle` objects.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, \
     distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, \
-    PrepareModuleOutput, RowwiseParallel, SequenceParallel
+    PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel
 
 from meshfit._compat import nn as nn_internals
 from meshfit._compat import tensor_parallel as tp_internals
@@ -126,8 +128,6 @@ class SequenceParallelBroadcast(tp_internals.SequenceParallelHooks):
 
 def _is_conv1d(module: nn.Module) -> bool:
     # Hugging Face's transposed linear (GPT-2); only imported when such a model exists.
-    import sys
-
     pytorch_utils = sys.modules.get("transformers.pytorch_utils")
     return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
 
@@ -258,8 +258,6 @@ def to_torch_style(style) -> ParallelStyle:
     if style.kind == "replicate_local":
         return ReplicateLocal()
     if style.kind == "gather_sequence":
-        from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
         return PrepareModuleInputOutput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
             use_local_input=True, output_layouts=(Replicate(),),
