@@ -121,7 +121,7 @@ def test_one_process_equals_the_state_in_memory(tmp_path, kind):
 
 
 def test_bad_folders_optimizers_and_disks(tmp_path, monkeypatch):
-    from meshfit.parallel import disk
+    from meshfit.parallel import disk, offload_files
     from meshfit.parallel.disk import DiskOffload, check_free_space
 
     model = tiny_gpt(dtype=torch.float32)
@@ -137,7 +137,8 @@ def test_bad_folders_optimizers_and_disks(tmp_path, monkeypatch):
     assert not (tmp_path / "a").exists()  # nothing created for a refused optimizer
     # too little free space: refused with the bytes needed and free, before any file
     need = 8 * sum(p.numel() for p in model.parameters())
-    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: type("U", (), {"free": need - 1}))
+    monkeypatch.setattr(offload_files.shutil, "disk_usage",
+                        lambda path: type("U", (), {"free": need - 1}))
     with pytest.raises(ValueError, match=r"the optimizer state needs 0\.\d+ GiB \(1 rank\(s\) "
                                          r"x 0\.\d+\) and 0\.\d+ GiB is free there"):
         check_free_space(torch.optim.AdamW(model.parameters()), tmp_path / "b")

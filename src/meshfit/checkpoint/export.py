@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 
 from meshfit._files import fsync_path, new_file_mode, remove_stale_temps, temp_sibling
+from meshfit.checkpoint import weight_digests
 from meshfit.checkpoint.load import read_whole
 from meshfit.checkpoint.manifest import CheckpointError, Manifest, verify
 from meshfit.checkpoint.store import latest
@@ -62,9 +63,10 @@ def canonical(state: dict[str, torch.Tensor], manifest: Manifest, index: int,
 
 def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
     """Write `state` as safetensors, atomically (a temporary file, fsync, rename, fsync of
-    the folder; the temporary files of a killed earlier save are removed first). Tensors
-    sharing storage (tied weights) are written as separate copies, which safetensors
-    requires; both names load back into the tied model."""
+    the folder; the temporary files of a killed earlier save are removed first), and its
+    digests beside it (`meshfit.checkpoint.weight_digests`: every meshfit reader checks
+    them). Tensors sharing storage (tied weights) are written as separate copies, which
+    safetensors requires; both names load back into the tied model."""
     seen: set[int] = set()
     tensors = {}
     for name, tensor in state.items():
@@ -74,6 +76,7 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
         seen.add(storage)
     path = Path(path)
     remove_stale_temps(path)  # of a save that was killed
+    weight_digests.forget(path)  # (a write killed before `record`: unchecked, not refused)
     # safetensors writes its own ".tmpXXXXXX" beside the file it is given and renames it
     # (mode 0600, no fsync): inside a temporary folder of ours, a kill leaves it where
     # remove_stale_temps finds it.
@@ -87,6 +90,7 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
         fsync_path(path.parent)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    weight_digests.record(path)
     return path
 
 

@@ -10,7 +10,10 @@ whole parameters (DDP, ZeRO-1, one process, a pipeline stage before sharding) re
 tensors, but only those of its modules.
 
 Folders: ``model.safetensors`` or sharded ``model.safetensors.index.json`` + shards, as
-``save_pretrained`` writes them; ``pytorch_model.bin`` (pickle) is refused.
+``save_pretrained`` writes them; ``pytorch_model.bin`` (pickle) is refused. A folder meshfit
+wrote (``OUT/model``) carries its files' digests (`meshfit.checkpoint.weight_digests`): each
+rank checks the 1 MiB blocks under the bytes it reads before using them, and `check_weights`
+checks every byte before launch.
 
 Mixture-of-experts checkpoints. transformers 5 holds the routed experts of Mixtral, Qwen2-MoE
 and the models sharing their layout fused, ``mlp.experts.gate_up_proj`` [E, 2F, d] (gate rows,
@@ -45,6 +48,7 @@ from safetensors import safe_open
 from torch import nn
 
 from meshfit._compat.dcp import local_shape_and_offset
+from meshfit.checkpoint import weight_digests
 from meshfit.distributed.tensors import local_tensor, names_by_parameter
 from meshfit.models.plans.regroup import group_columns, regrouped_params
 
@@ -110,7 +114,9 @@ def pretrained_folder(model: nn.Module) -> str | None:
 
 
 class _Files:
-    """Tensor name -> file, over a single or sharded safetensors checkpoint."""
+    """Tensor name -> file, over a single or sharded safetensors checkpoint. A folder that
+    meshfit wrote carries the files' digests (`meshfit.checkpoint.weight_digests`): every
+    read of a slice checks the blocks under its bytes first."""
 
     def __init__(self, folder: Path):
         index = folder / "model.safetensors.index.json"
@@ -120,6 +126,8 @@ class _Files:
             with safe_open(str(folder / "model.safetensors"), "pt") as fh:
                 weight_map = {k: "model.safetensors" for k in fh.keys()}
         self.folder, self.weight_map, self._open = folder, weight_map, {}
+        self._checker = weight_digests.Checker(folder)
+        self._headers: dict[str, tuple[int, dict]] = {}
 
     def key(self, name: str, prefix: str) -> str | None:
         """The file's key for the model's `name` (with or without the base model prefix)."""
@@ -132,7 +140,67 @@ class _Files:
         file = self.weight_map[key]
         if file not in self._open:
             self._open[file] = safe_open(str(self.folder / file), "pt")
-        return self._open[file].get_slice(key)
+        found = self._open[file].get_slice(key)
+        if file not in self._checker.files:
+            return found
+        return _CheckedSlice(found, lambda index: self._check(file, key, index))
+
+    def _check(self, file: str, key: str, index) -> None:
+        """Check the blocks of `file` under the bytes of tensor `key`'s region `index`."""
+        if file not in self._headers:
+            self._headers[file] = _header(self.folder / file)
+        base, header = self._headers[file]
+        start, end = header[key]["data_offsets"]
+        shape = header[key]["shape"]
+        lo, hi = _region_bytes(shape, index, end - start)
+        self._checker.check(file, base + start + lo, base + start + hi)
+
+
+class _CheckedSlice:
+    """A safetensors slice whose reads are checked first (`_Files.slice`)."""
+
+    def __init__(self, inner, check):
+        self._inner, self._check = inner, check
+
+    def get_shape(self):
+        return self._inner.get_shape()
+
+    def get_dtype(self):
+        return self._inner.get_dtype()
+
+    def __getitem__(self, index):
+        self._check(index)
+        return self._inner[index]
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    """(offset of the data, header) of the safetensors file `path`."""
+    with path.open("rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        return 8 + length, json.loads(fh.read(length))
+
+
+def _region_bytes(shape: list[int], index, nbytes: int) -> tuple[int, int]:
+    """[lo, hi): the bytes of a row-major tensor of `shape` (`nbytes` in all) that its region
+    `index` (a slice or a tuple of slices, as safetensors takes them) lies within."""
+    index = index if isinstance(index, tuple) else (index,)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if not shape or numel == 0:
+        return 0, nbytes
+    first = last = 0
+    stride = numel
+    for i, n in enumerate(shape):
+        stride //= n
+        part = index[i] if i < len(index) and isinstance(index[i], slice) else slice(None)
+        lo, hi, step = part.indices(n)
+        if hi <= lo:
+            return 0, 0  # an empty region: nothing is read
+        first += lo * stride
+        last += (lo + (hi - 1 - lo) // step * step) * stride
+    item = nbytes // numel
+    return first * item, (last + 1) * item
 
 
 # The per-expert tensors a fused expert parameter is made of, in the order transformers
@@ -281,12 +349,17 @@ def _check_files(folder: Path) -> None:
 
 
 def check_weights(model: nn.Module, folder) -> None:
-    """Before launch, from the safetensors headers only (no tensor read): every parameter of
+    """Before launch, from the safetensors headers (no tensor read): every parameter of
     `model` (built from the folder's config.json, on the meta device) is in the files, with
-    its shape and a floating dtype, and no file is truncated. One line naming the first
-    tensor that differs."""
+    its shape and a floating dtype, and no file is truncated; in a folder meshfit wrote,
+    every file matches its digests. One line naming the first tensor (or bytes) that
+    differs."""
     folder = check_folder(folder)
     _check_files(folder)
+    try:  # every byte of the files, when meshfit wrote them (their digests beside them)
+        weight_digests.check_files(folder)
+    except ValueError as err:
+        raise ValueError(f"model.hf_model={str(folder)!r}: {err}") from None
     files = _Files(folder)
     prefix = getattr(model, "base_model_prefix", "") or "model"
     tied = tied_names(model)

@@ -2,6 +2,7 @@
 `meshfit generate` / `meshfit eval` read.
 
     model.safetensors   every weight, whole (gathered from the layout's shards), fp32
+    meshfit-digests.json  its size and block digests, checked by every meshfit reader
     config.json         Hugging Face models: their own config (``from_pretrained`` loads the
                         folder); the reference GPT: ``{"model_type": "meshfit-gpt", ...}`` with
                         every `GPTConfig` field; a user's model: ``{"model_type":
@@ -26,7 +27,7 @@ from torch import nn
 
 from meshfit._files import (atomic_write_dir, fsync_tree, remove_stale_temps, replace_dir,
                             stale_temps, temp_sibling)
-from meshfit.checkpoint import export
+from meshfit.checkpoint import export, weight_digests
 from meshfit.data import load_tokenizer
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
@@ -117,12 +118,15 @@ def load_model_folder(folder, *, device="cpu", dtype: torch.dtype | None = None
                       ) -> tuple[nn.Module, Any]:
     """The model of a folder written by `save_model_folder` (weights loaded strictly, in
     eval mode; transformers models through their own ``from_pretrained``) and its
-    tokenizer (None when the folder holds none)."""
+    tokenizer (None when the folder holds none). The weights are checked against their
+    digests first (`meshfit.checkpoint.weight_digests`; a folder without them is read as it
+    is)."""
     folder = Path(folder)
     config_path, weights = folder / "config.json", folder / "model.safetensors"
     if not config_path.is_file() or not weights.is_file():
         raise ValueError(f"{folder} holds no model: config.json and model.safetensors are "
                          "expected (a meshfit train run writes them to OUT/model/)")
+    weight_digests.check_files(folder, ["model.safetensors"])  # (none: a folder of the user's)
     config = json.loads(config_path.read_text())
     if config.get("model_type") in (GPT_TYPE, FACTORY_TYPE):
         model = build_from_config(config)

@@ -256,6 +256,15 @@ def _error_tail(failure, lines: int = 3) -> str:
     return " | ".join(kept)
 
 
+def _lost_a_peer(failure) -> bool:
+    """Whether a failed worker's recorded error says another rank of the job had gone."""
+    # (deferred: this module is torch-free, and the backend's phrases live beside torch)
+    from meshfit.distributed.env import peer_lost
+
+    text = _error_tail(failure)
+    return bool(text) and peer_lost(RuntimeError(text)) is not None
+
+
 def oom_kills() -> int | None:
     """How many processes the kernel's out-of-memory killer has ended: this machine's
     ``oom_kill`` count (/proc/vmstat, Linux 4.13+) plus this process's memory cgroup's (v2
@@ -300,11 +309,15 @@ def _available_gib() -> str:
 
 def failure_summary(failures: dict, first: set[int], oom_before: int | None = None) -> str:
     """One line: how many workers failed, which rank failed first (not one the agent stopped
-    afterwards), its exit code and the end of its error. A worker ended by SIGKILL while the
-    out-of-memory killer's count rose past `oom_before` is said to have run out of memory."""
+    afterwards, nor one that failed because another rank had gone), its exit code and the
+    end of its error. A worker ended by SIGKILL while the out-of-memory killer's count rose
+    past `oom_before` is said to have run out of memory."""
     if not failures:
         return "the workers failed"
     early = {r: f for r, f in failures.items() if f.pid in first} or failures
+    # a rank whose error is that another rank has gone (gloo's "Connection closed by peer")
+    # failed because of it, in the same second as often as not: the cause is the other one
+    early = {r: f for r, f in early.items() if not _lost_a_peer(f)} or early
     rank = min(early, key=lambda r: (early[r].timestamp, r))
     f = early[rank]
     code = f"{f.exitcode} ({f.signal_name()})" if f.exitcode < 0 else str(f.exitcode)

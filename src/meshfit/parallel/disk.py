@@ -18,15 +18,22 @@ file reads and writes release the GIL (plain buffered files, `readinto` into pre
 tensors, no copy; a maintained async-I/O library would add a dependency for the same
 overlap on a local disk).
 
-The folder is private to the run (created with owner-only permissions and marked as
-meshfit's; a folder that exists with files in it is refused unless an earlier run left it,
-marked) and removed by `close`, or when the object goes or the process exits, unless
+The folder is private to the run and held by it (`meshfit.parallel.offload_files`: created
+with owner-only permissions and an OS lock on its marker; a folder a live run holds is
+refused, one with files in it is refused unless an earlier run left it, marked and
+unlocked) and removed by `close`, or when the object goes or the process exits, unless
 `keep`. Each file is written to a temporary name and renamed, so a file is never
-half-written; a write error or a full disk raises one line naming the file, and the step's
-state already in memory is not lost to a half-written file (the run stops; its last
-checkpoint is intact). ``state_dict`` returns the offloaded tensors as read-only memory
-maps of their files (no copy in memory: a checkpoint of a model larger than memory streams
-them), ``load_state_dict`` writes them to the files.
+half-written, and the digest of what was written is kept in memory: a file read back is
+checked against it before any of its bytes is used, so a file overwritten, truncated or
+removed by anything else is one line naming the file and the rank, never a silently wrong
+update. A write error (a full disk, ``ulimit -f``) is one line too, and the step's state
+already in memory is not lost to a half-written file (the run stops; its last checkpoint is
+intact). ``state_dict`` returns the offloaded tensors as memory maps of their files, checked
+first (no copy in memory: a checkpoint of a model larger than memory streams them);
+``load_state_dict`` writes them to the files (a state dict loaded into those maps in place
+goes through it, as torch's ``set_optimizer_state_dict`` does). `mapped_state` (ZeRO-1's
+checkpoints) lends maps that a load writes in place: the next read of those files takes them
+as they are then, unchecked once.
 
 Under ZeRO-3, `ParameterFiles` (``offload_params``) moves the parameter shards, the fp32
 master weights, into memory-mapped files of a folder of their own beside the state's.
@@ -35,7 +42,6 @@ master weights, into memory-mapped files of a folder of their own beside the sta
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -44,15 +50,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshfit._compat import fsdp as fsdp_internals
-from meshfit._files import unwritable
+from meshfit.distributed import is_initialized
 from meshfit.distributed.tensors import local_tensor
+from meshfit.parallel.offload_files import (MARKER, OffloadFileError, check_read,
+                                            check_writable, digest, free_bytes, hold, read_file,
+                                            release, write_file)
 
-__all__ = ["DiskOffload", "ParameterFiles", "check_free_space", "check_writable",
-           "disk_bandwidth", "free_bytes", "state_file_bytes"]
-
-_FILE_MODE = 0o600
+__all__ = ["MARKER", "DiskOffload", "OffloadFileError", "ParameterFiles", "check_free_space",
+           "check_writable", "disk_bandwidth", "free_bytes", "state_file_bytes"]
 
 
 def _offloaded(param: torch.Tensor, value: Any) -> bool:
@@ -79,13 +87,17 @@ class DiskOffload(torch.optim.Optimizer):
     wrapped optimizer owns the parameter groups."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, folder: str | os.PathLike, *,
-                 chunk_bytes: int = 256 * 2**20, keep: bool = False):
+                 chunk_bytes: int = 256 * 2**20, keep: bool = False, check: bool = True):
         # No super().__init__: the wrapped optimizer owns the parameters and their groups.
         state_file_bytes(optimizer)  # refuses optimizers whose state it cannot stream
         self.optimizer = optimizer
         self.folder = Path(folder)
         self.keep = keep
-        _make_private(self.folder)
+        self.check = check
+        """Whether each file read back is checked against the digest of what was written
+        (off only to measure what the check costs: benchmarks/disk_offload_check.py)."""
+        self.rank = _rank()
+        fd = hold(self.folder)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._name = {id(p): f"p{i:05d}" for i, p in enumerate(params)}
         self._chunks: list[list[torch.Tensor]] = []
@@ -104,6 +116,8 @@ class DiskOffload(torch.optim.Optimizer):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="meshfit-disk-write")
         self._pending: list[Future] = []
         self._lock = threading.Lock()
+        self._digests: dict[Path, int] = {}  # of each file as this run last wrote it
+        self._lent: set[Path] = set()  # files whose memory maps were handed out
         self.bytes_read = self.bytes_written = 0
         self.seconds = {"reading": 0.0, "writing": 0.0, "updating": 0.0, "waiting": 0.0}
         """Summed over the steps: the threads' time reading and writing files, the time the
@@ -112,7 +126,7 @@ class DiskOffload(torch.optim.Optimizer):
         # the threads stopped and the folder removed (unless kept) when this object goes, or
         # at the interpreter's exit
         self._cleanup = weakref.finalize(self, _release, self._reader, self._writer,
-                                         str(self.folder), keep)
+                                         str(self.folder), fd, keep)
 
     param_groups = property(lambda self: self.optimizer.param_groups,
                             lambda self, value: setattr(self.optimizer, "param_groups", value))
@@ -134,19 +148,15 @@ class DiskOffload(torch.optim.Optimizer):
             for key, (shape, dtype) in self._on_disk.get(id(p), {}).items():
                 local = torch.empty(shape, dtype=dtype)
                 path = self._path(p, key)
-                view = memoryview(local.view(-1).view(torch.uint8).numpy())
-                got = 0
-                with open(path, "rb", buffering=0) as f:
-                    while got < len(view):  # (one read returns at most ~2 GiB on Linux)
-                        n = f.readinto(view[got:])
-                        if not n:
-                            break
-                        got += n
-                if got != local.numel() * local.element_size():
-                    raise OSError(f"offload='disk': {path} holds {got} bytes, "
-                                  f"{local.numel() * local.element_size()} expected")
                 with self._lock:
-                    self.bytes_read += got
+                    lent = path in self._lent
+                    self._lent.discard(path)
+                    expected = None if lent or not self.check else self._digests.get(path)
+                found = read_file(path, _bytes(local), expected, rank=self.rank,
+                                  hashed=self.check)
+                with self._lock:
+                    self._digests[path] = found
+                    self.bytes_read += local.numel() * local.element_size()
                 out.setdefault(id(p), {})[key] = local
         with self._lock:
             self.seconds["reading"] += time.perf_counter() - began
@@ -155,8 +165,11 @@ class DiskOffload(torch.optim.Optimizer):
     def _write(self, items: list[tuple[Path, torch.Tensor]]) -> None:
         began = time.perf_counter()
         for path, local in items:
-            _write_file(path, local)
+            with self._lock:  # (the file is replaced: a map handed out no longer reaches it)
+                self._lent.discard(path)
+            written = write_file(path, _bytes(local), rank=self.rank, hashed=self.check)
             with self._lock:
+                self._digests[path] = written
                 self.bytes_written += local.numel() * local.element_size()
         with self._lock:
             self.seconds["writing"] += time.perf_counter() - began
@@ -237,13 +250,28 @@ class DiskOffload(torch.optim.Optimizer):
         return items
 
     # ---------------------------------------------------------------- checkpoints
-    def _mapped(self, p: torch.Tensor, key: str) -> torch.Tensor:
+    def _mapped(self, p: torch.Tensor, key: str, *, lend: bool) -> torch.Tensor:
+        """A memory map of the file of `p`'s `key`, checked as a read is (`read_file`);
+        `lend`: whoever holds it may write the file (its next read takes it as it is)."""
         shape, dtype = self._on_disk[id(p)][key]
+        path = self._path(p, key)
         n = 1
         for s in shape:
             n *= s
-        local = torch.from_file(str(self._path(p, key)), shared=True, size=n,
-                                dtype=dtype).view(shape)
+        try:  # (mapping a missing or short file is no error torch reports by file)
+            size = path.stat().st_size
+        except FileNotFoundError:
+            size = None
+        want = n * torch.empty((), dtype=dtype).element_size()
+        check_read(path, size, want, None, None, rank=self.rank)
+        local = torch.from_file(str(path), shared=True, size=n, dtype=dtype).view(shape)
+        with self._lock:
+            expected = None if path in self._lent or not self.check else self._digests.get(path)
+        if expected is not None:  # (corrupted state is not saved into a checkpoint)
+            check_read(path, want, want, digest(_bytes(local)), expected, rank=self.rank)
+        if lend:
+            with self._lock:
+                self._lent.add(path)
         return self._place(p, local)
 
     def mapped_state(self) -> dict[torch.Tensor, dict[str, Any]]:
@@ -255,18 +283,19 @@ class DiskOffload(torch.optim.Optimizer):
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 for key in self._on_disk.get(id(p), {}):
-                    out.setdefault(p, {})[key] = self._mapped(p, key)
+                    out.setdefault(p, {})[key] = self._mapped(p, key, lend=True)
         return out
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict, its offloaded tensors as memory maps of their
-        files (writes to them go to the files: DCP loads into them in place)."""
+        files, checked first (writes to them go to the files: DCP loads into them in place,
+        then hands them to `load_state_dict`, which writes them anew)."""
         self._wait_writes()
         saved = {}
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 for key in self._on_disk.get(id(p), {}):
-                    saved.setdefault(p, {})[key] = self._mapped(p, key)
+                    saved.setdefault(p, {})[key] = self._mapped(p, key, lend=False)
         for p, entries in saved.items():
             self.optimizer.state[p].update(entries)
         try:
@@ -300,21 +329,17 @@ class DiskOffload(torch.optim.Optimizer):
             self._cleanup()
 
 
-def _write_file(path: Path, local: torch.Tensor) -> None:
-    """`local`'s bytes in `path`, written under a temporary name and renamed (never half
-    written); an error is one line naming the file."""
-    tmp = path.with_suffix(".tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, _FILE_MODE)
-        view = memoryview(local.contiguous().view(-1).view(torch.uint8).numpy())
-        done = 0
-        with open(fd, "wb", buffering=0) as f:
-            while done < len(view):  # (one write takes at most ~2 GiB on Linux)
-                done += f.write(view[done:])
-        os.replace(tmp, path)
-    except OSError as err:
-        raise OSError(f"offload='disk': cannot write {path} ({err.strerror or err}); free "
-                      "space on that disk or give another offload_dir") from None
+def _bytes(local: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor `local`, without a copy."""
+    return memoryview(local.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _rank() -> int | None:
+    """This process's global rank, named in an error (None: one process)."""
+    if is_initialized():
+        return dist.get_rank()
+    rank = os.environ.get("RANK")
+    return int(rank) if rank is not None and rank.isdigit() else None
 
 
 class ParameterFiles:
@@ -339,8 +364,9 @@ class ParameterFiles:
             raise ValueError("offload_params=true: the model has no FSDP2 parameter shards; "
                              "use it with zero_stage=3 (dp_shard > 1)")
         self.folder = Path(folder)
-        _make_private(self.folder)
-        self._cleanup = weakref.finalize(self, _remove, str(self.folder), keep)
+        fd = hold(self.folder)
+        self._cleanup = weakref.finalize(self, release, str(self.folder), fd, keep)
+        rank = _rank()
         self.bytes = 0
         """Bytes of parameter shards in files (this rank)."""
         for i, fsdp_param in enumerate(params):
@@ -352,7 +378,7 @@ class ParameterFiles:
                 raise ValueError("offload_params=true needs the shards on the host (FSDP2's CPU "
                                  f"offload policy); this one is on {data.device}")
             path = self.folder / f"w{i:05d}.bin"
-            _write_file(path, data)
+            write_file(path, _bytes(data), rank=rank)
             mapped = torch.from_file(str(path), shared=True, size=data.numel(),
                                      dtype=data.dtype)
             # both views of the padded shard onto the file's pages, not pinned
@@ -364,17 +390,11 @@ class ParameterFiles:
         self._cleanup()
 
 
-def _remove(folder: str, keep: bool) -> None:
-    if not keep:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, folder: str,
+def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, folder: str, fd: int,
              keep: bool) -> None:
     reader.shutdown(wait=True)
     writer.shutdown(wait=True)
-    if not keep:
-        shutil.rmtree(folder, ignore_errors=True)
+    release(folder, fd, keep)
 
 
 def disk_bandwidth(folder: str | os.PathLike, nbytes: int = 2**30) -> tuple[float, float]:
@@ -405,32 +425,6 @@ def disk_bandwidth(folder: str | os.PathLike, nbytes: int = 2**30) -> tuple[floa
     return write, read
 
 
-def free_bytes(folder: str | os.PathLike) -> int:
-    """Free bytes on the disk `folder` is (or will be, once created) on."""
-    probe = Path(folder)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
-
-
-def check_writable(folder: str | os.PathLike, field: str = "offload_dir") -> None:
-    """One line when `folder` cannot be created or written by this process: a file where a
-    folder should be, a read-only file system, or no write permission on the nearest folder
-    that exists. Nothing is written."""
-    folder = Path(folder)
-    probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    where = "" if probe == folder else f" (its nearest existing folder {str(probe)!r})"
-    if not probe.is_dir():
-        raise ValueError(f"{field}={str(folder)!r}: {str(probe)!r} is a file, not a folder; "
-                         "give a folder path on a local disk")
-    why = unwritable(probe)
-    if why:
-        raise ValueError(f"{field}={str(folder)!r}{where} {why}; give a writable folder on "
-                         "a local disk")
-
-
 def check_free_space(optimizer: torch.optim.Optimizer, folder: str | os.PathLike, *,
                      sharing: int = 1) -> int:
     """One line when the disk under `folder` has less free space than `sharing` ranks'
@@ -443,27 +437,3 @@ def check_free_space(optimizer: torch.optim.Optimizer, folder: str | os.PathLike
                          f"{need / 2**30:.2f}) and {free / 2**30:.2f} GiB is free there; "
                          "give a folder on a larger disk")
     return need
-
-
-MARKER = ".meshfit-offload"
-"""The file that marks a folder as `DiskOffload`'s scratch: a run that stopped without
-removing its folder (killed) leaves one, which the next run may replace (its state is in
-the run's checkpoints, never only here)."""
-
-
-def _make_private(folder: Path) -> None:
-    """`folder`, created for this run only: owner-only permissions. An earlier run's
-    leftover (it holds the marker) is replaced; any other folder with files in it is refused
-    (a path given by mistake: nothing of it is deleted)."""
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        if not (folder / MARKER).is_file():
-            raise ValueError(f"offload_dir={str(folder)!r} exists and is not an empty folder; "
-                             "give a new path (meshfit creates it, private to the run)")
-        shutil.rmtree(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(folder, 0o700)
-        (folder / MARKER).touch(mode=_FILE_MODE)
-    except OSError as err:
-        raise ValueError(f"offload_dir={str(folder)!r} cannot be created "
-                         f"({err.strerror or err}); give a writable folder on a local disk")

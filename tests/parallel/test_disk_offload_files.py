@@ -1,0 +1,174 @@
+"""The files of ``offload="disk"`` (`meshfit.parallel.offload_files`) are trusted only as far
+as they are checked.
+
+- Read back checked: a state file overwritten with same-size zeros between two steps (the
+  case that trained on, silently) is refused at the next step's read, and by `state_dict`
+  (a checkpoint would save it), one line naming the file and the rank; nothing of it
+  reaches the parameters.
+- Held by its run: a second run given the same folder is refused (by `check_writable`
+  before launch, and by `DiskOffload` itself), naming the folder and the process holding
+  it, and the first run's files are untouched; a folder whose run was killed (SIGKILL: no
+  cleanup ran, the OS dropped the lock) is reclaimed.
+- I/O errors are one line naming the file and the rank: a missing file, a truncated one, a
+  write over the process's file size limit (``ulimit -f``); with several processes the
+  launcher's summary blames the rank whose file failed, not the rank that lost it as a
+  peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from reference import tiny_gpt, token_batches
+
+
+def _step(model, opt, x, y, i):
+    loss = model(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """`job(name)`: a model and its AdamW state on disk in `name` after two steps, as rank 1
+    of a job."""
+    from meshfit.parallel.disk import DiskOffload
+
+    monkeypatch.setenv("RANK", "1")
+    made = []
+
+    def make(name: str = "off") -> SimpleNamespace:
+        model = tiny_gpt(dtype=torch.float32)
+        opt = DiskOffload(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path / name,
+                          chunk_bytes=20_000)
+        made.append(opt)
+        x, y = token_batches(8, 16)
+        for i in range(2):
+            _step(model, opt, x, y, i)
+        opt.flush()
+        return SimpleNamespace(model=model, opt=opt, x=x, y=y, folder=tmp_path / name)
+
+    yield make
+    for opt in made:
+        with contextlib.suppress(OSError):
+            opt.close()
+
+
+def test_a_state_file_changed_on_the_disk_is_refused_where_it_is_read(job):
+    run = job()
+    path = run.folder / "p00000.exp_avg.bin"  # (the embedding's: the first chunk)
+    size = path.stat().st_size
+    path.write_bytes(bytes(size))  # same size, zeros: what a stray process could do
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    wanted = (rf"^offload='disk' \(rank 1\): {path}: its {size} bytes differ from those this "
+              r"run wrote \(overwritten or corrupted on the disk\); nothing of it was used")
+    with pytest.raises(ValueError, match=wanted):
+        run.opt.state_dict()  # (a checkpoint would have saved the zeros)
+    with pytest.raises(ValueError, match=wanted):
+        _step(run.model, run.opt, run.x, run.y, 2)
+    after = run.model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())  # no update used it
+
+
+def test_the_offload_folder_is_held_by_its_run(job, tmp_path):
+    from meshfit.parallel.disk import DiskOffload, check_writable
+
+    run = job()
+    files = sorted(p.name for p in run.folder.iterdir())
+    opt = torch.optim.AdamW(run.model.parameters())
+    held = rf"offload_dir='{run.folder}' is in use by another run \(process {os.getpid()} holds"
+    with pytest.raises(ValueError, match=held + r" it\); give each run its own offload_dir"):
+        DiskOffload(opt, run.folder)
+    # before launch: the run's folder holding rank-N folders (as the Accelerator names them)
+    (tmp_path / "job").mkdir()
+    os.symlink(run.folder, tmp_path / "job" / "rank-0")
+    with pytest.raises(ValueError, match=rf"parallel.offload_dir='{tmp_path / 'job'}' is in use "
+                                         rf"by another run \(process {os.getpid()} holds its "
+                                         r"rank-0/\)"):
+        check_writable(tmp_path / "job", "parallel.offload_dir")
+    assert sorted(p.name for p in run.folder.iterdir()) == files  # nothing of it touched
+    _step(run.model, run.opt, run.x, run.y, 2)  # and the first run goes on
+
+
+def test_a_killed_runs_folder_is_reclaimed(tmp_path):
+    from meshfit.parallel import offload_files
+    from meshfit.parallel.disk import DiskOffload
+
+    folder = tmp_path / "off"
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a run that holds the folder, writes a file, and is killed
+        try:
+            offload_files.hold(folder)
+            (folder / "p00000.exp_avg.bin").write_bytes(b"x" * 64)
+            os.write(ready_w, b"1")
+            signal.pause()
+        finally:
+            os._exit(1)
+    assert os.read(ready_r, 1) == b"1"
+    assert offload_files.holder(folder) == pid
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(ready_r)
+    os.close(ready_w)
+    assert offload_files.holder(folder) is None  # the OS dropped the lock
+    opt = DiskOffload(torch.optim.SGD(tiny_gpt().parameters(), lr=0.1, momentum=0.9), folder)
+    assert sorted(p.name for p in folder.iterdir()) == [offload_files.MARKER]
+    opt.close()
+    assert not folder.exists()
+
+
+def test_io_errors_are_one_line_naming_the_file_and_the_rank(job):
+    run = job("missing")
+    missing = run.folder / "p00001.exp_avg_sq.bin"
+    missing.unlink()
+    with pytest.raises(ValueError, match=rf"^offload='disk' \(rank 1\): {missing} is missing "
+                                         r"\(removed while the run used it\)"):
+        _step(run.model, run.opt, run.x, run.y, 2)
+    run = job("short")
+    short = run.folder / "p00001.exp_avg.bin"
+    short.write_bytes(short.read_bytes()[:-4])
+    with pytest.raises(ValueError, match=rf"^offload='disk' \(rank 1\): {short} holds 8188 "
+                                         r"bytes, 8192 expected \(truncated\)"):
+        _step(run.model, run.opt, run.x, run.y, 2)
+    # over `ulimit -f` (Python ignores SIGXFSZ: the write fails), with the limit in the line;
+    # the embedding's 64 KiB of state goes over 16 KiB
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, hard))
+    try:
+        with pytest.raises(ValueError, match=r"^offload='disk' \(rank 1\): cannot write "
+                                             r".*/p00000\.exp_avg\.bin \(File too large: this "
+                                             r"process may write files of 16384 bytes at most, "
+                                             r"ulimit -f\); raise the limit"):
+            job("limited")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_the_launchers_summary_blames_the_rank_whose_file_failed(monkeypatch):
+    """Rank 1's offload file is missing; rank 0, waiting for it in a collective, fails in the
+    same second with gloo's lost-peer error and a lower rank: rank 1 is named."""
+    from meshfit.launch import torchrun
+
+    def failure(pid, code, message):
+        return SimpleNamespace(pid=pid, exitcode=code, timestamp=100, error_file="x",
+                               message={"message": message}, error_file_data={},
+                               signal_name=lambda: "")
+
+    gloo = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+            "closed by peer [127.0.0.1]:10458. This is typically caused by a remote worker "
+            "crashing.")
+    mine = "offload='disk' (rank 1): /x/rank-1/p00000.exp_avg.bin is missing"
+    said = torchrun.failure_summary({0: failure(7, 1, gloo), 1: failure(8, 2, mine)}, {7, 8})
+    assert said == f"2 worker(s) failed; first: rank 1 exit code 2: {mine}"
+    # only lost peers (a rank killed without a word): the first of them, as before
+    said = torchrun.failure_summary({0: failure(7, 1, gloo), 1: failure(8, 1, gloo)}, {7, 8})
+    assert said.startswith("2 worker(s) failed; first: rank 0 exit code 1: ")
