@@ -26,35 +26,36 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from reference import tiny_gpt, token_batches
 
 
-def _step(model, opt, x, y, i):
-    loss = model(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
-    loss.backward()
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)  # p00000 (64 x 64 weight): 16 KiB per moment; p00001 (bias): 256 B
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+
+def _step(model, opt, x):
+    model(x).square().mean().backward()
     opt.step()
     opt.zero_grad()
 
 
 @pytest.fixture
 def job(tmp_path, monkeypatch):
-    """`job(name)`: a model and its AdamW state on disk in `name` after two steps, as rank 1
-    of a job."""
+    """`job(name)`: a model and its AdamW state on disk in `name` after a step, as rank 1 of
+    a job."""
     from meshfit.parallel.disk import DiskOffload
 
     monkeypatch.setenv("RANK", "1")
     made = []
 
     def make(name: str = "off") -> SimpleNamespace:
-        model = tiny_gpt(dtype=torch.float32)
-        opt = DiskOffload(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path / name,
-                          chunk_bytes=20_000)
+        model = _model()
+        opt = DiskOffload(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path / name)
         made.append(opt)
-        x, y = token_batches(8, 16)
-        for i in range(2):
-            _step(model, opt, x, y, i)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+        _step(model, opt, x)
         opt.flush()
-        return SimpleNamespace(model=model, opt=opt, x=x, y=y, folder=tmp_path / name)
+        return SimpleNamespace(model=model, opt=opt, x=x, folder=tmp_path / name)
 
     yield make
     for opt in made:
@@ -64,7 +65,7 @@ def job(tmp_path, monkeypatch):
 
 def test_a_state_file_changed_on_the_disk_is_refused_where_it_is_read(job):
     run = job()
-    path = run.folder / "p00000.exp_avg.bin"  # (the embedding's: the first chunk)
+    path = run.folder / "p00000.exp_avg.bin"
     size = path.stat().st_size
     path.write_bytes(bytes(size))  # same size, zeros: what a stray process could do
     before = {k: v.clone() for k, v in run.model.state_dict().items()}
@@ -73,7 +74,7 @@ def test_a_state_file_changed_on_the_disk_is_refused_where_it_is_read(job):
     with pytest.raises(ValueError, match=wanted):
         run.opt.state_dict()  # (a checkpoint would have saved the zeros)
     with pytest.raises(ValueError, match=wanted):
-        _step(run.model, run.opt, run.x, run.y, 2)
+        _step(run.model, run.opt, run.x)
     after = run.model.state_dict()
     assert all(torch.equal(v, after[k]) for k, v in before.items())  # no update used it
 
@@ -95,7 +96,7 @@ def test_the_offload_folder_is_held_by_its_run(job, tmp_path):
                                          r"rank-0/\)"):
         check_writable(tmp_path / "job", "parallel.offload_dir")
     assert sorted(p.name for p in run.folder.iterdir()) == files  # nothing of it touched
-    _step(run.model, run.opt, run.x, run.y, 2)  # and the first run goes on
+    _step(run.model, run.opt, run.x)  # and the first run goes on
 
 
 def test_a_killed_runs_folder_is_reclaimed(tmp_path):
@@ -120,7 +121,7 @@ def test_a_killed_runs_folder_is_reclaimed(tmp_path):
     os.close(ready_r)
     os.close(ready_w)
     assert offload_files.holder(folder) is None  # the OS dropped the lock
-    opt = DiskOffload(torch.optim.SGD(tiny_gpt().parameters(), lr=0.1, momentum=0.9), folder)
+    opt = DiskOffload(torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9), folder)
     assert sorted(p.name for p in folder.iterdir()) == [offload_files.MARKER]
     opt.close()
     assert not folder.exists()
@@ -132,21 +133,21 @@ def test_io_errors_are_one_line_naming_the_file_and_the_rank(job):
     missing.unlink()
     with pytest.raises(ValueError, match=rf"^offload='disk' \(rank 1\): {missing} is missing "
                                          r"\(removed while the run used it\)"):
-        _step(run.model, run.opt, run.x, run.y, 2)
+        _step(run.model, run.opt, run.x)
     run = job("short")
-    short = run.folder / "p00001.exp_avg.bin"
+    short = run.folder / "p00000.exp_avg.bin"
     short.write_bytes(short.read_bytes()[:-4])
-    with pytest.raises(ValueError, match=rf"^offload='disk' \(rank 1\): {short} holds 8188 "
-                                         r"bytes, 8192 expected \(truncated\)"):
-        _step(run.model, run.opt, run.x, run.y, 2)
+    with pytest.raises(ValueError, match=rf"^offload='disk' \(rank 1\): {short} holds 16380 "
+                                         r"bytes, 16384 expected \(truncated\)"):
+        _step(run.model, run.opt, run.x)
     # over `ulimit -f` (Python ignores SIGXFSZ: the write fails), with the limit in the line;
-    # the embedding's 64 KiB of state goes over 16 KiB
+    # the weight's 16 KiB per moment go over 8 KiB
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))
     try:
         with pytest.raises(ValueError, match=r"^offload='disk' \(rank 1\): cannot write "
                                              r".*/p00000\.exp_avg\.bin \(File too large: this "
-                                             r"process may write files of 16384 bytes at most, "
+                                             r"process may write files of 8192 bytes at most, "
                                              r"ulimit -f\); raise the limit"):
             job("limited")
     finally:
@@ -169,6 +170,10 @@ def test_the_launchers_summary_blames_the_rank_whose_file_failed(monkeypatch):
     mine = "offload='disk' (rank 1): /x/rank-1/p00000.exp_avg.bin is missing"
     said = torchrun.failure_summary({0: failure(7, 1, gloo), 1: failure(8, 2, mine)}, {7, 8})
     assert said == f"2 worker(s) failed; first: rank 1 exit code 2: {mine}"
+    # rank 1 still exiting when rank 0 failed (stopped by the agent, -15): still rank 1
+    said = torchrun.failure_summary({0: failure(7, 1, gloo), 1: failure(8, -15, mine)}, {7})
+    assert said.startswith("2 worker(s) failed; first: rank 1 exit code -15 (")
+    assert said.endswith(mine)
     # only lost peers (a rank killed without a word): the first of them, as before
     said = torchrun.failure_summary({0: failure(7, 1, gloo), 1: failure(8, 1, gloo)}, {7, 8})
     assert said.startswith("2 worker(s) failed; first: rank 0 exit code 1: ")

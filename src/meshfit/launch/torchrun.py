@@ -315,9 +315,13 @@ def failure_summary(failures: dict, first: set[int], oom_before: int | None = No
     if not failures:
         return "the workers failed"
     early = {r: f for r, f in failures.items() if f.pid in first} or failures
-    # a rank whose error is that another rank has gone (gloo's "Connection closed by peer")
-    # failed because of it, in the same second as often as not: the cause is the other one
-    early = {r: f for r, f in early.items() if not _lost_a_peer(f)} or early
+    # A rank whose error is that another rank has gone (gloo's "Connection closed by peer")
+    # failed because of it, often in the same second, and sometimes first: the other rank
+    # may still be exiting (its threads, its files) when the agent stops it. The cause is a
+    # rank that recorded an error of its own.
+    early = ({r: f for r, f in early.items() if not _lost_a_peer(f)}
+             or {r: f for r, f in failures.items() if _error_tail(f) and not _lost_a_peer(f)}
+             or early)
     rank = min(early, key=lambda r: (early[r].timestamp, r))
     f = early[rank]
     code = f"{f.exitcode} ({f.signal_name()})" if f.exitcode < 0 else str(f.exitcode)
