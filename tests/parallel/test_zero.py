@@ -282,7 +282,8 @@ def test_single_process_export(tmp_path):
     fresh.load_state_dict(state)
     x, _ = _data(2)
     torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["model.safetensors"]  # no temp
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "meshfit-digests.json", "model.safetensors"]  # no temp; its digests beside it
 
 
 # ---------------------------------------------------------------- hybrid sharding, 4 ranks

@@ -446,7 +446,7 @@ def test_save_killed_inside_safetensors_then_next_save_cleans(tmp_path):
     assert [p.name for p in left.iterdir()] == [".tmpkilled"]
     assert load_file(str(target))["w"].tolist() == [1.0, 1.0, 1.0]
     write_safetensors({"w": torch.full((3,), 2.0)}, target)
-    assert sorted(tmp_path.iterdir()) == [target]
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "meshfit-digests.json", target]
     assert load_file(str(target))["w"].tolist() == [2.0, 2.0, 2.0]
 
 
@@ -500,7 +500,7 @@ def test_write_safetensors_removes_a_killed_saves_temp_and_keeps_modes(tmp_path,
     (leftover / ".tmpjIylrP").write_bytes(b"\0" * 4096)  # safetensors' own, of a killed save
     monkeypatch.undo()
     write_safetensors({"w": torch.ones(2)}, target)
-    assert sorted(tmp_path.iterdir()) == [target]
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "meshfit-digests.json", target]
     assert target.stat().st_mode & 0o777 == 0o666 & ~_umask()
     folder = _save(tmp_path / "model")
     assert folder.stat().st_mode & 0o777 == 0o777 & ~_umask()

@@ -557,4 +557,4 @@ def test_the_main_job_needs_no_optional_library(tmp_path, subprocess_env):
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "run" / "model").iterdir()) == [
-        "config.json", "meshfit_tokenizer.json", "model.safetensors"]
+        "config.json", "meshfit-digests.json", "meshfit_tokenizer.json", "model.safetensors"]
