@@ -125,7 +125,7 @@ class DiskOffload(torch.optim.Optimizer):
         behind the update is ``1 - waiting / (reading + writing)``."""
         # the threads stopped and the folder removed (unless kept) when this object goes, or
         # at the interpreter's exit
-        self._cleanup = weakref.finalize(self, _release, self._reader, self._writer,
+        self._cleanup = weakref.finalize(self, _release, [self._reader, self._writer],
                                          str(self.folder), fd, keep)
 
     param_groups = property(lambda self: self.optimizer.param_groups,
@@ -142,21 +142,24 @@ class DiskOffload(torch.optim.Optimizer):
         return self.folder / f"{self._name[id(p)]}.{key}.bin"
 
     def _read(self, chunk: list[torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+        """The chunk's state from its files, each file checked against the digest of what
+        was written before the chunk is handed to the update."""
         began = time.perf_counter()
         out: dict[int, dict[str, torch.Tensor]] = {}
         for p in chunk:
             for key, (shape, dtype) in self._on_disk.get(id(p), {}).items():
                 local = torch.empty(shape, dtype=dtype)
                 path = self._path(p, key)
-                with self._lock:
+                found = read_file(path, _bytes(local), rank=self.rank, hashed=self.check)
+                size = local.numel() * local.element_size()
+                with self._lock:  # (a file whose map was lent is taken as it is now)
                     lent = path in self._lent
+                    expected = None if lent or found is None else self._digests.get(path)
+                check_read(path, size, size, found, expected, rank=self.rank)
+                with self._lock:  # (only a file that passed: a retry is checked again)
                     self._lent.discard(path)
-                    expected = None if lent or not self.check else self._digests.get(path)
-                found = read_file(path, _bytes(local), expected, rank=self.rank,
-                                  hashed=self.check)
-                with self._lock:
                     self._digests[path] = found
-                    self.bytes_read += local.numel() * local.element_size()
+                    self.bytes_read += size
                 out.setdefault(id(p), {})[key] = local
         with self._lock:
             self.seconds["reading"] += time.perf_counter() - began
@@ -165,10 +168,9 @@ class DiskOffload(torch.optim.Optimizer):
     def _write(self, items: list[tuple[Path, torch.Tensor]]) -> None:
         began = time.perf_counter()
         for path, local in items:
+            written = write_file(path, _bytes(local), rank=self.rank, hashed=self.check)
             with self._lock:  # (the file is replaced: a map handed out no longer reaches it)
                 self._lent.discard(path)
-            written = write_file(path, _bytes(local), rank=self.rank, hashed=self.check)
-            with self._lock:
                 self._digests[path] = written
                 self.bytes_written += local.numel() * local.element_size()
         with self._lock:
@@ -390,10 +392,9 @@ class ParameterFiles:
         self._cleanup()
 
 
-def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, folder: str, fd: int,
-             keep: bool) -> None:
-    reader.shutdown(wait=True)
-    writer.shutdown(wait=True)
+def _release(threads: list[ThreadPoolExecutor], folder: str, fd: int, keep: bool) -> None:
+    for pool in threads:
+        pool.shutdown(wait=True)
     release(folder, fd, keep)
 
 
