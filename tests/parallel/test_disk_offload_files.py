@@ -18,6 +18,7 @@ as they are checked.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import resource
 import signal
@@ -122,6 +123,16 @@ def test_a_killed_runs_folder_is_reclaimed(tmp_path):
     os.close(ready_r)
     os.close(ready_w)
     assert offload_files.holder(folder) is None  # the OS dropped the lock
+    # (a process it forked that outlived it would hold the lock on: named as such)
+    fd = os.open(folder / offload_files.MARKER, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(ValueError, match=rf"offload_dir='{folder}' is in use: process {pid}, "
+                                             r"which has ended, took it, and a process it "
+                                             r"started still holds it"):
+            offload_files.hold(folder)
+    finally:
+        os.close(fd)
     opt = DiskOffload(torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9), folder)
     assert sorted(p.name for p in folder.iterdir()) == [offload_files.MARKER]
     opt.close()

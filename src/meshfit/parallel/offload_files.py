@@ -179,10 +179,24 @@ def holder(folder: Path) -> int | None:
 
 
 def _in_use(field: str, folder: Path, pid: int, held: Path | None = None) -> ValueError:
-    who = f"process {pid}" if pid else "another process"
     what = "it" if held is None or held == folder else f"its {held.name}/"
+    if pid and not _alive(pid):  # (a process forked by it, e.g. a DataLoader worker)
+        return ValueError(f"{field}={str(folder)!r} is in use: process {pid}, which has ended, "
+                          f"took {what}, and a process it started still holds it; wait for "
+                          "that one to end, or give another offload_dir")
+    who = f"process {pid}" if pid else "another process"
     return ValueError(f"{field}={str(folder)!r} is in use by another run ({who} holds {what}); "
                       "give each run its own offload_dir")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        return True
+    return True
 
 
 def hold(folder: Path) -> int:
