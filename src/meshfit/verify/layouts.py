@@ -468,7 +468,8 @@ def error_line(error: str) -> str:
     last line is often a library's afterthought, such as DDP's advice on
     TORCH_DISTRIBUTED_DEBUG); otherwise the error's first line."""
     lines = error.strip().splitlines()
-    rank = lines[0].removesuffix(":") if lines and lines[0].startswith("rank ") else None
+    rank = lines[0].removesuffix(" failed:") if lines and lines[0].startswith("rank ") \
+        else None
     frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
     if rank is None or not frames:
         return lines[0] if lines else ""
