@@ -27,7 +27,8 @@ from meshfit.checkpoint.saved import load_model_folder
 from meshfit.data import ByteTokenizer, TokenDataset
 from meshfit.distributed import cpu_requested
 from meshfit.models import GPT
-from meshfit.train.models import is_hf, packed_attention
+from meshfit.models.packing import packed_forward
+from meshfit.train.models import is_hf
 from meshfit.train.preflight import check_sampling
 
 
@@ -53,11 +54,11 @@ def context_length(model: nn.Module) -> int | None:
 def _logits(model: nn.Module, idx: torch.Tensor,
             positions: torch.Tensor | None = None) -> torch.Tensor:
     """`positions`: of rows packing several examples (a Hugging Face model's attention is
-    then kept inside each, `meshfit.train.models.packed_attention`)."""
+    then kept inside each, `meshfit.models.packing.packed_forward`)."""
     if positions is not None:
         if not is_hf(model):
             raise ValueError("packed fine-tuning rows need a Hugging Face model")
-        out = model(input_ids=idx, **packed_attention(positions))
+        out = packed_forward(model, idx, positions)
     else:
         out = model(idx) if not is_hf(model) else model(input_ids=idx)
     return getattr(out, "logits", out)
