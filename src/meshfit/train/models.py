@@ -54,9 +54,13 @@ def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
         elif m.source == "hf_config":
             import transformers
 
+            # (trust_remote_code given either way: left unset, transformers asks on the
+            # terminal, mid-command and on every rank, whether to run the folder's code)
             config = transformers.AutoConfig.from_pretrained(
-                str(Path(m.hf_config).expanduser()), local_files_only=True)
-            model = transformers.AutoModelForCausalLM.from_config(config)
+                str(Path(m.hf_config).expanduser()), local_files_only=True,
+                trust_remote_code=m.trust_code)
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, trust_remote_code=m.trust_code)
         elif m.source == "hf_model":
             model = meta_model(m.hf_model)
             if meta:  # before launch: the files hold every weight, whole and floating
