@@ -115,8 +115,8 @@ def test_a_folders_code_runs_only_when_the_user_says_so(folders, capsys, tmp_pat
 
 
 def test_what_a_folder_names_and_what_it_does_not(tmp_path):
-    """An ``auto_map`` beside a model type transformers holds is not code transformers runs
-    (it builds its own class); a folder without config.json, or with a damaged one, names
+    """An ``auto_map`` beside a model type (or tokenizer class) transformers holds is not
+    code transformers runs (it builds its own class); a folder without config.json, or with a damaged one, names
     nothing here (its reader says what is wrong); a factory folder's code is not run by
     transformers' readers (``factories=False``)."""
     (tmp_path / "config.json").write_text(json.dumps(
@@ -127,11 +127,20 @@ def test_what_a_folder_names_and_what_it_does_not(tmp_path):
     assert folder_code(tmp_path) is None
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "meshfit-factory", "factory": "os:system"}))
-    assert folder_code(tmp_path / "config.json") == "factory 'os:system'"
+    assert folder_code(tmp_path / "config.json").endswith(": factory 'os:system'")
     assert folder_code(tmp_path, factories=False) is None
     check_folder_code(tmp_path, trust_code=True, field="RUN_OR_MODEL", how="--trust-code")
+    tokenizer = tmp_path / "tokenizer"  # a tokenizer's remote code: meshfit eval loads it too
+    tokenizer.mkdir()
+    for name, named in (("LlamaTokenizerFast", False), ("ProbeTokenizer", True)):
+        (tokenizer / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": name, "auto_map": {"AutoTokenizer": [None, "tok_x.Probe"]}}))
+        code = folder_code(tokenizer)
+        assert (code == "its tokenizer_config.json names code to run when the tokenizer "
+                "loads: transformers remote code (auto_map: AutoTokenizer -> "
+                "[None, 'tok_x.Probe'])") if named else code is None
     with pytest.raises(ValueError, match=r"^RUN_OR_MODEL='.*': its config.json names code to "
-                                         r"run when the model is built, factory 'os:system'"):
+                                         r"run when the model is built: factory 'os:system'"):
         check_folder_code(tmp_path, trust_code=False, field="RUN_OR_MODEL", how="--trust-code")
 
 

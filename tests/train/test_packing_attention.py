@@ -3,8 +3,9 @@ attention implementation a transformers model may run with, what each document c
 alone (`meshfit.models.packing`): the reference is the model's own forward of each document
 by itself, with no mask and no positions given. Families: Llama (passes the positions to its
 mask), OPT (does not: only a 4-D mask keeps its documents apart), Mistral (every layer
-windowed) and Gemma 2 (windowed and full layers; eager only), the windows shorter than the
-row. Layers that carry a state along the row, and implementations whose mask form is not
+windowed), Gemma 2 (windowed and full layers; eager only), AFMoE (the same, and its masks
+never see the positions: transformers' own packed-sequence path leaks there) and Llama 4
+(chunked and full layers), the windows and chunks shorter than the row. Layers that carry a state along the row, and implementations whose mask form is not
 known, are refused before launch."""
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ FAMILIES = {
                                           max_position_embeddings=64, word_embed_proj_dim=16),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=4),
     "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, sliding_window=4),
+    "afmoe": lambda: transformers.AfmoeConfig(
+        **SMALL, head_dim=16, sliding_window=4, layer_types=["sliding_attention",
+                                                             "full_attention"],
+        num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, num_dense_layers=1),
+    "llama4": lambda: transformers.Llama4TextConfig(
+        **SMALL, head_dim=16, attention_chunk_size=4, num_local_experts=2,
+        num_experts_per_tok=1, intermediate_size_mlp=32, no_rope_layers=[1, 0],
+        layer_types=["chunked_attention", "full_attention"]),
 }
+MOE = ("afmoe", "llama4")
 DOCS = [[5, 7, 4], [3, 9, 4]]  # two rows of 16 tokens, three documents each
 
 
@@ -39,7 +49,8 @@ def _flash_present() -> bool:
 
 
 CASES = [(f, i) for f in ("llama", "opt", "mistral") for i in ("eager", "sdpa")] + \
-    [("gemma2", "eager")] + [(f, "flash_attention_2") for f in ("llama", "mistral")]
+    [("gemma2", "eager"), ("afmoe", "eager"), ("llama4", "sdpa")] + \
+    [(f, "flash_attention_2") for f in ("llama", "mistral")]
 
 
 def _rows(generator: torch.Generator):
@@ -53,11 +64,13 @@ def _rows(generator: torch.Generator):
                          ids=[f"{f}-{i}" for f, i in CASES])
 def test_packed_rows_compute_each_document_alone(family, implementation):
     """Logits of packed rows equal each document's logits alone: float64 on the CPU (eager's
-    softmax runs in float32: 1e-6), bfloat16 on a GPU for flash attention."""
+    softmax runs in float32: 1e-6; the MoE families' grouped matmuls take no float64:
+    float32, 1e-5), bfloat16 on a GPU for flash attention."""
     if implementation.startswith("flash") and not _flash_present():
         pytest.skip("capability: flash attention needs CUDA and a flash kernel; absent here")
     device = "cuda" if implementation.startswith("flash") else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float64
+    dtype = torch.bfloat16 if device == "cuda" else \
+        torch.float32 if family in MOE else torch.float64
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         FAMILIES[family](), attn_implementation=implementation).to(device, dtype).eval()
@@ -67,7 +80,7 @@ def test_packed_rows_compute_each_document_alone(family, implementation):
         alone = torch.stack([torch.cat([model(input_ids=d[None].to(device)).logits[0]
                                         for d in row]) for row in docs])
     assert packed.shape == alone.shape == (2, 16, 64)
-    tol = {"eager": 1e-6, "sdpa": 1e-12}.get(implementation, 2e-2)
+    tol = 1e-5 if family in MOE else {"eager": 1e-6, "sdpa": 1e-12}.get(implementation, 2e-2)
     torch.testing.assert_close(packed, alone, rtol=tol, atol=tol)
 
 

@@ -7,8 +7,9 @@ config.json is not: whoever wrote the folder chose what it names, and opening th
 (``meshfit eval``, ``generate``, ``train`` from it, ``estimate``...) must not run it. Two
 kinds of folder name code: meshfit's own (``"model_type": "meshfit-factory"`` with
 ``"factory": "module:function"``, imported and called to build the model) and transformers'
-remote code (``"auto_map"`` naming classes in the folder's .py files, for a ``model_type``
-transformers does not itself hold). Each runs only when the user says so: ``--trust-code``
+remote code (``"auto_map"`` naming classes in the folder's .py files, in config.json for a
+``model_type`` transformers does not itself hold, or in tokenizer_config.json for a tokenizer
+class it does not hold). Each runs only when the user says so: ``--trust-code``
 on a command, ``model.trust_code = true`` in a run's config, as transformers'
 ``trust_remote_code``.
 """
@@ -57,53 +58,70 @@ def import_object(spec: str, field: str) -> Any:
     return obj
 
 
-def _config_file(folder) -> Path:
-    path = Path(folder).expanduser()
-    return path if path.suffix == ".json" and not path.is_dir() else path / "config.json"
+def _read_json(path: Path) -> dict:
+    """A folder's JSON file as a dict; {} when absent or unreadable (its reader says why)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
-def _transformers_holds(model_type: Any) -> bool:
-    """Whether transformers builds `model_type` from its own code (then it ignores a folder's
-    ``auto_map`` unless told to trust it); False without transformers."""
+def _transformers_holds(model_type: Any = None, tokenizer_class: Any = None) -> bool:
+    """Whether transformers builds `model_type` (or loads `tokenizer_class`) with its own code:
+    then it ignores a folder's ``auto_map`` unless told to trust it, as its ``has_local_code``
+    decides. False without transformers."""
     try:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+        from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
     except ImportError:
         return False
+    if isinstance(tokenizer_class, str) and tokenizer_class:
+        base = tokenizer_class.removesuffix("Fast")
+        return any(tokenizer_class_from_name(n) is not None for n in (base, base + "Fast"))
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING_NAMES
 
 
+def _shown(auto_map: Any) -> str:
+    if isinstance(auto_map, dict):
+        return ", ".join(f"{k} -> {v}" for k, v in auto_map.items())
+    return repr(auto_map)
+
+
 def folder_code(folder, *, factories: bool = True) -> str | None:
-    """What code the config.json of `folder` (a model folder, or a config.json itself) names
-    to build its model, in words ("factory 'mymodels:build'", "transformers remote code
-    (auto_map: AutoModelForCausalLM -> modeling_x.MyModel)"); None when it names none or
-    there is no readable config.json (the reader that opens it says what is wrong).
+    """What code opening `folder` (a model folder, or a config.json itself) would run, in
+    words ("its config.json names code to run when the model is built: factory
+    'mymodels:build'"): a meshfit factory, transformers' remote code for the model
+    (config.json's ``auto_map``) or for its tokenizer (tokenizer_config.json's); None when it
+    names none or its files cannot be read (the reader that opens them says what is wrong).
     `factories`: whether the reader builds meshfit-factory folders (`meshfit eval`,
     ``generate``); transformers' readers (``hf_model``, ``estimate``) never call a factory:
     they refuse its model_type."""
-    try:
-        config = json.loads(_config_file(folder).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
+    path = Path(folder).expanduser()
+    single = path.suffix == ".json" and not path.is_dir()
+    config = _read_json(path if single else path / "config.json")
+    model = "its config.json names code to run when the model is built"
     if factories and config.get("model_type") == FACTORY_TYPE:
-        return f"factory {config.get('factory')!r}"
-    auto_map = config.get("auto_map")
-    if auto_map and not _transformers_holds(config.get("model_type")):
-        shown = ", ".join(f"{k} -> {v}" for k, v in auto_map.items()) \
-            if isinstance(auto_map, dict) else repr(auto_map)
-        return f"transformers remote code (auto_map: {shown})"
+        return f"{model}: factory {config.get('factory')!r}"
+    if config.get("auto_map") and not _transformers_holds(model_type=config.get("model_type")):
+        return f"{model}: transformers remote code (auto_map: {_shown(config['auto_map'])})"
+    tokenizer = {} if single else _read_json(path / "tokenizer_config.json")
+    auto_map = tokenizer.get("auto_map")
+    if isinstance(auto_map, dict):
+        auto_map = auto_map.get("AutoTokenizer")
+    if auto_map and not _transformers_holds(tokenizer_class=tokenizer.get("tokenizer_class")):
+        return ("its tokenizer_config.json names code to run when the tokenizer loads: "
+                f"transformers remote code (auto_map: AutoTokenizer -> {_shown(auto_map)})")
     return None
 
 
 def check_folder_code(folder, *, trust_code: bool, field: str, how: str,
                       factories: bool = True) -> None:
-    """A one-line ValueError when the config.json of `folder` names code to run (`folder_code`)
+    """A one-line ValueError when opening `folder` would run code it names (`folder_code`)
     and the user did not say to trust it; `field` names where the folder was given
     ("RUN_OR_MODEL", "model.hf_model"), `how` the way to say so ("--trust-code",
     "model.trust_code = true")."""
     code = folder_code(folder, factories=factories)
     if code is not None and not trust_code:
-        raise ValueError(f"{field}={str(folder)!r}: its config.json names code to run when the "
-                         f"model is built, {code}; a folder's code runs only when you say so: "
-                         f"add {how} if you trust whoever wrote the folder")
+        raise ValueError(f"{field}={str(folder)!r}: {code}; a folder's code runs only when you "
+                         f"say so: add {how} if you trust whoever wrote the folder")

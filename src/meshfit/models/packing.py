@@ -14,12 +14,12 @@ attention implementation it runs, not on the model:
 - flash attention takes no mask at all: it finds the documents from ``position_ids`` when
   the batch is one row (``_is_packed_sequence``), so the rows are laid end to end.
 - a model whose layers see windows (``sliding_window``, ``attention_chunk_size``) shorter
-  than the row builds a different mask per layer kind; one 4-D mask would replace all of
-  them. Those models get no mask and the positions: transformers' own packed-sequence path
-  (``find_packed_sequence_indices``) then builds each kind's mask, window and documents both,
-  in the form its implementation takes. (Every transformers family with windowed layers
-  passes ``position_ids`` to its mask; families that do not, such as OPT and Bloom, have no
-  windows and take the 4-D mask.)
+  than the row builds a mask per layer kind, and one 4-D mask would replace them all: it gets
+  each kind's mask, window (or chunk) and documents both, as the ``{layer kind: mask}`` dict
+  such models take in place of their own (``config.layer_types``: Gemma 2 and 3, gpt-oss,
+  Llama 4...), or as the one windowed mask where every layer slides (Mistral, Phi-3). Not
+  transformers' packed-sequence path (positions alone): some windowed families (AFMoE) never
+  give their masks the positions.
 
 Layers that carry a state along the row (Mamba, linear attention: ``layer_types`` other than
 attention) would carry it across documents; `check_packable` refuses them before launch.
@@ -68,11 +68,37 @@ def _text_config(model: nn.Module):
     return getter() if callable(getter) else config
 
 
-def _windowed(model: nn.Module, length: int) -> bool:
-    """Whether some layer of `model` attends within a window shorter than `length`."""
+def _window(config, name: str, length: int) -> int | None:
+    """The config's window `name` when some layer attends within fewer than `length` tokens."""
+    w = getattr(config, name, None)
+    return w if isinstance(w, int) and not isinstance(w, bool) and 0 < w < length else None
+
+
+def _masks(model: nn.Module, positions: torch.Tensor, boolean: bool):
+    """The 4-D mask of each layer kind the model runs, for rows of documents (`positions`):
+    one tensor, or {layer kind: tensor} for a model with windowed and full layers."""
     config = _text_config(model)
-    return any(isinstance(w, int) and not isinstance(w, bool) and 0 < w < length
-               for w in (getattr(config, name, None) for name in WINDOWS))
+    length = positions.shape[-1]
+    window = _window(config, "sliding_window", length)
+    chunk = _window(config, "attention_chunk_size", length)
+    allowed = document_causal_mask(positions)  # [B, 1, T, T]: same document, not ahead
+
+    def form(kind: str) -> torch.Tensor:
+        mask = allowed
+        if kind == "sliding_attention" and window:  # transformers': kv > q - window
+            index = torch.arange(length, device=positions.device)
+            mask = mask & (index[:, None] - index[None, :] < window)
+        if kind == "chunked_attention" and chunk:  # chunks count from the document's start
+            part = positions // chunk
+            mask = mask & (part[:, None, :, None] == part[:, None, None, :])
+        return mask if boolean else additive_mask(mask)
+
+    if not (window or chunk):
+        return form("full_attention")
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return {kind: form(kind) for kind in sorted(set(kinds))}
+    return form("sliding_attention" if window else "chunked_attention")
 
 
 def check_packable(model: nn.Module, field: str) -> None:
@@ -95,12 +121,11 @@ def check_packable(model: nn.Module, field: str) -> None:
                          "data.document_mask = false")
 
 
-def additive_mask(positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The [B, 1, T, T] mask an implementation that adds its mask to the scores takes: 0
-    where a token attends (its own document, up to itself), the dtype's lowest value elsewhere
-    (as transformers' own eager masks: finite, so no row can turn into NaN)."""
-    allowed = document_causal_mask(positions)
-    return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The mask an implementation that adds its mask to the scores takes, from a boolean one
+    (True: attend): 0 where a token attends, the dtype's lowest value elsewhere (as
+    transformers' own eager masks: finite, so no row can turn into NaN)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed, torch.finfo(dtype).min)
 
 
@@ -110,8 +135,8 @@ def packed_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.T
     data-parallel wrappers too), with rows packing several documents when `positions` is
     given ([B, T], 0 where each document begins): the documents kept apart in the form the
     model's attention implementation takes (module docstring). The output's ``logits`` are
-    [B, T, V] whatever the form. No cache: a cache would stop transformers reading the
-    positions as documents."""
+    [B, T, V] whatever the form. No cache (rows are trained or scored whole; with a cache
+    transformers would not read the positions as documents on the flash path)."""
     if positions is None:
         return model(input_ids=input_ids, **kwargs)
     kwargs["use_cache"] = False
@@ -122,7 +147,5 @@ def packed_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.T
                     **kwargs)
         out.logits = out.logits.reshape(rows, length, -1)
         return out
-    if _windowed(model, length):  # transformers builds each layer kind's mask itself
-        return model(input_ids=input_ids, position_ids=positions, **kwargs)
-    mask = document_causal_mask(positions) if name in BOOLEAN else additive_mask(positions)
+    mask = _masks(model, positions, boolean=name in BOOLEAN)
     return model(input_ids=input_ids, position_ids=positions, attention_mask=mask, **kwargs)
