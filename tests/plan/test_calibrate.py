@@ -12,7 +12,7 @@ import pytest
 
 from meshfit.cli import calibrate as cal
 from meshfit.cli.calibrate import cmd_calibrate, parse_sizes
-from meshfit.plan.calibrate import Calibration, load_calibration
+from meshfit.plan.calibrate import PP_SCHEDULES, Calibration, load_calibration
 from meshfit.plan.fit import KINDS, CollectiveFit, TrainStepFit, fit_latency_bandwidth
 
 _FITS = {"all_reduce": (1e9, 50e-6), "all_gather": (2e9, 40e-6), "reduce_scatter": (3e9, 30e-6),
@@ -114,21 +114,107 @@ _STEP = {"block_overhead": 1e-3, "flops": 1e10, "optimizer_per_param": 1e-9}
 
 @pytest.mark.parametrize("change, match", [
     (lambda d: d["collectives"].pop("all_reduce"), "lacks collectives.all_reduce;"),
-    (lambda d: d["collectives"].update(all_reduce=5), "invalid collectives.all_reduce;"),
-    (lambda d: d.update(train_step=3), "invalid train_step;"),
-    (lambda d: d.update(train_step={"bf16": {**_STEP, "flops": 0}}), "invalid train_step.bf16;"),
+    (lambda d: d["collectives"].update(all_reduce=5),
+     r"invalid collectives.all_reduce=5 \(an object\);"),
+    (lambda d: d.update(train_step=3), r"invalid train_step=3 \(an object or null\);"),
+    (lambda d: d.update(train_step={"bf16": {**_STEP, "flops": 0}}),
+     r"invalid train_step.bf16.flops=0 \(a rate > 0 and <= 1e\+18 per second\);"),
     (lambda d: d.update(train_step={"fp32": {**_STEP, "token_width": None}}),
-     "invalid train_step.fp32;"),
-    (lambda d: d.update(data_parallel={"ddp": -1.0}), "invalid data_parallel.ddp;"),
-    (lambda d: d.update(world_size=0, disk={"write": 1e9}), "invalid world_size, disk.read;"),
+     r"invalid train_step.fp32.token_width=null \(seconds >= 0\);"),
+    (lambda d: d.update(data_parallel={"ddp": -1.0}),
+     r"invalid data_parallel.ddp=-1.0 \(a multiple >= 0 or null\);"),
+    (lambda d: d.update(world_size=0, disk={"write": 1e9}),
+     r"invalid world_size=0 \(a whole number >= 1\), disk.read=null \(a rate > 0"),
+    (lambda d: d["collectives"]["all_gather"].update(latency=None),
+     r"invalid collectives.all_gather \(bus_bandwidth and latency: both measured or both "
+     r"null\);"),
 ])
 def test_load_calibration_names_each_key_it_refuses(tmp_path, change, match):
-    """Each refusal names the key at fault by its path, every one of them in one line."""
+    """Each refusal names the key at fault by its path, with its value and what it must be,
+    every one of them in one line."""
     d = _file_dict()
     change(d)
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(d))
     _refusal(path, match)
+
+
+def _full_file_dict() -> dict:
+    """A file with every section, and the raw timings meshfit reads back, filled in."""
+    steps = {"step_overhead": 1e-3, "block_overhead": 1e-3, "token_width": 1e-9,
+             "attention_scores": 1e-10, "flops": 1e10, "optimizer_per_param": 1e-9}
+    timed = {"seconds": 0.2, "predicted_without_tp": 0.1, "noise_seconds": 0.01}
+    return {**_file_dict(), "train_step": {"fp32": steps, "bf16": dict(steps), "fp16": None},
+            "data_parallel": {"ddp": 1.5, "zero1": 2.0, "fsdp2": 3.0, "tp": 4.0, "tp_sp": 5.0},
+            "pipeline": dict.fromkeys(PP_SCHEDULES, 0.002),
+            "disk": {"folder": "/x", "write": 1e9, "read": 2e9},
+            "flags": {"pipeline.gpipe": "a reason"},
+            "raw": {"matmul": {"fp32": [{"flops": 1e11}], "bf16": [{"flops": 2e11}]},
+                    "collectives": {k: {"r2": 0.99} for k in KINDS},
+                    "train_step": {"fp32": {"r2": 0.98}, "bf16": {"r2": 0.97}},
+                    "data_parallel": {**{e: {"exposed_seconds": 0.05, "noise_seconds": 0.01}
+                                         for e in ("ddp", "zero1", "fsdp2")},
+                                      "tp": dict(timed), "tp_sp": dict(timed)},
+                    "pipeline": {s: {"seconds": 0.2, "predicted_seconds": 0.1,
+                                     "noise_seconds": 0.01} for s in PP_SCHEDULES},
+                    "noise": {"median_spread": 0.05, "repeats": 5, "timings": 80}}}
+
+
+def _numbers(obj, path=""):
+    """(path, the object holding it, its key) of every number in `obj`, paths as the
+    loader names them."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    for key, value in items:
+        name = (f"{path}.{key}" if path else key) if isinstance(obj, dict) else f"{path}[{key}]"
+        if isinstance(value, (dict, list)):
+            yield from _numbers(value, name)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield name, obj, key
+
+
+def test_every_number_read_from_a_calibration_file_is_checked(tmp_path):
+    """The class of "a figure outside its physical range is used": every number the loader
+    reads (the figures, and the raw timings the planner and the flags read back) is refused,
+    in one line naming its key and value, when it is not finite; every figure (not the raw
+    timings, of which some are differences) when it is negative; every rate when it is 0
+    (a zero bandwidth was a ZeroDivisionError). The file itself loads."""
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_full_file_dict()))
+    assert load_calibration(path).flags == {"pipeline.gpipe": "a reason"}
+    rates = ("bus_bandwidth", "flops", "memory_bandwidth", "write", "read", "fp32", "bf16",
+             "fp16")
+    checked = 0
+    for name, _, _ in _numbers(_full_file_dict()):
+        if name == "schema":
+            continue
+        wrong = [math.nan, math.inf, "1"]
+        if not name.startswith("raw."):
+            wrong.append(-1e-3)
+        if name.rpartition(".")[2] in rates:
+            wrong.append(0)
+        for value in wrong:
+            d = _full_file_dict()
+            _, holder, key = next(n for n in _numbers(d) if n[0] == name)
+            holder[key] = value
+            path.write_text(json.dumps(d))
+            msg = _refusal(path, "has invalid")
+            assert f"{name}={json.dumps(value)} (" in msg, (name, value, msg)
+            checked += 1
+    assert checked > 150
+
+
+def test_a_bad_profile_is_one_line_before_anything_is_planned(tmp_path, cli_refusal):
+    """`meshfit plan --profile` with a zero all-reduce bandwidth (once a 26-line
+    ZeroDivisionError) or a negative step overhead (once a plan's MFU 44% -> 85%)."""
+    for change in (lambda d: d["collectives"]["all_reduce"].update(bus_bandwidth=0),
+                   lambda d: d["train_step"]["fp32"].update(step_overhead=-0.01)):
+        d = _full_file_dict()
+        change(d)
+        (tmp_path / "cal.json").write_text(json.dumps(d))
+        line = cli_refusal("plan", "tiny", "--gpus-per-node", "2", "--gpu", "cpu",
+                           "--profile", str(tmp_path / "cal.json"))
+        assert "cal.json has invalid" in line and ("all_reduce.bus_bandwidth=0 (" in line
+                                                   or "step_overhead=-0.01 (" in line), line
 
 
 def test_load_calibration_reads_the_optional_sections(tmp_path):

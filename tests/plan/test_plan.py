@@ -455,10 +455,17 @@ def test_the_offload_disk_bandwidth_comes_from_the_flag_the_profile_or_the_defau
     from meshfit.cli.plan import _disk_bandwidth
 
     class Measured:
+        def __init__(self, noisy=False):
+            self.noisy = noisy
+
         def disk_bandwidth(self):
             return 3e8
+
+        def trusted(self, figure):
+            return not self.noisy
 
     flag, none = argparse.Namespace(disk_bandwidth=1.5), argparse.Namespace(disk_bandwidth=None)
     assert _disk_bandwidth(flag, Measured()) == 1.5e9
     assert _disk_bandwidth(none, Measured()) == 3e8
     assert _disk_bandwidth(none, None) == 2e9
+    assert _disk_bandwidth(none, Measured(noisy=True)) == 2e9  # flagged: not used
