@@ -14,6 +14,7 @@ TCP between processes of one host), not NVLink.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -60,6 +61,12 @@ class Link:
     """Bus bandwidth per rank, bytes/s."""
     latency: float
     """Seconds per collective call."""
+
+    def __post_init__(self):  # (the cost model divides by the bandwidth)
+        if not (0 < self.bandwidth < math.inf and 0 <= self.latency < math.inf):
+            raise ValueError(f"Link(bandwidth={self.bandwidth!r}, latency={self.latency!r}): "
+                             "the bandwidth must be > 0 bytes/s and the latency >= 0 s, both "
+                             "finite")
 
 
 def _host_memory() -> float:

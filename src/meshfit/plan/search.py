@@ -273,9 +273,10 @@ def _impossible(shape: ModelShape, cluster: Cluster, budget: float, *, seq_len: 
     rest = smallest.activations + shape.block_params * (2 * DTYPE_BYTES[dtype] + 4)
     if rest >= budget:
         return (f"no layout fits {cluster.world_size} GPU(s) of "
-                f"{cluster.memory_per_rank / GiB:.0f} GiB: even one sequence of {seq_len} tokens needs "
-                f"{rest / GiB:.1f} GiB of activations on one rank with full checkpointing; "
-                "lower --seq-len or use tensor parallel with sequence parallel on more GPUs")
+                f"{cluster.memory_per_rank / GiB:.0f} GiB: even one sequence of {seq_len} "
+                f"tokens needs {rest / GiB:.1f} GiB of activations on one rank with full "
+                "checkpointing; lower --seq-len or use tensor parallel with sequence parallel "
+                "on more GPUs")
     need = math.ceil(states / (budget - rest))
     need = math.ceil(need / cluster.gpus_per_node) * cluster.gpus_per_node
     host = states / cluster.world_size / GiB
