@@ -295,7 +295,7 @@ def _check(value: Any, kind: Any, name: str, missing: list, bad: list) -> None:
         return
     if isinstance(kind, _Each):
         if not isinstance(value, dict if kind.mapping else list):
-            bad.append(f"{name}={_shown(value)} (an {'object' if kind.mapping else 'list'})")
+            bad.append(f"{name}={_shown(value)} ({'an object' if kind.mapping else 'a list'})")
             return
         items = value.items() if kind.mapping else enumerate(value)
         for key, item in items:

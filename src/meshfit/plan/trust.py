@@ -14,10 +14,11 @@ A figure is flagged when:
   file's 0 s latency: the times do not grow as the model says);
 * it is a difference that the noise covers: the data-parallel engines' exposed seconds (a
   step under the engine minus the step alone and its optimizer), tensor parallel's and the
-  pipeline schedules' seconds beyond the planner's prediction, each at most the spread of
-  the timings it was taken from (``noise_seconds``: the timings' ranges over their repeats,
-  plus the drift of the step alone timed before and after the engines). Such a figure was
-  clamped at 0 before the flags existed (DDP "x0.00", then "x21.47" the next run);
+  pipeline schedules' seconds beyond the planner's prediction, each at most the noise of
+  the timings it was taken from (``noise_seconds``: half of each timing's range over its
+  repeats, plus the drift of the step alone timed before and after the engines), or below
+  0 (written as 0). Such figures were written silently before the flags existed: DDP
+  "x0.00", then "x21.47" the next run;
 * the whole machine is too noisy to measure (``"machine"``): the repeats of a timing
   spread (max - min over their median) by more than `NOISE_MAX` in the median over all
   timings. Then no figure of the file is used.
