@@ -181,10 +181,10 @@ def _end(left, grace_s: float) -> None:
 
 def enter_worker(argv: list[str]) -> None:
     """``python -m meshfit.launch ARGS``: how the agent starts each worker. Asks Linux to
-    SIGKILL this process when the launcher dies (PR_SET_PDEATHSIG; kept across exec), checks
-    that the launcher was not already gone before that took effect, then replaces itself with
-    ``python -u ARGS``, the command torchrun would have run: same PID, same environment (with
-    the restart count of the whole job where meshfit restarts it), so a script written for
+    SIGKILL this process when the launcher dies (PR_SET_PDEATHSIG), checks that the launcher
+    was not already gone before that took effect, then runs ARGS as ``python -u ARGS`` would,
+    the command torchrun would have run (`run_as_main`): same PID, same environment (with the
+    restart count of the whole job where meshfit restarts it), so a script written for
     torchrun runs unchanged under `meshfit launch` and the other way round."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
     restart, most = os.environ.pop(RESTART_ENV, ""), os.environ.pop(MAX_RESTARTS_ENV, "")
@@ -196,7 +196,52 @@ def enter_worker(argv: list[str]) -> None:
     if launcher.isdigit() and os.getppid() != int(launcher):
         sys.exit(f"meshfit launch: the launcher (PID {launcher}) ended before this worker "
                  "started; not running it")
-    os.execv(sys.executable, [sys.executable, "-u", *argv])
+    run_as_main(argv)
+
+
+def run_as_main(argv: list[str]) -> None:
+    """``python -u ARGS`` in this process (the agent started it with ``-u``): a script
+    (``sys.argv`` and ``sys.path[0]`` as Python sets them) or ``-m module``, as ``__main__``,
+    rather than exec'ing a new interpreter, so that a rank whose collective failed only
+    because another rank died (`meshfit.distributed.env.peer_lost`) says so in one line
+    instead of a dozen lines of gloo's traceback beside the launcher's summary, which names
+    the rank that failed first. Any other error's traceback is Python's, from the script's
+    own first line (this module's and runpy's frames left out)."""
+    import runpy
+
+    sys.excepthook = _worker_excepthook(sys.excepthook)
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+    runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")  # (__file__: absolute)
+
+
+def _worker_excepthook(shown):
+    """A worker's uncaught error: one line when another rank's death caused it, else
+    `shown` (Python's hook) without the frames of the worker's entry."""
+    entry = {__file__, os.path.join(os.path.dirname(__file__), "__main__.py")}
+
+    def hook(kind, value, tb):
+        if "torch" in sys.modules:  # (only torch's collectives report a peer lost)
+            from meshfit.distributed.env import peer_lost
+
+            reason = peer_lost(value)
+            if reason is not None:
+                print(f"meshfit launch: rank {os.environ.get('RANK', '?')} stopped: another "
+                      f"rank of the job is gone ({reason})", file=sys.__stderr__, flush=True)
+                return
+        first = tb
+        while first is not None and (first.tb_frame.f_code.co_filename in entry
+                                     or "runpy" in first.tb_frame.f_code.co_filename):
+            first = first.tb_next
+        if first is not None and isinstance(value, BaseException):  # (Python prints the
+            value.__traceback__ = first  # exception's own traceback)
+        shown(kind, value, first or tb)
+
+    return hook
 
 
 @contextlib.contextmanager
