@@ -222,7 +222,10 @@ def run_as_main(argv: list[str]) -> None:
 def _worker_excepthook(shown):
     """A worker's uncaught error: one line when another rank's death caused it, else
     `shown` (Python's hook) without the frames of the worker's entry."""
-    entry = {__file__, os.path.join(os.path.dirname(__file__), "__main__.py")}
+    import runpy
+
+    entry = {__file__, os.path.join(os.path.dirname(__file__), "__main__.py"), runpy.__file__,
+             "<frozen runpy>"}
 
     def hook(kind, value, tb):
         if "torch" in sys.modules:  # (only torch's collectives report a peer lost)
@@ -234,8 +237,7 @@ def _worker_excepthook(shown):
                       f"rank of the job is gone ({reason})", file=sys.__stderr__, flush=True)
                 return
         first = tb
-        while first is not None and (first.tb_frame.f_code.co_filename in entry
-                                     or "runpy" in first.tb_frame.f_code.co_filename):
+        while first is not None and first.tb_frame.f_code.co_filename in entry:
             first = first.tb_next
         if first is not None and isinstance(value, BaseException):  # (Python prints the
             value.__traceback__ = first  # exception's own traceback)
