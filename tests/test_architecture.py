@@ -27,6 +27,7 @@ imports a private name (``_x``) from another package.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -243,6 +244,80 @@ def test_config_modules_import_no_torch_at_load():
             eager += [f"{name} -> {t}" for t in targets if t == "torch" or t.startswith(
                 "torch.") or (t.startswith("meshfit") and t not in TORCH_FREE)]
     assert eager == []
+
+
+# ---------------------------------------------------------------------------- deferred imports
+# An import inside a function hides a dependency and a cost from the reader. One is kept only
+# for an optional dependency, in a torch-free module (TORCH_FREE: the commands refuse bad
+# input before torch loads), in a compat door (a private name that moved is reported by its
+# `missing()`, not raised when meshfit is imported), or for a part of torch few runs use and
+# whose import costs start-up time -- listed here with what it costs (seconds after
+# `import torch`, torch 2.13 CPU build, 2 cores) and when it is needed.
+REQUIRED = {"torch", "meshfit", "numpy", "rich", "safetensors", "xxhash", "tomli", "tomli_w"}
+DOORS = ("meshfit._compat", "meshfit._torchao")
+SLOW_IMPORTS = {
+    "torch.distributed.checkpoint": "DCP, 0.6 s: a save or a load",
+    "meshfit.checkpoint._reader": "subclasses DCP's reader (DCP's 0.6 s): a load",
+    "meshfit.checkpoint._writer": "subclasses DCP's writer (DCP's 0.6 s): a save",
+    "torch.distributed.tensor": "DTensor, 0.45 s: a sharded layout",
+    "torch.distributed.fsdp": "FSDP2, 0.5 s: ZeRO",
+    "meshfit.parallel.fsdp": "imports FSDP2 (0.5 s): ZeRO",
+    "torch.distributed.optim": "ZeroRedundancyOptimizer, 0.7 s: ZeRO-1",
+    "meshfit.parallel.pp": "imports torch.distributed.pipelining (1.0 s): pipeline parallel",
+    "meshfit.parallel.tp": "imports DTensor's tensor parallel (0.5 s): tensor parallel",
+    "meshfit.peft": "imports peft, an optional dependency: LoRA",
+    "torch.utils.tensorboard": "imports tensorboard, an optional dependency",
+}
+
+
+def _deferred(name: str, source: str, modules) -> list[tuple[str, int]]:
+    """(target, line) of each import inside a function of module `name`."""
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                found += [(a.name, node.lineno) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                found += [(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base,
+                           node.lineno) for a in node.names]
+    return found
+
+
+def _unexplained_deferrals(sources: dict[str, str], modules) -> tuple[list[str], set[str]]:
+    """Deferred imports no rule above explains, and the SLOW_IMPORTS entries that explain one."""
+    bad, used = [], set()
+    for name, source in sorted(sources.items()):
+        if name in TORCH_FREE or name.startswith(DOORS):
+            continue
+        for target, line in _deferred(name, source, modules):
+            top = target.split(".")[0]
+            if top not in REQUIRED and top not in sys.stdlib_module_names:
+                continue  # an optional dependency
+            slow = [k for k in SLOW_IMPORTS if target == k or target.startswith(k + ".")]
+            used.update(slow)
+            if not slow:
+                bad.append(f"{name}:{line} imports {target} inside a function")
+    return bad, used
+
+
+def test_imports_wait_only_for_a_reason():
+    modules = _modules()
+    bad, used = _unexplained_deferrals(
+        {name: path.read_text() for name, path in modules.items()}, modules)
+    assert bad == [], "move these to the top of the module (or give the reason in SLOW_IMPORTS)"
+    assert set(SLOW_IMPORTS) - used == set(), "no longer deferred anywhere: drop from SLOW_IMPORTS"
+
+
+def test_the_deferral_check_finds_one():
+    modules = _modules()
+    source = "def f():\n    import json\n    from torch.distributed.tensor import DTensor\n" \
+             "    import wandb\n"
+    bad, used = _unexplained_deferrals({"meshfit.somewhere": source}, modules)
+    assert bad == ["meshfit.somewhere:2 imports json inside a function"]
+    assert used == {"torch.distributed.tensor"}
 
 
 # ---------------------------------------------------------------------------- sizes

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from meshfit.accelerator.processes import wait_for_everyone
 from meshfit.accelerator.runtime import Runtime
@@ -69,9 +70,6 @@ def save(obj: Any, f, *, writer: bool, safe_serialization: bool = False) -> None
     if not writer:
         return
     if safe_serialization:
-        # Lazy, as in meshfit.checkpoint.export: safetensors loads when a file is written.
-        from safetensors.torch import save_file
-
         save_file(obj, f, metadata={"format": "pt"})
     else:
         torch.save(obj, f)

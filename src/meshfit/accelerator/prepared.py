@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from meshfit._compat import optim as lr_internals
 from meshfit.accelerator.loader import PreparedDataLoader
+from meshfit.parallel.zero1 import constructor_kwargs
 
 __all__ = ["GradientState", "ParameterMap", "PreparedOptimizer", "PreparedScheduler",
            "kind_of", "rebuild_optimizer", "repoint_scheduler", "unscale_gradients"]
@@ -240,8 +241,6 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, params: ParameterMap
     new optimizer of the same class over the replacements (the others kept), with the same
     constructor defaults and per-group keys (hyper-parameters, a scheduler's
     ``initial_lr``). It must not have stepped yet: its state belongs to the old parameters."""
-    from meshfit.parallel.zero1 import constructor_kwargs
-
     groups = []
     replaced = False
     for group in optimizer.param_groups:

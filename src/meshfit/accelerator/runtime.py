@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from meshfit.distributed.env import DistEnv
+from meshfit.models.plans.regroup import canonical_state, regrouped_params
 from meshfit.parallel.disk import DiskOffload, ParameterFiles, check_free_space
 from meshfit.parallel.layout import Engine, Layout
 from meshfit.parallel.zero1 import apply_zero1
@@ -229,11 +230,9 @@ def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    # Lazy: DCP's state-dict helpers take about a second to import, meshfit's model code
-    # (the regrouping rules) some 10 ms; both serve a model being saved.
+    # Lazy: DCP's state-dict helpers take about a second to import; they serve a model being
+    # saved.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from meshfit.models.plans.regroup import canonical_state, regrouped_params
 
     # A collective: every rank all-gathers; with cpu_offload=True torch fills the result on
     # rank 0 only and returns an empty dict elsewhere. Fused q|k|v weights split head-grouped

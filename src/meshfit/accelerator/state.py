@@ -40,6 +40,7 @@ from meshfit.checkpoint.load import load_dcp, read_index
 from meshfit.checkpoint.manifest import CheckpointError, Manifest, start_verify
 from meshfit.checkpoint.save import close_writer_process, commit, save_dcp, save_dcp_async
 from meshfit.distributed.settle import barrier as settled_barrier
+from meshfit.models.plans.regroup import regrouped_params, regrouped_tp
 
 # Functions here take the `Accelerator` ("acc"), whose public attributes say where this
 # process stands (its runtime, layout, precision, step counters, project configuration),
@@ -110,10 +111,6 @@ def _hf_configs(models) -> list[dict | None]:
 def _regrouped(models) -> int:
     """The TP degree a fused q|k|v projection was regrouped for (GPT-2's c_attn under tp;
     1: none): such weights are stored head-grouped for that degree."""
-    # Lazy (as below): it loads meshfit's model code (some 10 ms), which only a checkpoint
-    # needs here.
-    from meshfit.models.plans.regroup import regrouped_tp
-
     return max([regrouped_tp(m) for ms in models for root in ms for m in root.modules()]
                or [1])
 
@@ -121,8 +118,6 @@ def _regrouped(models) -> int:
 def _regrouped_names(models) -> list[dict[str, list[int]]]:
     """Each model's head-grouped parameters (``[chunks, tp, dim]`` by name), over all ranks:
     what `meshfit export` needs to write them in the model's own layout."""
-    from meshfit.models.plans.regroup import regrouped_params
-
     mine = []
     for modules in models:
         found: dict[str, list[int]] = {}

@@ -215,9 +215,14 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu", default="h100", choices=tuple(DEVICES))
     p.add_argument("--gpu-memory", default=None,
-                   help="memory per GPU, e.g. 80GiB (default: the --gpu's)")
-    p.add_argument("--interconnect", default="nvlink", choices=tuple(INTERCONNECTS))
-    p.add_argument("--network", default="infiniband", choices=tuple(NETWORKS))
+                   help="memory per GPU, e.g. 80GiB (default: the --gpu's; cpu: this "
+                        "machine's memory, shared by its processes)")
+    p.add_argument("--interconnect", default=None, choices=tuple(INTERCONNECTS),
+                   help="the link inside a node (default: loopback with --gpu cpu, else "
+                        "nvlink)")
+    p.add_argument("--network", default=None, choices=tuple(NETWORKS),
+                   help="the link between nodes (default: ethernet with --gpu cpu, else "
+                        "infiniband)")
     p.add_argument("--disk-bandwidth", type=float, default=None,
                    help="GB/s each node's disk reads and writes, for the optimizer state on "
                         "disk (proposed only when nothing else fits; default: the --profile's "
@@ -243,7 +248,7 @@ def _plan_parser() -> argparse.ArgumentParser:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from meshfit.plan import DEVICES, INTERCONNECTS, NETWORKS, Cluster, parse_bytes, search
+    from meshfit.plan import DEVICES, Cluster, parse_bytes, search
 
     ns = _plan_parser().parse_args(argv)
     _positive(ns, "--gpus-per-node", "--nodes", "--global-batch-size", "--top", "--vocab-size",
@@ -255,8 +260,8 @@ def cmd_plan(argv: list[str]) -> int:
     if not 0 <= ns.margin < 1:
         raise ValueError(f"--margin={ns.margin} must be in [0, 1), e.g. 0.1")
     device = DEVICES[ns.gpu]
-    if ns.gpu_memory is not None:
-        device = dataclasses.replace(device, memory=parse_bytes(ns.gpu_memory))
+    if ns.gpu_memory is not None:  # (each process's own, also on a CPU)
+        device = dataclasses.replace(device, memory=parse_bytes(ns.gpu_memory), shared=False)
     if ns.out is not None and not Path(ns.out).parent.exists():
         raise ValueError(f"--out={ns.out!r}: its folder does not exist")
     calibration = None
@@ -265,10 +270,8 @@ def cmd_plan(argv: list[str]) -> int:
 
         calibration = load_calibration(ns.profile)
     cluster = Cluster(gpus_per_node=ns.gpus_per_node, nodes=ns.nodes, device=device,
-                      interconnect=INTERCONNECTS[ns.interconnect],
-                      interconnect_name=ns.interconnect, network=NETWORKS[ns.network],
-                      network_name=ns.network, calibration=calibration,
-                      disk_bandwidth=_disk_bandwidth(ns, calibration))
+                      interconnect_name=ns.interconnect, network_name=ns.network,
+                      calibration=calibration, disk_bandwidth=_disk_bandwidth(ns, calibration))
     shape = _shape(ns)
     adapters = _adapters(ns, shape)
     batch = ns.global_batch_size or 8 * cluster.world_size
@@ -293,7 +296,7 @@ def cmd_plan(argv: list[str]) -> int:
             out["validation"] = rows
         print(json.dumps(out, indent=2))
         return 0
-    _print_plans(ns, shape, device, batch, result, plans)
+    _print_plans(ns, shape, batch, result, plans)
     _print_validation(rows)
     if ns.out is not None:
         print(f"wrote {ns.out}: meshfit train --nproc {ns.gpus_per_node} --nnodes {ns.nodes} "
@@ -301,9 +304,8 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
-def _print_plans(ns, shape, device, batch: int, result, plans) -> None:
-    print(f"{shape.name}: {shape.params:,} parameters on {ns.nodes} x {ns.gpus_per_node} "
-          f"{ns.gpu} ({device.memory / GiB:.0f} GiB, {ns.interconnect}, {ns.network}); "
+def _print_plans(ns, shape, batch: int, result, plans) -> None:
+    print(f"{shape.name}: {shape.params:,} parameters on {result.cluster.describe()}; "
           f"global batch {batch} x {ns.seq_len} tokens, {ns.dtype}")
     print(f"{result.scenario}.")
     print(f"{result.considered} settings of legal layouts estimated, {result.too_big} did not "
@@ -312,6 +314,9 @@ def _print_plans(ns, shape, device, batch: int, result, plans) -> None:
     s = result.sources
     print(f"figures from: compute: {s['compute']}; collectives: {s['collectives']}; MFU: "
           f"model FLOPs over {s['mfu_peak']}")
+    if s["not_used"]:  # (flagged by meshfit calibrate: the table's or assumed figures instead)
+        print(f"not used from --profile {ns.profile} (calibrate flagged them; the assumed "
+              f"figures instead): {s['not_used']}")
     for i, p in enumerate(plans, 1):
         b = p.estimate.per_rank_bytes
         unit, scale = ("GiB", GiB) if b["total"] >= GiB else ("MiB", 2**20)
@@ -320,7 +325,8 @@ def _print_plans(ns, shape, device, batch: int, result, plans) -> None:
               f"{(b['params'] + b['grads'] + b['optimizer']) / scale:.1f}, activations "
               f"{b['activations'] / scale:.1f}, buffers {b['buffers'] / scale:.1f}); step "
               f"{p.step_time_s:.3g} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}"
-              + ("" if ns.profile else " (assumed efficiency)"))
+              + ("" if result.cluster.uses(f"matmul_flops.{ns.dtype}") else
+                 " (assumed efficiency)"))
         if p.host_bytes_per_node:
             held = "gradient shards and state chunks" if p.layout.offload_params \
                 else "CPU offload"
@@ -348,7 +354,8 @@ def _disk_bandwidth(ns, calibration) -> float:
     (`meshfit calibrate --offload-dir`), else 2 GB/s."""
     if ns.disk_bandwidth is not None:
         return ns.disk_bandwidth * 1e9
-    measured = calibration.disk_bandwidth() if calibration is not None else None
+    measured = calibration.disk_bandwidth() if calibration is not None and \
+        calibration.trusted("disk") else None
     return measured or 2e9
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshfit.accelerator import Accelerator
 from meshfit.checkpoint import CheckpointError, Manifest, latest, prune, skipped
@@ -412,10 +413,7 @@ class RunReporter:
                 tracker.store_init_configuration(config)
         self.terminal = self.main and sys.stdout.isatty()
         self.bar = None
-        if self.terminal:  # rich's 50 modules (~0.1 s) load here: a rank without a terminal
-            # skips them
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeRemainingColumn)
+        if self.terminal:
             self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn())
             self.task = self.bar.add_task("train", total=total_steps, info="")

@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 __all__ = ["AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration",
            "DistributedDataParallelKwargs", "DistributedType", "DynamoBackend",
@@ -167,9 +168,6 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     def register_comm_hook(self, model: torch.nn.Module) -> None:
         """Register `comm_hook` (wrapped by `comm_wrapper`) on a DDP `model`."""
-        # Lazy: six modules (some 2 ms to import) for a hook few scripts register.
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
         kinds = DDPCommunicationHookType
         power_sgd = (kinds.POWER_SGD, kinds.BATCHED_POWER_SGD)
         hooks = {kinds.FP16: default_hooks.fp16_compress_hook,
