@@ -13,6 +13,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import runpy
 import shutil
 import signal
 import socket
@@ -207,8 +208,6 @@ def run_as_main(argv: list[str]) -> None:
     instead of a dozen lines of gloo's traceback beside the launcher's summary, which names
     the rank that failed first. Any other error's traceback is Python's, from the script's
     own first line (this module's and runpy's frames left out)."""
-    import runpy
-
     sys.excepthook = _worker_excepthook(sys.excepthook)
     if argv[0] == "-m":
         sys.argv = argv[1:]
@@ -222,8 +221,6 @@ def run_as_main(argv: list[str]) -> None:
 def _worker_excepthook(shown):
     """A worker's uncaught error: one line when another rank's death caused it, else
     `shown` (Python's hook) without the frames of the worker's entry."""
-    import runpy
-
     entry = {__file__, os.path.join(os.path.dirname(__file__), "__main__.py"), runpy.__file__,
              "<frozen runpy>"}
 
