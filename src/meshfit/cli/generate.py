@@ -41,6 +41,9 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
                    help="a meshfit train run folder (uses RUN/model/) or a model folder")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda when available, unless MESHFIT_CPU=1)")
+    p.add_argument("--trust-code", action="store_true",
+                   help="run the code the model folder's config.json names (a meshfit factory, "
+                        "transformers' remote code): only for a folder whose writer you trust")
     return p
 
 
@@ -67,7 +70,7 @@ def cmd_generate(argv: list[str]) -> int:
     check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
     from meshfit.generate import generate, load_model  # torch: after the refusals
 
-    model, tokenizer, _, _ = load_model(ns.source, ns.device)
+    model, tokenizer, _, _ = load_model(ns.source, ns.device, trust_code=ns.trust_code)
     text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
                     temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed, chat=ns.chat)
     print(f"user: {ns.prompt}\nassistant: {text}" if ns.chat else ns.prompt + text)
@@ -109,7 +112,7 @@ def cmd_eval(argv: list[str]) -> int:
                          "text files")
     _, run = resolve_model(ns.source)  # fail on a bad folder before loading anything
     cfg = _run_config(run, ns.data)
-    model, tokenizer, _, _ = load_model(ns.source, ns.device)
+    model, tokenizer, _, _ = load_model(ns.source, ns.device, trust_code=ns.trust_code)
     seq_len = _seq_len(ns.seq_len, cfg, context_length(model))
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # any model's
     if vocab is not None and tokenizer.vocab_size > vocab:

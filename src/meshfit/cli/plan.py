@@ -17,6 +17,7 @@ from pathlib import Path
 
 from meshfit.cli import OneLineParser
 from meshfit.distributed.dims import AXES
+from meshfit.models.factory import check_folder_code
 
 _PIPELINE_FIELDS = ("schedule", "microbatches", "virtual_stages")
 
@@ -42,11 +43,17 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "for them alone); qlora: the block linears in 4 bits (NF4)")
     p.add_argument("--lora-r", type=int, default=8, help="the adapters' rank with --peft")
     p.add_argument("--json", action="store_true", help="print JSON (schema: docs/planning.md)")
+    p.add_argument("--trust-code", action="store_true",
+                   help="run the code a MODEL folder's config.json names (transformers' remote "
+                        "code): only for a folder whose writer you trust")
 
 
 def _shape(ns):
     from meshfit.memory import ModelShape
 
+    if Path(ns.model).expanduser().exists():  # a folder or config.json: someone else's code?
+        check_folder_code(ns.model, trust_code=ns.trust_code, field="MODEL", how="--trust-code",
+                          factories=False)
     shape = ModelShape.of(ns.model, vocab_size=ns.vocab_size)
     if ns.seq_len is None:
         ns.seq_len = min(shape.max_seq_len or 4096, 4096)
@@ -370,6 +377,8 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
         model = {"factory": ns.model}
     else:
         model = {"hf_config": str(Path(ns.model).resolve())}
+        if ns.trust_code:  # the run builds it from the same folder
+            model["trust_code"] = True
     # [parallel] is the plan's request, whole: every field, sizes always, the pipeline's
     # only with pp, the other options where they differ from the default
     defaults = {f.name: f.default for f in dataclasses.fields(type(lay))}
@@ -389,7 +398,7 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
     if ns.peft != "none":  # (the estimate adapted every block linear: an upper bound)
         sections["peft"] = {"method": ns.peft, "r": ns.lora_r}
         if ns.peft == "qlora" and "hf_config" in model:  # 4 bits of pretrained weights
-            model = {"hf_model": model["hf_config"]}
+            model = {"hf_model": model.pop("hf_config"), **model}
             sections["model"] = model
     lines = [f"# meshfit plan {' '.join(sys.argv[2:]) if len(sys.argv) > 2 else ns.model}",
              f"# {plan.why}"]

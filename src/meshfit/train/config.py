@@ -15,6 +15,7 @@ from typing import Any, get_args
 from meshfit.data import column_keys, data_format, format_names
 from meshfit.data.corpus import data_source
 from meshfit.models.config import AttentionBackend, GPTConfig
+from meshfit.models.factory import check_folder_code
 from meshfit.optim_names import OPTIMIZERS
 from meshfit.parallel.layout import Layout, check_precision
 from meshfit.parallel.options import ModelOptions
@@ -55,6 +56,10 @@ class ModelConfig:
     pipeline_plan: str = ""
     """"module:PLAN" — where pipeline stages are cut for a model without a built-in plan: a
     `meshfit.models.plans.PipelinePlan` or a function of the model returning one."""
+    trust_code: bool = False
+    """Run code that the hf_config / hf_model folder's config.json names (transformers'
+    remote code, ``auto_map``), as transformers' trust_remote_code: only for a folder whose
+    writer you trust. Without it such a folder is refused before anything runs."""
     n_layer: int | None = None  # Transformer blocks (None: the preset's)
     n_head: int | None = None  # Attention heads (None: the preset's)
     d_model: int | None = None  # Hidden size (None: the preset's)
@@ -106,6 +111,12 @@ class ModelConfig:
             if not (path.is_file() or (path / "config.json").is_file()):
                 raise ValueError(f"model.hf_config={self.hf_config!r} is neither a config.json "
                                  "file nor a folder holding one")
+        check_bool("model", "trust_code", self.trust_code)
+        for name in ("hf_config", "hf_model"):  # before the folder is opened by anything
+            if getattr(self, name):
+                check_folder_code(getattr(self, name), trust_code=self.trust_code,
+                                  field=f"model.{name}", how="model.trust_code = true "
+                                  "(--model.trust_code=true)", factories=False)
         if self.hf_model:
             from meshfit.checkpoint.pretrained import check_folder  # (imports torch)
 
