@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from meshfit._quiet import quiet_logs
@@ -67,6 +68,16 @@ _MUST_MATCH = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "r
                "alpha_pattern")
 
 
+def _peft_wrap(model: nn.Module, config) -> nn.Module:
+    """``peft.get_peft_model``, without the FutureWarning it raises by reading the model's
+    ``is_gradient_checkpointing`` (deprecated by transformers 5): a warning about code neither
+    the user nor meshfit wrote, once per process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return peft.get_peft_model(model, config)
+
+
 def lora(model: nn.Module, r: int = 8, alpha: float = 16,
          target_modules: list[str] | str | None = None, dropout: float = 0.0,
          **kwargs) -> peft.PeftModel:
@@ -99,7 +110,7 @@ def lora(model: nn.Module, r: int = 8, alpha: float = 16,
                          "adapters from the base weights, which a model from meta_model(folder) "
                          "does not hold yet; use the default (True) or 'gaussian'")
     try:
-        wrapped = peft.get_peft_model(model, config)
+        wrapped = _peft_wrap(model, config)
     except NoMatchingPeftModuleError as e:
         # Raised before any module is replaced, so `model` is left untouched.
         raise ValueError(f"lora: target_modules={target_modules!r} matches no module of "
@@ -214,7 +225,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> peft.PeftMod
         _check_config(pm.peft_config[pm.active_adapter], saved, directory)
     else:
         saved.inference_mode = False  # save_pretrained stores True, which would freeze adapters
-        pm = peft.get_peft_model(model, saved)
+        pm = _peft_wrap(model, saved)
     state = load_file(str(directory / _WEIGHTS))
     expected = set(peft.get_peft_model_state_dict(pm).keys())
     if set(state) != expected:

@@ -159,3 +159,17 @@ def test_trust_code_lets_transformers_run_the_remote_code(folders, monkeypatch, 
     model = build_model(cfg, 256, meta=True)
     assert type(model).__name__ == "ProbeForCausalLM" and (remote / "remote-ran").exists()
     assert isinstance(model, nn.Module) and next(model.parameters()).device == torch.device("meta")
+
+
+def test_a_tokenizer_folders_code_runs_only_when_the_user_says_so(tmp_path, capsys):
+    """``[data] tokenizer`` naming a folder whose tokenizer_config.json maps to its own code:
+    `meshfit train` refuses it before anything is launched or written (not transformers'
+    [y/N] prompt mid-run); ``model.trust_code = true`` is the way to allow it."""
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "ProbeTokenizer", "auto_map": {"AutoTokenizer": [None, "tok_x.Probe"]}}))
+    _refused(capsys, ["train", f"--data.tokenizer={tokenizer}", "--out", str(tmp_path / "run"),
+                      "--train.steps=1"],
+             "data.tokenizer=", "model.trust_code = true")
+    assert not (tmp_path / "run").exists()

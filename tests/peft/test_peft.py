@@ -6,6 +6,7 @@ config (no download)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -273,3 +274,12 @@ def test_bad_arguments(kwargs, field):
 def test_plain_module_needs_target_modules():
     with pytest.raises(ValueError, match=r"target_modules=None .*\['0'\]"):
         lora(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_wrapping_a_transformers_model_warns_nothing(recwarn):
+    """peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model:
+    a FutureWarning about code neither the user nor meshfit wrote, which `lora` keeps quiet
+    for library users too (the commands hide it as well)."""
+    warnings.simplefilter("always")
+    lora(_seeded(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)))())
+    assert [str(w.message) for w in recwarn if "is_gradient_checkpointing" in str(w.message)] == []

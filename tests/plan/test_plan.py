@@ -187,6 +187,21 @@ def test_plans_fit_with_the_margin_and_are_ranked():
 
 
 # ---------------------------------------------------------------------------- commands
+def test_estimate_table_reads_in_a_unit_its_cells_show_in(capsys):
+    """A small model's table switches to MiB (or KiB), as plan does: every row's total is
+    non-zero as printed, and the cells add up to the total (within the rounding of 6 cells)."""
+    from meshfit.cli.main import main
+
+    assert main(["estimate", "tiny", "--world-size", "2", "--seq-len", "128"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("MiB per rank"), out[0]
+    rows = [line.split() for line in out[2:] if "refused" not in line]
+    assert rows
+    for row in rows:
+        cells = [float(x) for x in row[-6:]]
+        assert cells[-1] > 0 and abs(sum(cells[:-1]) - cells[-1]) <= 0.03, row
+
+
 def test_estimate_json_schema(capsys):
     from meshfit.cli.main import main
 

@@ -88,9 +88,9 @@ def _eval_args(argv: list[str]) -> argparse.Namespace:
                    help="window length (default: the run's train.seq_len; for a model folder "
                         "the model's context, at most 1024)")
     p.add_argument("--batches", type=int, default=None, metavar="N",
-                   help="batches to evaluate (default: the run's train.eval_batches, so that "
-                        "a run's model gives the val_loss the run logged; else 8); 0 = every "
-                        "window of the data")
+                   help="batches to evaluate (default: the run's train.eval_windows windows, "
+                        "so that a run's model gives the val_loss the run logged; else 8); 0 = "
+                        "every window of the data")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="windows per batch (default: the run's train.micro_batch_size, else 8)")
     ns = p.parse_args(argv)
@@ -128,10 +128,11 @@ def cmd_eval(argv: list[str]) -> int:
                          "one window of seq_len + 1; lower --seq-len or give more --data")
     # A run's own validation split, by default as the run evaluated it (`RunConfig.eval_windows`).
     run_eval = cfg is not None and ns.data is None
-    batches = ns.batches if ns.batches is not None else \
-        cfg.train.eval_batches if run_eval else 8
     batch_size = ns.batch_size if ns.batch_size is not None else \
-        cfg.train.micro_batch_size if run_eval else 8
+        math.gcd(cfg.eval_windows(), cfg.train.micro_batch_size) if run_eval else 8
+    # by default exactly the run's train.eval_windows windows (batched so that they divide)
+    batches = ns.batches if ns.batches is not None else \
+        -(-cfg.eval_windows() // batch_size) if run_eval else 8
     loss, n = evaluate_loss(model, tokens, seq_len, batches=batches, batch_size=batch_size)
     print(f"loss {loss:.6f} perplexity {math.exp(min(loss, 700.0)):.4f} on {n} tokens")
     return 0

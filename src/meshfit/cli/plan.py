@@ -54,7 +54,7 @@ def _shape(ns):
     if Path(ns.model).expanduser().exists():  # a folder or config.json: someone else's code?
         check_folder_code(ns.model, trust_code=ns.trust_code, field="MODEL", how="--trust-code",
                           factories=False)
-    shape = ModelShape.of(ns.model, vocab_size=ns.vocab_size)
+    shape = ModelShape.of(ns.model, vocab_size=ns.vocab_size, trust_code=ns.trust_code)
     if ns.seq_len is None:
         ns.seq_len = min(shape.max_seq_len or 4096, 4096)
     if ns.seq_len < 1:
@@ -187,16 +187,19 @@ def _peft_note(ns) -> str:
 
 
 def _print_estimates(ns, shape, results: list, refused: list) -> None:
+    from meshfit.memory.estimate import byte_unit
+
+    unit, size = byte_unit(e for _, e in results)
     active = (f", {shape.active_params:,} active per token" if shape.active_params is not None
               else "")
     print(f"{shape.name}: {shape.params:,} parameters{active} ({shape.n_layer} blocks of up "
           f"to {shape.block_params:,}); seq_len {ns.seq_len}, {ns.dtype} activations, "
-          f"{ns.optimizer}{_peft_note(ns)}; GiB per rank")
+          f"{ns.optimizer}{_peft_note(ns)}; {unit} per rank")
     print(f"{'layout':34} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} "
           f"{'total':>8}")
     for label, e in results:
         b = e.per_rank_bytes
-        print(f"{label[:34]:34} " + " ".join(f"{b[k] / GiB:8.2f}" for k in (
+        print(f"{label[:34]:34} " + " ".join(f"{b[k] / size:8.2f}" for k in (
             "params", "grads", "optimizer", "activations", "buffers", "total")))
     for label, reason in refused:
         print(f"{label[:34]:34} refused: {reason}")

@@ -36,7 +36,7 @@ never see each other. With
 ``packing = true`` consecutive examples share a row until the next would not fit; each
 token carries its position in its own example, and the model's attention gets a causal
 mask that is block-diagonal by example (`meshfit.models.gpt.document_causal_mask`; for a
-transformers model `meshfit.train.models.packed_attention`), so a packed example computes
+transformers model `meshfit.models.packing.packed_forward`), so a packed example computes
 exactly what it computes alone. An
 example none of whose trained tokens fits in the row is left out (counted); a split where
 that leaves nothing is refused in one line.

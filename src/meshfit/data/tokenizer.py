@@ -173,13 +173,16 @@ def _write_marker(folder: str | os.PathLike[str], payload: dict[str, Any]) -> Pa
     return out
 
 
-def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(spec: str | os.PathLike[str], *, trust_code: bool = False
+                   ) -> ByteTokenizer | HFTokenizer:
     """The tokenizer ``spec`` names: ``"bytes"`` (or ``""``); a folder with
     ``meshfit_tokenizer.json`` (written by ``save``); a Hugging Face tokenizer folder
     (``AutoTokenizer``, local files only, never a download); or a ``tokenizer.json`` file
     (``tokenizers.Tokenizer``, with the EOS token from a ``tokenizer_config.json`` beside it,
     else guessed from its special tokens). Errors name ``data.tokenizer``, the field this comes
-    from in a run config."""
+    from in a run config. `trust_code`: a folder's own tokenizer code (``auto_map``) may run
+    (transformers' ``trust_remote_code``); without it such a folder is refused, never
+    prompted for."""
     text = os.fspath(spec)
     if text in ("", "bytes"):  # "": an unset config string means the default
         return ByteTokenizer()
@@ -199,7 +202,8 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
         raise ValueError(f"data.tokenizer={text!r} is a Hugging Face tokenizer folder, which "
                          'needs transformers; pip install "meshfit[data]"') from None
     try:
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                           trust_remote_code=trust_code)
     except Exception as err:  # noqa: BLE001 - any failure here means "not a tokenizer"
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"data.tokenizer={text!r} could not be read as a Hugging Face "

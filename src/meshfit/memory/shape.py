@@ -115,7 +115,8 @@ class ModelShape:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def of(cls, spec: str, *, vocab_size: int | None = None) -> ModelShape:
+    def of(cls, spec: str, *, vocab_size: int | None = None, trust_code: bool = False
+           ) -> ModelShape:
         """From a preset name, a transformers config.json (or a folder holding one), or a
         ``module:function`` factory (called with no arguments, or with `vocab_size`)."""
         if not isinstance(spec, str) or not spec:
@@ -135,9 +136,13 @@ class ModelShape:
                                  "module:function")
             import transformers  # optional: a config.json names a transformers model
 
-            hf_config = transformers.AutoConfig.from_pretrained(str(config))
+            # trust_code: the folder's own model code (auto_map) runs; the caller asked the
+            # user (`meshfit.models.factory.check_folder_code`); never transformers' prompt
+            hf_config = transformers.AutoConfig.from_pretrained(str(config),
+                                                                trust_remote_code=trust_code)
             with torch.device("meta"):
-                model = transformers.AutoModelForCausalLM.from_config(hf_config)
+                model = transformers.AutoModelForCausalLM.from_config(
+                    hf_config, trust_remote_code=trust_code)
             return cls.from_module(model, name=str(spec))
         if ":" in spec:
             factory = import_object(spec, "MODEL")

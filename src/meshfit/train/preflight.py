@@ -158,7 +158,7 @@ def _check_cp(cfg, layout: Layout) -> None:
 
         folder = str(Path(getattr(m, m.source)).expanduser())
         problem = check_hf_config(transformers.AutoConfig.from_pretrained(
-            folder, local_files_only=True), t.seq_len)
+            folder, local_files_only=True, trust_remote_code=m.trust_code), t.seq_len)
         if problem:
             raise ValueError(f"parallel.cp={cp} with model.{m.source}={getattr(m, m.source)!r}"
                              f": {problem}")

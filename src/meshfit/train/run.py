@@ -367,10 +367,13 @@ def device_peak_flops(device: torch.device, mixed_precision: str, calibration: s
                       *, tf32: bool = False) -> tuple[float | None, str]:
     """(peak FLOP/s of one device for the training dtype, where the figure comes from): a
     calibration file's measured matmul figure, else a known GPU's data sheet, whose fp32
-    figure counts TF32 tensor cores only when `tf32` is on."""
+    figure counts TF32 tensor cores only when `tf32` is on. A calibration figure flagged as
+    noise (`meshfit.plan.trust`: the file's machine too noisy, or the figure itself) gives
+    no peak: an MFU against it would be a guess."""
     dtype = mixed_precision if mixed_precision in ("bf16", "fp16") else "fp32"
     if calibration:
-        flops = load_calibration(calibration).matmul_flops.get(dtype)
+        found = load_calibration(calibration)
+        flops = found.matmul_flops.get(dtype) if found.trusted(f"matmul_flops.{dtype}") else None
         return (flops, f"measured {dtype} matmul in {calibration}") if flops else (None, "")
     if device.type == "cuda":
         found = device_for_name(torch.cuda.get_device_name(device))
