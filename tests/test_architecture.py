@@ -224,6 +224,7 @@ TORCH_FREE = ["meshfit", "meshfit.__main__", "meshfit.cli", "meshfit.cli.main",
               "meshfit.parallel.pp.bubble",
               "meshfit._lazy", "meshfit.data", "meshfit.data.corpus", "meshfit.data.formats",
               "meshfit.cli.verify", "meshfit.verify", "meshfit.verify.layouts", "meshfit._quiet",
+              "meshfit.launch.finished",
               "meshfit._compat", "meshfit._compat.distributed", "meshfit._compat._probe",
               "meshfit._compat.dynamo"]
 

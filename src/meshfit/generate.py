@@ -27,7 +27,9 @@ from meshfit.checkpoint.saved import load_model_folder
 from meshfit.data import ByteTokenizer, TokenDataset
 from meshfit.distributed import cpu_requested
 from meshfit.models import GPT
-from meshfit.train.models import is_hf, packed_attention
+from meshfit.models.factory import check_folder_code
+from meshfit.models.packing import packed_forward
+from meshfit.train.models import is_hf
 from meshfit.train.preflight import check_sampling
 
 
@@ -53,11 +55,11 @@ def context_length(model: nn.Module) -> int | None:
 def _logits(model: nn.Module, idx: torch.Tensor,
             positions: torch.Tensor | None = None) -> torch.Tensor:
     """`positions`: of rows packing several examples (a Hugging Face model's attention is
-    then kept inside each, `meshfit.train.models.packed_attention`)."""
+    then kept inside each, `meshfit.models.packing.packed_forward`)."""
     if positions is not None:
         if not is_hf(model):
             raise ValueError("packed fine-tuning rows need a Hugging Face model")
-        out = model(input_ids=idx, **packed_attention(positions))
+        out = packed_forward(model, idx, positions)
     else:
         out = model(idx) if not is_hf(model) else model(input_ids=idx)
     return getattr(out, "logits", out)
@@ -265,10 +267,13 @@ def resolve_model(path: str) -> tuple[Path, Path | None]:
     raise ValueError(f"RUN_OR_MODEL={path!r} holds no model (no config.json, no model/); {fix}")
 
 
-def load_model(path: str, device: str | None):
+def load_model(path: str, device: str | None, *, trust_code: bool = False):
     """(model, tokenizer, model folder, run folder) for RUN_OR_MODEL, on `device` (default:
-    cuda when available, unless MESHFIT_CPU=1)."""
+    cuda when available, unless MESHFIT_CPU=1). Code the folder's config.json names (a
+    factory, transformers' remote code) runs only with `trust_code` (``--trust-code``):
+    before that, one line naming it (`meshfit.models.factory.check_folder_code`)."""
     folder, run = resolve_model(path)
+    check_folder_code(folder, trust_code=trust_code, field="RUN_OR_MODEL", how="--trust-code")
     cpu = cpu_requested(None) or not torch.cuda.is_available()
     try:
         device = torch.device(device or ("cpu" if cpu else "cuda"))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from meshfit._quiet import quiet_logs
@@ -30,7 +31,6 @@ from meshfit._quiet import quiet_logs
 with quiet_logs():  # peft imports torchao, whose CPU-only import logs warnings
     import peft
 from peft.tuners.lora import LoraLayer  # noqa: E402
-from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING  # noqa: E402
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
@@ -43,7 +43,7 @@ from meshfit._torchao import torchao_error
 from meshfit.checkpoint.pretrained import ADAPTER_VALUES_ATTR, pretrained_folder
 from meshfit.distributed import is_initialized
 from meshfit.distributed.tensors import local_tensor
-from meshfit.models.gpt import GPT
+from meshfit.memory.shape import block_linears
 from meshfit.models.plans import adapted_model
 
 try:
@@ -56,10 +56,10 @@ __all__ = ["GPT_TARGET_MODULES", "NF4_BLOCK", "dequantize_base", "dequantized", 
            "quantized_linears",
            "save_adapter", "trainable_parameters"]
 
-# meshfit's GPT: every linear of a block (attention q/k/v/o and the GeLU or SwiGLU MLP), as in
-# QLoRA (Dettmers et al. 2023), which finds adapting all block linears matches full fine-tuning
-# better than q/v alone. Embeddings and lm_head stay frozen. Names match as suffixes of module
-# paths, so absent ones (w1..w3 in a GeLU model) are harmless.
+# meshfit's GPT: every linear of a dense block (attention q/k/v/o and the GeLU or SwiGLU MLP):
+# what `lora` adapts by default (every linear inside the blocks, `_default_targets`), kept as
+# the names to pass explicitly. Names match as suffixes of module paths, so absent ones (w1..w3
+# in a GeLU model) are harmless.
 GPT_TARGET_MODULES = ("wq", "wk", "wv", "wo", "w_in", "w_out", "w1", "w2", "w3")
 
 _WEIGHTS = "adapter_model.safetensors"  # the file name PeftModel.save_pretrained writes
@@ -68,15 +68,26 @@ _MUST_MATCH = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "r
                "alpha_pattern")
 
 
+def _peft_wrap(model: nn.Module, config) -> nn.Module:
+    """``peft.get_peft_model``, without the FutureWarning it raises by reading the model's
+    ``is_gradient_checkpointing`` (deprecated by transformers 5): a warning about code neither
+    the user nor meshfit wrote, once per process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return peft.get_peft_model(model, config)
+
+
 def lora(model: nn.Module, r: int = 8, alpha: float = 16,
          target_modules: list[str] | str | None = None, dropout: float = 0.0,
          **kwargs) -> peft.PeftModel:
     """Freeze `model` and add LoRA adapters of rank `r` to its `target_modules`.
 
     `target_modules`: module-name suffixes (peft matches "name" or "...name"), or one regex
-    string matched against full names, or "all-linear". None means `GPT_TARGET_MODULES` for
-    meshfit's GPT, and peft's own per-architecture default for a Hugging Face model (e.g.
-    q_proj, v_proj for Llama); any other module needs explicit names. `alpha` is peft's
+    string matched against full names, or "all-linear". None means every linear layer inside
+    the model's blocks (`meshfit.memory.shape.block_linears`: q, k, v, o and the MLP's; for
+    meshfit's GPT `GPT_TARGET_MODULES`), for any model, as the memory estimate counts them;
+    not peft's per-architecture default (q_proj, v_proj for Llama). `alpha` is peft's
     `lora_alpha` (scale alpha / r); `dropout` is `lora_dropout`. Other keyword arguments go to
     `peft.LoraConfig` unchanged (e.g. use_rslora, bias, modules_to_save, task_type).
 
@@ -99,7 +110,7 @@ def lora(model: nn.Module, r: int = 8, alpha: float = 16,
                          "adapters from the base weights, which a model from meta_model(folder) "
                          "does not hold yet; use the default (True) or 'gaussian'")
     try:
-        wrapped = peft.get_peft_model(model, config)
+        wrapped = _peft_wrap(model, config)
     except NoMatchingPeftModuleError as e:
         # Raised before any module is replaced, so `model` is left untouched.
         raise ValueError(f"lora: target_modules={target_modules!r} matches no module of "
@@ -134,15 +145,24 @@ def _draw_meta_adapters(model: peft.PeftModel) -> None:
     setattr(model.base_model.model, ADAPTER_VALUES_ATTR, initial)
 
 
-def _default_targets(model: nn.Module) -> list[str] | None:
-    if isinstance(model, GPT):
-        return list(GPT_TARGET_MODULES)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING:
-        return None  # peft fills in its default for this Hugging Face architecture
-    raise ValueError(f"lora: target_modules=None has no default for {type(model).__name__}; "
-                     f"pass names of its nn.Linear modules, e.g. target_modules="
-                     f"{_linear_names(model)[:8]}")
+def _default_targets(model: nn.Module) -> list[str]:
+    """Every linear layer inside the blocks (`meshfit.memory.shape.block_linears`, the rule
+    the memory estimate counts), not peft's per-architecture default (q_proj and v_proj for
+    Llama): named by their last components where those name no other linear of the model
+    (what a user writes, and what adapter_config.json then holds), else by full names."""
+    try:
+        inside = block_linears(model)
+    except ValueError:
+        inside = {}
+    if not inside:
+        raise ValueError(f"lora: target_modules=None has no default for "
+                         f"{type(model).__name__}: it has no linear layer inside a ModuleList "
+                         "of blocks, which is what LoRA adapts by default; pass names of its "
+                         f"linear modules, e.g. target_modules={_linear_names(model)[:8]}")
+    short = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n in inside))
+    other = [n for n, _ in model.named_modules() if n and n not in inside and
+             n.rsplit(".", 1)[-1] in short]  # a module peft would match by the short name
+    return short if not other else list(inside)
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -205,7 +225,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> peft.PeftMod
         _check_config(pm.peft_config[pm.active_adapter], saved, directory)
     else:
         saved.inference_mode = False  # save_pretrained stores True, which would freeze adapters
-        pm = peft.get_peft_model(model, saved)
+        pm = _peft_wrap(model, saved)
     state = load_file(str(directory / _WEIGHTS))
     expected = set(peft.get_peft_model_state_dict(pm).keys())
     if set(state) != expected:

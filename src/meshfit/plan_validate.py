@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit import Accelerator, optim
+from meshfit._quiet import quiet_logs, quiet_stderr
 from meshfit.distributed import is_initialized
 from meshfit.distributed.spawn import SpawnError, spawn
 from meshfit.memory import net_peak_bytes, rank_report
@@ -126,9 +127,13 @@ def _loss(model, x, y):
 def _run_plans(rank, world_size, jobs, model_spec, seq_len, global_batch_size, dtype, steps,
                optimizer):
     out = {}
-    for i, layout in jobs:
-        out[i] = _run_one(rank, layout, model_spec, seq_len, global_batch_size, dtype, steps,
-                          optimizer)
+    # A spawned rank is a new interpreter: the command's quieted loggers are not its own.
+    # torchao's notes on the extensions it cannot load and torch's pytree notes on its enums
+    # (on importing transformers or peft) would print once per rank (errors still show).
+    with quiet_logs():
+        for i, layout in jobs:
+            out[i] = _run_one(rank, layout, model_spec, seq_len, global_batch_size, dtype,
+                              steps, optimizer)
     return out
 
 
@@ -218,6 +223,7 @@ def _peak_bytes(acc, opt, measured, batch, forward_backward, models: tuple = ())
 
     once()
     states = rank_report(measured, opt).total_bytes
-    peak = states + net_peak_bytes(once)
+    with quiet_stderr():  # the CPU allocator's C++ note, once per rank, on freeing a tensor
+        peak = states + net_peak_bytes(once)  # allocated before the profiler started
     opt.zero_grad()
     return peak

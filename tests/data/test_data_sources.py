@@ -264,6 +264,52 @@ def test_dataset_errors_name_the_field(tmp_path, monkeypatch):
         load_tokens(hf_dataset=tmp_path / "ds", cache_dir=tmp_path / "c")
 
 
+_ROW = json.dumps({"text": "a row", "n": 1})
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("rows.jsonl", f"{_ROW}\n{_ROW[:-4]}\n{_ROW}\n", r"rows\.jsonl', line 2: not valid JSON at "
+     r"column \d+ \(Expecting .*\); write one JSON object per line$"),
+    ("rows.jsonl", f"{_ROW}\n\n{_ROW[:-1]}, \"text\": \"b\"}}\n", r"rows\.jsonl', line 3: key "
+     r"'text' appears twice in one object; keep one of them$"),
+    ("rows.jsonl", f"{_ROW}\n[1, 2]\n", r"rows\.jsonl', line 2: a JSON array where a row must "
+     r"be an object"),
+    ("rows.jsonl", "", r"rows\.jsonl': the file is empty \(no rows\); give a file holding one "
+     r"JSON object per line$"),
+    ("rows.jsonl", f"{_ROW}\n".encode() + b'{"text": "caf\xe9"}\n', r"rows\.jsonl', line 2: "
+     r"byte 0xe9 \(byte 14 of the line\) is not UTF-8; save the file as UTF-8"),
+    ("rows.json", f"[{_ROW}, 3]", r"rows\.json': item 1 of the array is a JSON number, not an "
+     r"object"),
+    ("texts.txt", b"caf\xe9\n", r"texts\.txt', line 1: byte 0xe9"),
+    ("folder/validation.jsonl", f"{_ROW}\n{{\"text\": }}\n", r"folder' \(file "
+     r"validation\.jsonl\), line 2: not valid JSON"),
+], ids=["bad-json", "key-twice", "not-an-object", "empty", "not-utf8", "array-item",
+        "text-not-utf8", "folder"])
+def test_bad_data_files_are_one_line_naming_the_file_and_line(tmp_path, name, content,
+                                                             expected):
+    """A data file that `datasets` cannot read or would read wrongly -- a bad JSON line, a key
+    twice in one object, a row that is not an object, an empty file, bytes that are not
+    UTF-8 (pyarrow loads those unchecked, and decoding the row fails later, naming nothing)
+    -- is one line naming the file, the line and the fix, before anything is tokenized;
+    not "give a folder written by save_to_disk" nor "StopIteration"."""
+    from meshfit.data.hf import open_hf_dataset
+
+    path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
+    if name.startswith("folder/"):
+        (path.parent / "train.jsonl").write_text(f"{_ROW}\n")
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    target = path.parent if name.startswith("folder/") else path
+    with pytest.raises(ValueError, match=expected) as err:
+        open_hf_dataset(target, None, cache_dir=tmp_path / "cache")
+    assert str(err.value).startswith(f"data.hf_dataset='{target}'")
+    assert "save_to_disk" not in str(err.value)
+    _one_line(err)
+
+
 # ---------------------------------------------------------------- TokenStream
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import sysconfig
 from pathlib import Path
 
@@ -159,6 +160,46 @@ def test_rows_mask_prompt_and_padding_and_count_what_does_not_fit():
     with pytest.raises(ValueError, match="none of the 1 training examples has a trained token "
                                          "within its first 5 tokens"):
         _rows([([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0, 1])], seq_len=4, pad_id=0, what="training")
+
+
+def test_long_examples_are_tokenized_only_as_far_as_the_row_keeps(files, monkeypatch):
+    """An example far longer than its row (120,000 characters here; one of 52 MB cut to 33
+    tokens took 146 s and 11.8 GiB) gives the first tokens and mask of the whole text --
+    transformers' own `apply_chat_template` (the template's {% generation %} spans), the
+    turn-by-turn rule and the completion rule on the whole text -- while at most three
+    prefixes of 4,096 characters doubling go through the tokenizer, whatever its length."""
+    import transformers
+
+    from meshfit.data.examples import chat_example, completion_example, training_template
+
+    rnd = random.Random(5)
+    words = "alpha beta gamma delta import os the quick brown fox\n <|eot_id|> {x}".split(" ")
+
+    def text(n):
+        return "".join(rnd.choice(words) + rnd.choice(" \n") for _ in range(n // 6))
+
+    tok = transformers.AutoTokenizer.from_pretrained(files / "llama3")
+    marked, _ = training_template(tok, None)  # TRL's, with {% generation %} markers
+    seen = []
+    call = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, t, **kw: (seen.append(len(t)),
+                                                                      call(self, t, **kw))[1])
+    for short, long in ((text(40), text(60_000)), (text(60_000), text(60_000))):
+        messages = [{"role": "user", "content": short}, {"role": "assistant", "content": long},
+                    {"role": "user", "content": long}, {"role": "assistant", "content": short}]
+        whole = tok.apply_chat_template(messages, chat_template=marked, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+        by_turns = chat_example(tok, messages)
+        by_rule = completion_example(tok, short, long)
+        for limit in (9, 33, 300):
+            seen.clear()
+            assert chat_example(tok, messages, template=marked, limit=limit) == (
+                whole["input_ids"][:limit], whole["assistant_masks"][:limit])
+            assert chat_example(tok, messages, limit=limit) == tuple(
+                x[:limit] for x in by_turns)
+            assert completion_example(tok, short, long, limit=limit) == tuple(
+                x[:limit] for x in by_rule)
+            assert 0 < sum(seen) <= 4 * (4096 + 8192), seen  # 4 calls (completion: 2)
 
 
 # ---------------------------------------------------------------------------- training
@@ -355,8 +396,28 @@ def test_bad_fine_tuning_data_is_refused_before_launch(cli_refusal, files, tmp_p
      "role 'bot' is not one of system, user, assistant, tool"),
     ([{"role": "user", "content": "hi"}], "has no assistant turn"),
     ("hello", "must be a non-empty list"),
+    # what the template would render as Python prints it, or fail on with a jinja traceback
+    ([{"role": "user", "content": 3}, {"role": "assistant", "content": 4}],
+     "message 0: content 3 is int, not text; write it as a string"),
+    ([{"role": "user", "content": [{"type": "image", "url": "cat.png"}]},
+      {"role": "assistant", "content": "a cat"}], "message 0: content part {'type': 'image'"),
+    ([{"role": "user", "content": None}, {"role": "assistant", "content": "b"}],
+     "message 0: a 'user' message without content"),
+    # Llama 3's template (TRL's training version) leaves tool calls out: the turn would be
+    # trained as its (empty) text alone
+    ([{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None,
+      "tool_calls": [{"type": "function", "function": {"name": "get", "arguments": {}}}]},
+      {"role": "tool", "content": "sun"}, {"role": "assistant", "content": "sunny"}],
+     "message 1: the assistant's tool_calls, which the chat template does not render"),
+    # a template that refuses the conversation (raise_exception): its reason, in one line
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+      {"role": "assistant", "content": "c"}], "the chat template cannot render this "
+     "conversation (TemplateError: roles must alternate)"),
 ])
 def test_bad_conversations_are_named_by_row(files, tmp_path, messages, match):
+    """A conversation the template cannot render as written is one line naming the file,
+    the row (and message) and the fix, before anything is trained; not a jinja traceback,
+    and not rendered as Python prints the content."""
     from meshfit.data import DataSpec
     from meshfit.data.examples import load_examples
     from meshfit.data.tokenizer import load_tokenizer
@@ -364,11 +425,75 @@ def test_bad_conversations_are_named_by_row(files, tmp_path, messages, match):
     path = tmp_path / "bad.jsonl"
     good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": messages}) + "\n")
-    spec = DataSpec(format="chat", hf_dataset=str(path))
-    with pytest.raises(ValueError, match=match) as err:
+    alternate = ("{% for m in messages %}{% if (m['role'] == 'user') != loop.index0 is even %}"
+                 "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['role'] }}: "
+                 "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+                 "assistant: {% endif %}")
+    spec = DataSpec(format="chat", hf_dataset=str(path),
+                    chat_template=alternate if "alternate" in match else "")
+    with pytest.raises(ValueError, match=re.escape(match)) as err:
         load_examples(spec, tokenizer=load_tokenizer(str(files / "llama3")), seq_len=32,
                       val_fraction=0.02)
-    assert "row 1" in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith(f"data.hf_dataset='{path}', row 1")
+    assert "\n" not in str(err.value)
+
+
+def _rows_of(spec, tokenizer, seq_len=96) -> list[tuple[list[int], list[int]]]:
+    """Each training row's (ids, mask) without padding."""
+    from meshfit.data.examples import load_examples
+
+    splits = load_examples(spec, tokenizer=tokenizer, seq_len=seq_len, val_fraction=0.02)
+    d = splits.train
+    return [(d.ids[i, :n].tolist(), d.mask[i, :n].tolist()) for i, n in enumerate(d.lengths)]
+
+
+def test_chat_content_renders_as_the_template_intends(files, tmp_path):
+    """OpenAI-style content parts and tool calls, as the chat template means them: a text
+    model's template (Llama 3's, TRL's training version: it concatenates the content) gets the
+    parts' texts joined by newlines, the tokens of the same conversation written as strings;
+    a template that loops over parts (Qwen2.5-VL's) gets them as they are, its own rendering
+    of them; Qwen2.5's template renders the assistant's tool call, and the call is trained."""
+    import trl
+
+    from meshfit.data import DataSpec
+    from meshfit.data.examples import training_template
+    from meshfit.data.tokenizer import load_tokenizer
+
+    def write(name, rows):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [*rows, rows[0]]))
+        return str(path)
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "alpha beta"},
+                                          {"type": "text", "text": "gamma"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "delta"}]}]
+    strings = [{"role": "user", "content": "alpha beta\ngamma"},
+               {"role": "assistant", "content": "delta"}]
+    llama3 = load_tokenizer(str(files / "llama3"))
+    got = _rows_of(DataSpec(format="chat", hf_dataset=write("parts", [parts])), llama3)
+    want = _rows_of(DataSpec(format="chat", hf_dataset=write("strings", [strings])), llama3)
+    assert got == want and "alpha beta\ngamma" in llama3.hf.decode(got[0][0])
+
+    qwen = load_tokenizer(str(files / "qwen"))
+    vl = Path(trl.__file__).parent / "chat_templates" / "qwen2_5_vl.jinja"
+    (ids, mask), = _rows_of(DataSpec(format="chat", hf_dataset=write("vl", [parts]),
+                                     chat_template=str(vl)), qwen)
+    assert ids == qwen.hf.apply_chat_template(parts, chat_template=vl.read_text(),
+                                              tokenize=True, return_dict=False)
+    assert qwen.hf.decode([i for i, m in zip(ids, mask) if m]).startswith("delta")
+
+    call = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "content": "sun"}, {"role": "assistant", "content": "sunny"}]
+    (ids, mask), = _rows_of(DataSpec(format="chat", hf_dataset=write("call", [call])), qwen,
+                            seq_len=256)
+    template, _ = training_template(qwen.hf, None)
+    assert ids == qwen.hf.apply_chat_template(call, chat_template=template, tokenize=True,
+                                              return_dict=False)
+    trained = qwen.hf.decode([i for i, m in zip(ids, mask) if m])
+    assert '"name": "get_weather"' in trained and "sunny" in trained
+    assert "weather?" not in trained
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused(files, tmp_path):

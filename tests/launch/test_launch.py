@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -494,6 +495,36 @@ def test_failure_summary_names_the_rank_that_failed_first(tmp_path, subprocess_e
     assert len(ours) == 1, proc.stderr
     assert ours[0].startswith("meshfit launch: 2 worker(s) failed; first: rank 1 exit code 1: ")
     assert "RuntimeError: rank one broke: the data shard is missing" in ours[0]
+
+
+PEER_FAILS = """
+import time
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 1:
+    time.sleep(0.5)
+    raise RuntimeError("rank one broke")
+dist.all_reduce(torch.ones(1))  # rank 0 waits here when rank 1's process ends
+"""
+
+
+def test_a_rank_whose_peer_died_says_so_in_one_line(tmp_path, subprocess_env):
+    """Rank 1 fails while rank 0 waits in a collective: rank 1's traceback is its own error,
+    kept; rank 0's, which only says that its peer is gone (gloo's "Connection closed by
+    peer", a dozen lines), is one line naming that (`meshfit.launch.torchrun.run_as_main`),
+    beside the launcher's summary."""
+    script = tmp_path / "peer.py"
+    script.write_text(PEER_FAILS)
+    proc = subprocess.run([*MESHFIT, "launch", "--nproc", "2", str(script)],
+                          env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.count("Traceback") == 1 and "[rank0]" not in proc.stderr, proc.stderr
+    assert "RuntimeError: rank one broke" in proc.stderr  # rank 1's own, from its script
+    assert f'File "{script}", line 9, in <module>' in proc.stderr  # its first frame
+    assert re.search(r"^meshfit launch: rank 0 stopped: another rank of the job is gone "
+                     r"\(Connection (closed|reset) by peer", proc.stderr, flags=re.M), proc.stderr
 
 
 OUT_OF_MEMORY = """

@@ -332,3 +332,22 @@ def test_closed_form_adapters_count_what_peft_adds(family):
     assert Adapters.lora(shape, 8) == got
     assert Adapters.lora(shape, 8, quantized=True) == adapters_of(
         qlora(build(), r=8, target_modules=targets))
+
+
+def test_an_estimate_table_reads_in_a_unit_its_figures_show_in():
+    """`byte_unit`: the unit a table of estimates is printed in (GiB, else MiB, else KiB: the
+    largest in which the biggest total is at least 1), so that a small model's cells are
+    not all 0.00 GiB (the tiny preset's total is 0.02 GiB) and a large one's stay in GiB."""
+    from meshfit.memory import LayoutSpec, ModelShape, estimate
+    from meshfit.memory.estimate import byte_unit
+
+    def table(model, **kw):
+        return [estimate(ModelShape.of(model), LayoutSpec(**kw), seq_len=256)]
+
+    tiny = table("tiny")
+    unit, size = byte_unit(tiny)
+    assert (unit, size) == ("MiB", 2**20)
+    for part in ("params", "grads", "optimizer", "activations", "total"):
+        assert f"{getattr(tiny[0], part) / size:.2f}" != "0.00", part
+    assert byte_unit(table("llama-1b", dp_shard=2, zero_stage=3)) == ("GiB", 2**30)
+    assert byte_unit([]) == ("KiB", 2**10)

@@ -6,6 +6,7 @@ config (no download)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -105,10 +106,37 @@ def test_trainable_count_matches_closed_form(name):
     assert model.get_nb_trainable_parameters() == (trainable, total)  # peft agrees
 
 
-def test_hf_default_targets_are_pefts():
-    model = lora(CASES["hf-llama"].build(), r=R)  # None: peft's Llama default is q_proj, v_proj
-    assert set(model.peft_config["default"].target_modules) == {"q_proj", "v_proj"}
-    assert trainable_parameters(model)[0] == _llama_lora_count(R)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_default_targets_are_every_block_linear_in_training_and_the_estimate(family, tmp_path):
+    """One rule for `[peft] target_modules = []`: every linear inside the blocks (q, k, v, o
+    and the MLP's; GPT-2's fused Conv1D projections as they are), not peft's Llama default
+    (q_proj, v_proj). What `meshfit train` builds (`build_model`: trainable counted on the
+    model) equals what `meshfit estimate --peft lora` counts (`Adapters.lora` of the
+    config's `ModelShape`) and the closed form r * (in + out) per projection."""
+    from meshfit.memory import Adapters, ModelShape
+    from meshfit.train.configfile import build_config
+    from meshfit.train.fits import adapters_of
+    from meshfit.train.models import build_model
+
+    h, layers, kv = LLAMA["hidden_size"], LLAMA["num_hidden_layers"], 2 * 64 // 4
+    if family == "llama":
+        transformers.LlamaConfig(**LLAMA).save_pretrained(tmp_path)
+        ff = LLAMA["intermediate_size"]  # q, o: h->h; k, v: h->kv; gate, up: h->ff; down
+        closed = layers * R * (2 * (h + h) + 2 * (h + kv) + 3 * (h + ff))
+        short = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    else:
+        transformers.GPT2Config(n_embd=h, n_layer=layers, n_head=4, vocab_size=256,
+                                n_positions=64, bos_token_id=0,
+                                eos_token_id=0).save_pretrained(tmp_path)
+        closed = layers * R * ((h + 3 * h) + (h + h) + (h + 4 * h) + (4 * h + h))
+        short = {"c_attn", "c_proj", "c_fc"}
+    cfg = build_config({"model": {"hf_config": str(tmp_path)},
+                        "peft": {"method": "lora", "r": R}})
+    model = build_model(cfg, 256, meta=True)
+    assert set(model.peft_config["default"].target_modules) == short
+    trained = adapters_of(model)
+    estimated = Adapters.lora(ModelShape.of(str(tmp_path), vocab_size=256), R)
+    assert trained == estimated == Adapters(trainable=closed)
 
 
 @pytest.mark.parametrize("name", TRAIN_CASES)
@@ -246,3 +274,12 @@ def test_bad_arguments(kwargs, field):
 def test_plain_module_needs_target_modules():
     with pytest.raises(ValueError, match=r"target_modules=None .*\['0'\]"):
         lora(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_wrapping_a_transformers_model_warns_nothing(recwarn):
+    """peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model:
+    a FutureWarning about code neither the user nor meshfit wrote, which `lora` keeps quiet
+    for library users too (the commands hide it as well)."""
+    warnings.simplefilter("always")
+    lora(_seeded(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)))())
+    assert [str(w.message) for w in recwarn if "is_gradient_checkpointing" in str(w.message)] == []

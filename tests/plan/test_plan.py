@@ -187,6 +187,21 @@ def test_plans_fit_with_the_margin_and_are_ranked():
 
 
 # ---------------------------------------------------------------------------- commands
+def test_estimate_table_reads_in_a_unit_its_cells_show_in(capsys):
+    """A small model's table switches to MiB (or KiB), as plan does: every row's total is
+    non-zero as printed, and the cells add up to the total (within the rounding of 6 cells)."""
+    from meshfit.cli.main import main
+
+    assert main(["estimate", "tiny", "--world-size", "2", "--seq-len", "128"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("MiB per rank"), out[0]
+    rows = [line.split() for line in out[2:] if "refused" not in line]
+    assert rows
+    for row in rows:
+        cells = [float(x) for x in row[-6:]]
+        assert cells[-1] > 0 and abs(sum(cells[:-1]) - cells[-1]) <= 0.03, row
+
+
 def test_estimate_json_schema(capsys):
     from meshfit.cli.main import main
 
@@ -455,10 +470,53 @@ def test_the_offload_disk_bandwidth_comes_from_the_flag_the_profile_or_the_defau
     from meshfit.cli.plan import _disk_bandwidth
 
     class Measured:
+        def __init__(self, noisy=False):
+            self.noisy = noisy
+
         def disk_bandwidth(self):
             return 3e8
+
+        def trusted(self, figure):
+            return not self.noisy
 
     flag, none = argparse.Namespace(disk_bandwidth=1.5), argparse.Namespace(disk_bandwidth=None)
     assert _disk_bandwidth(flag, Measured()) == 1.5e9
     assert _disk_bandwidth(none, Measured()) == 3e8
     assert _disk_bandwidth(none, None) == 2e9
+    assert _disk_bandwidth(none, Measured(noisy=True)) == 2e9  # flagged: not used
+
+
+def test_a_cpu_cluster_is_this_machine(capsys):
+    """`--gpu cpu` is the host the command runs on: its physical memory (not a 16 GiB
+    stand-in), shared by its processes (each rank's budget its share), which talk over
+    loopback; no NVLink, and no network on one node. A GPU cluster names its network only
+    across nodes."""
+    import dataclasses
+    import os
+
+    from meshfit.cli.main import main
+    from meshfit.plan import DEVICES, Cluster, search
+
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert DEVICES["cpu"].memory == host
+    cpu = Cluster(gpus_per_node=2, device=DEVICES["cpu"])
+    assert cpu.memory_per_rank == host / 2
+    described = (f"1 x 2 cpu processes ({host / GiB:.1f} GiB of memory per node, "
+                 f"{host / 2 / GiB:.1f} GiB each; loopback)")
+    assert cpu.describe() == described
+    assert Cluster(gpus_per_node=8).describe() == "1 x 8 h100 (80 GiB, nvlink)"
+    assert Cluster(gpus_per_node=8, nodes=2).describe() == "2 x 8 h100 (80 GiB, nvlink, " \
+                                                           "infiniband)"
+    assert main(["plan", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--top", "1"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert described in first and "nvlink" not in first and "infiniband" not in first
+    # the budget is a rank's share: the plans that fit 2 ranks sharing M are those whose
+    # per-rank estimate fits M / 2 with the margin
+    everything = search("tiny", Cluster(gpus_per_node=2, device=dataclasses.replace(
+        DEVICES["cpu"], memory=2**40)), seq_len=256, global_batch_size=16).plans
+    memory = sorted(p.estimate.total for p in everything)[len(everything) // 2] / 0.45
+    shared = search("tiny", Cluster(gpus_per_node=2, device=dataclasses.replace(
+        DEVICES["cpu"], memory=memory)), seq_len=256, global_batch_size=16).plans
+    assert 0 < len(shared) < len(everything)
+    assert {p.layout for p in shared} == {p.layout for p in everything
+                                          if p.estimate.total <= memory / 2 * 0.9}

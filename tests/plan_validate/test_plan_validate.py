@@ -62,3 +62,34 @@ def test_plan_validate_times_steps_as_meshfit_train_runs_them():
     """Gradients sync once per optimizer step (accumulate(model), as meshfit train), not on
     every micro-batch: 2 steps of 4 micro-batches, one bucket each -> 2 all-reduces."""
     assert run_distributed(_validate_syncs_once, 2, timeout=120) == [2, 2]
+
+
+def test_a_validating_rank_hides_the_libraries_import_notes(monkeypatch, caplog):
+    """A rank of `plan --validate` is a new interpreter, without the command's quieted
+    loggers: torchao's notes on the extensions it cannot load ("Failed to load ..._C_mxfp8")
+    and torch's pytree notes on torchao's enums, logged when a rank imports transformers or
+    peft, once per rank, are not shown (as `meshfit`'s commands hide them). Here a rank's
+    entry point runs in this process, the loggers reset as a new interpreter has them, and
+    its work (stood in for) logs both notes."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+
+    def run_one(rank, layout, *args):
+        loggers[0].warning("Failed to load /site-packages/torchao/_C_mxfp8.so")
+        loggers[1].warning("<enum 'KernelPreference'> is an Enum subclass ...")
+        return {"rank": rank, "layout": layout}
+
+    monkeypatch.setattr(plan_validate, "_run_one", run_one)
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.NOTSET)
+        with caplog.at_level(logging.WARNING):
+            out = plan_validate._run_plans(0, 1, [(0, "a layout")], "tiny", 32, 2, "fp32", 2,
+                                           "adamw")
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+    assert out == {0: {"rank": 0, "layout": "a layout"}}
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("torch")] == []

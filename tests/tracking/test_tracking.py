@@ -113,6 +113,9 @@ def test_mfu_inputs_from_a_calibration_and_the_model(tmp_path):
     assert device_peak_flops(cpu, "no", str(calibration))[0] == 5.75e10
     assert device_peak_flops(cpu, "bf16", str(calibration))[0] == 1.37e11
     assert device_peak_flops(cpu, "fp16", str(calibration))[0] is None  # not measured
+    noisy = json.loads(calibration.read_text()) | {"flags": {"machine": "too noisy"}}
+    calibration.write_text(json.dumps(noisy))
+    assert device_peak_flops(cpu, "no", str(calibration)) == (None, "")  # flagged: no peak
     assert device_peak_flops(cpu, "no")[0] is None  # no data sheet for a CPU
     cfg = GPTConfig.preset("tiny")
     with torch.device("meta"):

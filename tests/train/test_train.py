@@ -92,6 +92,44 @@ def test_any_string_setting_round_trips_through_config_toml(text, tmp_path):
     assert load_config(path) == cfg
 
 
+@pytest.mark.parametrize("steps, warmup", [(20, 2), (5, 0), (150, 15), (400, 20), (5000, 20)])
+def test_the_default_warm_up_is_a_tenth_of_a_short_run(steps, warmup):
+    """Unset, train.warmup_steps is a tenth of train.steps, at most 20 (before: 20 whatever
+    the length, so a 20-step run only warmed up and never decayed). It is written into
+    config.toml as a number, which a resume to more steps keeps."""
+    from meshfit.train.trainer import lr_lambda
+
+    cfg = load_config(None, [f"--train.steps={steps}"])
+    assert cfg.train.warmup_steps == warmup
+    factor = lr_lambda(cfg)
+    peak = max(range(steps), key=factor)
+    assert peak == max(warmup - 1, 0) and factor(steps - 1) < factor(peak)  # it decays
+    assert f"warmup_steps = {warmup}" in to_toml(cfg)
+    assert load_config(None, ["--train.steps=50", "--train.warmup_steps=30"]).train \
+        .warmup_steps == 30  # as given
+
+
+def test_a_warm_up_over_the_whole_run_is_said():
+    """Given, a warm-up as long as the run is a warning before launch: the rate would only
+    rise."""
+    from meshfit.train.preflight import preflight
+
+    cfg = load_config(None, ["--train.steps=10", "--train.warmup_steps=10", "--model.n_layer=1"])
+    assert ("train.warmup_steps=10 covers the whole run of train.steps=10: the learning rate "
+            "only rises, never decays; lower it, or leave it unset (a tenth of the run, at "
+            "most 20)") in preflight(cfg)
+
+
+@pytest.mark.parametrize("tokens, shown", [(0, "0"), (3_211, "3,211"), (48_377, "48,377"),
+                                           (999_999, "999,999"), (12_096_417, "12.1M")])
+def test_the_banner_counts_training_tokens_as_they_are(tokens, shown):
+    """A chat data set of a few thousand trained tokens was "0.0M training tokens": below a
+    million the count is exact, in millions above."""
+    from meshfit.train.trainer import _token_count
+
+    assert _token_count(tokens) == shown
+
+
 def test_accumulation_from_global_batch():
     cfg = load_config(None, ["--train.global_batch_size=64", "--train.micro_batch_size=8"])
     assert cfg.grad_accumulation(1) == 8 and cfg.grad_accumulation(2) == 4

@@ -206,35 +206,95 @@ def _losses(folder):
     return [(m["step"], m.get("loss"), m.get("val_loss")) for m in _metrics(folder)]
 
 
-def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path,
-                                                                    subprocess_env):
-    """SIGTERM to the launcher after step 3 of 80: the workers finish their step, write a
-    checkpoint and exit 143 with one line; --resume then gives every step's loss exactly as
-    the run that was never stopped (same layout: bitwise)."""
+def test_ctrl_c_checkpoints_and_the_printed_command_resumes_the_uninterrupted_run(
+        uninterrupted, tmp_path, subprocess_env):
+    """Ctrl-C (SIGINT) to the launcher after step 3 of 80: the workers get the signal that
+    came, finish their step, write a checkpoint and exit 130 with one line naming SIGINT and
+    the command that continues the run; that command, run as printed, gives every step's loss
+    exactly as the run that was never stopped (the same 2 processes: bitwise). Before, the
+    line said SIGTERM and the command left out the processes: the resume ran on one, with
+    twice the accumulation, and its losses drifted."""
+    import shlex
     import signal
 
     cut = tmp_path / "cut"
-    base = [*MESHFIT, "train", "--nproc", "2"]
-    proc = subprocess.Popen([*base, "--out", str(cut), *PREEMPT, uninterrupted["cache"]],
-                            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([*MESHFIT, "train", "--nproc", "2", "--out", str(cut), *PREEMPT,
+                             uninterrupted["cache"]], env=subprocess_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_step(cut / "metrics.jsonl", 3, proc)
-        proc.send_signal(signal.SIGTERM)  # our own child, by its PID
+        proc.send_signal(signal.SIGINT)  # our own child, by its PID
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 143, err
+    assert proc.returncode == 130, err
     ours = [line for line in err.splitlines() if line.startswith("meshfit train:")]
-    assert len(ours) == 1 and "stopped by SIGTERM after step" in ours[0], err
+    assert len(ours) == 1 and "stopped by SIGINT after step" in ours[0], err
     step = int(ours[0].split("after step ")[1].split(";")[0])
     assert 3 <= step < 80 and (cut / "checkpoints" / f"step-{step}").is_dir()
-    resumed = subprocess.run([*base, "--out", str(cut), "--resume"], env=subprocess_env,
+    command = shlex.split(ours[0].split("continue with: ")[1])
+    assert command[:2] == ["meshfit", "train"], ours[0]
+    resumed = subprocess.run([*MESHFIT, *command[1:]], env=subprocess_env,
                              capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
     assert _losses(cut) == _losses(uninterrupted["folder"])
+
+
+def test_a_resume_runs_on_the_processes_that_saved_it_unless_told(runs, tmp_path,
+                                                                   monkeypatch, capsys):
+    """--resume of a run saved by 2 processes starts 2 workers when no --nproc is given; with
+    --nproc 1 it runs on one and says, before starting, that the run was saved by 2 and the
+    losses will not be the uninterrupted run's. (What would be started is recorded, not
+    run.)"""
+    from meshfit import launch
+    from meshfit.cli.main import main
+    from meshfit.train import trainer
+
+    started = []
+    monkeypatch.setattr(launch, "run", lambda cfg, *a, **k: started.append(cfg.nproc) or 0)
+    monkeypatch.setattr(trainer, "train", lambda cfg, out, **k: started.append("here") or {})
+    folder = tmp_path / "run"
+    shutil.copytree(runs["full"], folder)
+    assert main(["train", "--out", str(folder), "--resume", "--train.steps=8"]) == 0
+    assert started == [2]
+    capsys.readouterr()
+    assert main(["train", "--out", str(folder), "--resume", "--train.steps=8",
+                 "--nproc", "1"]) == 0
+    assert started == [2, "here"]
+    warned = [line for line in capsys.readouterr().err.splitlines() if "saved by" in line]
+    assert warned == [
+        "meshfit train: warning: resuming on 1 process(es), the run was saved by 2: its steps "
+        "now split and accumulate the batch otherwise and draw from fresh random generators, "
+        "so its losses will not be the uninterrupted run's (--nproc 2 continues it as it was)"]
+
+
+def test_the_first_loss_logged_after_a_resume_is_the_uninterrupted_runs(tmp_path, one_thread):
+    """Logged every 3 steps, checkpointed every 2: resumed from step 4, the line of step 6 is
+    the mean of steps 4, 5 and 6 as in the run that never stopped (the checkpoint holds the
+    window's losses so far), not of steps 5 and 6 alone."""
+    from meshfit.distributed import init
+    from meshfit.train.configfile import load_config
+    from meshfit.train.trainer import train
+
+    (tmp_path / "text.txt").write_text("".join(f"line {i}: the quick brown fox {i * i}\n"
+                                               for i in range(800)))
+    cfg = load_config(None, [
+        "--train.steps=6", "--train.log_every=3", "--train.eval_every=0",
+        "--train.eval_batches=1", "--train.global_batch_size=4", "--train.micro_batch_size=2",
+        "--train.seq_len=16", "--model.n_layer=1", "--checkpoint.every=2",
+        f"--data.path={tmp_path / 'text.txt'}", f"--data.cache_dir={tmp_path / 'cache'}"])
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train(cfg, full, init())
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-6")  # the run stopped after step 4
+    kept = [line for line in (cut / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["step"] <= 4]
+    (cut / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    train(cfg, cut, init(), resume=True)
+    assert [m["step"] for m in _metrics(full) if "loss" in m] == [3, 6]
+    assert _losses(cut) == _losses(full)
 
 
 def test_a_killed_worker_is_restarted_and_the_run_equals_the_uninterrupted_one(
@@ -348,8 +408,11 @@ def test_a_signal_to_one_rank_stops_every_rank_and_names_it():
 
     got = run_distributed(_one_rank_signalled, 2, timeout=60)
     assert got == [(0, signal.SIGTERM, [1])] * 2
-    line = str(Preempted(signal.SIGTERM, 7, Path("out/checkpoints/step-7"), Path("out"), [1]))
-    assert line.startswith("stopped by SIGTERM (sent to rank 1 only) after step 7; ")
+    line = str(Preempted(signal.SIGTERM, 7, Path("out/checkpoints/step-7"), Path("out"), [1],
+                         nproc=2))
+    assert line == ("stopped by SIGTERM (sent to rank 1 only) after step 7; checkpoint "
+                    "out/checkpoints/step-7; continue with: meshfit train --out out --resume "
+                    "--nproc 2")
     assert str(Preempted(signal.SIGINT, 7, Path("c"), Path("out"))).startswith(
         "stopped by SIGINT after step 7; ")
 

@@ -108,8 +108,10 @@ def test_an_unwritable_default_cache_blames_data_cache_dir(monkeypatch, tmp_path
 
 def test_a_transformers_run_prints_only_meshfits_lines(tmp_path, subprocess_env):
     """With torchao installed beside a torch its compiled extensions were not built for,
-    importing transformers logs "Failed to load ..._C_mxfp8...so" and torch's pytree notes:
-    a meshfit command shows none of them (its output is its own)."""
+    importing transformers logs "Failed to load ..._C_mxfp8...so" and torch's pytree notes;
+    and peft, wrapping a transformers model with LoRA, reads an attribute transformers 5
+    deprecates (a FutureWarning per process: the launcher's check, then each rank): a meshfit
+    command shows none of them (its output is its own)."""
     import subprocess
     import sys
 
@@ -121,11 +123,12 @@ def test_a_transformers_run_prints_only_meshfits_lines(tmp_path, subprocess_env)
     proc = subprocess.run([sys.executable, "-m", "meshfit", "train", "--nproc", "1", "--out",
                            str(tmp_path / "run"), f"--model.hf_config={tmp_path / 'cfg'}",
                            "--train.steps=1", "--train.eval_every=0", "--train.seq_len=32",
-                           f"--data.cache_dir={tmp_path / 'cache'}"],
+                           "--peft.method=lora", f"--data.cache_dir={tmp_path / 'cache'}"],
                           env=subprocess_env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     foreign = [line for line in (proc.stdout + proc.stderr).splitlines()
-               if "Failed to load" in line or "_pytree" in line or "torchao" in line]
+               if "Failed to load" in line or "_pytree" in line or "torchao" in line
+               or "Warning" in line]
     assert foreign == []
 
 
@@ -168,3 +171,43 @@ def test_a_meta_build_skips_initialisation_and_never_imports_dynamo(tmp_path):
 
     real = build_model(Config(), 256)
     assert out[-2] == str(sorted((n, tuple(p.shape)) for n, p in real.named_parameters()))
+
+
+ENDERS = '''
+import os
+
+
+def exits(vocab_size=256):
+    os._exit(0)
+
+
+def execs(vocab_size=256):
+    os.execv("/bin/true", ["true"])
+'''
+
+
+@pytest.mark.parametrize("factory, call", [("exits", "os._exit(0)"),
+                                           ("execs", "os.execv('/bin/true', ...)")])
+def test_code_that_ends_the_process_is_refused_not_taken_for_success(factory, call, tmp_path,
+                                                                     monkeypatch, cli_refusal):
+    """A model factory that ends the process (here while it is built before launch, in the
+    launching process) would leave `meshfit train` with exit code 0 having trained nothing:
+    it is refused in one line naming the call and the user's line, exit code 2. (The test
+    process's own os._exit and os.execv are replaced first, so that a meshfit that let the
+    call through fails this test instead of ending pytest with exit code 0.)"""
+    import os
+
+    def reached(*args):
+        raise AssertionError(f"the process would have ended: {args}")
+
+    monkeypatch.setattr(os, "_exit", reached)
+    monkeypatch.setattr(os, "execv", reached)
+    (tmp_path / "enders.py").write_text(ENDERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = cli_refusal("train", "--out", str(tmp_path / "run"),
+                       f"--model.factory=enders:{factory}")
+    assert line.startswith(f"meshfit train: error: model.factory='enders:{factory}': building "
+                           f"the model raised ProcessEndRefused: {call} at "), line
+    assert "would end meshfit train's process before it finished" in line
+    assert f"enders.py:{6 if factory == 'exits' else 10}" in line
+    assert not (tmp_path / "run").exists()

@@ -5,12 +5,14 @@ disk (offload = "disk") logs the same training losses and the same
 on the ranks of one spawn per world size (what `meshfit train --nproc N` runs on each
 worker), every layout of that size one after another.
 
-The validation set is 21 windows (train.eval_batches=7 x micro_batch_size=3), a number no
-layout divides: every rank evaluates its share of them exactly once, the ranks with fewer
-windows run batches of ignored targets (FSDP's all-gathers and a pipeline's sends are
+The validation set is 21 windows (train.eval_windows=21), a number no layout divides and
+no micro-batch of 3 or 4: every rank evaluates its share of them exactly once, the ranks with
+fewer windows run batches of ignored targets (FSDP's all-gathers and a pipeline's sends are
 collectives), and a pipeline sees all 21. Before, the set itself depended on the layout
 (eval_batches micro-batches per rank) and padding counted: this test's DDP run logged 4.94635
-against one process's 4.95135.
+against one process's 4.95135; and then on the micro-batch (eval_batches x micro_batch_size
+windows): the same weights evaluated with micro-batches of 4 rather than 3 logged another
+val_loss (`test_the_micro_batch_does_not_change_the_validation_set`).
 
 Tolerance: fp32, the trainer's dtype. The layouts sum in other orders (~1e-7 relative per
 operation); over 3 AdamW steps the logged losses stay within 1e-4 relative of each other,
@@ -30,7 +32,7 @@ import pytest
 from conftest import case_result, run_cases
 
 BASE = {"train": {"steps": 3, "eval_every": 0, "log_every": 1, "global_batch_size": 12,
-                  "micro_batch_size": 3, "seq_len": 32, "eval_batches": 7, "warmup_steps": 1},
+                  "micro_batch_size": 3, "seq_len": 32, "eval_windows": 21, "warmup_steps": 1},
         "model": {"dropout": 0.0, "n_layer": 4, "d_model": 64, "d_ff": 128}}
 RTOL = 1e-4  # see the module docstring
 LAYOUTS = {  # name: (processes, [parallel] settings)
@@ -67,7 +69,8 @@ def _config(root: Path, name: str):
     if parallel.get("offload") == "disk":  # the optimizer state in files, streamed
         parallel["offload_dir"] = str(root / f"{name}-offload")
     model = {**BASE["model"], **({"preset": "moe-tiny"} if name.startswith("moe") else {})}
-    return build_config({**BASE, "model": model, "parallel": parallel,
+    train = {**BASE["train"], **({"micro_batch_size": 4} if name == "dense-micro4" else {})}
+    return build_config({**BASE, "train": train, "model": model, "parallel": parallel,
                          "data": {"path": str(root / "corpus"),
                                   "cache_dir": str(root / "cache")}})
 
@@ -97,7 +100,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
     corpus.mkdir()
     for i, f in enumerate(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:200]):
         (corpus / f"{i:03d}.txt").write_text(f.read_text(errors="ignore"))
-    for name in ("dense-one", "moe-one"):
+    for name in ("dense-one", "moe-one", "dense-micro4"):
         train(_config(root, name), root / name, init())
     results = {}
     for nproc in (2, 4):
@@ -118,6 +121,36 @@ def test_every_layout_logs_the_one_process_losses(runs, name):
     if LAYOUTS[name][1].get("offload") == "disk":  # the ranks' state folders: gone at the end
         assert (root / f"{name}-offload").is_dir()
         assert not list((root / f"{name}-offload").iterdir())
+
+
+def test_the_micro_batch_does_not_change_the_validation_set(runs):
+    """One process, micro-batches of 4 instead of 3 (the same global batch of 12): the
+    validation set is the same 21 windows, so the first evaluation (step 0: the same weights,
+    from the seed) gives the same val_loss, and the last one that of the same training (the
+    steps differ in the order of sums only). Before, 4 x 7 = 28 windows against 21."""
+    root, _ = runs
+    vals = {}
+    for name in ("dense-one", "dense-micro4"):
+        lines = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
+        vals[name] = [x["val_loss"] for x in lines if "val_loss" in x]
+    # (logged to 5 decimals: the sums' other order may round one way or the other)
+    assert vals["dense-micro4"][0] == pytest.approx(vals["dense-one"][0], abs=1.01e-5)
+    assert vals["dense-micro4"][-1] == pytest.approx(vals["dense-one"][-1], rel=RTOL)
+
+
+def test_older_configs_keep_their_validation_set():
+    """[train] eval_batches = N (older configs, and every config.toml written before
+    eval_windows) reads as the N x micro_batch_size windows it meant; with eval_windows too it
+    is refused in one line."""
+    from meshfit.train.configfile import build_config, load_config
+
+    old = load_config(None, ["--train.eval_batches=7", "--train.micro_batch_size=3",
+                             "--train.global_batch_size=12"])
+    assert old.eval_windows() == 21 and old.train.eval_batches == 7
+    assert build_config({"train": {"eval_batches": 8}}).eval_windows() == 8 * 16
+    with pytest.raises(ValueError, match=r"^train.eval_batches=2 and train.eval_windows=9 both "
+                                         r"set the validation set; keep train.eval_windows"):
+        load_config(None, ["--train.eval_batches=2", "--train.eval_windows=9"])
 
 
 def test_eval_of_a_run_gives_its_val_loss(runs, capsys):

@@ -22,6 +22,7 @@ Each layout is a start of processes from the test suite's fork server (a second 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import sysconfig
@@ -113,6 +114,7 @@ def sources(tmp_path_factory):
     corpus.mkdir()
     for i, f in enumerate(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]):
         (corpus / f"{i:02d}.txt").write_text(f.read_text(errors="ignore"))
+    (corpus / "latin1.txt").write_bytes(b"caf\xe9\n")  # skipped, with a warning
     (root / "verify_usermodels.py").write_text(USER_MODELS)
     sys.path.insert(0, str(root))
     (root / "gpt.toml").write_text(textwrap.dedent(f"""
@@ -173,6 +175,10 @@ def test_command_passes_every_builtin_family_on_the_reference_gpt(sources):
         assert r["param_rel"] < 1e-10 and r["loss_rel"] < 1e-12, r  # measured: <= 6e-13, 2e-16
         assert len(r["losses"]) == 3
     assert "adamw_fused" not in proc.stderr  # (the default optimizer ran in float64)
+    # the data's warning (a file that is not UTF-8, skipped) once, as the command's one line;
+    # not again from each of the 10 ranks as a raw UserWarning
+    assert proc.stderr.count("data: skipped 1 of 41 files") == 1, proc.stderr[-3000:]
+    assert "meshfit verify: warning: data: skipped" in proc.stderr
 
 
 def test_command_refuses_bad_input_before_any_process(cli_refusal, sources):
@@ -239,6 +245,9 @@ def test_wrong_plans_of_a_factory_model_fail(sources):
     assert not f.passed and f.error is None and f.param_rel > 1e-2, fused.table()  # measured 1.5
     assert not p.passed and p.param_rel > 1e-2 and p.loss_rel > 1e-4, pipeline.table()  # 1.6
     assert not s.passed and s.loss_diff is None and "Sharding propagation" in s.error
+    # the table names the rank and its exception, not the traceback's last line
+    assert re.search(r"^tp=2: rank \d: \w+Error: \S", swapped.table(), re.MULTILINE), \
+        swapped.table()
     assert "FAIL" in swapped.table() and "0 of 1 layout(s) PASS" in swapped.table()
 
 
@@ -258,6 +267,17 @@ class _LoopLM(nn.Module):
 def build_loop_model():
     torch.manual_seed(0)
     return _LoopLM()
+
+
+class _SpareLM(_LoopLM):
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(32, 32)  # never used in forward: no gradient
+
+
+def build_spare_model():
+    torch.manual_seed(0)
+    return _SpareLM()
 
 
 def sgd(model):
@@ -321,6 +341,13 @@ def test_compare_layouts_on_a_loop_of_ones_own():
     assert not a.passed and a.param_rel > 1e-2, no_allreduce.table()
     assert not s.passed and s.param_rel > 1e-1, summing.table()  # the SGD step doubled
     assert "N K u" in summing.tolerance.describe() and summing.tolerance.eps is None
+    # a parameter the loss does not use: one process steps on, DDP refuses it on the second
+    # step; the report names the parameters (the reference found them), not DDP's last line
+    spare = compare_layouts(step, build_spare_model, batches, layouts=["dp_replicate=2"], **run)
+    (u,) = spare.results
+    assert not u.passed and u.error.startswith(
+        "2 trainable parameter(s) get no gradient: spare.weight, spare.bias"), u.error
+    assert f"dp_replicate=2: {u.error}" in spare.table()
     with pytest.raises(ValueError, match="cannot split over its 2 data-parallel ranks"):
         compare_layouts(step, build_loop_model, [(x[:7], y[:7]) for x, y in batches],
                         layouts=["dp_shard=2"], **run)

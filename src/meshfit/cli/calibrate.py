@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true",
                    help="measure the CPU with gloo even where CUDA is available "
                         "(also MESHFIT_CPU=1)")
+    p.add_argument("--repeats", default="5",
+                   help="times each timing is repeated (default 5, at least 2): their median "
+                        "is the figure, their spread the noise it is judged by")
     p.add_argument("--offload-dir", default=None,
                    help="also measure the sequential write (fsync'd) and read bandwidth of "
                         "this folder's disk, for offload=\"disk\" (meshfit plan --profile)")
@@ -60,20 +63,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _count(text: str, flag: str, least: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{flag}={text!r} is not an integer; e.g. {flag} {least + 1}") from None
+    if value < least:
+        raise ValueError(f"{flag}={value} must be >= {least} ({what})")
+    return value
+
+
 def _validate(ns) -> tuple[int, Path, tuple[int, ...] | None, bool]:
     """(processes, output file, collective sizes, CPU?) from the arguments, checked against
-    this machine (devices, backends) before any process starts."""
+    this machine (devices, backends) before any process starts (--repeats: checked into
+    `ns.repeats`)."""
     import torch
     import torch.distributed as dist
 
     from meshfit.distributed import cpu_requested
 
-    try:
-        nproc = int(ns.nproc)
-    except ValueError:
-        raise ValueError(f"--nproc={ns.nproc!r} is not an integer; e.g. --nproc 2") from None
-    if nproc < 1:
-        raise ValueError(f"--nproc={nproc} must be >= 1 (the processes to run at once)")
+    nproc = _count(ns.nproc, "--nproc", 1, "the processes to run at once")
+    ns.repeats = _count(ns.repeats, "--repeats", 2, "a timing's spread needs two repeats")
     cpu = cpu_requested(True if ns.cpu else None)
     cuda = torch.cuda.is_available() and not cpu
     if nproc > 1:
@@ -114,11 +124,12 @@ def cmd_calibrate(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
     nproc, out, sizes, cpu = _validate(ns)  # before any process starts
     if ns.worker or nproc == 1:
-        rc = _worker(out, sizes, cpu)
+        rc = _worker(out, sizes, cpu, ns.repeats)
     else:
         # No --nproc here: torchrun's parser would take it for an abbreviation of its own
         # --nproc-per-node. The workers learn the world size from their environment.
-        script = ["meshfit", "calibrate", "--worker", "--out", str(out)]
+        script = ["meshfit", "calibrate", "--worker", "--out", str(out), "--repeats",
+                  str(ns.repeats)]
         if sizes is not None:
             script += ["--sizes", *map(str, sizes)]
         if cpu:
@@ -143,11 +154,11 @@ def _measure_disk(out: Path, folder: Path, nbytes: int) -> None:
           f"{read / 1e9:.2f} GB/s -> {out}", flush=True)
 
 
-def _worker(out: Path, sizes: tuple[int, ...] | None, cpu: bool) -> int:
+def _worker(out: Path, sizes: tuple[int, ...] | None, cpu: bool, repeats: int) -> int:
     """This process's part of the measurement; the main process prints the table."""
     from meshfit.plan.measure import measure
 
-    result = measure(out, sizes, cpu)
+    result = measure(out, sizes, cpu, repeats)
     if result is not None:
         print(_table(result, out), flush=True)
     return 0
@@ -164,23 +175,64 @@ def _si(value: float | None, unit: str) -> str:
     return f"{value * 1e9:.3g} n{unit}"
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"±{value / 2:.0%}"
+
+
 def _table(result: dict, out: Path) -> str:
-    """The measured figures, one line each."""
+    """The measured figures, one line each, with the spread of their repeats (±half their
+    range, of the median), then what `meshfit.plan.trust` flagged."""
     from meshfit.plan.calibrate import DTYPES
     from meshfit.plan.fit import KINDS
 
     raw = result["raw"]
+    noise = raw["noise"]
     lines = [(f"meshfit calibrate: {result['world_size']} process(es) on {result['device']}, "
-              f"{result['backend']}, torch {result['torch']} -> {out}")]
+              f"{result['backend']}, torch {result['torch']} -> {out}"),
+             (f"  {noise['timings']} timings, each repeated {noise['repeats']} times; the "
+              f"repeats' range: a median {noise['median_spread']:.0%} of their median, the "
+              f"widest {noise['max_spread']:.0%}")]
     for d in DTYPES:
         rows = raw["matmul"][d]
-        size = f"(n={rows[-1]['n']})" if rows else ""
+        size = f"(n={rows[-1]['n']}, {_pct(rows[-1]['spread'])})" if rows else ""
         lines.append(f"  matmul {d:<5} {_si(result['matmul_flops'][d], 'FLOP/s'):>14} {size}")
-    lines.append(f"  memory copy  {_si(result['memory_bandwidth'], 'B/s'):>14}")
-    lines.append(f"  {'collective':<15}{'bus bandwidth':>14}{'latency':>12}{'R²':>8}")
+    lines.append(f"  memory copy  {_si(result['memory_bandwidth'], 'B/s'):>14} "
+                 f"({_pct(raw['memory']['spread'])})")
+    lines.append(f"  {'collective':<15}{'bus bandwidth':>14}{'latency':>12}{'R²':>8}"
+                 f"{'spread':>8}")
     for kind in KINDS:
         fit = result["collectives"][kind]
-        r2 = raw["collectives"].get(kind, {}).get("r2")
+        timed = raw["collectives"].get(kind, {})
+        r2, widest = timed.get("r2"), max(timed.get("spread", [None]), key=lambda v: v or 0)
         lines.append(f"  {kind:<15}{_si(fit['bus_bandwidth'], 'B/s'):>14}"
-                     f"{_si(fit['latency'], 's'):>12}{'-' if r2 is None else f'{r2:.4f}':>8}")
+                     f"{_si(fit['latency'], 's'):>12}{'-' if r2 is None else f'{r2:.4f}':>8}"
+                     f"{_pct(widest):>8}")
+    lines += _differences(result)
+    flags = result.get("flags") or {}
+    if flags:
+        lines.append("  flagged: meshfit plan will not use these (it assumes instead, and says "
+                     "so):")
+        lines += [f"    {figure}: {why}" for figure, why in flags.items()]
     return "\n".join(lines)
+
+
+def _differences(result: dict) -> list[str]:
+    """The data-parallel engines' and tensor parallel's multiples, the pipeline schedules'
+    seconds per micro-batch, each with the seconds beyond its baseline and their noise."""
+    lines = []
+    timed = result["raw"].get("data_parallel") or {}
+    for name, value in (result.get("data_parallel") or {}).items():
+        row = timed.get(name) or {}
+        beyond = row.get("exposed_seconds", row.get("seconds", 0) - row.get(
+            "predicted_without_tp", 0))
+        if value is not None:
+            lines.append(f"  {name:<17} x{value:<10.2f} the modelled collectives' time "
+                         f"({beyond * 1e3:+.2f} ms ±{row.get('noise_seconds', 0) * 1e3:.2f} ms "
+                         "in a step)")
+    timed = result["raw"].get("pipeline") or {}
+    for name, value in (result.get("pipeline") or {}).items():
+        row = timed.get(name) or {}
+        if value is not None:
+            lines.append(f"  {name:<17} {value * 1e3:.2f} ms per micro-batch beyond the "
+                         f"prediction (±{row.get('noise_seconds', 0) * 1e3:.2f} ms a step)")
+    return lines

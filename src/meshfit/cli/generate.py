@@ -41,6 +41,9 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
                    help="a meshfit train run folder (uses RUN/model/) or a model folder")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda when available, unless MESHFIT_CPU=1)")
+    p.add_argument("--trust-code", action="store_true",
+                   help="run the code the model folder's config.json names (a meshfit factory, "
+                        "transformers' remote code): only for a folder whose writer you trust")
     return p
 
 
@@ -67,7 +70,7 @@ def cmd_generate(argv: list[str]) -> int:
     check_sampling(ns.max_new_tokens, ns.temperature, ns.top_k)
     from meshfit.generate import generate, load_model  # torch: after the refusals
 
-    model, tokenizer, _, _ = load_model(ns.source, ns.device)
+    model, tokenizer, _, _ = load_model(ns.source, ns.device, trust_code=ns.trust_code)
     text = generate(model, tokenizer, ns.prompt, max_new_tokens=ns.max_new_tokens,
                     temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed, chat=ns.chat)
     print(f"user: {ns.prompt}\nassistant: {text}" if ns.chat else ns.prompt + text)
@@ -85,9 +88,9 @@ def _eval_args(argv: list[str]) -> argparse.Namespace:
                    help="window length (default: the run's train.seq_len; for a model folder "
                         "the model's context, at most 1024)")
     p.add_argument("--batches", type=int, default=None, metavar="N",
-                   help="batches to evaluate (default: the run's train.eval_batches, so that "
-                        "a run's model gives the val_loss the run logged; else 8); 0 = every "
-                        "window of the data")
+                   help="batches to evaluate (default: the run's train.eval_windows windows, "
+                        "so that a run's model gives the val_loss the run logged; else 8); 0 = "
+                        "every window of the data")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="windows per batch (default: the run's train.micro_batch_size, else 8)")
     ns = p.parse_args(argv)
@@ -109,7 +112,7 @@ def cmd_eval(argv: list[str]) -> int:
                          "text files")
     _, run = resolve_model(ns.source)  # fail on a bad folder before loading anything
     cfg = _run_config(run, ns.data)
-    model, tokenizer, _, _ = load_model(ns.source, ns.device)
+    model, tokenizer, _, _ = load_model(ns.source, ns.device, trust_code=ns.trust_code)
     seq_len = _seq_len(ns.seq_len, cfg, context_length(model))
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # any model's
     if vocab is not None and tokenizer.vocab_size > vocab:
@@ -125,10 +128,11 @@ def cmd_eval(argv: list[str]) -> int:
                          "one window of seq_len + 1; lower --seq-len or give more --data")
     # A run's own validation split, by default as the run evaluated it (`RunConfig.eval_windows`).
     run_eval = cfg is not None and ns.data is None
-    batches = ns.batches if ns.batches is not None else \
-        cfg.train.eval_batches if run_eval else 8
     batch_size = ns.batch_size if ns.batch_size is not None else \
-        cfg.train.micro_batch_size if run_eval else 8
+        math.gcd(cfg.eval_windows(), cfg.train.micro_batch_size) if run_eval else 8
+    # by default exactly the run's train.eval_windows windows (batched so that they divide)
+    batches = ns.batches if ns.batches is not None else \
+        -(-cfg.eval_windows() // batch_size) if run_eval else 8
     loss, n = evaluate_loss(model, tokens, seq_len, batches=batches, batch_size=batch_size)
     print(f"loss {loss:.6f} perplexity {math.exp(min(loss, 700.0)):.4f} on {n} tokens")
     return 0

@@ -121,18 +121,25 @@ torchrun) is refused rather than joining a job that does not exist."""
 def _train_parser() -> argparse.ArgumentParser:
     p = OneLineParser("meshfit train", "Train the reference GPT (default: the tiny preset on "
                       "the Python standard library's source). Options --section.key=value "
-                      "override the config.")
+                      "override the config; --print-config lists every key with its value "
+                      "and meaning.")
     add_launch_flags(p)
     p.add_argument("--config", default=None, help="a TOML run configuration")
     p.add_argument("--out", default=None, help="run folder (default: runs/train-<time>)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint, with "
-                        "its saved config ([parallel], [checkpoint] and --nproc may change)")
+                        "its saved config, on as many processes as it was saved by "
+                        "([parallel], [checkpoint] and --nproc may change; another number of "
+                        "processes is said)")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds a run: its outputs (metrics, "
                         "config, checkpoints, model) are removed once the folder is locked")
     p.add_argument("--no-memory-check", action="store_true",
                    help="start even where the memory estimate says the run cannot fit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the config this command would run (--config, the overrides; "
+                        "with --resume the run's own) as TOML, every key with its value and "
+                        "one line of meaning, and exit; alone: every default")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -140,16 +147,33 @@ def _train_parser() -> argparse.ArgumentParser:
 def cmd_train(argv: list[str]) -> int:
     ns, rest = _train_parser().parse_known_args(argv)
     overrides = _collect_overrides(rest)
+    if ns.print_config:  # nothing started, nothing written
+        from meshfit.train.configdoc import describe
+
+        print(describe(_config(ns, overrides)), end="")
+        return 0
+    # The code a run calls (a model factory, built before launch too) cannot end this process
+    # as if the run had finished: meshfit decides its exit code.
+    # (torch-free, but not on TORCH_FREE's list in tests/test_architecture.py)
+    from meshfit.launch.finished import no_silent_exit
+
+    with no_silent_exit("meshfit train"):
+        return _train_command(ns, overrides)
+
+
+def _train_command(ns, overrides: list[str]) -> int:
+    saved_world = None
     if not ns.worker:  # the launcher's arguments first: their refusals need no torch
         check_environment()
         _refuse_inherited_ranks()
+        saved_world = _saved_world(ns)  # --resume: on the run's own processes by default
         launch_cfg, env, notes = launch.config_from_args(ns)
         launch.master_port_in_use(launch_cfg)
     cfg = _config(ns, overrides)
     out = Path(ns.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.worker:  # started by the launcher below: one rank of the job
         return _run_worker(cfg, out, resume=ns.resume)
-    if not _check_before_starting(cfg, out, ns, launch_cfg):
+    if not _check_before_starting(cfg, out, ns, launch_cfg, saved_world):
         return 0  # a finished run, said so
     say("train", notes)
     if launch_cfg.nproc == 1 and launch_cfg.nnodes == 1 and not env:
@@ -157,9 +181,30 @@ def cmd_train(argv: list[str]) -> int:
     return _start_workers(cfg, out, ns, launch_cfg, env)
 
 
+def _saved_world(ns) -> int | None:
+    """With --resume: the number of processes the run's newest checkpoint was saved by (None:
+    none to read; --resume's own checks say why later). A resume runs on as many unless told
+    otherwise: where neither --nproc nor --nnodes is given (nor a SLURM job's shape, which
+    the resume follows), --nproc becomes that number (with --nnodes N alone, that number / N
+    per node). Another number of processes is said before starting
+    (`_check_before_starting`)."""
+    if not ns.resume or ns.out is None:
+        return None
+    from meshfit.launch.slurm import slurm_facts
+    from meshfit.train.run import saved_world
+
+    world = saved_world(Path(ns.out))
+    nnodes = ns.nnodes or 1
+    if world is not None and ns.nproc is None and (ns.no_slurm or slurm_facts() is None) \
+            and world % nnodes == 0:
+        ns.nproc = world // nnodes
+    return world
+
+
 def _collect_overrides(rest: list[str]) -> list[str]:
     """``--a.b=v`` and ``--a.b v`` forms; anything else is an error naming it."""
-    return collect_overrides(rest, "--nproc, --config, --out, --resume, --overwrite",
+    return collect_overrides(rest, "--nproc, --config, --out, --resume, --overwrite, "
+                             "--print-config",
                              "--train.steps=100")
 
 
@@ -209,10 +254,11 @@ def _config(ns, overrides: list[str]):
     return load_config(saved, overrides, allowed=RESUME_OVERRIDES)
 
 
-def _check_before_starting(cfg, out: Path, ns, launch_cfg) -> bool:
+def _check_before_starting(cfg, out: Path, ns, launch_cfg, saved_world: int | None) -> bool:
     """The launching process's checks, in order: the layout on the job's world size, the run
-    folder, the checkpoint to resume, this machine (`meshfit.train.preflight`, printing its
-    warnings). False: a resumed run that is already finished (said, nothing to start)."""
+    folder, the checkpoint to resume (and a resume on another number of processes than it was
+    saved by, said), this machine (`meshfit.train.preflight`, printing its warnings). False: a
+    resumed run that is already finished (said, nothing to start)."""
     world_size = launch_cfg.nproc * launch_cfg.nnodes
     cfg.validate_for(world_size, launch_cfg.nproc)  # before any process starts
     from meshfit.train.configfile import to_toml
@@ -231,6 +277,12 @@ def _check_before_starting(cfg, out: Path, ns, launch_cfg) -> bool:
         print(f"meshfit train: {message}")
         if step >= cfg.train.steps:
             return False
+        if saved_world is not None and saved_world != world_size:
+            print(f"meshfit train: warning: resuming on {world_size} process(es), the run was "
+                  f"saved by {saved_world}: its steps now split and accumulate the batch "
+                  "otherwise and draw from fresh random generators, so its losses will not be "
+                  f"the uninterrupted run's (--nproc {saved_world} continues it as it was)",
+                  file=sys.stderr)
     from meshfit.train.preflight import preflight
 
     for warning in preflight(cfg, world_size, launch_cfg.nproc,
@@ -297,7 +349,8 @@ def _start_workers(cfg, out: Path, ns, launch_cfg, env: dict[str, str]) -> int:
             return launch.run(launch_cfg, ["meshfit", "train", "--worker", "--config",
                                            str(resolved), "--out", str(out),
                                            *(["--resume"] if ns.resume else [])], module=True,
-                              env=env, prog="meshfit train", say_stopped=False)
+                              env=env, prog="meshfit train", say_stopped=False,
+                              finished_marks=True)
         finally:
             if launch_cfg.node_rank == 0:
                 _remove_unfinished_saves(out)
@@ -307,6 +360,7 @@ def _start_workers(cfg, out: Path, ns, launch_cfg, env: dict[str, str]) -> int:
 def _run_worker(cfg, out: Path, *, resume: bool) -> int:
     """One rank of the job: train; an error is recorded for the launcher's summary (its one
     line, or the end of its traceback) and, where only some ranks know it, said here."""
+    from meshfit.launch.finished import ProcessEndRefused, mark_finished
     from meshfit.train.run import Diverged, Preempted, Stalled
     from meshfit.train.trainer import train
 
@@ -321,8 +375,8 @@ def _run_worker(cfg, out: Path, *, resume: bool) -> int:
         _record_error(err)
         print(f"meshfit train: error: {err}", file=sys.stderr, flush=True)
         return 1
-    except (ValueError, TimeoutError) as err:  # one line, in the launcher's summary too
-        _record_error(err)
+    except (ValueError, TimeoutError, ProcessEndRefused) as err:  # one line, in the
+        _record_error(err)  # launcher's summary too
         raise
     except Exception as err:  # a traceback: its last lines in the launcher's summary
         from meshfit.distributed.env import peer_lost
@@ -332,6 +386,7 @@ def _run_worker(cfg, out: Path, *, resume: bool) -> int:
             return _lost_peer(err, reason)
         _record_error(err, traceback.format_exc().strip().splitlines()[-3:])
         raise
+    mark_finished()  # the launcher takes exit code 0 for success only with this mark
     return _leave_worker()
 
 
@@ -340,6 +395,8 @@ def _lost_peer(err: BaseException, reason: str) -> int:
     failed) leaves without a traceback: one line per node (its local rank 0, unless that is
     the one that died); the launcher's summary names the rank that failed first. No
     teardown of the broken process group (it can hang or abort)."""
+    from meshfit.launch.finished import exit_now
+
     _record_error(err)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"meshfit train: rank {os.environ.get('RANK', '0')} stopped: another rank of the "
@@ -347,7 +404,7 @@ def _lost_peer(err: BaseException, reason: str) -> int:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    exit_now(1)
 
 
 def _leave_worker() -> int:
@@ -361,6 +418,7 @@ def _leave_worker() -> int:
     from meshfit.distributed import is_initialized
 
     from meshfit.distributed import init
+    from meshfit.launch.finished import exit_now
 
     if not (init().is_distributed and is_initialized()):
         return 0
@@ -371,7 +429,7 @@ def _leave_worker() -> int:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def _record_error(err: BaseException, lines: list[str] | None = None) -> None:

@@ -1,8 +1,9 @@
 """``meshfit COMMAND [ARGS...]`` (the console script, and ``python -m meshfit``): the table of
 commands, ``meshfit --help`` and ``--version``, and the one way every command ends: a
 ValueError is one line ``meshfit CMD: error: ...`` naming the option, the value and the fix,
-and exit code 2; a bounded wait that ran out exit code 1; Ctrl-C before a run's own handler
-exit code 130. And ``meshfit env``, what to paste into a bug report: the environment
+and exit code 2; a bounded wait that ran out, or code the command called that tried to end
+its process as if it had finished (`meshfit.launch.finished`), exit code 1; Ctrl-C before a
+run's own handler exit code 130. And ``meshfit env``, what to paste into a bug report: the environment
 variables shown are those that change how meshfit launches and places work (a fixed list and
 prefixes: no other variable is read, so nothing secret is printed).
 """
@@ -170,13 +171,25 @@ def _one_line_warnings(prefix: str) -> None:
     warnings.showwarning = show
 
 
+QUIET_WARNINGS = (
+    # peft's PeftModel reads the model's `is_gradient_checkpointing`, which transformers 5
+    # deprecates: one FutureWarning per process (each rank, the launcher) wrapping a model
+    # with LoRA, about code neither the user nor meshfit wrote.
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+)
+"""(category, message) of other libraries' warnings that a command does not show."""
+
+
 def _quiet_libraries() -> None:
     """A command's output is meshfit's: the notes torchao logs on import where its compiled
     extensions do not match this torch ("Failed to load ..._C_mxfp8...so") and torch's
-    pytree deprecation notes about torchao's enums are not shown (errors still are). Library
-    users of meshfit keep their own logging configuration: this runs for commands only."""
+    pytree deprecation notes about torchao's enums are not shown (errors still are), nor the
+    warnings of `QUIET_WARNINGS`. Library users of meshfit keep their own logging and
+    warnings configuration: this runs for commands only."""
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    for category, message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,14 +206,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _one_line_warnings(f"meshfit {argv[0]}")
     _quiet_libraries()
+    # (torch-free, but not on TORCH_FREE's list in tests/test_architecture.py)
+    from meshfit.launch.finished import ProcessEndRefused
+
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ValueError as err:
         print(f"meshfit {argv[0]}: error: {err}", file=sys.stderr)
         return 2
-    except TimeoutError as err:  # a bounded wait ran out (e.g. ranks that never joined)
-        print(f"meshfit {argv[0]}: error: {err}", file=sys.stderr)
-        return 1
+    except (TimeoutError, ProcessEndRefused) as err:  # a bounded wait ran out (e.g. ranks
+        print(f"meshfit {argv[0]}: error: {err}", file=sys.stderr)  # that never joined); code
+        return 1  # the command called tried to end it as if finished
     except KeyboardInterrupt:  # Ctrl-C before a run's own handler was installed
         print(f"meshfit {argv[0]}: stopped by SIGINT (Ctrl-C)", file=sys.stderr)
         return 128 + 2

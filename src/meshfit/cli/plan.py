@@ -17,6 +17,7 @@ from pathlib import Path
 
 from meshfit.cli import OneLineParser
 from meshfit.distributed.dims import AXES
+from meshfit.models.factory import check_folder_code
 
 _PIPELINE_FIELDS = ("schedule", "microbatches", "virtual_stages")
 
@@ -42,12 +43,18 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "for them alone); qlora: the block linears in 4 bits (NF4)")
     p.add_argument("--lora-r", type=int, default=8, help="the adapters' rank with --peft")
     p.add_argument("--json", action="store_true", help="print JSON (schema: docs/planning.md)")
+    p.add_argument("--trust-code", action="store_true",
+                   help="run the code a MODEL folder's config.json names (transformers' remote "
+                        "code): only for a folder whose writer you trust")
 
 
 def _shape(ns):
     from meshfit.memory import ModelShape
 
-    shape = ModelShape.of(ns.model, vocab_size=ns.vocab_size)
+    if Path(ns.model).expanduser().exists():  # a folder or config.json: someone else's code?
+        check_folder_code(ns.model, trust_code=ns.trust_code, field="MODEL", how="--trust-code",
+                          factories=False)
+    shape = ModelShape.of(ns.model, vocab_size=ns.vocab_size, trust_code=ns.trust_code)
     if ns.seq_len is None:
         ns.seq_len = min(shape.max_seq_len or 4096, 4096)
     if ns.seq_len < 1:
@@ -180,16 +187,19 @@ def _peft_note(ns) -> str:
 
 
 def _print_estimates(ns, shape, results: list, refused: list) -> None:
+    from meshfit.memory.estimate import byte_unit
+
+    unit, size = byte_unit(e for _, e in results)
     active = (f", {shape.active_params:,} active per token" if shape.active_params is not None
               else "")
     print(f"{shape.name}: {shape.params:,} parameters{active} ({shape.n_layer} blocks of up "
           f"to {shape.block_params:,}); seq_len {ns.seq_len}, {ns.dtype} activations, "
-          f"{ns.optimizer}{_peft_note(ns)}; GiB per rank")
+          f"{ns.optimizer}{_peft_note(ns)}; {unit} per rank")
     print(f"{'layout':34} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} "
           f"{'total':>8}")
     for label, e in results:
         b = e.per_rank_bytes
-        print(f"{label[:34]:34} " + " ".join(f"{b[k] / GiB:8.2f}" for k in (
+        print(f"{label[:34]:34} " + " ".join(f"{b[k] / size:8.2f}" for k in (
             "params", "grads", "optimizer", "activations", "buffers", "total")))
     for label, reason in refused:
         print(f"{label[:34]:34} refused: {reason}")
@@ -215,9 +225,14 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu", default="h100", choices=tuple(DEVICES))
     p.add_argument("--gpu-memory", default=None,
-                   help="memory per GPU, e.g. 80GiB (default: the --gpu's)")
-    p.add_argument("--interconnect", default="nvlink", choices=tuple(INTERCONNECTS))
-    p.add_argument("--network", default="infiniband", choices=tuple(NETWORKS))
+                   help="memory per GPU, e.g. 80GiB (default: the --gpu's; cpu: this "
+                        "machine's memory, shared by its processes)")
+    p.add_argument("--interconnect", default=None, choices=tuple(INTERCONNECTS),
+                   help="the link inside a node (default: loopback with --gpu cpu, else "
+                        "nvlink)")
+    p.add_argument("--network", default=None, choices=tuple(NETWORKS),
+                   help="the link between nodes (default: ethernet with --gpu cpu, else "
+                        "infiniband)")
     p.add_argument("--disk-bandwidth", type=float, default=None,
                    help="GB/s each node's disk reads and writes, for the optimizer state on "
                         "disk (proposed only when nothing else fits; default: the --profile's "
@@ -243,7 +258,7 @@ def _plan_parser() -> argparse.ArgumentParser:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from meshfit.plan import DEVICES, INTERCONNECTS, NETWORKS, Cluster, parse_bytes, search
+    from meshfit.plan import DEVICES, Cluster, parse_bytes, search
 
     ns = _plan_parser().parse_args(argv)
     _positive(ns, "--gpus-per-node", "--nodes", "--global-batch-size", "--top", "--vocab-size",
@@ -255,8 +270,8 @@ def cmd_plan(argv: list[str]) -> int:
     if not 0 <= ns.margin < 1:
         raise ValueError(f"--margin={ns.margin} must be in [0, 1), e.g. 0.1")
     device = DEVICES[ns.gpu]
-    if ns.gpu_memory is not None:
-        device = dataclasses.replace(device, memory=parse_bytes(ns.gpu_memory))
+    if ns.gpu_memory is not None:  # (each process's own, also on a CPU)
+        device = dataclasses.replace(device, memory=parse_bytes(ns.gpu_memory), shared=False)
     if ns.out is not None and not Path(ns.out).parent.exists():
         raise ValueError(f"--out={ns.out!r}: its folder does not exist")
     calibration = None
@@ -265,10 +280,8 @@ def cmd_plan(argv: list[str]) -> int:
 
         calibration = load_calibration(ns.profile)
     cluster = Cluster(gpus_per_node=ns.gpus_per_node, nodes=ns.nodes, device=device,
-                      interconnect=INTERCONNECTS[ns.interconnect],
-                      interconnect_name=ns.interconnect, network=NETWORKS[ns.network],
-                      network_name=ns.network, calibration=calibration,
-                      disk_bandwidth=_disk_bandwidth(ns, calibration))
+                      interconnect_name=ns.interconnect, network_name=ns.network,
+                      calibration=calibration, disk_bandwidth=_disk_bandwidth(ns, calibration))
     shape = _shape(ns)
     adapters = _adapters(ns, shape)
     batch = ns.global_batch_size or 8 * cluster.world_size
@@ -293,7 +306,7 @@ def cmd_plan(argv: list[str]) -> int:
             out["validation"] = rows
         print(json.dumps(out, indent=2))
         return 0
-    _print_plans(ns, shape, device, batch, result, plans)
+    _print_plans(ns, shape, batch, result, plans)
     _print_validation(rows)
     if ns.out is not None:
         print(f"wrote {ns.out}: meshfit train --nproc {ns.gpus_per_node} --nnodes {ns.nodes} "
@@ -301,9 +314,8 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
-def _print_plans(ns, shape, device, batch: int, result, plans) -> None:
-    print(f"{shape.name}: {shape.params:,} parameters on {ns.nodes} x {ns.gpus_per_node} "
-          f"{ns.gpu} ({device.memory / GiB:.0f} GiB, {ns.interconnect}, {ns.network}); "
+def _print_plans(ns, shape, batch: int, result, plans) -> None:
+    print(f"{shape.name}: {shape.params:,} parameters on {result.cluster.describe()}; "
           f"global batch {batch} x {ns.seq_len} tokens, {ns.dtype}")
     print(f"{result.scenario}.")
     print(f"{result.considered} settings of legal layouts estimated, {result.too_big} did not "
@@ -312,6 +324,9 @@ def _print_plans(ns, shape, device, batch: int, result, plans) -> None:
     s = result.sources
     print(f"figures from: compute: {s['compute']}; collectives: {s['collectives']}; MFU: "
           f"model FLOPs over {s['mfu_peak']}")
+    if s["not_used"]:  # (flagged by meshfit calibrate: the table's or assumed figures instead)
+        print(f"not used from --profile {ns.profile} (calibrate flagged them; the assumed "
+              f"figures instead): {s['not_used']}")
     for i, p in enumerate(plans, 1):
         b = p.estimate.per_rank_bytes
         unit, scale = ("GiB", GiB) if b["total"] >= GiB else ("MiB", 2**20)
@@ -320,7 +335,8 @@ def _print_plans(ns, shape, device, batch: int, result, plans) -> None:
               f"{(b['params'] + b['grads'] + b['optimizer']) / scale:.1f}, activations "
               f"{b['activations'] / scale:.1f}, buffers {b['buffers'] / scale:.1f}); step "
               f"{p.step_time_s:.3g} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}"
-              + ("" if ns.profile else " (assumed efficiency)"))
+              + ("" if result.cluster.uses(f"matmul_flops.{ns.dtype}") else
+                 " (assumed efficiency)"))
         if p.host_bytes_per_node:
             held = "gradient shards and state chunks" if p.layout.offload_params \
                 else "CPU offload"
@@ -348,7 +364,8 @@ def _disk_bandwidth(ns, calibration) -> float:
     (`meshfit calibrate --offload-dir`), else 2 GB/s."""
     if ns.disk_bandwidth is not None:
         return ns.disk_bandwidth * 1e9
-    measured = calibration.disk_bandwidth() if calibration is not None else None
+    measured = calibration.disk_bandwidth() if calibration is not None and \
+        calibration.trusted("disk") else None
     return measured or 2e9
 
 
@@ -363,6 +380,8 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
         model = {"factory": ns.model}
     else:
         model = {"hf_config": str(Path(ns.model).resolve())}
+        if ns.trust_code:  # the run builds it from the same folder
+            model["trust_code"] = True
     # [parallel] is the plan's request, whole: every field, sizes always, the pipeline's
     # only with pp, the other options where they differ from the default
     defaults = {f.name: f.default for f in dataclasses.fields(type(lay))}
@@ -382,7 +401,7 @@ def plan_toml(ns, plan, global_batch_size: int) -> str:
     if ns.peft != "none":  # (the estimate adapted every block linear: an upper bound)
         sections["peft"] = {"method": ns.peft, "r": ns.lora_r}
         if ns.peft == "qlora" and "hf_config" in model:  # 4 bits of pretrained weights
-            model = {"hf_model": model["hf_config"]}
+            model = {"hf_model": model.pop("hf_config"), **model}
             sections["model"] = model
     lines = [f"# meshfit plan {' '.join(sys.argv[2:]) if len(sys.argv) > 2 else ns.model}",
              f"# {plan.why}"]

@@ -33,18 +33,23 @@ def _parser() -> OneLineParser:
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds each layout's run may take (default 900)")
+    p.add_argument("--trust-code", action="store_true",
+                   help="run the code the config's model folder names (transformers' remote "
+                        "code), as --model.trust_code=true: only for a folder whose writer you "
+                        "trust")
     return p
 
 
 def _overrides(rest: list[str]) -> list[str]:
     """``--a.b=v`` and ``--a.b v``; anything else is an error naming it."""
-    return collect_overrides(rest, "--layouts, --steps, --dtype, --nproc, --json, --timeout",
+    return collect_overrides(rest, "--layouts, --steps, --dtype, --nproc, --json, --timeout, "
+                             "--trust-code",
                              "--train.micro_batch_size=4")
 
 
 def cmd_verify(argv: list[str]) -> int:
     ns, rest = _parser().parse_known_args(argv)
-    overrides = _overrides(rest)
+    overrides = _overrides(rest) + (["--model.trust_code=true"] if ns.trust_code else [])
     if ns.config is None and ns.layouts and "=" not in ns.layouts[-1]:
         ns.config = ns.layouts.pop()  # `--layouts A B run.toml`: the config after the layouts
     if ns.layouts is not None and any(a.startswith("--") for a in ns.layouts):

@@ -22,7 +22,7 @@ class TokenDataset(Dataset):
 
     With ``separator`` (the documents' separator token, e.g. EOS) an item is ``(x, y,
     positions)``: each token's position in its own document, and no target that begins a
-    document (see `meshfit.train.models.packed_attention`, which keeps a Hugging Face model's
+    document (see `meshfit.models.packing.packed_forward`, which keeps a Hugging Face model's
     attention inside each document).
 
     Only the window is read per item, so a memory-mapped stream of any size costs no RAM.

@@ -6,9 +6,11 @@
     "completion"  a prompt and its completion (columns ``prompt``, ``completion``): the text
                   is prompt + completion + EOS (unless it ends with EOS already), tokenized
                   with the tokenizer's special tokens; the loss counts the completion only
-    "chat"        a conversation (column ``messages``: a list of ``{"role", "content"}``),
-                  rendered by the tokenizer's chat template (``apply_chat_template``); the
-                  loss counts the assistant's turns only
+    "chat"        a conversation (column ``messages``: a list of ``{"role", "content"}``,
+                  the content a string or a list of text parts, tool calls where the
+                  template renders them: `meshfit.data.chat`), rendered by the tokenizer's
+                  chat template (``apply_chat_template``); the loss counts the assistant's
+                  turns only
 
 The masks are the ones TRL's ``SFTTrainer`` makes for the same rows and tokenizer
 (``completion_only_loss``, ``assistant_only_loss``): for "completion", the tokens after the
@@ -27,12 +29,14 @@ token overlapping an assistant turn. Where the assistant's text is, in that orde
 ``train_on_prompt = true`` trains on every token instead.
 
 Each example is one row of ``seq_len + 1`` tokens (`ExampleDataset`): truncated when longer
-(counted), padded when shorter, padding never trained and attending to nothing after it
-(attention is causal, the padding comes last), so examples never see each other. With
+(counted; only as much of its text is tokenized as the row keeps,
+`meshfit.data.tokenizer.encode_head`), padded when shorter, padding never trained and
+attending to nothing after it (attention is causal, the padding comes last), so examples
+never see each other. With
 ``packing = true`` consecutive examples share a row until the next would not fit; each
 token carries its position in its own example, and the model's attention gets a causal
 mask that is block-diagonal by example (`meshfit.models.gpt.document_causal_mask`; for a
-transformers model `meshfit.train.models.packed_attention`), so a packed example computes
+transformers model `meshfit.models.packing.packed_forward`), so a packed example computes
 exactly what it computes alone. An
 example none of whose trained tokens fits in the row is left out (counted); a split where
 that leaves nothing is refused in one line.
@@ -50,80 +54,37 @@ import torch
 from torch.utils.data import Dataset
 
 from meshfit.data.cache import DEFAULT_VAL_FRACTION
+from meshfit.data.chat import chat_example, conversation, has_generation_markers, template_traits
 from meshfit.data.formats import FORMATS, DataSpec, data_format
 from meshfit.data.hf import open_hf_dataset
+from meshfit.data.tokenizer import encode_head
 
 __all__ = ["FORMATS", "ExampleDataset", "ExampleSplits", "chat_example", "completion_example",
            "load_chats", "load_completions", "load_examples", "training_template"]
 
-ROLES = ("system", "user", "assistant", "tool")
 IGNORE_INDEX = -100
 Example = tuple[list[int], list[int]]
 """One example's token ids and loss mask (1: a trained token)."""
 
 
-def _has_generation_markers(template: str) -> bool:
-    return any(f"{{%{dash} generation" in template for dash in ("", "-", "+"))
-
-
-def completion_example(hf: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+def completion_example(hf: Any, prompt: str, completion: str, *,
+                       limit: int | None = None) -> tuple[list[int], list[int]]:
     """(ids, mask) of one prompt and completion: the whole tokenized with the tokenizer's
     special tokens and EOS added to the completion; mask 1 after the common prefix of the
-    tokenized prompt and the tokenized whole."""
+    tokenized prompt and the tokenized whole. Only the first `limit` tokens (None: all),
+    tokenizing no more of the text than they need (`encode_head`)."""
     eos = hf.eos_token
     if eos is not None and not completion.endswith(eos):
         completion = completion + eos
-    prompt_ids = hf(prompt)["input_ids"]
-    ids = hf(prompt + completion)["input_ids"]
+    prompt_ids, _ = encode_head(hf, prompt, limit, add_special_tokens=True, offsets=False)
+    ids, _ = encode_head(hf, prompt + completion, limit, add_special_tokens=True,
+                         offsets=False)
     common = 0
     for a, b in zip(prompt_ids, ids):
         if a != b:
             break
         common += 1
     return list(ids), [0] * common + [1] * (len(ids) - common)
-
-
-def chat_example(hf: Any, messages: list[dict], *,
-                 template: str | None = None) -> tuple[list[int], list[int]]:
-    """(ids, mask) of one conversation through the chat template (the tokenizer's, or
-    `template`); mask 1 on every token overlapping an assistant turn (module docstring)."""
-    kwargs = {"chat_template": template} if template else {}
-    active = template or hf.chat_template
-    out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                 return_assistant_tokens_mask=_has_generation_markers(active),
-                                 **kwargs)
-    ids = list(out["input_ids"])
-    if _has_generation_markers(active):
-        return ids, list(out["assistant_masks"])
-    text = hf.apply_chat_template(messages, tokenize=False, **kwargs)
-    spans = []
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = hf.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True,
-                                        **kwargs) if k else ""
-        upto = hf.apply_chat_template(messages[:k + 1], tokenize=False, **kwargs)
-        if not (upto.startswith(before) and text.startswith(upto)):
-            raise ValueError("data.format='chat': the chat template renders the beginning of a "
-                             "conversation differently when more messages follow, so the "
-                             "assistant's turns cannot be found; give data.chat_template a "
-                             "template with {% generation %} markers, or data.train_on_prompt"
-                             "=true")
-        spans.append((len(before), len(upto)))
-    mask = [0] * len(ids)
-    offsets = out.encodings[0].offsets if out.encodings else None
-    if offsets is None:
-        raise ValueError("data.format='chat' needs a fast (Rust) tokenizer to find the "
-                         "assistant's tokens; save the tokenizer with tokenizer.json")
-    s = 0
-    for i, (start, end) in enumerate(offsets):
-        while s < len(spans) and start >= spans[s][1]:
-            s += 1
-        if s == len(spans):
-            break
-        if end > spans[s][0]:
-            mask[i] = 1
-    return ids, mask
 
 
 @dataclass
@@ -243,23 +204,6 @@ def _records(source: Any, what: str, columns: dict[str, str]) -> list[dict]:
     return [{c: row[c] for c in columns.values()} for row in source]
 
 
-def _check_messages(messages: Any, index: int, column: str, *,
-                    every_token: bool = False) -> list[dict]:
-    where = f"data.messages_column={column!r}, row {index}"
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: a conversation must be a non-empty list of "
-                         "{'role': ..., 'content': ...}")
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"{where}: message {m!r} is not a {{'role', 'content'}} mapping")
-        if m["role"] not in ROLES:
-            raise ValueError(f"{where}: role {m['role']!r} is not one of {', '.join(ROLES)}")
-    if not every_token and not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: the conversation has no assistant turn, so nothing in it "
-                         "would be trained; remove it or set data.train_on_prompt=true")
-    return messages
-
-
 def load_examples(spec: DataSpec, *, tokenizer: Any, seq_len: int,
                   val_fraction: float = DEFAULT_VAL_FRACTION) -> ExampleSplits:
     """The examples of `spec` (a `DataSpec` whose format is "completion" or "chat") through
@@ -278,12 +222,12 @@ def load_completions(spec: DataSpec, *, tokenizer: Any, seq_len: int,
     hf, _ = _transformers_tokenizer(spec, tokenizer)
     prompt, completion = spec.column("prompt_column"), spec.column("completion_column")
 
-    def encode(row: dict, index: int) -> Example:
+    def encode(row: dict, where: str) -> Example:
         for key, column in (("prompt_column", prompt), ("completion_column", completion)):
             if not isinstance(row[column], str):
-                raise ValueError(f"data.{key}={column!r}, row {index}: "
+                raise ValueError(f"{where}: data.{key}={column!r} holds "
                                  f"{type(row[column]).__name__}, not a string")
-        return completion_example(hf, row[prompt], row[completion])
+        return completion_example(hf, row[prompt], row[completion], limit=seq_len + 2)
 
     return _load(spec, tokenizer, encode, how="prompt and completion", seq_len=seq_len,
                  val_fraction=val_fraction)
@@ -291,20 +235,25 @@ def load_completions(spec: DataSpec, *, tokenizer: Any, seq_len: int,
 
 def load_chats(spec: DataSpec, *, tokenizer: Any, seq_len: int,
                val_fraction: float = DEFAULT_VAL_FRACTION) -> ExampleSplits:
-    """The loader of format "chat" (`load_examples`): each row's conversation through
+    """The loader of format "chat" (`load_examples`): each row's conversation checked and
+    put in the form the template renders (`meshfit.data.chat.conversation`), then through
     `chat_example` with the template `training_template` gives; a split where the template
     marks no assistant token at all is refused."""
     hf, template = _transformers_tokenizer(spec, tokenizer)
     template, how = training_template(hf, template)
     column = spec.column("messages_column")
+    parts, tools = template_traits(hf, template)
 
-    def encode(row: dict, index: int) -> Example:
-        messages = _check_messages(row[column], index, column,
-                                   every_token=spec.train_on_prompt)
-        return chat_example(hf, messages, template=template)
+    def encode(row: dict, where: str) -> Example:
+        messages = conversation(row[column], where, parts=parts, tools=tools,
+                                every_token=spec.train_on_prompt)
+        # seq_len + 2: the row's tokens and one more, which tells a truncated example
+        return chat_example(hf, messages, template=template, limit=seq_len + 2, where=where)
 
     def check(examples: list[Example], split: str) -> None:
-        if not spec.train_on_prompt and examples and not any(any(m) for _, m in examples):
+        # (an example cut at the row may hold no assistant token yet: only whole ones tell)
+        whole = any(len(ids) <= seq_len + 1 for ids, _ in examples)
+        if not spec.train_on_prompt and whole and not any(any(m) for _, m in examples):
             raise ValueError(f"data.format={spec.format!r}: the chat template marks no "
                              f"assistant token in any of the {len(examples)} {split} "
                              "conversations; give data.chat_template a template that renders "
@@ -328,19 +277,20 @@ def _transformers_tokenizer(spec: DataSpec, tokenizer: Any) -> tuple[Any, str | 
         raise ValueError(f"data.tokenizer={getattr(hf, 'name_or_path', '')!r} has no chat "
                          "template; give one with data.chat_template (a .jinja file or the "
                          "template text)")
-    if template and not _has_generation_markers(template) \
+    if template and not has_generation_markers(template) \
             and "{%" not in template and "{{" not in template:
         raise ValueError(f"data.chat_template={spec.chat_template!r} is neither a template file "
                          "nor template text ({% ... %} / {{ ... }})")
     return hf, template
 
 
-def _load(spec: DataSpec, tokenizer: Any, encode: Callable[[dict, int], Example], *, how: str,
+def _load(spec: DataSpec, tokenizer: Any, encode: Callable[[dict, str], Example], *, how: str,
           seq_len: int, val_fraction: float,
           check: Callable[[list[Example], str], None] | None = None) -> ExampleSplits:
-    """The rows of data.hf_dataset as examples (``encode(row, index)`` -> ids, mask; every
-    token trained with data.train_on_prompt), each split passed to ``check(examples, split)``;
-    without a validation split, the last `val_fraction` of the training rows."""
+    """The rows of data.hf_dataset as examples (``encode(row, where)`` -> ids, mask, `where`
+    naming the file, the split when it has its own and the row; every token trained with
+    data.train_on_prompt), each split passed to ``check(examples, split)``; without a
+    validation split, the last `val_fraction` of the training rows."""
     if not spec.hf_dataset:
         raise ValueError(f"data.format={spec.format!r} reads data.hf_dataset (a datasets folder "
                          "or a .json/.jsonl file of rows); data.path is for format='text'")
@@ -352,8 +302,9 @@ def _load(spec: DataSpec, tokenizer: Any, encode: Callable[[dict, int], Example]
         if ds is None:
             continue
         examples = []
+        split = "" if source.validation is None else f" of split {name!r}"
         for i, row in enumerate(_records(ds, spec.hf_dataset, named)):
-            ids, mask = encode(row, i)
+            ids, mask = encode(row, f"data.hf_dataset={spec.hf_dataset!r}, row {i}{split}")
             examples.append((ids, [1] * len(ids) if spec.train_on_prompt else mask))
         if check is not None:
             check(examples, name)
@@ -390,8 +341,7 @@ def _example_splits(spec: DataSpec, tokenizer: Any, train_examples: list[Example
 def training_template(hf: Any, template: str | None) -> tuple[str | None, str]:
     """The template to render conversations with (None: the tokenizer's) and how it finds
     the assistant's tokens (the module docstring's order)."""
-    active = template or hf.chat_template
-    if _has_generation_markers(active):
+    if has_generation_markers(hf.get_chat_template(template)):
         return template, "the template's {% generation %} markers"
     if template is None:
         try:
@@ -403,7 +353,7 @@ def training_template(hf: Any, template: str | None) -> tuple[str | None, str]:
                 patched = get_training_chat_template(hf)
             except (ValueError, TypeError):
                 patched = None  # a template TRL does not know
-            if patched is not None and _has_generation_markers(patched):
+            if patched is not None and has_generation_markers(patched):
                 return patched, "TRL's training version of the template"
     return template, "the assistant turns, rendered turn by turn"
 

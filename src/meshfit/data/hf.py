@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from meshfit.data.corpus import _slug
+from meshfit.data.datafiles import check_files, load_error
 
 __all__ = ["HFSource", "open_hf_dataset"]
 
@@ -152,14 +154,17 @@ def _load_offline(datasets: Any, p: Path, text: str, cache_dir: Path | None) -> 
         kwargs["data_files"] = {"train": str(p)}
     else:
         args = (str(p),)
+    check_files(p, text)  # empty files, bytes that are not UTF-8: named before loading
+    library = logging.getLogger("datasets")  # (it logs a failed file, which the error names)
+    level = library.level
     with _offline(datasets):
         try:
+            library.setLevel(logging.CRITICAL)
             return datasets.load_dataset(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - any loader failure becomes one line
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise ValueError(f"data.hf_dataset={text!r} could not be read offline with "
-                             f"datasets.load_dataset ({type(err).__name__}: {first}); give a "
-                             "folder written by save_to_disk or a folder of data files") from None
+            raise ValueError(load_error(p, text, err)) from None
+        finally:
+            library.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "as_tokenizer", "load_tokenizer",
-           "document_separator", "token_dtype", "MESHFIT_TOKENIZER_FILE"]
+           "document_separator", "encode_head", "token_dtype", "MESHFIT_TOKENIZER_FILE"]
 
 MESHFIT_TOKENIZER_FILE = "meshfit_tokenizer.json"
 """Written by ``save`` for tokenizers that have no Hugging Face folder format of their own
@@ -173,13 +173,16 @@ def _write_marker(folder: str | os.PathLike[str], payload: dict[str, Any]) -> Pa
     return out
 
 
-def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(spec: str | os.PathLike[str], *, trust_code: bool = False
+                   ) -> ByteTokenizer | HFTokenizer:
     """The tokenizer ``spec`` names: ``"bytes"`` (or ``""``); a folder with
     ``meshfit_tokenizer.json`` (written by ``save``); a Hugging Face tokenizer folder
     (``AutoTokenizer``, local files only, never a download); or a ``tokenizer.json`` file
     (``tokenizers.Tokenizer``, with the EOS token from a ``tokenizer_config.json`` beside it,
     else guessed from its special tokens). Errors name ``data.tokenizer``, the field this comes
-    from in a run config."""
+    from in a run config. `trust_code`: a folder's own tokenizer code (``auto_map``) may run
+    (transformers' ``trust_remote_code``); without it such a folder is refused, never
+    prompted for."""
     text = os.fspath(spec)
     if text in ("", "bytes"):  # "": an unset config string means the default
         return ByteTokenizer()
@@ -199,7 +202,8 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
         raise ValueError(f"data.tokenizer={text!r} is a Hugging Face tokenizer folder, which "
                          'needs transformers; pip install "meshfit[data]"') from None
     try:
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                           trust_remote_code=trust_code)
     except Exception as err:  # noqa: BLE001 - any failure here means "not a tokenizer"
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"data.tokenizer={text!r} could not be read as a Hugging Face "
@@ -283,6 +287,46 @@ def document_separator(tok: Tokenizer) -> list[int]:
             "set one (tokenizer.eos_token = '</s>' then save_pretrained, an eos_token in "
             "tokenizer_config.json, or HFTokenizer(tok, eos_token=...))")
     return [int(i) for i in np.asarray(tok.encode("\n\n")).ravel()]
+
+
+HEAD_CHARS = 4096
+"""The first prefix `encode_head` tokenizes (at least; 8 characters a kept token beyond)."""
+HEAD_GUARD = 16
+"""Tokens a prefix's encoding must hold past the kept ones before it is trusted."""
+
+
+def encode_head(hf: Any, text: str, limit: int | None, *, add_special_tokens: bool,
+                offsets: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    """The first `limit` tokens of ``hf(text, add_special_tokens=...)`` (all of them for
+    None) and, with `offsets` (a fast tokenizer's), each one's characters in `text`.
+
+    Only a prefix of `text` is tokenized, so the time and memory follow the tokens kept,
+    not the text (a 52 MB conversation cut to 33 tokens tokenized all 52 MB). A prefix's
+    tokens equal the whole text's except near where it is cut: a BPE merge or a
+    pre-tokenizer's split can reach across the cut. So the prefix doubles until two in a
+    row agree on the first `limit` tokens with `HEAD_GUARD` tokens more to spare (the cut
+    then lies well past them), or holds the whole text; the first prefix is
+    ``max(HEAD_CHARS, 8 * limit)`` characters, so a row costs about three times its own
+    tokens' worth of text."""
+
+    def encode(part: str) -> tuple[list[int], list[tuple[int, int]]]:
+        out = hf(part, add_special_tokens=add_special_tokens, return_offsets_mapping=offsets)
+        return list(out["input_ids"]), ([tuple(o) for o in out["offset_mapping"]]
+                                        if offsets else [])
+
+    if limit is None:
+        return encode(text)
+    size, previous = max(HEAD_CHARS, 8 * limit), None
+    while size < len(text):
+        ids, spans = encode(text[:size])
+        if len(ids) >= limit + HEAD_GUARD:
+            head = (ids[:limit], spans[:limit])
+            if head == previous:
+                return head
+            previous = head
+        size *= 2
+    ids, spans = encode(text)
+    return ids[:limit], spans[:limit]
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -19,6 +19,8 @@ elastic agent), run in this process on the argument list meshfit builds, with sa
                   rendezvous stores on loopback only; node 0's port checked before starting;
                   each worker's start, stopping them, the one-line failure summary
     __main__.py   ``python -m meshfit.launch``: the entry torch's agent runs for each worker
+    finished.py   exit code 0 means finished: code a command calls cannot end its process
+                  (``os._exit(0)``, ``os.exec*``), and workers mark that they finished
 
 No module imports torch when it loads: a bad flag is refused before torch is imported. The
 command lines are in `meshfit.cli.launch`.

@@ -13,9 +13,12 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import runpy
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +27,8 @@ from meshfit.launch.resolve import LaunchConfig
 
 # torch (its launcher and elastic agent) is imported where used: `meshfit train` and `meshfit
 # launch` refuse bad flags before torch loads (this module is on TORCH_FREE's list in
-# tests/test_architecture.py).
+# tests/test_architecture.py); so is `meshfit.launch.finished` (torch-free, but not on that
+# list).
 
 WORKER_ENTRY = "meshfit.launch"
 """The module torch's agent runs for each worker (`enter_worker`, through the package's
@@ -178,10 +182,10 @@ def _end(left, grace_s: float) -> None:
 
 def enter_worker(argv: list[str]) -> None:
     """``python -m meshfit.launch ARGS``: how the agent starts each worker. Asks Linux to
-    SIGKILL this process when the launcher dies (PR_SET_PDEATHSIG; kept across exec), checks
-    that the launcher was not already gone before that took effect, then replaces itself with
-    ``python -u ARGS``, the command torchrun would have run: same PID, same environment (with
-    the restart count of the whole job where meshfit restarts it), so a script written for
+    SIGKILL this process when the launcher dies (PR_SET_PDEATHSIG), checks that the launcher
+    was not already gone before that took effect, then runs ARGS as ``python -u ARGS`` would,
+    the command torchrun would have run (`run_as_main`): same PID, same environment (with the
+    restart count of the whole job where meshfit restarts it), so a script written for
     torchrun runs unchanged under `meshfit launch` and the other way round."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
     restart, most = os.environ.pop(RESTART_ENV, ""), os.environ.pop(MAX_RESTARTS_ENV, "")
@@ -193,17 +197,58 @@ def enter_worker(argv: list[str]) -> None:
     if launcher.isdigit() and os.getppid() != int(launcher):
         sys.exit(f"meshfit launch: the launcher (PID {launcher}) ended before this worker "
                  "started; not running it")
-    os.execv(sys.executable, [sys.executable, "-u", *argv])
+    run_as_main(argv)
+
+
+def run_as_main(argv: list[str]) -> None:
+    """``python -u ARGS`` in this process (the agent started it with ``-u``): a script
+    (``sys.argv`` and ``sys.path[0]`` as Python sets them) or ``-m module``, as ``__main__``,
+    rather than exec'ing a new interpreter, so that a rank whose collective failed only
+    because another rank died (`meshfit.distributed.env.peer_lost`) says so in one line
+    instead of a dozen lines of gloo's traceback beside the launcher's summary, which names
+    the rank that failed first. Any other error's traceback is Python's, from the script's
+    own first line (this module's and runpy's frames left out)."""
+    sys.excepthook = _worker_excepthook(sys.excepthook)
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+    runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")  # (__file__: absolute)
+
+
+def _worker_excepthook(shown):
+    """A worker's uncaught error: one line when another rank's death caused it, else
+    `shown` (Python's hook) without the frames of the worker's entry."""
+    entry = {__file__, os.path.join(os.path.dirname(__file__), "__main__.py"), runpy.__file__,
+             "<frozen runpy>"}
+
+    def hook(kind, value, tb):
+        if "torch" in sys.modules:  # (only torch's collectives report a peer lost)
+            from meshfit.distributed.env import peer_lost
+
+            reason = peer_lost(value)
+            if reason is not None:
+                print(f"meshfit launch: rank {os.environ.get('RANK', '?')} stopped: another "
+                      f"rank of the job is gone ({reason})", file=sys.__stderr__, flush=True)
+                return
+        first = tb
+        while first is not None and first.tb_frame.f_code.co_filename in entry:
+            first = first.tb_next
+        if first is not None and isinstance(value, BaseException):  # (Python prints the
+            value.__traceback__ = first  # exception's own traceback)
+        shown(kind, value, first or tb)
+
+    return hook
 
 
 @contextlib.contextmanager
-def stopping_workers():
+def stopping_workers(*, sigint: bool = False):
     """How the agent stops its workers, adjusted; yields the PIDs of the workers that had
     failed when it began stopping the rest (it terminates the others, exit code -15, and
     reports them as failed too, with timestamps of one-second resolution). The agent passes
-    the signal it got on to the workers: a Ctrl-C (SIGINT) would raise KeyboardInterrupt in
-    every Python worker, one traceback each. They get SIGTERM instead (`meshfit train`'s
-    workers treat both alike: checkpoint, one line)."""
+    the signal it got on to the workers (`passed_signal`)."""
     # (torch-free, but not on TORCH_FREE's list in tests/test_architecture.py)
     from meshfit._compat import elastic
 
@@ -213,10 +258,18 @@ def stopping_workers():
         if not getattr(context, "_meshfit_closing", False):
             context._meshfit_closing = True
             first.update(elastic.failed_pids(context))
-        return signal.SIGTERM if death_sig == signal.SIGINT else death_sig
+        return passed_signal(death_sig, sigint=sigint)
 
     with elastic.before_close(adjust):
         yield first
+
+
+def passed_signal(death_sig, *, sigint: bool):
+    """The signal the workers get when the agent got `death_sig`. A Ctrl-C (SIGINT) would
+    raise KeyboardInterrupt in a script's every worker, one traceback each: they get SIGTERM
+    instead, unless `sigint` (workers that stop on either themselves, as `meshfit train`'s
+    do: a checkpoint and one line naming the signal that came)."""
+    return signal.SIGTERM if death_sig == signal.SIGINT and not sigint else death_sig
 
 
 @contextlib.contextmanager
@@ -408,22 +461,28 @@ def agreed_stop(failures: dict, nproc: int) -> int | None:
     return None
 
 
-def _attempts(cfg: LaunchConfig, target: list[str], prog: str, say_stopped: bool = True) -> int:
+def _attempts(cfg: LaunchConfig, target: list[str], prog: str, say_stopped: bool = True,
+              marks: Path | None = None) -> int:
     """Run the job's attempts until one succeeds or none is left; the exit code. With
     `say_stopped` False, workers that stopped together on a signal (`agreed_stop`) have said
-    so themselves: their exit code, no summary."""
+    so themselves: their exit code, no summary; they stop on SIGINT themselves too. With
+    `marks`, an attempt succeeds only when every worker also marked it finished there."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from meshfit.launch import finished
 
     parser = torchrun.get_args_parser()
     ours = cfg.nnodes == 1 and cfg.max_restarts > 0
     attempts = cfg.max_restarts + 1 if ours else 1
-    with loopback_stores(), quiet_agent(), stopping_workers() as first:
+    with loopback_stores(), quiet_agent(), stopping_workers(sigint=not say_stopped) as first:
         for attempt in range(attempts):
             oom_before = oom_kills()
             try:
+                if marks is not None:
+                    finished.clear(marks)
                 torchrun.run(parser.parse_args(_attempt_args(cfg, target, attempt, ours)))
-                return 0
+                return 0 if marks is None else _all_finished(cfg, marks, prog)
             except ChildFailedError as err:
                 stopped = agreed_stop(err.failures, cfg.nproc)
                 if stopped is not None and not say_stopped:  # the workers said it, once
@@ -438,12 +497,30 @@ def _attempts(cfg: LaunchConfig, target: list[str], prog: str, say_stopped: bool
     return 1
 
 
+def _all_finished(cfg: LaunchConfig, marks: Path, prog: str) -> int:
+    """0 when every worker of this node marked its run finished; else one line and 1 (a
+    worker ended with exit code 0 before it was done: `meshfit.launch.finished`)."""
+    from meshfit.launch.finished import unfinished
+
+    missing = unfinished(marks, cfg.nproc)
+    if not missing:
+        return 0
+    ranks = ", ".join(map(str, missing))
+    where = f" of node {cfg.node_rank}" if cfg.nnodes > 1 else ""
+    print(f"{prog}: the worker(s) of local rank {ranks}{where} exited with code 0 but did not "
+          "finish the run: something it ran ended the process early (os._exit, an exec, a C "
+          "library's exit); the run is not complete", file=sys.stderr, flush=True)
+    return 1
+
+
 def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
         env: dict[str, str] | None = None, prog: str = "meshfit launch",
-        say_stopped: bool = True) -> int:
+        say_stopped: bool = True, finished_marks: bool = False) -> int:
     """Start the job through torch.distributed.run and wait; returns the exit code. `prog` begins
     the launcher's lines; `say_stopped=False` leaves the line about a signal to workers that print
-    their own (`meshfit train`'s main rank).
+    their own (`meshfit train`'s main rank), and passes them a Ctrl-C as the SIGINT it is.
+    `finished_marks`: the workers mark that they finished (`meshfit.launch.finished`); one that
+    exits 0 without its mark fails the job.
 
     A single-node job with --max-restarts is restarted by meshfit, on a fresh loopback port per
     attempt, so no key, address or listener of the failed attempt is seen by the next one (torch
@@ -459,14 +536,21 @@ def run(cfg: LaunchConfig, script: list[str], *, module: bool = False,
     target = [WORKER_ENTRY, *(["-m"] if module else []), *script]
     if cfg.nnodes > 1:
         _say_where(cfg, target, prog)
+    from meshfit.launch.finished import FINISHED_ENV
+
+    marks = Path(tempfile.mkdtemp(prefix="meshfit-finished-")) if finished_marks else None
+    if marks is not None:
+        os.environ[FINISHED_ENV] = str(marks)
     try:
         with owning_descendants():
-            return _attempts(cfg, target, prog, say_stopped)
+            return _attempts(cfg, target, prog, say_stopped, marks)
     except SignalException as err:  # the agent passed the signal on to the workers
         if say_stopped:
             name = signal.Signals(err.sigval).name
             print(f"{prog}: stopped by {name}; the workers were ended", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
-        for name in (LAUNCHER_PID_ENV, RESTART_ENV, MAX_RESTARTS_ENV):
+        for name in (LAUNCHER_PID_ENV, RESTART_ENV, MAX_RESTARTS_ENV, FINISHED_ENV):
             os.environ.pop(name, None)
+        if marks is not None:
+            shutil.rmtree(marks, ignore_errors=True)

@@ -71,6 +71,7 @@ of dim 0 to a multiple of the shard count (+13% for GPT-2's states at 512 ranks)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from meshfit.memory.activations import (DTYPE_BYTES, ActivationBytes, activation_bytes, in_flight,
@@ -79,8 +80,8 @@ from meshfit.memory.shape import ModelShape
 from meshfit.parallel.layout import Layout
 from meshfit.parallel.spec import LayoutSpec
 
-__all__ = ["ActivationBytes", "Adapters", "Estimate", "LayoutSpec", "NF4_BYTES",
-           "activation_bytes", "estimate", "model_state_bytes"]
+__all__ = ["ActivationBytes", "Adapters", "BYTE_UNITS", "Estimate", "LayoutSpec", "NF4_BYTES",
+           "activation_bytes", "byte_unit", "estimate", "model_state_bytes"]
 
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_fused": 8.0, "adamw_8bit": 2.0, "sgd": 4.0,
                    "adafactor": 0.0}
@@ -110,19 +111,20 @@ class Adapters:
 
     @classmethod
     def lora(cls, shape: ModelShape, r: int, *, quantized: bool = False) -> Adapters:
-        """LoRA of rank `r` on every linear of every block (peft's ``target_modules=
-        "all-linear"``: q, k, v, o and the MLP's), r x (in + out) each; with `quantized`
-        (QLoRA) those linears' weights in 4 bits. Dense decoders only."""
+        """LoRA of rank `r` on what `meshfit.peft.lora` adapts by default: every linear layer
+        inside the blocks (`ModelShape.block_linears`: q, k, v, o and the MLP's, or a fused
+        q|k|v as the model has it), r x (in + out) each; with `quantized` (QLoRA) those
+        linears' weights in 4 bits. Dense decoders only."""
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"r={r!r} must be an integer >= 1 (the LoRA rank)")
         if shape.expert_params or shape.active_params not in (None, shape.params):
             raise ValueError(f"{shape.name}: LoRA estimates cover dense models; a mixture of "
                              "experts' stacked expert weights are not linears peft adapts")
-        d, kv, f = shape.d_model, shape.kv_dim, shape.d_ff
-        linears = [(d, d), (d, kv), (d, kv), (d, d)] + \
-            ([(d, f), (d, f), (f, d)] if shape.gated_mlp else [(d, f), (f, d)])
-        trainable = shape.n_layer * sum(r * (a + b) for a, b in linears)
-        weights = shape.n_layer * sum(a * b for a, b in linears)
+        if not shape.block_linears:
+            raise ValueError(f"{shape.name}: no linear layer inside its blocks, which is what "
+                             "LoRA adapts; the estimate covers models with linear projections")
+        trainable = sum(r * (a + b) for a, b in shape.block_linears)
+        weights = sum(a * b for a, b in shape.block_linears)
         return cls(trainable=trainable, quantized=weights if quantized else 0)
 
     def shares(self, params: int) -> tuple[float, float]:
@@ -205,6 +207,17 @@ class Estimate:
         if self.disk:
             out["disk_bytes_per_rank"] = round(self.disk)
         return out
+
+
+BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def byte_unit(estimates: Iterable[Estimate]) -> tuple[str, int]:
+    """(name, bytes) of the unit a table of `estimates` reads in: the largest of GiB, MiB and
+    KiB in which the biggest total is at least 1, as `meshfit plan` switches from GiB to MiB,
+    so that a small model's cells do not all print as 0.00 GiB."""
+    largest = max((e.total for e in estimates), default=0.0)
+    return next(((n, b) for n, b in BYTE_UNITS if largest >= b), BYTE_UNITS[-1])
 
 
 def _stage_params(shape: ModelShape, layout: LayoutSpec) -> tuple[float, int]:

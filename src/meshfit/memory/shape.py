@@ -31,7 +31,7 @@ from meshfit.models.factory import import_object
 from meshfit.models.gpt import GPT
 from meshfit.models.plans import has_builtin_plans, pipeline_plan_for, plan_for
 
-__all__ = ["ModelShape"]
+__all__ = ["ModelShape", "block_linears"]
 
 
 def _count(module: nn.Module | None, seen: set[int]) -> int:
@@ -88,6 +88,9 @@ class ModelShape:
     among them)."""
     block_expert_params: int = 0
     """Routed-expert parameters of one MoE block (n_experts x one expert's weights)."""
+    block_linears: tuple[tuple[int, int], ...] = ()
+    """(in, out) features of every linear layer inside the blocks, all blocks
+    (`block_linears`): what LoRA adapts by default (`meshfit.memory.Adapters.lora`)."""
 
     @property
     def moe_layers(self) -> int:
@@ -112,7 +115,8 @@ class ModelShape:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def of(cls, spec: str, *, vocab_size: int | None = None) -> ModelShape:
+    def of(cls, spec: str, *, vocab_size: int | None = None, trust_code: bool = False
+           ) -> ModelShape:
         """From a preset name, a transformers config.json (or a folder holding one), or a
         ``module:function`` factory (called with no arguments, or with `vocab_size`)."""
         if not isinstance(spec, str) or not spec:
@@ -132,9 +136,13 @@ class ModelShape:
                                  "module:function")
             import transformers  # optional: a config.json names a transformers model
 
-            hf_config = transformers.AutoConfig.from_pretrained(str(config))
+            # trust_code: the folder's own model code (auto_map) runs; the caller asked the
+            # user (`meshfit.models.factory.check_folder_code`); never transformers' prompt
+            hf_config = transformers.AutoConfig.from_pretrained(str(config),
+                                                                trust_remote_code=trust_code)
             with torch.device("meta"):
-                model = transformers.AutoModelForCausalLM.from_config(hf_config)
+                model = transformers.AutoModelForCausalLM.from_config(
+                    hf_config, trust_remote_code=trust_code)
             return cls.from_module(model, name=str(spec))
         if ":" in spec:
             factory = import_object(spec, "MODEL")
@@ -153,19 +161,15 @@ class ModelShape:
         its largest ModuleList of blocks and a config with the usual size names."""
         name = name or type(model).__name__
         params = _count(model, set())
+        blocks = list(_children(_blocks(model)[1]))
         if has_builtin_plans(model):
             pp_plan = pipeline_plan_for(model)
-            blocks = list(_children(pp_plan.blocks_of(model)))
             first = sum(_count(_get(model, n), set()) for n in pp_plan.first)
             last_seen: set[int] = set()
             last = sum(_count(_get(model, n), last_seen) for n in pp_plan.last)
             tp_plan = plan_for(model)
             tp_styles, divisible = tp_plan.styles, tuple(tp_plan.divisible)
         else:
-            blocks = _largest_module_list(model)
-            if not blocks:
-                raise ValueError(f"{name}: found no ModuleList of blocks; the estimate needs a "
-                                 "decoder-block model")
             first = last = 0
             tp_styles, divisible = {}, ()
         block = max(_count(b, set()) for b in blocks)
@@ -183,7 +187,48 @@ class ModelShape:
         return cls(name=name, params=params, block_params=block, n_layer=len(blocks),
                    first_params=first, last_params=last, tied=tied, gated_mlp=gated,
                    dropout=dropout, tp_split=tp_split, divisible=divisible,
-                   active_params=active, **experts, **sizes)
+                   active_params=active, **experts, **sizes,
+                   block_linears=tuple(_features(m) for m in block_linears(model).values()))
+
+
+def _blocks(model: nn.Module) -> tuple[str, nn.Module]:
+    """(name, container) of `model`'s blocks: its built-in pipeline plan's, else its largest
+    ModuleList (or ModuleDict); ValueError where it has none."""
+    if has_builtin_plans(model):
+        plan = pipeline_plan_for(model)
+        return plan.blocks, plan.blocks_of(model)
+    best: tuple[str, nn.Module] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and \
+                (best is None or len(module) > len(best[1])):
+            best = name, module
+    if best is None or not len(best[1]):
+        raise ValueError(f"{type(model).__name__}: found no ModuleList of blocks; the estimate "
+                         "needs a decoder-block model")
+    return best
+
+
+def _is_linear(module: nn.Module) -> bool:
+    # transformers' Conv1D (GPT-2's projections) is a linear layer with its weight transposed
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]  # Conv1D: weight (in, out)
+
+
+def block_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """{full name: module} of every linear layer inside `model`'s blocks (`nn.Linear` and
+    transformers' ``Conv1D``), in model order: the attention and MLP projections of a dense
+    decoder (a mixture of experts' router too), never the embeddings or the output head.
+    The one rule of what LoRA adapts by default: `meshfit.peft.lora` targets these and
+    `meshfit.memory.Adapters.lora` counts them (QLoRA, after Dettmers et al. 2023, who find
+    adapting every block linear matches full fine-tuning better than q and v alone)."""
+    name, container = _blocks(model)
+    return {f"{name}.{inner}": module for inner, module in container.named_modules()
+            if _is_linear(module)}
 
 
 def _routed_experts(c) -> dict:
@@ -229,16 +274,6 @@ def _get(model: nn.Module, name: str) -> nn.Module | None:
         return model.get_submodule(name)
     except AttributeError:
         return None
-
-
-def _largest_module_list(model: nn.Module) -> list[nn.Module]:
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            items = list(_children(module))
-            if len(items) > len(best):
-                best = items
-    return best
 
 
 def _has_gate(block: nn.Module) -> bool:

@@ -13,6 +13,8 @@
     fit.py        the models those figures belong to (a collective, a training step, the
                   data-parallel engines' collectives) and the fits that find them
     probes.py     the timed probes: matmul, memory, collectives, training steps, engines
+    trust.py      which of a file's figures can be told from noise (the flags calibrate
+                  writes and the planner heeds)
     measure.py    `measure`: the probes on every rank, then tensor parallel and pipelines
                   against the planner's own prediction (the command: `meshfit.cli.calibrate`)
 """

@@ -27,7 +27,9 @@ Each collective: latency + factor x bytes / bus bandwidth (all-reduce 2(n-1)/n, 
 and reduce-scatter (n-1)/n, send 1), on the link the group crosses: the node's
 interconnect when all its ranks share a node (mesh order pp, dp_replicate, dp_shard, tp:
 tp innermost), the network otherwise. A `meshfit calibrate` profile replaces the device's
-throughput and the collectives' figures with measured ones.
+throughput and the collectives' figures with measured ones, each figure only where the
+profile does not flag it (`meshfit.plan.trust`: a fit that explains nothing, a difference
+the noise covers, a machine too noisy to measure); `Cluster.sources` says which were used.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from dataclasses import dataclass
 
 from meshfit.memory.estimate import DTYPE_BYTES, Estimate, LayoutSpec, estimate, resolve_layout
 from meshfit.memory.shape import ModelShape
-from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, Link
-from meshfit.plan.fit import DP_ENGINES, bus_factor, data_parallel_seconds
+from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, GiB, Link
+from meshfit.plan.fit import DP_ENGINES, KINDS, bus_factor, data_parallel_seconds
 
 __all__ = ["Cluster", "predict"]
 
@@ -50,24 +52,69 @@ class Cluster:
     gpus_per_node: int
     nodes: int = 1
     device: Device = DEVICES["h100"]
-    interconnect: Link = INTERCONNECTS["nvlink"]
-    network: Link = NETWORKS["infiniband"]
-    interconnect_name: str = "nvlink"
-    network_name: str = "infiniband"
+    interconnect: Link | None = None
+    """The link between the ranks of a node; None: `interconnect_name`'s `INTERCONNECTS`
+    entry."""
+    network: Link | None = None
+    """The link between nodes; None: `network_name`'s `NETWORKS` entry."""
+    interconnect_name: str | None = None
+    """None: the name of `interconnect` in `INTERCONNECTS` ("custom" if none), else
+    "loopback" on the "cpu" device (processes of one host), "nvlink" on GPUs."""
+    network_name: str | None = None
+    """None: as `interconnect_name`, in `NETWORKS`; "ethernet" on the "cpu" device,
+    "infiniband" on GPUs."""
     calibration: object | None = None
-    """A `meshfit.plan.calibrate.Calibration`: measured throughput and collectives."""
+    """A `meshfit.plan.calibrate.Calibration`: measured throughput and collectives (its
+    flagged figures are not used: `meshfit.plan.trust`)."""
     disk_bandwidth: float = 2e9
     """Bytes/s each node's offload disk reads and writes sequentially (offload="disk"):
     2 GB/s, a datacentre NVMe drive's order (measure yours: benchmarks/disk_offload.py)."""
+
+    def __post_init__(self):
+        cpu = self.device.name == "cpu"
+        for attr, table, default in (
+                ("interconnect", INTERCONNECTS, "loopback" if cpu else "nvlink"),
+                ("network", NETWORKS, "ethernet" if cpu else "infiniband")):
+            link, name = getattr(self, attr), getattr(self, f"{attr}_name")
+            if name is None:
+                name = default if link is None else next(
+                    (k for k, v in table.items() if v == link), "custom")
+            if link is None and name not in table:
+                raise ValueError(f"{attr}_name={name!r} is not one of {', '.join(table)}; "
+                                 f"name one, or give {attr}=Link(bandwidth, latency)")
+            object.__setattr__(self, attr, link or table[name])
+            object.__setattr__(self, f"{attr}_name", name)
 
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
 
+    @property
+    def memory_per_rank(self) -> float:
+        """Bytes each rank may use: its device's, or its share of a node's shared memory."""
+        return self.device.memory_per_rank(self.gpus_per_node)
+
+    def describe(self) -> str:
+        """The machines in words: "1 x 8 h100 (80 GiB, nvlink)"; a CPU as the host it is."""
+        if self.device.shared:
+            what = (f"{self.nodes} x {self.gpus_per_node} {self.device.name} processes "
+                    f"({self.device.memory / GiB:.1f} GiB of memory per node, "
+                    f"{self.memory_per_rank / GiB:.1f} GiB each; {self.interconnect_name}")
+        else:
+            what = (f"{self.nodes} x {self.gpus_per_node} {self.device.name} "
+                    f"({self.device.memory / GiB:.0f} GiB, {self.interconnect_name}")
+        return what + (f", {self.network_name})" if self.nodes > 1 else ")")
+
+    def uses(self, figure: str) -> bool:
+        """Whether a figure of the profile is used: the profile holds `figure` (a
+        `Calibration.flags` path: "matmul_flops.bf16", "collectives.all_reduce", ...)
+        and `meshfit calibrate` did not flag it."""
+        return self.calibration is not None and self.calibration.trusted(figure)
+
     def flops(self, dtype: str) -> float:
         """FLOP/s a training step's matrix products reach: the profile's measured matmul,
         or the data sheet's peak x the device's assumed efficiency."""
-        if self.calibration is not None:  # measured: achieved, not peak
+        if self.uses(f"matmul_flops.{dtype}"):  # measured: achieved, not peak
             measured = self.calibration.matmul_flops.get(dtype)
             if not measured:
                 raise ValueError(f"the calibration has no {dtype} matmul figure (this device "
@@ -78,72 +125,93 @@ class Cluster:
     def peak_flops(self, dtype: str) -> float:
         """What MFU divides by: the data sheet's peak, or with a profile the fastest matmul
         it measured (no step can beat either, so MFU stays at most 100%)."""
-        if self.calibration is not None:
+        if self.uses(f"matmul_flops.{dtype}"):
             return self.calibration.peak_flops(dtype) or self.flops(dtype)
         return self.device.flops[dtype]
 
     def step_fit(self, dtype: str):
         """The profile's training-step fit for `dtype` (`TrainStepFit`), or None."""
         steps = getattr(self.calibration, "train_step", None)
-        return (steps or {}).get(dtype)
+        return (steps or {}).get(dtype) if self.uses(f"train_step.{dtype}") else None
 
     def pipeline_overhead(self, schedule: str) -> float | None:
         """The profile's measured seconds per micro-batch of `schedule` beyond the model
         (`meshfit.plan.calibrate`, ``pipeline``), or None."""
         schedules = getattr(self.calibration, "pipeline", None)
-        return (schedules or {}).get(schedule)
+        return (schedules or {}).get(schedule) if self.uses(f"pipeline.{schedule}") else None
 
     def dp_exposed(self, engine: str) -> float | None:
         """The profile's measured exposed share of `engine`'s modelled data-parallel
         collectives (`meshfit.plan.calibrate`, ``data_parallel``), or None."""
         engines = getattr(self.calibration, "data_parallel", None)
-        return (engines or {}).get(engine)
+        return (engines or {}).get(engine) if self.uses(f"data_parallel.{engine}") else None
 
     def sources(self, dtype: str) -> dict[str, str]:
-        """Where each predicted figure comes from, in words."""
+        """Where each predicted figure comes from, in words; "not_used": the profile's
+        figures that `meshfit calibrate` flagged, and why ("" if none)."""
+        if self.uses(f"matmul_flops.{dtype}"):
+            peak = (f"the fastest measured {dtype} matmul, "
+                    f"{self.peak_flops(dtype) / 1e12:.3g} TFLOP/s")
+        else:
+            peak = f"the data sheet's {self.peak_flops(dtype) / 1e12:.3g} TFLOP/s"
+        flags = getattr(self.calibration, "flags", None) or {}
+        if "machine" in flags:
+            not_used = f"the whole profile: this machine was {flags['machine']}"
+        else:
+            not_used = "; ".join(f"{k}: {why}" for k, why in flags.items())
+        return {"compute": self._compute_source(dtype), "collectives": self._link_source(),
+                "mfu_peak": peak, "not_used": not_used,
+                "memory": "meshfit.memory.estimate (model states, activations, buffers)"}
+
+    def _compute_source(self, dtype: str) -> str:
         fit = self.step_fit(dtype)
         if fit is not None:
-            compute = (f"measured training steps ({self.calibration.device}, profile): "
-                       f"{fit.step_overhead * 1e3:.2f} ms per micro-batch, "
-                       f"{fit.block_overhead * 1e3:.2f} ms per block, elementwise and "
-                       f"attention-score terms, FLOPs at {fit.flops / 1e9:.1f} GFLOP/s; AdamW "
-                       f"{fit.optimizer_per_param * 1e9:.2f} ns per parameter")
-        elif self.calibration is not None:
-            compute = (f"measured matmul ({self.calibration.device}, profile): "
-                       f"{self.flops(dtype) / 1e12:.3g} TFLOP/s, no framework overhead (a "
-                       "profile without training steps: rerun meshfit calibrate)")
+            return (f"measured training steps ({self.calibration.device}, profile): "
+                    f"{fit.step_overhead * 1e3:.2f} ms per micro-batch, "
+                    f"{fit.block_overhead * 1e3:.2f} ms per block, elementwise and "
+                    f"attention-score terms, FLOPs at {fit.flops / 1e9:.1f} GFLOP/s; AdamW "
+                    f"{fit.optimizer_per_param * 1e9:.2f} ns per parameter")
+        if self.uses(f"matmul_flops.{dtype}"):
+            steps = (getattr(self.calibration, "train_step", None) or {}).get(dtype)
+            why = ("its training-step fit is flagged" if steps is not None else
+                   "a profile without training steps: rerun meshfit calibrate")
+            return (f"measured matmul ({self.calibration.device}, profile): "
+                    f"{self.flops(dtype) / 1e12:.3g} TFLOP/s, no framework overhead ({why})")
+        return (f"{self.device.name} data sheet {self.device.flops[dtype] / 1e12:.3g} "
+                f"TFLOP/s {dtype} x an assumed efficiency of {self.device.efficiency:.0%} "
+                "(not measured)")
+
+    def _link_source(self) -> str:
+        table = (f"link table: {self.interconnect_name} "
+                 f"{self.interconnect.bandwidth / 1e9:.3g} GB/s" +
+                 (f", {self.network_name} {self.network.bandwidth / 1e9:.3g} GB/s"
+                  if self.nodes > 1 else "") + " (not measured)")
+        measured = [k for k in KINDS if self.uses(f"collectives.{k}")]
+        if not measured:
+            links = table
+        elif len(measured) == len(KINDS):
+            links = "measured collectives (profile)"
         else:
-            compute = (f"{self.device.name} data sheet {self.device.flops[dtype] / 1e12:.0f} "
-                       f"TFLOP/s {dtype} x an assumed efficiency of "
-                       f"{self.device.efficiency:.0%} (not measured)")
+            links = f"measured {', '.join(measured)} (profile), the others from the {table}"
         engines = getattr(self.calibration, "data_parallel", None) or {}
-        exposed = ", ".join(f"{name} x{value:.2f}" for name, value in engines.items()
-                            if value is not None)  # data-parallel engines and tp, tp_sp
-        links = ((f"measured collectives (profile); exposed in a training step as measured "
-                  f"there: {exposed} of the modelled time") if exposed else
-                 "measured collectives (profile), 80% hidden behind compute (assumed)")
+        exposed = ", ".join(f"{name} x{self.dp_exposed(name):.2f}" for name in engines
+                            if self.dp_exposed(name) is not None)  # engines and tp, tp_sp
+        links += (f"; exposed in a training step as measured there: {exposed} of the modelled "
+                  "time" if exposed else ", 80% hidden behind compute (assumed)")
         schedules = getattr(self.calibration, "pipeline", None) or {}
-        per_micro = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in schedules.items()
-                              if v is not None)
+        per_micro = ", ".join(f"{k} {self.pipeline_overhead(k) * 1e3:.2f} ms" for k in schedules
+                              if self.pipeline_overhead(k) is not None)
         if per_micro:
             links += f"; pipeline schedules' own work per micro-batch as measured: {per_micro}"
-        links = (links if self.calibration is not None else
-                 f"link table: {self.interconnect_name} "
-                 f"{self.interconnect.bandwidth / 1e9:.0f} GB/s, {self.network_name} "
-                 f"{self.network.bandwidth / 1e9:.0f} GB/s (not measured), 80% hidden "
-                 "behind compute (assumed)")
-        peak = (f"the fastest measured {dtype} matmul, {self.peak_flops(dtype) / 1e12:.3g} "
-                "TFLOP/s" if self.calibration is not None else
-                f"the data sheet's {self.peak_flops(dtype) / 1e12:.0f} TFLOP/s")
-        return {"compute": compute, "collectives": links, "mfu_peak": peak,
-                "memory": "meshfit.memory.estimate (model states, activations, buffers)"}
+        return links
 
     def collective(self, kind: str, nbytes: float, n: int, span: int) -> float:
         """Seconds of one collective of `kind` over `n` ranks whose group spans `span`
-        consecutive ranks (inside one node when span <= gpus_per_node)."""
+        consecutive ranks (inside one node when span <= gpus_per_node): the profile's fit
+        where it is used, else the link table's."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        if self.calibration is not None:
+        if self.uses(f"collectives.{kind}"):
             return self.calibration.collective_time(kind, nbytes, n)
         link = self.interconnect if span <= self.gpus_per_node else self.network
         return link.latency + bus_factor(kind, n) * nbytes / link.bandwidth

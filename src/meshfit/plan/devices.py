@@ -6,10 +6,16 @@ sheets' "with sparsity" figures): the planner takes `efficiency` of it as achiev
 `device_for_name` picks the entry of a CUDA device from its name (PCIe and NVL parts of
 the H100/H200 have lower clocks and their own entries). Link figures are NCCL bus bandwidths
 of the order nccl-tests reports for such machines, per GPU; latency per collective call.
+
+"cpu" is this machine, not a data sheet: its memory is the host's physical memory, which
+the ranks of a node share (`Device.shared`), and its processes talk over "loopback" (gloo's
+TCP between processes of one host), not NVLink.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -33,6 +39,13 @@ class Device:
     fp32_ieee: float | None = None
     """Peak FLOP/s of fp32 matrix products without tensor cores (TF32 off, PyTorch's
     default for matmuls); None where `flops["fp32"]` already is that figure."""
+    shared: bool = False
+    """`memory` is one for all the ranks of a node (a CPU's host memory): each rank's
+    budget is its share; False: `memory` is each rank's own (a GPU's)."""
+
+    def memory_per_rank(self, ranks_per_node: int) -> float:
+        """Bytes one of `ranks_per_node` ranks may use."""
+        return self.memory / ranks_per_node if self.shared else self.memory
 
     def matmul_peak(self, dtype: str, *, tf32: bool = True) -> float:
         """Peak dense FLOP/s of matrix products in `dtype` ("fp32", "bf16", "fp16"); for
@@ -48,6 +61,20 @@ class Link:
     """Bus bandwidth per rank, bytes/s."""
     latency: float
     """Seconds per collective call."""
+
+    def __post_init__(self):  # (the cost model divides by the bandwidth)
+        if not (0 < self.bandwidth < math.inf and 0 <= self.latency < math.inf):
+            raise ValueError(f"Link(bandwidth={self.bandwidth!r}, latency={self.latency!r}): "
+                             "the bandwidth must be > 0 bytes/s and the latency >= 0 s, both "
+                             "finite")
+
+
+def _host_memory() -> float:
+    """This machine's physical memory in bytes (16 GiB where the OS does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # (no sysconf, or not these names)
+        return 16.0 * GiB
 
 
 DEVICES = {
@@ -68,8 +95,10 @@ DEVICES = {
     "l4": Device("l4", 24 * GiB, {"fp32": 60e12, "bf16": 121e12, "fp16": 121e12},
                  fp32_ieee=30.3e12),
     "t4": Device("t4", 16 * GiB, {"fp32": 8.1e12, "bf16": 8.1e12, "fp16": 65e12}),
-    "cpu": Device("cpu", 16 * GiB, {"fp32": 5e10, "bf16": 1e10, "fp16": 1e10},
-                  efficiency=0.5, host_link=1e12),
+    # this machine's memory, shared by its ranks; FLOP/s of the order of one x86 core's
+    # AVX-512 fp32 (bf16/fp16 without AMX: emulated, slower)
+    "cpu": Device("cpu", _host_memory(), {"fp32": 5e10, "bf16": 1e10, "fp16": 1e10},
+                  efficiency=0.5, host_link=1e12, shared=True),
 }
 
 
@@ -89,7 +118,11 @@ def device_for_name(name: str) -> tuple[str, Device] | None:
 
 
 INTERCONNECTS = {"nvlink": Link(bandwidth=360e9, latency=10e-6),  # inside a node
-                 "pcie": Link(bandwidth=20e9, latency=15e-6)}
+                 "pcie": Link(bandwidth=20e9, latency=15e-6),
+                 # CPU processes of one host (gloo over TCP): of the order `meshfit
+                 # calibrate --cpu` measures on a 2-core machine (all-reduce ~1.3 GB/s bus
+                 # bandwidth, 0.2-0.5 ms per call)
+                 "loopback": Link(bandwidth=1e9, latency=300e-6)}
 # between nodes, per GPU (one NIC per GPU on InfiniBand machines)
 NETWORKS = {"infiniband": Link(bandwidth=40e9, latency=8e-6),
             "ethernet": Link(bandwidth=3e9, latency=40e-6)}

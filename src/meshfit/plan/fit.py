@@ -20,13 +20,40 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DDP_BUCKET_BYTES", "DP_ENGINES", "KINDS", "STEP_TERMS", "CollectiveFit",
-           "TrainStepFit", "bus_factor", "data_parallel_seconds", "fit_latency_bandwidth",
-           "step_columns"]
+__all__ = ["DDP_BUCKET_BYTES", "DP_ENGINES", "KINDS", "PP_SCHEDULES", "RATE_MAX", "STEP_TERMS",
+           "TP_ENGINES",
+           "CollectiveFit", "TrainStepFit", "bus_factor", "data_parallel_seconds",
+           "fit_latency_bandwidth", "step_columns"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DP_ENGINES = ("ddp", "zero1", "fsdp2")
+TP_ENGINES = ("tp", "tp_sp")  # tensor parallel without and with sequence parallel
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce per bucket
+RATE_MAX = 1e18
+"""The most FLOP/s or bytes/s a figure may claim: a thousand times the fastest device today
+(~1e16 dense FLOP/s, ~1e13 bytes/s of HBM). A rate beyond it is a typo or a broken timer, and
+it would make its term of the step vanish unnoticed."""
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_figures(owner: str, rates: dict[str, float | None],
+                   seconds: dict[str, float | None], *, nullable: bool = True) -> None:
+    """One-line ValueError for the first figure outside its range: a rate (FLOP/s, bytes/s)
+    in (0, `RATE_MAX`], seconds finite and >= 0; None passes (not measured) if `nullable`."""
+    for name, value in rates.items():
+        if (value is not None or not nullable) and not (_finite(value)
+                                                         and 0 < value <= RATE_MAX):
+            raise ValueError(f"{owner} {name}={value!r} must be a rate > 0 and <= {RATE_MAX:g} "
+                             "(a zero or negative one would divide by zero or turn a cost into "
+                             "a gain); measure it again with meshfit calibrate")
+    for name, value in seconds.items():
+        if (value is not None or not nullable) and not (_finite(value) and value >= 0):
+            raise ValueError(f"{owner} {name}={value!r} must be seconds >= 0 (finite); measure "
+                             "it again with meshfit calibrate")
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -49,6 +76,13 @@ class CollectiveFit:
     """bytes/s"""
     latency: float | None
     """seconds"""
+
+    def __post_init__(self):
+        _check_figures("CollectiveFit", {"bus_bandwidth": self.bus_bandwidth},
+                       {"latency": self.latency})
+        if (self.bus_bandwidth is None) != (self.latency is None):
+            raise ValueError(f"CollectiveFit bus_bandwidth={self.bus_bandwidth!r} and latency="
+                             f"{self.latency!r}: both measured or neither (null)")
 
 
 def fit_latency_bandwidth(nbytes, seconds, factor: float = 1.0) -> dict[str, Any]:
@@ -111,6 +145,12 @@ class TrainStepFit:
     token_width: float = 0.0
     attention_scores: float = 0.0
 
+    def __post_init__(self):
+        _check_figures("TrainStepFit", {"flops": self.flops}, {
+            k: getattr(self, k) for k in ("step_overhead", "block_overhead", "token_width",
+                                          "attention_scores", "optimizer_per_param")},
+                       nullable=False)
+
     def seconds(self, *, d_model: int, n_layer: float, seq_len: int, tokens: float,
                 heads: float, flops: float) -> float:
         """One micro-batch's forward and backward (`step_columns`' terms)."""
@@ -124,7 +164,8 @@ class TrainStepFit:
 def _fit_step(rows: list[dict], peak: float) -> dict[str, float]:
     """Least squares on relative errors (weights 1/seconds) of the rows' seconds against
     `step_columns`, every coefficient >= 0 (a negative one is dropped and the rest refitted)
-    and the FLOP rate at most `peak`."""
+    and the FLOP rate at most `peak`; with the fit's largest relative error and its R² (on
+    the times, as `fit_latency_bandwidth`'s)."""
     X = np.array([step_columns(d_model=r["d_model"], n_layer=r["n_layer"],
                                seq_len=r["seq_len"], tokens=r["batch"] * r["seq_len"],
                                heads=r.get("heads", max(1, r["d_model"] // 32)),
@@ -149,10 +190,12 @@ def _fit_step(rows: list[dict], peak: float) -> dict[str, float]:
     if coef[last] < 1.0 / peak:  # no faster than the fastest matmul: the rest refitted
         coef = solve(list(range(last)), t - X[:, last] / peak)
         coef[last] = 1.0 / peak
-    err = float(np.max(np.abs(X @ coef - t) / t))
+    residual = X @ coef - t
     out = dict(zip(STEP_TERMS, (float(c) for c in coef)))
     out["flops"] = float(1.0 / coef[last])
-    out["max_relative_error"] = err
+    out["max_relative_error"] = float(np.max(np.abs(residual) / t))
+    ss_tot = float(np.sum((t - t.mean()) ** 2))
+    out["r2"] = 1.0 - float(np.sum(residual**2)) / ss_tot if ss_tot > 0 else 1.0
     return out
 
 

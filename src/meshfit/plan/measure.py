@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from meshfit.plan.devices import DEVICES
 from meshfit.plan.fit import KINDS, CollectiveFit, TrainStepFit
 from meshfit.plan.probes import (_CPU_SIZES, _GPU_SIZES, _collectives, _data_parallel, _matmul,
                                  _memory, _Ranks, _train_steps)
+from meshfit.plan.trust import judge
 
 __all__ = ["measure"]
 
@@ -65,7 +67,8 @@ def _tensor_parallel(r: _Ranks, flops, bandwidth, colls, steps, engines) -> tupl
     x = torch.randint(0, 256, (batch, seq + 1), generator=gen).to(r.device)
     mesh = init_device_mesh(r.device.type, (n,))
     cluster = _partial_cluster(r, flops, bandwidth, colls, steps, engines)
-    out, raw = {}, {"shape": {"d_model": d, "n_layer": layers, "seq_len": seq, "batch": batch}}
+    out, raw = {}, {"tp_shape": {"d_model": d, "n_layer": layers, "seq_len": seq,
+                                 "batch": batch}}
     for engine in TP_ENGINES:
         torch.manual_seed(0)
         model = GPT(config).to(r.device)
@@ -77,14 +80,16 @@ def _tensor_parallel(r: _Ranks, flops, bandwidth, colls, steps, engines) -> tupl
             for p in model.parameters():
                 p.grad = None
 
-        seconds, _ = r.time(step, target=0.3, repeats=3, warmup=1)
+        timed = r.time(step, target=0.3, warmup=1)
         spec = LayoutSpec(tp=n, dp_replicate=1, dp_shard=1, micro_batch_size=batch,
                           sequence_parallel=engine == "tp_sp")
         predicted, terms = predict(shape, spec, cluster, seq_len=seq, global_batch_size=batch,
                                    dtype="fp32")
         rest = predicted - terms["optimizer"] - terms["tp"]
-        out[engine] = max(0.0, seconds - rest) / terms["tp"] if terms["tp"] > 0 else None
-        raw[engine] = {"seconds": seconds, "predicted_without_tp": rest,
+        # (at most the noise, or below 0: flagged by meshfit.plan.trust, not used)
+        out[engine] = max(0.0, timed.seconds - rest) / terms["tp"] if terms["tp"] > 0 else None
+        raw[engine] = {"seconds": timed.seconds, "spread": timed.spread,
+                       "noise_seconds": timed.noise, "predicted_without_tp": rest,
                        "modelled_tp_seconds": terms["tp"]}
     return out, raw
 
@@ -125,59 +130,97 @@ def _pipeline(r: _Ranks, flops: dict, bandwidth: float, colls: dict, steps: dict
             for module in pipe.modules:
                 module.zero_grad(set_to_none=True)
 
-        seconds, _ = r.time(step, target=0.3, repeats=3, warmup=1)
+        timed = r.time(step, target=0.3, warmup=1)
         spec = LayoutSpec(pp=n, dp_replicate=1, dp_shard=1, schedule=schedule, microbatches=m,
                           virtual_stages=v, micro_batch_size=1)
         predicted, terms = predict(shape, spec, cluster, seq_len=seq, global_batch_size=m,
                                    dtype="fp32")
         base = predicted - terms["optimizer"]  # (no optimizer step is timed here)
-        out[schedule] = max(0.0, seconds - base) / m
-        raw[schedule] = {"seconds": seconds, "predicted_seconds": base}
+        # (at most the noise, or below 0: flagged by meshfit.plan.trust, not used)
+        out[schedule] = max(0.0, timed.seconds - base) / m
+        raw[schedule] = {"seconds": timed.seconds, "spread": timed.spread,
+                         "noise_seconds": timed.noise, "predicted_seconds": base}
         del pipe
     return out, raw
 
 
-def measure(out: Path, sizes: tuple[int, ...] | None = None,
-            cpu: bool = False) -> dict | None:
+def measure(out: Path, sizes: tuple[int, ...] | None = None, cpu: bool = False,
+            repeats: int = 5) -> dict | None:
     """Measure on every rank of this job (one process, or each of the launched workers,
     calling it at once): rank 0 writes `out` (atomically) and returns what it wrote, the
     other ranks None. `sizes`: the collectives' sizes in bytes (default: 4 KiB .. 64 MiB on
-    the CPU, 16 KiB .. 1 GiB on GPUs); `cpu`: the CPU and gloo even beside CUDA."""
+    the CPU, 16 KiB .. 1 GiB on GPUs); `cpu`: the CPU and gloo even beside CUDA; `repeats`:
+    the times each timing is repeated (at least 2: their spread is the noise)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 2:
+        raise ValueError(f"repeats={repeats!r} must be an integer >= 2 (a timing's spread "
+                         "needs two repeats)")
     env = init(cpu=cpu or None)
+    result = None
     try:
-        r = _Ranks(env)
-        cuda = env.device.type == "cuda"
-        sizes = sizes or (_GPU_SIZES if cuda else _CPU_SIZES)
-        started = time.perf_counter()
-        flops, raw_mm = _matmul(r)
-        bandwidth, raw_mem = _memory(r)
-        colls, raw_coll = _collectives(r, sizes)
-        steps, raw_steps = _train_steps(r, flops)
-        engines, raw_engines = _data_parallel(r, colls, steps.get("fp32"))
-        schedules, raw_schedules = _pipeline(r, flops, bandwidth, colls, steps, engines)
-        if engines is not None:
-            tp_scales, raw_tp = _tensor_parallel(r, flops, bandwidth, colls, steps, engines)
-            engines.update(tp_scales)
-            raw_engines.update(raw_tp)
+        r = _Ranks(env, repeats)
+        figures, raw = _probe_all(r, sizes)
         if env.rank == 0:
-            now = datetime.datetime.now(datetime.timezone.utc)
-            result = {
-                "schema": SCHEMA,
-                "device": f"cuda:{torch.cuda.get_device_name(env.device)}" if cuda else "cpu",
-                "backend": env.backend or ("nccl" if cuda else "gloo"),
-                "world_size": env.world_size, "torch": torch.__version__,
-                "time": now.isoformat(timespec="seconds"), "matmul_flops": flops,
-                "memory_bandwidth": bandwidth, "collectives": colls, "train_step": steps,
-                "data_parallel": engines, "pipeline": schedules,
-                "raw": {"matmul": raw_mm, "memory": raw_mem, "collectives": raw_coll,
-                        "train_step": raw_steps, "data_parallel": raw_engines,
-                        "pipeline": raw_schedules,
-                        "threads": torch.get_num_threads(),
-                        "seconds": time.perf_counter() - started}}
+            result = _file(env, figures, raw, r)
             atomic_write_text(out, json.dumps(result, indent=1) + "\n")
         if r.group:
             dist.barrier()
     finally:
         if env.is_distributed and is_initialized():
             dist.destroy_process_group()
-    return result if env.rank == 0 else None
+    return result
+
+
+def _probe_all(r: _Ranks, sizes: tuple[int, ...] | None) -> tuple[dict, dict]:
+    """Every probe in order (each uses the figures before it): the file's figures and its
+    ``raw`` timings, with the seconds each probe took (``raw.phases``)."""
+    cuda = r.device.type == "cuda"
+    sizes = sizes or (_GPU_SIZES if cuda else _CPU_SIZES)
+    phases, clock = {}, [time.perf_counter()]
+
+    def done(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = now - clock[0]
+        clock[0] = now
+
+    flops, raw_mm = _matmul(r)
+    bandwidth, raw_mem = _memory(r)
+    done("matmul_memory")
+    colls, raw_coll = _collectives(r, sizes)
+    done("collectives")
+    steps, raw_steps = _train_steps(r, flops)
+    done("train_step")
+    engines, raw_engines = _data_parallel(r, colls)
+    done("data_parallel")
+    schedules, raw_schedules = _pipeline(r, flops, bandwidth, colls, steps, engines)
+    done("pipeline")
+    if engines is not None:
+        tp_scales, raw_tp = _tensor_parallel(r, flops, bandwidth, colls, steps, engines)
+        engines.update(tp_scales)
+        raw_engines.update(raw_tp)
+        done("tensor_parallel")
+    figures = {"matmul_flops": flops, "memory_bandwidth": bandwidth, "collectives": colls,
+               "train_step": steps, "data_parallel": engines, "pipeline": schedules}
+    raw = {"matmul": raw_mm, "memory": raw_mem, "collectives": raw_coll,
+           "train_step": raw_steps, "data_parallel": raw_engines, "pipeline": raw_schedules,
+           "threads": torch.get_num_threads(), "phases": phases,
+           "seconds": sum(phases.values())}
+    return figures, raw
+
+
+def _file(env, figures: dict, raw: dict, r: _Ranks) -> dict:
+    """The file's contents (schema: `meshfit.plan.calibrate`): the figures, the raw timings
+    with the spread of their repeats (``raw.noise``), and the flags on what they cannot
+    tell from noise (`meshfit.plan.trust.judge`)."""
+    cuda = env.device.type == "cuda"
+    raw["noise"] = {"repeats": r.repeats, "timings": len(r.spreads),
+                    "median_spread": statistics.median(r.spreads),
+                    "max_spread": max(r.spreads)}
+    result = {
+        "schema": SCHEMA,
+        "device": f"cuda:{torch.cuda.get_device_name(env.device)}" if cuda else "cpu",
+        "backend": env.backend or ("nccl" if cuda else "gloo"),
+        "world_size": env.world_size, "torch": torch.__version__,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **figures, "raw": raw}
+    result["flags"] = judge(result)
+    return result

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,20 +23,41 @@ from meshfit.parallel.ddp import apply_ddp
 from meshfit.parallel.zero1 import apply_zero1
 from meshfit.plan.fit import (DP_ENGINES, KINDS, _fit_step, bus_factor, data_parallel_seconds,
                               fit_latency_bandwidth)
+from meshfit.plan.trust import spread
 
 _MATMUL_SECONDS = 0.5  # no matmul size whose single product would take longer than this
 _CPU_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB ... 64 MiB
 _GPU_SIZES = tuple(16384 * 4**i for i in range(9))  # 16 KiB ... 1 GiB
 
 
+class Timing(NamedTuple):
+    """One timed operation: the slowest rank's median seconds per call over the repeats."""
+
+    seconds: float
+    iters: int
+    """Calls per repeat (enough to last about the probe's target)."""
+    spread: float
+    """(max - min) / median of the repeats (`meshfit.plan.trust.spread`), the widest
+    rank's: how far one timing of it may stray."""
+
+    @property
+    def noise(self) -> float:
+        """Half the repeats' range, in seconds: how far the median may be off (about two
+        standard errors of a median of five), what a difference with it must beat."""
+        return self.spread * self.seconds / 2
+
+
 class _Ranks:
     """This job's ranks as the probes use them: its device, whether a process group joins
-    them, and timings taken on the slowest of them."""
+    them, and timings taken on the slowest of them, each repeated `repeats` times (every
+    timing's spread is kept in `spreads`, for the file's ``raw.noise``)."""
 
-    def __init__(self, env):
+    def __init__(self, env, repeats: int = 5):
         self.env = env
         self.device = env.device
         self.group = env.is_distributed and is_initialized()
+        self.repeats = repeats
+        self.spreads: list[float] = []
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -55,8 +76,9 @@ class _Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
-    def time(self, op, *, target: float, repeats: int = 5, warmup: int = 1) -> tuple[float, int]:
-        """Median seconds per call of `op` on the slowest rank, and the calls per timing."""
+    def time(self, op, *, target: float, warmup: int = 1) -> Timing:
+        """`op` timed `repeats` times, each over as many calls as last about `target`
+        seconds, on every rank at once."""
         for _ in range(warmup):
             op()
         self.barrier()
@@ -66,14 +88,16 @@ class _Ranks:
         once = self.max([time.perf_counter() - t0])[0]
         iters = max(1, min(200, int(target / max(once, 1e-7))))
         samples = []
-        for _ in range(repeats):
+        for _ in range(self.repeats):
             self.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
                 op()
             self.sync()
             samples.append((time.perf_counter() - t0) / iters)
-        return self.max([statistics.median(samples)])[0], iters
+        seconds, width = self.max([statistics.median(samples), spread(samples)])
+        self.spreads.append(width)
+        return Timing(seconds, iters, width)
 
 
 def _matmul_once(r: _Ranks, n: int, dtype) -> dict[str, Any] | None:
@@ -90,8 +114,9 @@ def _matmul_once(r: _Ranks, n: int, dtype) -> dict[str, Any] | None:
     if r.max([failed])[0] > 0:
         return None
     # `r.time` runs one more untimed product to choose its loop length
-    seconds, iters = r.time(lambda: torch.mm(a, b), target=0.02, repeats=3, warmup=0)
-    return {"n": n, "seconds": seconds, "iters": iters, "flops": 2.0 * n**3 / seconds}
+    timed = r.time(lambda: torch.mm(a, b), target=0.02, warmup=0)
+    return {"n": n, "seconds": timed.seconds, "iters": timed.iters, "spread": timed.spread,
+            "flops": 2.0 * n**3 / timed.seconds}
 
 
 def _matmul(r: _Ranks) -> tuple[dict[str, float | None], dict[str, Any]]:
@@ -117,9 +142,10 @@ def _memory(r: _Ranks) -> tuple[float, dict[str, Any]]:
     nbytes = (1 << 30) if r.device.type == "cuda" else (256 << 20)
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=r.device).fill_(1.0)
     dst = torch.empty_like(src)
-    seconds, iters = r.time(lambda: dst.copy_(src), target=0.1, repeats=5)
-    return 2.0 * nbytes / seconds, {"bytes": nbytes, "seconds": seconds, "iters": iters,
-                                    "counted": "2 x bytes (read + write)"}
+    timed = r.time(lambda: dst.copy_(src), target=0.1)
+    return 2.0 * nbytes / timed.seconds, {"bytes": nbytes, "seconds": timed.seconds,
+                                          "iters": timed.iters, "spread": timed.spread,
+                                          "counted": "2 x bytes (read + write)"}
 
 
 def _collective_op(r: _Ranks, kind: str, size: int):
@@ -160,20 +186,19 @@ def _collectives(r: _Ranks, sizes: tuple[int, ...]) -> tuple[dict, dict]:
     target = 0.01 if r.device.type == "cuda" else 0.02
     fits, raw = {}, {}
     for kind in KINDS:
-        nbytes, seconds, iters = [], [], []
+        nbytes, timings = [], []
         for size in sizes:
             op, s_bytes = _collective_op(r, kind, size)
-            sec, it = r.time(op, target=target, repeats=5, warmup=1)
+            timings.append(r.time(op, target=target, warmup=1))
             nbytes.append(s_bytes)
-            seconds.append(sec)
-            iters.append(it)
             del op
         factor = bus_factor(kind, n)
-        fit = fit_latency_bandwidth(nbytes, seconds, factor)
+        fit = fit_latency_bandwidth(nbytes, [t.seconds for t in timings], factor)
         fits[kind] = {"bus_bandwidth": fit["bus_bandwidth"], "latency": fit["latency"]}
-        raw[kind] = {"nbytes": nbytes, "seconds": seconds, "iters": iters, "factor": factor,
-                     "r2": fit["r2"], "max_relative_error": fit["max_relative_error"],
-                     "fit": fit["method"]}
+        raw[kind] = {"nbytes": nbytes, "seconds": [t.seconds for t in timings],
+                     "iters": [t.iters for t in timings],
+                     "spread": [t.spread for t in timings], "factor": factor, "r2": fit["r2"],
+                     "max_relative_error": fit["max_relative_error"], "fit": fit["method"]}
     return fits, raw
 
 
@@ -209,36 +234,39 @@ def _train_steps(r: _Ranks, flops: dict) -> tuple[dict, dict]:
                 for p in model.parameters():
                     p.grad = None
 
-            seconds, iters = r.time(fwd_bwd, target=0.05, repeats=3, warmup=1)
+            timed = r.time(fwd_bwd, target=0.05, warmup=1)
             rows.append({"d_model": d, "n_layer": layers, "seq_len": seq, "batch": batch,
                          "heads": heads,
                          "flops": model.config.flops_per_token(seq) * batch * seq,
-                         "seconds": seconds, "iters": iters})
+                         "seconds": timed.seconds, "iters": timed.iters,
+                         "spread": timed.spread})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        opt_seconds, _ = r.time(opt.step, target=0.05, repeats=3, warmup=1)
+        opt_seconds = r.time(opt.step, target=0.05, warmup=1).seconds
         n_params = sum(p.numel() for p in model.parameters())
         fit = _fit_step(rows, peak=flops[name])
         fit["optimizer_per_param"] = opt_seconds / n_params
         fits[name] = fit
         raw[name] = {"rows": rows, "optimizer_seconds": opt_seconds, "params": n_params,
-                     "max_relative_error": fit.pop("max_relative_error")}
+                     "max_relative_error": fit.pop("max_relative_error"), "r2": fit.pop("r2")}
     return fits, raw
 
 
-_DP_SHAPES = {"cpu": (192, 3, 192, 4), "cuda": (1024, 4, 1024, 8)}
-"""(d_model, n_layer, seq_len, batch) of the reference GPT the engines are timed on."""
+_DP_SHAPES = {"cpu": (192, 3, 64, 1), "cuda": (1024, 4, 1024, 8)}
+"""(d_model, n_layer, seq_len, batch) of the reference GPT the engines are timed on. On the
+CPU few tokens for the parameters: the collectives (~1.4M parameters' gradients) are then a
+large share of the step, not a few percent of it inside its noise."""
 
 
-def _data_parallel(r: _Ranks, colls: dict, fit: dict | None) -> tuple[dict | None, dict]:
+def _data_parallel(r: _Ranks, colls: dict) -> tuple[dict | None, dict]:
     """Per engine, the exposed share of its modelled collectives (`meshfit.plan.calibrate`'s
-    docstring) and the timings it came from; (None, {}) on one process or without an fp32
-    step fit."""
-    if not r.group or fit is None or any(colls[k]["latency"] is None for k in
-                                         ("all_reduce", "all_gather", "reduce_scatter")):
+    docstring) and the timings it came from, with the noise they cannot beat (the engine's
+    timing's, and the step alone's, timed before and after the engines, with their drift);
+    (None, {}) on one process."""
+    if not r.group or any(colls[k]["latency"] is None for k in
+                          ("all_reduce", "all_gather", "reduce_scatter")):
         return None, {}
-
     n = r.env.world_size
     d, layers, seq, batch = _DP_SHAPES["cuda" if r.device.type == "cuda" else "cpu"]
     mesh = init_device_mesh(r.device.type, (n,))
@@ -252,34 +280,54 @@ def _data_parallel(r: _Ranks, colls: dict, fit: dict | None) -> tuple[dict | Non
     def fwd_bwd(m):
         m(x[:, :-1], x[:, 1:]).backward()
 
-    plain = model()
-    params = sum(p.numel() for p in plain.parameters())
-
-    def alone():
-        fwd_bwd(plain)
-        for p in plain.parameters():
-            p.grad = None
-
-    base, _ = r.time(alone, target=0.3, repeats=3, warmup=1)
+    alone, optimizer, params = _alone(r, model(), fwd_bwd)
+    before = alone()
+    steps = {engine: _engine_step(r, engine, model(), mesh, fwd_bwd) for engine in DP_ENGINES}
+    after = alone()  # again: its drift is noise the engines saw too
+    drift = abs(before.seconds - after.seconds) / 2 + max(before.noise, after.noise)
     collective = _measured_collective(colls)
     scales, raw = {}, {"shape": {"d_model": d, "n_layer": layers, "seq_len": seq,
-                                 "batch": batch, "params": params}, "alone_seconds": base}
-    for engine in DP_ENGINES:
-        seconds = _engine_step_seconds(r, engine, model(), mesh, fwd_bwd)
-        optimizer = params / (1 if engine == "ddp" else n) * fit["optimizer_per_param"]
-        exposed = max(0.0, seconds - base - optimizer)
+                                 "batch": batch, "params": params},
+                       "alone_seconds": [before.seconds, after.seconds],
+                       "alone_optimizer_seconds": optimizer.seconds}
+    for engine, timed in steps.items():
+        # the step alone, with the optimizer step on the engine's share of the parameters
+        saved = 0.0 if engine == "ddp" else optimizer.seconds * (1 - 1 / n)
+        exposed = timed.seconds - (before.seconds + after.seconds) / 2 + saved
         modelled = data_parallel_seconds(engine, collective, params=params, units=layers + 1,
                                          shard=n, replicate=1, spans=(n, n), gathers=2,
                                          gathered_bytes=4)
-        scales[engine] = exposed / modelled
-        raw[engine] = {"seconds": seconds, "optimizer_seconds": optimizer,
-                       "exposed_seconds": exposed, "modelled_seconds": modelled}
+        # (at most its noise, or below 0: flagged by meshfit.plan.trust, not used)
+        scales[engine] = max(0.0, exposed) / modelled
+        raw[engine] = {"seconds": timed.seconds, "spread": timed.spread,
+                       "optimizer_seconds": optimizer.seconds - saved,
+                       "exposed_seconds": exposed, "modelled_seconds": modelled,
+                       "noise_seconds": timed.noise + drift + (optimizer.noise if saved else 0)}
     return scales, raw
 
 
-def _engine_step_seconds(r: _Ranks, engine: str, model, mesh, fwd_bwd) -> float:
-    """Seconds of one training step of `model` (forward, backward, AdamW) under `engine`
-    over all of `mesh`'s ranks."""
+def _alone(r: _Ranks, model, fwd_bwd):
+    """The engines' training step without an engine, as a timer (forward, backward, AdamW
+    on every parameter: what DDP adds only collectives to); the AdamW step alone, timed;
+    the parameter count."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def step():
+        fwd_bwd(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer = r.time(opt.step, target=0.1, warmup=1)
+    opt.zero_grad(set_to_none=True)
+    params = sum(p.numel() for p in model.parameters())
+    return (lambda: r.time(step, target=0.3, warmup=1)), optimizer, params
+
+
+def _engine_step(r: _Ranks, engine: str, model, mesh, fwd_bwd) -> Timing:
+    """One training step of `model` (forward, backward, AdamW) under `engine` over all of
+    `mesh`'s ranks, timed."""
     from meshfit.parallel.fsdp import apply_fsdp  # (FSDP2: ~2 s of imports; one process: unused)
 
     m = apply_fsdp(model, mesh, reshard_after_forward=True) if engine == "fsdp2" else \
@@ -293,8 +341,7 @@ def _engine_step_seconds(r: _Ranks, engine: str, model, mesh, fwd_bwd) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    seconds, _ = r.time(step, target=0.3, repeats=3, warmup=2)
-    return seconds
+    return r.time(step, target=0.3, warmup=2)
 
 
 def _measured_collective(colls: dict):

@@ -138,7 +138,7 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
     predicted step times are still those of full training)."""
     shape = ModelShape.of(model) if isinstance(model, str) else model
     _check_request(shape, seq_len, global_batch_size, margin)
-    budget = cluster.device.memory * (1 - margin)
+    budget = cluster.memory_per_rank * (1 - margin)
     scene, facts = scenario(shape, cluster, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                             budget=budget, adapters=adapters)
     model_facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible)
@@ -272,10 +272,11 @@ def _impossible(shape: ModelShape, cluster: Cluster, budget: float, *, seq_len: 
     # ZeRO-3's buffers: two gathered blocks in the compute dtype and one block's gradients
     rest = smallest.activations + shape.block_params * (2 * DTYPE_BYTES[dtype] + 4)
     if rest >= budget:
-        return (f"no layout fits {cluster.world_size} GPU(s) of {cluster.device.memory / GiB:.0f}"
-                f" GiB: even one sequence of {seq_len} tokens needs "
-                f"{rest / GiB:.1f} GiB of activations on one rank with full checkpointing; "
-                "lower --seq-len or use tensor parallel with sequence parallel on more GPUs")
+        return (f"no layout fits {cluster.world_size} GPU(s) of "
+                f"{cluster.memory_per_rank / GiB:.0f} GiB: even one sequence of {seq_len} "
+                f"tokens needs {rest / GiB:.1f} GiB of activations on one rank with full "
+                "checkpointing; lower --seq-len or use tensor parallel with sequence parallel "
+                "on more GPUs")
     need = math.ceil(states / (budget - rest))
     need = math.ceil(need / cluster.gpus_per_node) * cluster.gpus_per_node
     host = states / cluster.world_size / GiB
@@ -283,7 +284,7 @@ def _impossible(shape: ModelShape, cluster: Cluster, budget: float, *, seq_len: 
                if host_memory is None else
                f"more host memory than --host-memory={host_memory / GiB:,.0f} GiB per node for "
                f"ZeRO-3 with CPU offload (~{host * cluster.gpus_per_node:,.0f} GiB per node)")
-    return (f"no layout fits {cluster.world_size} GPU(s) of {cluster.device.memory / GiB:.0f} "
+    return (f"no layout fits {cluster.world_size} GPU(s) of {cluster.memory_per_rank / GiB:.0f} "
             f"GiB ({per_gpu:.0f} GiB usable): the model states alone are "
             f"{states / GiB:.0f} GiB; it needs at least {need} GPUs of that size (ZeRO-3, full "
             f"checkpointing, micro-batch 1), or {offload}")

@@ -15,6 +15,7 @@ from typing import Any, get_args
 from meshfit.data import column_keys, data_format, format_names
 from meshfit.data.corpus import data_source
 from meshfit.models.config import AttentionBackend, GPTConfig
+from meshfit.models.factory import check_folder_code
 from meshfit.optim_names import OPTIMIZERS
 from meshfit.parallel.layout import Layout, check_precision
 from meshfit.parallel.options import ModelOptions
@@ -22,6 +23,8 @@ from meshfit.parallel.request import LayoutRequest
 from meshfit.train.preflight import (LAYOUT_NAMES, check_bool, check_choice, check_layout,
                                      check_number, check_positive)
 
+DEFAULT_WARMUP = 20
+"""train.warmup_steps when unset, for runs of 200 steps or more (a tenth of shorter ones)."""
 MOE_FIELDS = ("n_experts", "top_k", "moe_every", "moe_d_ff", "shared_experts", "router",
               "capacity_factor", "aux_loss_coef", "router_z_loss_coef")
 """[model]'s mixture-of-experts fields (see `meshfit.models.GPTConfig`)."""
@@ -53,6 +56,10 @@ class ModelConfig:
     pipeline_plan: str = ""
     """"module:PLAN" — where pipeline stages are cut for a model without a built-in plan: a
     `meshfit.models.plans.PipelinePlan` or a function of the model returning one."""
+    trust_code: bool = False
+    """Run code that the hf_config / hf_model folder's config.json names (transformers'
+    remote code, ``auto_map``), as transformers' trust_remote_code: only for a folder whose
+    writer you trust. Without it such a folder is refused before anything runs."""
     n_layer: int | None = None  # Transformer blocks (None: the preset's)
     n_head: int | None = None  # Attention heads (None: the preset's)
     d_model: int | None = None  # Hidden size (None: the preset's)
@@ -104,6 +111,12 @@ class ModelConfig:
             if not (path.is_file() or (path / "config.json").is_file()):
                 raise ValueError(f"model.hf_config={self.hf_config!r} is neither a config.json "
                                  "file nor a folder holding one")
+        check_bool("model", "trust_code", self.trust_code)
+        for name in ("hf_config", "hf_model"):  # before the folder is opened by anything
+            if getattr(self, name):
+                check_folder_code(getattr(self, name), trust_code=self.trust_code,
+                                  field=f"model.{name}", how="model.trust_code = true "
+                                  "(--model.trust_code=true)", factories=False)
         if self.hf_model:
             from meshfit.checkpoint.pretrained import check_folder  # (imports torch)
 
@@ -154,14 +167,17 @@ class TrainConfig(ModelOptions):
     """Sequences per forward/backward on one rank; accumulation fills the rest."""
     seq_len: int = 128  # Tokens per sequence
     min_lr_ratio: float = 0.1  # Cosine decay ends at lr * min_lr_ratio
-    warmup_steps: int = 20  # Linear warm-up steps
+    warmup_steps: int | None = None
+    """Linear warm-up steps; unset: a tenth of train.steps, at most 20. (Resolved when the
+    config is read, so that config.toml holds the number a resume keeps.)"""
     grad_clip: float = 1.0  # Clip the global gradient norm to this (0: no clipping)
     seed: int = 0  # Seed for weights, data order and dropout
     eval_every: int = 100  # Evaluate every this many steps and at the end (0: at the end only)
-    eval_batches: int = 8
-    """Validation micro-batches per evaluation, over all ranks together: the first
-    eval_batches x micro_batch_size windows of the validation split (`eval_windows`), each
-    counted once whatever the layout."""
+    eval_windows: int = 128
+    """Validation windows per evaluation: the first eval_windows windows of train.seq_len
+    tokens of the validation split (all of it if shorter), each counted once, whatever the
+    micro-batch, the accumulation or the layout (the key eval_batches of older configs
+    means eval_batches x micro_batch_size of them)."""
     log_every: int = 10  # Write a metrics line every this many steps
     mixed_precision: str = "no"  # "no", "bf16" or "fp16"
     tf32: bool = False  # TF32 tensor cores for fp32 matrix products (NVIDIA Ampere and newer)
@@ -175,10 +191,12 @@ class TrainConfig(ModelOptions):
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len",
-                     "eval_batches", "log_every"):
+                     "eval_windows", "log_every"):
             check_positive("train", name, getattr(self, name))
         # A collective's deadline in milliseconds must fit C++'s clocks: a year is plenty.
         check_positive("train", "timeout_s", self.timeout_s, most=366 * 86400)
+        if self.warmup_steps is None:  # a short run is not all warm-up
+            object.__setattr__(self, "warmup_steps", min(DEFAULT_WARMUP, self.steps // 10))
         for name in ("warmup_steps", "eval_every", "empty_cache_steps"):
             check_positive("train", name, getattr(self, name), allow_zero=True)
         # The data order's seed is train.seed + epoch, in a 64-bit generator.
@@ -192,6 +210,12 @@ class TrainConfig(ModelOptions):
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a "
                              f"multiple of train.micro_batch_size={self.micro_batch_size}")
+
+    @property
+    def eval_batches(self) -> int:
+        """(Before eval_windows) the validation set in micro-batches, rounded up: code that
+        read this key keeps working; `RunConfig.eval_windows` is the count."""
+        return -(-self.eval_windows // self.micro_batch_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -523,7 +547,7 @@ class RunConfig:
     def eval_windows(self) -> int:
         """Validation windows per evaluation (the split's first ones; fewer if it is shorter):
         what `meshfit train` logs as val_loss and `meshfit eval RUN` evaluates by default."""
-        return self.train.eval_batches * self.train.micro_batch_size
+        return self.train.eval_windows
 
     def model_config(self, vocab_size: int):
         """The reference GPT's config for this run: [model] over its preset, train.seq_len as

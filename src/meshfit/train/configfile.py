@@ -28,8 +28,32 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _legacy_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """Keys of older configs, read as what they meant: [train] eval_batches = N (the
+    validation set as N micro-batches) is eval_windows = N x micro_batch_size, the same
+    windows, now fixed whatever the micro-batch (a resumed run of before keeps its
+    validation set)."""
+    train = data.get("train")
+    if not isinstance(train, dict) or "eval_batches" not in train:
+        return data
+    train = dict(train)
+    batches = train.pop("eval_batches")
+    if "eval_windows" in train:
+        raise ValueError(f"train.eval_batches={batches!r} and train.eval_windows="
+                         f"{train['eval_windows']!r} both set the validation set; keep "
+                         "train.eval_windows (eval_batches is its older form)")
+    micro = train.get("micro_batch_size", _SECTIONS["train"]().micro_batch_size)
+    for name, value in (("eval_batches", batches), ("micro_batch_size", micro)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"train.{name}={value!r} must be an integer >= 1")
+    train["eval_windows"] = batches * micro
+    return {**data, "train": train}
+
+
 def build_config(data: dict[str, Any]) -> RunConfig:
-    """A validated RunConfig from nested dicts; unknown sections/keys are listed in the error."""
+    """A validated RunConfig from nested dicts; unknown sections/keys are listed in the error
+    (older keys read as they were meant: `_legacy_keys`)."""
+    data = _legacy_keys(data)
     unknown_sections = sorted(set(data) - set(_SECTIONS))
     if unknown_sections:
         raise ValueError(f"unknown config section(s) {', '.join(unknown_sections)}; known: "

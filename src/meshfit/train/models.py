@@ -20,7 +20,7 @@ from meshfit.checkpoint.pretrained import check_weights, meta_model
 from meshfit.checkpoint.saved import save_model_folder
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
-from meshfit.models.gpt import document_causal_mask
+from meshfit.models.packing import check_packable, packed_forward
 from meshfit.models.plans import PipelinePlan, TPPlan, adapted_model
 
 # Imported where used: transformers and meshfit.peft (it imports peft: both optional), and the
@@ -54,9 +54,13 @@ def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
         elif m.source == "hf_config":
             import transformers
 
+            # (trust_remote_code given either way: left unset, transformers asks on the
+            # terminal, mid-command and on every rank, whether to run the folder's code)
             config = transformers.AutoConfig.from_pretrained(
-                str(Path(m.hf_config).expanduser()), local_files_only=True)
-            model = transformers.AutoModelForCausalLM.from_config(config)
+                str(Path(m.hf_config).expanduser()), local_files_only=True,
+                trust_remote_code=m.trust_code)
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, trust_remote_code=m.trust_code)
         elif m.source == "hf_model":
             model = meta_model(m.hf_model)
             if meta:  # before launch: the files hold every weight, whole and floating
@@ -152,7 +156,8 @@ def _where(err: BaseException) -> str:
 
 def check_model_source(cfg, vocab_size: int) -> nn.Module:
     """Before launch: the model builds (on the meta device), holds the tokenizer's ids and
-    the sequence length, and has plans for the layout's tensor/pipeline axes; returns it."""
+    the sequence length, keeps packed documents apart (`check_packable`), and has plans for
+    the layout's tensor/pipeline axes; returns it."""
     model = build_model(cfg, vocab_size, meta=True)
     m, config = cfg.model, getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
@@ -173,6 +178,8 @@ def check_model_source(cfg, vocab_size: int) -> nn.Module:
     if m.source != "preset" and longest is not None and cfg.train.seq_len > longest:
         raise ValueError(f"train.seq_len={cfg.train.seq_len} is longer than the "
                          f"{longest} positions of {field}; lower train.seq_len")
+    if (cfg.data.packing or cfg.data.document_mask) and is_hf(model):
+        check_packable(_base(model), f"{field}={getattr(m, m.source)!r}")
     if cfg.parallel.pp > 1 and _router_aux_loss(model):
         raise ValueError(f"{field}: output_router_logits=true (the router load-balancing loss) "
                          f"with parallel.pp={cfg.parallel.pp} is not yet available: a pipeline's "
@@ -230,8 +237,8 @@ def loss_function(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.
     if is_hf(model) and _router_aux_loss(model):
         return _with_router_aux_loss(_base(model).config.router_aux_loss_coef)
     if is_hf(model):
-        return lambda m, x, y, positions=None: tp_cross_entropy(_logits(m(
-            input_ids=x, use_cache=False, **packed_attention(positions))), y)
+        return lambda m, x, y, positions=None: tp_cross_entropy(_logits(packed_forward(
+            m, x, positions, use_cache=False)), y)
     return lambda m, x, y, positions=None: tp_cross_entropy(_logits(m(x)), y) \
         if positions is None else _unpackable()
 
@@ -239,16 +246,6 @@ def loss_function(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.
 def _unpackable():
     raise ValueError("data.packing=true / data.document_mask=true need the reference GPT or "
                      "a Hugging Face model: their attention takes the per-document mask")
-
-
-def packed_attention(positions: torch.Tensor | None) -> dict:
-    """For rows packing several examples (`positions` restart at 0 where each begins): the
-    keyword arguments that keep a transformers model's attention inside each example, its
-    ``position_ids`` and a boolean [B, 1, T, T] mask, causal and block-diagonal by example;
-    {} for unpacked rows."""
-    if positions is None:
-        return {}
-    return {"position_ids": positions, "attention_mask": document_causal_mask(positions)}
 
 
 def _router_aux_loss(model: nn.Module) -> bool:
@@ -268,8 +265,8 @@ def _with_router_aux_loss(coef: float):
     from meshfit.parallel.tp import tp_cross_entropy
 
     def loss(m, x, y, positions=None):
-        out = m(input_ids=x, use_cache=False, output_router_logits=m.training,
-                **packed_attention(positions))
+        out = packed_forward(m, x, positions, use_cache=False,
+                             output_router_logits=m.training)
         ce = tp_cross_entropy(out.logits, y)
         loss.last_aux = None
         if m.training and out.aux_loss is not None:

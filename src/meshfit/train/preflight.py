@@ -158,7 +158,7 @@ def _check_cp(cfg, layout: Layout) -> None:
 
         folder = str(Path(getattr(m, m.source)).expanduser())
         problem = check_hf_config(transformers.AutoConfig.from_pretrained(
-            folder, local_files_only=True), t.seq_len)
+            folder, local_files_only=True, trust_remote_code=m.trust_code), t.seq_len)
         if problem:
             raise ValueError(f"parallel.cp={cp} with model.{m.source}={getattr(m, m.source)!r}"
                              f": {problem}")
@@ -271,6 +271,10 @@ def preflight(cfg, world_size: int | None = None, local_world_size: int | None =
 
         optim.build("adamw_8bit", [torch.nn.Parameter(torch.zeros(1, device=device))], lr=1e-3)
     warnings = list(cfg.layout(world_size, local_world_size).warnings) if world_size else []
+    if cfg.train.warmup_steps >= cfg.train.steps:  # (unset, it is at most a tenth of them)
+        warnings.append(f"train.warmup_steps={cfg.train.warmup_steps} covers the whole run of "
+                        f"train.steps={cfg.train.steps}: the learning rate only rises, never "
+                        "decays; lower it, or leave it unset (a tenth of the run, at most 20)")
     if world_size:
         check_data(cfg, world_size)
     if world_size and memory_check:

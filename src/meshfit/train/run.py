@@ -20,6 +20,7 @@ import json
 import math
 import os
 import resource
+import shlex
 import signal
 import sys
 import threading
@@ -32,7 +33,8 @@ import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshfit.accelerator import Accelerator
-from meshfit.checkpoint import CheckpointError, latest, prune, skipped
+from meshfit.checkpoint import CheckpointError, Manifest, latest, prune, skipped
+from meshfit.checkpoint.load import saved_keys
 from meshfit.distributed import is_initialized
 from meshfit.memory import ModelShape
 from meshfit.plan.calibrate import load_calibration
@@ -44,19 +46,45 @@ from meshfit.train.runfolder import append_line, atomic_write_text
 
 
 class Window:
-    """One small all-reduce per logged step, not per step: metrics stay off the hot path."""
+    """One small all-reduce per logged step, not per step: metrics stay off the hot path.
+
+    A checkpoint holds the window's losses so far (`hold`, then `state_dict`: the `Accelerator`
+    saves it), so that the first line after a resume averages the same steps as the run that
+    was never stopped (the steps before the checkpoint come back as `carried`); its
+    throughput counts the steps timed since the resume."""
 
     def __init__(self, acc: Accelerator, tokens_per_step: int):
         self.acc, self.tokens_per_step = acc, tokens_per_step
-        self.loss_sum = torch.zeros((), device=acc.device)
+        # float64: a window's sum comes out the same whether or not a resume split it
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
+        self.carried = torch.zeros(2, dtype=torch.float64)
+        """[sum of the per-step mean losses, steps] of this window before a resume."""
+        self.held = torch.zeros(2, dtype=torch.float64)
         self.restart()
 
     def restart(self) -> None:
         self.start, self.steps = time.perf_counter(), 0
         self.loss_sum.zero_()
+        self.carried.zero_()
 
     def add(self, loss: torch.Tensor) -> None:
-        self.loss_sum += loss.detach().float()
+        self.loss_sum += loss.detach().double()
+
+    def _summed(self, accum: int) -> float:
+        """The window's per-step mean losses summed (a collective: the mean over ranks)."""
+        return self.acc.reduce(self.loss_sum.clone(), "mean").item() / accum + \
+            float(self.carried[0])
+
+    def hold(self, accum: int) -> None:
+        """Before a checkpoint, on every rank (a collective): what `state_dict` saves."""
+        self.held = torch.tensor([self._summed(accum), self.steps + float(self.carried[1])],
+                                 dtype=torch.float64)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"carried": self.held.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.carried.copy_(state["carried"])
 
     def close(self, step: int, accum: int, lr: float) -> dict:
         """The window's metrics line; a new window begins. A loss that is not finite on some
@@ -68,7 +96,7 @@ class Window:
             raise Diverged(f"the loss is not finite ({everyone[rank].item()}) by step {step} on "
                            f"data-parallel rank {rank}; lower optim.lr, keep train.grad_clip "
                            "> 0, or train in bf16 rather than fp16")
-        mean_loss = self.acc.reduce(self.loss_sum, "mean").item() / (self.steps * accum)
+        mean_loss = self._summed(accum) / (self.steps + int(self.carried[1]))
         elapsed = time.perf_counter() - self.start
         out = {"step": step, "loss": round(mean_loss, 5), "lr": lr,  # (torchao: lr a tensor)
                "tokens_per_s": round(self.steps * self.tokens_per_step / elapsed, 1),
@@ -104,16 +132,28 @@ def collective_deadline(rank: int, timeout_s: float, what: str):
 
 
 class Preempted(Exception):
-    """Training stopped on a signal after a whole optimizer step, with a checkpoint."""
+    """Training stopped on a signal after a whole optimizer step, with a checkpoint. The
+    line names the signal that came (SIGINT for Ctrl-C) and the command that continues the
+    run as if it had not stopped: on the same processes (`resume_command`)."""
 
     def __init__(self, signum: int, step: int, folder: Path, out_dir: Path,
-                 ranks: list[int] | None = None):
+                 ranks: list[int] | None = None, *, nproc: int = 1, nnodes: int = 1):
         name = signal.Signals(signum).name
         got = "" if not ranks else f" (sent to rank{'s' * (len(ranks) > 1)} " \
             f"{', '.join(map(str, ranks[:8]))}{' ...' if len(ranks) > 8 else ''} only)"
         super().__init__(f"stopped by {name}{got} after step {step}; checkpoint {folder}; "
-                         f"continue with: meshfit train --out {out_dir} --resume")
+                         f"continue with: {resume_command(out_dir, nproc, nnodes)}")
         self.signum, self.step, self.folder, self.ranks = signum, step, folder, ranks
+
+
+def resume_command(out_dir: Path, nproc: int, nnodes: int = 1) -> str:
+    """The command that resumes the run in `out_dir` on `nnodes` x `nproc` processes, as it
+    ran (a resume on another number of processes accumulates and draws differently)."""
+    command = f"meshfit train --out {shlex.quote(str(out_dir))} --resume --nproc {nproc}"
+    if nnodes > 1:
+        command += (f" --nnodes {nnodes} (on every node, with its --node-rank, --master-addr "
+                    "and --master-port)")
+    return command
 
 
 class StopOnSignal:
@@ -175,6 +215,13 @@ def find_checkpoint(root: Path) -> Path:
     return folder
 
 
+def saved_world(out: Path) -> int | None:
+    """The number of processes that saved the newest complete checkpoint of the run in `out`
+    (None: it has none)."""
+    folder = latest(out / "checkpoints")
+    return None if folder is None else Manifest.read(folder).world_size
+
+
 def resume_point(out: Path, steps: int) -> tuple[int, str]:
     """(step of the newest complete checkpoint, what to say) for ``--resume`` of the run in
     `out` with ``train.steps`` = `steps`: continuing; finished (step == steps: the run's last
@@ -205,12 +252,24 @@ def resume_point(out: Path, steps: int) -> tuple[int, str]:
                   f"with N > {steps}{note}")
 
 
+WINDOW_KEY = "custom_0.carried"
+"""The loss window in a checkpoint (the first object registered for checkpointing)."""
+
+
 class Checkpoints:
     """The run's checkpoints, ``OUT/checkpoints/step-<N>/`` ([checkpoint] every, keep)."""
 
-    def __init__(self, acc: Accelerator, cfg: RunConfig, root: Path):
+    def __init__(self, acc: Accelerator, cfg: RunConfig, root: Path, window: Window, accum: int):
         self.acc, self.cfg, self.root = acc, cfg.checkpoint, root
         self.steps = cfg.train.steps
+        self.window, self.accum = window, accum
+        self.holds_window = False
+
+    def _hold_window(self) -> None:
+        """Checkpoints hold the loss window from now on (`Window`)."""
+        if not self.holds_window:
+            self.acc.register_for_checkpointing(self.window)
+            self.holds_window = True
 
     def due(self, step: int) -> bool:
         return bool(self.cfg.every) and (step % self.cfg.every == 0 or step == self.steps)
@@ -222,6 +281,8 @@ class Checkpoints:
         """Save (in the background with [checkpoint] async, unless `wait`), then prune."""
         background = self.cfg.async_mode if self.cfg.async_save and not wait else False
         self._settle()
+        self._hold_window()
+        self.window.hold(self.accum)
         self.acc.save_state(self.folder(step), step=step, async_save=background)
         if not background:
             self.acc.wait_for_checkpoint()
@@ -252,7 +313,14 @@ class Checkpoints:
     def resume(self) -> int:
         """Load the newest complete checkpoint; returns its step."""
         folder = find_checkpoint(self.root)
+        if WINDOW_KEY in saved_keys(folder):
+            self._hold_window()
+        else:  # saved before checkpoints held it
+            self.acc.print(f"meshfit train: {folder.name} holds no loss window (saved by an "
+                           "older meshfit): the first logged loss averages the steps since "
+                           "the resume only")
         manifest = self.acc.load_state(folder)
+        self._hold_window()
         self.acc.print(f"meshfit train: resuming from {folder} (step {manifest.step} of "
                        f"{self.steps}, saved by {manifest.world_size} process(es))")
         return manifest.step
@@ -299,10 +367,13 @@ def device_peak_flops(device: torch.device, mixed_precision: str, calibration: s
                       *, tf32: bool = False) -> tuple[float | None, str]:
     """(peak FLOP/s of one device for the training dtype, where the figure comes from): a
     calibration file's measured matmul figure, else a known GPU's data sheet, whose fp32
-    figure counts TF32 tensor cores only when `tf32` is on."""
+    figure counts TF32 tensor cores only when `tf32` is on. A calibration figure flagged as
+    noise (`meshfit.plan.trust`: the file's machine too noisy, or the figure itself) gives
+    no peak: an MFU against it would be a guess."""
     dtype = mixed_precision if mixed_precision in ("bf16", "fp16") else "fp32"
     if calibration:
-        flops = load_calibration(calibration).matmul_flops.get(dtype)
+        found = load_calibration(calibration)
+        flops = found.matmul_flops.get(dtype) if found.trusted(f"matmul_flops.{dtype}") else None
         return (flops, f"measured {dtype} matmul in {calibration}") if flops else (None, "")
     if device.type == "cuda":
         found = device_for_name(torch.cuda.get_device_name(device))

@@ -48,7 +48,7 @@ class ModelSteps:
         """The micro-batch's loss, backpropagated (x `weight`: the token weighting of
         `meshfit.train.trainer._token_weights`; a micro-batch without a trained target is
         run with one target made up and weight 0, so every rank still runs its backward).
-        `positions`: of rows packing several examples (`meshfit.train.models.packed_attention`)."""
+        `positions`: of rows packing several examples (`meshfit.models.packing.packed_forward`)."""
         if weight is not None and weight == 0:
             y = y.clone()
             y.view(-1)[0] = 0

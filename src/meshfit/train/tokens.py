@@ -4,7 +4,10 @@ fine-tuning examples of a format of `meshfit.data.formats`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from meshfit.data import DataSpec, data_format
+from meshfit.models.factory import check_folder_code
 
 __all__ = ["data_spec", "load_tokens", "tokenizer", "vocab_size"]
 
@@ -17,7 +20,13 @@ def tokenizer(cfg):
     from meshfit.data import ByteTokenizer, load_tokenizer
 
     name = cfg.data.tokenizer
-    return ByteTokenizer() if name in ("", "bytes") else load_tokenizer(name)
+    if name in ("", "bytes"):
+        return ByteTokenizer()
+    if Path(name).expanduser().is_dir():  # its own tokenizer code runs only if the user says
+        check_folder_code(Path(name).expanduser(), trust_code=cfg.model.trust_code,
+                          field="data.tokenizer", how="model.trust_code = true "
+                          "(--model.trust_code=true)", factories=False)
+    return load_tokenizer(name, trust_code=cfg.model.trust_code)
 
 
 def vocab_size(cfg) -> int:

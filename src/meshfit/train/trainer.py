@@ -22,7 +22,6 @@ from meshfit._compat import optim as lr_internals
 from meshfit.accelerator import Accelerator
 from meshfit.accelerator.compat import DataLoaderConfiguration
 from meshfit.checkpoint import latest
-from meshfit.data import TokenDataset
 from meshfit.distributed import DistEnv, init
 from meshfit.distributed.settle import barrier
 from meshfit.models.loss import IGNORE_INDEX
@@ -34,6 +33,7 @@ from meshfit.train.models import build_model, plans, resolve_plan, write_final_m
 from meshfit.train.run import (Checkpoints, MetricsWriter, Preempted, RunReporter, StopOnSignal,
                                Window, collective_deadline, find_checkpoint)
 from meshfit.train.steps import PIPELINE_TIMED_STEPS, ModelSteps, prepare_steps
+from meshfit.train.validation import ValidationBatches, evaluate
 
 
 def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
@@ -47,6 +47,7 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
     run = TrainingRun(cfg, env)
     acc, splits = run.accelerator, run.splits
     rows = run.micro_batch_size * run.chunks  # sequences per data-parallel rank and batch
+    # (the set: cfg.eval_windows() windows whatever the micro-batch; `rows` batches them)
     val_loader = ValidationBatches(
         splits.windows("val", t.seq_len, documents_apart=cfg.data.document_mask),
         cfg.eval_windows(), rows, acc.runtime.dp_size, acc.runtime.dp_rank)
@@ -54,15 +55,15 @@ def train(cfg: RunConfig, out_dir: Path, env: DistEnv | None = None, *,
                       out_dir))
     if hasattr(splits, "describe"):  # examples with loss masks
         acc.print(f"meshfit train: {splits.describe()}")
-    checkpoints = Checkpoints(acc, cfg, out_dir / "checkpoints")
+    window = Window(acc, t.global_batch_size * t.seq_len)
+    checkpoints = Checkpoints(acc, cfg, out_dir / "checkpoints", window, run.accum)
     start = checkpoints.resume() if resume else 0
     if start:
         _follow_schedule(run.schedule, lr_lambda(cfg))
     main_out = out_dir if acc.is_main_process else None
     loop = _Loop(run=run, val_loader=val_loader, out_dir=out_dir, checkpoints=checkpoints,
                  writer=MetricsWriter(main_out, cfg, after_step=start),
-                 progress=RunReporter(acc, cfg, main_out, run.model, t.steps),
-                 window=Window(acc, t.global_batch_size * t.seq_len))
+                 progress=RunReporter(acc, cfg, main_out, run.model, t.steps), window=window)
     last = _steps(loop, start)
     _finish(run, out_dir, last)
     return last
@@ -220,7 +221,7 @@ def _steps(loop: _Loop, start: int) -> dict:
     last = {"step": start}
     if start == 0:
         last = _validation(loop, start)
-    loop.window.restart()  # the first window begins after that evaluation
+    loop.window.start = time.perf_counter()  # the first window's time begins after that
     stop = StopOnSignal()
     step = start + 1  # the step in progress, for a timeout's message
     with collective_deadline(acc.process_index, t.timeout_s, lambda: f"step {step}"):
@@ -282,8 +283,8 @@ def _log(loop: _Loop, step: int, grad_norm: float | None) -> dict:
 def _validation(loop: _Loop, step: int) -> dict:
     """The validation loss after `step`, written and shown."""
     with _exchanges_untimed(loop.run.exchanges):
-        val = {"step": step, "val_loss": round(_evaluate(loop.acc, loop.trained,
-                                                         loop.val_loader), 5)}
+        val = {"step": step, "val_loss": round(evaluate(loop.acc, loop.trained,
+                                                        loop.val_loader), 5)}
     loop.writer.write(val)
     loop.progress.report(val, step)
     return val
@@ -311,7 +312,9 @@ def _stop_if_asked(loop: _Loop, stop: StopOnSignal, step: int) -> None:
     if stop.ranks is not None:  # (the same on every rank) A signal the launcher sent to all
         stop.requested(loop.acc)  # reaches them a moment apart: who got one, counted again
     stop.restore()
-    raise Preempted(signum, step, folder, loop.out_dir, stop.ranks)
+    env = loop.run.env
+    raise Preempted(signum, step, folder, loop.out_dir, stop.ranks, nproc=env.local_world_size,
+                    nnodes=max(1, env.world_size // env.local_world_size))
 
 
 # ------------------------------------------------------------------------------ the set-up
@@ -436,30 +439,6 @@ def _train_loader(cfg: RunConfig, splits, rows: int, device: torch.device) -> Da
                       generator=torch.Generator().manual_seed(t.seed), drop_last=True, **workers)
 
 
-class ValidationBatches:
-    """This data-parallel rank's share of the first `n` validation windows (windows rank,
-    rank + dp, rank + 2 dp, ...) in batches of `rows`, so that each window counts exactly once
-    under every layout. Every rank runs the same number of batches (a forward may be a
-    collective: FSDP's all-gathers, a pipeline's sends), the last ones filled out with
-    windows whose targets are all ignored (-100), which no loss counts."""
-
-    def __init__(self, windows: TokenDataset, n: int, rows: int, dp: int, rank: int):
-        self.windows, self.rows = windows, rows
-        n = min(n, len(windows))
-        self.mine = list(range(rank, n, dp))
-        self.batches = math.ceil(math.ceil(n / dp) / rows)
-
-    def __len__(self) -> int:
-        return self.batches
-
-    def __iter__(self):
-        for b in range(self.batches):
-            items = [self.windows[i] for i in self.mine[b * self.rows:(b + 1) * self.rows]]
-            x0, y0, *rest = self.windows[0]
-            items += [(x0, torch.full_like(y0, IGNORE_INDEX), *rest)] * (self.rows - len(items))
-            yield tuple(torch.stack(column) for column in zip(*items))  # (x, y[, positions])
-
-
 def _loader_name(loader, seq_len: int, rows: int, dp: int) -> str:
     """The training loader as an error names it."""
     return (f"the training loader ({len(loader.dataset)} windows of train.seq_len="
@@ -503,8 +482,14 @@ def _banner(acc: Accelerator, model: torch.nn.Module, trained, micro: int, token
         layout += f", {what} on disk in {acc.offload_dir}"
     return (f"meshfit train: {n_params / 1e6:.2f}M parameters{trainable}, {acc.num_processes} "
             f"process(es) on {acc.device}{layout}{trained.description}, micro-batch {micro}, "
-            f"accumulation {acc.gradient_accumulation_steps}, {tokens / 1e6:.1f}M training "
+            f"accumulation {acc.gradient_accumulation_steps}, {_token_count(tokens)} training "
             f"tokens -> {out_dir}")
+
+
+def _token_count(n: int) -> str:
+    """A count as the banner shows it: exact below a million (a chat data set's few thousand
+    tokens are not "0.0M"), in millions above."""
+    return f"{n:,}" if n < 10**6 else f"{n / 1e6:.1f}M"
 
 
 # ------------------------------------------------------------------------------ the figures
@@ -534,23 +519,3 @@ def _routing(acc: Accelerator, trained, elapsed_s: float) -> dict:
     if out and any(m.ep is not None and m.ep.timing for m in moe_modules(trained.modules)):
         out["moe_a2a_share"] = round(min(1.0, out["moe_a2a_s"] / max(elapsed_s, 1e-9)), 4)
     return out
-
-
-def _evaluate(acc: Accelerator, trained, batches: ValidationBatches) -> float:
-    """The mean loss per validation token over every data-parallel rank's `batches` (a
-    collective), each batch's mean weighted by the targets it counts (padding counts none)."""
-    for m in trained.modules:
-        m.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=acc.device)
-    with torch.no_grad():
-        for x, y, *packed in batches:
-            x, y = x.to(acc.device), y.to(acc.device)
-            loss = trained.eval_loss(x, y, *(p.to(acc.device) for p in packed))
-            counted = (y != IGNORE_INDEX).sum()
-            if counted.item():  # a batch of padding only: its mean is 0/0
-                total += torch.stack([loss.detach().double().to(acc.device) * counted,
-                                      counted.double()])
-    for m in trained.modules:
-        m.train()
-    total = acc.reduce(total, "sum")
-    return (total[0] / total[1]).item()

@@ -97,6 +97,7 @@ import json
 import math
 import multiprocessing as mp
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -218,7 +219,7 @@ class VerifyReport:
         out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
         for r in self.results:
             if r.error:
-                out.append(f"{r.layout}: {r.error.strip().splitlines()[-1]}")
+                out.append(f"{r.layout}: {error_line(r.error)}")
         ref = ", ".join(f"{x:.6f}" for x in self.reference_losses)
         out.append(f"reference: 1 process, losses {ref} ({self.reference_seconds:.1f} s); "
                    f"{self.tolerance.dtype}, {self.tolerance.steps} steps on {self.device}")
@@ -406,6 +407,22 @@ def _asked(own: dict, layouts: list[str] | None, nproc: int | None
 
 
 @contextlib.contextmanager
+def _noting(shown: set[str]):
+    """The text of each warning shown meanwhile added to `shown`."""
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        shown.add(str(message))
+        return previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
+@contextlib.contextmanager
 def _naming(what: str, world: int):
     """A ValueError of the block as one line naming the layout it is about."""
     try:
@@ -424,21 +441,6 @@ def _context(extra_preload: tuple[str, ...] = ()):
     return ctx
 
 
-def _devices(worlds: list[int]) -> tuple[bool, str | None]:
-    """(CPU only, a note): GPUs when there is one for every process of every layout."""
-    import torch
-
-    from meshfit.distributed import cpu_requested
-
-    if not torch.cuda.is_available() or cpu_requested(None):
-        return True, None
-    count = torch.cuda.device_count()
-    if max(worlds, default=1) > count:
-        return True, (f"{count} GPU(s) for layouts of up to {max(worlds)} processes: every run "
-                      "on the CPU (gloo)")
-    return False, None
-
-
 def _run_layouts(cases, target, args_of, reference: dict, tolerance: Tolerance, *, cpu: bool,
                  context, timeout_s: float, say: Callable[[str], None]) -> list[LayoutResult]:
     """Each case in its own start of processes (a failing layout cannot hold up the next)."""
@@ -449,7 +451,8 @@ def _run_layouts(cases, target, args_of, reference: dict, tolerance: Tolerance, 
             ranks = spawn(target, world, *args_of(case), timeout=timeout_s, context=context,
                           cpu=cpu)
         except SpawnError as err:
-            res = LayoutResult(layout=name, processes=world, error=str(err))
+            res = LayoutResult(layout=name, processes=world,
+                               error=_unused_error(str(err), reference.get("unused") or []))
         else:
             res = compare(name, world, reference, ranks[0], tolerance)
         res.seconds = time.perf_counter() - began
@@ -457,6 +460,32 @@ def _run_layouts(cases, target, args_of, reference: dict, tolerance: Tolerance, 
         say(f"{name} on {world} process(es): {'PASS' if res.passed else 'FAIL'} "
             f"({res.seconds:.1f} s)")
     return results
+
+
+def error_line(error: str) -> str:
+    """The line of a layout's error that says what failed: for a rank's traceback
+    (`meshfit.distributed.spawn.SpawnError`), the rank and its exception's first line (the
+    last line is often a library's afterthought, such as DDP's advice on
+    TORCH_DISTRIBUTED_DEBUG); otherwise the error's first line."""
+    lines = error.strip().splitlines()
+    rank = lines[0].removesuffix(" failed:") if lines and lines[0].startswith("rank ") \
+        else None
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if rank is None or not frames:
+        return lines[0] if lines else ""
+    after = [line for line in lines[frames[-1] + 1:] if line and not line.startswith(" ")]
+    return f"{rank}: {after[0]}" if after else f"{rank}: {lines[-1].strip()}"
+
+
+def _unused_error(error: str, unused: list[str]) -> str:
+    """A layout's error; where DDP refused parameters that take no part in the loss, and the
+    reference found which (`meshfit.verify.runs`), one line naming them."""
+    if not unused or "find_unused_parameters" not in error:
+        return error
+    names = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+    return (f"{len(unused)} trainable parameter(s) get no gradient: {names} (not used in the "
+            "loss on one process either), and DDP needs a gradient for every trainable "
+            "parameter; use them in the loss or freeze them (requires_grad=False)")
 
 
 def verify_config(cfg: RunConfig, layouts: list[str] | None = None, *, steps: int = 3,
@@ -467,19 +496,20 @@ def verify_config(cfg: RunConfig, layouts: list[str] | None = None, *, steps: in
     `context`: the multiprocessing context of the layouts' processes (default: a fork server
     that has imported torch); `say`: progress lines."""
     began = time.perf_counter()
-    with quiet_logs():  # (transformers and peft import torchao, which logs its own loading)
+    shown: set[str] = set()  # meshfit's warnings shown here, which the layouts' ranks repeat
+    with _noting(shown), quiet_logs():  # (transformers and peft import torchao, which logs)
         reference_cfg, cases, notes = plan_config(cfg, layouts, steps=steps, dtype=dtype,
                                                   nproc=nproc)
     from meshfit.distributed import init  # (torch, loaded once every layout is checked)
-    from meshfit.verify.runs import config_rank, quiet, run_config
+    from meshfit.verify.runs import config_rank, devices_for, quiet, run_config
 
-    cpu, note = _devices([w for _, _, w in cases])
+    cpu, note = devices_for([w for _, _, w in cases])
     notes += [note] if note else []
     for line in notes:
         say(f"note: {line}")
     say(f"reference: 1 process, {steps} step(s) in {dtype}")
     t0 = time.perf_counter()
-    with quiet():
+    with _noting(shown), quiet():
         reference = run_config(reference_cfg, steps, dtype, init(cpu=cpu or None),
                                reference=True)
     ref_seconds = time.perf_counter() - t0
@@ -489,8 +519,8 @@ def verify_config(cfg: RunConfig, layouts: list[str] | None = None, *, steps: in
         say(f"note: {notes[-1]}")
     tolerance = Tolerance(dtype, steps, reference["max_grad"], reference["eps"])
     hf = ("transformers",) if cfg.model.source in ("hf_config", "hf_model") else ()
-    results = _run_layouts(cases, config_rank, lambda case: (case, steps, dtype), reference,
-                           tolerance, cpu=cpu, context=context or _context(hf),
+    results = _run_layouts(cases, config_rank, lambda case: (case, steps, dtype, shown),
+                           reference, tolerance, cpu=cpu, context=context or _context(hf),
                            timeout_s=timeout_s, say=say)
     return VerifyReport(tolerance=tolerance, reference_losses=reference["losses"],
                         results=results, reference_seconds=ref_seconds,
@@ -510,7 +540,8 @@ def compare_layouts(step_fn: Callable, build: Callable, batches: list, *,
     ``make_optimizer(model)``; `accelerator_kwargs` go to every `Accelerator` (e.g.
     tp_plan, gradient_accumulation_steps). Returns the `VerifyReport`."""
     from meshfit.distributed import init  # (torch, loaded once every layout is checked)
-    from meshfit.verify.runs import default_optimizer, loop_rank, quiet, run_loop
+    from meshfit.verify.runs import (check_rows, default_optimizer, devices_for, loop_rank, quiet,
+                                     run_loop)
 
     began = time.perf_counter()
     steps = len(batches) if steps is None else steps
@@ -529,12 +560,12 @@ def compare_layouts(step_fn: Callable, build: Callable, batches: list, *,
         except (TypeError, ValueError) as err:
             raise ValueError(f"layout {name!r} on {world} process(es): {err}") from None
         for i, batch in enumerate(batches[:steps]):
-            _check_rows(batch, layout.dims.dp, name, i)
+            check_rows(batch, layout.dims.dp, name, i)
         cases.append((name, request, world))
     spec = dict(step_fn=step_fn, build=build, batches=list(batches[:steps]), steps=steps,
                 dtype=dtype, make_optimizer=make_optimizer or default_optimizer,
                 accelerator_kwargs=accelerator_kwargs or {}, pipeline_plan=pipeline_plan)
-    cpu, _ = _devices([w for _, _, w in cases])
+    cpu, _ = devices_for([w for _, _, w in cases])
     t0 = time.perf_counter()
     with quiet():
         reference = run_loop(**spec, request={}, env=init(cpu=cpu or None), reference=True)
@@ -546,21 +577,3 @@ def compare_layouts(step_fn: Callable, build: Callable, batches: list, *,
     return VerifyReport(tolerance=tolerance, reference_losses=reference["losses"],
                         results=results, reference_seconds=ref_seconds,
                         wall_seconds=time.perf_counter() - began, device=reference["device"])
-
-
-def _check_rows(batch, dp: int, name: str, index: int) -> None:
-    """Every tensor of a global batch has rows that divide by the data-parallel degree."""
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0 or batch.shape[0] % dp:
-            raise ValueError(f"batches[{index}] has {batch.shape[0] if batch.dim() else 0} "
-                             f"rows, which layout {name!r} cannot split over its {dp} "
-                             "data-parallel ranks; give global batches whose rows divide by "
-                             f"{dp}")
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            _check_rows(v, dp, name, index)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            _check_rows(v, dp, name, index)

@@ -11,13 +11,16 @@ joined, regrouped projections put back).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import warnings
 from typing import Any, Callable
 
 import torch
 
 from meshfit._quiet import quiet_logs
 from meshfit.accelerator import Accelerator
-from meshfit.distributed import DistEnv, init
+from meshfit.distributed import DistEnv, cpu_requested, init
 from meshfit.parallel.request import LayoutRequest
 from meshfit.train.config import RunConfig
 from meshfit.train.trainer import TrainingRun
@@ -50,17 +53,30 @@ def no_dropout(model: torch.nn.Module) -> int:
     return found
 
 
-def _watch_gradients(optimizer: torch.optim.Optimizer) -> dict[str, float | None]:
+def _watch_gradients(optimizer: torch.optim.Optimizer,
+                     model: torch.nn.Module) -> dict[str, Any]:
     """The optimizer's eps (Adam's; None for other optimizers) and, filled in before each of
-    its steps, the largest gradient element it is given (the tolerance's G)."""
+    its steps, the largest gradient element it is given (the tolerance's G) and the names of
+    `model`'s trainable parameters that have had no gradient at any step (``unused``: not
+    used in the loss, which DDP refuses)."""
     eps = optimizer.param_groups[0].get("eps") if optimizer.param_groups else None
-    seen = {"max_grad": 0.0, "eps": float(eps) if isinstance(eps, float) and eps > 0 else None}
+    seen = {"max_grad": 0.0, "eps": float(eps) if isinstance(eps, float) and eps > 0 else None,
+            "unused": []}
+    names = {id(p): n for n, p in model.named_parameters()}  # (in the model's order)
+    order = {i: k for k, i in enumerate(names)}
+    never: list[set[int] | None] = [None]
 
     def before_step(opt, args, kwargs) -> None:
+        none = set()
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.grad.numel():
                     seen["max_grad"] = max(seen["max_grad"], float(p.grad.detach().abs().max()))
+                elif p.grad is None and p.requires_grad:
+                    none.add(id(p))
+        never[0] = none if never[0] is None else never[0] & none
+        seen["unused"] = [names.get(i, "?") for i in
+                          sorted(never[0], key=lambda i: order.get(i, len(order)))]
 
     optimizer.register_step_pre_hook(before_step)
     return seen
@@ -87,7 +103,7 @@ def run_config(cfg: RunConfig, steps: int, dtype: str, env: DistEnv | None = Non
     run = TrainingRun(cfg, env or init(), model_hook=comparable)
     acc = run.accelerator
     # the optimizer that steps (the prepared one wraps it): the largest gradient it is given
-    seen = _watch_gradients(run.optimizer.optimizer) if reference else {}
+    seen = _watch_gradients(run.optimizer.optimizer, run.model) if reference else {}
     initial = _copied(run.state_dict()) if reference else None
     losses = []
     for _ in range(steps):
@@ -140,7 +156,7 @@ def run_loop(step_fn: Callable, build: Callable, batches: list, request: dict, s
     else:
         prepared = acc.prepare(model)
     optimizer = make_optimizer(prepared)
-    seen = _watch_gradients(optimizer) if reference else {}
+    seen = _watch_gradients(optimizer, prepared) if reference else {}
     optimizer = acc.prepare(optimizer)
     initial = _copied(acc.get_state_dict(prepared)) if reference else None
     dp, rank = acc.runtime.dp_size, acc.runtime.dp_rank
@@ -166,10 +182,35 @@ def quiet():
         yield
 
 
-def config_rank(rank: int, world_size: int, cfg: RunConfig, steps: int, dtype: str) -> dict:
+@contextlib.contextmanager
+def warnings_once(shown: set[str], prefix: str = "meshfit verify"):
+    """meshfit's own warnings in a layout's process: those in `shown` (the command showed
+    them: every process reads the same data and would repeat them) left out, the others as
+    one line ``<prefix>: warning: ...`` as the command shows its own; other libraries'
+    warnings as Python shows them."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    previous, seen = warnings.showwarning, set(shown)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not os.path.abspath(filename).startswith(package):
+            return previous(message, category, filename, lineno, file, line)
+        if str(message) not in seen:
+            seen.add(str(message))
+            print(f"{prefix}: warning: {' '.join(str(message).split())}",
+                  file=file or sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
+def config_rank(rank: int, world_size: int, cfg: RunConfig, steps: int, dtype: str,
+                shown: set[str] = frozenset()) -> dict:
     """One rank of a layout's run of a configuration (`meshfit.distributed.spawn`'s target);
-    only rank 0's result carries the state dict."""
-    with quiet():
+    only rank 0's result carries the state dict. `shown`: warnings the command has shown."""
+    with quiet(), warnings_once(shown):
         out = run_config(cfg, steps, dtype)
     return out if rank == 0 else {"losses": out["losses"]}
 
@@ -179,3 +220,30 @@ def loop_rank(rank: int, world_size: int, spec: dict) -> dict:
     with quiet():
         out = run_loop(**spec)
     return out if rank == 0 else {"losses": out["losses"]}
+
+
+def devices_for(worlds: list[int]) -> tuple[bool, str | None]:
+    """(CPU only, a note): GPUs when there is one for every process of every layout."""
+    if not torch.cuda.is_available() or cpu_requested(None):
+        return True, None
+    count = torch.cuda.device_count()
+    if max(worlds, default=1) > count:
+        return True, (f"{count} GPU(s) for layouts of up to {max(worlds)} processes: every run "
+                      "on the CPU (gloo)")
+    return False, None
+
+
+def check_rows(batch, dp: int, name: str, index: int) -> None:
+    """Every tensor of a global batch has rows that divide by the data-parallel degree."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] % dp:
+            raise ValueError(f"batches[{index}] has {batch.shape[0] if batch.dim() else 0} "
+                             f"rows, which layout {name!r} cannot split over its {dp} "
+                             "data-parallel ranks; give global batches whose rows divide by "
+                             f"{dp}")
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            check_rows(v, dp, name, index)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            check_rows(v, dp, name, index)
