@@ -11,6 +11,7 @@ with a manifest, loaded without unpickling, resharded to any layout.
     state.py       what is saved: model and optimizer states by parameter name, RNG states
     export.py      a checkpoint read whole in one process, written as safetensors
     saved.py       a trained model as a folder (safetensors, config.json, tokenizer)
+    weight_digests.py  the digests beside weights written outside a checkpoint, and their check
     pretrained.py  a local Hugging Face model folder loaded rank-efficiently
 """
 
