@@ -280,7 +280,7 @@ def load_model(path: str, device: str | None, *, trust_code: bool = False):
     except RuntimeError:
         raise ValueError(f"--device={device!r} is not a device; use cpu, cuda or cuda:N") from None
     try:
-        model, tokenizer = load_model_folder(folder, device=device)
+        model, tokenizer = load_model_folder(folder, device=device, trust_code=trust_code)
     except Exception as err:  # a file cut short, not safetensors, another library's error
         if type(err).__name__ != "SafetensorError" and not isinstance(err, OSError):
             raise

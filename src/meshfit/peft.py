@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshfit._files import atomic_write_dir
 from meshfit._torchao import torchao_error
+from meshfit.checkpoint import weight_digests
 from meshfit.checkpoint.pretrained import ADAPTER_VALUES_ATTR, pretrained_folder
 from meshfit.distributed import is_initialized
 from meshfit.distributed.tensors import local_tensor
@@ -205,8 +206,12 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
                  for k, v in pm.state_dict().items() if "lora_" in k}
         if is_initialized() and dist.get_rank() != 0:
             return Path(directory)
-    return atomic_write_dir(Path(directory), lambda tmp: pm.save_pretrained(
-        str(tmp), safe_serialization=True, state_dict=state))
+
+    def fill(tmp: Path) -> None:
+        pm.save_pretrained(str(tmp), safe_serialization=True, state_dict=state)
+        weight_digests.record(tmp / _WEIGHTS)  # checked by load_adapter (a file peft ignores)
+
+    return atomic_write_dir(Path(directory), fill)
 
 
 def load_adapter(model: nn.Module, directory: str | os.PathLike) -> peft.PeftModel:
@@ -226,6 +231,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> peft.PeftMod
     else:
         saved.inference_mode = False  # save_pretrained stores True, which would freeze adapters
         pm = _peft_wrap(model, saved)
+    weight_digests.check_files(directory, [_WEIGHTS])  # (none: an adapter from elsewhere)
     state = load_file(str(directory / _WEIGHTS))
     expected = set(peft.get_peft_model_state_dict(pm).keys())
     if set(state) != expected:

@@ -187,6 +187,15 @@ def test_adapter_round_trip(name, tmp_path):
             assert torch.equal(case.logits(loaded, idx), want)
             assert trainable_parameters(loaded) == trainable_parameters(model)
 
+    # the adapter's weights carry digests (meshfit-digests.json, which peft ignores): one flipped
+    # byte is refused by name, never loaded
+    weights = directory / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x40
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: bytes \d+-\d+ .*differ"):
+        load_adapter(case.build(), directory)
+
 
 def test_failed_save_keeps_previous_adapter(tmp_path, monkeypatch):
     case = CASES["gpt"]

@@ -254,7 +254,9 @@ def test_factory_model_written_with_its_factory(runs):
     config = json.loads((folder / "config.json").read_text())
     assert config["factory"] == "mymodels:build"
     assert config["kwargs"] == {"vocab_size": tokens.vocab_size(cfg), "max_seq_len": 32}
-    model, tokenizer = load_model_folder(folder)
+    with pytest.raises(ValueError, match=r"names code to run .*add trust_code=True"):
+        load_model_folder(folder)  # the folder's factory runs only when the caller says so
+    model, tokenizer = load_model_folder(folder, trust_code=True)
     _, vals = _losses(runs / "factory_tp-2")
     assert vals[-1] == pytest.approx(_val_loss(model, cfg, cfg.eval_windows(), hf=False),
                                      rel=RTOL)

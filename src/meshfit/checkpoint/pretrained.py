@@ -95,16 +95,21 @@ def _params_on_meta():
         nn.Module.register_parameter = original
 
 
-def meta_model(folder, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+def meta_model(folder, *, dtype: torch.dtype = torch.float32, trust_code: bool = False
+               ) -> nn.Module:
     """The transformers causal LM of `folder`, parameters on the meta device, marked so that
-    `Accelerator.prepare` fills them from the folder after laying the model out."""
+    `Accelerator.prepare` fills them from the folder after laying the model out.
+    `trust_code`: the folder's own model code (``auto_map``) may run (the caller asked the
+    user: `meshfit.models.factory.check_folder_code`)."""
     import transformers
 
     folder = check_folder(folder)
-    config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True,
+                                                     trust_remote_code=trust_code)
     # (transformers' init skips parameters on the meta device; no values are drawn)
     with _params_on_meta():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, **({"trust_remote_code": True} if trust_code else {}))
     setattr(model, PRETRAINED_ATTR, str(folder))
     return model
 

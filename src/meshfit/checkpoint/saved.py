@@ -30,7 +30,7 @@ from meshfit._files import (atomic_write_dir, fsync_tree, remove_stale_temps, re
 from meshfit.checkpoint import export, weight_digests
 from meshfit.data import load_tokenizer
 from meshfit.models import GPT, GPTConfig
-from meshfit.models.factory import import_object
+from meshfit.models.factory import check_folder_code, import_object
 
 __all__ = ["GPT_TYPE", "FACTORY_TYPE", "describe_model", "fsync_tree", "hf_config",
            "load_model_folder", "model_class", "remove_stale_temps", "replace_dir",
@@ -114,14 +114,17 @@ def build_from_config(config: dict[str, Any], *, device="cpu") -> nn.Module:
         return transformers.AutoModelForCausalLM.from_config(hf_config)
 
 
-def load_model_folder(folder, *, device="cpu", dtype: torch.dtype | None = None
-                      ) -> tuple[nn.Module, Any]:
+def load_model_folder(folder, *, device="cpu", dtype: torch.dtype | None = None,
+                      trust_code: bool = False) -> tuple[nn.Module, Any]:
     """The model of a folder written by `save_model_folder` (weights loaded strictly, in
     eval mode; transformers models through their own ``from_pretrained``) and its
     tokenizer (None when the folder holds none). The weights are checked against their
     digests first (`meshfit.checkpoint.weight_digests`; a folder without them is read as it
-    is)."""
+    is). Code the folder names (a factory, transformers' remote code for the model or its
+    tokenizer) runs only with `trust_code`; else one line naming it
+    (`meshfit.models.factory.check_folder_code`)."""
     folder = Path(folder)
+    check_folder_code(folder, trust_code=trust_code, field="folder", how="trust_code=True")
     config_path, weights = folder / "config.json", folder / "model.safetensors"
     if not config_path.is_file() or not weights.is_file():
         raise ValueError(f"{folder} holds no model: config.json and model.safetensors are "
@@ -140,10 +143,10 @@ def load_model_folder(folder, *, device="cpu", dtype: torch.dtype | None = None
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=dtype or torch.float32)
+            str(folder), dtype=dtype or torch.float32, trust_remote_code=trust_code)
     model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
     tokenizer = None
     if any((folder / name).is_file() for name in
            ("tokenizer.json", "tokenizer_config.json", "meshfit_tokenizer.json")):
-        tokenizer = load_tokenizer(str(folder))
+        tokenizer = load_tokenizer(str(folder), trust_code=trust_code)
     return model.eval(), tokenizer

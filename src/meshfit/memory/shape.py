@@ -142,7 +142,7 @@ class ModelShape:
                                                                 trust_remote_code=trust_code)
             with torch.device("meta"):
                 model = transformers.AutoModelForCausalLM.from_config(
-                    hf_config, trust_remote_code=trust_code)
+                    hf_config, **({"trust_remote_code": True} if trust_code else {}))
             return cls.from_module(model, name=str(spec))
         if ":" in spec:
             factory = import_object(spec, "MODEL")

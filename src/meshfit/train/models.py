@@ -62,7 +62,7 @@ def build_model(cfg, vocab_size: int, *, meta: bool = False) -> nn.Module:
             model = transformers.AutoModelForCausalLM.from_config(
                 config, trust_remote_code=m.trust_code)
         elif m.source == "hf_model":
-            model = meta_model(m.hf_model)
+            model = meta_model(m.hf_model, trust_code=m.trust_code)
             if meta:  # before launch: the files hold every weight, whole and floating
                 check_weights(model, m.hf_model)
         else:
