@@ -261,6 +261,10 @@ def resolve_model(path: str) -> tuple[Path, Path | None]:
         return p, run
     if (p / "model").is_dir():
         return p / "model", p
+    if (p / "config.toml").is_file() and (p / "adapter").is_dir():
+        raise ValueError(f"RUN_OR_MODEL={path!r} is a LoRA run: it wrote an adapter (adapter/), "
+                         "not a whole model; load it with meshfit.peft.load_adapter onto its "
+                         "base model (eval and generate of an adapter run are not supported yet)")
     if (p / "config.toml").is_file():
         raise ValueError(f"RUN_OR_MODEL={path!r} is a run folder without model/: a run writes its "
                          "model there when training ends; let it finish, or give a model folder")

@@ -268,3 +268,13 @@ def test_bad_input_is_one_line_naming_the_option(trained_run, tmp_path, cli_refu
         line = cli_refusal(*argv)
         assert needle in line, (argv, line)
         assert line.startswith(f"meshfit {argv[0]}: error: "), line
+
+
+def test_a_lora_runs_folder_is_named_as_such(tmp_path, capsys):
+    """A LoRA run writes adapter/, not model/: eval and generate say so in one line rather
+    than "let it finish" (the run did finish)."""
+    (tmp_path / "config.toml").write_text("")
+    (tmp_path / "adapter").mkdir()
+    assert main(["eval", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is a LoRA run: it wrote an adapter (adapter/)" in err, err
