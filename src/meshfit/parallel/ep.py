@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfit.distributed import is_initialized
+from meshfit.models.config import GPTConfig
 from meshfit.models.moe import MoE
 
 __all__ = ["ExpertParallel", "apply_ep", "ep_problem", "moe_modules", "routing_metrics"]
@@ -107,15 +108,37 @@ class ExpertParallel:
         return _AllToAll.apply(out[back], in_splits, out_splits, self.group, self)
 
 
-def ep_problem(model: nn.Module, ep: int, name: str = "ep") -> str | None:
-    """Why the MoE blocks of `model` cannot be split over `ep` expert-parallel ranks (None:
-    they can, or there are none — a pipeline stage may hold only dense blocks; whether the
-    whole model has MoE blocks is `Layout.check_model`'s rule)."""
-    for m in moe_modules([model]):
-        if m.n_experts % ep:
+def ep_problem(model_or_config, ep: int, name: str = "ep") -> str | None:
+    """Why a model (or its configuration: a `GPTConfig` or a transformers configuration)
+    cannot run expert parallel over `ep` ranks, or None when it can: a dense model, a
+    transformers MoE class meshfit has not mapped (`meshfit.parallel.ep_hf.MAPPED`), or `ep`
+    not dividing the number of experts."""
+    if ep <= 1:
+        return None
+    if isinstance(model_or_config, GPTConfig):
+        if model_or_config.n_experts < 1:
+            return (f"{name}={ep} needs a mixture-of-experts model, and this GPT is dense "
+                    f"(n_experts=0); set its n_experts (e.g. the moe-tiny preset) or {name}=1")
+        return _split_problem([model_or_config.n_experts], ep, name)
+    if isinstance(model_or_config, nn.Module) and any(
+            isinstance(m, MoE) for m in model_or_config.modules()):
+        return _split_problem([m.n_experts for m in moe_modules([model_or_config])], ep, name)
+    if hasattr(getattr(model_or_config, "config", model_or_config), "model_type"):
+        from meshfit.parallel.ep_hf import hf_ep_problem  # deferred: ep_hf imports this module
+
+        return hf_ep_problem(model_or_config, ep, name)
+    return (f"{name}={ep} needs a mixture-of-experts model, and this one has no MoE "
+            f"blocks; use {name}=1 (ZeRO/FSDP and DDP work with every model)")
+
+
+def _split_problem(counts, ep: int, name: str) -> str | None:
+    """Why blocks of these expert counts cannot be split over `ep` ranks (None: they can, or
+    there are none — a pipeline stage may hold only dense blocks)."""
+    for n in counts:
+        if n % ep:
             return (f"{name}={ep} must divide the number of experts (n_experts="
-                    f"{m.n_experts}): each ep rank holds n_experts / ep of them; use an ep that "
-                    f"divides {m.n_experts}")
+                    f"{n}): each ep rank holds n_experts / ep of them; use an ep that "
+                    f"divides {n}")
     return None
 
 
@@ -128,7 +151,7 @@ def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> l
     from torch.distributed.tensor import DTensor, Shard
 
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    problem = ep_problem(model, size)
+    problem = _split_problem([m.n_experts for m in moe_modules([model])], size, "ep")
     if problem:
         raise ValueError(problem)
     out = []
@@ -147,9 +170,14 @@ def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> l
     return out
 
 
-def moe_modules(modules) -> list[nn.Module]:
-    """The mixture-of-experts blocks (`meshfit.models.MoE`) inside `modules`."""
-    return [m for module in modules for m in module.modules() if isinstance(m, MoE)]
+def moe_modules(modules) -> list:
+    """The mixture-of-experts blocks inside `modules`: meshfit's `meshfit.models.MoE`, and
+    a transformers MoE's routed-experts modules seen as blocks (`meshfit.parallel.ep_hf.
+    HFMoE`: ``n_experts``, ``ep``, ``last_stats``)."""
+    from meshfit.parallel.ep_hf import HFMoE, is_experts  # deferred: ep_hf imports this module
+
+    return [m if isinstance(m, MoE) else HFMoE(m) for module in modules
+            for m in module.modules() if isinstance(m, MoE) or is_experts(m)]
 
 
 def routing_metrics(moes: list[nn.Module], *, dp_group=None, dp_size: int = 1,

@@ -1,0 +1,160 @@
+"""Expert parallel for transformers' MoE families (`meshfit.parallel.ep_hf`): Mixtral,
+Qwen2-MoE, Qwen3-MoE, GLM-4-MoE and DeepSeek-V3 (`meshfit.models.families.tiny_model`, fp64,
+transformers' "eager" experts loop as the one-process reference of the exchange), each
+against one process on the same global batches.
+
+Layouts: ep2 (2 ranks, dp_shard=2 = ep: each rank holds half the experts, nothing else
+shares them) for every family, in one spawn; ep2 x dp_shard2 under ZeRO-3 (4 ranks: the
+experts FSDP-sharded over the 2 ranks holding the same ones) for two families, in a second.
+
+The loss is meshfit train's (`meshfit.train.models.loss_function`): the cross-entropy plus,
+for the families whose ForCausalLM has a router loss (Mixtral, Qwen2/3-MoE; DeepSeek-V3 and
+GLM-4-MoE balance by a routing bias and have none), router_aux_loss_coef x the
+load-balancing loss, whose statistics meshfit takes over all data-parallel ranks
+(`load_balancing_loss`): so the reference is one plain process on the whole global batch.
+AUX_COEF = 0.05 so that the term shows (measured: leaving it out of the reference moves the
+parameters by ~1e-2; taking it per rank instead of global, by ~1e-4).
+
+Tolerance, as tests/parallel/test_hf_moe.py derives it: fp64, 3 AdamW steps at lr 3e-3,
+worst case S lr dg / eps ~ 1e-10: losses rtol 1e-10, parameters atol 1e-10. The routing
+statistics (`routing_metrics` of the last step: tokens per expert over the global batch,
+their min/max/cv, the aux loss) equal one process's to 1e-9 (cv and aux are rounded to 4
+and 6 decimals).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import case_result, run_cases
+from reference import VOCAB, step_batches, token_batches
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS, GLOBAL, T, LR = 3, 4, 16, 3e-3
+RTOL = ATOL = 1e-10
+FP32_ROUTER_RTOL, FP32_ROUTER_ATOL = 1e-8, 1e-7  # see the module docstring
+AUX_COEF = 0.05
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+CASES = {
+    # id: world, ParallelDims kwargs, zero stage, families
+    "ep2": (2, dict(dp_shard=2, ep=2), 1, FAMILIES),
+    "ep2xdp2-zero3": (4, dict(dp_shard=4, ep=2), 3, ("qwen3_moe", "deepseek_v3")),
+}
+
+
+def _model(family: str):
+    from meshfit.models.families import tiny_model
+
+    return tiny_model(family, vocab_size=VOCAB, output_router_logits=True,
+                      router_aux_loss_coef=AUX_COEF).train()
+
+
+def _stats(model, dp_group=None, dp_size: int = 1) -> dict:
+    from meshfit.parallel.ep import moe_modules, routing_metrics
+
+    out = routing_metrics(moe_modules([model]), dp_group=dp_group, dp_size=dp_size)
+    out.pop("moe_a2a_s", None)
+    return out
+
+
+def _train(rank, world, dims: dict, stage: int, families) -> dict:
+    from meshfit import Accelerator, ParallelDims
+    from meshfit.train.models import loss_function
+
+    out = {}
+    for family in families:
+        acc = Accelerator(parallel=ParallelDims(**dims), zero_stage=stage)
+        dp, dp_rank = acc.runtime.dp_size, acc.runtime.dp_rank
+        per_rank = GLOBAL // dp
+        model = _model(family)
+        loss_fn = loss_function(model)
+        model = acc.prepare(model)
+        opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
+        x, y = token_batches(STEPS * GLOBAL, T)
+        losses = []
+        for step in range(STEPS):
+            rows = slice(step * GLOBAL + dp_rank * per_rank,
+                         step * GLOBAL + (dp_rank + 1) * per_rank)
+            loss = loss_fn(model, x[rows], y[rows])
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        stats = _stats(model, acc.runtime.dp_group, dp)
+        losses = acc.reduce(torch.stack(losses), reduction="mean").tolist()
+        local = [tuple(p.to_local().shape) for n, p in model.named_parameters()
+                 if n.endswith("experts.gate_up_proj")]
+        out[family] = {"losses": losses, "state": acc.get_state_dict(model), "stats": stats,
+                       "local_experts": local}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    out = {}
+    for world in (2, 4):
+        cases = {name: (_train, *spec) for name, (w, *spec) in CASES.items() if w == world}
+        out.update(run_cases(cases, world, timeout=300))
+    return out
+
+
+def reference_train(family: str):
+    """One process, one AdamW step per global batch: cross-entropy + coef x the
+    load-balancing loss over the whole batch (`load_balancing_loss`, one process), and the
+    last step's routing statistics."""
+    import torch.nn.functional as F
+
+    from meshfit.parallel.ep_hf import load_balancing_loss, record_routing
+
+    model = _model(family)
+    record_routing(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, aux_on = [], hasattr(model.config, "router_aux_loss_coef")
+    for x, y in step_batches(*token_batches(STEPS * GLOBAL, T), GLOBAL):
+        out = model(input_ids=x, output_router_logits=aux_on)
+        loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+        if aux_on:
+            aux = load_balancing_loss(out.router_logits, _experts(model).num_experts,
+                                      model.config.num_experts_per_tok)
+            loss = loss + AUX_COEF * aux
+            _experts(model).meshfit_stats["aux_loss"] = AUX_COEF * float(aux.detach())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, \
+        _stats(model)
+
+
+def _experts(model):
+    """The first MoE layer's experts (where meshfit's hook puts the aux loss's statistic)."""
+    return next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+
+
+@pytest.mark.parametrize("case, family", [(c, f) for c, spec in CASES.items()
+                                          for f in spec[3]])
+def test_expert_parallel_equals_one_process(ranks, case, family):
+    per_rank = [r[family] for r in case_result(ranks, case)]
+    want_losses, want_state, want_stats = reference_train(family)
+    losses = per_rank[0]["losses"]
+    assert all(r["losses"] == losses for r in per_rank)
+    gap = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
+    state = per_rank[0]["state"]
+    assert state.keys() == want_state.keys()
+    gaps = {k: (v - want_state[k]).abs().max().item() for k, v in state.items()}
+    worst = max(gaps, key=gaps.get)
+    print(f"{case}/{family}: losses {gap:.1e}, parameters {gaps[worst]:.1e} ({worst})")
+    fp32 = family in ("glm4_moe", "deepseek_v3")  # their routers compute in float32
+    assert len(losses) == STEPS and gap < (FP32_ROUTER_RTOL if fp32 else RTOL), losses
+    assert gaps[worst] < (FP32_ROUTER_ATOL if fp32 else ATOL), (worst, gaps[worst])
+    # each rank holds n_experts / ep = 2 of the 4 experts of each MoE layer, and under
+    # ZeRO-3 an FSDP shard of those over the dp_shard / ep ranks holding the same ones
+    held = 4 // CASES[case][1]["dp_shard"]
+    assert per_rank[0]["local_experts"] and all(
+        shape[0] == held for r in per_rank for shape in r["local_experts"])
+    for r in per_rank:
+        assert r["stats"].keys() == want_stats.keys() and want_stats
+        for key, value in want_stats.items():
+            assert r["stats"][key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
