@@ -93,8 +93,9 @@ class ModelFacts:
     """(field, size, kind) that the tensor-parallel degree must divide (heads, widths,
     vocabulary: the model's TP plan says which)."""
     experts: tuple[int, ...] = ()
-    """Experts of each mixture-of-experts block (`meshfit.models.MoE`) that expert
-    parallelism can split; () for a dense model."""
+    """Experts of each mixture-of-experts block (`meshfit.models.MoE`, a transformers MoE's
+    routed experts: `meshfit.parallel.ep.moe_modules`) that expert parallelism can split;
+    () for a dense model."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, *, pipeline_plan=None, tp_plan=None) -> ModelFacts:
@@ -287,8 +288,9 @@ class Layout:
         if ep > 1:
             if not facts.experts:
                 return (f"{n('ep')}={ep} needs a mixture-of-experts model, and this one has no "
-                        "MoE blocks of meshfit's reference GPT (set its n_experts, e.g. the "
-                        f"moe-tiny preset), or set {n('ep')}=1")
+                        "MoE blocks (meshfit's reference GPT with n_experts, e.g. the moe-tiny "
+                        "preset, or a transformers MoE: Mixtral, Qwen2/3-MoE, GLM-4-MoE, "
+                        f"DeepSeek-V3), or set {n('ep')}=1")
             bad = next((e for e in facts.experts if e % ep), None)
             if bad is not None:
                 return (f"{n('ep')}={ep} must divide the number of experts ({bad}): each ep "

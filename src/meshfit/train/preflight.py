@@ -237,6 +237,12 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
         raise ValueError(f"parallel.pp={dims.pp}: {name} has no built-in pipeline plan; give one "
                          "as model.pipeline_plan = \"module:PLAN\" (a PipelinePlan; in your own "
                          "loop: accelerator.prepare_pipeline(model, plan=PLAN, ...))")
+    if dims.ep > 1:  # a dense family, a MoE class meshfit has not mapped, ep not dividing
+        from meshfit.parallel.ep import ep_problem
+
+        problem = ep_problem(model, dims.ep, "parallel.ep")
+        if problem:
+            raise ValueError(problem)
     if dims.pp == 1 and pp_plan is None and not builtin:
         # a dict plan has no divisible sizes to name
         facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible", ())))

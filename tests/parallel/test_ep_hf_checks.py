@@ -1,0 +1,128 @@
+"""Expert parallel for transformers MoE families, in one process: what can run it
+(`meshfit.parallel.ep.ep_problem`, and `meshfit train`'s refusal before launch), the
+parameter counts the memory estimate and planner use (`ModelShape`) against the real
+models', and meshfit's load-balancing loss against transformers' own."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from meshfit.models.families import FAMILIES, MOE_FAMILIES, tiny_config, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _moe_layers(config) -> int:
+    """MoE layers of a tiny config, from the config's own fields (not from the model)."""
+    layers = config.num_hidden_layers
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    dense |= set(range(getattr(config, "first_k_dense_replace", None) or 0))
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_shape_counts_routed_experts_exactly(family):
+    """`ModelShape` of each MoE family (on the meta device, as `meshfit estimate` / `plan`
+    read a config): every parameter once, the routed experts (E x 3 x d x F per MoE layer,
+    dense layers and shared experts excluded), and the estimate under ep2 holding half."""
+    import transformers
+
+    from meshfit.memory.estimate import LayoutSpec, estimate
+    from meshfit.memory.shape import ModelShape
+
+    config = tiny_config(family)
+    model = tiny_model(family)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_module(meta)
+    d, E = config.hidden_size, 4
+    # Mixtral's experts are intermediate_size wide, the others' moe_intermediate_size
+    f = config.intermediate_size if family == "mixtral" else config.moe_intermediate_size
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.n_experts == E
+    assert shape.block_expert_params == E * 3 * d * f
+    assert shape.expert_params == _moe_layers(config) * E * 3 * d * f
+    assert shape.moe_layers == _moe_layers(config) >= 1
+    est = estimate(shape, LayoutSpec(dp_shard=2, ep=2, zero_stage=1), seq_len=16)
+    assert est.detail["expert_params_on_rank"] == shape.expert_params / 2
+    with pytest.raises(ValueError, match=r"ep=8 must divide the number of experts \(4\)"):
+        estimate(shape, LayoutSpec(dp_shard=8, ep=8, zero_stage=1), seq_len=16)
+
+
+def test_ep_problem_names_what_cannot_run():
+    """One class each: a dense family (config or model), a MoE family meshfit has not mapped
+    (OLMoE), ep not dividing the experts; every mapped family with ep2 runs."""
+    import transformers
+
+    from meshfit.models.config import GPTConfig
+    from meshfit.parallel.ep import ep_problem
+
+    for family in FAMILIES:
+        problem = ep_problem(tiny_config(family), 2)
+        assert (problem is None) == (family in MOE_FAMILIES), (family, problem)
+        if family not in MOE_FAMILIES:
+            assert problem.startswith(f"ep=2 needs a mixture-of-experts model, and {family} "
+                                      "is dense"), problem
+    assert "llama is dense" in ep_problem(tiny_model("llama"), 2)
+    assert ep_problem(tiny_model("qwen3_moe"), 2) is None
+    assert re.match(r"ep=8 must divide the number of experts \(4, deepseek_v3\)",
+                    ep_problem(tiny_config("deepseek_v3"), 8))
+    olmoe = transformers.OlmoeConfig(hidden_size=32, intermediate_size=32, num_experts=4,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=2, vocab_size=64)
+    for what in (olmoe, transformers.AutoModelForCausalLM.from_config(olmoe)):
+        assert re.match(r"ep=2: .* is a mixture-of-experts layout meshfit has not mapped",
+                        ep_problem(what, 2)), ep_problem(what, 2)
+    assert "this GPT is dense" in ep_problem(GPTConfig.preset("tiny"), 2)
+    assert ep_problem(GPTConfig.preset("moe-tiny"), 2) is None
+    assert ep_problem(tiny_config("llama"), 1) is None  # no expert parallel: nothing to say
+
+
+@pytest.fixture(scope="module")
+def config_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep-configs")
+    for family in ("llama", "qwen3_moe"):
+        tiny_config(family, vocab_size=512).save_pretrained(root / family)
+    import transformers
+
+    transformers.OlmoeConfig(hidden_size=32, intermediate_size=32, num_experts=4,
+                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                             vocab_size=512).save_pretrained(root / "olmoe")
+    return root
+
+
+@pytest.mark.parametrize("family, nproc, match", [
+    ("llama", 2, r"parallel.ep=2 needs a mixture-of-experts model, and llama is dense"),
+    ("olmoe", 2, r"parallel.ep=2: OlmoeExperts is a mixture-of-experts "
+                 r"layout meshfit has not mapped"),
+    ("qwen3_moe", 8, r"parallel.ep=8 must divide the number of experts \(4, qwen3_moe\)"),
+])
+def test_train_refuses_ep_before_launch(family, nproc, match, config_folders, tmp_path,
+                                        cli_refusal):
+    line = cli_refusal("train", "--nproc", str(nproc), "--out", str(tmp_path / "run"),
+                       f"--model.hf_config={config_folders / family}",
+                       f"--parallel.dp_shard={nproc}", f"--parallel.ep={nproc}",
+                       "--train.seq_len=16", "--train.micro_batch_size=1",
+                       f"--train.global_batch_size={nproc}")
+    assert re.search(match, line), line
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_load_balancing_loss_is_transformers_own(family):
+    """meshfit's load-balancing loss (float64) equals the model's own `aux_loss` (float32
+    accumulation: 1e-6 relative) on one process, and its gradient that of the model's."""
+    from meshfit.parallel.ep_hf import load_balancing_loss
+
+    model = tiny_model(family, output_router_logits=True)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=x)
+    ours = load_balancing_loss(out.router_logits, 4, 2)
+    torch.testing.assert_close(ours, out.aux_loss.to(ours), rtol=1e-6, atol=0)
+    gate = model.model.layers[0].mlp.gate.weight
+    (g_ours,) = torch.autograd.grad(ours, gate, retain_graph=True)
+    (g_theirs,) = torch.autograd.grad(out.aux_loss, gate)
+    torch.testing.assert_close(g_ours, g_theirs.to(g_ours), rtol=1e-5, atol=1e-9)
