@@ -158,3 +158,42 @@ def test_expert_parallel_equals_one_process(ranks, case, family):
         assert r["stats"].keys() == want_stats.keys() and want_stats
         for key, value in want_stats.items():
             assert r["stats"][key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+
+
+# ------------------------------------------------------------------ meshfit train
+def test_train_ep2_on_a_transformers_moe(tmp_path, subprocess_env):
+    """`meshfit train --parallel.ep=2` on a tiny Qwen3-MoE config.json: it trains (dropless,
+    the routing metrics logged), and the exported folder holds every expert whole
+    (transformers loads it with the config's 4 experts per layer)."""
+    import json
+    import subprocess
+    import sys
+
+    import transformers
+
+    from meshfit.models.families import tiny_config
+
+    tiny_config("qwen3_moe", vocab_size=512, output_router_logits=True).save_pretrained(
+        tmp_path / "config")
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshfit", "train", "--nproc", "2", "--out", str(out),
+         f"--model.hf_config={tmp_path / 'config'}", "--parallel.dp_shard=2",
+         "--parallel.ep=2", "--train.steps=2", "--train.seq_len=16",
+         "--train.micro_batch_size=2", "--train.global_batch_size=4", "--train.log_every=1",
+         "--train.eval_every=0", "--train.eval_batches=1", "--checkpoint.every=0",
+         f"--data.cache_dir={tmp_path / 'cache'}"],
+        env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mesh dp_shard 2 x ep 2" in proc.stdout
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "loss" in m]
+    assert len(steps) == 2
+    for m in steps:
+        # 4 sequences x 16 tokens x top-2 = 128 assignments over 4 experts, none dropped
+        assert 0 <= m["moe_tokens_per_expert_min"] <= 32 <= m["moe_tokens_per_expert_max"]
+        assert m["moe_dropped_fraction"] == 0 and m["moe_aux_loss"] > 0
+        assert m["moe_a2a_s"] > 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (4, 64, 64) and experts.down_proj.shape == (4, 64, 32)
