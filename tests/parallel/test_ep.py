@@ -144,6 +144,8 @@ CASES = {
     "tp2": (2, dict(dp_replicate=1, tp=2), None, None, 2),
     "tp2-sp": (2, dict(dp_replicate=1, tp=2), None, None, 1, True),
     "dp2xtp2": (4, dict(dp_shard=2, tp=2), 1, None, 2),
+    # ... and with ep: the routed experts whole on each tp rank, split over its ep group
+    "ep2xtp2": (4, dict(dp_shard=2, ep=2, tp=2), 1, None, 2),
 }
 
 

@@ -41,6 +41,9 @@ CASES = {
     # id: world, ParallelDims kwargs, zero stage, families
     "ep2": (2, dict(dp_shard=2, ep=2), 1, FAMILIES),
     "ep2xdp2-zero3": (4, dict(dp_shard=4, ep=2), 3, ("qwen3_moe", "deepseek_v3")),
+    # attention (and Qwen2-MoE's shared expert) split over tp, the routed experts whole on
+    # each tp rank and split over the ep ranks of the same tp index
+    "ep2xtp2": (4, dict(dp_shard=2, ep=2, tp=2), 1, ("mixtral", "qwen2_moe")),
 }
 
 

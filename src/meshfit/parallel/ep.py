@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfit.distributed import is_initialized
+from meshfit.distributed.tensors import local_tensor
 from meshfit.models.config import GPTConfig
 from meshfit.models.moe import MoE
 
@@ -160,7 +161,9 @@ def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> l
             continue
         experts = module.experts
         for name, p in list(experts.named_parameters(recurse=False)):
-            local = p.detach().chunk(size, dim=0)[rank].to(device or p.device).clone()
+            # under tp the experts are whole on every tp rank (a replicated DTensor)
+            whole = local_tensor(p.detach())
+            local = whole.chunk(size, dim=0)[rank].to(device or p.device).clone()
             shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
                                        shape=p.shape, stride=p.stride())
             setattr(experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))

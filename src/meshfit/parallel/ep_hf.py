@@ -195,7 +195,9 @@ def apply_hf_ep(model: nn.Module, ep_mesh, device: torch.device | None = None
     for module in hf_experts(model):
         for name in ("gate_up_proj", "down_proj"):
             p = getattr(module, name)
-            local = p.detach().chunk(size, dim=0)[rank].to(device or p.device).clone()
+            # under tp the experts are whole on every tp rank (a replicated DTensor)
+            whole = local_tensor(p.detach())
+            local = whole.chunk(size, dim=0)[rank].to(device or p.device).clone()
             shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
                                        shape=p.shape, stride=p.stride())
             setattr(module, name, nn.Parameter(shard, requires_grad=p.requires_grad))
