@@ -44,6 +44,10 @@ CASES = {
     # attention (and Qwen2-MoE's shared expert) split over tp, the routed experts whole on
     # each tp rank and split over the ep ranks of the same tp index
     "ep2xtp2": (4, dict(dp_shard=2, ep=2, tp=2), 1, ("mixtral", "qwen2_moe")),
+    # each sequence split over the cp ranks (ring attention); the experts FSDP-sharded over
+    # the dp_shard / ep x cp ranks holding the same ones, the router loss's statistics and
+    # the routing over dp x cp
+    "ep2xcp2": (4, dict(dp_shard=2, ep=2, cp=2), 1, ("mixtral", "qwen2_moe")),
 }
 
 
@@ -80,12 +84,13 @@ def _train(rank, world, dims: dict, stage: int, families) -> dict:
         for step in range(STEPS):
             rows = slice(step * GLOBAL + dp_rank * per_rank,
                          step * GLOBAL + (dp_rank + 1) * per_rank)
-            loss = loss_fn(model, x[rows], y[rows])
+            loss = loss_fn(model, *acc.shard_sequence(x[rows], y[rows]))
             acc.backward(loss)
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
-        stats = _stats(model, acc.runtime.dp_group, dp)
+        group = acc.runtime.reduce_group  # the ranks that see distinct tokens: dp x cp
+        stats = _stats(model, group, torch.distributed.get_world_size(group))
         losses = acc.reduce(torch.stack(losses), reduction="mean").tolist()
         local = [tuple(p.to_local().shape) for n, p in model.named_parameters()
                  if n.endswith("experts.gate_up_proj")]
@@ -154,7 +159,8 @@ def test_expert_parallel_equals_one_process(ranks, case, family):
     assert gaps[worst] < (FP32_ROUTER_ATOL if fp32 else ATOL), (worst, gaps[worst])
     # each rank holds n_experts / ep = 2 of the 4 experts of each MoE layer, and under
     # ZeRO-3 an FSDP shard of those over the dp_shard / ep ranks holding the same ones
-    held = 4 // CASES[case][1]["dp_shard"]
+    dims = CASES[case][1]
+    held = 4 // dims["ep"] // (dims["dp_shard"] // dims["ep"] * dims.get("cp", 1))
     assert per_rank[0]["local_experts"] and all(
         shape[0] == held for r in per_rank for shape in r["local_experts"])
     for r in per_rank:

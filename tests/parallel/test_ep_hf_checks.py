@@ -82,15 +82,15 @@ def test_ep_problem_names_what_cannot_run():
     assert ep_problem(tiny_config("llama"), 1) is None  # no expert parallel: nothing to say
 
 
-def test_ep_composes_with_tp():
-    """ep with tp is a layout (the experts whole on each tp rank, split over its ep group;
-    tested equal to one process in test_ep_hf.py / test_ep.py); ep is carved out of dp_shard
-    as without tp."""
+def test_ep_composes_with_tp_and_cp():
+    """ep with tp, and ep with cp, are layouts (tested equal to one process in
+    test_ep_hf.py); ep is carved out of dp_shard as without them."""
     from meshfit.parallel.layout import Layout
     from meshfit.parallel.request import LayoutRequest
 
-    layout = Layout.resolve(LayoutRequest(dp_shard=2, ep=2, tp=2, zero_stage=1), 4)
-    assert (layout.dims.dp_shard, layout.dims.ep, layout.dims.tp) == (2, 2, 2)
+    for other in ("tp", "cp"):
+        layout = Layout.resolve(LayoutRequest(dp_shard=2, ep=2, zero_stage=1, **{other: 2}), 4)
+        assert (layout.dims.dp_shard, layout.dims.ep, getattr(layout.dims, other)) == (2, 2, 2)
 
 
 @pytest.fixture(scope="module")

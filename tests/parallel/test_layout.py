@@ -68,7 +68,6 @@ def test_costs_are_the_engines_arithmetic():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(cp=2, dp_shard=2, ep=2, dp_replicate=2), r"cp=2 with ep=2 is not yet available"),
     (dict(cp=2, tp=2, dp_replicate=2), r"zero_stage=0 with cp=2 and tp=2"),
     (dict(ep=2), r"ep=2 must divide dp_shard=1: expert parallelism is carved out"),
     (dict(dp_shard=8, ep=3), r"ep=3 must divide dp_shard=8"),

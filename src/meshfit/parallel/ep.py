@@ -137,9 +137,8 @@ def _split_problem(counts, ep: int, name: str) -> str | None:
     there are none — a pipeline stage may hold only dense blocks)."""
     for n in counts:
         if n % ep:
-            return (f"{name}={ep} must divide the number of experts (n_experts="
-                    f"{n}): each ep rank holds n_experts / ep of them; use an ep that "
-                    f"divides {n}")
+            return (f"{name}={ep} must divide the number of experts ({n}): each ep rank "
+                    f"holds n_experts / ep of them; use an ep that divides {n}")
     return None
 
 

@@ -74,10 +74,6 @@ class Resolved:
 def _cp_rules(r: Resolved, n) -> str | None:
     if r.dims.cp == 1:
         return None
-    if r.dims.ep > 1:
-        return (f"{n('cp')}={r.dims.cp} with {n('ep')}={r.dims.ep} is not yet available in "
-                "meshfit; use context parallel with the data-parallel axes, tp and pp, or ep "
-                "without cp")
     axis = "tp" if r.dims.tp > 1 else "pp" if r.dims.pp > 1 else None
     if axis and r.stage == 0:
         return (f"{n('zero_stage')}=0 with {n('cp')}={r.dims.cp} and {n(axis)}="
