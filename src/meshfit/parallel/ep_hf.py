@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit.distributed.tensors import local_tensor
-from meshfit.parallel.ep import ExpertParallel
+from meshfit.parallel.ep_exchange import ExpertParallel
 
 __all__ = ["MAPPED", "HFMoE", "apply_hf_ep", "global_aux_loss_hook", "hf_ep_problem",
            "hf_experts", "is_experts", "load_balancing_loss", "record_routing"]
