@@ -137,3 +137,35 @@ def test_load_balancing_loss_is_transformers_own(family):
     (g_ours,) = torch.autograd.grad(ours, gate, retain_graph=True)
     (g_theirs,) = torch.autograd.grad(out.aux_loss, gate)
     torch.testing.assert_close(g_ours, g_theirs.to(g_ours), rtol=1e-5, atol=1e-9)
+
+
+def test_planner_places_ep_with_its_all_to_alls():
+    """`meshfit plan` (`search`) on a transformers MoE enumerates ep inside dp_shard (each ep
+    dividing its experts, never at ZeRO stage 0), holds 1/ep of the routed experts per rank,
+    and charges each ep layout its all-to-alls: per micro-batch and MoE block, 4 exchanges
+    of b x s x k x d bytes at (ep - 1)/ep of the link's bandwidth, by hand below."""
+    import transformers
+
+    from meshfit.memory.shape import ModelShape
+    from meshfit.plan import Cluster, search
+
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    shape = ModelShape.from_module(meta)
+    cluster = Cluster(gpus_per_node=2)
+    result = search(shape, cluster, seq_len=16, global_batch_size=8)
+    layouts = {p.layout.ep for p in result.plans}
+    assert layouts == {1, 2}  # ep 2 inside dp_shard 2 (4 experts)
+    for plan in result.plans:
+        spec = plan.layout
+        assert spec.ep == 1 or spec.zero_stage > 0
+        if spec.ep == 1 or spec.tp > 1 or spec.pp > 1:
+            continue
+        micro = 8 // spec.dp // spec.micro_batch_size
+        calls = 6 if spec.activation_checkpointing == "full" else 4
+        link = cluster.interconnect
+        one = link.latency + (spec.ep - 1) / spec.ep * (
+            spec.micro_batch_size * 16 * 2 * 64 * 2) / link.bandwidth  # k=2, d=64, bf16
+        assert plan.breakdown["ep"] == pytest.approx(micro * 2 * calls * one, rel=1e-9)
+        assert plan.estimate.detail["expert_params_on_rank"] == pytest.approx(
+            shape.expert_params / spec.ep)

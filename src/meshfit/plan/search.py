@@ -141,7 +141,8 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
     budget = cluster.memory_per_rank * (1 - margin)
     scene, facts = scenario(shape, cluster, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                             budget=budget, adapters=adapters)
-    model_facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible)
+    model_facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible,
+                             experts=(shape.n_experts,) * shape.moe_layers)  # ep's candidates
     plans: list[Plan] = []
     considered = refused = too_big = 0
     precision = "no" if dtype == "fp32" else dtype
