@@ -169,3 +169,21 @@ def test_planner_places_ep_with_its_all_to_alls():
         assert plan.breakdown["ep"] == pytest.approx(micro * 2 * calls * one, rel=1e-9)
         assert plan.estimate.detail["expert_params_on_rank"] == pytest.approx(
             shape.expert_params / spec.ep)
+
+
+def test_estimate_cli_takes_ep_for_a_transformers_moe(config_folders, capsys):
+    """`meshfit estimate CONFIG --layout dp_shard=2,ep=2` on a Qwen3-MoE config.json: the
+    layout is accepted (it used to be refused as "no MoE blocks"), and per rank it needs
+    less than ep=1 at the same ZeRO stage."""
+    import json
+
+    from meshfit.cli.main import main
+
+    totals = {}
+    for ep in (1, 2):
+        assert main(["estimate", str(config_folders / "qwen3_moe"), "--layout",
+                     f"dp_shard=2,ep={ep},zero_stage=1", "--seq-len", "16", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["layouts"][0]["layout"]["ep"] == ep
+        totals[ep] = out["layouts"][0]["per_rank_bytes"]["total"]
+    assert totals[2] < totals[1]

@@ -113,7 +113,7 @@ def scenario(shape: ModelShape, cluster: Cluster, *, seq_len: int, dtype: str,
 
 
 def _why(layout: LayoutSpec, scene: str, est: Estimate, terms: dict) -> str:
-    biggest = max(("compute", "bubble", "tp", "pp", "dp_exposed", "offload", "optimizer"),
+    biggest = max(("compute", "bubble", "tp", "pp", "ep", "dp_exposed", "offload", "optimizer"),
                   key=lambda k: terms[k])
     states = (est.params + est.grads + est.optimizer) / GiB
     return (f"{scene}. This layout: {layout.describe()}; {states:.1f} GiB of model states and "
