@@ -6,9 +6,10 @@ against one process on the same global batches.
 Layouts: ep2 (2 ranks, dp_shard=2 = ep: each rank holds half the experts, nothing else
 shares them) for every family, in one spawn; in a second spawn of 4 ranks, ep2 x dp_shard2
 under ZeRO-3 (the experts FSDP-sharded over the 2 ranks holding the same ones) for Qwen3-MoE
-and DeepSeek-V3, ep2 x tp2 (attention split, the experts whole on each tp rank) and ep2 x cp2
-(each sequence split over 2 cp ranks) for Mixtral and Qwen2-MoE (the MoE families with a
-built-in tp plan on this branch).
+and DeepSeek-V3, ep2 x tp2 (attention split, the experts whole on each tp rank), ep2 x cp2
+(each sequence split over 2 cp ranks) and ep2 x pp2 (1f1b; cross-entropy only, as a pipeline
+trains) for Mixtral and Qwen2-MoE (the MoE families with built-in tp and pp plans on this
+branch).
 
 The loss is meshfit train's (`meshfit.train.models.loss_function`): the cross-entropy plus,
 for the families whose ForCausalLM has a router loss (Mixtral, Qwen2/3-MoE; DeepSeek-V3 and
@@ -57,6 +58,9 @@ CASES = {
     # the dp_shard / ep x cp ranks holding the same ones, the router loss's statistics and
     # the routing over dp x cp
     "ep2xcp2": (4, dict(dp_shard=2, ep=2, cp=2), 1, ("mixtral", "qwen2_moe")),
+    # two pipeline stages (1f1b, 2 micro-batches), each stage's experts split over its ep
+    # group; a pipeline's loss is the cross-entropy (the router loss is refused with pp)
+    "ep2xpp2": (4, dict(pp=2, dp_shard=2, ep=2), 1, ("mixtral", "qwen2_moe")),
 }
 
 
@@ -86,23 +90,29 @@ def _train(rank, world, dims: dict, stage: int, families) -> dict:
         per_rank = GLOBAL // dp
         model = _model(family)
         loss_fn = loss_function(model)
-        model = acc.prepare(model)
+        pipe = dims.get("pp", 1) > 1
+        model = acc.prepare_pipeline(model, schedule="1f1b", microbatches=2) if pipe else \
+            acc.prepare(model)
         opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
         x, y = token_batches(STEPS * GLOBAL, T)
         losses = []
         for step in range(STEPS):
             rows = slice(step * GLOBAL + dp_rank * per_rank,
                          step * GLOBAL + (dp_rank + 1) * per_rank)
-            loss = loss_fn(model, *acc.shard_sequence(x[rows], y[rows]))
-            acc.backward(loss)
+            if pipe:
+                loss = model.step(x[rows], y[rows])
+            else:
+                loss = loss_fn(model, *acc.shard_sequence(x[rows], y[rows]))
+                acc.backward(loss)
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
         group = acc.runtime.reduce_group  # the ranks that see distinct tokens: dp x cp
-        stats = _stats(model, group, torch.distributed.get_world_size(group))
+        stats = None if pipe else _stats(model, group, torch.distributed.get_world_size(group))
         losses = acc.reduce(torch.stack(losses), reduction="mean").tolist()
-        local = [tuple(p.to_local().shape) for n, p in model.named_parameters()
-                 if n.endswith("experts.gate_up_proj")]
+        local = [(tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+                 for m in (model.modules if pipe else [model])
+                 for n, p in m.named_parameters() if n.endswith("experts.gate_up_proj")]
         out[family] = {"losses": losses, "state": acc.get_state_dict(model), "stats": stats,
                        "local_experts": local}
     return out
@@ -117,7 +127,7 @@ def ranks():
     return out
 
 
-def reference_train(family: str):
+def reference_train(family: str, aux: bool = True):
     """One process, one AdamW step per global batch: cross-entropy + coef x the
     load-balancing loss over the whole batch (`load_balancing_loss`, one process), and the
     last step's routing statistics."""
@@ -128,7 +138,7 @@ def reference_train(family: str):
     model = _model(family)
     record_routing(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, aux_on = [], hasattr(model.config, "router_aux_loss_coef")
+    losses, aux_on = [], aux and hasattr(model.config, "router_aux_loss_coef")
     for x, y in step_batches(*token_batches(STEPS * GLOBAL, T), GLOBAL):
         out = model(input_ids=x, output_router_logits=aux_on)
         loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
@@ -154,7 +164,8 @@ def _experts(model):
                                           for f in spec[3]])
 def test_expert_parallel_equals_one_process(ranks, case, family):
     per_rank = [r[family] for r in case_result(ranks, case)]
-    want_losses, want_state, want_stats = reference_train(family)
+    pipe = CASES[case][1].get("pp", 1) > 1  # the cross-entropy alone
+    want_losses, want_state, want_stats = reference_train(family, aux=not pipe)
     losses = per_rank[0]["losses"]
     assert all(r["losses"] == losses for r in per_rank)
     gap = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
@@ -171,8 +182,8 @@ def test_expert_parallel_equals_one_process(ranks, case, family):
     dims = CASES[case][1]
     held = 4 // dims["ep"] // (dims["dp_shard"] // dims["ep"] * dims.get("cp", 1))
     assert per_rank[0]["local_experts"] and all(
-        shape[0] == held for r in per_rank for shape in r["local_experts"])
-    for r in per_rank:
+        shape[0] == held and "ep" in mesh for r in per_rank for shape, mesh in r["local_experts"])
+    for r in per_rank if not pipe else ():  # (the stages' routing: test_ep.py's ep2xpp2)
         assert r["stats"].keys() == want_stats.keys() and want_stats
         for key, value in want_stats.items():
             assert r["stats"][key] == pytest.approx(value, rel=1e-9, abs=1e-9), key

@@ -91,10 +91,10 @@ def _expert_parallel(model: nn.Module, layout: Layout, mesh, device: torch.devic
     also records its routing for `routing_metrics` and, with its router loss on, takes that
     loss's statistics over every rank that sees distinct tokens (whatever the layout)."""
     ep_mesh = layout.axis_mesh(mesh, "ep")
-    hf = hasattr(getattr(model, "config", None), "model_type") and bool(hf_experts(model))
+    hf = bool(hf_experts(model))  # (a pipeline stage of one too: no config of its own)
     if hf:
         record_routing(model)
-        if hasattr(model.config, "router_aux_loss_coef"):
+        if hasattr(getattr(model, "config", None), "router_aux_loss_coef"):
             group = layout.grad_mesh(mesh) if mesh is not None else None
             global_aux_loss_hook(model, None if group is None else group.get_group(),
                                  1 if group is None else group.size())
