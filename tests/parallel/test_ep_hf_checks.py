@@ -187,3 +187,21 @@ def test_estimate_cli_takes_ep_for_a_transformers_moe(config_folders, capsys):
         assert out["layouts"][0]["layout"]["ep"] == ep
         totals[ep] = out["layouts"][0]["per_rank_bytes"]["total"]
     assert totals[2] < totals[1]
+
+
+def test_global_aux_loss_hook_replaces_the_models_own():
+    """On one process the hook's router loss is `load_balancing_loss` (float64), in
+    ``out.aux_loss`` and, with labels, in ``out.loss`` (the model's cross-entropy plus
+    router_aux_loss_coef times it, in place of transformers' float32 one)."""
+    from meshfit.parallel.ep_hf import global_aux_loss_hook, load_balancing_loss
+
+    model = tiny_model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.05)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    ce = model(input_ids=x, labels=x, output_router_logits=False).loss
+    handle = global_aux_loss_hook(model)
+    out = model(input_ids=x, labels=x)
+    want = load_balancing_loss(out.router_logits, 4, 2)
+    assert out.aux_loss.dtype == torch.float64 and torch.equal(out.aux_loss, want)
+    torch.testing.assert_close(out.loss, ce + 0.05 * want, rtol=1e-14, atol=0)
+    handle.remove()
+    assert model(input_ids=x).aux_loss.dtype == torch.float32  # transformers' own again

@@ -28,7 +28,14 @@ leaves them out (`ignored_params`) and nothing else reduces them.
 
 Capacity (`GPTConfig.capacity_factor`) is applied to each rank's own tokens before they are
 sent, as GShard's per-group capacity: the same as one process only when dropless. The
-auxiliary losses are each rank's own (its tokens' routing), as under data parallel.
+auxiliary losses are each rank's own (its tokens' routing), as under data parallel: they are
+computed inside `meshfit.models.MoE`, which holds no process group (a global version needs
+the block to all-reduce its statistics, as `meshfit.parallel.ep_hf.load_balancing_loss`
+does for transformers' models).
+
+transformers' MoE families (Mixtral, Qwen2/3-MoE, GLM-4-MoE, DeepSeek-V3) are split by
+`meshfit.parallel.ep_hf.apply_hf_ep` with the same exchange (`meshfit.parallel.ep_exchange`);
+`moe_modules` and `ep_problem` cover both kinds.
 """
 
 from __future__ import annotations
