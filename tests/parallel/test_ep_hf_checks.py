@@ -77,6 +77,18 @@ def test_ep_problem_names_what_cannot_run():
     for what in (olmoe, transformers.AutoModelForCausalLM.from_config(olmoe)):
         assert re.match(r"ep=2: .* is a mixture-of-experts layout meshfit has not mapped",
                         ep_problem(what, 2)), ep_problem(what, 2)
+    # Accelerator.prepare's path (`apply_hf_ep`, before any parameter is touched) says the same
+    from meshfit.parallel.ep_hf import apply_hf_ep
+
+    class TwoRanks:  # the size and rank of an ep mesh, all apply_hf_ep reads before refusing
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return 0
+
+    with pytest.raises(ValueError, match="OlmoeExperts is a mixture-of-experts layout"):
+        apply_hf_ep(what, TwoRanks())
     assert "this GPT is dense" in ep_problem(GPTConfig.preset("tiny"), 2)
     assert ep_problem(GPTConfig.preset("moe-tiny"), 2) is None
     assert ep_problem(tiny_config("llama"), 1) is None  # no expert parallel: nothing to say
