@@ -134,12 +134,13 @@ def test_train_refuses_ep_before_launch(family, nproc, match, config_folders, tm
     assert re.search(match, line), line
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_load_balancing_loss_is_transformers_own(family):
     """meshfit's load-balancing loss (float64) equals the model's own `aux_loss` (float32
     accumulation: 1e-6 relative) on one process, and its gradient that of the model's."""
-    from meshfit.parallel.ep_hf import load_balancing_loss
+    from meshfit.parallel.ep_hf import AUX_LOSS_FAMILIES, load_balancing_loss
 
+    assert family in AUX_LOSS_FAMILIES  # the families whose router loss meshfit replaces
     model = tiny_model(family, output_router_logits=True)
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     out = model(input_ids=x)
@@ -217,3 +218,26 @@ def test_global_aux_loss_hook_replaces_the_models_own():
     torch.testing.assert_close(out.loss, ce + 0.05 * want, rtol=1e-14, atol=0)
     handle.remove()
     assert model(input_ids=x).aux_loss.dtype == torch.float32  # transformers' own again
+
+
+def test_prepare_replaces_the_router_loss_of_mapped_families_only():
+    """`parallelize` (what `Accelerator.prepare` runs) puts meshfit's router loss (float64,
+    global statistics) on the families whose loss it reproduces (`AUX_LOSS_FAMILIES`) and
+    leaves another family's (OLMoE's) as transformers computes it (float32)."""
+    import transformers
+
+    from meshfit.parallel.layout import Layout
+    from meshfit.parallel.parallelize import parallelize
+    from meshfit.parallel.request import LayoutRequest
+
+    layout = Layout.resolve(LayoutRequest(), 1, distributed=False)
+    olmoe = transformers.OlmoeConfig(hidden_size=32, intermediate_size=32, num_experts=4,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=2, vocab_size=128,
+                                     num_experts_per_tok=2, output_router_logits=True)
+    x = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    for model, dtype in ((tiny_model("qwen3_moe", output_router_logits=True), torch.float64),
+                         (transformers.AutoModelForCausalLM.from_config(olmoe),
+                          torch.float32)):
+        model = parallelize(model, layout)
+        assert model(input_ids=x).aux_loss.dtype == dtype

@@ -51,13 +51,18 @@ from torch import nn
 from meshfit.distributed.tensors import local_tensor
 from meshfit.parallel.ep_exchange import ExpertParallel
 
-__all__ = ["MAPPED", "HFMoE", "apply_hf_ep", "global_aux_loss_hook", "hf_ep_problem",
+__all__ = ["AUX_LOSS_FAMILIES", "MAPPED", "HFMoE", "apply_hf_ep", "global_aux_loss_hook", "hf_ep_problem",
            "hf_experts", "is_experts", "load_balancing_loss", "record_routing"]
 
 MAPPED = {"mixtral": "MixtralExperts", "qwen2_moe": "Qwen2MoeExperts",
           "qwen3_moe": "Qwen3MoeExperts", "glm4_moe": "Glm4MoeExperts",
           "deepseek_v3": "DeepseekV3Experts"}
 """transformers ``model_type`` -> its routed-experts class, which expert parallel splits."""
+
+AUX_LOSS_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""The mapped families whose ForCausalLM adds the Switch load-balancing loss that
+`load_balancing_loss` computes (tested equal to theirs); GLM-4-MoE and DeepSeek-V3 have none.
+Another family's router loss is left as transformers computes it (each rank's own)."""
 
 _EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts")
 

@@ -38,7 +38,8 @@ from meshfit.parallel.compile import apply_compile
 from meshfit.parallel.cp import apply_cp
 from meshfit.parallel.ddp import apply_ddp
 from meshfit.parallel.ep import apply_ep
-from meshfit.parallel.ep_hf import apply_hf_ep, global_aux_loss_hook, hf_experts, record_routing
+from meshfit.parallel.ep_hf import (AUX_LOSS_FAMILIES, apply_hf_ep, global_aux_loss_hook,
+                                    hf_experts, record_routing)
 from meshfit.parallel.float8 import apply_float8
 from meshfit.parallel.layout import Engine, Layout
 from meshfit.parallel.options import ModelOptions, compile_mode
@@ -94,7 +95,8 @@ def _expert_parallel(model: nn.Module, layout: Layout, mesh, device: torch.devic
     hf = bool(hf_experts(model))  # (a pipeline stage of one too: no config of its own)
     if hf:
         record_routing(model)
-        if hasattr(getattr(model, "config", None), "router_aux_loss_coef"):
+        # the router loss of a family whose loss is the one `load_balancing_loss` computes
+        if getattr(getattr(model, "config", None), "model_type", None) in AUX_LOSS_FAMILIES:
             group = layout.grad_mesh(mesh) if mesh is not None else None
             global_aux_loss_hook(model, None if group is None else group.get_group(),
                                  1 if group is None else group.size())
