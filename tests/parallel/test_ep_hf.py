@@ -14,11 +14,12 @@ branch).
 The loss is meshfit train's (`meshfit.train.models.loss_function`): the cross-entropy plus,
 for the families whose ForCausalLM has a router loss (Mixtral, Qwen2/3-MoE; DeepSeek-V3 and
 GLM-4-MoE balance by a routing bias and have none), router_aux_loss_coef x the
-load-balancing loss, whose statistics meshfit takes over all data-parallel ranks
-(`load_balancing_loss`): so the reference is one plain process on the whole global batch.
-AUX_COEF = 0.05 so that the term shows (measured on Mixtral and Qwen3-MoE: leaving it out of
-the reference moves the parameters by 1.7e-2; taking it per rank, over each half of the
-batch, instead of over the global batch, by 1.5e-2).
+load-balancing loss of each data-parallel rank's rows (one of the micro-batches one process
+accumulates), under cp over the cp ranks' parts of those rows together
+(`load_balancing_loss` over the cp group): so the reference is one process whose loss adds
+the mean over the dp parts of each part's load-balancing loss. AUX_COEF = 0.05 so that the
+term shows (measured on Mixtral and Qwen3-MoE: leaving it out of the reference moves the
+parameters by 1.7e-2; taking it over the whole batch instead of per dp part, by 1.5e-2).
 
 Tolerance, as tests/parallel/test_hf_moe.py derives it: fp64, 3 AdamW steps at lr 3e-3,
 worst case S lr dg / eps ~ 1e-10: losses rtol 1e-10, parameters atol 1e-10 (measured: 2.4e-14
@@ -26,13 +27,19 @@ at most). DeepSeek-V3 and GLM-4-MoE compute their routers in float32 (transforme
 code): the router weights' gradients are sums over the tokens rounded in float32 (relative
 error up to ~N eps32 = 64 x 6e-8 = 4e-6 in a different order of summation), which AdamW turns
 into at most S lr 4e-6 = 4e-8 per parameter: parameters atol 1e-7, losses rtol 1e-8
-(measured: 3.9e-9 and 2.3e-11). The routing
+(measured: 3.9e-9 and 2.3e-11). The same bound holds where the router loss is on: transformers
+computes it in float32 (a rank's own rows, or under cp meshfit's over the cp ranks in float64
+against the reference's float32), and its router logits, equal to ~1e-16 between a rank's
+forward and the reference's, can round to neighbouring float32 values (measured: losses
+6.5e-10). The routing
 statistics (`routing_metrics` of the last step: tokens per expert over the global batch,
 their min/max/cv, the aux loss) equal one process's to 1e-9 (cv and aux are rounded to 4
 and 6 decimals).
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -127,10 +134,11 @@ def ranks():
     return out
 
 
-def reference_train(family: str, aux: bool = True):
-    """One process, one AdamW step per global batch: cross-entropy + coef x the
-    load-balancing loss over the whole batch (`load_balancing_loss`, one process), and the
-    last step's routing statistics."""
+def reference_train(family: str, aux: bool = True, parts: int = 1, cp: bool = False):
+    """One process, one AdamW step per global batch: cross-entropy + coef x the mean over
+    the batch's `parts` (the data-parallel ranks' rows) of each part's load-balancing loss
+    (transformers' own, in float32; `cp`: meshfit's `load_balancing_loss` in float64, as
+    the cp ranks take it together), and the last step's routing statistics."""
     import torch.nn.functional as F
 
     from meshfit.parallel.ep_hf import load_balancing_loss, record_routing
@@ -142,9 +150,13 @@ def reference_train(family: str, aux: bool = True):
     for x, y in step_batches(*token_batches(STEPS * GLOBAL, T), GLOBAL):
         out = model(input_ids=x, output_router_logits=aux_on)
         loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-        if aux_on:
-            aux = load_balancing_loss(out.router_logits, _experts(model).num_experts,
-                                      model.config.num_experts_per_tok)
+        if aux_on:  # (as each dp rank's forward has it)
+            own = load_balancing_loss if cp else \
+                sys.modules[type(model).__module__].load_balancing_loss_func
+            rows = x.shape[0] // parts * x.shape[1]  # (router logits: one row per token)
+            aux = sum(own(tuple(g[p * rows:(p + 1) * rows] for g in out.router_logits),
+                          _experts(model).num_experts, model.config.num_experts_per_tok)
+                      for p in range(parts)) / parts
             loss = loss + AUX_COEF * aux
             _experts(model).meshfit_stats["aux_loss"] = AUX_COEF * float(aux.detach())
         loss.backward()
@@ -165,7 +177,10 @@ def _experts(model):
 def test_expert_parallel_equals_one_process(ranks, case, family):
     per_rank = [r[family] for r in case_result(ranks, case)]
     pipe = CASES[case][1].get("pp", 1) > 1  # the cross-entropy alone
-    want_losses, want_state, want_stats = reference_train(family, aux=not pipe)
+    dims = CASES[case][1]
+    dp = dims["dp_shard"] * dims.get("dp_replicate", 1)
+    want_losses, want_state, want_stats = reference_train(family, aux=not pipe, parts=dp,
+                                                          cp=dims.get("cp", 1) > 1)
     losses = per_rank[0]["losses"]
     assert all(r["losses"] == losses for r in per_rank)
     gap = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
@@ -174,12 +189,12 @@ def test_expert_parallel_equals_one_process(ranks, case, family):
     gaps = {k: (v - want_state[k]).abs().max().item() for k, v in state.items()}
     worst = max(gaps, key=gaps.get)
     print(f"{case}/{family}: losses {gap:.1e}, parameters {gaps[worst]:.1e} ({worst})")
-    fp32 = family in ("glm4_moe", "deepseek_v3")  # their routers compute in float32
+    # their routers compute in float32, or the router loss does (transformers' own, in float32)
+    fp32 = family in ("glm4_moe", "deepseek_v3") or not pipe
     assert len(losses) == STEPS and gap < (FP32_ROUTER_RTOL if fp32 else RTOL), losses
     assert gaps[worst] < (FP32_ROUTER_ATOL if fp32 else ATOL), (worst, gaps[worst])
     # each rank holds n_experts / ep = 2 of the 4 experts of each MoE layer, and under
     # ZeRO-3 an FSDP shard of those over the dp_shard / ep ranks holding the same ones
-    dims = CASES[case][1]
     held = 4 // dims["ep"] // (dims["dp_shard"] // dims["ep"] * dims.get("cp", 1))
     assert per_rank[0]["local_experts"] and all(
         shape[0] == held and "ep" in mesh for r in per_rank for shape, mesh in r["local_experts"])

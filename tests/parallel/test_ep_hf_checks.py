@@ -202,28 +202,41 @@ def test_estimate_cli_takes_ep_for_a_transformers_moe(config_folders, capsys):
     assert totals[2] < totals[1]
 
 
-def test_global_aux_loss_hook_replaces_the_models_own():
-    """On one process the hook's router loss is `load_balancing_loss` (float64), in
-    ``out.aux_loss`` and, with labels, in ``out.loss`` (the model's cross-entropy plus
-    router_aux_loss_coef times it, in place of transformers' float32 one)."""
+def test_global_aux_loss_hook_replaces_the_models_own(tmp_path):
+    """Given a group (the cp ranks; here this process alone) the hook's router loss is
+    `load_balancing_loss` (float64), in ``out.aux_loss`` and, with labels, in ``out.loss``
+    (the model's cross-entropy plus router_aux_loss_coef times it, in place of transformers'
+    float32 one); without one the model's own is kept."""
+    import torch.distributed as dist
+
     from meshfit.parallel.ep_hf import global_aux_loss_hook, load_balancing_loss
 
     model = tiny_model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.05)
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     ce = model(input_ids=x, labels=x, output_router_logits=False).loss
-    handle = global_aux_loss_hook(model)
-    out = model(input_ids=x, labels=x)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        handle = global_aux_loss_hook(model, dist.group.WORLD, 1)
+        out = model(input_ids=x, labels=x)
+    finally:
+        dist.destroy_process_group()
     want = load_balancing_loss(out.router_logits, 4, 2)
     assert out.aux_loss.dtype == torch.float64 and torch.equal(out.aux_loss, want)
     torch.testing.assert_close(out.loss, ce + 0.05 * want, rtol=1e-14, atol=0)
     handle.remove()
     assert model(input_ids=x).aux_loss.dtype == torch.float32  # transformers' own again
+    handle = global_aux_loss_hook(model)
+    assert model(input_ids=x).aux_loss.dtype == torch.float32  # (no group: the model's own)
+    handle.remove()
 
 
-def test_prepare_replaces_the_router_loss_of_mapped_families_only():
-    """`parallelize` (what `Accelerator.prepare` runs) puts meshfit's router loss (float64,
-    global statistics) on the families whose loss it reproduces (`AUX_LOSS_FAMILIES`) and
-    leaves another family's (OLMoE's) as transformers computes it (float32)."""
+def test_prepare_keeps_the_router_loss_without_context_parallel():
+    """Without cp, `parallelize` (what `Accelerator.prepare` runs) leaves every family's
+    router loss as transformers computes it (float32; each data-parallel rank's rows are one
+    of one process's micro-batches); the families whose loss meshfit reproduces
+    (`AUX_LOSS_FAMILIES`) have its value recorded for the routing metrics. (Under cp the
+    replacement: tests/parallel/test_ep_hf.py, ep2 x cp2.)"""
     import transformers
 
     from meshfit.parallel.layout import Layout
@@ -236,8 +249,7 @@ def test_prepare_replaces_the_router_loss_of_mapped_families_only():
                                      num_key_value_heads=2, vocab_size=128,
                                      num_experts_per_tok=2, output_router_logits=True)
     x = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
-    for model, dtype in ((tiny_model("qwen3_moe", output_router_logits=True), torch.float64),
-                         (transformers.AutoModelForCausalLM.from_config(olmoe),
-                          torch.float32)):
+    for model in (tiny_model("qwen3_moe", output_router_logits=True),
+                  transformers.AutoModelForCausalLM.from_config(olmoe)):
         model = parallelize(model, layout)
-        assert model(input_ids=x).aux_loss.dtype == dtype
+        assert model(input_ids=x).aux_loss.dtype == torch.float32

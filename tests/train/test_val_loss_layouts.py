@@ -59,6 +59,7 @@ LAYOUTS = {  # name: (processes, [parallel] settings)
                               "offload_params": True}),
     "moe-ep2": (2, {"dp_shard": 2, "ep": 2, "zero_stage": 1}),
     "moe-ep2xpp2": (4, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}),
+    "moe-cp2": (2, {"cp": 2, "dp_replicate": 1}),
 }
 
 
@@ -164,3 +165,20 @@ def test_eval_of_a_run_gives_its_val_loss(runs, capsys):
     out = capsys.readouterr().out
     assert float(out.split()[1]) == pytest.approx(_logged(root, "dense-one")[1], rel=RTOL)
     assert out.rstrip().endswith(f"on {21 * 32} tokens")
+
+
+def test_routing_metrics_under_cp_count_every_token_of_the_micro_batch(runs):
+    """Each cp rank routes its part of every sequence: the logged tokens per expert are summed
+    over the cp ranks too, so they are one process's (the same micro-batch, the same weights)
+    -- they were each rank's half."""
+    root, results = runs
+    case_result(results, "moe-cp2")
+    keys = ("moe_tokens_per_expert_min", "moe_tokens_per_expert_max")
+
+    def logged(name):
+        lines = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text()
+                 .splitlines()]
+        return [tuple(line[k] for k in keys) for line in lines if keys[0] in line]
+
+    one, cp = logged("moe-one"), logged("moe-cp2")
+    assert len(one) == 3 and cp == one

@@ -45,6 +45,7 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -107,6 +108,10 @@ class MoE(nn.Module):
         scale, is fed into backward from this block's output instead."""
         self.last_aux_loss: torch.Tensor | None = None
         self.last_stats: dict[str, torch.Tensor | int] | None = None
+        self.sequence_group = None
+        """Context parallel: the process group of the ranks holding the other parts of the
+        same sequences; the auxiliary losses' statistics are taken over them, so that the
+        loss is one process's on the whole sequences (None: this forward's tokens)."""
 
     # ------------------------------------------------------------------ routing
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -157,9 +162,13 @@ class MoE(nn.Module):
             y = y + self.shared(x)
 
         # auxiliary losses (fp32 for low-precision inputs, see route())
-        f = counts.to(probs.dtype) / (N * k)
-        balance = E * (f * probs.mean(dim=0)).sum()
-        z = torch.logsumexp(logits, dim=-1).square().mean()
+        sums = (counts.to(probs.dtype), probs.sum(dim=0),
+                torch.logsumexp(logits, dim=-1).square().sum(), N)
+        if self.sequence_group is not None:
+            sums = _over_group(self.sequence_group, *sums)
+        n = sums[3]
+        balance = E * ((sums[0] / (n * k)) * (sums[1] / n)).sum()
+        z = sums[2] / n
         self.last_aux_loss = self.aux_loss_coef * balance + self.router_z_loss_coef * z
         self.last_stats = {"tokens_per_expert": counts.detach(), "dropped": dropped,
                            "assignments": N * k, "aux_loss": self.last_aux_loss.detach()}
@@ -167,6 +176,20 @@ class MoE(nn.Module):
         if self.aux_grad_scale is not None and self.last_aux_loss.requires_grad:
             y = _AttachAuxLoss.apply(y, self.last_aux_loss, self.aux_grad_scale)
         return y
+
+
+def _over_group(group, counts: torch.Tensor, probs: torch.Tensor, z: torch.Tensor, n: int):
+    """The auxiliary losses' sums (assignments per expert, router probabilities per expert,
+    squared log-sum-exps, tokens) over the ranks of `group`, one all-reduce: each value the
+    group's total, each gradient this rank's own times the group's size -- averaged over the
+    group's ranks afterwards, as every gradient is, it is the gradient of the total."""
+    size = dist.get_world_size(group)
+    totals = torch.cat([counts, probs.detach(), z.detach()[None],
+                        counts.new_tensor([float(n)])])
+    dist.all_reduce(totals, group=group)
+    E = counts.numel()
+    return (totals[:E], totals[E:2 * E] + size * (probs - probs.detach()),
+            totals[2 * E] + size * (z - z.detach()), totals[-1])
 
 
 class _AttachAuxLoss(torch.autograd.Function):

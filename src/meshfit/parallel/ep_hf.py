@@ -29,13 +29,17 @@ launch, as is ep on a dense family.
 
 Load balancing. transformers adds ``router_aux_loss_coef`` x the Switch load-balancing loss
 (`load_balancing_loss`, Fedus et al. 2021) in its ForCausalLM forward from the layers'
-``router_logits``, over the tokens of that call. Under data (and expert, context) parallel a
-rank sees its own tokens only, so `global_aux_loss_hook` recomputes it from the same
-router_logits with the per-expert token fractions and mean router probabilities summed over
-the ranks that see distinct tokens (one all_reduce), replacing ``out.aux_loss`` (and the
-aux part of ``out.loss`` when labels were given): the value is one process's on the global
-batch, and its gradient, once averaged over those ranks as every gradient is, one
-process's too.
+``router_logits``, over the tokens of that call. Under data (and expert) parallel each rank's
+forward is one of one process's micro-batches (the global batch split over the ranks as one
+process splits it into the micro-batches it accumulates), so each rank's own loss is one
+process's -- and Accelerate's and the Trainer's. Under context parallel a rank holds part of
+each sequence only, so `global_aux_loss_hook` recomputes the loss from the same router_logits
+with the per-expert token fractions and mean router probabilities summed over the cp ranks
+(one all_reduce), replacing ``out.aux_loss`` (and the aux part of ``out.loss`` when labels
+were given): the value is one process's on those sequences whole, and its gradient, once
+averaged over the cp ranks as every gradient is, one process's too. Taking the statistics
+over the data-parallel ranks as well would make the loss depend on how many ranks share the
+global batch (one process on it with micro-batches accumulated computes it per micro-batch).
 """
 
 from __future__ import annotations
@@ -257,7 +261,8 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int, *, group=No
 
 def global_aux_loss_hook(model: nn.Module, group=None, group_size: int = 1):
     """Register, on the transformers MoE `model`, a forward hook that replaces its output's
-    ``aux_loss`` (and the aux part of ``loss``) by `load_balancing_loss` over `group`."""
+    ``aux_loss`` (and the aux part of ``loss``) by `load_balancing_loss` over `group` (the cp
+    ranks); without a group it keeps the model's own and records its value."""
     config = model.config
     top_k, n = int(config.num_experts_per_tok), _expert_count(config)
     coef = float(getattr(config, "router_aux_loss_coef", 0.0))
@@ -266,6 +271,11 @@ def global_aux_loss_hook(model: nn.Module, group=None, group_size: int = 1):
     def hook(module, args, output):
         logits = getattr(output, "router_logits", None)
         if getattr(output, "aux_loss", None) is None or not logits:
+            return output
+        if group is None:  # (the model's own loss; its value kept for routing_metrics)
+            stats = getattr(first, "meshfit_stats", None)
+            if stats is not None:
+                stats["aux_loss"] = coef * float(output.aux_loss.detach())
             return output
         aux = load_balancing_loss(logits, n, top_k, group=group, group_size=group_size)
         if output.loss is not None:

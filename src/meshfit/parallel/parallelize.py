@@ -33,6 +33,7 @@ from torch import nn
 
 from meshfit._compat.ops import is_view
 from meshfit.distributed.collectives import apply_to_tensors
+from meshfit.models.moe import MoE
 from meshfit.parallel.activation import apply_activation_checkpointing
 from meshfit.parallel.compile import apply_compile
 from meshfit.parallel.cp import apply_cp
@@ -89,15 +90,16 @@ def _expert_parallel(model: nn.Module, layout: Layout, mesh, device: torch.devic
     """Expert parallel on ``mesh["ep"]``: each MoE block keeps its own experts (DTensor
     shards) and exchanges tokens by all-to-all; returns the experts modules (None without
     ep), which FSDP2 shards on their own mesh. A transformers MoE (`meshfit.parallel.ep_hf`)
-    also records its routing for `routing_metrics` and, with its router loss on, takes that
-    loss's statistics over every rank that sees distinct tokens (whatever the layout)."""
+    also records its routing for `routing_metrics` and, with its router loss on, under
+    context parallel takes that loss's statistics over the cp ranks (which hold parts of the
+    same sequences: together, the tokens one process's forward sees)."""
     ep_mesh = layout.axis_mesh(mesh, "ep")
     hf = bool(hf_experts(model))  # (a pipeline stage of one too: no config of its own)
     if hf:
         record_routing(model)
         # the router loss of a family whose loss is the one `load_balancing_loss` computes
         if getattr(getattr(model, "config", None), "model_type", None) in AUX_LOSS_FAMILIES:
-            group = layout.grad_mesh(mesh) if mesh is not None else None
+            group = layout.axis_mesh(mesh, "cp") if mesh is not None else None
             global_aux_loss_hook(model, None if group is None else group.get_group(),
                                  1 if group is None else group.size())
     if ep_mesh is None:
@@ -113,6 +115,9 @@ def _context_parallel(model: nn.Module, layout: Layout, mesh, options: ModelOpti
     if cp_mesh is None:
         return
     apply_cp(model, cp_mesh, balanced=options.cp_load_balance)
+    for module in model.modules():  # (the auxiliary losses over each sequence's parts)
+        if isinstance(module, MoE):
+            module.sequence_group = cp_mesh.get_group()
 
 
 def _float8(model: nn.Module, options: ModelOptions, tp_mesh, device: torch.device) -> None:

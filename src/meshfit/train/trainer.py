@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from meshfit import optim
@@ -513,8 +514,10 @@ def _routing(acc: Accelerator, trained, elapsed_s: float) -> dict:
     if not trained.has_moe:
         return {}
     pp = acc.layout.axis_mesh(acc.mesh, "pp")
-    out = routing_metrics(moe_modules(trained.modules), dp_group=acc.runtime.dp_group,
-                          dp_size=acc.runtime.dp_size,
+    # the ranks holding distinct tokens: data parallel, and under cp each sequence's parts
+    group = acc.runtime.reduce_group
+    out = routing_metrics(moe_modules(trained.modules), dp_group=group,
+                          dp_size=1 if group is None else dist.get_world_size(group),
                           pp_group=None if pp is None else pp.get_group())
     if out and any(m.ep is not None and m.ep.timing for m in moe_modules(trained.modules)):
         out["moe_a2a_share"] = round(min(1.0, out["moe_a2a_s"] / max(elapsed_s, 1e-9)), 4)
