@@ -14,7 +14,7 @@ import copy
 import functools
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ from meshfit._compat import nn as nn_internals
 from meshfit.distributed.tensors import names_by_parameter
 from meshfit.models.config import GPTConfig
 from meshfit.models.plans import PipelinePlan, pipeline_plan_for
+from meshfit.models.plans.stage import StageBlocks
 from meshfit.parallel.pp.schedule import _sync
 
 __all__ = ["StageBlocks", "block_times", "build_stage_module", "split_points"]
@@ -52,20 +53,6 @@ def _submodule(model: nn.Module, path: str) -> nn.Module | None:
 
 def _params(module: nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())
-
-
-class StageBlocks(nn.ModuleList):
-    """A stage's blocks cut from a `ModuleList`, keyed by their indices in the full model so
-    that parameter names stay the full model's; iterated and indexed by position like the
-    list the model's forward expects."""
-
-    def __init__(self, blocks: Mapping[str, nn.Module]):
-        super().__init__()
-        for key, block in blocks.items():
-            self.add_module(key, block)
-
-    def __getitem__(self, idx):
-        return list(iter(self))[idx]  # by position, not key; a slice gives a plain list
 
 
 # ---------------------------------------------------------------------------- splitting
