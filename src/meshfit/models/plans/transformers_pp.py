@@ -62,6 +62,8 @@ ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """Layer types whose masks a stage builds as the full model does (by layer type)."""
 _WORKS = ("data parallel and ZeRO (parallel.dp_replicate, parallel.dp_shard) work for every "
           "model")
+_GIVE = ("give a PipelinePlan(blocks=..., first=..., last=...) as prepare_pipeline(plan=...) "
+         "or model.pipeline_plan = \"module:PLAN\"")
 
 
 def _config_of(model_or_config):
@@ -91,11 +93,11 @@ def pipeline_plan_problem(model_or_config) -> str | None:
         return (f"model_type {kind!r} is an encoder-decoder; pipeline stages are cut from "
                 f"decoders only; {_WORKS}")
     if not pp_plan:
-        return (f"model_type {kind!r} ships no base_model_pp_plan in transformers; pass "
-                f"plan=PipelinePlan(blocks=..., first=..., last=...); {_WORKS}")
+        return (f"model_type {kind!r} ships no base_model_pp_plan in transformers; {_GIVE}; "
+                f"{_WORKS}")
     if _parts(pp_plan) is None:
         return (f"model_type {kind!r}: its base_model_pp_plan {list(pp_plan)} has no single "
-                f"block list after the embedding; pass plan=PipelinePlan(...); {_WORKS}")
+                f"block list after the embedding; {_GIVE}; {_WORKS}")
     other = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_TYPES))
     if other:
         return (f"model_type {kind!r} has layers of type {other} (linear-attention or "
