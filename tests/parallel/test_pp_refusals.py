@@ -3,7 +3,8 @@
 `meshfit.parallel.pp.pp_problem` answers for a model or a configuration: every family of
 `meshfit.models.families` (their plans read from transformers' ``base_model_pp_plan``) is
 taken; more stages than layers, a decoder whose family ships no pp plan (BLOOM), a
-linear-attention hybrid (Qwen3-Next) and an encoder-decoder (T5) are refused in one line
+linear-attention hybrid (Qwen3-Next), an encoder-decoder (T5) and layers sharing earlier
+layers' keys and values (Gemma 3n) are refused in one line
 naming the family and what works instead. `meshfit train` refuses the same before launch.
 """
 
@@ -23,7 +24,8 @@ def _refused():
     return {"bloom": transformers.BloomConfig(n_layer=2, hidden_size=64, n_head=4,
                                               vocab_size=VOCAB),
             "qwen3_next": transformers.Qwen3NextConfig(num_hidden_layers=4, vocab_size=VOCAB),
-            "t5": transformers.T5Config(num_layers=2, vocab_size=VOCAB)}
+            "t5": transformers.T5Config(num_layers=2, vocab_size=VOCAB),
+            "gemma3n_text": transformers.Gemma3nTextConfig(vocab_size=VOCAB)}
 
 
 def test_pp_problem_takes_every_family_and_refuses_what_it_cannot_cut():
@@ -43,7 +45,9 @@ def test_pp_problem_takes_every_family_and_refuses_what_it_cannot_cut():
     assert "exceeds the 2 layers" in pp_problem(GPTConfig(n_layer=2), 3)
     expected = {"bloom": "model_type 'bloom' ships no base_model_pp_plan",
                 "qwen3_next": "model_type 'qwen3_next' has layers of type ['linear_attention']",
-                "t5": "model_type 't5' is an encoder-decoder"}
+                "t5": "model_type 't5' is an encoder-decoder",
+                "gemma3n_text": "num_kv_shared_layers=15 layers attend with the keys and values "
+                                "of earlier layers"}
     for kind, config in _refused().items():
         line = pp_problem(config, 2)
         assert expected[kind] in line and "parallel.dp_shard" in line, line

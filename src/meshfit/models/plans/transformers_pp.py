@@ -39,8 +39,9 @@ make the boundaries exact for every family:
 
 What is refused (`pipeline_plan_problem`): configurations without a ``base_model_pp_plan``,
 encoder-decoders, layer types other than full, sliding or chunked attention (linear-attention
-and state-space hybrids), a plan whose block list cannot be told, a model without an output
-embedding (not a causal LM).
+and state-space hybrids, DeepSeek-V3.2's indexed attention), layers that reuse earlier layers'
+keys and values (Gemma 3n's ``num_kv_shared_layers``), a plan whose block list cannot be told
+or is not a ModuleList in the model, a model without an output embedding (not a causal LM).
 """
 
 from __future__ import annotations
@@ -102,11 +103,25 @@ def pipeline_plan_problem(model_or_config) -> str | None:
     if other:
         return (f"model_type {kind!r} has layers of type {other} (linear-attention or "
                 f"state-space hybrid), which pipeline stages do not cover yet; {_WORKS}")
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if shared:
+        return (f"model_type {kind!r}: its last num_kv_shared_layers={shared} layers attend "
+                f"with the keys and values of earlier layers, which another stage would hold; "
+                f"{_WORKS}")
     if isinstance(model_or_config, nn.Module):
-        if not getattr(model_or_config, "base_model_prefix", "") or \
-                model_or_config.get_output_embeddings() is None:
-            return (f"{type(model_or_config).__name__} has no output embedding (not a causal "
-                    f"LM): a pipeline's last stage computes logits; {_WORKS}")
+        return _model_problem(model_or_config, _parts(pp_plan)[1])
+    return None
+
+
+def _model_problem(model: nn.Module, blocks: str) -> str | None:
+    """What the model (beyond its configuration) lacks for a pipeline plan."""
+    name, prefix = type(model).__name__, getattr(model, "base_model_prefix", "")
+    if not prefix or not hasattr(model, prefix) or model.get_output_embeddings() is None:
+        return (f"{name} has no output embedding (not a causal LM): a pipeline's last stage "
+                f"computes logits; {_WORKS}")
+    if not isinstance(getattr(getattr(model, prefix), blocks, None), nn.ModuleList):
+        return (f"{name} holds no ModuleList at {prefix}.{blocks}, where its "
+                f"base_model_pp_plan puts the blocks; {_GIVE}; {_WORKS}")
     return None
 
 
