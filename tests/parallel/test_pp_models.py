@@ -229,3 +229,23 @@ def test_every_family_s_stages_run_like_the_model():
         for s in range(LAYERS):
             h = build_stage_module(model, s, LAYERS, [1, 2, 3])(h)
         assert torch.equal(h, reference), family
+
+
+def test_checkpointed_stages_recompute_on_the_stage_input():
+    """No spawn: Granite (its forward multiplies inputs_embeds before the blocks) cut in 2
+    stages with every block checkpointed: the backward pass recomputes the later stage's
+    first block on that stage's input, so every gradient is the full model's."""
+    from meshfit.parallel.activation import apply_activation_checkpointing
+    from meshfit.parallel.pp import build_stage_module
+
+    x, y = _family_batches()[0]
+    model = _family("granite")
+    torch.nn.functional.cross_entropy(logits(model, x).flatten(0, 1), y.flatten()).backward()
+    stages = [apply_activation_checkpointing(build_stage_module(model, s, 2, [2]), "full")
+              for s in (0, 1)]
+    out = stages[1](stages[0](x))
+    torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()).backward()
+    grads = {n: p.grad for s in stages for n, p in s.named_parameters()}
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-14, msg=name)
