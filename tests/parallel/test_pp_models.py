@@ -35,6 +35,7 @@ and 0.04 apart, measured).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -44,6 +45,9 @@ import torch
 from conftest import run_distributed
 from reference import MODELS, logits, reference_run, token_batches
 from meshfit.models.families import FAMILIES, tiny_model
+
+# The parent's one-process references are tiny models: one intra-op thread (see conftest).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 STEPS, B, T, MB = 3, 8, 16, 4
 LOSS_RTOL, PARAM_ATOL = 1e-10, 1e-10  # fp64, summation order only (see the docstring)
@@ -108,6 +112,17 @@ def _train(rank, world_size):
     return out
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """conftest's one_thread for a module fixture (set up before function-scoped ones)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def trained():
     return run_distributed(_train, 2, timeout=600)
@@ -115,7 +130,8 @@ def trained():
 
 @pytest.fixture(scope="module")
 def reference():
-    return {kind: reference_run(MODELS[kind](n_layer=4), _batches()) for kind in MODELS}
+    with _one_thread():
+        return {kind: reference_run(MODELS[kind](n_layer=4), _batches()) for kind in MODELS}
 
 
 @pytest.mark.parametrize("kind, schedule", CASES)
@@ -161,7 +177,8 @@ def test_stage_modules_keep_names_and_run_like_the_model():
 
 @pytest.fixture(scope="module")
 def family_reference():
-    return {f: reference_run(_family(f), _family_batches()) for f in FAMILIES}
+    with _one_thread():
+        return {f: reference_run(_family(f), _family_batches()) for f in FAMILIES}
 
 
 def test_every_family_under_two_schedules_matches_one_process(trained, family_reference):
