@@ -101,8 +101,9 @@ def pipeline_plan_problem(model_or_config) -> str | None:
                 f"block list after the embedding; {_GIVE}; {_WORKS}")
     other = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_TYPES))
     if other:
-        return (f"model_type {kind!r} has layers of type {other} (linear-attention or "
-                f"state-space hybrid), which pipeline stages do not cover yet; {_WORKS}")
+        return (f"model_type {kind!r} has layers of type {other} (not full, sliding or "
+                f"chunked attention: a linear-attention or state-space hybrid, indexed sparse "
+                f"attention), which pipeline stages do not cover yet; {_WORKS}")
     shared = getattr(config, "num_kv_shared_layers", 0)
     if shared:
         return (f"model_type {kind!r}: its last num_kv_shared_layers={shared} layers attend "
