@@ -223,6 +223,7 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
     """The model (on the meta device) has the plans its tp / pp need, and its sizes divide
     as the layout cuts them."""
     from meshfit.models.plans import has_builtin_plans
+    from meshfit.parallel.ep import ep_problem, moe_modules
     from meshfit.train.models import check_model_source, plans, resolve_plan
 
     model = check_model_source(cfg, tokens.vocab_size(cfg))  # on the meta device
@@ -240,9 +241,14 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
         problem = pp_problem(model, 1)  # (stages vs layers: check_model below, by field)
         if problem:
             raise ValueError(f"parallel.pp={dims.pp}: {problem}")
+    if dims.ep > 1:  # a dense family, a MoE class meshfit has not mapped, ep not dividing
+        problem = ep_problem(model, dims.ep, "parallel.ep")
+        if problem:
+            raise ValueError(problem)
     if dims.pp == 1 and pp_plan is None and not builtin:
         # a dict plan has no divisible sizes to name
-        facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible", ())))
+        facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible", ())),
+                           experts=tuple(m.n_experts for m in moe_modules([model])))
     else:
         facts = ModelFacts.of(model, pipeline_plan=pp_plan, tp_plan=tp_plan)
     layout.check_model(facts, seq_len=cfg.train.seq_len,
