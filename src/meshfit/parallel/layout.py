@@ -109,9 +109,8 @@ class ModelFacts:
 
         model = adapted_model(model)  # LoRA changes no block, head or width
         builtin = has_builtin_plans(model)
-        if pipeline_plan is None and not builtin:
-            raise ValueError(f"no built-in pipeline plan for {type(model).__name__}; pass "
-                             "plan=PipelinePlan(blocks=..., first=..., last=...)")
+        # (a ValueError naming why a model has none: every transformers decoder that ships
+        # a base_model_pp_plan has one, whether or not meshfit has its TP plan)
         pipeline_plan = pipeline_plan or pipeline_plan_for(model)
         if isinstance(tp_plan, TPPlan):
             divisible = tuple(tp_plan.divisible)

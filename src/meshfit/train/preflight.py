@@ -234,10 +234,13 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
                          "tensor-parallel plan; give one as model.tp_plan = "
                          "\"module:PLAN\" (a TPPlan or {module pattern: style}; in "
                          "your own loop: Accelerator(tp_plan=PLAN))")
-    if dims.pp > 1 and pp_plan is None and not builtin:
-        raise ValueError(f"parallel.pp={dims.pp}: {name} has no built-in pipeline plan; give one "
-                         "as model.pipeline_plan = \"module:PLAN\" (a PipelinePlan; in your own "
-                         "loop: accelerator.prepare_pipeline(model, plan=PLAN, ...))")
+    if dims.pp > 1 and pp_plan is None:
+        # the model's own plan: meshfit's GPT, GPT-2, or read from transformers' pp plan
+        from meshfit.parallel.pp import pp_problem
+
+        problem = pp_problem(model, 1)  # (stages vs layers: check_model below, by field)
+        if problem:
+            raise ValueError(f"parallel.pp={dims.pp}: {problem}")
     if dims.ep > 1:  # a dense family, a MoE class meshfit has not mapped, ep not dividing
         problem = ep_problem(model, dims.ep, "parallel.ep")
         if problem:

@@ -35,6 +35,8 @@ from meshfit.models.plans.base import (REPLICATE, SHARD_LAST, PipelinePlan, Styl
 from meshfit.models.plans.gpt import gpt_pipeline_plan, gpt_plan
 from meshfit.models.plans.hf import (hf_gpt2_pipeline_plan, hf_gpt2_plan, hf_llama_pipeline_plan,
                                      hf_llama_plan, hf_moe_pipeline_plan, hf_moe_plan)
+from meshfit.models.plans.transformers_pp import (pipeline_plan_problem,
+                                                  transformers_pipeline_plan)
 
 __all__ = ["PipelinePlan", "Style", "TPPlan", "adapted_model", "colwise", "divisibility_problem",
            "gather_sequence", "gpt_pipeline_plan", "gpt_plan", "hf_gpt2_pipeline_plan",
@@ -167,13 +169,22 @@ def _matches_pattern(pattern: str, name: str) -> bool:
 
 
 def pipeline_plan_for(model: nn.Module) -> PipelinePlan:
-    """The built-in pipeline plan for `model`'s type; ValueError naming the supported types
-    and how to pass a plan."""
+    """The built-in pipeline plan for `model`: meshfit's GPT and transformers' GPT-2 have
+    theirs written out; every other transformers decoder's is read from its own
+    ``config.base_model_pp_plan`` (`transformers_pipeline_plan`). ValueError naming why not
+    (`pipeline_plan_problem`), what works instead and how to pass a plan."""
     _refuse_peft(model, "pipeline parallel")
-    build = {"gpt": gpt_pipeline_plan, "llama": hf_llama_pipeline_plan,
-             "gpt2": hf_gpt2_pipeline_plan, "moe": hf_moe_pipeline_plan}.get(_family(model))
-    if build is None:
-        raise ValueError(f"no built-in pipeline plan for {type(model).__name__}; built-in: "
-                         f"{_BUILT_IN}; pass plan=PipelinePlan(blocks=..., first=..., last=...)"
-                         " to prepare_pipeline / build_pipeline")
-    return build(model)
+    if isinstance(model, GPT):
+        return gpt_pipeline_plan(model)
+    hf = sys.modules.get("transformers")  # (only looked at when the model came from it)
+    if hf is not None and isinstance(model, hf.GPT2LMHeadModel):
+        return hf_gpt2_pipeline_plan(model)
+    if hf is not None and isinstance(model, hf.PreTrainedModel):
+        problem = pipeline_plan_problem(model)
+        if problem is None:
+            return transformers_pipeline_plan(model)
+        raise ValueError(f"no built-in pipeline plan for {type(model).__name__}: {problem}")
+    raise ValueError(f"no built-in pipeline plan for {type(model).__name__}; built-in: meshfit "
+                     "GPT, transformers GPT-2 and every transformers decoder that ships a "
+                     "base_model_pp_plan; pass plan=PipelinePlan(blocks=..., first=..., "
+                     "last=...) to prepare_pipeline / build_pipeline")

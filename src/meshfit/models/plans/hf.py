@@ -11,11 +11,14 @@ be the global length. GPT-2's fused ``c_attn`` (q|k|v in one Conv1D) is re-laid 
 each rank holds q, k and v of its own heads (``fused=3``); the global view of that weight is
 then head-grouped, and `meshfit.models.plans.regroup.unfuse_columns` restores the HF layout.
 
-Pipeline parallel: a stage is the model itself with the blocks of other stages removed
-(the kept ones under their original indices), its forward called with ``inputs_embeds`` on
-every stage but the first, and identity stand-ins for the parts it does not hold: the final
-norm and head before the last stage, and for GPT-2 a zero position table and no dropout
-after the first (the first stage already added positions and applied dropout).
+Pipeline parallel: Llama, Qwen2, Mistral, Mixtral and Qwen2-MoE, as every transformers
+decoder that ships a ``base_model_pp_plan``, get their plan from it
+(`meshfit.models.plans.transformers_pp`). GPT-2 ships none: its plan is written here, a stage
+being the model itself with the blocks of other stages removed (the kept ones under their
+original indices), its forward called with ``inputs_embeds`` after the first stage, and
+stand-ins for the parts it does not hold: the final norm and head before the last stage, a
+zero position table and no dropout after the first (the first stage already added positions
+and applied dropout).
 
 Mixture of experts (Mixtral, Qwen2-MoE), without expert parallelism: see `hf_moe_plan`. The
 routed experts (transformers 5 holds them fused, ``experts.gate_up_proj`` [E, 2F, d] and
@@ -43,6 +46,7 @@ from meshfit.models.plans.base import (REPLICATE, SHARD_SEQ, PipelinePlan, Style
                                        colwise, gather_sequence, prepare_input, replicate,
                                        replicate_local, rowwise, sequence)
 from meshfit.models.plans.gpt import head
+from meshfit.models.plans.transformers_pp import transformers_pipeline_plan
 
 __all__ = ["hf_gpt2_pipeline_plan", "hf_gpt2_plan", "hf_llama_pipeline_plan",
            "hf_llama_plan", "hf_moe_pipeline_plan", "hf_moe_plan"]
@@ -241,15 +245,6 @@ def _stage_forward(forward, x: torch.Tensor, **extra) -> torch.Tensor:
     return forward(input_ids=x, use_cache=False, **extra).logits
 
 
-def hf_llama_pipeline_plan(model: nn.Module) -> PipelinePlan:
-    """Blocks ``model.layers``; ``model.embed_tokens`` first; ``model.norm`` and ``lm_head``
-    last; ``model.rotary_emb`` (buffers only) on every stage."""
-    return PipelinePlan(blocks="model.layers", first=("model.embed_tokens",),
-                        last=("model.norm", "lm_head"),
-                        stand_ins={"model.norm": nn.Identity, "lm_head": nn.Identity},
-                        forward=_stage_forward)
-
-
 def hf_gpt2_pipeline_plan(model: nn.Module) -> PipelinePlan:
     """Blocks ``transformer.h``; ``wte``, ``wpe`` and the embedding dropout first;
     ``transformer.ln_f`` and ``lm_head`` (tied to ``wte``: a second copy, kept equal) last."""
@@ -261,26 +256,15 @@ def hf_gpt2_pipeline_plan(model: nn.Module) -> PipelinePlan:
         forward=_stage_forward)
 
 
-def _moe_stage_forward(forward, x: torch.Tensor) -> torch.Tensor:
-    """`_stage_forward` without router logits (a pipeline's loss is the cross-entropy of the
-    last stage's logits; the load-balancing loss of each stage's routers is not in it)."""
-    stage = getattr(forward, "__self__", None)
-    types = getattr(getattr(stage, "config", None), "layer_types", None)
-    if stage is not None and types and len(set(types)) > 1:
-        # Qwen2-MoE's forward picks each layer's mask by its position in the stage's list.
-        kept = [int(k) for k, m in child_slots(stage.get_submodule("model.layers")).items()
-                if m is not None]
-        if [types[i] for i in kept] != list(types[:len(kept)]):
-            raise ValueError(f"{type(stage).__name__} with layer_types mixing "
-                             f"{sorted(set(types))} cannot be cut into pipeline stages: its "
-                             "forward picks a layer's attention mask by the layer's position "
-                             "within the stage; use one attention type for all layers, or no "
-                             "pipeline parallel")
-    return _stage_forward(forward, x, output_router_logits=False)
+def hf_llama_pipeline_plan(model: nn.Module) -> PipelinePlan:
+    """Llama, Qwen2, Mistral (and every transformers decoder with a ``base_model_pp_plan``):
+    `meshfit.models.plans.transformers_pp.transformers_pipeline_plan`, the one way such a
+    plan is made (blocks ``model.layers``; ``model.embed_tokens`` first; ``model.norm`` and
+    ``lm_head`` last; ``model.rotary_emb`` on every stage)."""
+    return transformers_pipeline_plan(model)
 
 
 def hf_moe_pipeline_plan(model: nn.Module) -> PipelinePlan:
-    """Llama's cut (blocks ``model.layers``, embedding first, final norm and head last) for
-    `MixtralForCausalLM` and `Qwen2MoeForCausalLM`; stages run without router logits, so a
-    pipeline trains on the cross-entropy only (no load-balancing loss)."""
-    return dataclasses.replace(hf_llama_pipeline_plan(model), forward=_moe_stage_forward)
+    """Mixtral, Qwen2-MoE: `transformers_pipeline_plan`, whose stages run without router
+    logits (a pipeline trains on the cross-entropy only, no load-balancing loss)."""
+    return transformers_pipeline_plan(model)

@@ -14,7 +14,7 @@ import copy
 import functools
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +24,11 @@ from meshfit._compat import nn as nn_internals
 from meshfit.distributed.tensors import names_by_parameter
 from meshfit.models.config import GPTConfig
 from meshfit.models.plans import PipelinePlan, pipeline_plan_for
+from meshfit.models.plans.transformers_pp import pipeline_plan_problem
+from meshfit.models.plans.stage import StageBlocks
 from meshfit.parallel.pp.schedule import _sync
 
-__all__ = ["StageBlocks", "block_times", "build_stage_module", "split_points"]
+__all__ = ["StageBlocks", "block_times", "build_stage_module", "pp_problem", "split_points"]
 
 
 def resolve_plan(model: nn.Module, plan: PipelinePlan | None) -> PipelinePlan:
@@ -37,6 +39,37 @@ def resolve_plan(model: nn.Module, plan: PipelinePlan | None) -> PipelinePlan:
         raise ValueError(f"the blocks of {type(model).__name__} at {plan.blocks!r} are keyed "
                          f"{keys[:4]}...; a pipeline needs them keyed '0'..'L-1' in order")
     return plan
+
+
+def pp_problem(model_or_config, pp: int, virtual_stages: int = 1) -> str | None:
+    """Why `model_or_config` cannot be cut into ``pp * virtual_stages`` pipeline stages, in one
+    line (None: it can): a model (meshfit's GPT, any transformers causal LM), a `GPTConfig`
+    or a transformers configuration. Refused: a model without a pipeline plan (a transformers
+    family that ships no ``base_model_pp_plan``, an encoder-decoder, a linear-attention or
+    state-space hybrid; `meshfit.models.plans.transformers_pp.pipeline_plan_problem`), and
+    more stages than layers (each stage holds at least one)."""
+    what = type(model_or_config).__name__
+    if isinstance(model_or_config, GPTConfig):
+        n = model_or_config.n_layer
+    elif isinstance(model_or_config, nn.Module):
+        try:
+            plan = pipeline_plan_for(model_or_config)
+        except ValueError as err:
+            return str(err)
+        n = len(plan.blocks_of(model_or_config))
+    else:  # a transformers configuration (GPT-2's plan is meshfit's own)
+        problem = (None if getattr(model_or_config, "model_type", None) == "gpt2"
+                   else pipeline_plan_problem(model_or_config))
+        if problem:
+            return f"no built-in pipeline plan for {what}: {problem}"
+        n = model_or_config.num_hidden_layers
+    stages = pp * virtual_stages
+    if stages > n:
+        count = f"pp={pp}" if virtual_stages == 1 else \
+            f"pp={pp} x virtual_stages={virtual_stages} = {stages} stages"
+        return (f"{count} exceeds the {n} layers of {what} (each stage holds at least one); "
+                f"use pp*virtual_stages <= {n}")
+    return None
 
 
 def _block_items(blocks: nn.Module) -> dict[str, nn.Module]:
@@ -52,20 +85,6 @@ def _submodule(model: nn.Module, path: str) -> nn.Module | None:
 
 def _params(module: nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())
-
-
-class StageBlocks(nn.ModuleList):
-    """A stage's blocks cut from a `ModuleList`, keyed by their indices in the full model so
-    that parameter names stay the full model's; iterated and indexed by position like the
-    list the model's forward expects."""
-
-    def __init__(self, blocks: Mapping[str, nn.Module]):
-        super().__init__()
-        for key, block in blocks.items():
-            self.add_module(key, block)
-
-    def __getitem__(self, idx):
-        return list(iter(self))[idx]  # by position, not key; a slice gives a plain list
 
 
 # ---------------------------------------------------------------------------- splitting
