@@ -1,0 +1,65 @@
+"""Workers of the tensor-parallel family matrix (tests/parallel/test_tp_families.py), in a
+module of their own so that test_tp.py's spawn can run them beside its own cases.
+
+Every rank builds the tiny fp64 model of each family (`meshfit.models.families`) from one
+seed, keeps a deep copy as the one-process reference, lays the other out with meshfit's
+plan for it (`plan_for`: the general transformers path) and trains both for 3 AdamW steps on
+the same batch; the loss is the float64 cross-entropy of the logits (`tp_cross_entropy`,
+vocabulary-parallel under loss parallel; the one-process reference takes the same path on
+its plain logits), not transformers' own, which upcasts to float32.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from reference import token_batches
+from meshfit.models.families import tiny_model
+from meshfit.parallel.tp import apply_tp, tp_cross_entropy
+
+STEPS, B, T, VOCAB, LR = 3, 2, 8, 128, 1e-3
+
+
+def _train(model, x, y, steps: int = STEPS) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(steps):
+        loss = tp_cross_entropy(model(input_ids=x, use_cache=False).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def weight_gaps(model, ref) -> tuple[str, float, int]:
+    """(name, gap) of the parameter farthest from the reference's, and how many compared."""
+    theirs = dict(ref.named_parameters())
+    gaps = {n: (_full(p.detach()) - theirs[n].detach()).abs().max().item()
+            for n, p in model.named_parameters()}
+    worst = max(gaps, key=gaps.get)
+    return worst, gaps[worst], len(gaps)
+
+
+def families_tp(rank, world_size, families, sp: bool, lp: bool):
+    """Worker: each family under tp=world_size (sequence / loss parallel as given) against
+    one process: {family: dict(ref=losses, tp=losses, worst=(name, gap, n))}."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    x, y = token_batches(B, T, VOCAB, seed=1)
+    y[0, 3] = -100  # an ignored target: both losses must skip it alike
+    out = {}
+    for family in families:
+        model = tiny_model(family, seed=0)
+        ref = copy.deepcopy(model)
+        apply_tp(model, mesh, sequence_parallel=sp, loss_parallel=lp)
+        out[family] = dict(ref=_train(ref, x, y), tp=_train(model, x, y),
+                           worst=weight_gaps(model, ref))
+    return out
