@@ -63,3 +63,61 @@ def families_tp(rank, world_size, families, sp: bool, lp: bool):
         out[family] = dict(ref=_train(ref, x, y), tp=_train(model, x, y),
                            worst=weight_gaps(model, ref))
     return out
+
+
+def lora_tp(rank, world_size, family: str):
+    """Worker: LoRA (meshfit.peft.lora, every block linear) on `family` under tp with
+    sequence parallel, 3 AdamW steps on the adapters, B drawn non-zero (so A trains from the
+    first step), against the same in one process: losses and the final adapter weights."""
+    from meshfit.peft import lora
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    x, y = token_batches(B, T, VOCAB, seed=1)
+    ref = lora(tiny_model(family, seed=0), r=2)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    model = copy.deepcopy(ref)
+    apply_tp(model, mesh, sequence_parallel=True)
+    adapters = sum(1 for n, p in model.named_parameters() if p.requires_grad)
+    return dict(ref=_train(ref, x, y), tp=_train(model, x, y), adapters=adapters,
+                worst=weight_gaps(model, ref))
+
+
+def zero3_tp_export(rank, world_size, families, root: str, exported: tuple):
+    """Worker on 4 ranks: tp=2 x ZeRO-3 (dp_shard=2) through the Accelerator, each data rank
+    its half of each step's global batch; per family the losses, the full state dict and,
+    for the `exported` families, the trained model's logits on a probe with its folder
+    written by `save_model_folder` (what `meshfit train` writes) for `from_pretrained`."""
+    from meshfit import Accelerator, ParallelDims
+    from meshfit.checkpoint.saved import save_model_folder
+
+    gx, gy = token_batches(STEPS * 2 * B, T, VOCAB, seed=1)
+    probe = token_batches(2, T, VOCAB, seed=5)[0]
+    out = {}
+    for family in families:
+        acc = Accelerator(parallel=ParallelDims(dp_shard=2, tp=2, dp_replicate=1),
+                          zero_stage=3, sequence_parallel=True)
+        model = acc.prepare(tiny_model(family, seed=0))
+        opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
+        losses = []
+        for step in range(STEPS):
+            rows = slice(step * 2 * B + acc.runtime.dp_rank * B,
+                         step * 2 * B + (acc.runtime.dp_rank + 1) * B)
+            loss = tp_cross_entropy(model(input_ids=gx[rows], use_cache=False).logits, gy[rows])
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(acc.reduce(loss.detach(), reduction="mean").item())
+        state = acc.get_state_dict(model)
+        res = {"losses": losses, "state": state}
+        if family in exported:
+            with torch.no_grad():
+                res["logits"] = _full(model(input_ids=probe, use_cache=False).logits).clone()
+            if rank == 0:
+                save_model_folder(f"{root}/{family}", state, acc.unwrap_model(model))
+            torch.distributed.barrier()
+        out[family] = res
+    return out

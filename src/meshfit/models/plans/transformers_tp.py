@@ -234,9 +234,10 @@ def _sublayer(model, name: str, module: nn.Module, planned, sp: bool) -> dict:
     split_heads = any(s == "colwise" for s in inner.values())
     styles: dict[str, Style] = {name: gather_input()} if sp else {}
     for sub_name, sub in module.named_modules(prefix=name):
-        if not _own_params(sub):
-            continue
         style = inner.get(sub_name)
+        if style is None and (not _own_params(sub) or
+                              any(sub_name.startswith(n + ".") for n in inner)):
+            continue  # (inside a planned module: a LoRA layer's base and adapters)
         if style == "replicated_with_grad_allreduce":
             styles[sub_name] = _head_norm(model, sub_name, sub)
         elif style is not None:
