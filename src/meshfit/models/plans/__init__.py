@@ -116,8 +116,9 @@ def tp_problem(model_or_config, tp: int) -> str | None:
             return str(err)
         return divisibility_problem(plan.divisible, tp) if tp > 1 else None
     if isinstance(model, nn.Module) and not _is_transformers(model):
-        return (f"no built-in tensor-parallel plan for {type(model).__name__}; pass "
-                "plan={module pattern: Style} to apply_tp, or Accelerator(tp_plan=...)")
+        return (f"no built-in tensor-parallel plan for {type(model).__name__} (meshfit's GPT, "
+                "transformers GPT-2 and the transformers decoders that ship a plan have one); "
+                "ZeRO (parallel.dp_shard) and DDP work for it")
     return hf_tp_problem(model, tp)
 
 
