@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 
 from meshfit._compat.nn import child_slots
@@ -375,7 +376,6 @@ def _divisible(model, styles: dict[str, Style], layers: str, split_attn: list[st
 
 def meta_model(config):
     """A model of `config` on the meta device: its module tree, no memory."""
-    import torch
     import transformers
 
     with torch.device("meta"):
