@@ -356,8 +356,6 @@ def _divisible(model, styles: dict[str, Style], layers: str, split_attn: list[st
         kv = getattr(cfg, "num_key_value_heads", None)
         if kv not in (None, cfg.num_attention_heads):
             out.append((f"{cls}.num_key_value_heads", kv, "heads"))
-    fields = {v: k for k, v in sorted(vars(cfg).items(), reverse=True)
-              if isinstance(v, int) and not isinstance(v, bool) and k.endswith("size")}
     names = dict(model.named_modules())
     for key, style in styles.items():
         if style.kind not in ("colwise", "rowwise") or not key.startswith(layers + ".") or \
@@ -366,12 +364,21 @@ def _divisible(model, styles: dict[str, Style], layers: str, split_attn: list[st
         for name, module in names.items():
             if isinstance(module, nn.Linear) and _match(key, name):
                 width = module.out_features if style.kind == "colwise" else module.in_features
-                label = f"{cls}.{fields[width]}" if width in fields else f"{key}.features"
+                label = f"{cls}.{_field(cfg, width, key) or key + '.features'}"
                 if (label, width, "width") not in out:
                     out.append((label, width, "width"))
                 break
     out.append((f"{cls}.vocab_size", cfg.vocab_size, "vocab"))
     return tuple(out)
+
+
+def _field(cfg, width: int, key: str) -> str | None:
+    """The configuration field holding a split width, the one that names the module's part
+    where several hold the same value (a shared expert's, an expert's, the dense MLP's)."""
+    fields = [k for k, v in vars(cfg).items() if k.endswith("size") and v == width
+              and isinstance(v, int) and not isinstance(v, bool)]
+    prefer = "shared" if "shared" in key else "moe" if "expert" in key else "intermediate"
+    return min(fields, key=lambda k: (prefer not in k, len(k)), default=None)
 
 
 def meta_model(config):
