@@ -196,3 +196,18 @@ def test_a_tp_trained_model_exports_a_folder_from_pretrained_loads(zero3xtp2, fa
     for rank in range(4):  # every rank computed the same logits as the loaded model
         gap = (per_rank[rank][family]["logits"] - logits).abs().max().item()
         assert gap < ATOL, (rank, gap)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3", "deepseek_v3"])
+def test_meshfit_train_takes_the_families_to_launch_with_tp2(cli_refusal, tmp_path, family):
+    """`meshfit train --parallel.tp=2 --parallel.sequence_parallel=true` on a family's config
+    passes every check before launch (on main: "has no built-in tensor-parallel plan"); the
+    runs themselves are the matrix above."""
+    from meshfit.models.families import tiny_config
+
+    tiny_config(family, vocab_size=512).save_pretrained(tmp_path / "model")
+    with pytest.raises(AssertionError, match="the arguments were accepted"):
+        cli_refusal("train", "--nproc", "2", "--out", str(tmp_path / "run"),
+                    f"--model.hf_config={tmp_path}/model", "--parallel.dp_replicate=1",
+                    "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                    "--train.seq_len=16")
