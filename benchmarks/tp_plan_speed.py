@@ -127,6 +127,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     from meshfit.distributed.spawn import spawn
 
+    torch.set_num_threads(1)  # what each rank runs with (recorded by machine_info)
     res = spawn(_worker, 2, args, timeout=1800, cpu=True)[0]
     med = {n: _common.median(t) for n, t in res["times"].items()}
     ratio = med["general"] / med["hand-written"]

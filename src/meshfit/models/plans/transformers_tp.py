@@ -62,7 +62,6 @@ MAPPED_STYLES = {
 }
 """transformers' tensor-parallel styles meshfit maps, and what it does for each."""
 
-_SUBLAYER_ROW = "row"  # rowwise output of a decoder sub-layer: onto the sequence under SP
 _WORKS = "ZeRO (parallel.dp_shard) and DDP work for it"
 _HYBRID = ("linear", "mamba", "ssm", "conv", "recurrent", "rwkv", "delta")
 
@@ -100,6 +99,10 @@ def tp_refusal(config) -> str | None:
     if not plan:
         return (f"{head_} ships no tensor-parallel plan (config.base_model_tp_plan); give "
                 f"one as model.tp_plan = \"module:PLAN\"; {_WORKS}")
+    return _unmapped(plan, head_)
+
+
+def _unmapped(plan: dict[str, str], head_: str) -> str | None:
     unmapped = sorted({f"{s!r} ({k})" for k, s in plan.items() if s not in MAPPED_STYLES})
     if unmapped:
         return (f"{head_}'s plan uses style {', '.join(unmapped)}, which meshfit has not "
@@ -322,7 +325,11 @@ def transformers_tp_plan(model: nn.Module, *, sequence_parallel: bool = False,
     problem = tp_refusal(model.config)
     if problem:
         raise Unsupported(problem)
-    plan = _hf_plan(model)
+    plan = _hf_plan(model)  # the configuration's plan with the class's (and a user's edits)
+    problem = _unmapped(plan, f"tensor parallel: {model.config.model_type} "
+                              f"({type(model).__name__})")
+    if problem:
+        raise Unsupported(problem)
     layers = _layers(model, plan)
     per_layer = {}
     for index, layer in child_slots(model.get_submodule(layers)).items():
