@@ -117,16 +117,16 @@ def _match(pattern: str, name: str) -> bool:
 
 
 def _hf_plan(model) -> dict[str, str]:
-    """The model's transformers plan, keys relative to `model` (public ``tp_plan``, else the
-    configuration's with the base model's prefix)."""
-    plan = getattr(model, "tp_plan", None)
-    if isinstance(plan, dict) and plan:
-        return dict(plan)
+    """The model's transformers plan, keys relative to `model`: the configuration's
+    (``base_model_tp_plan``, under the base model's prefix) updated with the model's public
+    ``tp_plan`` (the class's head entry; a user's edits), which some models leave without
+    the configuration's entries."""
     prefix = getattr(model, "base_model_prefix", "")
-    base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-    if prefix and hasattr(model, prefix):
-        base = {f"{prefix}.{k}": v for k, v in base.items()}
-    return base
+    plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    own = getattr(model, "tp_plan", None)
+    return {**plan, **(own if isinstance(own, dict) else {})}
 
 
 def _holds_params(module: nn.Module | None) -> bool:
