@@ -214,7 +214,8 @@ def _moe_block(model, block: str, module: nn.Module, planned, dense, sp: bool) -
     for child, sub in module.named_children():
         name = f"{block}.{child}"
         inner = {n: s for n, s in planned.items() if n.startswith(name + ".")}
-        linears = {c: m for c, m in sub.named_children() if isinstance(m, nn.Linear)}
+        linears = {c: m for c, m in sub.named_children()  # (a LoRA layer wraps its linear)
+                   if isinstance(getattr(m, "base_layer", m), nn.Linear)}
         if not _holds_params(sub):
             continue
         if planned.get(name) == "moe_tp_experts":
@@ -224,7 +225,7 @@ def _moe_block(model, block: str, module: nn.Module, planned, dense, sp: bool) -
         elif linears and set(linears) <= set(dense) and not _own_params(sub):
             styles |= {f"{name}.{c}": _split(dense[c], model, c, sp_row=False)
                        for c in linears}
-        elif isinstance(sub, nn.Linear):
+        elif isinstance(getattr(sub, "base_layer", sub), nn.Linear):
             styles[name] = replicate()  # e.g. Qwen2-MoE's shared-expert gate
         else:
             styles[name] = replicate_local()  # the router
