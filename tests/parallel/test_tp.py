@@ -27,6 +27,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from conftest import case_result, run_cases, selected
 from reference import MODELS, token_batches
+from tp_families import ATOL as FAMILY_ATOL
+from tp_families import F32_ATOL, F32_LOSS_RTOL, FLOAT32, families_tp, lora_tp
+from tp_families import RTOL as FAMILY_LOSS_RTOL
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.plans import gpt_plan
 from meshfit.models.plans.regroup import unfuse_columns
@@ -157,7 +160,14 @@ CASES = {
     "gpt2": ("gpt2", None, [(False, True), (True, False)], True),
 }
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-
+# Every transformers family of meshfit.models.families under tp=2 + sequence + loss parallel
+# with meshfit's general plan (read from the model's own transformers plan); without them,
+# the families whose plan takes a path of its own there (per-head norms, gathered fused
+# projections, a replicated attention, a parallel residual).
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2",
+            "gemma3_text", "phi3", "olmo2", "gpt_neox", "granite", "smollm3", "glm4_moe",
+            "deepseek_v3", "qwen2_moe")
+PLAIN_FAMILIES = ("qwen3", "phi3", "olmo2", "gpt_neox", "deepseek_v3")
 
 @pytest.fixture(scope="module")
 def tp2(request):
@@ -166,7 +176,11 @@ def tp2(request):
     cases = {n: (_compare, *CASES[n][:3]) for n in names}
     cases["bad-input"] = (_bad_inputs,)  # well under a second
     cases["lora"] = (_lora_grads,)
-    return run_cases(cases, 2, timeout=240)
+    if HAS_TRANSFORMERS:  # the family matrix (tests/parallel/tp_families.py): ~30 s
+        cases["families"] = (families_tp, list(FAMILIES), True, True)
+        cases["families-plain"] = (families_tp, list(PLAIN_FAMILIES), False, False)
+        cases["lora-qwen3"] = (lora_tp, "qwen3")
+    return run_cases(cases, 2, timeout=300)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -175,6 +189,41 @@ def test_tp2_matches_single_process(tp2, case):
     if kind != "gpt":
         pytest.importorskip("transformers")
     _check(case_result(tp2, case), kind, expect_tied=tied)
+
+
+def _family_check(r: dict, family: str) -> None:
+    loss_rtol, atol = (F32_LOSS_RTOL, F32_ATOL) if family in FLOAT32 else \
+        (FAMILY_LOSS_RTOL, FAMILY_ATOL)
+    for ref, tp in zip(r["ref"], r["tp"], strict=True):
+        assert math.isclose(ref, tp, rel_tol=loss_rtol), (family, r["ref"], r["tp"])
+    name, gap, n = r["worst"]
+    assert gap < atol, (family, name, gap)
+    assert r["ref"][-1] < r["ref"][0], family  # it trained
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_under_tp2_sp_lp_matches_one_process(tp2, family):
+    """fp64 tiny model of each family, tp=2 with sequence and loss parallel, the general
+    plan: 3 AdamW steps give one process's losses and final weights (all of them)."""
+    pytest.importorskip("transformers")
+    results = case_result(tp2, "families")
+    _family_check(results[0][family], family)
+    assert results[0][family]["tp"] == results[1][family]["tp"]  # both ranks alike
+
+
+@pytest.mark.parametrize("family", PLAIN_FAMILIES)
+def test_families_under_plain_tp2_match_one_process(tp2, family):
+    pytest.importorskip("transformers")
+    _family_check(case_result(tp2, "families-plain")[0][family], family)
+
+
+def test_lora_under_tp_on_qwen3(tp2):
+    """LoRA on Qwen3 (per-head q/k norms between its split projections) under tp=2 + SP:
+    the adapters train as in one process (losses, final adapter and base weights)."""
+    pytest.importorskip("transformers")
+    r = case_result(tp2, "lora-qwen3")[0]
+    assert r["adapters"] == 2 * 2 * 7  # 2 layers x (q k v o gate up down) x (A, B)
+    _family_check(r, "qwen3")
 
 
 def _lora_grads(rank, world_size):

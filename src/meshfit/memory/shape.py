@@ -30,7 +30,7 @@ from meshfit.distributed.tensors import names_by_parameter
 from meshfit.models.config import GPTConfig
 from meshfit.models.factory import import_object
 from meshfit.models.gpt import GPT
-from meshfit.models.plans import has_builtin_plans, pipeline_plan_for, plan_for
+from meshfit.models.plans import has_pipeline_plan, has_tp_plan, pipeline_plan_for, plan_for
 
 __all__ = ["ModelShape", "block_linears"]
 
@@ -158,21 +158,21 @@ class ModelShape:
     @classmethod
     def from_module(cls, model: nn.Module, name: str | None = None) -> ModelShape:
         """From a model (on the meta device is enough) with a decoder-block structure: the
-        built-in plans' (reference GPT, Llama, Qwen2, Mistral, GPT-2) or, for another model,
+        built-in plans' (reference GPT, GPT-2, each transformers decoder's own) or, for another,
         its largest ModuleList of blocks and a config with the usual size names."""
         name = name or type(model).__name__
         params = _count(model, set())
         blocks = list(_children(_blocks(model)[1]))
-        if has_builtin_plans(model):
+        first = last = 0
+        if has_pipeline_plan(model):
             pp_plan = pipeline_plan_for(model)
             first = sum(_count(_get(model, n), set()) for n in pp_plan.first)
             last_seen: set[int] = set()
             last = sum(_count(_get(model, n), last_seen) for n in pp_plan.last)
+        tp_styles, divisible = {}, ()
+        if has_tp_plan(model):
             tp_plan = plan_for(model)
             tp_styles, divisible = tp_plan.styles, tuple(tp_plan.divisible)
-        else:
-            first = last = 0
-            tp_styles, divisible = {}, ()
         block = max(_count(b, set()) for b in blocks)
         tied = any(len(names) > 1 for names in names_by_parameter(model))
         sizes = _sizes(model)
@@ -196,7 +196,7 @@ class ModelShape:
 def _blocks(model: nn.Module) -> tuple[str, nn.Module]:
     """(name, container) of `model`'s blocks: its built-in pipeline plan's, else its largest
     ModuleList (or ModuleDict); ValueError where it has none."""
-    if has_builtin_plans(model):
+    if has_pipeline_plan(model):
         plan = pipeline_plan_for(model)
         return plan.blocks, plan.blocks_of(model)
     best: tuple[str, nn.Module] | None = None

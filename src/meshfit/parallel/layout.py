@@ -103,19 +103,19 @@ class ModelFacts:
         ones, else the built-in ones of its type (a model without a built-in TP plan states
         no sizes; `apply_tp` then checks the plan it is given)."""
         # here: the plans and ep.py import torch, and this module is torch-free (TORCH_FREE)
-        from meshfit.models.plans import (TPPlan, adapted_model, has_builtin_plans,
+        from meshfit.models.plans import (TPPlan, adapted_model, has_tp_plan,
                                           pipeline_plan_for, plan_for)
         from meshfit.parallel.ep import moe_modules
 
         model = adapted_model(model)  # LoRA changes no block, head or width
-        builtin = has_builtin_plans(model)
+        builtin = tp_plan is None and has_tp_plan(model)
         # (a ValueError naming why a model has none: every transformers decoder that ships
         # a base_model_pp_plan has one, whether or not meshfit has its TP plan)
         pipeline_plan = pipeline_plan or pipeline_plan_for(model)
         if isinstance(tp_plan, TPPlan):
             divisible = tuple(tp_plan.divisible)
         else:
-            divisible = tuple(plan_for(model).divisible) if builtin and tp_plan is None else ()
+            divisible = tuple(plan_for(model).divisible) if builtin else ()
         return cls(n_blocks=len(pipeline_plan.blocks_of(model)), divisible=divisible,
                    experts=tuple(m.n_experts for m in moe_modules([model])))
 

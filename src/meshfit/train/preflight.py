@@ -222,18 +222,22 @@ def _check_peft(cfg, layout: Layout) -> None:
 def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
     """The model (on the meta device) has the plans its tp / pp need, and its sizes divide
     as the layout cuts them."""
-    from meshfit.models.plans import has_builtin_plans
+    from meshfit.models.plans import has_builtin_plans, plan_for, tp_problem
     from meshfit.parallel.ep import ep_problem, moe_modules
     from meshfit.train.models import check_model_source, plans, resolve_plan
 
     model = check_model_source(cfg, tokens.vocab_size(cfg))  # on the meta device
     tp_plan, pp_plan = (resolve_plan(p, model) for p in plans(cfg))
     builtin, name, dims = has_builtin_plans(model), type(model).__name__, layout.dims
-    if dims.tp > 1 and tp_plan is None and not builtin:
-        raise ValueError(f"parallel.tp={dims.tp}: {name} has no built-in "
-                         "tensor-parallel plan; give one as model.tp_plan = "
-                         "\"module:PLAN\" (a TPPlan or {module pattern: style}; in "
-                         "your own loop: Accelerator(tp_plan=PLAN))")
+    # tensor parallel: meshfit's own plan (transformers decoders: read from the model's own
+    # plan) unless the user gives one; what it cannot cover is named here, in one line
+    problem = tp_problem(model, 1) if dims.tp > 1 and tp_plan is None else None
+    if problem:
+        raise ValueError(f"parallel.tp={dims.tp}: {problem}; or give a plan as model.tp_plan"
+                         " = \"module:PLAN\" (a TPPlan or {module pattern: style}; in your "
+                         "own loop: Accelerator(tp_plan=PLAN))")
+    if dims.tp > 1 and tp_plan is None:
+        tp_plan = plan_for(model)  # its sizes (heads, widths, vocabulary) are checked below
     if dims.pp > 1 and pp_plan is None:
         # the model's own plan: meshfit's GPT, GPT-2, or read from transformers' pp plan
         from meshfit.parallel.pp import pp_problem

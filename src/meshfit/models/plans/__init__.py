@@ -3,8 +3,17 @@ pipeline stages are cut (`PipelinePlan`), for meshfit's reference model and Hugg
 
     base.py     `TPPlan`, `PipelinePlan` and the `Style` kinds
     gpt.py      meshfit's reference `GPT`
-    hf.py       Hugging Face Llama (and Qwen2, Mistral), GPT-2, Mixtral and Qwen2-MoE
+    hf.py       Hugging Face GPT-2 (tensor parallel), and the pipeline plans of Llama (and
+                Qwen2, Mistral), GPT-2, Mixtral and Qwen2-MoE
+    transformers_tp.py  the tensor-parallel plan of every other transformers decoder, read
+                from the model's own plan (``config.base_model_tp_plan``)
     regroup.py  fused projections regrouped by heads, and back
+
+How `plan_for` finds a tensor-parallel plan (a user's plan, given to ``apply_tp(plan=...)``,
+``Accelerator(tp_plan=...)`` or ``meshfit train``'s ``model.tp_plan``, is used instead of
+any of these): meshfit's `GPT` -> `gpt_plan`; transformers' GPT-2 (which ships no plan) ->
+`hf_gpt2_plan`; any other transformers model -> `transformers_tp_plan`, or a one-line
+refusal (`tp_problem`) naming the family and what works.
 
 Tensor parallel follows Megatron-LM (Shoeybi et al. 2019): attention q/k/v and MLP up/gate
 column-parallel, attention output and MLP down row-parallel, so each block needs one
@@ -30,19 +39,28 @@ from torch import nn
 
 from meshfit.models.gpt import GPT
 from meshfit.models.plans.base import (REPLICATE, SHARD_LAST, PipelinePlan, Style, TPPlan, colwise,
-                                       divisibility_problem, gather_sequence, prepare_input,
-                                       replicate, replicate_local, rowwise, sequence)
+                                       divisibility_problem, gather_input, gather_sequence,
+                                       prepare_input, replicate, replicate_local, rowwise,
+                                       sequence)
 from meshfit.models.plans.gpt import gpt_pipeline_plan, gpt_plan
 from meshfit.models.plans.hf import (hf_gpt2_pipeline_plan, hf_gpt2_plan, hf_llama_pipeline_plan,
-                                     hf_llama_plan, hf_moe_pipeline_plan, hf_moe_plan)
+                                     hf_moe_pipeline_plan)
 from meshfit.models.plans.transformers_pp import (pipeline_plan_problem,
                                                   transformers_pipeline_plan)
+from meshfit.models.plans.transformers_tp import (MAPPED_STYLES, hf_tp_problem, meta_model,
+                                                  transformers_tp_plan)
 
-__all__ = ["PipelinePlan", "Style", "TPPlan", "adapted_model", "colwise", "divisibility_problem",
-           "gather_sequence", "gpt_pipeline_plan", "gpt_plan", "hf_gpt2_pipeline_plan",
-           "hf_gpt2_plan", "has_builtin_plans", "hf_llama_pipeline_plan", "hf_llama_plan",
-           "hf_moe_pipeline_plan", "hf_moe_plan", "lora_plan", "pipeline_plan_for", "plan_for",
-           "prepare_input", "replicate", "replicate_local", "rowwise", "sequence"]
+__all__ = ["MAPPED_STYLES", "PipelinePlan", "Style", "TPPlan", "adapted_model", "colwise",
+           "divisibility_problem", "gather_input", "gather_sequence", "gpt_pipeline_plan",
+           "gpt_plan", "has_builtin_plans", "has_pipeline_plan", "has_tp_plan", "hf_gpt2_pipeline_plan",
+           "hf_gpt2_plan", "hf_llama_pipeline_plan", "hf_llama_plan", "hf_moe_pipeline_plan",
+           "hf_moe_plan", "lora_plan", "pipeline_plan_for", "plan_for", "prepare_input",
+           "pipeline_plan_problem", "replicate", "replicate_local", "rowwise", "sequence",
+           "tp_problem", "transformers_pipeline_plan", "transformers_tp_plan"]
+
+# The hand-written Llama (Qwen2, Mistral) and Mixtral / Qwen2-MoE plans were replaced by the
+# general path, which gives those families the same styles; the names stay for users.
+hf_llama_plan = hf_moe_plan = transformers_tp_plan
 
 _BUILT_IN = ("meshfit GPT, transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, "
              "GPT2LMHeadModel, MixtralForCausalLM and Qwen2MoeForCausalLM")
@@ -79,9 +97,51 @@ def _family(model: nn.Module) -> str | None:
     return None
 
 
+def _is_transformers(model) -> bool:
+    hf = sys.modules.get("transformers")
+    return hf is not None and isinstance(model, hf.PreTrainedModel)
+
+
+def tp_problem(model_or_config, tp: int) -> str | None:
+    """Why `model_or_config` (a model, a transformers configuration) cannot run tensor
+    parallel on `tp` ranks with meshfit's own plan, in one line naming the family and what
+    works instead; None when it can (a user's own plan is not considered)."""
+    model = model_or_config
+    if isinstance(model, nn.Module):
+        model = adapted_model(model)
+    elif getattr(model, "model_type", None) == "gpt2":  # a configuration: its module tree
+        model = meta_model(model)
+    if isinstance(model, nn.Module) and _family(model) in ("gpt", "gpt2"):
+        try:
+            plan = plan_for(model)
+        except ValueError as err:
+            return str(err)
+        return divisibility_problem(plan.divisible, tp) if tp > 1 else None
+    if isinstance(model, nn.Module) and not _is_transformers(model):
+        return (f"no built-in tensor-parallel plan for {type(model).__name__} (meshfit's GPT, "
+                "transformers GPT-2 and the transformers decoders that ship a plan have one); "
+                "ZeRO (parallel.dp_shard) and DDP work for it")
+    return hf_tp_problem(model, tp)
+
+
+def has_tp_plan(model: nn.Module) -> bool:
+    """Whether meshfit has a tensor-parallel plan for `model` (any tp; sizes not checked)."""
+    return tp_problem(model, 1) is None
+
+
+def has_pipeline_plan(model: nn.Module) -> bool:
+    """Whether meshfit has a pipeline plan for `model` (`pipeline_plan_for`)."""
+    try:
+        pipeline_plan_for(model)
+    except ValueError:
+        return False
+    return True
+
+
 def has_builtin_plans(model: nn.Module) -> bool:
-    """Whether meshfit has tensor- and pipeline-parallel plans for `model`'s type."""
-    return _family(model) is not None
+    """Whether meshfit has both a tensor-parallel plan (`has_tp_plan`) and a pipeline plan
+    (`has_pipeline_plan`) for `model`; ask each for its axis alone."""
+    return has_tp_plan(model) and has_pipeline_plan(model)
 
 
 def _refuse_peft(model: nn.Module, what: str) -> None:
@@ -94,20 +154,25 @@ def _refuse_peft(model: nn.Module, what: str) -> None:
 
 def plan_for(model: nn.Module, *, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> TPPlan:
-    """The built-in tensor-parallel plan for `model`'s type; ValueError naming the supported
-    types and how to pass a plan. A LoRA model (peft.PeftModel): its base model's plan with
+    """meshfit's tensor-parallel plan for `model` (see the module docstring for the order);
+    ValueError in one line where there is none (`tp_problem` says why). A LoRA model (peft.PeftModel): its base model's plan with
     each adapted linear's adapters laid out to match (`lora_plan`)."""
     base = adapted_model(model)
     if base is not model:
         return lora_plan(plan_for(base, sequence_parallel=sequence_parallel,
                                   loss_parallel=loss_parallel), model)
-    build = {"gpt": gpt_plan, "llama": hf_llama_plan, "gpt2": hf_gpt2_plan,
-             "moe": hf_moe_plan}.get(_family(model))
-    if build is None:
+    family = _family(model)
+    if family in ("gpt", "gpt2"):
+        build = gpt_plan if family == "gpt" else hf_gpt2_plan
+        return build(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if not _is_transformers(model):
         raise ValueError(f"no built-in tensor-parallel plan for {type(model).__name__}; "
-                         f"built-in: {_BUILT_IN}; pass plan={{module pattern: Style or "
-                         "ParallelStyle}} to apply_tp, or Accelerator(tp_plan=...)")
-    return build(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+                         "built-in: meshfit GPT, transformers GPT-2 and every transformers "
+                         "decoder that ships a tensor-parallel plan; pass plan={module "
+                         "pattern: Style or ParallelStyle} to apply_tp, or "
+                         "Accelerator(tp_plan=...)")
+    return transformers_tp_plan(model, sequence_parallel=sequence_parallel,
+                                loss_parallel=loss_parallel)
 
 
 _LORA_PREFIX = "base_model.model."  # where a PeftModel keeps the model it adapts

@@ -22,13 +22,14 @@ import torch
 from torch import nn
 
 __all__ = ["PipelinePlan", "Style", "TPPlan", "colwise", "divisibility_problem",
-           "gather_sequence", "prepare_input", "replicate", "replicate_local", "rowwise",
-           "sequence"]
+           "gather_input", "gather_sequence", "prepare_input", "replicate", "replicate_local",
+           "rowwise", "sequence"]
 
 Placement = str  # "replicate" | "shard(<dim>)"
 Layouts = Union[Placement, tuple[Union[Placement, None], ...], None]
 StyleKind = Literal["colwise", "rowwise", "replicate", "sequence", "prepare_input",
-                    "conv1d_colwise", "conv1d_rowwise", "replicate_local", "gather_sequence"]
+                    "conv1d_colwise", "conv1d_rowwise", "replicate_local", "gather_sequence",
+                    "gather_input"]
 REPLICATE, SHARD_SEQ, SHARD_FIRST, SHARD_LAST = "replicate", "shard(1)", "shard(0)", "shard(-1)"
 
 
@@ -41,7 +42,10 @@ class Style:
       to ``output="shard(1)"`` under sequence parallel); an embedding's vocabulary split.
     - ``replicate``: parameters replicated (norms, position tables), the output redistributed
       to `output`.
-    - ``sequence``: a norm or dropout on a sequence shard (Korthikanti et al. 2022).
+    - ``sequence``: a norm or dropout on a sequence shard (Korthikanti et al. 2022);
+      ``input="shard(2)"``: a norm on a shard of dim 2 instead, the heads of [B, T, H, hd]
+      (Qwen3's per-head q/k norms after a column-parallel q/k: each rank normalises its own
+      heads, the weight's gradient is summed over the ranks).
     - ``prepare_input``: no parameters; the module's inputs redistributed from `input` to
       `desired` (e.g. the sequence all-gather before attention).
     - ``conv1d_colwise`` / ``conv1d_rowwise``: the same for Hugging Face's transposed
@@ -49,6 +53,10 @@ class Style:
     - ``replicate_local``: parameters replicated, but the module computes on their local
       tensors and plain inputs (a mixture-of-experts router or experts module, whose
       data-dependent indexing DTensor cannot run); every tp rank computes the same.
+      ``output="shard(1)"``: its output handed back as each rank's sequence shard (a whole
+      attention kept replicated under sequence parallel).
+    - ``gather_input``: no parameters; under sequence parallel the module's hidden-state
+      input (first positional argument or ``hidden_states`` keyword) all-gathered.
     - ``gather_sequence``: no parameters; under sequence parallel a module that needs the
       whole sequence (a mixture-of-experts block) gets its sequence-sharded input gathered
       as a plain tensor and hands back its slice of the output (`local_output`: plain or
@@ -84,9 +92,9 @@ def _maker(kind: str) -> Callable[..., Style]:
     return make
 
 
-colwise, rowwise, replicate, replicate_local, gather_sequence, sequence, prepare_input = map(
-    _maker, ("colwise", "rowwise", "replicate", "replicate_local", "gather_sequence",
-             "sequence", "prepare_input"))
+(colwise, rowwise, replicate, replicate_local, gather_sequence, sequence, prepare_input,
+ gather_input) = map(_maker, ("colwise", "rowwise", "replicate", "replicate_local",
+                              "gather_sequence", "sequence", "prepare_input", "gather_input"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,15 +1,15 @@
-"""Plans for Hugging Face `LlamaForCausalLM`, `GPT2LMHeadModel` and the mixture-of-experts
-decoders `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (transformers 5.x module names).
+"""Plans for Hugging Face `GPT2LMHeadModel` (tensor and pipeline parallel) and the pipeline
+plans of `LlamaForCausalLM` (Qwen2, Mistral) and the mixture-of-experts decoders
+`MixtralForCausalLM` and `Qwen2MoeForCausalLM` (transformers 5.x module names). The
+tensor-parallel plans of every transformers decoder but GPT-2 (which ships none) are read from
+the model's own plan: `meshfit.models.plans.transformers_tp`.
 
-Tensor parallel: Hugging Face ships its own string-based TP plans (`config.base_model_tp_plan`,
-`model._tp_plan`, applied by `from_pretrained(tp_plan="auto")`); they replace module
-forwards, gather the full logits ("colwise_gather_output") and have no sequence parallel for
-Llama, so meshfit uses PyTorch's styles with the same module split instead. Under sequence
-parallel the residual stream stays a DTensor (``local_output=False``): the models' forward
-reads the sequence length from the embedding output to build positions and masks, which must
-be the global length. GPT-2's fused ``c_attn`` (q|k|v in one Conv1D) is re-laid out so that
-each rank holds q, k and v of its own heads (``fused=3``); the global view of that weight is
-then head-grouped, and `meshfit.models.plans.regroup.unfuse_columns` restores the HF layout.
+Tensor parallel of GPT-2: under sequence parallel the residual stream stays a DTensor
+(``local_output=False``): the model's forward reads the sequence length from the embedding
+output to build positions and masks, which must be the global length. GPT-2's fused
+``c_attn`` (q|k|v in one Conv1D) is re-laid out so that each rank holds q, k and v of its own
+heads (``fused=3``); the global view of that weight is then head-grouped, and
+`meshfit.models.plans.regroup.unfuse_columns` restores the HF layout.
 
 Pipeline parallel: Llama, Qwen2, Mistral, Mixtral and Qwen2-MoE, as every transformers
 decoder that ships a ``base_model_pp_plan``, get their plan from it
@@ -20,18 +20,8 @@ stand-ins for the parts it does not hold: the final norm and head before the las
 zero position table and no dropout after the first (the first stage already added positions
 and applied dropout).
 
-Mixture of experts (Mixtral, Qwen2-MoE), without expert parallelism: see `hf_moe_plan`. The
-routed experts (transformers 5 holds them fused, ``experts.gate_up_proj`` [E, 2F, d] and
-``experts.down_proj`` [E, d, F]) and the router (``mlp.gate``) stay whole on every TP rank:
-their input is the replicated hidden state, every rank computes the same routing and the
-same expert outputs, and their gradients are equal on every rank without communication.
-Hugging Face's own ``base_model_tp_plan`` splits the experts instead ("packed_colwise" /
-"moe_tp_experts"), which needs its own expert kernels. The experts' loop indexes tokens by
-data-dependent positions (``torch.where``, ``index_add_``) that DTensor cannot run, so
-`replicate_local()` keeps their parameters as replicated DTensors (what `apply_tp` requires of
-every parameter) and runs the module on their local tensors. The router's load-balancing
-loss is not part of a pipeline's loss: the stages call the model with
-``output_router_logits=False``.
+Mixture of experts (Mixtral, Qwen2-MoE) in a pipeline: the router's load-balancing loss is
+not part of a pipeline's loss: the stages call the model with ``output_router_logits=False``.
 """
 
 from __future__ import annotations
@@ -43,13 +33,12 @@ from torch import nn
 
 from meshfit._compat.nn import child_slots
 from meshfit.models.plans.base import (REPLICATE, SHARD_SEQ, PipelinePlan, Style, TPPlan,
-                                       colwise, gather_sequence, prepare_input, replicate,
-                                       replicate_local, rowwise, sequence)
+                                       prepare_input, replicate, rowwise, sequence)
 from meshfit.models.plans.gpt import head
 from meshfit.models.plans.transformers_pp import transformers_pipeline_plan
 
 __all__ = ["hf_gpt2_pipeline_plan", "hf_gpt2_plan", "hf_llama_pipeline_plan",
-           "hf_llama_plan", "hf_moe_pipeline_plan", "hf_moe_plan"]
+           "hf_moe_pipeline_plan"]
 
 
 def _holds_params(model: nn.Module, name: str) -> bool:
@@ -109,27 +98,6 @@ def _ends(model, sp: bool, loss_parallel: bool, embedding: str, extra_first: dic
     return first, last
 
 
-def hf_llama_plan(model: nn.Module, *, sequence_parallel: bool = False,
-                  loss_parallel: bool = False) -> TPPlan:
-    """Its attention reads the local head count from the projection widths
-    (``view(..., -1, hd)``) and the q/kv ratio is unchanged by the split; older versions'
-    ``num_heads`` / ``num_key_value_heads`` attributes are divided when present."""
-    sp = sequence_parallel
-    linears = {f"self_attn.{n}": colwise() for n in ("q_proj", "k_proj", "v_proj")}
-    linears |= {"self_attn.o_proj": rowwise(), "mlp.gate_proj": colwise(),
-                "mlp.up_proj": colwise(), "mlp.down_proj": rowwise()}
-    first, last = _ends(model, sp, loss_parallel, "model.embed_tokens", {}, "model.norm")
-    styles = {**first, **_block("model.layers.*", "self_attn", "mlp",
-                                ("input_layernorm", "post_attention_layernorm"), linears,
-                                sp=sp, attn_kwarg=True, drops={}), **last}
-    cfg = model.config
-    return TPPlan(
-        styles=styles, labels_kwarg="labels",
-        local_attrs={"model.layers.*.self_attn": ("num_heads", "num_key_value_heads")},
-        divisible=_sizes(cfg, "num_attention_heads", "num_key_value_heads",
-                         {"intermediate_size": cfg.intermediate_size}))
-
-
 def hf_gpt2_plan(model: nn.Module, *, sequence_parallel: bool = False,
                  loss_parallel: bool = False) -> TPPlan:
     """Conv1D layers, fused q|k|v, tied head. Cross-attention (`add_cross_attention=True`) is
@@ -156,73 +124,6 @@ def hf_gpt2_plan(model: nn.Module, *, sequence_parallel: bool = False,
         styles=styles, labels_kwarg="labels",
         local_attrs={"transformer.h.*.attn": ("num_heads", "embed_dim", "split_size")},
         divisible=_sizes(cfg, "n_head", None, {"n_inner": inner}))
-
-
-# ---------------------------------------------------------------------------- mixture of experts
-def _layer_kinds(model: nn.Module) -> dict[str, str]:
-    """Index -> "moe" or "dense" for each decoder layer this model (or stage) holds."""
-    try:
-        layers = model.get_submodule("model.layers")
-    except AttributeError:
-        return {}
-    return {key: "moe" if hasattr(layer.mlp, "experts") else "dense"
-            for key, layer in child_slots(layers).items() if layer is not None}
-
-
-def hf_moe_plan(model: nn.Module, *, sequence_parallel: bool = False,
-                loss_parallel: bool = False) -> TPPlan:
-    """`MixtralForCausalLM`, `Qwen2MoeForCausalLM`: Llama's plan for attention, norms and
-    the ends; in each MoE layer the router and routed experts replicated (`replicate_local`),
-    Qwen2-MoE's shared expert split like Llama's MLP (its output all-reduced inside the block,
-    also under sequence parallel, where the block gathers the sequence on the way in and
-    hands each rank its slice on the way out) and its sigmoid gate replicated; Qwen2-MoE's
-    dense layers (``decoder_sparse_step``, ``mlp_only_layers``) exactly as Llama's."""
-    cfg, sp = model.config, sequence_parallel
-    kinds = _layer_kinds(model)
-    attn = {f"self_attn.{n}": colwise() for n in ("q_proj", "k_proj", "v_proj")}
-    attn["self_attn.o_proj"] = rowwise()
-    dense = {"mlp.gate_proj": colwise(), "mlp.up_proj": colwise(), "mlp.down_proj": rowwise()}
-    norms = ("input_layernorm", "post_attention_layernorm")
-    first, last = _ends(model, sp, loss_parallel, "model.embed_tokens", {}, "model.norm")
-    # One pattern for all layers when they are alike, else one per layer index.
-    prefixes = ([("model.layers.*", k) for k in set(kinds.values())]
-                if len(set(kinds.values())) < 2
-                else [(f"model.layers.{i}", k) for i, k in kinds.items()])
-    layers = model.get_submodule("model.layers") if kinds else None
-    styles: dict[str, object] = dict(first)
-    shared = False
-    for prefix, kind in prefixes:
-        if kind == "dense":
-            styles |= _block(prefix, "self_attn", "mlp", norms, attn | dense, sp=sp,
-                             attn_kwarg=True, drops={})
-            continue
-        styles |= _block(prefix, "self_attn", "mlp", norms, attn, sp=sp, attn_kwarg=True,
-                         drops={})
-        if sp:
-            styles[f"{prefix}.mlp"] = gather_sequence(local_output=False)
-        styles[f"{prefix}.mlp.gate"] = replicate_local()
-        styles[f"{prefix}.mlp.experts"] = replicate_local()
-        index = prefix.rsplit(".", 1)[-1]
-        layer = (next(iter(child_slots(layers).values())) if index == "*"
-                 else layers.get_submodule(index))
-        if hasattr(layer.mlp, "shared_expert"):
-            shared = True
-            # Inside the block the tokens are flattened to [B*T, d]: the row-wise output is
-            # all-reduced (never a sequence shard), as the block's output layout is set above.
-            styles |= {f"{prefix}.mlp.shared_expert.gate_proj": colwise(),
-                       f"{prefix}.mlp.shared_expert.up_proj": colwise(),
-                       f"{prefix}.mlp.shared_expert.down_proj": rowwise()}
-            if getattr(layer.mlp, "shared_expert_gate", None) is not None:
-                styles[f"{prefix}.mlp.shared_expert_gate"] = replicate()
-    styles |= last
-    widths = {}
-    if shared:
-        widths["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
-    if "dense" in kinds.values():
-        widths["intermediate_size"] = cfg.intermediate_size
-    return TPPlan(styles=styles, labels_kwarg="labels",
-                  local_attrs={"model.layers.*.self_attn": ("num_heads", "num_key_value_heads")},
-                  divisible=_sizes(cfg, "num_attention_heads", "num_key_value_heads", widths))
 
 
 # ---------------------------------------------------------------------------- pipeline

@@ -3,6 +3,8 @@ data into PyTorch `ParallelStyle` objects.
 
     ReplicateParallel           parameters replicated, broadcast from the first rank
     ReplicateLocal              the same, the module computing on local tensors
+    GatherInput                 a module's hidden-state input gathered from its sequence shard
+    GatherSequence              a whole-sequence module under sequence parallel (MoE block)
     SequenceParallelBroadcast   torch's SequenceParallel, parameters broadcast too
     Conv1DColwiseParallel       column split of Hugging Face's transposed Conv1D (GPT-2),
                                 with the fused q|k|v regrouping
@@ -25,8 +27,9 @@ from meshfit._compat import tensor_parallel as tp_internals
 from meshfit.models.plans.base import Style
 from meshfit.models.plans.regroup import group_columns, mark_regrouped
 
-__all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "ReplicateParallel",
-           "ReplicateLocal", "SequenceParallelBroadcast", "planned_placement", "to_torch_style"]
+__all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "GatherInput", "ReplicateLocal",
+           "ReplicateParallel", "SequenceParallelBroadcast", "planned_placement",
+           "to_torch_style"]
 
 
 # ---------------------------------------------------------------------------- styles
@@ -88,9 +91,15 @@ class ReplicateLocal(tp_internals.Hooks, ParallelStyle):
     """Parameters replicated on the mesh (broadcast from the first rank, so `apply_tp` finds
     DTensors only), while each forward of the module sees their local tensors and plain
     inputs (a DTensor input is replicated first): for a module DTensor cannot run
-    (data-dependent indexing: a mixture-of-experts router or experts). Every tp rank
-    computes what one process would; gradients reach the DTensors through ``to_local``,
-    equal on every rank."""
+    (data-dependent indexing: a mixture-of-experts router or experts), or a module kept
+    whole on every rank (DeepSeek's latent attention). Every tp rank computes what one
+    process would; gradients reach the DTensors through ``to_local``, equal on every rank.
+    `output_layouts`: the module's (first) output, replicated on every rank, handed back as
+    a DTensor with that placement (``Shard(1)``: each rank's sequence shard of it, under
+    sequence parallel); None: as the module returns it."""
+
+    def __init__(self, *, output_layouts: Placement | None = None) -> None:
+        self.output_layouts = output_layouts
 
     def apply_to(self, module: nn.Module, device_mesh) -> nn.Module:
         for owner in module.modules():
@@ -112,9 +121,47 @@ class ReplicateLocal(tp_internals.Hooks, ParallelStyle):
         def swap_out(mod, args, kwargs, out):
             for owner, name, p in held.pop():
                 nn_internals.put_parameter(owner, name, p)
+            if self.output_layouts is not None:
+                return _map_first(out, lambda t: DTensor.from_local(
+                    t, device_mesh, (Replicate(),), run_check=False).redistribute(
+                        placements=(self.output_layouts,)))
+            return None
 
         module.register_forward_pre_hook(swap_in, with_kwargs=True)
         module.register_forward_hook(swap_out, with_kwargs=True, always_call=True)
+        return module
+
+
+def _map_first(out, fn):
+    """`out` with `fn` applied to its tensor, or to the first element of a tuple (transformers'
+    attention returns (output, weights))."""
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (fn(out[0]), *out[1:])
+    return fn(out) if isinstance(out, torch.Tensor) else out
+
+
+class GatherInput(tp_internals.Hooks, ParallelStyle):
+    """No parameters: under sequence parallel, the module's hidden-state input -- its first
+    positional argument, or its ``hidden_states`` keyword, whichever the caller used (a
+    transformers decoder layer calls its attention by keyword, GPT-NeoX's positionally) --
+    all-gathered from its sequence shard (``Shard(1)``) to a replicated DTensor; other
+    arguments untouched. (torch's PrepareModuleInput needs the calling convention fixed in
+    advance.)"""
+
+    def apply_to(self, module: nn.Module, device_mesh) -> nn.Module:
+        def gather(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return x.redistribute(placements=(Replicate(),))
+
+        def hook(mod, args, kwargs):
+            if args and isinstance(args[0], torch.Tensor):
+                return (gather(args[0]), *args[1:]), kwargs
+            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            return None
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
 
 
@@ -181,13 +228,13 @@ class Conv1DRowwiseParallel(tp_internals.Hooks, RowwiseParallel):
         return _distribute_conv1d(self, module, device_mesh)
 
 
-NO_PARAMS = (PrepareModuleInput, PrepareModuleOutput)
+NO_PARAMS = (PrepareModuleInput, PrepareModuleOutput, GatherInput)
 
 
 def planned_placement(style: ParallelStyle, module: nn.Module, p_name: str) -> Placement:
     """The placement `style` gives parameter `p_name` of `module` (checked before applying)."""
     weight = p_name == "weight"
-    if isinstance(style, (ReplicateParallel, SequenceParallel)):
+    if isinstance(style, (ReplicateParallel, SequenceParallel, ReplicateLocal)):
         return Replicate()
     if isinstance(style, Conv1DColwiseParallel):
         return Shard(1) if weight else Shard(0)
@@ -254,9 +301,13 @@ def to_torch_style(style) -> ParallelStyle:
         return ReplicateParallel(output_layouts=_placement(style.output or "replicate"),
                                  input_layouts=_placement(style.input or "replicate"), **kw)
     if style.kind == "sequence":
-        return SequenceParallelBroadcast(**kw)
+        # input "shard(2)": a per-head norm on [B, T, heads, head_dim] (Qwen3's q/k norms)
+        dim = _placement(style.input).dim if style.input else 1
+        return SequenceParallelBroadcast(sequence_dim=dim, **kw)
     if style.kind == "replicate_local":
-        return ReplicateLocal()
+        return ReplicateLocal(output_layouts=_placement(style.output))
+    if style.kind == "gather_input":
+        return GatherInput()
     if style.kind == "gather_sequence":
         return PrepareModuleInputOutput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
