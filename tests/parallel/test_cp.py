@@ -34,26 +34,45 @@ from meshfit.parallel.cp import (chunk_ids, sequence_positions, shard_sequence,
 RTOL, ATOL = 1e-12, 1e-13
 
 
-def _inputs(T: int, seed: int = 0):
+def _inputs(T: int, seed: int = 0, dv: int = 8):
     g = torch.Generator().manual_seed(seed)
     B, H, HKV, D = 2, 4, 2, 8
     q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, HKV, T, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, HKV, T, D, generator=g, dtype=torch.float64)
-    dout = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, HKV, T, dv, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, H, T, dv, generator=g, dtype=torch.float64)
     return q, k, v, dout
 
 
-def _reference(T: int):
-    q, k, v, dout = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_inputs(T)))
+def _dense(q, k, v, window, softcap):
+    """Attention over the whole sequence as written in transformers' eager path: scores
+    scaled, capped, masked (causal, and i - j < window), softmax, values."""
     groups = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1),
-                                         v.repeat_interleave(groups, 1), is_causal=True)
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    i = torch.arange(q.shape[2])
+    d = i.unsqueeze(1) - i
+    keep = (d >= 0) & (d < (window or q.shape[2] + 1))
+    return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v
+
+
+def _reference(T: int, window=None, softcap=None, dv: int = 8):
+    q, k, v, dout = (t.requires_grad_() if i < 3 else t for i, t in
+                     enumerate(_inputs(T, dv=dv)))
+    if window is None and softcap is None and dv == 8:  # torch's own kernel, causal
+        groups = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1),
+                                             v.repeat_interleave(groups, 1), is_causal=True)
+    else:
+        out = _dense(q, k, v, window, softcap)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _ring_case(rank, world_size, T: int, balanced: bool, kernel: bool):
+def _ring_case(rank, world_size, T: int, balanced: bool, kernel: bool, window=None,
+               softcap=None, dv: int = 8):
     import torch.distributed as dist
 
     from meshfit.parallel import cp
@@ -68,10 +87,11 @@ def _ring_case(rank, world_size, T: int, balanced: bool, kernel: bool):
 
     cp._kernel = chosen
 
-    q, k, v, dout = _inputs(T)
+    q, k, v, dout = _inputs(T, dv=dv)
     part = [shard_sequence(t, 2, world_size, rank, balanced) for t in (q, k, v, dout)]
     q, k, v = (t.requires_grad_() for t in part[:3])
-    out = ring_attention(q, k, v, dist.group.WORLD, balanced=balanced)
+    out = ring_attention(q, k, v, dist.group.WORLD, balanced=balanced, window=window,
+                         softcap=softcap)
     out.backward(part[3])
     cp._kernel = real
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
@@ -79,25 +99,38 @@ def _ring_case(rank, world_size, T: int, balanced: bool, kernel: bool):
 
 
 # each split on the fused CPU kernel and on the matmul form
-CASES = {f"cp{cp}-{'balanced' if b else 'contiguous'}-{'kernel' if k else 'matmul'}": (cp, b, k)
-         for cp in (2, 4) for b in (True, False) for k in (True, False)}
+CASES = {f"cp{cp}-{'balanced' if b else 'contiguous'}-{'kernel' if k else 'matmul'}":
+         (cp, b, k, {}) for cp in (2, 4) for b in (True, False) for k in (True, False)}
+# sliding windows cutting the chunks (cp2: chunks of 4 tokens, a window of 6 cuts the
+# neighbour chunk and the one before it, skips the rest; cp4 contiguous, chunks of 8, and a
+# window of 3 cuts the diagonal too), softcapping, values narrower than keys (MLA)
+CASES.update({
+    "cp2-balanced-window6-softcap-mla": (2, True, True, dict(window=6, softcap=2.0, dv=4)),
+    "cp2-contiguous-window6": (2, False, True, dict(window=6)),
+    "cp4-balanced-window3-softcap": (4, True, True, dict(window=3, softcap=1.5)),
+    "cp4-contiguous-window3": (4, False, True, dict(window=3)),
+})
 
 
 @pytest.fixture(scope="module")
 def rings():
     results = {}
     for cp in (2, 4):
-        results.update(run_cases({name: (_ring_case, 8 * cp, b, k) for name, (n, b, k) in
-                                  CASES.items() if n == cp}, cp, timeout=120))
+        results.update(run_cases({name: (_ring_case, 8 * cp, b, k, extra.get("window"),
+                                         extra.get("softcap"), extra.get("dv", 8)) for
+                                  name, (n, b, k, extra) in CASES.items() if n == cp},
+                                 cp, timeout=120))
     return results
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_ring_attention_equals_unsharded_attention(rings, name):
-    cp, balanced, kernel = CASES[name]
+    cp, balanced, kernel, extra = CASES[name]
     per_rank = case_result(rings, name)
-    assert all(r["kernel"] == {kernel} for r in per_rank)  # the path named was taken
-    want = dict(zip(("out", "dq", "dk", "dv"), _reference(8 * cp)))
+    # the path named was taken (a window, a cap or narrow values: the matmul form too)
+    assert all(r["kernel"] == {kernel} if not extra else r["kernel"] <= {True, False}
+               for r in per_rank)
+    want = dict(zip(("out", "dq", "dk", "dv"), _reference(8 * cp, **extra)))
     for key, full in want.items():
         got = unshard_sequence([r[key] for r in per_rank], 2, balanced)
         torch.testing.assert_close(got, full, rtol=RTOL, atol=ATOL, msg=f"{name} {key}")

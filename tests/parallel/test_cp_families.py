@@ -1,0 +1,171 @@
+"""Context parallel for every transformers decoder family of `meshfit.models.families`
+(`meshfit.parallel.cp_hf`: the ring registered in transformers' attention interface).
+
+- Training: each family's tiny model (2 layers, fp64) under cp2, and cp2 x ZeRO-3 (FSDP2
+  sharding over the 2 cp ranks, what meshfit's layout rules give 2 ranks) for a few, logs
+  the one-process losses over 3 AdamW steps and ends with its weights. fp64, rtol 1e-9 as
+  tests/parallel/test_cp.py derives it (the ring sums the same terms in another order,
+  ~1e-16 per operation, grown by Adam over 3 steps; a token at the wrong position, a
+  window applied to the wrong keys or a softcap dropped is off by > 1e-3). Sequences of 48
+  tokens: with cp2's load balancing each rank holds chunks of 12, so the tiny configs'
+  windows of 8 cut the diagonal block and the neighbour block and skip the rest. Covered
+  this way: causal, GQA, q/k norms (Qwen3, OLMo 2, Gemma 3), sliding windows per layer
+  (Gemma 2/3 alternate; Mistral's on every layer; Qwen3 and Mixtral with a window turned
+  on), Gemma 2's attention logit softcapping, scaling from the module (Gemma's
+  query_pre_attn_scalar, Granite's attention_multiplier), GPT-NeoX's partial rotary,
+  SmolLM3's layers without RoPE, DeepSeek-V3's MLA with values narrower than keys, MoE.
+  Every case runs on 2 ranks in one spawn.
+- What each layer handed the ring (window, softcap) is recorded and checked against the
+  configuration, so a window silently dropped on both sides cannot pass.
+- Refusals (`cp_problem`, in-process): a class whose attention does not go through the
+  interface, layer types the ring does not compute, bidirectional and chunked attention,
+  attention dropout, an encoder-decoder; `meshfit train` refuses them in one line before
+  launch; a padding mask is refused at the forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import case_result, run_cases
+from reference import token_batches
+from meshfit.models.families import FAMILIES
+
+STEPS, ROWS, SEQ = 3, 2, 48
+TRAIN_RTOL, TRAIN_ATOL = 1e-9, 1e-12
+FP32_INSIDE = {"gemma2": "RMSNorm in float32", "gemma3_text": "RMSNorm in float32",
+               "glm4_moe": "router in float32", "deepseek_v3": "router in float32"}
+"""Families whose fp64 model computes a part in float32 (transformers' code): a value rounded
+to float32 (2^-24 = 6e-8 relative) rounds the same way in both runs unless a 1e-16
+difference straddles a rounding boundary, and Adam's first steps (m/sqrt(v), insensitive to
+a gradient's size) pass such a flip on to the weights it touches. Measured when written:
+losses <= 7e-11 relative (inside TRAIN_RTOL), weights <= 4.7e-8 (DeepSeek-V3's embedding;
+the others <= 7e-9). Bound: weights atol 1e-6, still 5,000x under what a dropped window
+(1.8e-2) or a dropped softcap (5.7e-3) costs the weights."""
+ISLAND_ATOL = 1e-6
+VARIANTS = {**{f: (f, {}) for f in FAMILIES},
+            # a cap the tiny model's scores reach (at Gemma 2's 50, tanh(s/50)·50 = s to
+            # 1e-7 here: a dropped cap would not show)
+            "gemma2": ("gemma2", dict(attn_logit_softcapping=1.0)),
+            # values narrower than queries and keys (MLA): 8 against 16, kv heads = heads as
+            # in DeepSeek-V3's own config (transformers' eager and SDPA paths repeat the
+            # already-expanded MLA keys by heads / kv heads)
+            "deepseek_v3": ("deepseek_v3", dict(v_head_dim=8, num_key_value_heads=4)),
+            # windows on families whose tiny configs have none: per layer, and on all layers
+            "qwen3+window": ("qwen3", dict(layer_types=["sliding_attention", "full_attention"],
+                                           use_sliding_window=True, sliding_window=8)),
+            "mixtral+window": ("mixtral", dict(sliding_window=8))}
+ZERO3 = ("llama", "gemma2", "qwen3_moe", "deepseek_v3")
+"""Also under cp2 x ZeRO-3 (the parameters sharded over the 2 cp ranks)."""
+CASES = [*(f"cp2/{v}" for v in VARIANTS), *(f"cp2-zero3/{v}" for v in ZERO3)]
+
+
+def _build(variant: str):
+    import transformers
+
+    from meshfit.models.families import MOE_FAMILIES, tiny_config
+
+    family, extra = VARIANTS[variant]
+    sizes = {k: v for k, v in extra.items() if k in ("v_head_dim", "num_key_value_heads")}
+    config = tiny_config(family, **sizes)
+    for key, value in extra.items():
+        setattr(config, key, value)
+    options = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, **options).double()
+
+
+def _fp64_softmax(x, dim=None, _stacklevel=3, dtype=None):
+    """torch's softmax, kept in float64 for float64 input: the one-process reference of
+    Gemma 2 runs transformers' eager attention (no SDPA with softcapping), which asks for
+    its softmax in float32; the ring's is float64."""
+    real = _fp64_softmax.real
+    return real(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
+
+
+_fp64_softmax.real = F.softmax
+
+
+def _train(rank, world_size, layout: str | None, variant: str) -> dict:
+    from meshfit import Accelerator, ParallelDims
+    from meshfit.parallel import cp_hf
+
+    seen = set()
+    softmax = F.softmax
+    if layout is None:
+        acc = Accelerator(mixed_precision="no")
+        if VARIANTS[variant][0] == "gemma2":  # (its eager attention: float32 otherwise)
+            F.softmax = _fp64_softmax
+    else:
+        acc = Accelerator(parallel=ParallelDims(cp=2, dp_replicate=1), mixed_precision="no",
+                          zero_stage=3 if layout == "cp2-zero3" else 0)
+        ring = cp_hf.ring_attention
+
+        def recorded(*args, window=None, softcap=None, **kwargs):
+            seen.add((window, softcap))
+            return ring(*args, window=window, softcap=softcap, **kwargs)
+
+        cp_hf.ring_attention = recorded
+    try:
+        model = acc.prepare(_build(variant))
+        opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=3e-3))
+        x, y = token_batches(STEPS * ROWS, SEQ, vocab_size=128)
+        losses = []
+        for step in range(STEPS):
+            xs, ys = acc.shard_sequence(x[step * ROWS:(step + 1) * ROWS],
+                                        y[step * ROWS:(step + 1) * ROWS])
+            logits = model(input_ids=xs).logits  # a float64 loss (transformers' upcasts)
+            loss = F.cross_entropy(logits.flatten(0, 1), ys.flatten())
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(acc.reduce(loss.detach(), "mean").item())
+        state = acc.get_state_dict(model)
+    finally:
+        F.softmax = softmax
+        if layout is not None:
+            cp_hf.ring_attention = ring
+    return {"losses": losses, "state": {k: v.clone() for k, v in state.items()},
+            "seen": seen}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    one = {v: _train(0, 1, None, v) for v in VARIANTS}
+    cases = {case: (_train, *case.split("/")) for case in CASES}
+    return one, run_cases(cases, 2, timeout=420)
+
+
+def _expected(variant: str) -> set:
+    """(window, softcap) pairs the layers of `variant` must hand the ring, from its
+    configuration alone."""
+    from meshfit.models.families import tiny_config
+
+    family, extra = VARIANTS[variant]
+    cfg = tiny_config(family)
+    for key, value in extra.items():
+        setattr(cfg, key, value)
+    cap = getattr(cfg, "attn_logit_softcapping", None) if family == "gemma2" else None
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return {(None, cap)}
+    if types is None:
+        return {(window, cap)}
+    return {(window if t == "sliding_attention" else None, cap) for t in types}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_family_under_context_parallel_trains_like_one_process(trained, case):
+    one, runs = trained
+    layout, variant = case.split("/")
+    got = case_result(runs, case)[0]
+    want = one[variant]
+    assert got["seen"] == _expected(variant)
+    atol = ISLAND_ATOL if VARIANTS[variant][0] in FP32_INSIDE else TRAIN_ATOL
+    assert got["losses"] == pytest.approx(want["losses"], rel=TRAIN_RTOL)
+    for key, value in want["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=TRAIN_RTOL, atol=atol,
+                                   msg=key)
