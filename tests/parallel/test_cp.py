@@ -3,9 +3,11 @@ attention as a ring of key/value blocks.
 
 - The ring against unsharded attention (torch's `scaled_dot_product_attention`, causal, on
   the whole sequence in one process): on cp = 2 and 4 gloo ranks, with head-tail load
-  balancing and without, each block on torch's fused CPU kernel and as matmuls, with grouped-query attention (4 query heads on 2 kv heads), the
-  output and the gradients of q, k and v of each rank's tokens equal that part of the
-  unsharded ones. fp64: the ring sums the same terms in another order (blocks merged by
+  balancing and without, each block on torch's fused CPU kernel and as matmuls, with
+  grouped-query attention (4 query heads on 2 kv heads), with sliding windows that cut and
+  skip blocks, softcapping and values narrower than keys (against attention written out
+  densely), the output and the gradients of q, k and v of each rank's tokens equal that
+  part of the unsharded ones. fp64: the ring sums the same terms in another order (blocks merged by
   log-sum-exp), ~1e-16 relative per operation over a few dozen operations; the tolerance is
   1e-12, while a misplaced chunk, a wrong mask or a lost dk/dv block is off by > 1e-2.
 - Training through `Accelerator(parallel=ParallelDims(cp=...))` and `shard_sequence`: the
@@ -13,11 +15,12 @@ attention as a ring of key/value blocks.
   cp2 x ZeRO-1/2/3 (sharded over the cp ranks), cp2 x dp2, cp2 x ZeRO-3 over dp_shard 2
   (dp_shard_cp = 4), cp2 x tp2 (with and without sequence parallel) and cp2 x pp2, balanced
   and not; transformers' Llama, Qwen2 and Mistral (attention swapped through transformers'
-  attention interface) under cp2 and cp2 x tp2 + SP (Llama also cp2 x ZeRO-3 and cp4); mixtures of experts
-  (the reference GPT's MoE blocks, transformers' Mixtral; dropless routing, no auxiliary
-  loss) under cp2 and cp2 x ZeRO-3; logs the one-process losses over 3 AdamW steps and
-  ends with its weights (fp64, 1e-9: the order of sums only, grown by Adam; a token placed
-  at the wrong position or a gradient averaged over the wrong ranks is off by > 1e-3).
+  attention interface) under cp2 x tp2 + SP (Llama also cp4; cp2 and cp2 x ZeRO-3 of every
+  transformers family: tests/parallel/test_cp_families.py); the reference GPT's mixture of
+  experts (dropless routing, no auxiliary loss) under cp2 and cp2 x ZeRO-3; logs the
+  one-process losses over 3 AdamW steps and ends with its weights (fp64, 1e-9: the order of
+  sums only, grown by Adam; a token placed at the wrong position or a gradient averaged over
+  the wrong ranks is off by > 1e-3).
 """
 
 from __future__ import annotations
@@ -194,8 +197,10 @@ MODELS = {"rope-gqa": dict(pos="rope", n_kv_head=2), "learned": dict(pos="learne
           # dropless routing, no auxiliary losses: each token's experts whatever the layout
           "moe": dict(pos="rope", n_experts=4, top_k=2, aux_loss_coef=0.0,
                       router_z_loss_coef=0.0),
-          "hf-llama": None, "hf-qwen2": None, "hf-mistral": None, "hf-mixtral": None}
-HF_LAYOUTS = ("cp2", "cp2-zero3", "cp4", "cp2xtp2-sp")  # (transformers' models: these)
+          "hf-llama": None, "hf-qwen2": None, "hf-mistral": None}
+# transformers' models: these (cp2 and cp2 x ZeRO-3 of every family, Mixtral's too, run in
+# tests/parallel/test_cp_families.py's spawn)
+HF_LAYOUTS = ("cp4", "cp2xtp2-sp")
 MOE_LAYOUTS = ("cp2", "cp2-zero3")  # (mixtures of experts: these)
 
 
@@ -208,16 +213,6 @@ def _build(model_name: str):
         return hf_llama()
     if model_name == "hf-qwen2":
         return hf_qwen2()
-    if model_name == "hf-mixtral":
-        torch.manual_seed(0)
-        cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=64,
-                                         num_attention_heads=4, num_key_value_heads=2,
-                                         num_hidden_layers=2, vocab_size=256,
-                                         max_position_embeddings=32, num_local_experts=4,
-                                         num_experts_per_tok=2,
-                                         # (its grouped_mm kernel takes no float64)
-                                         experts_implementation="eager")
-        return transformers.MixtralForCausalLM(cfg).double()
     if model_name == "hf-mistral":
         torch.manual_seed(0)
         cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128,
@@ -230,10 +225,10 @@ def _build(model_name: str):
 
 def _cases(nproc: int):
     def runs(model_name: str, name: str) -> bool:
-        if model_name in ("moe", "hf-mixtral"):
+        if model_name == "moe":
             return name in MOE_LAYOUTS
         if model_name in ("hf-qwen2", "hf-mistral"):  # Llama's attention path, other classes
-            return name in ("cp2", "cp2xtp2-sp")
+            return name == "cp2xtp2-sp"
         return not model_name.startswith("hf") or name in HF_LAYOUTS
 
     return {f"{name}/{m}": (_train, name, m) for name, (n, _, _) in LAYOUTS.items()

@@ -57,7 +57,7 @@ VARIANTS = {**{f: (f, {}) for f in FAMILIES},
             "qwen3+window": ("qwen3", dict(layer_types=["sliding_attention", "full_attention"],
                                            use_sliding_window=True, sliding_window=8)),
             "mixtral+window": ("mixtral", dict(sliding_window=8))}
-ZERO3 = ("llama", "gemma2", "qwen3_moe", "deepseek_v3")
+ZERO3 = ("llama", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3")
 """Also under cp2 x ZeRO-3 (the parameters sharded over the 2 cp ranks)."""
 CASES = [*(f"cp2/{v}" for v in VARIANTS), *(f"cp2-zero3/{v}" for v in ZERO3)]
 
@@ -90,7 +90,7 @@ _fp64_softmax.real = F.softmax
 
 def _train(rank, world_size, layout: str | None, variant: str) -> dict:
     from meshfit import Accelerator, ParallelDims
-    from meshfit.parallel import cp_hf
+    from meshfit.parallel import cp
 
     seen = set()
     softmax = F.softmax
@@ -101,13 +101,13 @@ def _train(rank, world_size, layout: str | None, variant: str) -> dict:
     else:
         acc = Accelerator(parallel=ParallelDims(cp=2, dp_replicate=1), mixed_precision="no",
                           zero_stage=3 if layout == "cp2-zero3" else 0)
-        ring = cp_hf.ring_attention
+        ring = cp.ring_attention
 
         def recorded(*args, window=None, softcap=None, **kwargs):
             seen.add((window, softcap))
             return ring(*args, window=window, softcap=softcap, **kwargs)
 
-        cp_hf.ring_attention = recorded
+        cp.ring_attention = recorded
     try:
         model = acc.prepare(_build(variant))
         opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -126,7 +126,7 @@ def _train(rank, world_size, layout: str | None, variant: str) -> dict:
     finally:
         F.softmax = softmax
         if layout is not None:
-            cp_hf.ring_attention = ring
+            cp.ring_attention = ring
     return {"losses": losses, "state": {k: v.clone() for k, v in state.items()},
             "seen": seen}
 
@@ -169,3 +169,93 @@ def test_every_family_under_context_parallel_trains_like_one_process(trained, ca
     for key, value in want["state"].items():
         torch.testing.assert_close(got["state"][key], value, rtol=TRAIN_RTOL, atol=atol,
                                    msg=key)
+
+
+# ------------------------------------------------------------------ refusals, in-process
+def _config(model_type: str, **fields):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type)
+    for key, value in fields.items():
+        setattr(config, key, value)
+    return config
+
+
+REFUSED = {  # one per class: (model type, fields) -> words of the one line
+    "attention outside the interface": (("qwen3_next", {}), [
+        "model_type 'qwen3_next'", "Qwen3NextForCausalLM's attention does not go through "
+        "transformers' attention interface", "ZeRO and DDP (cp=1) run it"]),
+    "linear-attention layers": (("minimax", {}), ["'linear_attention' layers (layer_types)"]),
+    "chunked attention": (("llama", dict(attention_chunk_size=64)),
+                          ["chunked attention (attention_chunk_size=64)"]),
+    "bidirectional attention": (("gemma3_text", dict(use_bidirectional_attention=True)),
+                                ["bidirectional attention is not available"]),
+    "attention dropout": (("qwen3", dict(attention_dropout=0.1)),
+                          ["attention_dropout=0.1 is not available", "set it to 0"]),
+    "an encoder-decoder": (("t5", {}), ["model_type 't5' has no causal decoder"]),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_cp_problem_refuses_each_class_in_one_line(name):
+    from meshfit.parallel.cp_hf import cp_problem
+
+    (model_type, fields), words = REFUSED[name]
+    line = cp_problem(_config(model_type, **fields), 2)
+    assert line is not None and "\n" not in line
+    for word in words:
+        assert word in line, line
+
+
+def test_cp_problem_accepts_every_family_and_its_windows():
+    """Every family's configuration (sliding windows, softcapping included: the old check
+    refused Mistral's window), a model instance, meshfit's GPT; cp=1 always; a length that
+    does not split into 2 x cp chunks is named; check_hf_config, the old name, agrees."""
+    from meshfit.models.families import tiny_config, tiny_model
+    from meshfit.models.gpt import GPTConfig
+    from meshfit.parallel.cp import check_hf_config
+    from meshfit.parallel.cp_hf import cp_problem
+
+    for family in FAMILIES:
+        assert cp_problem(tiny_config(family), 2) is None, family
+    mistral = _config("mistral", sliding_window=16)
+    assert cp_problem(mistral, 4, 64) is None and check_hf_config(mistral, 64) is None
+    assert cp_problem(tiny_model("gemma3_text"), 2) is None
+    assert cp_problem(_config("qwen3_next"), 1) is None
+    assert "split into 4 equal chunks" in cp_problem(tiny_config("llama"), 2, 30)
+    assert cp_problem(GPTConfig(dropout=0.0), 2) is None
+    assert "dropout=0.1" in cp_problem(GPTConfig(dropout=0.1), 2)
+    assert "neither meshfit's GPT nor a transformers model" in cp_problem(
+        torch.nn.Linear(2, 2), 2)
+
+
+def test_padding_and_foreign_masks_are_refused_at_the_forward():
+    """The forward pre-hook: a padding mask refused, a mask of all ones dropped, the tokens'
+    global positions filled in; the attention function: a mask of the model's own making, a
+    bidirectional layer, a layer the ring was not given."""
+    from meshfit.parallel import cp_hf
+
+    class Shard:  # cp2, rank 1, balanced: tokens 2..5 of 8 (chunks 1 and 2)
+        size, rank, balanced, group = 2, 1, True, None
+
+        def positions(self, n, device=None):
+            from meshfit.parallel.cp import sequence_positions
+            return sequence_positions(n * 2, 2, 1, True, device)
+
+    place = cp_hf._placer(Shard(), True)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    _, kwargs = place(None, (), {"input_ids": ids, "attention_mask": torch.ones(2, 4)})
+    assert kwargs["attention_mask"] is None and kwargs["use_cache"] is False
+    assert kwargs["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
+    with pytest.raises(ValueError, match="attention_mask with padding is not available"):
+        place(None, (), {"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 1, 1]] * 2)})
+    q = torch.zeros(1, 2, 4, 8)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="was not prepared for the ring"):
+        cp_hf._ring(module, q, q, q, None)
+    module.sequence_shard = Shard()
+    for mask, words in ((torch.zeros(1, 1, 4, 4), "a mask of the model's own making"),
+                        (cp_hf.RingMask(custom=True), "a mask of the model's own making"),
+                        (cp_hf.RingMask(bidirectional=True), "attends bidirectionally")):
+        with pytest.raises(ValueError, match=words):
+            cp_hf._ring(module, q, q, q, mask)

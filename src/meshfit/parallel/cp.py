@@ -35,8 +35,8 @@ on this project's CPU machine; SDPA's flash or memory-efficient kernel on CUDA, 
 accepted by a probe against the matmul form first), else as matmuls and a log-sum-exp (any
 device, any dtype; banded and softcapped blocks, and values narrower than keys, always: the
 kernels mask causally or not at all and cap nothing). The communication is
-torch.distributed's P2P on the cp group (gloo on CPU, NCCL on CUDA). transformers' models reach the ring through transformers'
-attention interface (`meshfit.parallel.cp_hf`).
+torch.distributed's P2P on the cp group (gloo on CPU, NCCL on CUDA). transformers' models
+reach the ring through transformers' attention interface (`meshfit.parallel.cp_hf`).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import torch.distributed as dist
 from meshfit._compat import ops as aten_ops
 from meshfit.models.gpt import GPT, Attention
 from meshfit.models.plans import adapted_model
+from meshfit.parallel.cp_hf import apply_cp_hf, cp_problem
 
 __all__ = ["HF_FAMILIES", "SequenceShard", "apply_cp", "check_hf_config", "chunk_ids", "ring_attention", "sequence_positions",
            "shard_sequence", "unshard_sequence"]
@@ -443,8 +444,11 @@ class SequenceShard:
     def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         return shard_sequence(t, dim, self.size, self.rank, self.balanced)
 
-    def attend(self, q, k, v) -> torch.Tensor:
-        return ring_attention(q, k, v, self.group, balanced=self.balanced)
+    def attend(self, q, k, v, *, scale: float | None = None, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """`ring_attention` over this shard's group."""
+        return ring_attention(q, k, v, self.group, balanced=self.balanced, scale=scale,
+                              window=window, softcap=softcap)
 
 
 HF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2",
@@ -466,8 +470,6 @@ def apply_cp(model: torch.nn.Module, cp_mesh, *, balanced: bool = True) -> Seque
     base = adapted_model(model)
     hf = sys.modules.get("transformers")
     if hf is not None and isinstance(base, hf.PreTrainedModel):
-        from meshfit.parallel.cp_hf import apply_cp_hf
-
         shard = SequenceShard(cp_mesh.get_group(), balanced)
         apply_cp_hf(base, shard)
         return shard
@@ -491,6 +493,4 @@ def apply_cp(model: torch.nn.Module, cp_mesh, *, balanced: bool = True) -> Seque
 def check_hf_config(config, seq_len: int | None = None) -> str | None:
     """Why a transformers model of `config` cannot run under context parallel, or None
     (`meshfit.parallel.cp_hf.cp_problem` with cp=2 and no length check: its successor)."""
-    from meshfit.parallel.cp_hf import cp_problem
-
     return cp_problem(config, 2)

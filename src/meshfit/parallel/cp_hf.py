@@ -42,7 +42,8 @@ import inspect
 import torch
 
 from meshfit._compat import transformers as hf_internals
-from meshfit.parallel.cp import SequenceShard, ring_attention
+from meshfit.models.gpt import GPT, GPTConfig
+from meshfit.models.plans import adapted_model
 
 __all__ = ["RingMask", "apply_cp_hf", "cp_problem", "hf_model_class"]
 
@@ -91,9 +92,6 @@ def cp_problem(model_or_config, cp: int, seq_len: int | None = None, *,
         return (f"a sequence of {seq_len} tokens does not split into {pieces} equal chunks "
                 f"(cp={cp}{', load-balanced: 2 x cp' if balanced else ''}); use a multiple "
                 f"of {pieces}")
-    from meshfit.models.gpt import GPT, GPTConfig
-    from meshfit.models.plans import adapted_model
-
     target = adapted_model(model_or_config) if isinstance(model_or_config, torch.nn.Module) \
         else model_or_config
     if isinstance(target, (GPT, GPTConfig)):
@@ -141,8 +139,9 @@ def _hf_problem(config, cls) -> str | None:
 def _ring(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
           softcap=None, **kwargs):
     """transformers' attention-interface function: the ring over `module.sequence_shard`
-    (query [B, H, T, D], key/value [B, Hkv, T, D or Dv]) with the layer's window from its
-    `RingMask`, the module's scaling and softcap."""
+    (`meshfit.parallel.cp.SequenceShard.attend`; query [B, H, T, D], key/value
+    [B, Hkv, T, D or Dv]) with the layer's window from its `RingMask`, the module's scaling
+    and softcap."""
     shard = getattr(module, "sequence_shard", None)
     where = type(module).__name__
     if shard is None:
@@ -159,8 +158,7 @@ def _ring(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
     if mask.bidirectional or getattr(module, "is_causal", True) is False:
         raise ValueError(f"context parallel: {where} attends bidirectionally; the ring is "
                          "causal: use cp=1 with this model")
-    out = ring_attention(query, key, value, shard.group, balanced=shard.balanced,
-                         scale=scaling, window=mask.window, softcap=softcap)
+    out = shard.attend(query, key, value, scale=scaling, window=mask.window, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -173,10 +171,10 @@ def _ring_mask(*args, local_size=None, use_vmap=False, **kwargs) -> RingMask:
                     bidirectional="allow_is_bidirectional_skip" in kwargs)
 
 
-def apply_cp_hf(model, shard: SequenceShard) -> None:
-    """Make the transformers model `model` run its attention as the ring over `shard`'s
-    group and take its tokens' global positions (refused in one line where `cp_problem`
-    says so)."""
+def apply_cp_hf(model, shard) -> None:
+    """Make the transformers model `model` run its attention as the ring over `shard` (a
+    `meshfit.parallel.cp.SequenceShard`) and take its tokens' global positions (refused in
+    one line where `cp_problem` says so)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -198,7 +196,7 @@ def apply_cp_hf(model, shard: SequenceShard) -> None:
     model.register_forward_pre_hook(_placer(shard, takes_cache), with_kwargs=True)
 
 
-def _placer(shard: SequenceShard, takes_cache: bool):
+def _placer(shard, takes_cache: bool):
     """The forward pre-hook: the tokens' global positions as position_ids (unless given),
     no key/value cache (a window's cache would drop keys the ring still sends), a padding
     mask refused (one of all ones dropped)."""
