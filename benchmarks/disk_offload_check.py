@@ -43,14 +43,20 @@ from meshfit.parallel.offload_files import PIECE  # noqa: E402
 GiB = 2**30
 
 
-def _step(model, opt, x) -> tuple[float, float, float]:
-    """(step, optimizer step, CPU time of the process's threads over the step) in seconds."""
+def _step(model, opt, x, files=None) -> tuple[float, float, float]:
+    """(step, optimizer step, CPU time of the process's threads over the step) in seconds;
+    `files`: the parameter files, checked and sealed around the optimizer step as the
+    Accelerator does."""
     c0, t0 = time.process_time(), time.perf_counter()
     loss = model(x[:, :-1], x[:, 1:])
     loss.backward()
     t1 = time.perf_counter()
+    if files is not None:
+        files.check()
     opt.step()
     opt.flush()  # this step's writes, counted in its time
+    if files is not None:
+        files.after_step()
     opt.zero_grad()
     t2 = time.perf_counter()
     return t2 - t0, t2 - t1, time.process_time() - c0
@@ -76,6 +82,25 @@ def _hash_cpu(nbytes: int, repeats: int = 3) -> float:
     return best
 
 
+def _parameter_files(model, folder: Path):
+    """`model` laid out by FSDP2 on a group of this process alone (its shards on the host),
+    its shards moved into checked files (`ParameterFiles`)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from meshfit.parallel.disk import ParameterFiles
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)),
+                offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return ParameterFiles(model, folder)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", default="/tmp/meshfit-disk-offload-check")
@@ -89,6 +114,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=16, help="ABBA rounds: 4 steps each")
     p.add_argument("--tag", default="")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--params", action="store_true",
+                   help="also the parameter shards in checked files (offload_params: FSDP2 "
+                        "on one rank, CPU offload policy)")
     args = p.parse_args()
     cfg = GPTConfig.preset("tiny", vocab_size=256, d_model=args.d_model, n_layer=args.n_layer,
                            n_head=args.n_head, d_ff=4 * args.d_model, max_seq_len=args.seq_len,
@@ -96,34 +124,46 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(cfg)
     params = sum(q.numel() for q in model.parameters())
+    files = _parameter_files(model, Path(args.dir) / "params") if args.params else None
     opt = DiskOffload(torch.optim.AdamW(model.parameters(), lr=1e-5), Path(args.dir) / "state",
                       chunk_bytes=args.chunk_mib * 2**20)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=g)
     for _ in range(args.warmup):
-        _step(model, opt, x)
+        _step(model, opt, x, files)
     times: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
     for _ in range(args.rounds):
         for check in (True, False, False, True):
             opt.check = check
-            times[check].append(_step(model, opt, x))
+            if files is not None:
+                if check and not files.hashing:
+                    files.hashing = True
+                    files.seal()  # (untimed: the files as the unchecked steps left them)
+                files.hashing = check
+            times[check].append(_step(model, opt, x, files))
     opt.check = True
     read_per_step = opt.bytes_read / (args.warmup + 4 * args.rounds)
     opt.close()
+    param_hashed = 0
+    if files is not None:  # (sealed after the step, checked at the forward and the step)
+        param_hashed = 3 * files.bytes
+        files.close()
     med = {c: [_common.median([t[i] for t in v]) for i in range(3)] for c, v in times.items()}
     ratios = []
     for i in range(3):  # (on, off) pairs of the same round
         pairs = [a[i] / b[i] for a, b in zip(times[True], times[False])]
         ratios.append((_common.median(pairs), *_common.bootstrap_ci(pairs)))
     ratio = ratios[0][0]
-    hashed = 2 * read_per_step  # (read back and written: both hashed)
-    work = 2 * _hash_cpu(int(read_per_step))
+    hashed = 2 * read_per_step + param_hashed  # (state read back and written: both hashed)
+    work = _hash_cpu(int(hashed))
     lines = ["# The disk offload's digest check: the step with and without", "",
              f"Reference GPT, {params / 1e6:.0f}M parameters (d_model {args.d_model}, "
              f"{args.n_layer} blocks), fp32, AdamW, one process, batch {args.batch_size} x "
              f"{args.seq_len} tokens; optimizer state on disk ({read_per_step / GiB:.2f} GiB "
              f"read and written per step, {hashed / GiB:.2f} GiB hashed), chunks of "
-             f"{args.chunk_mib} MiB; {args.rounds} ABBA rounds ({2 * args.rounds} steps per "
+             f"{args.chunk_mib} MiB" + (f"; the parameter shards in checked files too ("
+                                     f"{param_hashed / 3 / GiB:.2f} GiB, FSDP2 on one rank)"
+                                     if files is not None else "") + f"; {args.rounds} ABBA rounds ({2 * args.rounds} steps per "
              f"arm) after {args.warmup} warm-up steps.", "",
              "Medians per step; CPU: the process's threads' CPU time over the step (what the "
              "hashing adds to the work, whatever else runs on the machine).", "",

@@ -2,7 +2,7 @@
 a closed form, parameter groups, input validation, and single-device references.
 
 torchao's AdamW8bit compiles its step on first use (measured: ~50 s cold on a 2-core CPU), so it
-runs in one test only: the 50-step training run, which also measures its state.
+runs in one test only: the 25-step training run, which also measures its state.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from reference import tiny_preset  # full width, fp32: the model `meshfit train`
 from meshfit import optim
 from meshfit.data import TokenDataset, load_tokens
 
-STEPS, BATCH, SEQ = 50, 8, 64
-# Learning rates that train the tiny GPT in 50 steps. Adafactor's lr caps its relative step
+STEPS, BATCH, SEQ = 25, 8, 32
+# Learning rates that train the tiny GPT in 25 steps. Adafactor's lr caps its relative step
 # size (torch's default 1e-2); SGD diverges on this model from about lr=0.2 with momentum 0.9.
 LR = {"adamw": 3e-3, "adamw_fused": 3e-3, "adamw_8bit": 3e-3, "adafactor": 1e-2, "sgd": 0.1}
 
 
 @pytest.fixture(scope="module")
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """50 fixed batches of 8 x 64 byte tokens from the built-in corpus (the stdlib)."""
+    """25 fixed batches of 8 x 32 byte tokens from the built-in corpus (the stdlib)."""
     data = TokenDataset(load_tokens().train, seq_len=SEQ)
     idx = torch.randint(0, len(data), (STEPS, BATCH), generator=torch.Generator().manual_seed(0))
     return [tuple(torch.stack(t) for t in zip(*(data[int(i)] for i in row))) for row in idx]
@@ -76,7 +76,8 @@ def test_optimizer_trains_tiny_gpt_and_state_matches_closed_form(name, batches):
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
     late = sum(losses[-5:]) / 5
-    # ln(256) = 5.55 at init; every optimizer reaches ~3.1-3.3 here, so 1 nat is a wide margin.
+    # ln(256) = 5.55 at init (5.48 on the first batch); the last 5 steps average 3.25 (AdamW,
+    # fused or 8-bit), 3.76 (SGD), 4.00 (Adafactor): a drop of 1 nat leaves 0.48 nat or more.
     assert math.isfinite(late) and late < losses[0] - 1.0, (losses[0], late)
 
     report = optim.state_bytes(opt)

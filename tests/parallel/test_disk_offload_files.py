@@ -189,3 +189,91 @@ def test_the_launchers_summary_blames_the_rank_whose_file_failed(monkeypatch):
     # only lost peers (a rank killed without a word): the first of them, as before
     said = torchrun.failure_summary({0: failure(7, 1, gloo), 1: failure(8, 1, gloo)}, {7, 8})
     assert said.startswith("2 worker(s) failed; first: rank 0 exit code 1: ")
+
+
+# ------------------------------------------------------------------ files a run reads in place
+@pytest.fixture
+def one_rank(tmp_path, monkeypatch):
+    """A process group of this process alone (ZeroRedundancyOptimizer and FSDP2 need one)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RANK", "0")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+_ZEROS = r"its \d+ bytes differ from those this run wrote \(overwritten or corrupted on the disk\)"
+
+
+def test_zero1_state_loaded_into_its_files_is_checked_from_the_next_read(one_rank, tmp_path):
+    """ZeRO-1's checkpoint load writes the moments into their files' maps in place; the next
+    step's read checks them against what the load wrote (it used to take them unchecked)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from meshfit.checkpoint.state import optimizer_load_plan, optimizer_state
+    from meshfit.parallel.disk import DiskOffload
+
+    model = _model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    zero.optim = offload = DiskOffload(zero.optim, tmp_path / "off")
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    try:
+        _step(model, zero, x)
+        saved = {n: {k: v.clone() for k, v in s.items()}
+                 for n, s in optimizer_state([model], zero)["state"].items()}
+
+        def load() -> None:
+            template, finish = optimizer_load_plan([model], zero)
+            for name, entries in template["state"].items():  # (what DCP does: in place)
+                for key, value in entries.items():
+                    if isinstance(value, torch.Tensor) and value.dim():
+                        value.copy_(saved[name][key] * 2)
+            finish()
+
+        load()
+        _step(model, zero, x)  # the loaded state: read and used without a false alarm
+        load()
+        path = tmp_path / "off" / "p00000.exp_avg.bin"  # changed before its first read
+        path.write_bytes(bytes(path.stat().st_size))
+        with pytest.raises(ValueError, match=rf"\(rank 0\): {path}: " + _ZEROS):
+            _step(model, zero, x)
+    finally:
+        offload.close()
+
+
+def test_parameter_files_changed_on_the_disk_are_refused_before_use(one_rank, tmp_path):
+    """offload_params: the fp32 shards live in memory-mapped files, read in place by FSDP2's
+    all-gather and updated in place by the optimizer; a file changed through the disk is
+    refused at the next forward (before the all-gather) or step, never trained on."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from meshfit.parallel.disk import ParameterFiles
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)),
+                offload_policy=CPUOffloadPolicy(pin_memory=False))
+    files = ParameterFiles(model, tmp_path / "params")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    try:
+        for _ in range(2):  # the run's own writes: sealed after each step, no false alarm
+            files.check()
+            _step(model, opt, x)
+            files.after_step()
+        path = tmp_path / "params" / "w00000.bin"
+        path.write_bytes(bytes(path.stat().st_size))
+        with pytest.raises(ValueError, match=rf"\(rank 0\): {path}: " + _ZEROS):
+            model(x)
+        files.seal()  # (say the change were the run's own) ... then changed after a forward:
+        model(x).square().mean().backward()
+        path.write_bytes(bytes(path.stat().st_size - 4) + b"\x00\x00\x80\x3f")
+        with pytest.raises(ValueError, match=_ZEROS):
+            files.check()  # what the Accelerator runs before each optimizer step
+        path.write_bytes(b"")  # shortened: refused by its size, not a SIGBUS on the map
+        with pytest.raises(ValueError, match=r"holds 0 bytes, 16384 expected \(truncated\)"):
+            files.check()
+    finally:
+        files.close()

@@ -351,3 +351,22 @@ def test_compare_layouts_on_a_loop_of_ones_own():
     with pytest.raises(ValueError, match="cannot split over its 2 data-parallel ranks"):
         compare_layouts(step, build_loop_model, [(x[:7], y[:7]) for x, y in batches],
                         layouts=["dp_shard=2"], **run)
+
+
+def test_a_transformers_mixture_of_experts_runs_in_float64():
+    """transformers' default experts kernel (a grouped matmul) takes no float64: verify's
+    float64 runs switch it to transformers' own loop, which computes the same sums."""
+    import transformers
+
+    from meshfit.models.families import tiny_config
+    from meshfit.verify.runs import float64_experts
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    x = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    single = model(input_ids=x).logits
+    model = float64_experts(model.double())
+    assert model.get_experts_implementation()[""] == "eager"
+    double = model(input_ids=x).logits
+    assert double.dtype == torch.float64
+    torch.testing.assert_close(double.float(), single, rtol=1e-4, atol=1e-5)

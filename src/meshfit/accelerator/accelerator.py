@@ -217,12 +217,14 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
         if inner is not optimizer:
             registry.replace(optimizer, inner)
         prepared = PreparedOptimizer(inner, self.grad_state, self.precision.scaler,
-                                     on_step=self._after_optimizer_step)
+                                     on_step=self._after_optimizer_step,
+                                     before_step=lambda _: self.runtime.check_files())
         registry.optimizers.append(prepared)
         return prepared
 
     def _after_optimizer_step(self, optimizer: PreparedOptimizer) -> None:
         registry = self._registry
+        self.runtime.files_written(step=True)  # (offload_params: the update in the files)
         if registry.count_step(optimizer) and self.empty_cache_steps and \
                 registry.optimizer_steps % self.empty_cache_steps == 0:
             empty_device_cache(self.device)

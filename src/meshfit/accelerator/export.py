@@ -32,6 +32,7 @@ def get_state_dict(model: torch.nn.Module, runtime: Runtime) -> dict[str, torch.
 
     if isinstance(model, Pipeline):
         return model.full_state_dict()
+    runtime.check_files()  # (offload_params: no changed file goes into an export)
     return runtime.full_state_dict(model)
 
 

@@ -91,13 +91,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
     synchronised. With fp16 the step goes through the GradScaler (skipped on inf/NaN)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, grad_state: GradientState,
-                 scaler: torch.amp.GradScaler | None = None, on_step=None):
+                 scaler: torch.amp.GradScaler | None = None, on_step=None, before_step=None):
         # Deliberately no super().__init__: this object owns no parameters of its own, the
         # wrapped optimizer does; the subclassing keeps isinstance checks (LR schedulers) true.
         self.optimizer = optimizer
         self.grad_state = grad_state
         self.scaler = scaler
         self.on_step = on_step  # called after each real (boundary) step
+        self.before_step = before_step  # ... and before it
         self.step_was_skipped = False
         self.unscaled = False  # set by Accelerator.unscale_gradients, cleared by step
 
@@ -114,6 +115,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         if not self.grad_state.sync_gradients:
             return None
+        if self.before_step is not None:
+            self.before_step(self)
         if self.scaler is None:
             out = self.optimizer.step(closure)
         else:
@@ -140,7 +143,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def __getattr__(self, name):
         # Only reached for attributes not found normally (e.g. an optimizer's own extras).
         if name in ("optimizer", "grad_state", "scaler", "unscaled", "step_was_skipped",
-                    "on_step"):
+                    "on_step", "before_step"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 

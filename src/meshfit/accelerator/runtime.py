@@ -85,6 +85,18 @@ class Runtime:
             self.parameter_files.append(ParameterFiles(model, self.offload_dir / name))
         return model
 
+    def check_files(self) -> None:
+        """offload_params: the parameter files as this run last wrote them, or one line naming
+        the file that changed (before a checkpoint or an export reads them)."""
+        for files in self.parameter_files:
+            files.check()
+
+    def files_written(self, *, step: bool) -> None:
+        """The run has just written the parameters (`step`: an optimizer step, else a
+        checkpoint load): their files' digests taken anew."""
+        for files in self.parameter_files:
+            files.after_step() if step else files.seal()
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to step: the engine's (ZeRO-1: a ZeroRedundancyOptimizer over it),
         with offload="disk" its state in files (`DiskOffload`)."""

@@ -191,6 +191,7 @@ def save_state(acc: Accelerator, registry: Registry, output_dir, *, step: int | 
     elif output_dir is None:
         raise ValueError("save_state() needs an output_dir (or ProjectConfiguration("
                          "automatic_checkpoint_naming=True))")
+    acc.runtime.check_files()  # (offload_params: no changed file goes into a checkpoint)
     folder = _write(acc, registry, output_dir, step=step, async_save=async_save)
     config.iteration += 1
     return folder
@@ -354,6 +355,7 @@ def load_state(acc: Accelerator, registry: Registry, input_dir=None, *,
                               "was edited or belongs to another checkpoint")
     for done in finish:
         done()
+    acc.runtime.files_written(step=False)  # (offload_params: the loaded weights, sealed)
     _restore_counters(acc, registry, parts, manifest)
     if mdist.is_initialized():
         settled_barrier()

@@ -131,17 +131,20 @@ def _names(modules: list[nn.Module]) -> dict[int, str]:
     return {id(p): n for m in modules for n, p in m.named_parameters()}
 
 
-def optimizer_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
+def optimizer_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer, *,
+                    loading: bool = False) -> dict:
     """The optimizer's state keyed by full-model parameter name:
     ``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``; under ZeRO-1
     only this rank's partition is in "state" (each name is written by its owner). For a
     checkpoint, drop the groups' "params" (`saved_form`): they differ between ranks that hold
-    different parts of the model."""
+    different parts of the model. `loading`: the template a load fills in place (offload="disk"
+under ZeRO-1: maps written through, sealed by the load's finish)."""
     zero = _zero(optimizer)
     if zero is not None:
         names, local = _names(modules), zero.optim
         # (offload="disk": the moments as memory maps of their files)
-        whole = local.mapped_state() if hasattr(local, "mapped_state") else local.state
+        whole = (local.mapped_state(lend=loading) if hasattr(local, "mapped_state")
+                 else local.state)
         state = {names[id(p)]: dict(s) for p, s in whole.items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [names[id(p)] for p in g["params"]]} for g in zero.param_groups]
@@ -203,7 +206,7 @@ def optimizer_load_plan(modules: list[nn.Module], optimizer: torch.optim.Optimiz
     target = zero.optim if zero is not None else optimizer
     if not target.state:
         _init_state(target)
-    template = optimizer_state(modules, optimizer)
+    template = optimizer_state(modules, optimizer, loading=True)
     names = [g["params"] for g in template["param_groups"]]
     template = saved_form(template)
     renamed = {n: alias(n) if alias else n for n in template["state"]}
@@ -233,6 +236,8 @@ def _finish_optimizer_load(modules, optimizer, template, renamed, names) -> None
             group.update({k: v for k, v in saved.items() if k != "params"})
         for group, outer in zip(target.param_groups, zero.param_groups):
             group.update({k: v for k, v in outer.items() if k != "params"})
+        if hasattr(target, "seal"):  # offload="disk": its files as the load wrote them
+            target.seal()
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict  # (DCP)
 

@@ -32,8 +32,8 @@ intact). ``state_dict`` returns the offloaded tensors as memory maps of their fi
 first (no copy in memory: a checkpoint of a model larger than memory streams them);
 ``load_state_dict`` writes them to the files (a state dict loaded into those maps in place
 goes through it, as torch's ``set_optimizer_state_dict`` does). `mapped_state` (ZeRO-1's
-checkpoints) lends maps that a load writes in place: the next read of those files takes them
-as they are then, unchecked once.
+checkpoints) lends maps that a load writes in place; `seal` then takes the digests of those
+files as the load left them, so the next read checks them as any other.
 
 Under ZeRO-3, `ParameterFiles` (``offload_params``) moves the parameter shards, the fp32
 master weights, into memory-mapped files of a folder of their own beside the state's.
@@ -276,17 +276,32 @@ class DiskOffload(torch.optim.Optimizer):
                 self._lent.add(path)
         return self._place(p, local)
 
-    def mapped_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+    def mapped_state(self, *, lend: bool = False) -> dict[torch.Tensor, dict[str, Any]]:
         """{parameter: its whole state}: the small entries from memory, the offloaded ones as
-        memory maps of their files (writes to them go to the files: DCP loads into them in
-        place). New dicts; the wrapped optimizer's state is left as it is."""
+        memory maps of their files, each checked first. `lend`: the maps are written through
+        (DCP loads into them in place), and their files are taken as they are by `seal`.
+        New dicts; the wrapped optimizer's state is left as it is."""
         self._wait_writes()
         out = {p: dict(s) for p, s in self.optimizer.state.items()}
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 for key in self._on_disk.get(id(p), {}):
-                    out.setdefault(p, {})[key] = self._mapped(p, key, lend=True)
+                    out.setdefault(p, {})[key] = self._mapped(p, key, lend=lend)
         return out
+
+    def seal(self) -> None:
+        """The files whose maps `mapped_state(lend=True)` handed out, hashed as they are now
+        (what a checkpoint load wrote into them, itself checked against the checkpoint's
+        digests): from here on a change to them on the disk is refused where it is read,
+        as for every other file."""
+        with self._lock:
+            lent, self._lent = sorted(self._lent), set()
+        for path in lent:
+            size = path.stat().st_size
+            local = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+            found = digest(_bytes(local))
+            with self._lock:
+                self._digests[path] = found
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict, its offloaded tensors as memory maps of their
@@ -357,10 +372,21 @@ class ParameterFiles:
     under memory pressure it drops clean pages instead of failing. 4-bit (tensor subclass)
     and empty shards stay as they are. The folder is private to the run and removed by
     `close`, when the object goes or at exit (unless `keep`); the mappings stay valid after
-    (the files are unlinked, their pages stay until the model goes)."""
+    (the files are unlinked, their pages stay until the model goes).
+
+    Checked as the state files are: the digest of each file is kept in memory (`seal`: at
+    creation, after each optimizer step and after a checkpoint load, the moments the run
+    itself writes them), and `check` compares the files with it before they are used -- the
+    first forward after a seal (a forward pre-hook that runs before FSDP2's all-gather), the
+    optimizer step and a checkpoint save. A file another process changed through the disk
+    (the map shares its pages) is then one line naming the file and the rank before any
+    update or checkpoint takes it."""
 
     def __init__(self, model: torch.nn.Module, folder: str | os.PathLike, *,
                  keep: bool = False):
+        self.hashing = True
+        """Whether the files are sealed and checked (off only to measure what it costs:
+        benchmarks/disk_offload_check.py --params; turned back on, `seal` first)."""
         params = fsdp_internals.fsdp_params(model)
         if not params:
             raise ValueError("offload_params=true: the model has no FSDP2 parameter shards; "
@@ -368,9 +394,12 @@ class ParameterFiles:
         self.folder = Path(folder)
         fd = hold(self.folder)
         self._cleanup = weakref.finalize(self, release, str(self.folder), fd, keep)
-        rank = _rank()
+        self.rank = rank = _rank()
         self.bytes = 0
         """Bytes of parameter shards in files (this rank)."""
+        self._files: list[tuple[Path, torch.Tensor]] = []
+        self._digests: list[int] = []
+        self._checked = True  # since the last seal
         for i, fsdp_param in enumerate(params):
             data = fsdp_internals.padded_shard(fsdp_param)
             if type(data) is not torch.Tensor or not data.is_floating_point() \
@@ -380,15 +409,49 @@ class ParameterFiles:
                 raise ValueError("offload_params=true needs the shards on the host (FSDP2's CPU "
                                  f"offload policy); this one is on {data.device}")
             path = self.folder / f"w{i:05d}.bin"
-            write_file(path, _bytes(data), rank=rank)
+            self._digests.append(write_file(path, _bytes(data), rank=rank))
             mapped = torch.from_file(str(path), shared=True, size=data.numel(),
                                      dtype=data.dtype)
             # both views of the padded shard onto the file's pages, not pinned
             fsdp_internals.map_shard(fsdp_param, mapped.untyped_storage())
+            self._files.append((path, mapped))
             self.bytes += data.numel() * data.element_size()
+        self._hook = model.register_forward_pre_hook(self._before_forward, prepend=True)
+
+    def seal(self) -> None:
+        """Take each file's digest as it is now (the run has just written it)."""
+        if not self.hashing:
+            return
+        self._digests = [digest(_bytes(mapped)) for _, mapped in self._files]
+        self._checked = True
+
+    def check(self) -> None:
+        """Each file against its digest; `OffloadFileError` naming the first that differs."""
+        if not self.hashing:
+            return
+        for (path, mapped), expected in zip(self._files, self._digests):
+            size = mapped.numel() * mapped.element_size()
+            try:  # (a shortened file would be a SIGBUS at the first page past its end)
+                got = path.stat().st_size
+            except FileNotFoundError:  # (removed: the map keeps the pages, checked below)
+                got = size
+            check_read(path, got, size, None, None, rank=self.rank)
+            check_read(path, size, size, digest(_bytes(mapped)), expected, rank=self.rank)
+        self._checked = True
+
+    def _before_forward(self, module, args) -> None:
+        if not self._checked:  # (once per step: accumulation's later forwards read the same)
+            self.check()
+
+    def after_step(self) -> None:
+        """Called after each optimizer step: the files hold the update; the next forward
+        checks them again."""
+        self.seal()
+        self._checked = False
 
     def close(self) -> None:
         """Remove the folder (unless `keep`)."""
+        self._hook.remove()
         self._cleanup()
 
 

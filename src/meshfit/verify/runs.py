@@ -88,6 +88,17 @@ def _copied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
+def float64_experts(model: torch.nn.Module) -> torch.nn.Module:
+    """A transformers mixture of experts in float64 runs its experts as transformers' "eager"
+    loop: its default grouped matmul takes float32 and bfloat16 only (the same sums, one
+    expert at a time)."""
+    get = getattr(model, "get_experts_implementation", None)
+    dtype = next((p.dtype for p in model.parameters()), None)
+    if get is not None and dtype == torch.float64 and get().get("") not in (None, "eager"):
+        model.set_experts_implementation("eager")
+    return model
+
+
 def run_config(cfg: RunConfig, steps: int, dtype: str, env: DistEnv | None = None, *,
                reference: bool = False) -> dict[str, Any]:
     """`steps` optimizer steps of `cfg`'s run, as `meshfit train` takes them
@@ -98,7 +109,7 @@ def run_config(cfg: RunConfig, steps: int, dtype: str, env: DistEnv | None = Non
 
     def comparable(model: torch.nn.Module) -> torch.nn.Module:
         dropouts.append(no_dropout(model))
-        return model.to(DTYPES[dtype])
+        return float64_experts(model.to(DTYPES[dtype]))
 
     run = TrainingRun(cfg, env or init(), model_hook=comparable)
     acc = run.accelerator
