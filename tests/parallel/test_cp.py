@@ -5,11 +5,12 @@ attention as a ring of key/value blocks.
   the whole sequence in one process): on cp = 2 and 4 gloo ranks, with head-tail load
   balancing and without, each block on torch's fused CPU kernel and as matmuls, with
   grouped-query attention (4 query heads on 2 kv heads), with sliding windows that cut and
-  skip blocks, softcapping and values narrower than keys (against attention written out
-  densely), the output and the gradients of q, k and v of each rank's tokens equal that
-  part of the unsharded ones. fp64: the ring sums the same terms in another order (blocks merged by
-  log-sum-exp), ~1e-16 relative per operation over a few dozen operations; the tolerance is
-  1e-12, while a misplaced chunk, a wrong mask or a lost dk/dv block is off by > 1e-2.
+  skip blocks, softcapping, values narrower than keys and attention sinks (against
+  attention written out densely; the sinks' gradient summed over the ranks), the output
+  and the gradients of q, k and v of each rank's tokens equal that part of the unsharded
+  ones. fp64: the ring sums the same terms in another order (blocks merged by log-sum-exp),
+  ~1e-16 relative per operation over a few dozen operations; the tolerance is 1e-12, while
+  a misplaced chunk, a wrong mask or a lost dk/dv block is off by > 1e-2.
 - Training through `Accelerator(parallel=ParallelDims(cp=...))` and `shard_sequence`: the
   reference GPT (RoPE with grouped-query attention, and learned positions) under cp2, cp4,
   cp2 x ZeRO-1/2/3 (sharded over the cp ranks), cp2 x dp2, cp2 x ZeRO-3 over dp_shard 2
@@ -47,9 +48,10 @@ def _inputs(T: int, seed: int = 0, dv: int = 8):
     return q, k, v, dout
 
 
-def _dense(q, k, v, window, softcap):
+def _dense(q, k, v, window, softcap, sinks=None):
     """Attention over the whole sequence as written in transformers' eager path: scores
-    scaled, capped, masked (causal, and i - j < window), softmax, values."""
+    scaled, capped, masked (causal, and i - j < window), a sink column per head (GPT-OSS),
+    softmax, the sink's column dropped, values."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
@@ -58,12 +60,25 @@ def _dense(q, k, v, window, softcap):
     i = torch.arange(q.shape[2])
     d = i.unsqueeze(1) - i
     keep = (d >= 0) & (d < (window or q.shape[2] + 1))
-    return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+        return torch.softmax(s, -1)[..., :-1] @ v
+    return torch.softmax(s, -1) @ v
 
 
-def _reference(T: int, window=None, softcap=None, dv: int = 8):
+def _sinks(with_sinks: bool):
+    return torch.linspace(-1.0, 2.0, 4, dtype=torch.float64) if with_sinks else None
+
+
+def _reference(T: int, window=None, softcap=None, dv: int = 8, sinks: bool = False):
     q, k, v, dout = (t.requires_grad_() if i < 3 else t for i, t in
                      enumerate(_inputs(T, dv=dv)))
+    s = _sinks(sinks)
+    if sinks:
+        out = _dense(q, k, v, window, softcap, s.requires_grad_())
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad, s.grad
     if window is None and softcap is None and dv == 8:  # torch's own kernel, causal
         groups = q.shape[1] // k.shape[1]
         out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1),
@@ -75,7 +90,7 @@ def _reference(T: int, window=None, softcap=None, dv: int = 8):
 
 
 def _ring_case(rank, world_size, T: int, balanced: bool, kernel: bool, window=None,
-               softcap=None, dv: int = 8):
+               softcap=None, dv: int = 8, sinks: bool = False):
     import torch.distributed as dist
 
     from meshfit.parallel import cp
@@ -93,12 +108,15 @@ def _ring_case(rank, world_size, T: int, balanced: bool, kernel: bool, window=No
     q, k, v, dout = _inputs(T, dv=dv)
     part = [shard_sequence(t, 2, world_size, rank, balanced) for t in (q, k, v, dout)]
     q, k, v = (t.requires_grad_() for t in part[:3])
+    s = _sinks(sinks)
+    if sinks:
+        s.requires_grad_()
     out = ring_attention(q, k, v, dist.group.WORLD, balanced=balanced, window=window,
-                         softcap=softcap)
+                         softcap=softcap, sinks=s)
     out.backward(part[3])
     cp._kernel = real
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "kernel": set(used)}
+            "dsinks": s.grad if sinks else None, "kernel": set(used)}
 
 
 # each split on the fused CPU kernel and on the matmul form
@@ -112,6 +130,9 @@ CASES.update({
     "cp2-contiguous-window6": (2, False, True, dict(window=6)),
     "cp4-balanced-window3-softcap": (4, True, True, dict(window=3, softcap=1.5)),
     "cp4-contiguous-window3": (4, False, True, dict(window=3)),
+    # attention sinks (GPT-OSS), on the fused kernel's blocks and with a window
+    "cp2-balanced-sinks": (2, True, True, dict(sinks=True)),
+    "cp4-balanced-window3-sinks": (4, True, True, dict(window=3, sinks=True)),
 })
 
 
@@ -120,7 +141,8 @@ def rings():
     results = {}
     for cp in (2, 4):
         results.update(run_cases({name: (_ring_case, 8 * cp, b, k, extra.get("window"),
-                                         extra.get("softcap"), extra.get("dv", 8)) for
+                                         extra.get("softcap"), extra.get("dv", 8),
+                                         extra.get("sinks", False)) for
                                   name, (n, b, k, extra) in CASES.items() if n == cp},
                                  cp, timeout=120))
     return results
@@ -133,7 +155,10 @@ def test_ring_attention_equals_unsharded_attention(rings, name):
     # the path named was taken (a window, a cap or narrow values: the matmul form too)
     assert all(r["kernel"] == {kernel} if not extra else r["kernel"] <= {True, False}
                for r in per_rank)
-    want = dict(zip(("out", "dq", "dk", "dv"), _reference(8 * cp, **extra)))
+    want = dict(zip(("out", "dq", "dk", "dv", "dsinks"), _reference(8 * cp, **extra)))
+    if "dsinks" in want:  # a parameter: each rank's part of its gradient, summed
+        torch.testing.assert_close(sum(r["dsinks"] for r in per_rank), want.pop("dsinks"),
+                                   rtol=RTOL, atol=ATOL, msg=f"{name} dsinks")
     for key, full in want.items():
         got = unshard_sequence([r[key] for r in per_rank], 2, balanced)
         torch.testing.assert_close(got, full, rtol=RTOL, atol=ATOL, msg=f"{name} {key}")

@@ -13,7 +13,8 @@
   (Gemma 2/3 alternate; Mistral's on every layer; Qwen3 and Mixtral with a window turned
   on), Gemma 2's attention logit softcapping, scaling from the module (Gemma's
   query_pre_attn_scalar, Granite's attention_multiplier), GPT-NeoX's partial rotary,
-  SmolLM3's layers without RoPE, DeepSeek-V3's MLA with values narrower than keys, MoE.
+  SmolLM3's layers without RoPE, DeepSeek-V3's MLA with values narrower than keys, MoE;
+  beyond the families module, Cohere 2 (alternating windows) and GPT-OSS (attention sinks).
   Every case runs on 2 ranks in one spawn.
 - What each layer handed the ring (window, softcap) is recorded and checked against the
   configuration, so a window silently dropped on both sides cannot pass.
@@ -36,7 +37,8 @@ from meshfit.models.families import FAMILIES
 STEPS, ROWS, SEQ = 3, 2, 48
 TRAIN_RTOL, TRAIN_ATOL = 1e-9, 1e-12
 FP32_INSIDE = {"gemma2": "RMSNorm in float32", "gemma3_text": "RMSNorm in float32",
-               "glm4_moe": "router in float32", "deepseek_v3": "router in float32"}
+               "glm4_moe": "router in float32", "deepseek_v3": "router in float32",
+               "cohere2": "LayerNorm in float32"}
 """Families whose fp64 model computes a part in float32 (transformers' code): a value rounded
 to float32 (2^-24 = 6e-8 relative) rounds the same way in both runs unless a 1e-16
 difference straddles a rounding boundary, and Adam's first steps (m/sqrt(v), insensitive to
@@ -56,23 +58,38 @@ VARIANTS = {**{f: (f, {}) for f in FAMILIES},
             # windows on families whose tiny configs have none: per layer, and on all layers
             "qwen3+window": ("qwen3", dict(layer_types=["sliding_attention", "full_attention"],
                                            use_sliding_window=True, sliding_window=8)),
-            "mixtral+window": ("mixtral", dict(sliding_window=8))}
+            "mixtral+window": ("mixtral", dict(sliding_window=8)),
+            # beyond the families module: alternating layers with a window (Cohere 2),
+            # attention sinks with alternating windows and MoE (GPT-OSS)
+            "cohere2": ("cohere2", {}), "gpt_oss": ("gpt_oss", {})}
 ZERO3 = ("llama", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3")
 """Also under cp2 x ZeRO-3 (the parameters sharded over the 2 cp ranks)."""
 CASES = [*(f"cp2/{v}" for v in VARIANTS), *(f"cp2-zero3/{v}" for v in ZERO3)]
 
 
-def _build(variant: str):
+def _variant_config(variant: str):
     import transformers
 
-    from meshfit.models.families import MOE_FAMILIES, tiny_config
+    from meshfit.models.families import shrink_config, tiny_config
 
     family, extra = VARIANTS[variant]
     sizes = {k: v for k, v in extra.items() if k in ("v_head_dim", "num_key_value_heads")}
-    config = tiny_config(family, **sizes)
+    config = tiny_config(family, **sizes) if family in FAMILIES else shrink_config(
+        transformers.AutoConfig.for_model(family), vocab_size=128)
     for key, value in extra.items():
         setattr(config, key, value)
-    options = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
+    return config
+
+
+def _build(variant: str):
+    import transformers
+
+    from meshfit.models.families import MOE_FAMILIES
+
+    family, _ = VARIANTS[variant]
+    config = _variant_config(variant)
+    options = {"experts_implementation": "eager"} if family in (*MOE_FAMILIES, "gpt_oss") \
+        else {}
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, **options).double()
 
@@ -141,12 +158,8 @@ def trained():
 def _expected(variant: str) -> set:
     """(window, softcap) pairs the layers of `variant` must hand the ring, from its
     configuration alone."""
-    from meshfit.models.families import tiny_config
-
-    family, extra = VARIANTS[variant]
-    cfg = tiny_config(family)
-    for key, value in extra.items():
-        setattr(cfg, key, value)
+    family, _ = VARIANTS[variant]
+    cfg = _variant_config(variant)
     cap = getattr(cfg, "attn_logit_softcapping", None) if family == "gemma2" else None
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
@@ -232,7 +245,7 @@ def test_cp_problem_accepts_every_family_and_its_windows():
 def test_padding_and_foreign_masks_are_refused_at_the_forward():
     """The forward pre-hook: a padding mask refused, a mask of all ones dropped, the tokens'
     global positions filled in; the attention function: a mask of the model's own making, a
-    bidirectional layer, a layer the ring was not given."""
+    bidirectional layer, a layer the ring was not given, packed sequences' offsets."""
     from meshfit.parallel import cp_hf
 
     class Shard:  # cp2, rank 1, balanced: tokens 2..5 of 8 (chunks 1 and 2)
@@ -259,3 +272,5 @@ def test_padding_and_foreign_masks_are_refused_at_the_forward():
                         (cp_hf.RingMask(bidirectional=True), "attends bidirectionally")):
         with pytest.raises(ValueError, match=words):
             cp_hf._ring(module, q, q, q, mask)
+    with pytest.raises(ValueError, match=r"passes cu_seq_lens_q to its attention \(packed"):
+        cp_hf._ring(module, q, q, q, None, cu_seq_lens_q=torch.zeros(3))

@@ -52,8 +52,8 @@ from meshfit.models.gpt import GPT, Attention
 from meshfit.models.plans import adapted_model
 from meshfit.parallel.cp_hf import apply_cp_hf, cp_problem
 
-__all__ = ["HF_FAMILIES", "SequenceShard", "apply_cp", "check_hf_config", "chunk_ids", "ring_attention", "sequence_positions",
-           "shard_sequence", "unshard_sequence"]
+__all__ = ["HF_FAMILIES", "SequenceShard", "apply_cp", "check_hf_config", "chunk_ids",
+           "ring_attention", "sequence_positions", "shard_sequence", "unshard_sequence"]
 
 
 # ---------------------------------------------------------------------------- sharding
@@ -318,7 +318,7 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, balanced: bool, scale: float, window, softcap):
+    def forward(ctx, q, k, v, sinks, group, balanced: bool, scale: float, window, softcap):
         ring = _Ring(group)
         cp, rank = ring.size, ring.rank
         acc = _acc_dtype(q.dtype)
@@ -346,14 +346,17 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt[0]
         out = torch.cat(outs, dim=-2)  # every query chunk sees at least its own diagonal
         lse = torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # one more logit per head in each row's softmax, value 0
+            out, lse = _merge(out, lse, torch.zeros_like(out),
+                              sinks.to(acc).view(1, hkv, H // hkv, 1).expand_as(lse))
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.balanced, ctx.scale = group, balanced, scale
         ctx.window, ctx.softcap = window, softcap
         return out.view(B, H, T, v.shape[-1]).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         ring = _Ring(ctx.group)
         cp, rank, scale = ring.size, ring.rank, ctx.scale
         acc = _acc_dtype(q.dtype)
@@ -392,12 +395,17 @@ class _RingAttention(torch.autograd.Function):
         dq = dq.view(B, H, T, D).to(q.dtype)
         dk = dkv[..., :D].squeeze(2).to(k.dtype)
         dv = dkv[..., D:].squeeze(2).to(v.dtype)
-        return dq, dk, dv, None, None, None, None, None
+        dsinks = None
+        if sinks is not None:  # a sink's score s: dL/ds = -sum of P_sink x rowsum(dO * O)
+            p_sink = torch.exp(sinks.to(acc).view(1, hkv, H // hkv, 1) - lse)
+            dsinks = -(p_sink * delta).sum(dim=(0, 3)).reshape(H).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
                    balanced: bool = True, scale: float | None = None,
-                   window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                   window: int | None = None, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys and values,
     each cp rank holding its part (`shard_sequence`) of all three: q [B, H, T/cp, D], k
     [B, Hkv, T/cp, D] and v [B, Hkv, T/cp, Dv] (Hkv divides H: grouped-query attention; Dv
@@ -405,9 +413,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
     output [B, H, T/cp, Dv], equal to that part of causal attention over the whole
     sequence; differentiable. `window`: a sliding window, each query seeing the keys less
     than `window` positions back (transformers' sliding_window); `softcap`: scores capped as
-    softcap·tanh(s/softcap) before the softmax (Gemma 2). `group`: the cp ranks (a process
-    group); `balanced` must be how the sequence was sharded. A collective: every rank of
-    `group` calls it."""
+    softcap·tanh(s/softcap) before the softmax (Gemma 2); `sinks` [H]: one more logit per
+    head in every row's softmax, attending to nothing (GPT-OSS's attention sinks).
+    `group`: the cp ranks (a process group); `balanced` must be how the sequence was
+    sharded. A collective: every rank of `group` calls it."""
     if q.dim() != 4 or k.dim() != 4 or k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0] \
             or k.shape[2:] != q.shape[2:] or q.shape[1] % k.shape[1]:
         raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
@@ -420,8 +429,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
     for name, value in (("window", window), ("softcap", softcap)):
         if value is not None and not value > 0:
             raise ValueError(f"ring_attention: {name}={value!r} must be positive, or None")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"ring_attention: sinks {tuple(sinks.shape)} must hold one value per "
+                         f"query head ({q.shape[1]})")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, balanced, scale, window, softcap)
+    return _RingAttention.apply(q, k, v, sinks, group, balanced, scale, window, softcap)
 
 
 # ---------------------------------------------------------------------------- models
@@ -445,10 +457,10 @@ class SequenceShard:
         return shard_sequence(t, dim, self.size, self.rank, self.balanced)
 
     def attend(self, q, k, v, *, scale: float | None = None, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks=None) -> torch.Tensor:
         """`ring_attention` over this shard's group."""
         return ring_attention(q, k, v, self.group, balanced=self.balanced, scale=scale,
-                              window=window, softcap=softcap)
+                              window=window, softcap=softcap, sinks=sinks)
 
 
 HF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2",

@@ -24,7 +24,8 @@ Granite, SmolLM3, the MoE and DeepSeek families all have it. What the ring then 
   (rotary tables of every kind, GPT-NeoX's partial rotary, SmolLM3's layers without RoPE
   take them as they are); q/k norms (Qwen3, OLMo 2, Gemma 3) run before attention, on the
   rank's own tokens;
-- DeepSeek's multi-head latent attention: values narrower than queries and keys.
+- DeepSeek's multi-head latent attention: values narrower than queries and keys;
+- GPT-OSS's attention sinks (``s_aux``: one more logit per head in every softmax).
 
 **What is refused** (`cp_problem`, one line): a class without the flag (its attention does
 not go through the interface: linear-attention and state-space hybrids, older models that
@@ -50,6 +51,11 @@ __all__ = ["RingMask", "apply_cp_hf", "cp_problem", "hf_model_class"]
 _IMPLEMENTATION = "meshfit_ring"
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _DROPOUTS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+_CHANGES_ATTENTION = {
+    "sinks": "attention sinks", "cu_seq_lens_q": "packed sequences",
+    "cu_seq_lens_k": "packed sequences",
+}
+"""Arguments some models pass their attention function that change what it computes."""
 WORKS = ("ZeRO and DDP (cp=1) run it; context parallel runs transformers decoders whose "
          "attention goes through transformers' attention interface (Llama, Qwen2/3, "
          "Mistral, Mixtral, Gemma 2/3, Phi-3, OLMo 2, GPT-NeoX, Granite, SmolLM3, "
@@ -137,11 +143,11 @@ def _hf_problem(config, cls) -> str | None:
 
 
 def _ring(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-          softcap=None, **kwargs):
+          softcap=None, s_aux=None, **kwargs):
     """transformers' attention-interface function: the ring over `module.sequence_shard`
     (`meshfit.parallel.cp.SequenceShard.attend`; query [B, H, T, D], key/value
     [B, Hkv, T, D or Dv]) with the layer's window from its `RingMask`, the module's scaling
-    and softcap."""
+    and softcap, GPT-OSS's attention sinks (`s_aux`)."""
     shard = getattr(module, "sequence_shard", None)
     where = type(module).__name__
     if shard is None:
@@ -150,6 +156,11 @@ def _ring(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
     if dropout:
         raise ValueError(f"context parallel: {where} asks for attention dropout={dropout}; "
                          "the ring computes attention exactly: set attention_dropout to 0")
+    unknown = sorted(k for k in _CHANGES_ATTENTION if kwargs.get(k) is not None)
+    if unknown:
+        raise ValueError(f"context parallel: {where} passes {', '.join(unknown)} to its "
+                         f"attention ({_CHANGES_ATTENTION[unknown[0]]}), which the ring does "
+                         "not compute; use cp=1 with this model")
     mask = attention_mask if attention_mask is not None else RingMask()
     if not isinstance(mask, RingMask) or mask.custom:
         raise ValueError(f"context parallel: {where} was handed a mask of the model's own "
@@ -158,7 +169,8 @@ def _ring(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
     if mask.bidirectional or getattr(module, "is_causal", True) is False:
         raise ValueError(f"context parallel: {where} attends bidirectionally; the ring is "
                          "causal: use cp=1 with this model")
-    out = shard.attend(query, key, value, scale=scaling, window=mask.window, softcap=softcap)
+    out = shard.attend(query, key, value, scale=scaling, window=mask.window, softcap=softcap,
+                       sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
