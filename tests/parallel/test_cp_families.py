@@ -148,11 +148,33 @@ def _train(rank, world_size, layout: str | None, variant: str) -> dict:
             "seen": seen}
 
 
+def _refused_at_prepare(rank, world_size) -> str:
+    """`Accelerator.prepare` of a model cp cannot run: the ValueError's line."""
+    from meshfit import Accelerator, ParallelDims
+    from meshfit.models.families import tiny_model
+
+    acc = Accelerator(parallel=ParallelDims(cp=2, dp_replicate=1), mixed_precision="no")
+    model = tiny_model("qwen3")
+    model.config.attention_dropout = 0.1
+    try:
+        acc.prepare(model)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
 @pytest.fixture(scope="module")
 def trained():
     one = {v: _train(0, 1, None, v) for v in VARIANTS}
     cases = {case: (_train, *case.split("/")) for case in CASES}
+    cases["refused"] = (_refused_at_prepare,)
     return one, run_cases(cases, 2, timeout=420)
+
+
+def test_prepare_refuses_what_cp_cannot_run_in_one_line(trained):
+    for line in case_result(trained[1], "refused"):
+        assert line.startswith("context parallel (cp=2): attention_dropout=0.1 is not "
+                               "available") and "\n" not in line, line
 
 
 def _expected(variant: str) -> set:

@@ -53,7 +53,8 @@ from meshfit.models.plans import adapted_model
 from meshfit.parallel.cp_hf import apply_cp_hf, cp_problem
 
 __all__ = ["HF_FAMILIES", "SequenceShard", "apply_cp", "check_hf_config", "chunk_ids",
-           "ring_attention", "sequence_positions", "shard_sequence", "unshard_sequence"]
+           "cp_problem", "ring_attention", "sequence_positions", "shard_sequence",
+           "unshard_sequence"]
 
 
 # ---------------------------------------------------------------------------- sharding
