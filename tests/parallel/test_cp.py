@@ -104,6 +104,7 @@ def _ring_case(rank, world_size, T: int, balanced: bool, kernel: bool, window=No
         return name
 
     cp._kernel = chosen
+    min_sub, cp._MIN_SUB = cp._MIN_SUB, 1  # chunk pairs a window cuts: split, however small
 
     q, k, v, dout = _inputs(T, dv=dv)
     part = [shard_sequence(t, 2, world_size, rank, balanced) for t in (q, k, v, dout)]
@@ -114,7 +115,7 @@ def _ring_case(rank, world_size, T: int, balanced: bool, kernel: bool, window=No
     out = ring_attention(q, k, v, dist.group.WORLD, balanced=balanced, window=window,
                          softcap=softcap, sinks=s)
     out.backward(part[3])
-    cp._kernel = real
+    cp._kernel, cp._MIN_SUB = real, min_sub
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
             "dsinks": s.grad if sinks else None, "kernel": set(used)}
 
@@ -184,6 +185,33 @@ def test_a_fused_kernel_is_used_only_where_it_matches_the_matmul_form(monkeypatc
     monkeypatch.setitem(cp._KERNELS, "off", (off, backward))
     monkeypatch.setitem(cp._KERNELS, "raises", (forward, raises))
     assert not cp._probe("off", like) and not cp._probe("raises", like)
+
+
+@pytest.mark.parametrize("min_sub", [1, 32])
+def test_the_blocks_cover_each_visible_key_once(monkeypatch, min_sub):
+    """The ring's blocks (`_pairs`: skipped, whole, causal, banded, and chunk pairs a window
+    cuts split into smaller blocks) against the dense mask of the chunks' global positions
+    (key seen where 0 <= query - key < window): every visible (query, key) pair in exactly
+    one block, no hidden one in any."""
+    from meshfit.parallel import cp
+
+    monkeypatch.setattr(cp, "_MIN_SUB", min_sub)
+    for c, window, n, balanced in [(c, w, n, b) for c in (4, 6, 12, 64)
+                                   for w in (None, 1, 3, 5, 8, 13, 200)
+                                   for n in (2, 3) for b in (True, False)]:
+        for rank in range(n):
+            for step in range(n):
+                mine, theirs = chunk_ids(n, rank, balanced), chunk_ids(n, (rank - step) % n,
+                                                                         balanced)
+                got = torch.zeros(c * len(mine), c * len(theirs), dtype=torch.int)
+                for qs, ks, band in cp._pairs(mine, theirs, c, window):
+                    size = qs.stop - qs.start
+                    got[qs, ks] += (torch.ones(size, size, dtype=torch.int) if band is None
+                                    else cp._band(size, size, band, None).int())
+                d = torch.cat([torch.arange(x * c, (x + 1) * c) for x in mine]).unsqueeze(1) \
+                    - torch.cat([torch.arange(x * c, (x + 1) * c) for x in theirs])
+                want = ((d >= 0) & (d < (window or d.max() + 1))).int()
+                assert torch.equal(got, want), (c, window, n, balanced, rank, step)
 
 
 def test_sharding_round_trip_and_positions():
