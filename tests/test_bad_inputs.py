@@ -37,13 +37,15 @@ FILES = {
     "bad_calib.json": "{ not json",
     "hfconf/": None,
     "hfconf/config.json": '{"model_type": "nosuchmodel"}',
-    "mistralconf/config.json": ('{"model_type": "mistral", "hidden_size": 32, '
-                                '"intermediate_size": 64, "num_attention_heads": 4, '
-                                '"num_hidden_layers": 1, "vocab_size": 300, '
-                                '"max_position_embeddings": 256, "sliding_window": 16}'),
     "gpt2conf/config.json": ('{"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, '
                              '"vocab_size": 300, "n_positions": 256, "bos_token_id": 0, '
                              '"eos_token_id": 0}'),
+    # context parallel's refusals, one per class (configs only: no model is built)
+    "qwen3nextconf/config.json": '{"model_type": "qwen3_next", "num_hidden_layers": 4}',
+    "minimaxconf/config.json": '{"model_type": "minimax", "num_hidden_layers": 4}',
+    "t5conf/config.json": '{"model_type": "t5", "num_layers": 1}',
+    "gemma3biconf/config.json": ('{"model_type": "gemma3_text", '
+                                 '"use_bidirectional_attention": true}'),
     "script.py": "raise SystemExit('the script ran')\n",
     "scripts/": None,
 }
@@ -296,12 +298,29 @@ T = [  # meshfit train: config overrides
                          "--model.dropout=0.1"], ["parallel.cp=2 with model.dropout=0.1"]),
     ("cp with compile", ["--nproc", "2", "--parallel.cp=2", "--parallel.dp_replicate=1",
                          "--train.compile=true"], ["parallel.cp=2 with train.compile=true"]),
-    ("cp with a sliding window", ["--nproc", "2", "--parallel.cp=2",
-                                  "--parallel.dp_replicate=1", "--model.hf_config={t}/mistralconf"],
-     ["parallel.cp=2 with model.hf_config=", "sliding_window=16", "not available"]),
-    ("cp with a GPT-2 config", ["--nproc", "2", "--parallel.cp=2", "--parallel.dp_replicate=1",
-                                "--model.hf_config={t}/gpt2conf"],
-     ["parallel.cp=2 with model.hf_config=", "model_type 'gpt2' is not yet supported"]),
+    # (a sliding window, Mistral's here, runs under cp: tests/parallel/test_cp_families.py)
+    ("cp with attention dropout (GPT-2's default)", ["--nproc", "2", "--parallel.cp=2",
+                                                     "--parallel.dp_replicate=1",
+                                                     "--model.hf_config={t}/gpt2conf"],
+     ["parallel.cp=2 with model.hf_config=", "attn_pdrop=0.1 is not available", "set it to 0"]),
+    ("cp with a linear-attention hybrid", ["--nproc", "2", "--parallel.cp=2",
+                                           "--parallel.dp_replicate=1",
+                                           "--model.hf_config={t}/qwen3nextconf"],
+     ["parallel.cp=2 with model.hf_config=", "model_type 'qwen3_next'",
+      "attention does not go through transformers' attention interface", "ZeRO and DDP"]),
+    ("cp with linear-attention layers", ["--nproc", "2", "--parallel.cp=2",
+                                         "--parallel.dp_replicate=1",
+                                         "--model.hf_config={t}/minimaxconf"],
+     ["parallel.cp=2 with model.hf_config=", "'linear_attention' layers (layer_types)",
+      "ZeRO and DDP"]),
+    ("cp with an encoder-decoder", ["--nproc", "2", "--parallel.cp=2",
+                                    "--parallel.dp_replicate=1", "--model.hf_config={t}/t5conf"],
+     ["parallel.cp=2 with model.hf_config=", "model_type 't5' has no causal decoder",
+      "ZeRO and DDP"]),
+    ("cp with bidirectional attention", ["--nproc", "2", "--parallel.cp=2",
+                                         "--parallel.dp_replicate=1",
+                                         "--model.hf_config={t}/gemma3biconf"],
+     ["parallel.cp=2 with model.hf_config=", "bidirectional attention is not available"]),
     ("cp_load_balance int", ["--parallel.cp_load_balance=2"], ["parallel.cp_load_balance=2"]),
     # [checkpoint] and [log]
     ("checkpoint.every negative", ["--checkpoint.every=-1"], ["checkpoint.every=-1"]),

@@ -146,7 +146,9 @@ def _check_disk(cfg, layout: Layout, world_size: int, local: int) -> None:
 
 
 def _check_cp(cfg, layout: Layout) -> None:
-    """Context parallel runs the reference GPT's attention as a ring over text windows."""
+    """Context parallel runs the attention of the reference GPT and of transformers decoders
+    whose attention goes through transformers' attention interface as a ring over text
+    windows (`meshfit.parallel.cp_hf.cp_problem` says why a configuration cannot)."""
     cp = layout.dims.cp
     if cp == 1:
         return
@@ -154,19 +156,19 @@ def _check_cp(cfg, layout: Layout) -> None:
     if m.source in ("hf_config", "hf_model"):
         import transformers
 
-        from meshfit.parallel.cp import check_hf_config
+        from meshfit.parallel.cp_hf import cp_problem
 
         folder = str(Path(getattr(m, m.source)).expanduser())
-        problem = check_hf_config(transformers.AutoConfig.from_pretrained(
-            folder, local_files_only=True, trust_remote_code=m.trust_code), t.seq_len)
+        problem = cp_problem(transformers.AutoConfig.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=m.trust_code), cp)
         if problem:
             raise ValueError(f"parallel.cp={cp} with model.{m.source}={getattr(m, m.source)!r}"
                              f": {problem}")
     elif m.source != "preset":
         raise ValueError(f"parallel.cp={cp} with model.{m.source} is not available yet: "
                          "context parallel runs the attention of the reference GPT and of "
-                         "transformers' Llama, Qwen2 and Mistral as a ring; use cp=1 with "
-                         "this model")
+                         "transformers decoders (model.hf_config or model.hf_model) as a "
+                         "ring; use cp=1 with this model")
     if d.masked or d.packing:
         what = f"data.format={d.format!r}" if d.examples else \
             "data.packing=true" if d.packing else "data.document_mask=true"
