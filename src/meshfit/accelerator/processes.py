@@ -62,8 +62,9 @@ def reduce(tensor: Any, reduction: str, group) -> Any:
 
 
 def share(inputs, n: int, rank: int, *, apply_padding: bool, device: torch.device):
-    """Rank `rank` of `n`'s contiguous share of `inputs` (a list, tuple, tensor or a dict of
-    them; the first ranks take one more), padded with the last item (`apply_padding`)."""
+    """Rank `rank` of `n`'s contiguous share of `inputs` (a list, tuple, tensor, a dict of
+    them, or a ``datasets.Dataset``: its rows; the first ranks take one more), padded with the
+    last item (`apply_padding`)."""
     if n == 1:
         return inputs
     length = len(inputs)
@@ -77,6 +78,12 @@ def share(inputs, n: int, rank: int, *, apply_padding: bool, device: torch.devic
     longest = per + (1 if extra > 0 else 0)
 
     def split(values):
+        if hasattr(values, "select") and not isinstance(values, torch.Tensor):
+            # a datasets.Dataset (its slices are columns, not rows): rows by index
+            rows = list(range(start, end))
+            if apply_padding:
+                rows += [length - 1] * (longest - len(rows))
+            return values.select(rows)
         if isinstance(values, (list, tuple, torch.Tensor)):
             part = values[start:end]
             if apply_padding:
