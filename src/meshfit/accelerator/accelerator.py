@@ -134,6 +134,7 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
     def prepare(self, *objects: Any, device_placement=None) -> Any:
         """Prepare models, optimizers, dataloaders and LR schedulers, in any order; returns them
         (other objects as they are) in that order, a single one alone."""
+        self.state.env  # noqa: B018 - raises Accelerate's error after a state reset
         if device_placement is not None and not device_placement and \
                 self.device.type != "cpu":
             raise ValueError("prepare(device_placement=False) is available on the CPU only")

@@ -24,10 +24,15 @@ class AcceleratorAttributes:
     is_local_main_process = property(lambda self: self.env.local_rank == 0)
     is_last_process = property(lambda self: self.process_index == self.num_processes - 1)
     mixed_precision = property(lambda self: self.precision.mode)
-    distributed_type = property(
-        lambda self: self.state.distributed_type,
-        doc="NO, FSDP, MULTI_GPU, MULTI_CPU, ... (`distributed_type`; ``accelerator.state``'s, "
-            "which a script may set).")
+    @property
+    def distributed_type(self) -> DistributedType:
+        """NO, FSDP, MULTI_GPU, MULTI_CPU, ... (`distributed_type`), or what a script set
+        ``accelerator.state.distributed_type`` to (the state is the process's, as in
+        Accelerate: until the next Accelerator is built)."""
+        given = AcceleratorState._shared_state.get("_distributed_type")
+        if given is not None:
+            return given
+        return distributed_type(self.env, self.layout)
     use_distributed = property(
         lambda self: self.distributed_type != DistributedType.NO and self.num_processes > 1)
     mesh = property(lambda self: self.runtime.mesh,
@@ -36,10 +41,10 @@ class AcceleratorAttributes:
                           doc="The resolved ZeRO stage (0: DDP or a single process).")
     @property
     def state(self) -> AcceleratorState:
-        """The process's shared `AcceleratorState`, describing the latest Accelerator."""
-        if AcceleratorState._shared_state.get("_accelerator") is None:
-            AcceleratorState.attach(self)  # (after AcceleratorState._reset_state())
-        return AcceleratorState()
+        """The process's shared `AcceleratorState`, describing the latest Accelerator (after
+        ``AcceleratorState._reset_state()``, an empty one: reading it raises, as in
+        Accelerate)."""
+        return AcceleratorState._current()
     gradient_state = property(
         lambda self: self.grad_state,
         doc="Accumulation state: ``sync_gradients``, ``num_steps``, ``end_of_dataloader``, "

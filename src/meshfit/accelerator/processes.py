@@ -144,7 +144,8 @@ def join_uneven_inputs(joinables, even_batches: bool | None, *, loaders: list,
     block. Under DDP, on GPUs and (unlike Accelerate, which does nothing there) CPUs."""
     if not use_distributed or kind == DistributedType.FSDP:
         if use_distributed:
-            warnings.warn("meshfit: join_uneven_inputs acts under DDP only; no effect here",
+            warnings.warn("meshfit: joining uneven inputs is only supported for multi-GPU "
+                          "(and multi-CPU) DDP training; training proceeds without join",
                           UserWarning, stacklevel=3)
         yield joinables
         return

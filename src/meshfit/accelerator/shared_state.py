@@ -63,6 +63,13 @@ class PartialState:
         afresh. Accelerate's test helper, kept for its scripts."""
         cls._shared_state.clear()
 
+    def __getattr__(self, name: str):
+        # Only for names missing from the shared dictionary: the state was reset under this
+        # instance (Accelerate's message, which its tests read).
+        raise AttributeError(f"`{type(self).__name__}` object has no attribute `{name}`. This "
+                             "happens if `AcceleratorState._reset_state()` was called and an "
+                             "`Accelerator` or `PartialState` was not reinitialized.")
+
     initialized = property(lambda self: "env" in self.__dict__)
     device = property(lambda self: self.env.device)
     backend = property(lambda self: self.env.backend)
@@ -190,6 +197,16 @@ class AcceleratorState(PartialState):
         cls._shared_state.clear()
         if reset_partial_state:
             PartialState._reset_state()
+
+    def destroy_process_group(self, group=None) -> None:
+        PartialState().destroy_process_group(group)
+
+    @classmethod
+    def _current(cls) -> AcceleratorState:
+        """The shared state as it is (reset: empty), without joining anything."""
+        state = cls.__new__(cls)
+        state.__dict__ = cls._shared_state
+        return state
 
     @classmethod
     def attach(cls, accelerator) -> None:
