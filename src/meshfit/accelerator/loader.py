@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
 from meshfit.accelerator.dispatch import Dispatch
 from meshfit.accelerator.sampler import ShardedBatchSampler, custom_batches, inner_sampler
-from meshfit.accelerator.shuffle import Shuffle, clone_generator, draw_seed, shuffle_for
+from meshfit.accelerator.shuffle import (SeedableRandomSampler, Shuffle, clone_generator,
+                                         draw_seed, shuffle_for)
 from meshfit.accelerator.stream import StreamShard, stream_loader, worker_options
 from meshfit.distributed.collectives import apply_to_tensors
 
@@ -78,6 +79,12 @@ class PreparedDataLoader:
             return
         # The batches a custom batch sampler makes (None: the loader's batch_size ones).
         custom = custom_batches(loader)
+        if custom is None and seedable and isinstance(loader.sampler, RandomSampler):
+            # Accelerate's use_seedable_sampler: the loader's sampler becomes a
+            # SeedableRandomSampler (data_seed + epoch), whose batches are sharded
+            custom = BatchSampler(SeedableRandomSampler(range(len(loader.dataset)),
+                                                        data_seed=data_seed),
+                                  loader.batch_size, loader.drop_last)
         self.dispatch = None
         if dispatch and num_replicas > 1:
             # process 0 reads the loader's own batches: shard over one process, unsynchronised
@@ -250,6 +257,9 @@ class PreparedDataLoader:
         epoch, resumed, self._resumed = self._epoch, self._resumed, False
         if self.shuffle is not None:
             self.shuffle.start_pass(epoch)
+        sampler = getattr(self.batch_sampler.batch_sampler, "sampler", None)
+        if hasattr(sampler, "set_epoch"):  # (a SeedableRandomSampler's order is the epoch's)
+            sampler.set_epoch(epoch)
         handed = self.batch_sampler.skip
         self._position = (epoch, handed)
         self.state.end_of_dataloader = False
