@@ -59,6 +59,7 @@ class PreparedDataLoader:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.stream: StreamShard | None = None
         self.shuffle: Shuffle | None = None
+        self.dispatch: Dispatch | None = None
         if isinstance(loader.dataset, IterableDataset):
             if loader.batch_size is None:
                 raise ValueError("prepare(dataloader): an IterableDataset loader needs a "
@@ -77,6 +78,16 @@ class PreparedDataLoader:
                                       drop_last=loader.drop_last, collate_fn=loader.collate_fn)
             self.loader = None  # built per pass (`stream_loader`)
             return
+        self._init_map_style(loader, device, num_replicas, rank, even_batches=even_batches,
+                             split_batches=split_batches, seedable=seedable,
+                             data_seed=data_seed, sync_generator=sync_generator,
+                             dispatch=dispatch)
+
+    def _init_map_style(self, loader: DataLoader, device: torch.device, num_replicas: int,
+                        rank: int, *, even_batches: bool, split_batches: bool, seedable: bool,
+                        data_seed: int | None, sync_generator: bool, dispatch: bool) -> None:
+        """The shard of a map-style dataset (`sampler`), its order (`shuffle`), process 0's
+        batches handed out (`dispatch`), and the inner DataLoader reading them."""
         # The batches a custom batch sampler makes (None: the loader's batch_size ones).
         custom = custom_batches(loader)
         if custom is None and seedable and isinstance(loader.sampler, RandomSampler):

@@ -10,17 +10,21 @@ process (each instance reads and writes one dictionary, as Accelerate's do), so 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 
+import torch
 import torch.distributed as dist
 
 from meshfit import distributed as mdist
 from meshfit.accelerator.compat.config import DistributedType
+from meshfit.accelerator.compat.utilities import DEBUG_MODE
+from meshfit.distributed.settle import barrier, settle_all
 from meshfit.distributed import DistEnv
 from meshfit.parallel.layout import Layout
 
-__all__ = ["AcceleratorState", "PartialState", "distributed_type"]
+__all__ = ["AcceleratorState", "PartialState", "distributed_type", "run_if", "share"]
 
 _BY_DEVICE = {"cuda": DistributedType.MULTI_GPU, "cpu": DistributedType.MULTI_CPU,
               "xpu": DistributedType.MULTI_XPU, "npu": DistributedType.MULTI_NPU,
@@ -36,6 +40,57 @@ def distributed_type(env: DistEnv, layout: Layout | None = None) -> DistributedT
     if layout is not None and layout.is_fsdp:
         return DistributedType.FSDP
     return _BY_DEVICE.get(env.device.type, DistributedType.MULTI_GPU)
+
+
+def share(inputs, n: int, rank: int, *, apply_padding: bool, device: torch.device):
+    """Rank `rank` of `n`'s contiguous share of `inputs` (a list, tuple, tensor, a dict of
+    them, or a ``datasets.Dataset``: its rows; the first ranks take one more), padded with the
+    last item (`apply_padding`)."""
+    if n == 1:
+        return inputs
+    length = len(inputs)
+    if isinstance(inputs, dict):
+        length = len(inputs[next(iter(inputs))])
+        if not all(len(v) == length for v in inputs.values()):
+            raise ValueError("All values in the dictionary must have the same length")
+    per, extra = divmod(length, n)
+    start = rank * per + min(rank, extra)
+    end = start + per + (1 if rank < extra else 0)
+    longest = per + (1 if extra > 0 else 0)
+
+    def split(values):
+        if hasattr(values, "select") and not isinstance(values, torch.Tensor):
+            # a datasets.Dataset (its slices are columns, not rows): rows by index
+            rows = list(range(start, end))
+            if apply_padding:
+                rows += [length - 1] * (longest - len(rows))
+            return values.select(rows)
+        if isinstance(values, (list, tuple, torch.Tensor)):
+            part = values[start:end]
+            if apply_padding:
+                if isinstance(part, torch.Tensor):
+                    fill = values[-1:].to(device).expand(longest - len(part), *values.shape[1:])
+                    part = torch.cat([part.to(device), fill])
+                else:
+                    part = part + type(part)([values[-1]] * (longest - len(part)))
+            return part
+        if isinstance(values, dict):
+            return {k: split(v) for k, v in values.items()}
+        return values
+
+    return split(inputs)
+
+
+def run_if(run: bool, function=None):
+    """`function`, called only where `run` holds (None elsewhere); without `function`, the
+    decorator that makes it."""
+    if function is None:
+        return functools.partial(run_if, run)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs) if run else None
+    return wrapper
 
 
 def _debug_from_environment() -> bool:
@@ -55,7 +110,7 @@ class PartialState:
         if "env" not in self.__dict__:
             self.env = mdist.init(backend=kwargs.get("backend"), cpu=cpu or None)
             self.fork_launched = False
-            PartialState._shared_state.setdefault("debug", _debug_from_environment())
+            DEBUG_MODE["on"] = DEBUG_MODE["on"] or _debug_from_environment()
 
     @classmethod
     def _reset_state(cls) -> None:
@@ -86,11 +141,11 @@ class PartialState:
     def debug(self) -> bool:
         """Whether the collectives of `meshfit.utils.operations` first check that every
         process passes tensors of the same structure (one switch for the whole process)."""
-        return PartialState._shared_state.get("debug", False)
+        return DEBUG_MODE["on"]
 
     @debug.setter
     def debug(self, value: bool) -> None:
-        PartialState._shared_state["debug"] = bool(value)
+        DEBUG_MODE["on"] = bool(value)
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -108,8 +163,6 @@ class PartialState:
     def wait_for_everyone(self) -> None:
         """A barrier over every process."""
         if self.env.is_distributed:
-            from meshfit.distributed.settle import barrier
-
             barrier()
 
     @contextlib.contextmanager
@@ -131,14 +184,10 @@ class PartialState:
     def split_between_processes(self, inputs, apply_padding: bool = False):
         """This process's contiguous share of `inputs` (a list, tuple, tensor, dict of them or
         a ``datasets.Dataset``; `meshfit.accelerator.processes.share`)."""
-        from meshfit.accelerator.processes import share
-
         yield share(inputs, self.num_processes, self.process_index,
                     apply_padding=apply_padding, device=self.device)
 
     def _run_if(self, run: bool, function):
-        from meshfit.accelerator.processes import run_if
-
         return run_if(run, function)
 
     def on_main_process(self, function=None):
@@ -166,8 +215,6 @@ class PartialState:
             dist.destroy_process_group(group)
             return
         if self.env.is_distributed and mdist.is_initialized():
-            from meshfit.distributed.settle import settle_all
-
             # (see `meshfit.accelerator.processes.release`)
             settle_all()
             dist.destroy_process_group()
@@ -217,7 +264,7 @@ class AcceleratorState(PartialState):
         shared["_accelerator"] = weakref.ref(accelerator)
         PartialState._shared_state.setdefault("env", accelerator.env)
         PartialState._shared_state.setdefault("fork_launched", False)
-        PartialState._shared_state.setdefault("debug", _debug_from_environment())
+        DEBUG_MODE["on"] = DEBUG_MODE["on"] or _debug_from_environment()
 
     @property
     def _acc(self):

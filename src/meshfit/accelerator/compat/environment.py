@@ -8,6 +8,8 @@ import importlib.util
 
 import torch
 
+from meshfit.accelerator.shuffle import broadcast_state
+
 __all__ = ["is_aim_available", "is_bf16_available", "is_bnb_available",
            "is_clearml_available", "is_comet_ml_available", "is_cuda_available",
            "is_datasets_available", "is_deepspeed_available", "is_dvclive_available",
@@ -105,8 +107,6 @@ def synchronize_rng_state(rng_type: str | None = None,
                           generator: torch.Generator | None = None) -> None:
     """Give every process process 0's state of one generator: "torch" (the global CPU one),
     "cuda", "xpu" or "generator" (`generator`)."""
-    from meshfit.accelerator.shuffle import broadcast_state
-
     kind = str(rng_type)
     if kind == "torch":
         torch.set_rng_state(broadcast_state(torch.get_rng_state()))

@@ -9,6 +9,9 @@ import dataclasses
 import enum
 from typing import Any
 
+import meshfit.accelerator.compat as compat
+from meshfit.accelerator.compat import parallelism
+
 __all__ = ["from_accelerate", "from_accelerate_arguments"]
 
 # The Accelerator arguments that take configuration objects (kwargs_handlers: a list of them).
@@ -21,9 +24,6 @@ def _is_accelerate(obj: Any) -> bool:
 
 
 def _ours(cls: type):
-    from meshfit.accelerator import compat
-    from meshfit.accelerator.compat import parallelism
-
     ours = getattr(compat, cls.__name__, None) or getattr(parallelism, cls.__name__, None)
     if ours is None:
         raise ValueError(f"{cls.__name__} (from {cls.__module__}) has no meshfit counterpart; "

@@ -141,10 +141,12 @@ class DistributedOperationException(Exception):
     in debug mode: ``PartialState().debug = True`` or ``ACCELERATE_DEBUG_MODE=1``)."""
 
 
-def _debug() -> bool:
-    from meshfit.accelerator.shared_state import PartialState  # (it imports this package)
+# Debug mode (`verify_operation`): ``PartialState().debug`` reads and sets this switch.
+DEBUG_MODE = {"on": False}
 
-    return PartialState._shared_state.get("debug", False)
+
+def _debug() -> bool:
+    return DEBUG_MODE["on"]
 
 
 def verify_operation(what: str, tensor: Any, group=None) -> None:
@@ -265,11 +267,10 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
 def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
     """The main process's `tensor` on every process (the others pass None), on each one's
     device."""
-    from meshfit.accelerator.shared_state import PartialState
-
-    device = PartialState().device
     if not _distributed():
-        return tensor.to(device)
+        return tensor
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
     held = [tensor.cpu() if tensor is not None else None]
     dist.broadcast_object_list(held, src=0)
     return held[0].to(device)

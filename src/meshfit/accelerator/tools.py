@@ -10,7 +10,11 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
+
+from meshfit.accelerator.shared_state import PartialState
+from meshfit.distributed.spawn import free_port
 
 __all__ = ["MultiProcessAdapter", "debug_launcher", "get_logger", "init_empty_weights",
            "merge_fsdp_weights", "notebook_launcher"]
@@ -21,8 +25,6 @@ class MultiProcessAdapter(logging.LoggerAdapter):
     False``: by every process; with ``in_order=True``, one process after the other)."""
 
     def log(self, level, msg, *args, **kwargs):
-        from meshfit.accelerator.shared_state import PartialState
-
         main_process_only = kwargs.pop("main_process_only", True)
         in_order = kwargs.pop("in_order", False)
         kwargs.setdefault("stacklevel", 2)
@@ -80,8 +82,6 @@ def merge_fsdp_weights(checkpoint_dir, output_path, safe_serialization: bool = T
     `output_path` from a sharded (DCP) checkpoint folder, written by the main process."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from meshfit.accelerator.shared_state import PartialState
-
     checkpoint_dir, output = Path(checkpoint_dir), Path(output_path)
     if not (checkpoint_dir / ".metadata").is_file():
         raise ValueError(f"merge_fsdp_weights: {checkpoint_dir} holds no sharded checkpoint "
@@ -93,8 +93,6 @@ def merge_fsdp_weights(checkpoint_dir, output_path, safe_serialization: bool = T
         whole = output / "pytorch_model.bin"
         dcp_to_torch_save(checkpoint_dir, whole)
         if safe_serialization:
-            from safetensors.torch import save_file
-
             weights = torch.load(whole, weights_only=True)
             weights = weights.get("model", weights) if isinstance(weights, dict) else weights
             save_file({k: v.contiguous() for k, v in weights.items()}, target)
@@ -139,8 +137,6 @@ def notebook_launcher(function, args=(), num_processes: int | None = None,
 
 def debug_launcher(function, args=(), num_processes: int = 2) -> None:
     """``function(*args)`` on `num_processes` CPU processes (to debug distributed code)."""
-    from meshfit.distributed.spawn import free_port
-
     torch.multiprocessing.start_processes(
         _launched, args=(function, args, num_processes, free_port(), True),
         nprocs=num_processes, start_method="fork")
