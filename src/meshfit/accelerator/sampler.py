@@ -46,7 +46,8 @@ def inner_sampler(batches, num_replicas: int):
     sampler = getattr(batches, "sampler", None)
     if not isinstance(sampler, RandomSampler):
         return None
-    if sampler.generator is None and num_replicas > 1:
+    if sampler.generator is None and num_replicas > 1 and not hasattr(sampler, "initial_seed"):
+        # (a SeedableRandomSampler seeds itself from data_seed + epoch)
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
         sampler.generator = torch.Generator().manual_seed(seed)
     return sampler

@@ -5,6 +5,7 @@ classes keep Accelerate 1.15's fields and defaults), Accelerate's enums by value
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 from typing import Any
@@ -57,7 +58,7 @@ def from_accelerate(obj: Any) -> Any:
 
 def from_accelerate_arguments(given: dict) -> dict:
     """`Accelerator`'s arguments by name, Accelerate's objects among them made meshfit's."""
-    out = dict(given)
+    out = copy.copy(given)  # (the same kind of mapping: the caller's may watch its reads)
     for name in _OBJECT_ARGUMENTS:
         if out.get(name) is not None:
             out[name] = from_accelerate(out[name])
