@@ -28,7 +28,7 @@ pytest.importorskip("accelerate")
 
 SUITE = Path(__file__).resolve().parent / "accelerate_suite"
 sys.path.insert(0, str(SUITE))
-from runner import SCRIPTS, as_meshfit, script_path  # noqa: E402
+from runner import OURS, SCRIPTS, as_meshfit, script_path  # noqa: E402
 
 FRAMEWORKS = ("accelerate", "meshfit")
 # Test functions reading Accelerate's internals, with the reason (also in the README).
@@ -88,7 +88,7 @@ def _calls(records: list, script: str) -> dict:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", OURS + SCRIPTS)
 def test_passes_where_accelerate_passes(outcomes, script, world):
     figures = []
     for rank in range(world):
@@ -105,7 +105,7 @@ def test_passes_where_accelerate_passes(outcomes, script, world):
 
 
 def test_scripts_differ_only_in_their_imports():
-    for script in SCRIPTS:
+    for script in OURS + SCRIPTS:
         source = script_path(script).read_text()
         swapped = as_meshfit(source)
         changed = [(a, b) for a, b in zip(source.splitlines(), swapped.splitlines()) if a != b]

@@ -37,6 +37,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = ["test_ops", "test_sync", "test_script", "test_distributed_data_loop"]
+# Scripts of this folder, in the same form, for what Accelerate's scripts leave untested
+# (its examples' LocalSGD), run in the same launches.
+OURS = ["local_sgd_script"]
 # Calls that cannot end under a framework on CPU processes, recorded as failed, not run.
 NOT_RUN = {("accelerate", "test_can_join_uneven_inputs"):
            "not run: Accelerate's join_uneven_inputs does nothing on CPU processes (MULTI_CPU), "
@@ -44,7 +47,10 @@ NOT_RUN = {("accelerate", "test_can_join_uneven_inputs"):
 
 
 def script_path(name: str) -> Path:
-    """The installed accelerate's script (found without importing accelerate)."""
+    """The installed accelerate's script (found without importing accelerate), or this
+    folder's (`OURS`)."""
+    if name in OURS:
+        return HERE / f"{name}.py"
     spec = importlib.util.find_spec("accelerate")
     return Path(spec.origin).parent / "test_utils" / "scripts" / f"{name}.py"
 
@@ -130,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--framework", choices=["accelerate", "meshfit"], required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--scripts", default=",".join(SCRIPTS))
+    parser.add_argument("--scripts", default=",".join(OURS + SCRIPTS))
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     import torch

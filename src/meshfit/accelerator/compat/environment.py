@@ -15,7 +15,8 @@ __all__ = ["is_aim_available", "is_bf16_available", "is_bnb_available",
            "is_datasets_available", "is_deepspeed_available", "is_dvclive_available",
            "is_fp16_available", "is_hpu_available", "is_mlflow_available", "is_mlu_available",
            "is_mps_available", "is_npu_available", "is_peft_available", "is_pytest_available",
-           "is_rich_available", "is_safetensors_available", "is_swanlab_available",
+           "is_rich_available", "is_safetensors_available", "is_schedulefree_available",
+           "is_swanlab_available",
            "is_tensorboard_available", "is_timm_available", "is_torch_xla_available",
            "is_torchvision_available", "is_trackio_available", "is_transformers_available",
            "is_wandb_available", "is_xpu_available", "synchronize_rng_state",
@@ -48,6 +49,7 @@ is_peft_available = _package("peft")
 is_pytest_available = _package("pytest")
 is_rich_available = _package("rich")
 is_safetensors_available = _package("safetensors")
+is_schedulefree_available = _package("schedulefree")
 is_swanlab_available = _package("swanlab")
 is_timm_available = _package("timm")
 is_torchvision_available = _package("torchvision")
