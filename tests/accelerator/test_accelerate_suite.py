@@ -7,8 +7,8 @@ Accelerate in the same test: every test function that passes under Accelerate on
 processes passes under meshfit.
 
 One launch per framework and process count runs the four scripts in turn (4 launches, run at
-once). Where a script reads Accelerate's internals that no user touches (pickling an
-Accelerator and comparing ``state.__dict__``), meshfit is not held to it (`NOT_HELD`).
+once). Accelerate's internals the scripts read (``AcceleratorState._reset_state``,
+``GradientState._reset_state``, a pickled Accelerator's ``state.__dict__``) are met too.
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ sys.path.insert(0, str(SUITE))
 from runner import OURS, SCRIPTS, as_meshfit, script_path  # noqa: E402
 
 FRAMEWORKS = ("accelerate", "meshfit")
-# Test functions reading Accelerate's internals, with the reason (also in the README).
-NOT_HELD = {"test_pickle_accelerator": "pickles the Accelerator and compares its state's "
-            "__dict__ (meshfit's Accelerator holds a process group and its runtime)"}
 
 
 def _launch(framework: str, world: int, out: Path, env: dict) -> None:
@@ -97,7 +94,7 @@ def test_passes_where_accelerate_passes(outcomes, script, world):
         assert want, f"accelerate ran no test of {script} on {world} process(es)"
         failing = [f"{name} (call {i}): {got.get((name, i), (False, 'not run'))[1][-600:]}"
                    for (name, i), (ok, _) in want.items()
-                   if ok and name not in NOT_HELD and not got.get((name, i), (False,))[0]]
+                   if ok and not got.get((name, i), (False,))[0]]
         assert not failing, f"rank {rank} of {world}:\n" + "\n".join(failing)
         figures.append(f"rank {rank}: accelerate {sum(ok for ok, _ in want.values())}/"
                        f"{len(want)}, meshfit {sum(ok for ok, _ in got.values())}/{len(got)}")
