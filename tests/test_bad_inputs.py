@@ -234,10 +234,6 @@ T = [  # meshfit train: config overrides
       "--train.micro_batch_size=2", "--train.global_batch_size=4"],
      ["data.path=", "0 validation windows", "train.seq_len=32"]),
     # [parallel]
-    ("parallel.cp with ep", ["--nproc", "4", "--parallel.cp=2", "--parallel.dp_shard=2",
-                             "--parallel.ep=2", "--parallel.dp_replicate=1",
-                             "--model.preset=moe-tiny"],
-     ["parallel.cp=2 with parallel.ep=2", "not yet available"]),
     ("parallel.pp=0", ["--parallel.pp=0"], ["pp", "0"]),
     ("parallel.tp negative", ["--parallel.tp=-1"], ["tp", "-1"]),
     ("parallel.tp string", ["--parallel.tp=two"], ["tp", "two"]),

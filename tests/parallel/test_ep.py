@@ -92,7 +92,8 @@ def _reference(dp: int, microbatches: int, aux: bool = True, moe_every: int = 1,
 
 
 def _worker(rank, world, dims: dict, zero_stage: int | None, microbatches: int | None,
-            moe_every: int = 1, sequence_parallel: bool = False, idle: bool = False):
+            moe_every: int = 1, sequence_parallel: bool = False, idle: bool = False,
+            aux: bool = True):
     acc = Accelerator(parallel=ParallelDims(**dims), zero_stage=zero_stage,
                       sequence_parallel=sequence_parallel)
     dp, dp_rank = acc.runtime.dp_size, acc.runtime.dp_rank
@@ -108,9 +109,10 @@ def _worker(rank, world, dims: dict, zero_stage: int | None, microbatches: int |
         if microbatches:
             ce = model.step(xr, yr)
         else:
-            loss = model(xr, yr)
+            xr, yr = acc.shard_sequence(xr, yr)  # under cp: this rank's part of each sequence
+            loss = model(xr, yr) if aux else model(xr, yr) - model.aux_loss()
             acc.backward(loss)
-            ce = loss.detach() - model.aux_loss().detach()
+            ce = loss.detach() - (model.aux_loss().detach() if aux else 0)
             stats.append(model.moe_stats())
         acc.clip_grad_norm_(model if microbatches else model.parameters(), CLIP)
         opt.step()
@@ -144,6 +146,12 @@ CASES = {
     "tp2": (2, dict(dp_replicate=1, tp=2), None, None, 2),
     "tp2-sp": (2, dict(dp_replicate=1, tp=2), None, None, 1, True),
     "dp2xtp2": (4, dict(dp_shard=2, tp=2), 1, None, 2),
+    # ... and with ep: the routed experts whole on each tp rank, split over its ep group
+    "ep2xtp2": (4, dict(dp_shard=2, ep=2, tp=2), 1, None, 2),
+    # ... with cp: each sequence split over 2 cp ranks, the experts FSDP-sharded over the
+    # dp_shard / ep x cp ranks holding the same ones. The blocks' auxiliary losses are each
+    # rank's own (its part of the sequences), so this case trains the cross-entropy alone.
+    "ep2xcp2": (4, dict(dp_shard=2, ep=2, cp=2), 1, None, 1, False, False, False),
 }
 
 
@@ -161,9 +169,10 @@ def test_expert_parallel_equals_one_process(results, case):
     world, dims, stage, microbatches, *rest = CASES[case]
     moe_every = rest[0] if rest else 1
     idle = len(rest) > 2 and rest[2]
+    aux = rest[3] if len(rest) > 3 else True
     per_rank = case_result(results, case)
     dp = per_rank[0]["dp"]
-    want_losses, want_state = _reference(dp, microbatches or 1, moe_every=moe_every,
+    want_losses, want_state = _reference(dp, microbatches or 1, aux=aux, moe_every=moe_every,
                                          idle=idle)
     for res in per_rank:
         assert res["engine"] == ("none" if dp == 1 else "fsdp2")

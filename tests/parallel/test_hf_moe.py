@@ -10,12 +10,15 @@ Each case trains 2 AdamW steps from the same fp64 weights on the same global bat
 give the one-process run's losses and parameters (`reference_train` below), in one spawn for
 all cases (conftest.run_cases). The loss is meshfit train's (`meshfit.train.models.
 loss_function`): with ``output_router_logits=True`` in the config it adds
-``router_aux_loss_coef`` x the model's load-balancing loss, computed by each rank on the
-tokens of its own forward:
-- DDP: each rank's half of the step's batch, so the reference accumulates the two halves
-  (the load-balancing loss of a batch is not the mean of its halves');
+``router_aux_loss_coef`` x the model's load-balancing loss, whose statistics (tokens per
+expert, mean router probabilities) meshfit takes over every rank that sees distinct tokens
+(`meshfit.parallel.ep_hf.global_aux_loss_hook`, installed by `prepare`), accumulated in
+float64:
+- DDP: over both ranks' halves of the step's batch, so the reference is the plain
+  one-process step on the whole batch (before: each rank's own half, which the reference
+  had to imitate; the load-balancing loss of a batch is not the mean of its halves');
 - tp2 / tp2-sp: the whole batch on every rank (the router sees the replicated hidden
-  states), so the reference is the plain one-process step;
+  states): the plain one-process step;
 - pp2: the model's config asks for the aux loss, but a pipeline's loss is the last stage's
   cross-entropy: the run equals the cross-entropy-only reference (and `meshfit train`
   refuses that combination before launch, tested below);
@@ -28,7 +31,7 @@ layout unless a 1e-16 difference straddles a float32 rounding boundary (odds ~1e
 Measured when this file was written (largest over the cases): losses 1.6e-16 relative,
 parameters 4.9e-15. Against the wrong reference the same runs miss by far more: the aux loss
 left out (or, for pp2, added) 1e-2 in the parameters and 4e-2 in the losses; the DDP
-reference with the aux loss over the whole batch instead of per half, 1.1e-2 and 2.6e-4.
+reference with the aux loss per half instead of over the whole batch, 1.1e-2 and 4.7e-5.
 """
 
 from __future__ import annotations
@@ -137,26 +140,24 @@ def ranks(request):
 
 
 # ---------------------------------------------------------------------------- the parent
-def reference_train(family: str, *, aux: bool, halves: bool):
-    """One process, one AdamW step per global batch, meshfit train's loss; `halves`: the
-    step's gradient accumulated over the two halves of its batch (what two DDP ranks
-    average). Returns the losses (per step, the mean over the halves) and the state dict."""
+def reference_train(family: str, *, aux: bool):
+    """One process, one AdamW step per global batch, meshfit train's loss (with meshfit's
+    router loss over the whole batch, as `prepare` installs it). Returns the losses and the
+    state dict."""
+    from meshfit.parallel.ep_hf import global_aux_loss_hook
     from meshfit.train.models import loss_function
 
     model = _build(family, aux=aux)
+    global_aux_loss_hook(model)
     loss_fn = loss_function(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for x, y in step_batches(*_data(), GLOBAL):
-        parts = (slice(0, GLOBAL // 2), slice(GLOBAL // 2, GLOBAL)) if halves else (slice(None),)
-        total = 0.0
-        for rows in parts:
-            loss = loss_fn(model, x[rows], y[rows]) / len(parts)
-            loss.backward()
-            total += loss.item()
+        loss = loss_fn(model, x, y)
+        loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(total)
+        losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -164,10 +165,10 @@ def reference_train(family: str, *, aux: bool, halves: bool):
 def references():
     cache = {}
 
-    def get(family: str, aux: bool, halves: bool):
-        key = (family, aux, halves)
+    def get(family: str, aux: bool):
+        key = (family, aux)
         if key not in cache:
-            cache[key] = reference_train(family, aux=aux, halves=halves)
+            cache[key] = reference_train(family, aux=aux)
         return cache[key]
 
     return get
@@ -177,7 +178,7 @@ def _reference_for(references, layout: str, family: str):
     _, _, pipe, aux = LAYOUTS[layout]
     if pipe:  # a pipeline trains on the cross-entropy alone (see the module docstring)
         aux = False
-    return references(family, aux, layout == "ddp")
+    return references(family, aux)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

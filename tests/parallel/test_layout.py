@@ -68,11 +68,9 @@ def test_costs_are_the_engines_arithmetic():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(cp=2, dp_shard=2, ep=2, dp_replicate=2), r"cp=2 with ep=2 is not yet available"),
     (dict(cp=2, tp=2, dp_replicate=2), r"zero_stage=0 with cp=2 and tp=2"),
     (dict(ep=2), r"ep=2 must divide dp_shard=1: expert parallelism is carved out"),
     (dict(dp_shard=8, ep=3), r"ep=3 must divide dp_shard=8"),
-    (dict(dp_shard=4, tp=2, ep=2), r"ep=2 with tp=2 is not yet available"),
     (dict(dp_shard=8, ep=2, zero_stage=0), r"zero_stage=0 with ep=2: expert parallelism runs"),
     (dict(zero_stage=2), r"zero_stage=2 shards over the dp_shard axis, which has size 1"),
     (dict(dp_shard=2, zero_stage=0), r"zero_stage=0 \(DDP\) shards nothing, but dp_shard=2"),

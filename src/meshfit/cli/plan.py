@@ -209,7 +209,8 @@ def _check_model(shape, spec, seq_len: int) -> None:
     from meshfit.memory.estimate import resolve_layout
     from meshfit.parallel.layout import ModelFacts
 
-    facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible)
+    facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible,
+                       experts=(shape.n_experts,) * shape.moe_layers)  # what ep splits
     resolve_layout(spec).check_model(facts, seq_len=seq_len)
 
 

@@ -300,7 +300,8 @@ def _check_experts(shape: ModelShape, ep: int) -> None:
     if ep > 1 and not shape.expert_params:
         raise ValueError(f"ep={ep} needs a mixture-of-experts model whose routed experts "
                          f"meshfit splits (the reference GPT's MoE blocks, e.g. the moe-tiny "
-                         f"preset); {shape.name} has none, set ep=1")
+                         "preset, or a transformers MoE's routed experts); "
+                         f"{shape.name} has none, set ep=1")
     if ep > 1 and shape.n_experts % ep:
         raise ValueError(f"ep={ep} must divide the number of experts ({shape.n_experts}): "
                          f"each ep rank holds n_experts / ep of them")

@@ -11,8 +11,9 @@ parts only the first and last pipeline stages hold and the share tensor parallel
 from the model's own pipeline and tensor-parallel plans (`meshfit.models.plans`). For the
 reference GPT's mixture of experts, the active parameters per token and the routed experts'
 parameters (what expert parallelism splits, `expert_params`) come from its `GPTConfig`; for
-a transformers mixture of experts (Mixtral, Qwen2-MoE) the active parameters come from its
-config's expert counts and its ``*Experts`` modules.
+a transformers mixture of experts (Mixtral, Qwen2/3-MoE, GLM-4-MoE, DeepSeek-V3) the active
+parameters come from its config's expert counts and its ``*Experts`` modules, and the routed
+experts' parameters from those modules' fused ``gate_up_proj`` / ``down_proj``.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ class ModelShape:
     """Parameters used per token when they differ from `params` (mixture of experts)."""
     n_experts: int = 0
     """Routed experts per mixture-of-experts block that expert parallelism can split (the
-    reference GPT's `GPTConfig.n_experts`); 0: none (a dense model, or experts meshfit does
-    not split, such as transformers' Mixtral)."""
+    reference GPT's `GPTConfig.n_experts`, a transformers MoE's experts modules'
+    ``num_experts``); 0: none (a dense model)."""
     expert_params: int = 0
     """Parameters of those routed experts in the whole model: n_moe_layers x n_experts x
     one expert's weights (`ep` divides them; the router and a shared expert are not
@@ -182,8 +183,9 @@ class ModelShape:
         if isinstance(model, GPT) and model.config.n_experts:
             active = model.config.num_active_params()  # top_k (+ shared) experts per token
             experts = _routed_experts(model.config)
-        else:  # transformers' MoE: active parameters only (meshfit's ep does not split them)
-            active = _hf_active_params(model, params)
+        else:  # transformers' MoE: the routed experts meshfit's ep splits (`meshfit.parallel.
+            active = _hf_active_params(model, params)  # ep_hf`), and the active parameters
+            experts = _hf_routed_experts(model)
         return cls(name=name, params=params, block_params=block, n_layer=len(blocks),
                    first_params=first, last_params=last, tied=tied, gated_mlp=gated,
                    dropout=dropout, tp_split=tp_split, divisible=divisible,
@@ -238,6 +240,22 @@ def _routed_experts(c) -> dict:
     block = c.n_experts * one
     return dict(n_experts=c.n_experts, expert_params=c.n_moe_layers * block,
                 block_expert_params=block)
+
+
+def _hf_routed_experts(model: nn.Module) -> dict:
+    """The routed experts of a transformers mixture of experts, as expert parallel splits
+    them (`meshfit.parallel.ep_hf`): its fused experts modules (``gate_up_proj`` [E, 2F, d],
+    ``down_proj`` [E, d, F]), one per MoE layer, counted exactly; the routers, shared experts
+    and dense layers (``first_k_dense_replace``, ``mlp_only_layers``) are not among them.
+    {} for a model without such modules."""
+    blocks = [m for m in model.modules()
+              if getattr(getattr(m, "gate_up_proj", None), "ndim", 0) == 3
+              and isinstance(getattr(m, "num_experts", None), int)]
+    if not blocks:
+        return {}
+    sizes = [sum(p.numel() for p in m.parameters(recurse=False)) for m in blocks]
+    return dict(n_experts=blocks[0].num_experts, expert_params=sum(sizes),
+                block_expert_params=max(sizes))
 
 
 def _hf_active_params(model: nn.Module, params: int) -> int | None:

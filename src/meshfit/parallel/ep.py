@@ -28,94 +28,62 @@ leaves them out (`ignored_params`) and nothing else reduces them.
 
 Capacity (`GPTConfig.capacity_factor`) is applied to each rank's own tokens before they are
 sent, as GShard's per-group capacity: the same as one process only when dropless. The
-auxiliary losses are each rank's own (its tokens' routing), as under data parallel.
+auxiliary losses are each rank's own (its tokens' routing), as under data parallel: they are
+computed inside `meshfit.models.MoE`, which holds no process group (a global version needs
+the block to all-reduce its statistics, as `meshfit.parallel.ep_hf.load_balancing_loss`
+does for transformers' models).
+
+transformers' MoE families (Mixtral, Qwen2/3-MoE, GLM-4-MoE, DeepSeek-V3) are split by
+`meshfit.parallel.ep_hf.apply_hf_ep` with the same exchange (`meshfit.parallel.ep_exchange`);
+`moe_modules` and `ep_problem` cover both kinds.
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from meshfit.distributed import is_initialized
+from meshfit.parallel.ep_exchange import ExpertParallel
+from meshfit.parallel.ep_hf import HFMoE, hf_ep_problem, is_experts
+from meshfit.distributed.tensors import local_tensor
+from meshfit.models.config import GPTConfig
 from meshfit.models.moe import MoE
 
 __all__ = ["ExpertParallel", "apply_ep", "ep_problem", "moe_modules", "routing_metrics"]
 
 
-class _AllToAll(torch.autograd.Function):
-    """``dist.all_to_all_single`` with variable splits, differentiable (backward sends the
-    gradients back along the same routes), timed when its owner asks."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, owner):
-        ctx.out_splits, ctx.in_splits, ctx.group, ctx.owner = out_splits, in_splits, group, owner
-        return owner._exchange(x.contiguous(), out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = ctx.owner._exchange(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
-        return back, None, None, None, None
-
-
-class ExpertParallel:
-    """The ``ep`` group of one MoE block and the all-to-all exchange around its experts."""
-
-    def __init__(self, group, size: int, rank: int, n_experts: int) -> None:
-        self.group, self.size, self.rank = group, size, rank
-        self.n_local = n_experts // size
-        self.timing = False
-        """Add the wall time of every exchange (forward and backward) to `seconds`; on CUDA
-        this synchronises the device around each exchange."""
-        self.seconds = 0.0
-
-    def _exchange(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                  group) -> torch.Tensor:
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        if self.timing:
-            if x.is_cuda:
-                torch.cuda.synchronize(x.device)
-            start = time.perf_counter()
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-        if self.timing:
-            if x.is_cuda:
-                torch.cuda.synchronize(x.device)
-            self.seconds += time.perf_counter() - start
-        return out
-
-    def dispatch(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-        """Expert outputs for this rank's rows `xs` [M, d], sorted by global expert with
-        counts[e] rows each: rows are computed on their experts' ranks and come back in the
-        order they were sent."""
-        P, L = self.size, self.n_local
-        send = counts.reshape(P, L).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)  # recv[q, e]: rows from q for e
-        in_splits = send.sum(dim=1).tolist()
-        out_splits = recv.sum(dim=1).tolist()
-        rows = _AllToAll.apply(xs, out_splits, in_splits, self.group, self)
-        # Arrival order is (source, local expert); the experts want (local expert, source).
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(L, device=recv.device).repeat(P), recv.reshape(-1))
-        order = torch.argsort(expert_of_row, stable=True)
-        out = experts(rows[order], recv.sum(dim=0))
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=order.device)
-        return _AllToAll.apply(out[back], in_splits, out_splits, self.group, self)
+def ep_problem(model_or_config, ep: int, name: str = "ep") -> str | None:
+    """Why a model (or its configuration: a `GPTConfig` or a transformers configuration)
+    cannot run expert parallel over `ep` ranks, or None when it can: a dense model, a
+    transformers MoE class meshfit has not mapped (`meshfit.parallel.ep_hf.MAPPED`), or `ep`
+    not dividing the number of experts."""
+    if ep <= 1:
+        return None
+    if isinstance(model_or_config, GPTConfig):
+        if model_or_config.n_experts < 1:
+            return (f"{name}={ep} needs a mixture-of-experts model, and this GPT is dense "
+                    f"(n_experts=0); set its n_experts (e.g. the moe-tiny preset) or {name}=1")
+        return _split_problem([model_or_config.n_experts], ep, name)
+    if isinstance(model_or_config, nn.Module) and any(
+            isinstance(m, MoE) for m in model_or_config.modules()):
+        return _split_problem([m.n_experts for m in moe_modules([model_or_config])], ep, name)
+    if hasattr(getattr(model_or_config, "config", model_or_config), "model_type"):
+        return hf_ep_problem(model_or_config, ep, name)
+    return (f"{name}={ep} needs a mixture-of-experts model, and this one has no MoE "
+            f"blocks; use {name}=1 (ZeRO/FSDP and DDP work with every model)")
 
 
-def ep_problem(model: nn.Module, ep: int, name: str = "ep") -> str | None:
-    """Why the MoE blocks of `model` cannot be split over `ep` expert-parallel ranks (None:
-    they can, or there are none — a pipeline stage may hold only dense blocks; whether the
-    whole model has MoE blocks is `Layout.check_model`'s rule)."""
-    for m in moe_modules([model]):
-        if m.n_experts % ep:
-            return (f"{name}={ep} must divide the number of experts (n_experts="
-                    f"{m.n_experts}): each ep rank holds n_experts / ep of them; use an ep that "
-                    f"divides {m.n_experts}")
+def _split_problem(counts, ep: int, name: str) -> str | None:
+    """Why blocks of these expert counts cannot be split over `ep` ranks (None: they can, or
+    there are none — a pipeline stage may hold only dense blocks)."""
+    for n in counts:
+        if n % ep:
+            return (f"{name}={ep} must divide the number of experts ({n}): each ep rank "
+                    f"holds n_experts / ep of them; use an ep that divides {n}")
     return None
 
 
@@ -128,7 +96,7 @@ def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> l
     from torch.distributed.tensor import DTensor, Shard
 
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    problem = ep_problem(model, size)
+    problem = _split_problem([m.n_experts for m in moe_modules([model])], size, "ep")
     if problem:
         raise ValueError(problem)
     out = []
@@ -137,7 +105,9 @@ def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> l
             continue
         experts = module.experts
         for name, p in list(experts.named_parameters(recurse=False)):
-            local = p.detach().chunk(size, dim=0)[rank].to(device or p.device).clone()
+            # under tp the experts are whole on every tp rank (a replicated DTensor)
+            whole = local_tensor(p.detach())
+            local = whole.chunk(size, dim=0)[rank].to(device or p.device).clone()
             shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
                                        shape=p.shape, stride=p.stride())
             setattr(experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
@@ -147,9 +117,12 @@ def apply_ep(model: nn.Module, ep_mesh, device: torch.device | None = None) -> l
     return out
 
 
-def moe_modules(modules) -> list[nn.Module]:
-    """The mixture-of-experts blocks (`meshfit.models.MoE`) inside `modules`."""
-    return [m for module in modules for m in module.modules() if isinstance(m, MoE)]
+def moe_modules(modules) -> list:
+    """The mixture-of-experts blocks inside `modules`: meshfit's `meshfit.models.MoE`, and
+    a transformers MoE's routed-experts modules seen as blocks (`meshfit.parallel.ep_hf.
+    HFMoE`: ``n_experts``, ``ep``, ``last_stats``)."""
+    return [m if isinstance(m, MoE) else HFMoE(m) for module in modules
+            for m in module.modules() if isinstance(m, MoE) or is_experts(m)]
 
 
 def routing_metrics(moes: list[nn.Module], *, dp_group=None, dp_size: int = 1,

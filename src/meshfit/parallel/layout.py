@@ -93,8 +93,9 @@ class ModelFacts:
     """(field, size, kind) that the tensor-parallel degree must divide (heads, widths,
     vocabulary: the model's TP plan says which)."""
     experts: tuple[int, ...] = ()
-    """Experts of each mixture-of-experts block (`meshfit.models.MoE`) that expert
-    parallelism can split; () for a dense model."""
+    """Experts of each mixture-of-experts block (`meshfit.models.MoE`, a transformers MoE's
+    routed experts: `meshfit.parallel.ep.moe_modules`) that expert parallelism can split;
+    () for a dense model."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, *, pipeline_plan=None, tp_plan=None) -> ModelFacts:
@@ -287,8 +288,9 @@ class Layout:
         if ep > 1:
             if not facts.experts:
                 return (f"{n('ep')}={ep} needs a mixture-of-experts model, and this one has no "
-                        "MoE blocks of meshfit's reference GPT (set its n_experts, e.g. the "
-                        f"moe-tiny preset), or set {n('ep')}=1")
+                        "MoE blocks (meshfit's reference GPT with n_experts, e.g. the moe-tiny "
+                        "preset, or a transformers MoE: Mixtral, Qwen2/3-MoE, GLM-4-MoE, "
+                        f"DeepSeek-V3), or set {n('ep')}=1")
             bad = next((e for e in facts.experts if e % ep), None)
             if bad is not None:
                 return (f"{n('ep')}={ep} must divide the number of experts ({bad}): each ep "
@@ -341,24 +343,26 @@ class Layout:
                    sequence_parallel: bool = True, local_world_size: int | None = None,
                    seq_len: int | None = None) -> Iterator[Candidate]:
         """Every layout of `world_size` processes for a model with `facts`: each split of
-        the world into pp x dp_replicate x dp_shard x tp, each ZeRO stage (and stage 3 with
-        CPU offload), with and without sequence parallel when tp > 1. A refused layout comes
+        the world into pp x dp_replicate x dp_shard x tp, for a mixture of experts each ep
+        inside dp_shard that divides its experts, each ZeRO stage (and stage 3 with CPU
+        offload), with and without sequence parallel when tp > 1. A refused layout comes
         with its reason (the first rule it breaks) and no `layout`."""
-        for pp, dp_replicate, dp_shard, tp in _splits(world_size, 4):
-            for stage in zero_stages:
-                for off in ("none", "cpu") if offload and stage == 3 else ("none",):
-                    for sp in (False, True) if sequence_parallel and tp > 1 else (False,):
-                        request = LayoutRequest(pp=pp, dp_replicate=dp_replicate,
-                                                dp_shard=dp_shard, tp=tp, zero_stage=stage,
-                                                offload=off, sequence_parallel=sp)
-                        out = cls._decide(request, world_size, distributed=True,
-                                          mixed_precision=mixed_precision, ddp_kwargs=False,
-                                          local_world_size=local_world_size, names=None)
-                        if not isinstance(out, str):
-                            out = out.model_problem(facts, seq_len=seq_len) or out
-                        yield Candidate(request=request,
-                                        layout=None if isinstance(out, str) else out,
-                                        refused=out if isinstance(out, str) else None)
+        for pp, dp_replicate, dp_shard, tp, ep, stage in _with_ep(
+                _splits(world_size, 4), facts, zero_stages):
+            for off in ("none", "cpu") if offload and stage == 3 else ("none",):
+                for sp in (False, True) if sequence_parallel and tp > 1 else (False,):
+                    request = LayoutRequest(pp=pp, dp_replicate=dp_replicate,
+                                            dp_shard=dp_shard, tp=tp, ep=ep,
+                                            zero_stage=stage, offload=off,
+                                            sequence_parallel=sp)
+                    out = cls._decide(request, world_size, distributed=True,
+                                      mixed_precision=mixed_precision, ddp_kwargs=False,
+                                      local_world_size=local_world_size, names=None)
+                    if not isinstance(out, str):
+                        out = out.model_problem(facts, seq_len=seq_len) or out
+                    yield Candidate(request=request,
+                                    layout=None if isinstance(out, str) else out,
+                                    refused=out if isinstance(out, str) else None)
 
 
 @dataclass(frozen=True)
@@ -373,6 +377,18 @@ class Candidate:
     def dims(self) -> ParallelDims:
         """The candidate's mesh sizes (all given: none is left to the remaining ranks)."""
         return self.request.dims()
+
+
+def _with_ep(splits, facts: ModelFacts, zero_stages) -> Iterator[tuple[int, ...]]:
+    """(pp, dp_replicate, dp_shard, tp, ep, stage) for each split and ZeRO stage: ep = 1,
+    and for a mixture of experts every ep > 1 dividing dp_shard and its experts (expert
+    parallel needs a sharding stage: none at stage 0)."""
+    for pp, dp_replicate, dp_shard, tp in splits:
+        for stage in zero_stages:
+            yield pp, dp_replicate, dp_shard, tp, 1, stage
+            for ep in range(2, dp_shard + 1) if facts.experts and stage > 0 else ():
+                if dp_shard % ep == 0 and all(e % ep == 0 for e in facts.experts):
+                    yield pp, dp_replicate, dp_shard, tp, ep, stage
 
 
 def _splits(n: int, parts: int) -> Iterator[tuple[int, ...]]:

@@ -28,29 +28,40 @@ def build_mesh(layout, device_type: str) -> DeviceMesh:
     # here: this module is torch-free at import (TORCH_FREE, tests/test_architecture.py)
     from torch.distributed.device_mesh import init_device_mesh
 
-    ep = layout.dims.ep
+    ep, cp = layout.dims.ep, layout.dims.cp
     names, shape = [], []
     for a in layout.mesh_axes:
         if a == "ep":
             continue
         if a == "dp_shard" and ep > 1:
-            # ep is the inner part of dp_shard: each group of ep consecutive dp_shard
-            # ranks splits the experts; "dp_shard" is the flattened whole.
-            names += ["dp_shard_mod_ep", "ep"]
-            shape += [layout.dims.dp_shard // ep, ep]
+            # ep is the inner part of dp_shard: each group of ep dp_shard ranks splits the
+            # experts; "dp_shard" is the flattened whole. Under cp, ep comes after cp, so
+            # that the ranks holding the same experts (dp_shard / ep x cp, FSDP2's mesh for
+            # them) precede ep: DTensor needs a 2-D mesh's dimensions in the root's order.
+            names.append("dp_shard_mod_ep")
+            shape.append(layout.dims.dp_shard // ep)
+            if cp == 1:
+                names.append("ep")
+                shape.append(ep)
+        elif a == "cp" and ep > 1:
+            names += ["cp", "ep"]
+            shape += [cp, ep]
         else:
             names.append(a)
             shape.append(getattr(layout.dims, a))
     mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
     if ep > 1:
-        flatten(mesh[("dp_shard_mod_ep", "ep")], "dp_shard")
+        flatten(_slice(mesh, ("dp_shard_mod_ep", "ep")), "dp_shard")
     # The ranks a loss is averaged over (Accelerate's and torchtitan's name), and under cp
-    # the ranks ZeRO shards over.
-    cp = ("cp",) if layout.dims.cp > 1 else ()
-    if ep == 1:  # (under ep, dp_shard is itself a flattened pair: dp_mesh's "dp" then)
-        flatten(_slice(mesh, (*layout.dp_axes, *cp)), "dp_cp")
-    if cp and "dp_shard" in layout.mesh_axes:
-        flatten(_slice(mesh, ("dp_shard", "cp")), "dp_shard_cp")
+    # the ranks ZeRO shards over; flattened from the root's own dimensions, in its order.
+    data = tuple(n for n in names if n not in ("pp", "tp"))
+    if ep == 1 or cp > 1:  # (under ep without cp, dp_shard is itself a flattened pair:
+        flatten(_slice(mesh, data), "dp_cp")  # dp_mesh's "dp" then)
+    if cp > 1 and "dp_shard" in layout.mesh_axes:
+        shard = ("dp_shard_mod_ep", "cp", "ep") if ep > 1 else ("dp_shard", "cp")
+        flatten(_slice(mesh, shard), "dp_shard_cp")
+    if cp > 1 and ep > 1:  # the ranks holding the same experts: expert_fsdp_mesh
+        flatten(_slice(mesh, ("dp_shard_mod_ep", "cp")), "dp_shard_mod_ep_cp")
     return mesh
 
 
@@ -70,7 +81,8 @@ def shard_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
 def grad_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh of the ranks whose gradients are averaged: the data-parallel ranks, and
     under cp their context-parallel ranks too (`dp_mesh` otherwise)."""
-    return _slice(mesh, "dp_cp") if layout.dims.ep == 1 else dp_mesh(layout, mesh)
+    dims = layout.dims
+    return _slice(mesh, "dp_cp") if dims.ep == 1 or dims.cp > 1 else dp_mesh(layout, mesh)
 
 
 def dp_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
@@ -86,14 +98,15 @@ def fsdp_mesh(layout, mesh: DeviceMesh) -> DeviceMesh:
 
 
 def expert_fsdp_mesh(layout, mesh: DeviceMesh | None) -> DeviceMesh | None:
-    """Under ep: the mesh FSDP2 shards the experts over, the data-parallel ranks that hold
-    the same experts ((dp_replicate, dp_shard / ep), sizes of 1 dropped); None when no
-    rank but this one holds them (dp_replicate = 1, dp_shard = ep)."""
+    """Under ep: the mesh FSDP2 shards the experts over, the ranks that hold the same experts
+    ((dp_replicate, dp_shard / ep x cp), sizes of 1 dropped: torchtitan's dp_shard*cp/ep);
+    None when no rank but this one holds them (dp_replicate = 1, dp_shard = ep, cp = 1)."""
     dims = layout.dims
     if mesh is None or dims.ep == 1:
         return None
-    axes = tuple(a for a, size in (("dp_replicate", dims.dp_replicate),
-                                   ("dp_shard_mod_ep", dims.dp_shard // dims.ep)) if size > 1)
+    shard = ("dp_shard_mod_ep_cp", dims.dp_shard // dims.ep * dims.cp) if dims.cp > 1 else \
+        ("dp_shard_mod_ep", dims.dp_shard // dims.ep)
+    axes = tuple(a for a, size in (("dp_replicate", dims.dp_replicate), shard) if size > 1)
     if not axes:
         return None
     return _slice(mesh, axes[0]) if len(axes) == 1 else _slice(mesh, axes)

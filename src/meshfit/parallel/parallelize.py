@@ -38,6 +38,8 @@ from meshfit.parallel.compile import apply_compile
 from meshfit.parallel.cp import apply_cp
 from meshfit.parallel.ddp import apply_ddp
 from meshfit.parallel.ep import apply_ep
+from meshfit.parallel.ep_hf import (AUX_LOSS_FAMILIES, apply_hf_ep, global_aux_loss_hook,
+                                    hf_experts, record_routing)
 from meshfit.parallel.float8 import apply_float8
 from meshfit.parallel.layout import Engine, Layout
 from meshfit.parallel.options import ModelOptions, compile_mode
@@ -85,11 +87,23 @@ def _tensor_parallel(model: nn.Module, tp_mesh, layout: Layout, options: ModelOp
 
 def _expert_parallel(model: nn.Module, layout: Layout, mesh, device: torch.device):
     """Expert parallel on ``mesh["ep"]``: each MoE block keeps its own experts (DTensor
-    shards) and exchanges tokens by all-to-all; returns what `apply_ep` returns (None
-    without ep), which FSDP2 shards on their own mesh."""
+    shards) and exchanges tokens by all-to-all; returns the experts modules (None without
+    ep), which FSDP2 shards on their own mesh. A transformers MoE (`meshfit.parallel.ep_hf`)
+    also records its routing for `routing_metrics` and, with its router loss on, takes that
+    loss's statistics over every rank that sees distinct tokens (whatever the layout)."""
     ep_mesh = layout.axis_mesh(mesh, "ep")
+    hf = bool(hf_experts(model))  # (a pipeline stage of one too: no config of its own)
+    if hf:
+        record_routing(model)
+        # the router loss of a family whose loss is the one `load_balancing_loss` computes
+        if getattr(getattr(model, "config", None), "model_type", None) in AUX_LOSS_FAMILIES:
+            group = layout.grad_mesh(mesh) if mesh is not None else None
+            global_aux_loss_hook(model, None if group is None else group.get_group(),
+                                 1 if group is None else group.size())
     if ep_mesh is None:
         return None
+    if hf:
+        return apply_hf_ep(model, ep_mesh, device=device)
     return apply_ep(model, ep_mesh, device=device)
 
 

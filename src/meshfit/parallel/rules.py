@@ -74,10 +74,6 @@ class Resolved:
 def _cp_rules(r: Resolved, n) -> str | None:
     if r.dims.cp == 1:
         return None
-    if r.dims.ep > 1:
-        return (f"{n('cp')}={r.dims.cp} with {n('ep')}={r.dims.ep} is not yet available in "
-                "meshfit; use context parallel with the data-parallel axes, tp and pp, or ep "
-                "without cp")
     axis = "tp" if r.dims.tp > 1 else "pp" if r.dims.pp > 1 else None
     if axis and r.stage == 0:
         return (f"{n('zero_stage')}=0 with {n('cp')}={r.dims.cp} and {n(axis)}="
@@ -89,11 +85,6 @@ def _cp_rules(r: Resolved, n) -> str | None:
 def _ep_rules(r: Resolved, n) -> str | None:
     if r.dims.ep == 1:
         return None
-    if r.dims.tp > 1:
-        return (f"{n('ep')}={r.dims.ep} with {n('tp')}={r.dims.tp} is not yet available in "
-                "meshfit (the experts would have to be replicated or split over the "
-                "tensor-parallel ranks); use ep with the data-parallel axes and pp, or tp "
-                "without ep")
     if r.stage == 0:
         return (f"{n('zero_stage')}=0 with {n('ep')}={r.dims.ep}: expert parallelism runs on "
                 f"the sharded data-parallel ranks (FSDP2); use zero_stage 1, 2 or 3")

@@ -13,6 +13,10 @@ Cost model of one optimizer step (seconds), per rank:
     tp        = per micro-batch and block, 4 all-reduces of b·s·d activations (6 with full
                 checkpointing) over the TP group's link, not overlapped
     pp        = per micro-batch, a send and a receive of b·s·d activations
+    ep        = per micro-batch and MoE block of the stage, 4 all-to-alls (6 with full
+                checkpointing) of the b·s·k·d routed rows over the ep group (tp x ep
+                consecutive ranks), not overlapped (dropless: the mean load; a skewed router
+                sends more to its busiest rank)
     dp        = DDP/ZeRO-1: an all-reduce of the fp32 gradients per 25 MiB bucket (ZeRO-1:
                 + the parameters' all-gather); FSDP2: per unit (each block and the root)
                 parameter all-gathers per micro-batch (twice at stage 3) + a gradient
@@ -227,12 +231,13 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
     compute = _compute_seconds(shape, layout, cluster, share, seq_len=seq_len, dtype=dtype)
     bubble = _bubble(layout)
     tp, pp = _activation_seconds(shape, layout, cluster, share, seq_len=seq_len, dtype=dtype)
+    ep = _expert_seconds(shape, layout, cluster, share, seq_len=seq_len, dtype=dtype)
     family, dp = _data_parallel_seconds(layout, cluster, share, dtype)
     offload = _offload_seconds(shape, layout, cluster, est, seq_len=seq_len, dtype=dtype)
     optimizer = _optimizer_seconds(layout, cluster, share, dtype)
     exposed_dp, charged_dp = _exposed(dp, compute, cluster.dp_exposed(family))
-    step = compute * (1 + bubble) + tp + pp + charged_dp + offload + optimizer
-    return step, {"compute": compute, "bubble": compute * bubble, "tp": tp, "pp": pp,
+    step = compute * (1 + bubble) + tp + pp + ep + charged_dp + offload + optimizer
+    return step, {"compute": compute, "bubble": compute * bubble, "tp": tp, "pp": pp, "ep": ep,
                   "dp": dp, "dp_exposed": exposed_dp, "offload": offload,
                   "optimizer": optimizer}
 
@@ -313,6 +318,22 @@ def _activation_seconds(shape: ModelShape, layout: LayoutSpec, cluster: Cluster,
     sent = message / (T if layout.sequence_parallel else 1)
     pp = share.micro * 2 * cluster.collective("send_recv", sent, 2, cluster.world_size)
     return tp, pp + share.micro * (cluster.pipeline_overhead(layout.schedule) or 0.0)
+
+
+def _expert_seconds(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, share: _Share,
+                    *, seq_len: int, dtype: str) -> float:
+    """Expert parallel's all-to-alls (see the module docstring); 0 without ep."""
+    E = layout.ep
+    if E == 1 or not shape.moe_layers:
+        return 0.0
+    # top-k from the active parameters: the routed experts a token uses of n_experts
+    routed = (shape.active_params or shape.params) - (shape.params - shape.expert_params)
+    top_k = max(1, round(shape.n_experts * routed / shape.expert_params))
+    rows = layout.micro_batch_size * seq_len * top_k * shape.d_model * DTYPE_BYTES[dtype]
+    calls = 6 if layout.activation_checkpointing == "full" else 4
+    blocks = shape.moe_layers * share.blocks / shape.n_layer  # the stage's MoE blocks
+    return share.micro * blocks * calls * cluster.collective(
+        "all_to_all", rows, E, layout.tp * E)
 
 
 def _data_parallel_seconds(layout: LayoutSpec, cluster: Cluster, share: _Share,

@@ -113,7 +113,7 @@ def scenario(shape: ModelShape, cluster: Cluster, *, seq_len: int, dtype: str,
 
 
 def _why(layout: LayoutSpec, scene: str, est: Estimate, terms: dict) -> str:
-    biggest = max(("compute", "bubble", "tp", "pp", "dp_exposed", "offload", "optimizer"),
+    biggest = max(("compute", "bubble", "tp", "pp", "ep", "dp_exposed", "offload", "optimizer"),
                   key=lambda k: terms[k])
     states = (est.params + est.grads + est.optimizer) / GiB
     return (f"{scene}. This layout: {layout.describe()}; {states:.1f} GiB of model states and "
@@ -141,7 +141,8 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
     budget = cluster.memory_per_rank * (1 - margin)
     scene, facts = scenario(shape, cluster, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                             budget=budget, adapters=adapters)
-    model_facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible)
+    model_facts = ModelFacts(n_blocks=shape.n_layer, divisible=shape.divisible,
+                             experts=(shape.n_experts,) * shape.moe_layers)  # ep's candidates
     plans: list[Plan] = []
     considered = refused = too_big = 0
     precision = "no" if dtype == "fp32" else dtype

@@ -223,6 +223,7 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
     """The model (on the meta device) has the plans its tp / pp need, and its sizes divide
     as the layout cuts them."""
     from meshfit.models.plans import has_builtin_plans
+    from meshfit.parallel.ep import ep_problem, moe_modules
     from meshfit.train.models import check_model_source, plans, resolve_plan
 
     model = check_model_source(cfg, tokens.vocab_size(cfg))  # on the meta device
@@ -237,9 +238,14 @@ def _check_model_split(cfg, layout: Layout, world_size: int) -> None:
         raise ValueError(f"parallel.pp={dims.pp}: {name} has no built-in pipeline plan; give one "
                          "as model.pipeline_plan = \"module:PLAN\" (a PipelinePlan; in your own "
                          "loop: accelerator.prepare_pipeline(model, plan=PLAN, ...))")
+    if dims.ep > 1:  # a dense family, a MoE class meshfit has not mapped, ep not dividing
+        problem = ep_problem(model, dims.ep, "parallel.ep")
+        if problem:
+            raise ValueError(problem)
     if dims.pp == 1 and pp_plan is None and not builtin:
         # a dict plan has no divisible sizes to name
-        facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible", ())))
+        facts = ModelFacts(n_blocks=1, divisible=tuple(getattr(tp_plan, "divisible", ())),
+                           experts=tuple(m.n_experts for m in moe_modules([model])))
     else:
         facts = ModelFacts.of(model, pipeline_plan=pp_plan, tp_plan=tp_plan)
     layout.check_model(facts, seq_len=cfg.train.seq_len,
