@@ -1,8 +1,8 @@
 """Where an `Accelerator`'s process stands, under Accelerate's names: `AcceleratorAttributes`
 (a mixin of `Accelerator`; ``accelerator.state`` is `meshfit.accelerator.shared_state`'s
-`AcceleratorState`). They keep nothing: they read the Accelerator's ``env``, ``layout``, ``runtime``, ``precision``, ``grad_state``,
-its registry of prepared objects and the user's ``dataloader_config`` and
-``project_configuration``.
+`AcceleratorState`). They keep nothing: they read the Accelerator's ``env``, ``layout``,
+``runtime``, ``precision``, ``grad_state``, its registry of prepared objects and the user's
+``dataloader_config`` and ``project_configuration``.
 """
 
 from __future__ import annotations

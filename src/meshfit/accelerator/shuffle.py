@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from meshfit import distributed as mdist
 
-__all__ = ["SeedableRandomSampler", "Shuffle", "broadcast_state", "clone_generator", "draw_seed", "shuffle_for",
-           "sync_global_generators"]
+__all__ = ["SeedableRandomSampler", "Shuffle", "broadcast_state", "clone_generator",
+           "draw_seed", "shuffle_for", "sync_global_generators"]
 
 
 def draw_seed(generator: torch.Generator | None = None) -> int:
