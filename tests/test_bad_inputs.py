@@ -785,8 +785,7 @@ def test_unreadable_config_file(refuse, tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ Accelerator keywords
 def _acc_cases():
-    from meshfit.accelerator.compat import (DataLoaderConfiguration,
-                                            GradientAccumulationPlugin)
+    from meshfit.accelerator.compat import GradientAccumulationPlugin
     from meshfit.distributed import ParallelDims
 
     return [
@@ -825,8 +824,8 @@ def _acc_cases():
         ("device_placement string", dict(device_placement="no"), ["device_placement", "'no'"]),
         ("cpu string", dict(cpu="yes"), ["cpu", "'yes'"]),
         ("log_with object", dict(log_with=[5]), ["log_with", "5"]),
-        ("dispatch_batches", dict(dataloader_config=DataLoaderConfiguration(
-            dispatch_batches=True)), ["dispatch_batches=True"]),
+        ("dataloader_config dict", dict(dataloader_config={"even_batches": False}),
+         ["dataloader_config", "DataLoaderConfiguration"]),
         ("accumulation twice", dict(gradient_accumulation_steps=2,
                                     gradient_accumulation_plugin=GradientAccumulationPlugin(
                                         num_steps=2)),

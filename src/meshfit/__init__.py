@@ -32,5 +32,12 @@ _EXPORTS.update({name: "meshfit.accelerator.compat" for name in (
     "DistributedType", "AutocastKwargs", "DataLoaderConfiguration", "DDPCommunicationHookType",
     "DistributedDataParallelKwargs", "FullyShardedDataParallelPlugin", "GradScalerKwargs",
     "InitProcessGroupKwargs", "ProfileKwargs", "find_executable_batch_size")})
+# ... and the rest of ``accelerate``'s top level that scripts use.
+_EXPORTS.update({"PartialState": "meshfit.state", "AcceleratorState": "meshfit.state",
+                 "GradientState": "meshfit.state", "LocalSGD": "meshfit.local_sgd",
+                 "skip_first_batches": "meshfit.data_loader",
+                 "prepare_data_loader": "meshfit.data_loader",
+                 "init_empty_weights": "meshfit.utils", "notebook_launcher": "meshfit.utils",
+                 "debug_launcher": "meshfit.utils"})
 __all__ = [*_EXPORTS, "__version__"]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

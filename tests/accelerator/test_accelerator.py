@@ -451,8 +451,9 @@ def test_accelerate_defaults_and_refusals(monkeypatch):
     with pytest.raises(ValueError, match="only pass one of `gradient_accumulation_steps`"):
         Accelerator(gradient_accumulation_steps=2,
                     gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
-    with pytest.raises(ValueError, match="dispatch_batches=True"):
-        Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    # dispatch_batches is taken (process 0 reads; tests/accelerator/test_accelerate_suite.py)
+    assert Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True)
+                       ).dispatch_batches is True
     with pytest.warns(UserWarning, match="split_batches=.... is ignored"):
         Accelerator(split_batches=True)
 

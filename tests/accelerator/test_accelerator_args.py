@@ -116,7 +116,7 @@ def test_the_first_wrong_argument_in_the_constructors_order_is_named():
     dict(sync_each_batch="sometimes"), dict(activation_checkpointing="half"),
     dict(compile_scope="layer"), dict(cpu="yes"), dict(log_with=[5]),
     dict(kwargs_handlers=[5]), dict(project_dir=5), dict(ddp_kwargs=["x"]),
-    dict(dataloader_config=DataLoaderConfiguration(dispatch_batches=True)),
+    dict(dataloader_config={"even_batches": False}),
 ])
 def test_refusals_are_the_constructors(kwargs, monkeypatch):
     monkeypatch.setenv("MESHFIT_CPU", "1")
@@ -300,8 +300,12 @@ def test_fsdp_plugin_precision_offload_and_checkpointing_from_accelerates_object
         read(fsdp_plugin=plugin, mixed_precision="fp16")
     with pytest.raises(ValueError, match="either fsdp_plugin or parallel="):
         read(fsdp_plugin=plugin, zero_stage=2)
+    # Accelerate's own plugin is read as meshfit's (`meshfit.accelerator.compat.foreign`)
+    args = read(fsdp_plugin=theirs)
+    assert args.precision.mode == "bf16" and args.layout.offload == "cpu"
+    assert isinstance(args.fsdp_plugin, FullyShardedDataParallelPlugin)
     with pytest.raises(TypeError, match="FullyShardedDataParallelPlugin object"):
-        read(fsdp_plugin=theirs)  # Accelerate's own plugin is not meshfit's
+        read(fsdp_plugin=object())
 
 
 # ---------------------------------------------------------------- compile

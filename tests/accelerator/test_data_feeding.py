@@ -17,11 +17,13 @@ def _batches(loader, epochs=2):
 
 
 def test_worker_options_are_kept_and_batches_match_in_process_loading():
-    g = torch.Generator().manual_seed(3)
-    plain = PreparedDataLoader(DataLoader(_dataset(), batch_size=3, shuffle=True, generator=g),
+    # (one generator each: a prepared loader draws from the user's generator itself)
+    plain = PreparedDataLoader(DataLoader(_dataset(), batch_size=3, shuffle=True,
+                                          generator=torch.Generator().manual_seed(3)),
                                device=torch.device("cpu"), num_replicas=2, rank=1)
     workers = PreparedDataLoader(
-        DataLoader(_dataset(), batch_size=3, shuffle=True, generator=g, num_workers=2,
+        DataLoader(_dataset(), batch_size=3, shuffle=True,
+                   generator=torch.Generator().manual_seed(3), num_workers=2,
                    prefetch_factor=4, persistent_workers=True, pin_memory=True),
         device=torch.device("cpu"), num_replicas=2, rank=1)
     inner = workers.loader

@@ -13,5 +13,8 @@ experiment trackers (trackers.py); checkpoints to resume from (state.py); the wh
 """
 
 from meshfit.accelerator.accelerator import Accelerator
+# What scripts import from ``accelerate.accelerator`` beside the Accelerator.
+from meshfit.accelerator.compat.config import (DataLoaderConfiguration,
+                                               GradientAccumulationPlugin)
 
-__all__ = ["Accelerator"]
+__all__ = ["Accelerator", "DataLoaderConfiguration", "GradientAccumulationPlugin"]

@@ -20,6 +20,7 @@ from meshfit import distributed as mdist
 from meshfit._compat.dynamo import uncompiled
 from meshfit.accelerator import export, models, processes, sequence, state, trackers
 from meshfit.accelerator.attributes import AcceleratorAttributes
+from meshfit.accelerator.shared_state import AcceleratorState
 from meshfit.accelerator.arguments import UNSET, Arguments, read_arguments, resolve_layout
 from meshfit.accelerator.compat import (AutocastKwargs, DataLoaderConfiguration,
                                         FullyShardedDataParallelPlugin, GradientAccumulationPlugin,
@@ -90,6 +91,7 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
         mesh = self.layout.build_mesh(self.env.device.type) if self.env.is_distributed else None
         self.runtime: Runtime = runtime_for(self.layout, self.env, mesh,
                                             offload_dir=self.offload_dir)
+        AcceleratorState.attach(self)
         if self.tf32 is not None:
             set_tf32(self.tf32)
         self._start_registries(arguments)
@@ -132,6 +134,7 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
     def prepare(self, *objects: Any, device_placement=None) -> Any:
         """Prepare models, optimizers, dataloaders and LR schedulers, in any order; returns them
         (other objects as they are) in that order, a single one alone."""
+        self.state.env  # noqa: B018 - raises Accelerate's error after a state reset
         if device_placement is not None and not device_placement and \
                 self.device.type != "cpu":
             raise ValueError("prepare(device_placement=False) is available on the CPU only")
@@ -252,7 +255,8 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
             rank=self.runtime.dp_rank, on_iter=self._set_active_loader,
             on_end=self.grad_state.leave, even_batches=config.even_batches,
             split_batches=config.split_batches, seedable=config.use_seedable_sampler,
-            data_seed=config.data_seed, sync_generator="generator" in self.rng_types)
+            data_seed=config.data_seed, sync_generator="generator" in self.rng_types,
+            dispatch=bool(config.dispatch_batches))
         self._registry.loaders.append(prepared)
         return prepared
 
@@ -348,6 +352,22 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
     def no_sync(self, model: torch.nn.Module):
         """Skip gradient synchronisation for the enclosed forward *and* backward."""
         return self.runtime.no_sync(model)
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: torch.nn.Module):
+        """The enclosed backward synchronises gradients even after forwards run under
+        `no_sync` (several forwards, then several backwards: the last one syncs). DDP only,
+        as Accelerate's; elsewhere it does nothing."""
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            yield
+            return
+        saved = model.require_backward_grad_sync, model.require_forward_param_sync
+        model.require_backward_grad_sync = model.require_forward_param_sync = True
+        model.reducer.prepare_for_backward([])  # the forward ran with sync off: arm it now
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync, model.require_forward_param_sync = saved
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None):
         """The mixed-precision context (prepared models' forward already runs in it);

@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshfit.accelerator.compat.foreign import from_accelerate_arguments
 from meshfit.accelerator.compat.config import (AutocastKwargs, DataLoaderConfiguration,
                                                DistributedDataParallelKwargs,
                                                FullyShardedDataParallelPlugin, GradScalerKwargs,
@@ -170,6 +171,7 @@ def read_arguments(given: Mapping[str, Any],
     the environment variables (default ``os.environ``). Returns the translation, or raises
     the one-line error of the first argument that is wrong, in the constructor's order."""
     environ = os.environ if environ is None else environ
+    given = from_accelerate_arguments(given)  # Accelerate's own objects, made meshfit's
     _check_types(given)
     steps, plugin, sync_each_batch = _accumulation(given)
     _check_loop_numbers(given)
@@ -361,11 +363,7 @@ def _dataloader_config(config: DataLoaderConfiguration | None) -> DataLoaderConf
     if config is not None and not isinstance(config, DataLoaderConfiguration):
         raise ValueError(f"dataloader_config={config!r} must be a DataLoaderConfiguration, e.g. "
                          "meshfit.utils.DataLoaderConfiguration(even_batches=False)")
-    config = config or DataLoaderConfiguration()
-    if config.dispatch_batches:
-        raise ValueError("DataLoaderConfiguration(dispatch_batches=True) is not available in "
-                         "meshfit: every process reads its own batches; leave it None")
-    return config
+    return config or DataLoaderConfiguration()
 
 
 def _rng_types(rng_types) -> tuple[str, ...]:

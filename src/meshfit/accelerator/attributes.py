@@ -1,63 +1,16 @@
 """Where an `Accelerator`'s process stands, under Accelerate's names: `AcceleratorAttributes`
-(a mixin of `Accelerator`) and `AcceleratorState` (``accelerator.state``). They keep nothing:
-they read the Accelerator's ``env``, ``layout``, ``runtime``, ``precision``, ``grad_state``,
-its registry of prepared objects and the user's ``dataloader_config`` and
-``project_configuration``.
+(a mixin of `Accelerator`; ``accelerator.state`` is `meshfit.accelerator.shared_state`'s
+`AcceleratorState`). They keep nothing: they read the Accelerator's ``env``, ``layout``,
+``runtime``, ``precision``, ``grad_state``, its registry of prepared objects and the user's
+``dataloader_config`` and ``project_configuration``.
 """
 
 from __future__ import annotations
 
 from meshfit.accelerator.compat.config import DistributedType
-from meshfit.distributed import DistEnv
-from meshfit.parallel.layout import Layout
+from meshfit.accelerator.shared_state import AcceleratorState, distributed_type
 
 __all__ = ["AcceleratorAttributes", "AcceleratorState", "distributed_type"]
-
-
-# What ``accelerator.state`` reads from the Accelerator (attributes and methods).
-_STATE_NAMES = frozenset((
-    "distributed_type", "num_processes", "process_index", "local_process_index", "device",
-    "mixed_precision", "is_main_process", "is_local_main_process", "is_last_process",
-    "use_distributed", "fsdp_plugin", "wait_for_everyone", "print", "split_between_processes",
-    "main_process_first", "local_main_process_first"))
-
-
-class AcceleratorState:
-    """``accelerator.state``: where this process stands (Accelerate's attribute names)."""
-
-    deepspeed_plugin = None
-    initialized = True
-    backend = property(lambda self: self._acc.env.backend)
-
-    def __init__(self, accelerator):
-        self._acc = accelerator
-
-    def __getattr__(self, name: str):
-        if name in _STATE_NAMES:
-            return getattr(self._acc, name)
-        raise AttributeError(f"'AcceleratorState' object has no attribute {name!r}")
-
-    def __repr__(self) -> str:
-        return (f"Distributed environment: {self.distributed_type}\n"
-                f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
-                f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
-                f"Mixed precision type: {self.mixed_precision}\n")
-
-
-_BY_DEVICE = {"cuda": DistributedType.MULTI_GPU, "cpu": DistributedType.MULTI_CPU,
-              "xpu": DistributedType.MULTI_XPU, "npu": DistributedType.MULTI_NPU,
-              "mlu": DistributedType.MULTI_MLU, "hpu": DistributedType.MULTI_HPU}
-
-
-def distributed_type(env: DistEnv, layout: Layout) -> DistributedType:
-    """As Accelerate's: NO on one process; FSDP when the layout shards with FSDP2 (ZeRO-2/3,
-    and every data-parallel layout with tp or pp); MULTI_GPU, MULTI_CPU, ... by device type
-    otherwise (DDP, ZeRO-1)."""
-    if not env.is_distributed or env.world_size == 1:
-        return DistributedType.NO
-    if layout.is_fsdp:
-        return DistributedType.FSDP
-    return _BY_DEVICE.get(env.device.type, DistributedType.MULTI_GPU)
 
 
 class AcceleratorAttributes:
@@ -71,15 +24,27 @@ class AcceleratorAttributes:
     is_local_main_process = property(lambda self: self.env.local_rank == 0)
     is_last_process = property(lambda self: self.process_index == self.num_processes - 1)
     mixed_precision = property(lambda self: self.precision.mode)
-    distributed_type = property(lambda self: distributed_type(self.env, self.layout),
-                                doc="NO, FSDP, MULTI_GPU, MULTI_CPU, ... (`distributed_type`).")
+    @property
+    def distributed_type(self) -> DistributedType:
+        """NO, FSDP, MULTI_GPU, MULTI_CPU, ... (`distributed_type`), or what a script set
+        ``accelerator.state.distributed_type`` to (the state is the process's, as in
+        Accelerate: until the next Accelerator is built)."""
+        given = AcceleratorState._shared_state.get("_distributed_type")
+        if given is not None:
+            return given
+        return distributed_type(self.env, self.layout)
     use_distributed = property(
         lambda self: self.distributed_type != DistributedType.NO and self.num_processes > 1)
     mesh = property(lambda self: self.runtime.mesh,
                     doc="The layout's `DeviceMesh` (None: one process without a process group).")
     zero_stage = property(lambda self: self.layout.zero_stage,
                           doc="The resolved ZeRO stage (0: DDP or a single process).")
-    state = property(lambda self: AcceleratorState(self))
+    @property
+    def state(self) -> AcceleratorState:
+        """The process's shared `AcceleratorState`, describing the latest Accelerator (after
+        ``AcceleratorState._reset_state()``, an empty one: reading it raises, as in
+        Accelerate)."""
+        return AcceleratorState._current()
     gradient_state = property(
         lambda self: self.grad_state,
         doc="Accumulation state: ``sync_gradients``, ``num_steps``, ``end_of_dataloader``, "

@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
-from meshfit.accelerator.sampler import ShardedBatchSampler
-from meshfit.accelerator.shuffle import Shuffle, clone_generator, draw_seed, shuffle_for
+from meshfit.accelerator.dispatch import Dispatch
+from meshfit.accelerator.sampler import ShardedBatchSampler, custom_batches, inner_sampler
+from meshfit.accelerator.shuffle import (SeedableRandomSampler, Shuffle, clone_generator,
+                                         draw_seed, shuffle_for)
 from meshfit.accelerator.stream import StreamShard, stream_loader, worker_options
 from meshfit.distributed.collectives import apply_to_tensors
 
@@ -43,7 +45,8 @@ class PreparedDataLoader:
     def __init__(self, loader: DataLoader, *, device: torch.device, num_replicas: int,
                  rank: int, on_iter=None, on_end=None, even_batches: bool = True,
                  split_batches: bool = False, seedable: bool = False,
-                 data_seed: int | None = None, sync_generator: bool = True):
+                 data_seed: int | None = None, sync_generator: bool = True,
+                 dispatch: bool = False):
         self.base = loader
         self.device = device
         self.state = LoaderState()
@@ -56,11 +59,16 @@ class PreparedDataLoader:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.stream: StreamShard | None = None
         self.shuffle: Shuffle | None = None
+        self.dispatch: Dispatch | None = None
         if isinstance(loader.dataset, IterableDataset):
             if loader.batch_size is None:
                 raise ValueError("prepare(dataloader): an IterableDataset loader needs a "
                                  "batch_size; give the DataLoader batch_size=N (the stream "
                                  "yields single samples, which are batched per rank)")
+            if dispatch and num_replicas > 1:
+                raise ValueError("prepare(dataloader): dispatch_batches=True is not available "
+                                 "for an IterableDataset (each process reads the stream and "
+                                 "keeps its share); leave dispatch_batches None")
             if split_batches:
                 raise ValueError("prepare(dataloader): split_batches=True is not available "
                                  "for an IterableDataset; give the per-process batch size")
@@ -70,33 +78,66 @@ class PreparedDataLoader:
                                       drop_last=loader.drop_last, collate_fn=loader.collate_fn)
             self.loader = None  # built per pass (`stream_loader`)
             return
-        # torch's loader draws each pass's workers' base seed from this generator (a copy of
-        # the loader's, shared with the shuffle) or, when None, from the global one
-        self.shuffle, self._base_generator = shuffle_for(
-            loader, num_replicas, seedable=seedable, data_seed=data_seed, sync=sync_generator)
-        self.batch_sampler = self._make_batch_sampler(loader, num_replicas, rank,
+        self._init_map_style(loader, device, num_replicas, rank, even_batches=even_batches,
+                             split_batches=split_batches, seedable=seedable,
+                             data_seed=data_seed, sync_generator=sync_generator,
+                             dispatch=dispatch)
+
+    def _init_map_style(self, loader: DataLoader, device: torch.device, num_replicas: int,
+                        rank: int, *, even_batches: bool, split_batches: bool, seedable: bool,
+                        data_seed: int | None, sync_generator: bool, dispatch: bool) -> None:
+        """The shard of a map-style dataset (`sampler`), its order (`shuffle`), process 0's
+        batches handed out (`dispatch`), and the inner DataLoader reading them."""
+        # The batches a custom batch sampler makes (None: the loader's batch_size ones).
+        custom = custom_batches(loader)
+        if custom is None and seedable and isinstance(loader.sampler, RandomSampler):
+            # Accelerate's use_seedable_sampler: the loader's sampler becomes a
+            # SeedableRandomSampler (data_seed + epoch), whose batches are sharded
+            custom = BatchSampler(SeedableRandomSampler(range(len(loader.dataset)),
+                                                        data_seed=data_seed),
+                                  loader.batch_size, loader.drop_last)
+        self.dispatch = None
+        if dispatch and num_replicas > 1:
+            # process 0 reads the loader's own batches: shard over one process, unsynchronised
+            self.dispatch = Dispatch(num_replicas, rank, split_batches=split_batches,
+                                     drop_last=loader.drop_last)
+            num_replicas, rank, split_batches, sync_generator = 1, 0, False, False
+        # torch's loader draws each pass's workers' base seed from the loader's generator
+        # (shared with the shuffle) or, when None, from the global one
+        inner = None if custom is None else inner_sampler(custom, num_replicas)
+        if custom is not None and inner is None:  # the batch sampler orders itself
+            self.shuffle, self._base_generator = None, loader.generator
+        else:  # (a custom one's inner sampler: only its generator is synchronised)
+            self.shuffle, self._base_generator = shuffle_for(
+                loader, num_replicas, seedable=seedable, data_seed=data_seed,
+                sync=sync_generator, sampler=inner)
+        self.batch_sampler = self._make_batch_sampler(loader, num_replicas, rank, custom,
                                                       even_batches=even_batches,
                                                       split_batches=split_batches)
+        if custom is not None and loader.batch_sampler is None:  # a sampler of whole batches
+            self.loader = DataLoader(loader.dataset, sampler=self.batch_sampler,
+                                     batch_size=None, collate_fn=loader.collate_fn,
+                                     **worker_options(loader, device))
+            return
         self.loader = DataLoader(loader.dataset, batch_sampler=self.batch_sampler,
                                  collate_fn=loader.collate_fn,
                                  persistent_workers=loader.persistent_workers,
                                  **worker_options(loader, device))
 
-    def _make_batch_sampler(self, loader: DataLoader, num_replicas: int, rank: int, *,
+    def _make_batch_sampler(self, loader: DataLoader, num_replicas: int, rank: int, custom, *,
                             even_batches: bool, split_batches: bool) -> ShardedBatchSampler:
-        if loader.batch_size is None and loader.batch_sampler is None:
-            raise ValueError("prepare(dataloader): batch_size=None (the dataset yields whole "
-                             "batches) is not supported yet: meshfit shards the samples of each "
-                             "batch over the processes; give the DataLoader a batch_size")
-        if loader.batch_size is None or not isinstance(loader.batch_sampler, BatchSampler):
-            raise ValueError("prepare(dataloader): a custom batch_sampler is not supported yet; "
-                             "give the DataLoader a batch_size (and shuffle=True/False) instead")
-        shuffle = self.shuffle
+        shuffle = None if custom is not None else self.shuffle
+        batch_size = loader.batch_size if custom is None else getattr(custom, "batch_size", None)
+        if batch_size is None:
+            raise ValueError(f"prepare(dataloader): the batch sampler {type(custom).__name__} "
+                             "has no batch_size attribute; give it one (the size of its full "
+                             "batches), which sharding over the processes needs")
         return ShardedBatchSampler(
-            len(loader.dataset), loader.batch_size, num_replicas=num_replicas, rank=rank,
+            len(loader.dataset), batch_size, num_replicas=num_replicas, rank=rank,
             order=None if shuffle is None else shuffle.order,
             after_order=None if shuffle is None else shuffle.after_order,
-            drop_last=loader.drop_last, even_batches=even_batches, split_batches=split_batches)
+            drop_last=loader.drop_last if custom is None else getattr(custom, "drop_last", False),
+            even_batches=even_batches, split_batches=split_batches, batches=custom)
 
     dataset = property(lambda self: self.base.dataset)
     total_dataset_length = property(lambda self: len(self.dataset))
@@ -123,6 +164,8 @@ class PreparedDataLoader:
                 raise TypeError("this prepared loader streams an IterableDataset without "
                                 "__len__, so its number of batches is unknown") from None
             return self.stream.batches(n_items)
+        if self.dispatch is not None:
+            return self.dispatch.length(len(self.batch_sampler))
         return len(self.batch_sampler)
 
     def skip_first_batches(self, num_batches: int) -> None:
@@ -225,10 +268,15 @@ class PreparedDataLoader:
         epoch, resumed, self._resumed = self._epoch, self._resumed, False
         if self.shuffle is not None:
             self.shuffle.start_pass(epoch)
+        sampler = getattr(self.batch_sampler.batch_sampler, "sampler", None)
+        if hasattr(sampler, "set_epoch"):  # (a SeedableRandomSampler's order is the epoch's)
+            sampler.set_epoch(epoch)
         handed = self.batch_sampler.skip
         self._position = (epoch, handed)
         self.state.end_of_dataloader = False
         self.state.remainder = self.batch_sampler.remainder
+        if self.dispatch is not None:  # rounds of n of process 0's batches (or 1, split)
+            self.state.remainder = self.dispatch.remainder(self.batch_sampler)
         if self._on_iter is not None:
             self._on_iter(self)
         if hasattr(self.dataset, "set_epoch"):
@@ -248,6 +296,8 @@ class PreparedDataLoader:
             it = iter(self.loader)
         finally:
             self.loader.generator = None
+        if self.dispatch is not None:
+            it = self.dispatch.batches(it)
         if (yield from self._ahead(((1, batch) for batch in it), epoch, handed)):
             self._epoch = epoch + 1
             self._position = (self._epoch, 0)  # the epoch is read out

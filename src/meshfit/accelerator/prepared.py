@@ -66,6 +66,11 @@ class GradientState:
         loader = self.active_dataloader
         return -1 if loader is None else loader.state.remainder
 
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Accelerate's test helper (its GradientState is one per process); meshfit's belongs
+        to its Accelerator, so there is nothing process-wide to forget."""
+
     def advance(self) -> None:
         """A micro-batch begins (`accumulate`). As Accelerate's: the innermost loader's last
         batch ends the window and restarts the count; otherwise every num_steps-th does."""

@@ -21,6 +21,7 @@ from torch.distributed.algorithms import Join
 from meshfit import distributed as mdist
 from meshfit.accelerator.compat.config import DistributedType, ProfileKwargs
 from meshfit.accelerator.compat.utilities import check_tensors, gather_object, is_all_tensors
+from meshfit.accelerator.shared_state import run_if, share
 from meshfit.distributed import DistEnv
 from meshfit.distributed import collectives as ops
 from meshfit.distributed.settle import barrier, settle_all
@@ -61,38 +62,6 @@ def reduce(tensor: Any, reduction: str, group) -> Any:
     return ops.reduce(tensor, reduction, group)
 
 
-def share(inputs, n: int, rank: int, *, apply_padding: bool, device: torch.device):
-    """Rank `rank` of `n`'s contiguous share of `inputs` (a list, tuple, tensor or a dict of
-    them; the first ranks take one more), padded with the last item (`apply_padding`)."""
-    if n == 1:
-        return inputs
-    length = len(inputs)
-    if isinstance(inputs, dict):
-        length = len(inputs[next(iter(inputs))])
-        if not all(len(v) == length for v in inputs.values()):
-            raise ValueError("All values in the dictionary must have the same length")
-    per, extra = divmod(length, n)
-    start = rank * per + min(rank, extra)
-    end = start + per + (1 if rank < extra else 0)
-    longest = per + (1 if extra > 0 else 0)
-
-    def split(values):
-        if isinstance(values, (list, tuple, torch.Tensor)):
-            part = values[start:end]
-            if apply_padding:
-                if isinstance(part, torch.Tensor):
-                    fill = values[-1:].to(device).expand(longest - len(part), *values.shape[1:])
-                    part = torch.cat([part.to(device), fill])
-                else:
-                    part = part + type(part)([values[-1]] * (longest - len(part)))
-            return part
-        if isinstance(values, dict):
-            return {k: split(v) for k, v in values.items()}
-        return values
-
-    return split(inputs)
-
-
 def triggered(flag: torch.Tensor | None, env: DistEnv) -> bool:
     """Whether any process's `flag` (set_trigger's; None: not set) is set: a collective."""
     flag = torch.tensor(0, device=env.device) if flag is None else flag.clone()
@@ -117,18 +86,6 @@ def first(is_first: bool, env: DistEnv):
         wait_for_everyone(env)
 
 
-def run_if(run: bool, function=None):
-    """`function`, called only where `run` holds (None elsewhere); without `function`, the
-    decorator that makes it."""
-    if function is None:
-        return functools.partial(run_if, run)
-
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        return function(*args, **kwargs) if run else None
-    return wrapper
-
-
 @contextlib.contextmanager
 def join_uneven_inputs(joinables, even_batches: bool | None, *, loaders: list,
                        default_even_batches: bool, kind: DistributedType, use_distributed: bool):
@@ -137,7 +94,8 @@ def join_uneven_inputs(joinables, even_batches: bool | None, *, loaders: list,
     block. Under DDP, on GPUs and (unlike Accelerate, which does nothing there) CPUs."""
     if not use_distributed or kind == DistributedType.FSDP:
         if use_distributed:
-            warnings.warn("meshfit: join_uneven_inputs acts under DDP only; no effect here",
+            warnings.warn("meshfit: joining uneven inputs is only supported for multi-GPU "
+                          "(and multi-CPU) DDP training; training proceeds without join",
                           UserWarning, stacklevel=3)
         yield joinables
         return

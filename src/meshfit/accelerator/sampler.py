@@ -17,9 +17,40 @@ from __future__ import annotations
 
 import math
 
-from torch.utils.data import Sampler
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
-__all__ = ["ShardedBatchSampler", "check_shard"]
+__all__ = ["ShardedBatchSampler", "check_shard", "custom_batches", "inner_sampler"]
+
+
+def custom_batches(loader: DataLoader):
+    """The user's own batch sampler, whose batches are sharded as they come (None: the loader
+    has a batch_size, and its batches are made here): a ``batch_sampler=``, or a ``sampler=``
+    of whole batches with ``batch_size=None``."""
+    if loader.batch_size is not None:
+        return None
+    if loader.batch_sampler is not None:
+        return loader.batch_sampler
+    if isinstance(loader.sampler, BatchSampler) or hasattr(loader.sampler, "batch_size"):
+        return loader.sampler
+    raise ValueError("prepare(dataloader): batch_size=None (the dataset yields whole batches) "
+                     "is not supported yet: meshfit shards the samples of each batch over the "
+                     "processes; give the DataLoader a batch_size or a batch_sampler")
+
+
+def inner_sampler(batches, num_replicas: int):
+    """The sample sampler inside a custom batch sampler, for the shuffle to drive: a
+    RandomSampler without a generator gets one, seeded from the global generator, so that
+    every process (given process 0's state at each pass) draws the same order, as Accelerate
+    does; None when there is no such sampler (the batch sampler orders itself)."""
+    sampler = getattr(batches, "sampler", None)
+    if not isinstance(sampler, RandomSampler):
+        return None
+    if sampler.generator is None and num_replicas > 1 and not hasattr(sampler, "initial_seed"):
+        # (a SeedableRandomSampler seeds itself from data_seed + epoch)
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        sampler.generator = torch.Generator().manual_seed(seed)
+    return sampler
 
 
 def check_shard(batch_size: int, num_replicas: int, rank: int) -> None:
@@ -37,7 +68,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __init__(self, num_samples: int, batch_size: int, *, num_replicas: int, rank: int,
                  order=None, after_order=None, drop_last: bool = False,
-                 even_batches: bool = True, split_batches: bool = False):
+                 even_batches: bool = True, split_batches: bool = False, batches=None):
         check_shard(batch_size, num_replicas, rank)
         if split_batches and batch_size % num_replicas:
             raise ValueError(f"split_batches=True: the batch size ({batch_size}) must be a "
@@ -48,6 +79,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.drop_last, self.even_batches = drop_last, even_batches
         self.split_batches = split_batches and num_replicas > 1
         self.skip = 0  # batches the next iteration leaves out (to resume inside an epoch)
+        # The user's batch sampler (None: batches of batch_size over `order` are made here).
+        self.batch_sampler = batches
 
     @property
     def batch_size(self) -> int:
@@ -63,7 +96,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         n, size = self.num_replicas, self.loader_batch_size
-        batches = self.num_samples // size if self.drop_last else math.ceil(self.num_samples / size)
+        if self.batch_sampler is not None:
+            batches = len(self.batch_sampler)
+        else:
+            batches = self.num_samples // size if self.drop_last \
+                else math.ceil(self.num_samples / size)
         if n == 1 or self.split_batches:
             return batches
         if self.drop_last or batches % n == 0:
@@ -87,7 +124,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
             self.after_order(self.num_samples)
 
     def _batches(self):
-        """The loader's own batches (its BatchSampler over the epoch's order)."""
+        """The loader's own batches (its BatchSampler over the epoch's order, or the user's
+        batch sampler's)."""
+        if self.batch_sampler is not None:
+            yield from (list(batch) for batch in self.batch_sampler)
+            return
         batch: list[int] = []
         for i in self._indices():
             batch.append(i)

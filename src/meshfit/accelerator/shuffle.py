@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from meshfit import distributed as mdist
 
-__all__ = ["Shuffle", "broadcast_state", "clone_generator", "draw_seed", "shuffle_for",
-           "sync_global_generators"]
+__all__ = ["SeedableRandomSampler", "Shuffle", "broadcast_state", "clone_generator",
+           "draw_seed", "shuffle_for", "sync_global_generators"]
 
 
 def draw_seed(generator: torch.Generator | None = None) -> int:
@@ -125,28 +125,55 @@ class Shuffle:
             self.resume = int(state["seed"])
 
 
+class SeedableRandomSampler(RandomSampler):
+    """A RandomSampler whose order is a function of ``data_seed + epoch`` (Accelerate's):
+    every process draws the same order without exchanging anything, and a run resumed at an
+    epoch sees that epoch's order. `data_seed` defaults to torch's initial seed; the epoch
+    advances after each pass read out, or is set (`set_epoch`)."""
+
+    def __init__(self, *args, data_seed: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.initial_seed = data_seed if data_seed is not None else torch.random.initial_seed()
+        self.epoch = 0
+
+    def __iter__(self):
+        if self.generator is None:
+            self.generator = torch.Generator()
+        self.generator.manual_seed(self.epoch + self.initial_seed)
+        yield from super().__iter__()
+        self.set_epoch(self.epoch + 1)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
 def shuffle_for(loader: DataLoader, num_replicas: int, *, seedable: bool, data_seed: int | None,
-                sync: bool) -> tuple[Shuffle | None, torch.Generator | None]:
-    """The `Shuffle` of `loader`'s sampler (None: the dataset's order), and the generator
-    the inner DataLoader draws its workers' base seeds from (a copy of the loader's, shared
-    with the shuffle, or None: the global one)."""
-    sampler = loader.sampler
+                sync: bool, sampler=None) -> tuple[Shuffle | None, torch.Generator | None]:
+    """The `Shuffle` of `loader`'s sampler (or of `sampler`, the one inside a custom batch
+    sampler; None: the dataset's order), and the generator the inner DataLoader draws its
+    workers' base seeds from (the loader's own, shared with the shuffle, or None: the global
+    one). The user's generator itself is used, not a copy, as Accelerate does: a script
+    re-seeding it after `prepare` gets the order a plain DataLoader would give."""
+    sampler = loader.sampler if sampler is None else sampler
     if not isinstance(sampler, (RandomSampler, SequentialSampler)):
         raise ValueError(f"prepare(dataloader): sampler {type(sampler).__name__} is not "
                          "supported yet; use shuffle=True or shuffle=False")
-    user = loader.generator
-    generator = clone_generator(user) if user is not None else None
+    base = loader.generator
+    user = getattr(sampler, "generator", None)  # (a shuffled loader's: the loader's)
     if not isinstance(sampler, RandomSampler):
-        return None, generator
+        return None, base
     if sampler.replacement or sampler.num_samples != len(loader.dataset):
         raise ValueError("prepare(dataloader): a RandomSampler with replacement or "
                          "num_samples is not supported yet; use shuffle=True")
+    if isinstance(sampler, SeedableRandomSampler):
+        return Shuffle("seedable", sampler.generator, seed=sampler.initial_seed,
+                       sync=sync), base
     if seedable:
         seed = data_seed if data_seed is not None else torch.random.initial_seed()
-        return Shuffle("seedable", generator, seed=seed, sync=sync), generator
-    if generator is not None:
-        return Shuffle("carried", generator, sync=sync), generator
+        return Shuffle("seedable", None, seed=seed, sync=sync), base
+    if user is not None:
+        return Shuffle("carried", user, sync=sync), base
     if num_replicas > 1:  # seeded now from the global generator, as Accelerate does
         carried = torch.Generator().manual_seed(draw_seed())
-        return Shuffle("carried", carried, sync=sync), generator
-    return Shuffle("global", None, sync=sync), generator
+        return Shuffle("carried", carried, sync=sync), base
+    return Shuffle("global", None, sync=sync), base

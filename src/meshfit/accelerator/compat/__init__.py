@@ -8,7 +8,9 @@ with Accelerate 1.15's names, fields, defaults and behaviour. Scripts import the
 from __future__ import annotations
 
 # Each module's `__all__` (Accelerate's names are the list below).
+from meshfit.accelerator.compat import environment
 from meshfit.accelerator.compat.config import *  # noqa: F401,F403
+from meshfit.accelerator.compat.environment import *  # noqa: F401,F403
 from meshfit.accelerator.compat.utilities import *  # noqa: F401,F403
 
 # The one list of Accelerate's names: `meshfit.utils` exports exactly these.
@@ -20,5 +22,6 @@ __all__ = [
     "ProjectConfiguration", "RNGType", "broadcast", "broadcast_object_list",
     "clear_device_cache", "find_executable_batch_size", "gather", "gather_object",
     "pad_across_processes", "reduce", "release_memory", "send_to_device", "set_seed",
-    "should_reduce_batch_size",
+    "should_reduce_batch_size", "DistributedOperationException", "copy_tensor_to_devices",
+    *environment.__all__,
 ]

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from meshfit import distributed as mdist
 from meshfit.distributed import collectives as ops
 
-__all__ = ["broadcast", "broadcast_object_list", "clear_device_cache",
+__all__ = ["DistributedOperationException", "broadcast", "broadcast_object_list",
+           "clear_device_cache", "copy_tensor_to_devices",
            "find_executable_batch_size", "gather", "gather_object", "is_all_tensors",
            "pad_across_processes", "reduce", "release_memory", "send_to_device", "set_seed",
            "should_reduce_batch_size"]
@@ -135,12 +136,42 @@ def check_tensors(obj: Any, what: str, hint: str = "") -> None:
                         f"lists/tuples/dicts of tensors{hint}")
 
 
+class DistributedOperationException(Exception):
+    """A collective was called with tensors of different shapes on different processes (found
+    in debug mode: ``PartialState().debug = True`` or ``ACCELERATE_DEBUG_MODE=1``)."""
+
+
+# Debug mode (`verify_operation`): ``PartialState().debug`` reads and sets this switch.
+DEBUG_MODE = {"on": False}
+
+
+def _debug() -> bool:
+    return DEBUG_MODE["on"]
+
+
+def verify_operation(what: str, tensor: Any, group=None) -> None:
+    """In debug mode, before a collective: every process must pass tensors of the same
+    shapes, else DistributedOperationException names them (instead of a hang or a wrong
+    result). A collective itself (an exchange of the shapes)."""
+    if not _debug() or not _distributed():
+        return
+    shapes = ops.apply_to_tensors(lambda t: list(t.shape), tensor)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, shapes, group=group)
+    if any(s != everyone[0] for s in everyone):
+        listed = "\n  - ".join(f"Process {i}: {s}" for i, s in enumerate(everyone))
+        raise DistributedOperationException(
+            f"Cannot apply desired operation due to shape mismatches. All shapes across "
+            f"devices must be valid.\n\nOperation: `{what}`\nInput shapes:\n  - {listed}")
+
+
 def gather(tensor: Any, group=None) -> Any:
     """Concatenate tensors (a nest of them) from every process along dim 0, in rank order
     (0-dim tensors become one row each), as plain values (no autograd through it)."""
     check_tensors(tensor, "gather")
     if not _distributed():
         return tensor
+    verify_operation("gather", tensor, group)
     return ops.gather(ops.apply_to_tensors(lambda t: t.detach(), tensor), group)
 
 
@@ -165,6 +196,7 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     check_tensors(tensor, "broadcast")
     if not _distributed():
         return tensor
+    verify_operation("broadcast", tensor)
 
     def one(t: torch.Tensor) -> torch.Tensor:
         dist.broadcast(t, src=from_process)
@@ -188,6 +220,7 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0, group=None)
         raise ValueError(f"reduction={reduction!r} is not supported; use 'sum', 'mean', 'max' "
                          "or 'none'")
     world = dist.get_world_size(group) if _distributed() else 1
+    verify_operation("reduce", tensor, group)
 
     def one(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
@@ -207,6 +240,7 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
     """Pad each tensor along `dim` to the largest size any process has (with `pad_index`, at
     the end or, with `pad_first`, at the start) so that they can be gathered."""
     check_tensors(tensor, "pad_across_processes")
+    verify_operation("pad_across_processes", tensor, group)
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if not -t.dim() <= dim < t.dim() or not _distributed():
@@ -228,6 +262,18 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         return out
 
     return ops.apply_to_tensors(one, tensor)
+
+
+def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The main process's `tensor` on every process (the others pass None), on each one's
+    device."""
+    if not _distributed():
+        return tensor
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    held = [tensor.cpu() if tensor is not None else None]
+    dist.broadcast_object_list(held, src=0)
+    return held[0].to(device)
 
 
 def send_to_device(tensor: Any, device, non_blocking: bool = False, skip_keys=None) -> Any:
