@@ -54,7 +54,7 @@ def _config(family: str, root: Path):
     from meshfit.train.configfile import build_config
 
     folder = root / family
-    tiny_config(family, vocab_size=256).save_pretrained(folder)
+    tiny_config(family, layers=4, vocab_size=256).save_pretrained(folder)
     return build_config({
         "model": {"hf_config": str(folder)},
         "train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 32},

@@ -44,5 +44,7 @@ def test_shrink_cuts_every_per_layer_list_and_keeps_the_original():
     small = shrink_config(full, layers=3)
     assert len(small.no_rope_layers) == 3 and len(small.layer_types) == 3
     assert full.num_hidden_layers == 36  # the caller's configuration is not touched
+    # a per-layer list that is a read-only property (a hybrid's layer kinds): left derived
+    assert shrink_config(transformers.BambaConfig()).num_hidden_layers == 2
     with pytest.raises(ValueError, match="family 'bert'"):
         tiny_config("bert")

@@ -49,6 +49,15 @@ _NO_DROPOUT = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop
                "classifier_dropout", "dropout")
 
 
+def _set(config, key: str, value) -> None:
+    """``config.key = value``, unless `key` is read-only there (some are properties derived
+    from other attributes, as hybrids' ``layer_types``)."""
+    try:
+        setattr(config, key, value)
+    except AttributeError:
+        pass
+
+
 def shrink_config(config, *, layers: int = 2, **sizes):
     """A copy of the transformers configuration `config` at test size: `layers` decoder
     layers, the sizes above (or `sizes`) where the configuration has them, per-layer lists
@@ -58,7 +67,7 @@ def shrink_config(config, *, layers: int = 2, **sizes):
     values = {**_SIZES, **sizes}
     for key, value in values.items():
         if hasattr(config, key) and getattr(config, key) is not None:
-            setattr(config, key, value)
+            _set(config, key, value)
     if hasattr(config, "num_key_value_heads") and config.num_key_value_heads is None:
         config.num_key_value_heads = values["num_key_value_heads"]
     if getattr(config, "qk_rope_head_dim", None):  # DeepSeek's rotary tables: head_dim wide
@@ -75,7 +84,7 @@ def shrink_config(config, *, layers: int = 2, **sizes):
             kinds = list(dict.fromkeys(full))
             if key == "layer_types" and len(kinds) > 1 and len(set(kept)) == 1:
                 kept = [kinds[i % len(kinds)] for i in range(layers)]
-            setattr(config, key, kept)
+            _set(config, key, kept)
     for key in _NO_DROPOUT:
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)
