@@ -1,0 +1,29 @@
+"""docs/families.md shows the family matrix as `benchmarks/family_matrix.py` saved it: the
+table between the page's markers is the rendering of benchmarks/results/family_matrix.json
+(a figure in the manual that no run made would drift)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("family_matrix",
+                                                  ROOT / "benchmarks" / "family_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_page_shows_the_saved_matrix():
+    script = _script()
+    saved = json.loads((ROOT / "benchmarks" / "results" / "family_matrix.json").read_text())
+    page = (ROOT / "docs" / "families.md").read_text()
+    shown = page.split(script.START, 1)[1].split(script.END, 1)[0].strip()
+    assert shown == (script.table(saved["results"]) + "\n\n" + saved["summary"]).strip()
+    # at least 14 families, each run under the matrix's layouts, none failing
+    assert len(saved["results"]) >= 14
+    rows = [r for layouts in saved["results"].values() for r in layouts.values()]
+    assert all(r.get("passed") or r.get("refused") for r in rows)
