@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_distributed
+from meshfit.models.families import tiny_model
 from meshfit.train import tokens
 
 STEPS = 4
@@ -67,7 +68,8 @@ FACTORY = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """A BPE tokenizer trained here (with an EOS token), two text documents, a tiny Llama
-    saved as a model folder and a GPT-2 config, and a factory module."""
+    saved as a model folder (and tiny Gemma 2 and Qwen3 ones) and a GPT-2 config, and a
+    factory module."""
     import sys
     import sysconfig
 
@@ -91,6 +93,11 @@ def files(tmp_path_factory):
                                      max_position_embeddings=64)
     torch.manual_seed(7)
     transformers.LlamaForCausalLM(llama).save_pretrained(tmp / "llama")
+    # families meshfit writes no plan for: Gemma 2 (sliding and full layers, softcapping,
+    # tied embeddings) under pp, Qwen3 (q/k norms) under cp, each from its own plans
+    for family in FAMILY_FOLDERS.values():
+        tiny_model(family, seed=7, dtype=torch.float32, vocab_size=512).save_pretrained(
+            tmp / family)
     transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_inner=64, vocab_size=512,
                             n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                             attn_pdrop=0.0).save_pretrained(tmp / "gpt2")
@@ -109,10 +116,10 @@ def _config(files, case: str, nproc: int):
         model = {"hf_model": str(files / "llama")}
         parallel = {"dp_shard": 2, "dp_replicate": 1, "zero_stage": 3} if nproc == 2 else {}
     elif case == "hf_model_cp2":  # context parallel: the attention a ring over 2 ranks
-        model = {"hf_model": str(files / "llama")}
+        model = {"hf_model": str(files / FAMILY_FOLDERS[case])}
         parallel = {"cp": 2, "dp_replicate": 1, "zero_stage": 3} if nproc == 2 else {}
     elif case == "hf_model_pp":
-        model = {"hf_model": str(files / "llama")}
+        model = {"hf_model": str(files / FAMILY_FOLDERS[case])}
         parallel = {"pp": 2, "dp_replicate": 1} if nproc == 2 else {}
     elif case == "hf_model_docs":  # text documents kept apart (data.document_mask)
         model = {"hf_model": str(files / "llama")}
@@ -147,6 +154,7 @@ def _config(files, case: str, nproc: int):
                          "peft": peft, "optim": {"optimizer": "adamw", "lr": 1e-2}})
 
 
+FAMILY_FOLDERS = {"hf_model_pp": "gemma2", "hf_model_cp2": "qwen3"}
 CASES = ("hf_model_zero3", "hf_model_pp", "factory_tp", "lora_gpt2_zero3", "lora_hf_model_ddp",
          "lora_hf_model_zero3", "lora_hf_model_tp", "lora_hf_model_pp", "lora_gpt_tp_sp",
          "hf_model_docs", "qlora_hf_model_ddp", "qlora_hf_model_zero3", "hf_model_cp2")
@@ -232,14 +240,16 @@ def test_hf_model_is_loaded_then_written_as_a_from_pretrained_folder(runs):
     assert vals[0] == pytest.approx(_val_loss(original, cfg, n, hf=True), rel=RTOL)
     for case in ("hf_model_zero3-2", "hf_model_pp-2", "hf_model_zero3-1", "hf_model_cp2-2"):
         folder = runs / case / "model"
-        trained = transformers.LlamaForCausalLM.from_pretrained(folder)
+        trained = transformers.AutoModelForCausalLM.from_pretrained(folder)
         _, vals = _losses(runs / case)
         assert vals[-1] == pytest.approx(_val_loss(trained, cfg, n, hf=True), rel=RTOL), case
         assert transformers.AutoTokenizer.from_pretrained(folder).eos_token == "</s>"
         # The model's own class, not FSDP2's wrapper subclass ("FSDPLlamaForCausalLM"):
         # inference servers and converters choose the class by this field.
         config = json.loads((folder / "config.json").read_text())
-        assert config["architectures"] == ["LlamaForCausalLM"], case
+        family = FAMILY_FOLDERS.get(case.rsplit("-", 1)[0], "llama")
+        source = json.loads((runs / family / "config.json").read_text())
+        assert config["architectures"] == source["architectures"], case
         # (and not the ring's attention implementation, which exists in the run only)
         assert "meshfit" not in json.dumps(config), case
     merged = json.loads((runs / "lora_gpt2_zero3-2" / "model" / "config.json").read_text())

@@ -106,8 +106,8 @@ SMALL = {"train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 32}
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """A corpus of 40 standard-library files, a token cache, the user's model module (on the
-    import path of the processes too) and a tiny Llama's config.json."""
-    import transformers
+    import path of the processes too) and tiny Qwen3 and Qwen3-MoE config.json folders."""
+    from meshfit.models.families import tiny_config
 
     root = tmp_path_factory.mktemp("verify")
     corpus = root / "corpus"
@@ -130,9 +130,8 @@ def sources(tmp_path_factory):
         path = "{corpus}"
         cache_dir = "{root / 'cache'}"
     """))
-    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                             num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
-                             max_position_embeddings=64).save_pretrained(root / "llama")
+    for family in ("qwen3", "qwen3_moe"):  # (q/k norms; transformers' fused experts)
+        tiny_config(family, vocab_size=256).save_pretrained(root / family)
     yield root
     sys.path.remove(str(root))
 
@@ -210,13 +209,15 @@ def test_command_refuses_bad_input_before_any_process(cli_refusal, sources):
 
 
 # ------------------------------------------------------------------------ PASS
-def test_hf_llama_and_moe_pass(sources):
-    llama = _config(sources, {"hf_config": str(sources / "llama")})
-    report = _verify(llama, ["dp_shard=2", "tp=2", "pp=2"])
+def test_transformers_families_pass(sources):
+    """A transformers family meshfit has no plan of its own for (Qwen3: q/k norms), under
+    every axis that splits it -- its tp and pp plans read from the model, cp through its
+    attention interface -- and a transformers mixture of experts under ep."""
+    qwen3 = _config(sources, {"hf_config": str(sources / "qwen3")})
+    report = _verify(qwen3, ["dp_shard=2", "tp=2,sequence_parallel=true", "pp=2", "cp=2"])
     assert report.passed, report.table()
     assert max(r.param_rel for r in report.results) < 1e-10, report.table()
-    moe = _config(sources, {"preset": "moe-tiny", "n_layer": 2, "d_model": 64, "d_ff": 128,
-                            "moe_d_ff": 64, "n_head": 4})
+    moe = _config(sources, {"hf_config": str(sources / "qwen3_moe")})
     report = _verify(moe, ["dp_shard=2,ep=2,zero_stage=1"])
     assert report.passed, report.table()
 
