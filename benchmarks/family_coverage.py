@@ -55,11 +55,11 @@ def _tiny(model_type: str, root: Path) -> tuple[Path | None, dict]:
             model = transformers.AutoModelForCausalLM.from_config(config)
         facts["moe"] = any(hasattr(m, "gate_up_proj") and getattr(m, "gate_up_proj").dim() == 3
                            for m in model.modules())
+        folder = root / model_type
+        config.save_pretrained(folder)
     except Exception as err:  # noqa: BLE001 (a configuration transformers cannot build tiny)
-        facts["build"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        facts["build"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
         return None, facts
-    folder = root / model_type
-    config.save_pretrained(folder)
     return folder, facts
 
 

@@ -44,7 +44,8 @@ _SIZES = {
     "v_head_dim": 16, "qk_head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
     "decoder_sparse_step": 1, "num_nextn_predict_layers": 0,
 }
-_PER_LAYER = ("layer_types", "no_rope_layers", "mlp_only_layers")
+_PER_LAYER = ("layer_types", "no_rope_layers")
+_INDEX_LISTS = ("mlp_only_layers",)
 _NO_DROPOUT = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
                "classifier_dropout", "dropout")
 
@@ -62,7 +63,8 @@ def shrink_config(config, *, layers: int = 2, **sizes):
     """A copy of the transformers configuration `config` at test size: `layers` decoder
     layers, the sizes above (or `sizes`) where the configuration has them, per-layer lists
     cut to `layers` (a list that would then hold one attention type gets both, alternating,
-    when the full list had both), dropout off."""
+    when the full list had both; lists of layer indices keep the indices below `layers`),
+    dropout off."""
     config = copy.deepcopy(config)
     values = {**_SIZES, **sizes}
     for key, value in values.items():
@@ -76,9 +78,16 @@ def shrink_config(config, *, layers: int = 2, **sizes):
         token = getattr(config, key, None)
         if isinstance(token, int) and token >= config.vocab_size:
             setattr(config, key, config.vocab_size - 1)
+    original = getattr(config, "num_hidden_layers", None)
     config.num_hidden_layers = layers
-    for key in _PER_LAYER:
+    # the per-layer lists: those named, and any other list with one entry per layer
+    per_layer = set(_PER_LAYER) | {k for k, v in vars(config).items()
+                                   if isinstance(v, list) and original and len(v) == original}
+    for key in sorted(per_layer):
         full = getattr(config, key, None)
+        if key in _INDEX_LISTS and isinstance(full, list):  # layer indices, not one per layer
+            _set(config, key, [i for i in full if isinstance(i, int) and i < layers])
+            continue
         if isinstance(full, list) and full:
             kept = list(full[:layers]) + [full[-1]] * max(0, layers - len(full))
             kinds = list(dict.fromkeys(full))
