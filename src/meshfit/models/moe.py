@@ -53,7 +53,7 @@ from meshfit.distributed.tensors import local_tensor
 from meshfit.models.config import GPTConfig
 from meshfit.models.mlp import GeluMLP, SwiGLUMLP
 
-__all__ = ["Experts", "MoE"]
+__all__ = ["Experts", "MoE", "scale_grad"]
 
 # (device type, dtype) -> whether F.grouped_mm ran correctly there.
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -222,6 +222,12 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def scale_grad(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    """`tensor` itself, its gradient multiplied by `scale` in backward (expert parallel's 1/ep
+    on the experts' weights)."""
+    return _ScaleGrad.apply(tensor, scale)
+
+
 class Experts(nn.Module):
     """The routed experts' stacked weights and their computation over rows sorted by expert;
     its own module so that FSDP2 can shard it over other ranks than the rest of the block
@@ -248,7 +254,7 @@ class Experts(nn.Module):
         ws = (self.w1, self.w3, self.w2) if self.swiglu else (self.w_in, self.w_out)
         ws = tuple(local_tensor(w) for w in ws)
         if self.grad_scale != 1.0:
-            ws = tuple(_ScaleGrad.apply(w, self.grad_scale) for w in ws)
+            ws = tuple(scale_grad(w, self.grad_scale) for w in ws)
         return ws
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfit.distributed.tensors import local_tensor
+from meshfit.models.moe import scale_grad
 from meshfit.parallel.ep_exchange import ExpertParallel
 
 __all__ = ["AUX_LOSS_FAMILIES", "MAPPED", "HFMoE", "apply_hf_ep", "global_aux_loss_hook", "hf_ep_problem",
@@ -141,24 +142,11 @@ def hf_ep_problem(model_or_config, ep: int, name: str = "ep") -> str | None:
     return None
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity whose backward multiplies the gradient by `scale` (1/ep)."""
-
-    @staticmethod
-    def forward(ctx, w, scale):
-        ctx.scale = scale
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 def _local_experts(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """This rank's experts over `rows` sorted by local expert, counts[e] rows each; the
     arithmetic of transformers' "eager" experts loop."""
     scale = module.meshfit_grad_scale
-    gate_up, down = (_ScaleGrad.apply(local_tensor(w), scale)
+    gate_up, down = (scale_grad(local_tensor(w), scale)
                      for w in (module.gate_up_proj, module.down_proj))
     outs = []
     for e, x in enumerate(torch.split(rows, counts.tolist())):
