@@ -5,10 +5,11 @@ shrunk (`meshfit.models.families.shrink_config`: 2 layers, width 64, vocabulary 
 processes (gloo) the first optimizer step of `meshfit.train.TrainingRun` under each layout.
 
 Printed and saved (benchmarks/results/family_coverage.{json,md}): per layout, of the model
-types that ship the plan it reads (`base_model_tp_plan`; `base_model_pp_plan`; cp: every
-causal LM; ep: the mixtures of experts), how many start, how many are refused before launch
+types that ship the plan it reads (`base_model_tp_plan`; `base_model_pp_plan`; cp: either;
+ep: the mixtures of experts among them; a type that ships neither is not run), how many start, how many are refused before launch
 (with the refusals counted by their reason) and how many fail after launch (each named: a
-failure after launch is a bug, where a refusal is a decision).
+failure after launch is a bug, where a refusal is a decision) -- apart from those whose shrunk
+model fails on its own, without meshfit (`one_process`).
 
     python benchmarks/family_coverage.py                  # every model type (tens of minutes)
     python benchmarks/family_coverage.py --types llama qwen3 gemma2
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import multiprocessing
 import sys
 import tempfile
@@ -102,6 +104,23 @@ def _first_steps(rank: int, world: int, cfgs: dict) -> dict[str, str | None]:
     return out
 
 
+def one_process(folder: Path) -> str | None:
+    """The shrunk model's own first step here, without meshfit (forward and backward of the
+    causal-LM loss on random tokens): None where it runs, else why not -- a layout's failure
+    is meshfit's only where this runs."""
+    import torch
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids).loss.backward()
+    except Exception as err:  # noqa: BLE001 (recorded)
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
+    return None
+
+
 def _started(cfgs: dict, context) -> dict[str, str | None]:
     """Per layout: None where the first step ran on 2 processes, else why not."""
     from meshfit.distributed.spawn import spawn
@@ -116,10 +135,48 @@ def _started(cfgs: dict, context) -> dict[str, str | None]:
     return {axis: ranks[0][axis] or ranks[1][axis] for axis in cfgs}
 
 
+def report(rows: dict[str, dict], n_types: int, seconds: float) -> str:
+    """The markdown summary of `rows` (model type -> what each layout did)."""
+    lines = ["# meshfit train on 2 processes: which of transformers' causal LMs start", "",
+             f"{n_types} model types (transformers' causal-LM registry), "
+             f"{sum('build' in r for r in rows.values())} without a tiny model; "
+             f"{seconds:.0f} s.", "",
+             "| layout | of | start | refused before launch | fail after launch | "
+             "fail on one process too |", "|---|---|---|---|---|---|"]
+    wanted = {"tp": "tp_plan", "pp": "pp_plan", "cp": "plans", "ep": "moe"}
+    reasons: dict[str, collections.Counter] = {}
+    for axis, key in wanted.items():
+        pool = [r for r in rows.values() if axis in r and (
+            r["tp_plan"] or r["pp_plan"] if key == "plans" else r[key])]
+        ok = sum(not r[axis].get("refused") and not r[axis].get("failed") for r in pool)
+        refused = [r[axis]["refused"] for r in pool if r[axis].get("refused")]
+        failed = [t for t, r in rows.items() if r in pool and r[axis].get("failed")
+                  and not r.get("alone")]
+        broken = [t for t, r in rows.items() if r in pool and r[axis].get("failed")
+                  and r.get("alone")]
+        reasons[axis] = collections.Counter(refused)
+        of = {"tp": "ship base_model_tp_plan", "pp": "ship base_model_pp_plan",
+              "cp": "ship either plan", "ep": "mixtures of experts (with a plan)"}[axis]
+        lines.append(f"| {axis}=2 | {len(pool)} that {of} | **{ok}** | {len(refused)} | "
+                     f"{len(failed)}{': ' + ', '.join(failed) if failed else ''} | "
+                     f"{len(broken)} |")
+    for axis, counter in reasons.items():
+        if counter:
+            lines += ["", f"Refusals of {axis}=2:", ""]
+            lines += [f"- {n} x {why}" for why, n in counter.most_common(12)]
+    mine = [(t, a, r[a]["failed"]) for t, r in rows.items() if not r.get("alone")
+            for a in LAYOUTS if a in r and r[a].get("failed")]
+    if mine:
+        lines += ["", "Failures after launch (the shrunk model runs alone):", ""]
+        lines += [f"- {t}, {a}=2: {why}" for t, a, why in mine]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--types", nargs="*", default=None)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--partial", default=None, help="a JSON file updated after each model type")
     args = p.parse_args()
     types = args.types or model_types()
     context = multiprocessing.get_context("forkserver")
@@ -134,6 +191,8 @@ def main() -> None:
             if folder is None:
                 print(f"{model_type}: no tiny model ({facts['build']})", flush=True)
                 continue
+            if not (facts["tp_plan"] or facts["pp_plan"]):  # (the figures count those only)
+                continue
             admitted = {}
             for axis, parallel in LAYOUTS.items():
                 cfg = _config(folder, root, parallel)
@@ -144,32 +203,14 @@ def main() -> None:
                     admitted[axis] = cfg
             for axis, failed in _started(admitted, context).items():
                 row[axis] = {"failed": failed}
+            if any(row[a].get("failed") for a in admitted):
+                row["alone"] = one_process(folder)  # (None: the failure is meshfit's)
+            if args.partial:  # what is known so far, kept if the run is cut short
+                Path(args.partial).write_text(json.dumps(rows))
             print(f"{model_type}: " + ", ".join(
                 f"{a} " + ("refused" if r.get("refused") else "ok" if not r["failed"]
                            else "FAILED") for a, r in row.items() if a in LAYOUTS), flush=True)
-    lines = ["# meshfit train on 2 processes: which of transformers' causal LMs start", "",
-             f"{len(types)} model types (transformers' causal-LM registry), "
-             f"{sum('build' in r for r in rows.values())} without a tiny model; "
-             f"{time.perf_counter() - began:.0f} s.", "",
-             "| layout | of | start | refused before launch | fail after launch |",
-             "|---|---|---|---|---|"]
-    wanted = {"tp": "tp_plan", "pp": "pp_plan", "cp": None, "ep": "moe"}
-    reasons: dict[str, collections.Counter] = {}
-    for axis, key in wanted.items():
-        pool = [r for r in rows.values() if axis in r and (key is None or r[key])]
-        ok = sum(not r[axis].get("refused") and not r[axis].get("failed") for r in pool)
-        refused = [r[axis]["refused"] for r in pool if r[axis].get("refused")]
-        failed = [t for t, r in rows.items() if r in pool and r[axis].get("failed")]
-        reasons[axis] = collections.Counter(refused)
-        of = {"tp": "ship base_model_tp_plan", "pp": "ship base_model_pp_plan",
-              "cp": "causal LMs", "ep": "mixtures of experts"}[axis]
-        lines.append(f"| {axis}=2 | {len(pool)} that {of} | **{ok}** | {len(refused)} | "
-                     f"{len(failed)}{': ' + ', '.join(failed) if failed else ''} |")
-    for axis, counter in reasons.items():
-        if counter:
-            lines += ["", f"Refusals of {axis}=2:", ""]
-            lines += [f"- {n} x {why}" for why, n in counter.most_common(12)]
-    md = "\n".join(lines)
+    md = report(rows, len(types), time.perf_counter() - began)
     print(md)
     if not args.no_write:
         paths = _common.write_results("family_coverage", md + "\n\n" + _common.machine_markdown(
