@@ -228,6 +228,10 @@ REFUSED = {  # one per class: (model type, fields) -> words of the one line
     "attention dropout": (("qwen3", dict(attention_dropout=0.1)),
                           ["attention_dropout=0.1 is not available", "set it to 0"]),
     "an encoder-decoder": (("t5", {}), ["model_type 't5' has no causal decoder"]),
+    # (its attention class is not marked for the interface: it was refused only at prepare)
+    "no attention layer to replace": (("doge", {}), [
+        "DogeForCausalLM has no attention layer the ring can replace",
+        "ZeRO and DDP (cp=1) run it"]),
 }
 
 

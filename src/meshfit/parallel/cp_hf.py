@@ -44,7 +44,7 @@ import torch
 
 from meshfit._compat import transformers as hf_internals
 from meshfit.models.gpt import GPT, GPTConfig
-from meshfit.models.plans import adapted_model
+from meshfit.models.plans import adapted_model, meta_model
 
 __all__ = ["RingMask", "apply_cp_hf", "cp_problem", "hf_model_class"]
 
@@ -110,7 +110,28 @@ def cp_problem(model_or_config, cp: int, seq_len: int | None = None, *,
         return (f"{type(target).__name__} is neither meshfit's GPT nor a transformers model; "
                 f"{WORKS}")
     cls = type(target) if isinstance(target, torch.nn.Module) else hf_model_class(config)
-    return _hf_problem(config, cls)
+    problem = _hf_problem(config, cls)
+    if problem or cls is None:
+        return problem
+    if isinstance(target, torch.nn.Module):
+        module = target
+    else:  # (the module tree on the meta device: where the attention layers are)
+        try:
+            module = meta_model(config)
+        except Exception:  # noqa: BLE001 (a model that cannot be built says so at its build)
+            return None
+    if not attention_layers(module):
+        return (f"model_type {config.model_type!r}: {type(module).__name__} has no attention "
+                f"layer the ring can replace (none marked is_causal, as transformers marks "
+                f"those its attention interface runs); {WORKS}")
+    return None
+
+
+def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention layers of a transformers model: those transformers gives the `is_causal`
+    its SDPA and flash paths read."""
+    return [m for m in model.modules() if hasattr(m, "is_causal")
+            and not isinstance(m, type(model))]
 
 
 def _hf_problem(config, cls) -> str | None:
@@ -196,8 +217,7 @@ def apply_cp_hf(model, shard) -> None:
     AttentionInterface.register(_IMPLEMENTATION, _ring)
     AttentionMaskInterface.register(_IMPLEMENTATION, _ring_mask)
     # attention layers: transformers gives each the `is_causal` its SDPA/flash paths read
-    layers = [m for m in model.modules() if hasattr(m, "is_causal")
-              and not isinstance(m, type(model))]
+    layers = attention_layers(model)
     if not layers:
         raise ValueError(f"context parallel: found no attention layer in "
                          f"{type(model).__name__}; {WORKS}")
