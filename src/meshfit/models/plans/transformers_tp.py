@@ -412,9 +412,41 @@ def hf_tp_problem(model_or_config, tp: int) -> str | None:
         return str(err) if isinstance(err, Unsupported) else (
             f"tensor parallel: {getattr(config, 'model_type', '?')} has no causal-LM model "
             f"meshfit can build ({err}); {_WORKS}")
+    family = getattr(config, "model_type", type(config).__name__)
+    left = unplaced(model, plan)
+    if left:
+        return (f"tensor parallel: {family} ({type(model).__name__}) has parameters its plan "
+                f"does not place ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); "
+                f"{_WORKS}")
     problem = divisibility_problem(plan.divisible, tp) if tp > 1 else None
     if problem:
-        family = getattr(config, "model_type", type(config).__name__)
         return f"{family} ({type(model).__name__}): {problem}"
     return None
+
+
+_NO_PARAMS = ("prepare_input", "gather_sequence", "gather_input")  # styles placing no weight
+
+
+def _match(pattern: str, name: str) -> bool:
+    p, n = pattern.split("."), name.split(".")
+    return len(p) == len(n) and all(fnmatch.fnmatchcase(b, a) for a, b in zip(p, n))
+
+
+def unplaced(model: nn.Module, plan: TPPlan) -> list[str]:
+    """The parameters of `model` that no style of `plan` places (`apply_tp` would refuse them
+    at launch): neither their module nor an enclosing `replicate_local` one has a style."""
+    out = []
+    for full, _ in model.named_parameters():
+        if ".lora_" in full or ".base_layer." in full:  # (a LoRA layer: `lora_plan` places it)
+            continue
+        owner = full.rpartition(".")[0]
+        if any(_match(k, owner) and getattr(s, "kind", None) not in _NO_PARAMS
+               for k, s in plan.styles.items()):
+            continue
+        parts = owner.split(".")
+        if any(getattr(s, "kind", None) == "replicate_local" and _match(k, ".".join(parts[:end]))
+               for end in range(len(parts)) for k, s in plan.styles.items()):
+            continue
+        out.append(full)
+    return out
 
