@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from meshfit._compat import optim as lr_internals
 from meshfit.accelerator.loader import PreparedDataLoader
+from meshfit.optim import sharded_class
 from meshfit.parallel.zero1 import constructor_kwargs
 
 __all__ = ["GradientState", "ParameterMap", "PreparedOptimizer", "PreparedScheduler",
@@ -266,7 +267,7 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, params: ParameterMap
                          f"state for {len(optimizer.state)} parameter(s) of the unsharded "
                          "model; prepare it before its first step, or build it after "
                          "prepare(model)")
-    cls = type(optimizer)
+    cls = sharded_class(type(optimizer))  # torch.optim.Muon -> meshfit's, which takes DTensors
     return cls(groups, **constructor_kwargs(cls, optimizer.defaults))
 
 

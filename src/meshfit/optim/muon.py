@@ -33,7 +33,8 @@ from torch import nn
 from meshfit.distributed.tensors import local_tensor
 from meshfit.optim.muon_whole import WHOLE, orthogonalize
 
-__all__ = ["Muon", "build_muon", "check_muon_param", "newton_schulz", "split_groups"]
+__all__ = ["Muon", "build_muon", "check_muon_param", "newton_schulz", "sharded_class",
+           "split_groups"]
 
 # Keller Jordan's coefficients and defaults, as torch.optim.Muon has them
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -213,19 +214,26 @@ def split_groups(groups: list[Any], model: nn.Module | None = None, *,
 
 
 def _outside_blocks(model: nn.Module) -> set[int]:
-    """ids of the embeddings' and the output head's parameters."""
+    """ids of the embeddings' and the output head's parameters. The head: what a module's
+    `get_output_embeddings()` returns (Hugging Face), or a linear layer producing the
+    vocabulary's logits (out_features = an embedding's rows or a module's
+    ``config.vocab_size``: a pipeline's last stage holds the head without the embedding)."""
     out: set[int] = set()
-    vocab = 0
+    vocab: set[int] = set()
+    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab.update([max(rows)] if rows else [])  # the token embedding's
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             out.update(id(p) for p in module.parameters())
-            vocab = max(vocab, module.num_embeddings)
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if isinstance(head, nn.Module):
-        out.update(id(p) for p in head.parameters())
+        size = getattr(getattr(module, "config", None), "vocab_size", None)
+        if isinstance(size, int):
+            vocab.add(size)
+        get_head = getattr(module, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        if isinstance(head, nn.Module):
+            out.update(id(p) for p in head.parameters())
     for module in model.modules():
-        if isinstance(module, nn.Linear) and vocab and module.out_features == vocab:
+        if isinstance(module, nn.Linear) and module.out_features in vocab:
             out.update(id(p) for p in module.parameters())
     return out
 
@@ -243,3 +251,10 @@ def build_muon(groups, *, lr, weight_decay, betas, eps, momentum, muon_lr: float
     return Muon(groups, **{"lr": muon_lr, "weight_decay": weight_decay,
                            "momentum": muon_momentum, "betas": betas, "adam_eps": eps,
                            **kwargs})
+
+
+def sharded_class(cls: type) -> type:
+    """The optimizer class to rebuild `cls` as over sharded (DTensor) parameters:
+    `Muon` for torch.optim.Muon (which refuses DTensors; the same constructor arguments and
+    the same step), `cls` itself otherwise."""
+    return Muon if cls is torch.optim.Muon else cls
