@@ -84,7 +84,8 @@ __all__ = ["ActivationBytes", "Adapters", "BYTE_UNITS", "Estimate", "LayoutSpec"
            "activation_bytes", "byte_unit", "estimate", "model_state_bytes"]
 
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_fused": 8.0, "adamw_8bit": 2.0, "sgd": 4.0,
-                   "adafactor": 0.0}
+                   "adafactor": 0.0,
+                   "muon": 4.0}  # on Muon's matrices; AdamW's 8 on the rest (`_muon_rate`)
 DISK_CHUNK_BYTES = 256 * 2**20
 """`meshfit.parallel.disk.DiskOffload`'s default chunk (of state read or written at once)."""
 NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
@@ -286,6 +287,8 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
     # backward has freed the loss's tensors: the step's peak is the larger of the two
     buffers = _buffers(shape, layout, rank, resolved, dtype, adapted) + max(
         0.0, ring_bytes(shape, layout, seq_len, dtype) - acts.outside)
+    if optimizer == "muon":
+        buffers += _muon_buffers(shape, layout, rank, resolved)
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
                     activations=activations, buffers=buffers, host=host, disk=disk,
                     detail={"blocks_on_rank": rank.blocks,
@@ -365,6 +368,9 @@ def _model_states(shape: ModelShape, rank: _RankParams, costs, optimizer: str,
               shares(lambda n: n * OPTIMIZER_BYTES[optimizer], costs.optimizer_shards)]
     if optimizer == "adafactor":  # factored statistics: (rows + cols) x 4 B per matrix
         states[2] = shares(lambda n: n * 4 * 2 / shape.d_model, costs.optimizer_shards)
+    if optimizer == "muon":  # experts are all Muon matrices; the dense part is mixed
+        dense_part, expert_part = states[2]
+        states[2] = [dense_part / OPTIMIZER_BYTES["muon"] * _muon_rate(shape), expert_part]
     host = (0.0, 0.0, 0.0)
     if costs.host_offload:
         # FSDP2 offloads what it shards; experts it leaves out (group 1: no other rank
@@ -427,6 +433,46 @@ def _adapted_buffers(layout: LayoutSpec, rank: _RankParams, resolved, dtype: str
     if DTYPE_BYTES[dtype] < 4 and resolved.param_dtype is None:
         buffers += rank.local * (1 - q + t) * DTYPE_BYTES[dtype]
     return buffers
+
+
+def _muon_matrices(shape: ModelShape) -> tuple[float, float]:
+    """(elements of the dense Muon matrices: every block's linears, largest matrix) of
+    `shape`; without `ModelShape.block_linears`, the blocks' parameters less 4 d_model per
+    block (norms and biases)."""
+    linears = shape.block_linears  # (in, out) of the linears of all the blocks
+    if linears:
+        return (float(sum(a * b for a, b in linears)),
+                float(max(a * b for a, b in linears)))
+    dense_block = shape.block_params - shape.block_expert_params
+    return (float(shape.n_layer * max(0, dense_block - 4 * shape.d_model)),
+            float(shape.d_model * max(shape.d_ff, shape.d_model)))
+
+
+def _muon_rate(shape: ModelShape) -> float:
+    """Optimizer bytes per dense (non-expert) parameter under Muon: 4 B (one fp32 momentum)
+    on the blocks' matrices, 8 B (AdamW's two moments) on embeddings, head, norms, biases
+    (`meshfit.optim.muon.split_groups`)."""
+    dense = shape.params - shape.expert_params
+    share = min(1.0, _muon_matrices(shape)[0] / dense) if dense else 1.0
+    return OPTIMIZER_BYTES["muon"] * share + OPTIMIZER_BYTES["adamw"] * (1 - share)
+
+
+def _muon_buffers(shape: ModelShape, layout: LayoutSpec, rank: _RankParams,
+                  resolved) -> float:
+    """Muon's step (`meshfit.optim.muon`): the Nesterov updates of all the rank's Muon
+    matrices (fp32) and their orthogonalised results (bf16) at once, 6 B per local Muon
+    element; under sharding (FSDP2, tp) the owner strategy's padded send buffers and the
+    owned matrices gathered whole, +8 B per local Muon element (the matrices a rank owns
+    add up to its share); and the Newton-Schulz temporaries of the largest matrix (bf16
+    copy, Gram matrix and polynomial, next iterate: <= 8 B per element)."""
+    dense, largest = _muon_matrices(shape)
+    dense_share = dense / (shape.params - shape.expert_params) if shape.params > \
+        shape.expert_params else 0.0
+    shards = resolved.costs.param_shards
+    local = rank.dense * min(1.0, dense_share) / shards + \
+        rank.experts / (rank.ep * (rank.group if shards > 1 else 1))
+    sharded = shards > 1 or layout.tp > 1
+    return local * (6.0 + (8.0 if sharded else 0.0)) + largest * 8.0
 
 
 def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):
