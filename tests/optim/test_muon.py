@@ -192,3 +192,105 @@ def test_muon_matches_one_process(ranks, case):
     if case == "user-zero3":
         assert got["optimizers"] == ["Muon", "AdamW"]
         assert got["whole"][0] == "owner"
+
+
+# ---------------------------------------------------------------- one process, in-process
+def test_one_process_equals_torch_muon_and_adamw_bitwise():
+    """Without sharding meshfit's Muon is torch.optim.Muon's step (and its AdamW groups
+    torch.optim.AdamW's), to the last bit: the 2-D weights and the 3-D experts (per expert)."""
+    for moe in (False, True):
+        _, want = _reference(2, moe)
+        model = _model(moe)
+        opt = optim.build("muon", model, lr=LR, weight_decay=WD, muon_lr=MUON_LR)
+        for x, y in _batches(2):
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(value, want[key], rtol=0, atol=0, msg=key)
+
+
+def test_the_split_and_its_name_filter():
+    """Muon: the blocks' matrices (and 3-D expert weights); AdamW: embeddings, the tied
+    head, norms, biases, and what muon_exclude names; an untied head (a linear with the
+    vocabulary's outputs) is AdamW's too."""
+    model = _model(moe=True)
+    opt = optim.build("muon", model, lr=LR, muon_exclude=["router"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in opt.param_groups if g["use_muon"] for p in g["params"]}
+    want = {n for n, p in model.named_parameters()
+            if n.startswith("layers.") and p.ndim >= 2 and "router" not in n}
+    assert muon == want and any(n.endswith("experts.w_in") for n in muon)
+    assert {g["lr"] for g in opt.param_groups if g["use_muon"]} == {0.02}
+    assert {g["lr"] for g in opt.param_groups if not g["use_muon"]} == {LR}
+    untied = tiny_gpt(n_layer=1, max_seq_len=SEQ, tie_embeddings=False)
+    opt = optim.build("muon", untied, lr=LR)
+    adamw = {n for n, p in untied.named_parameters() for g in opt.param_groups
+             if not g["use_muon"] and any(p is q for q in g["params"])}
+    assert "lm_head.weight" in adamw and "tok_emb.weight" in adamw
+
+
+def test_muon_refuses_what_it_cannot_treat():
+    """One line naming the parameter (its name where build has the model), the value and
+    the fix; before any step."""
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"parameter 0\.weight \(\(4, 3, 3, 3\).*muon_exclude"):
+        optim.build("muon", conv, lr=LR)
+    assert optim.build("muon", conv, lr=LR, muon_exclude=["0."]).param_groups
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(\(4,\)"):
+        optim.Muon([torch.nn.Parameter(torch.zeros(4))])
+    complex_p = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="not a real 2-D matrix"):
+        optim.Muon([complex_p])
+    ok = [torch.nn.Parameter(torch.zeros(2, 2))]
+    for kwargs, match in (({"whole": "scatter"}, "whole='scatter' is not one of owner"),
+                          ({"ns_steps": 0}, r"ns_steps=0 must be an integer in \[1, 99\]"),
+                          ({"adjust_lr_fn": "rms"}, "adjust_lr_fn='rms' is not one of"),
+                          ({"momentum": -1}, "momentum=-1 must be a finite number >= 0")):
+        with pytest.raises(ValueError, match=match):
+            optim.Muon(ok, **kwargs)
+
+
+def test_config_keys_reach_the_optimizer_and_are_checked():
+    from meshfit.train.config import OptimConfig
+    from meshfit.train.trainer import build_optimizer
+
+    class _Cfg:
+        optim = OptimConfig(optimizer="muon", muon_lr=0.05, muon_momentum=0.9,
+                            muon_ns_steps=3, muon_adjust_lr="match_rms_adamw",
+                            muon_exclude=["wq"], muon_whole="gather", muon_nesterov=False)
+
+    opt = build_optimizer(_model(), _Cfg)
+    muon = [g for g in opt.param_groups if g["use_muon"]]
+    assert {(g["lr"], g["momentum"], g["ns_steps"], g["adjust_lr_fn"], g["whole"],
+             g["nesterov"]) for g in muon} == {(0.05, 0.9, 3, "match_rms_adamw", "gather",
+                                                False)}
+    assert not any(p.shape == (64, 64) and p is q for g in muon for p in g["params"]
+                   for q in _model().layers["0"].attn.wq.parameters())
+    for kwargs, match in (({"muon_whole": "all"}, r"optim\.muon_whole='all' is not one of"),
+                          ({"muon_exclude": "wq"}, r"optim\.muon_exclude='wq' must be a list"),
+                          ({"muon_ns_steps": 0}, r"optim\.muon_ns_steps=0 must be an integer"),
+                          ({"muon_adjust_lr": "x"}, r"optim\.muon_adjust_lr='x' is not one")):
+        with pytest.raises(ValueError, match=match):
+            OptimConfig(optimizer="muon", **kwargs)
+
+
+def test_estimate_counts_muons_state_as_measured():
+    """The estimator's optimizer bytes for "muon" (4 B on the block matrices, AdamW's 8 on
+    the rest) against `state_bytes` of a live Muon after a step (fp32, the tiny preset, and
+    its MoE variant): within 1%; and below AdamW's."""
+    from reference import tiny_preset
+    from meshfit.memory import LayoutSpec, ModelShape, estimate
+
+    for overrides in ({}, {"n_experts": 4, "top_k": 2}):
+        model = tiny_preset(**overrides)
+        opt = optim.build("muon", model, lr=1e-3)
+        x = torch.randint(0, 256, (1, 16))
+        model(x, x).backward()
+        opt.step()
+        measured = optim.state_bytes(opt).total_bytes
+        shape = ModelShape.from_module(model)
+        est = estimate(shape, LayoutSpec(), seq_len=16, optimizer="muon")
+        assert abs(est.optimizer / measured - 1) < 0.01, (overrides, est.optimizer, measured)
+        assert est.optimizer < estimate(shape, LayoutSpec(), seq_len=16,
+                                        optimizer="adamw").optimizer

@@ -370,7 +370,8 @@ def _model_states(shape: ModelShape, rank: _RankParams, costs, optimizer: str,
         states[2] = shares(lambda n: n * 4 * 2 / shape.d_model, costs.optimizer_shards)
     if optimizer == "muon":  # experts are all Muon matrices; the dense part is mixed
         dense_part, expert_part = states[2]
-        states[2] = [dense_part / OPTIMIZER_BYTES["muon"] * _muon_rate(shape), expert_part]
+        states[2] = [dense_part / OPTIMIZER_BYTES["muon"] * _muon_rate(shape, experts > 0),
+                     expert_part]
     host = (0.0, 0.0, 0.0)
     if costs.host_offload:
         # FSDP2 offloads what it shards; experts it leaves out (group 1: no other rank
@@ -448,12 +449,23 @@ def _muon_matrices(shape: ModelShape) -> tuple[float, float]:
             float(shape.d_model * max(shape.d_ff, shape.d_model)))
 
 
-def _muon_rate(shape: ModelShape) -> float:
-    """Optimizer bytes per dense (non-expert) parameter under Muon: 4 B (one fp32 momentum)
-    on the blocks' matrices, 8 B (AdamW's two moments) on embeddings, head, norms, biases
+def _muon_share(shape: ModelShape, experts_apart: bool) -> float:
+    """The share of Muon's matrices among the parameters the estimate calls dense: without
+    the routed experts where they are counted apart (under ep), else with them (3-D expert
+    weights are Muon's, one matrix per expert)."""
+    matrices = _muon_matrices(shape)[0]
+    if experts_apart:
+        dense = shape.params - shape.expert_params
+    else:
+        dense, matrices = shape.params, matrices + shape.expert_params
+    return min(1.0, matrices / dense) if dense else 1.0
+
+
+def _muon_rate(shape: ModelShape, experts_apart: bool) -> float:
+    """Optimizer bytes per dense parameter under Muon: 4 B (one fp32 momentum) on the
+    blocks' matrices, 8 B (AdamW's two moments) on embeddings, head, norms, biases
     (`meshfit.optim.muon.split_groups`)."""
-    dense = shape.params - shape.expert_params
-    share = min(1.0, _muon_matrices(shape)[0] / dense) if dense else 1.0
+    share = _muon_share(shape, experts_apart)
     return OPTIMIZER_BYTES["muon"] * share + OPTIMIZER_BYTES["adamw"] * (1 - share)
 
 
@@ -465,11 +477,9 @@ def _muon_buffers(shape: ModelShape, layout: LayoutSpec, rank: _RankParams,
     owned matrices gathered whole, +8 B per local Muon element (the matrices a rank owns
     add up to its share); and the Newton-Schulz temporaries of the largest matrix (bf16
     copy, Gram matrix and polynomial, next iterate: <= 8 B per element)."""
-    dense, largest = _muon_matrices(shape)
-    dense_share = dense / (shape.params - shape.expert_params) if shape.params > \
-        shape.expert_params else 0.0
+    largest = _muon_matrices(shape)[1]
     shards = resolved.costs.param_shards
-    local = rank.dense * min(1.0, dense_share) / shards + \
+    local = rank.dense * _muon_share(shape, rank.experts > 0) / shards + \
         rank.experts / (rank.ep * (rank.group if shards > 1 else 1))
     sharded = shards > 1 or layout.tp > 1
     return local * (6.0 + (8.0 if sharded else 0.0)) + largest * 8.0
