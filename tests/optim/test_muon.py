@@ -119,10 +119,30 @@ def _user_optimizers(model):
 
 
 def _worker(rank, world, acc_kwargs: dict, how: str, whole: str = "owner",
-            moe: bool = False):
+            moe: bool = False, bucket: int | None = None):
     """how: "after" (build over the prepared model), "before" (build, then prepare with
     the model: re-pointed at the sharded parameters), "pipeline", "user" (the user's
-    torch.optim.Muon + AdamW through prepare)."""
+    torch.optim.Muon + AdamW through prepare). `bucket`: Muon's bucket of local elements
+    (small: several rounds of owners per step)."""
+    import meshfit.optim.muon as muon_module
+    import meshfit.optim.muon_whole as whole_module
+
+    muon_module.BUCKET_ELEMENTS = bucket or 2**25
+    calls = {"owner": 0, "gather": 0}
+    originals = {fn: getattr(whole_module, fn) for fn in ("_by_owner", "_gathered")}
+    for key, fn in (("owner", "_by_owner"), ("gather", "_gathered")):
+        def counted(*args, _key=key, _fn=originals[fn]):
+            calls[_key] += 1
+            return _fn(*args)
+        setattr(whole_module, fn, counted)
+    try:
+        return _train(acc_kwargs, how, whole, moe, calls)
+    finally:  # the next case in this process starts from the real functions
+        for fn, original in originals.items():
+            setattr(whole_module, fn, original)
+
+
+def _train(acc_kwargs: dict, how: str, whole: str, moe: bool, calls: dict) -> dict:
     acc = Accelerator(**acc_kwargs)
     dp, dp_rank = acc.runtime.dp_size, acc.runtime.dp_rank
     model, build = _model(moe), lambda m: optim.build(
@@ -149,7 +169,7 @@ def _worker(rank, world, acc_kwargs: dict, how: str, whole: str = "owner",
             opt.zero_grad()
         losses.append(acc.reduce(loss.detach(), "mean").item())
     inner = [getattr(o, "optimizer", o) for o in opts]
-    return {"losses": losses, "state": acc.get_state_dict(model),
+    return {"losses": losses, "state": acc.get_state_dict(model), "calls": dict(calls),
             "optimizers": [type(getattr(o, "optim", o)).__name__ for o in inner],
             "whole": [g.get("whole") for o in inner for g in o.param_groups]}
 
@@ -161,6 +181,10 @@ CASES = {  # id: Accelerator keyword arguments, how the optimizer is built, whol
     "zero3": ({"parallel": ParallelDims(dp_shard=2), "zero_stage": 3}, "after"),
     "zero3-gather": ({"parallel": ParallelDims(dp_shard=2), "zero_stage": 3}, "after",
                      "gather"),
+    # 6,000 local elements per bucket (half of each matrix on a rank): per block
+    # [wq, wk] [wv, wo] [w_in] [w_out], 8 rounds of owners per step, balanced over them
+    "zero3-buckets": ({"parallel": ParallelDims(dp_shard=2), "zero_stage": 3}, "after",
+                      "owner", False, 6000),
     "tp": ({"parallel": ParallelDims(tp=2)}, "after"),
     "tp-gather": ({"parallel": ParallelDims(tp=2)}, "after", "gather"),
     "pp": ({"parallel": ParallelDims(pp=2)}, "pipeline"),
@@ -168,7 +192,8 @@ CASES = {  # id: Accelerator keyword arguments, how the optimizer is built, whol
            True),
     "user-zero3": ({"parallel": ParallelDims(dp_shard=2), "zero_stage": 3}, "user"),
 }
-DP = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero3-gather": 2, "tp": 1,
+DP = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero3-gather": 2, "zero3-buckets": 2,
+      "tp": 1,
       "tp-gather": 1, "pp": 1, "ep": 2, "user-zero3": 2}
 
 
@@ -188,10 +213,18 @@ def test_muon_matches_one_process(ranks, case):
     assert set(got["state"]) == set(want)
     for key, value in got["state"].items():
         torch.testing.assert_close(value, want[key], rtol=0, atol=PARAM_ATOL, msg=key)
-    # the sharded layouts step meshfit's Muon (the user's torch.optim.Muon rebuilt as it)
+    # the sharded layouts step meshfit's Muon (the user's torch.optim.Muon rebuilt as it),
+    # making their matrices whole by the strategy asked for (owner rounds: one per bucket)
     if case == "user-zero3":
         assert got["optimizers"] == ["Muon", "AdamW"]
         assert got["whole"][0] == "owner"
+    sharded = case not in ("ddp", "zero1", "pp")
+    calls = got["calls"]
+    if "gather" in case:
+        assert calls["gather"] == STEPS * 12 and calls["owner"] == 0, calls
+    else:
+        rounds = 8 if "buckets" in case else 1
+        assert calls == {"owner": STEPS * rounds if sharded else 0, "gather": 0}, calls
 
 
 # ---------------------------------------------------------------- one process, in-process

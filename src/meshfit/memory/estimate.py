@@ -471,18 +471,22 @@ def _muon_rate(shape: ModelShape, experts_apart: bool) -> float:
 
 def _muon_buffers(shape: ModelShape, layout: LayoutSpec, rank: _RankParams,
                   resolved) -> float:
-    """Muon's step (`meshfit.optim.muon`): the Nesterov updates of all the rank's Muon
-    matrices (fp32) and their orthogonalised results (bf16) at once, 6 B per local Muon
-    element; under sharding (FSDP2, tp) the owner strategy's padded send buffers and the
-    owned matrices gathered whole, +8 B per local Muon element (the matrices a rank owns
-    add up to its share); and the Newton-Schulz temporaries of the largest matrix (bf16
-    copy, Gram matrix and polynomial, next iterate: <= 8 B per element)."""
+    """Muon's step (`meshfit.optim.muon`) works through its matrices one bucket at a time
+    (`BUCKET_ELEMENTS` local elements, or one larger matrix): for a bucket it holds the
+    Nesterov updates (fp32) and their orthogonalised results (bf16), 6 B per element, and
+    under sharding (FSDP2, tp) the owner strategy's padded send and receive buffers and the
+    owned matrices gathered whole (they add up to the bucket's share), +8 B per element;
+    and the Newton-Schulz temporaries of the largest matrix (bf16 copy, Gram matrix and
+    polynomial, next iterate: <= 8 B per element)."""
+    from meshfit.optim.muon import BUCKET_ELEMENTS
+
     largest = _muon_matrices(shape)[1]
     shards = resolved.costs.param_shards
+    sharded = shards > 1 or layout.tp > 1
     local = rank.dense * _muon_share(shape, rank.experts > 0) / shards + \
         rank.experts / (rank.ep * (rank.group if shards > 1 else 1))
-    sharded = shards > 1 or layout.tp > 1
-    return local * (6.0 + (8.0 if sharded else 0.0)) + largest * 8.0
+    bucket = min(local, max(BUCKET_ELEMENTS, largest / max(shards, layout.tp)))
+    return bucket * (6.0 + (8.0 if sharded else 0.0)) + largest * 8.0
 
 
 def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):

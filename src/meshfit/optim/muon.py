@@ -33,12 +33,16 @@ from torch import nn
 from meshfit.distributed.tensors import local_tensor
 from meshfit.optim.muon_whole import WHOLE, orthogonalize
 
-__all__ = ["Muon", "build_muon", "check_muon_param", "newton_schulz", "sharded_class",
-           "split_groups"]
+__all__ = ["BUCKET_ELEMENTS", "Muon", "build_muon", "buckets", "check_muon_param",
+           "newton_schulz", "sharded_class", "split_groups"]
 
 # Keller Jordan's coefficients and defaults, as torch.optim.Muon has them
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR = (None, "original", "match_rms_adamw")
+BUCKET_ELEMENTS = 2**25
+"""Local matrix elements a Muon step holds updates and whole-matrix buffers for at once
+(128 MiB of fp32 updates): enough matrices for the owner strategy to keep every rank of a
+group busy, not the whole model's (`meshfit.memory.estimate` counts one bucket)."""
 
 
 def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
@@ -113,23 +117,29 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict[str, Any]) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
-        momentum, updates = group["momentum"], []
-        for p in params:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - momentum)
-            updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
+        """Momentum, then Newton-Schulz and the update, one bucket of matrices at a time
+        (`buckets`: the updates and the whole-matrix buffers of one bucket are held at
+        once, not the whole model's)."""
         coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
-        whole = orthogonalize(updates, lambda g: newton_schulz(g, coefficients, steps, eps),
-                              group["whole"])
-        lr = group["lr"]
-        for p, update in zip(params, whole):
-            local = local_tensor(p)
-            local.mul_(1 - lr * group["weight_decay"])
-            local.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], tuple(p.shape)))
+        lr, load = group["lr"], {}
+        for bucket in buckets([p for p in group["params"] if p.grad is not None]):
+            updates = [self._nesterov(p, group["momentum"], group["nesterov"]) for p in bucket]
+            whole = orthogonalize(updates, lambda g: newton_schulz(g, coefficients, steps, eps),
+                                  group["whole"], load)
+            del updates
+            for p, update in zip(bucket, whole):
+                local = local_tensor(p)
+                local.mul_(1 - lr * group["weight_decay"])
+                local.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"],
+                                                      tuple(p.shape)))
+
+    def _nesterov(self, p: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - momentum)
+        return p.grad.lerp(buf, momentum) if nesterov else buf
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         from torch.optim.adam import adam
@@ -152,6 +162,35 @@ class Muon(torch.optim.Optimizer):
         adam(params, grads, avgs, sqs, [], steps, decoupled_weight_decay=True, amsgrad=False,
              beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
              eps=group["adam_eps"], maximize=False)
+
+
+def buckets(params: list[torch.Tensor], budget: int | None = None
+            ) -> list[list[torch.Tensor]]:
+    """Consecutive runs of `params` holding at most `budget` local elements each (a larger
+    matrix alone): what one round of `orthogonalize` holds at once. Every rank cuts the same
+    runs (local sizes differ by at most a shard's padding; the cut uses the whole shapes
+    divided evenly, the same number everywhere)."""
+    budget = BUCKET_ELEMENTS if budget is None else budget
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        n = p.numel() // _shards(p)
+        if not out or size + n > budget:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += n
+    return out
+
+
+def _shards(p: torch.Tensor) -> int:
+    """Into how many pieces a DTensor's mesh cuts it (1 for a plain tensor)."""
+    mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", ())
+    count = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            count *= mesh.size(dim)
+    return count
 
 
 def _check_args(*, lr, weight_decay, momentum, ns_steps, adjust_lr_fn, whole) -> None:

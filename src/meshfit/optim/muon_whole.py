@@ -66,10 +66,12 @@ class _Owned:
     parts: list[torch.Tensor] | None = None
 
 
-def orthogonalize(updates: list[torch.Tensor], ortho: Ortho, whole: str
-                  ) -> list[torch.Tensor]:
+def orthogonalize(updates: list[torch.Tensor], ortho: Ortho, whole: str,
+                  load: dict | None = None) -> list[torch.Tensor]:
     """The orthogonalised updates, each as this rank's part of it (a plain tensor shaped as
-    the local shard of the corresponding entry of `updates`)."""
+    the local shard of the corresponding entry of `updates`). `load`: elements owned so
+    far per rank of each group, carried from one bucket to the next of the same step so
+    that the owners stay balanced over the step."""
     out: list[torch.Tensor | None] = [None] * len(updates)
     owned: list[_Owned] = []
     for i, update in enumerate(updates):
@@ -82,7 +84,7 @@ def orthogonalize(updates: list[torch.Tensor], ortho: Ortho, whole: str
         else:
             out[i] = _gathered(update, ortho)
     if owned:
-        _assign_owners(owned)
+        _assign_owners(owned, {} if load is None else load)
         for item, result in zip(owned, _by_owner(owned, updates, ortho)):
             out[item.index] = result
     return out  # type: ignore[return-value]
@@ -110,10 +112,9 @@ def _single_shard(update: torch.Tensor):
     return update.device_mesh.get_group(mesh_dim), placement.dim
 
 
-def _assign_owners(owned: list[_Owned]) -> None:
+def _assign_owners(owned: list[_Owned], load: dict) -> None:
     """Largest matrix first, each to the least-loaded rank of its group (elements so far);
     every rank computes the same assignment from the same shapes in the same order."""
-    load: dict[int, list[int]] = {}
     for item in sorted(owned, key=lambda o: -_numel(o.shape)):
         counts = load.setdefault(id(item.group), [0] * dist.get_world_size(item.group))
         item.owner = min(range(len(counts)), key=counts.__getitem__)
