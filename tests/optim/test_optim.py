@@ -258,7 +258,7 @@ def test_bad_input_is_a_one_line_value_error(kwargs, field):
     message = str(info.value)
     assert field in message and "\n" not in message
     if name == "adam":
-        assert message.endswith("is not one of adamw, adamw_fused, adafactor, adamw_8bit, sgd")
+        assert message.endswith("is not one of adamw, adamw_fused, adafactor, adamw_8bit, sgd, muon")
 
 
 def test_fused_on_an_unsupported_device_suggests_adamw():

@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 from meshfit.memory.activations import (DTYPE_BYTES, ActivationBytes, activation_bytes, in_flight,
                                         peak_activations, ring_bytes)
 from meshfit.memory.shape import ModelShape
+from meshfit.optim.muon import BUCKET_ELEMENTS
 from meshfit.parallel.layout import Layout
 from meshfit.parallel.spec import LayoutSpec
 
@@ -478,8 +479,6 @@ def _muon_buffers(shape: ModelShape, layout: LayoutSpec, rank: _RankParams,
     owned matrices gathered whole (they add up to the bucket's share), +8 B per element;
     and the Newton-Schulz temporaries of the largest matrix (bf16 copy, Gram matrix and
     polynomial, next iterate: <= 8 B per element)."""
-    from meshfit.optim.muon import BUCKET_ELEMENTS
-
     largest = _muon_matrices(shape)[1]
     shards = resolved.costs.param_shards
     sharded = shards > 1 or layout.tp > 1

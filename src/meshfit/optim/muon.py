@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.adam import adam
 
 from meshfit.distributed.tensors import local_tensor
 from meshfit.optim.muon_whole import WHOLE, orthogonalize
@@ -142,8 +143,6 @@ class Muon(torch.optim.Optimizer):
         return p.grad.lerp(buf, momentum) if nesterov else buf
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
-        from torch.optim.adam import adam
-
         params, grads, avgs, sqs, steps = [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:

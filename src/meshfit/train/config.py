@@ -232,15 +232,9 @@ class OptimConfig:
     muon_momentum: float = 0.95  # Muon's momentum (Nesterov's with muon_nesterov)
     muon_nesterov: bool = True  # Nesterov momentum in Muon (torch.optim.Muon's default)
     muon_ns_steps: int = 5  # Newton-Schulz iterations per step
-    muon_adjust_lr: str = "original"
-    """Muon's per-matrix learning-rate scale: "original" (sqrt(max(1, rows/cols)), Jordan) or
-    "match_rms_adamw" (0.2 sqrt(max(rows, cols)), Liu et al.: AdamW's lr carries over)."""
-    muon_exclude: tuple[str, ...] = ()
-    """Names (substrings) of block matrices to step with AdamW instead of Muon (embeddings,
-    the head, norms and biases always are)."""
-    muon_whole: str = "owner"
-    """How a sharded matrix is made whole for Newton-Schulz: "owner" (one rank per matrix,
-    the result scattered back) or "gather" (every rank gathers every matrix)."""
+    muon_adjust_lr: str = "original"  # Per-matrix lr scale: "original" or "match_rms_adamw"
+    muon_exclude: tuple[str, ...] = ()  # Block matrices (name substrings) to step with AdamW
+    muon_whole: str = "owner"  # Sharded matrices made whole by an owner rank, or "gather"
 
     def __post_init__(self) -> None:
         check_choice("optim", "optimizer", self.optimizer, OPTIMIZERS)
