@@ -327,3 +327,14 @@ def test_estimate_counts_muons_state_as_measured():
         assert abs(est.optimizer / measured - 1) < 0.01, (overrides, est.optimizer, measured)
         assert est.optimizer < estimate(shape, LayoutSpec(), seq_len=16,
                                         optimizer="adamw").optimizer
+
+
+def test_the_iteration_leaves_a_bf16_momentum_alone():
+    """Without Nesterov the update is the momentum buffer itself; for bf16 parameters
+    ``.bfloat16()`` would return that buffer and Newton-Schulz would normalise it in place
+    (torch.optim.Muon 2.13 does): the buffer must stay (1 - momentum) g after one step."""
+    p = torch.nn.Parameter(torch.randn(8, 4, dtype=torch.bfloat16))
+    opt = optim.Muon([p], nesterov=False, momentum=0.5)
+    p.grad = torch.randn(8, 4, dtype=torch.bfloat16)
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], p.grad * 0.5, rtol=0, atol=0)

@@ -54,7 +54,8 @@ def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], ste
         return torch.stack([newton_schulz(m, coefficients, steps, eps) for m in g]) \
             if len(g) else g.bfloat16()
     a, b, c = coefficients
-    x = g.bfloat16()
+    x = g.to(torch.bfloat16, copy=True)  # a copy even of a bf16 `g` (the momentum itself
+    #                                      without Nesterov): the iteration works in place
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
