@@ -65,7 +65,7 @@ def expected_state_bytes(name: str, shapes: list[torch.Size], muon: set | None =
 def test_optimizer_trains_tiny_gpt_and_state_matches_closed_form(name, batches, request):
     if name == "adamw_8bit":
         pytest.importorskip("torchao")
-    if name == "muon":  # bf16 matmuls on 2 OpenMP threads of a busy 2-core machine: 40x slower
+    if name == "muon":  # bf16 matmuls on 2 OpenMP threads of a busy 2-core machine: 20x slower
         request.getfixturevalue("one_thread")
     model = tiny_preset()
     opt = optim.build(name, model, lr=LR[name], weight_decay=0.1)
