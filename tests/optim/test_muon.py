@@ -42,8 +42,11 @@ MOE = dict(n_experts=4, top_k=2, shared_experts=1, aux_loss_coef=0.0,
            router_z_loss_coef=0.0)
 
 
-def _model(moe: bool = False):
-    return tiny_gpt(n_layer=2, max_seq_len=SEQ, **(MOE if moe else {}))
+def _model(kind: str = "dense"):
+    """"dense", "moe" (both blocks mixtures of experts) or "uneven" (d_ff 129: the MLP's
+    matrices split 65 + 64 rows by FSDP2, an uneven shard on the owner's receiving end)."""
+    extra = {"dense": {}, "moe": MOE, "uneven": {"d_ff": 129}}[kind]
+    return tiny_gpt(n_layer=2, max_seq_len=SEQ, **extra)
 
 
 def _batches(dp: int):
@@ -92,8 +95,8 @@ def _reference_optimizers(model):
             torch.optim.AdamW(adamw, lr=LR)]
 
 
-def _reference(dp: int, moe: bool):
-    model = _model(moe)
+def _reference(dp: int, kind: str):
+    model = _model(kind)
     opts = _reference_optimizers(model)
     losses = []
     for x, y in _batches(dp):
@@ -119,7 +122,7 @@ def _user_optimizers(model):
 
 
 def _worker(rank, world, acc_kwargs: dict, how: str, whole: str = "owner",
-            moe: bool = False, bucket: int | None = None):
+            kind: str = "dense", bucket: int | None = None):
     """how: "after" (build over the prepared model), "before" (build, then prepare with
     the model: re-pointed at the sharded parameters), "pipeline", "user" (the user's
     torch.optim.Muon + AdamW through prepare). `bucket`: Muon's bucket of local elements
@@ -136,16 +139,16 @@ def _worker(rank, world, acc_kwargs: dict, how: str, whole: str = "owner",
             return _fn(*args)
         setattr(whole_module, fn, counted)
     try:
-        return _train(acc_kwargs, how, whole, moe, calls)
+        return _train(acc_kwargs, how, whole, kind, calls)
     finally:  # the next case in this process starts from the real functions
         for fn, original in originals.items():
             setattr(whole_module, fn, original)
 
 
-def _train(acc_kwargs: dict, how: str, whole: str, moe: bool, calls: dict) -> dict:
+def _train(acc_kwargs: dict, how: str, whole: str, kind: str, calls: dict) -> dict:
     acc = Accelerator(**acc_kwargs)
     dp, dp_rank = acc.runtime.dp_size, acc.runtime.dp_rank
-    model, build = _model(moe), lambda m: optim.build(
+    model, build = _model(kind), lambda m: optim.build(
         "muon", m, lr=LR, weight_decay=WD, muon_lr=MUON_LR, whole=whole)
     if how == "pipeline":
         model = acc.prepare_pipeline(model, schedule="1f1b", microbatches=2)
@@ -174,7 +177,8 @@ def _train(acc_kwargs: dict, how: str, whole: str, moe: bool, calls: dict) -> di
             "whole": [g.get("whole") for o in inner for g in o.param_groups]}
 
 
-CASES = {  # id: Accelerator keyword arguments, how the optimizer is built, whole, moe
+CASES = {  # id: Accelerator keyword arguments, how the optimizer is built, whole, model kind,
+    # Muon bucket (local elements)
     "ddp": ({}, "after"),
     "zero1": ({"parallel": ParallelDims(dp_shard=2), "zero_stage": 1}, "before"),
     "zero2": ({"parallel": ParallelDims(dp_shard=2), "zero_stage": 2}, "before"),
@@ -184,15 +188,18 @@ CASES = {  # id: Accelerator keyword arguments, how the optimizer is built, whol
     # 6,000 local elements per bucket (half of each matrix on a rank): per block
     # [wq, wk] [wv, wo] [w_in] [w_out], 8 rounds of owners per step, balanced over them
     "zero3-buckets": ({"parallel": ParallelDims(dp_shard=2), "zero_stage": 3}, "after",
-                      "owner", False, 6000),
+                      "owner", "dense", 6000),
+    "zero3-uneven": ({"parallel": ParallelDims(dp_shard=2), "zero_stage": 3}, "after",
+                     "owner", "uneven"),
     "tp": ({"parallel": ParallelDims(tp=2)}, "after"),
     "tp-gather": ({"parallel": ParallelDims(tp=2)}, "after", "gather"),
     "pp": ({"parallel": ParallelDims(pp=2)}, "pipeline"),
     "ep": ({"parallel": ParallelDims(dp_shard=2, ep=2), "zero_stage": 3}, "after", "owner",
-           True),
+           "moe"),
     "user-zero3": ({"parallel": ParallelDims(dp_shard=2), "zero_stage": 3}, "user"),
 }
 DP = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero3-gather": 2, "zero3-buckets": 2,
+      "zero3-uneven": 2,
       "tp": 1,
       "tp-gather": 1, "pp": 1, "ep": 2, "user-zero3": 2}
 
@@ -206,8 +213,8 @@ def ranks():
 @pytest.mark.parametrize("case", list(CASES))
 def test_muon_matches_one_process(ranks, case):
     results = case_result(ranks, case)
-    moe = len(CASES[case]) > 3 and CASES[case][3]
-    want_losses, want = _reference(DP[case], moe)
+    kind = CASES[case][3] if len(CASES[case]) > 3 else "dense"
+    want_losses, want = _reference(DP[case], kind)
     got = results[0]
     torch.testing.assert_close(got["losses"], want_losses, rtol=LOSS_RTOL, atol=0)
     assert set(got["state"]) == set(want)
@@ -231,9 +238,9 @@ def test_muon_matches_one_process(ranks, case):
 def test_one_process_equals_torch_muon_and_adamw_bitwise():
     """Without sharding meshfit's Muon is torch.optim.Muon's step (and its AdamW groups
     torch.optim.AdamW's), to the last bit: the 2-D weights and the 3-D experts (per expert)."""
-    for moe in (False, True):
-        _, want = _reference(2, moe)
-        model = _model(moe)
+    for kind in ("dense", "moe"):
+        _, want = _reference(2, kind)
+        model = _model(kind)
         opt = optim.build("muon", model, lr=LR, weight_decay=WD, muon_lr=MUON_LR)
         for x, y in _batches(2):
             model(x, y).backward()
@@ -247,7 +254,7 @@ def test_the_split_and_its_name_filter():
     """Muon: the blocks' matrices (and 3-D expert weights); AdamW: embeddings, the tied
     head, norms, biases, and what muon_exclude names; an untied head (a linear with the
     vocabulary's outputs) is AdamW's too."""
-    model = _model(moe=True)
+    model = _model("moe")
     opt = optim.build("muon", model, lr=LR, muon_exclude=["router"])
     names = {id(p): n for n, p in model.named_parameters()}
     muon = {names[id(p)] for g in opt.param_groups if g["use_muon"] for p in g["params"]}
