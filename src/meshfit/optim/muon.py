@@ -248,7 +248,9 @@ def split_groups(groups: list[Any], model: nn.Module | None = None, *,
             if muon:
                 check_muon_param(p, name)
             parts[muon].append(p)
-        out.extend({**group, "params": ps, "use_muon": muon} for muon, ps in parts.items() if ps)
+        # AdamW's part first: a log of the first group's lr shows [optim] lr, not muon_lr
+        out.extend({**group, "params": parts[muon], "use_muon": muon} for muon in (False, True)
+                   if parts[muon])
     return out
 
 
