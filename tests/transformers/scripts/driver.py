@@ -1,0 +1,77 @@
+"""Run Trainer scripts' cases one after another in this process (one launch for all), under
+transformers as written or under meshfit with ``from transformers import Trainer,
+TrainingArguments`` changed to ``from meshfit.transformers import ...`` (`as_meshfit`), and
+save each process's results.
+
+    python driver.py --framework meshfit --out DIR [--script snippets] [--cases a,b]
+    meshfit launch --nproc 2 driver.py --framework meshfit --out DIR
+
+Writes ``DIR/<framework>-<processes>-rank<r>.pt``: ``{case: result}`` (a case that raised:
+``{"error": its type and message, "traceback": ...}``; later cases still run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def as_meshfit(source: str) -> str:
+    """The script with its Trainer and TrainingArguments imported from meshfit."""
+    changed = re.sub(r"^from transformers import Trainer, TrainingArguments$",
+                     "from meshfit.transformers import Trainer, TrainingArguments", source,
+                     flags=re.MULTILINE)
+    assert changed != source, "the script imports Trainer from transformers in one line"
+    return changed
+
+
+def load(script: str, framework: str) -> types.ModuleType:
+    path = HERE / f"{script}.py"
+    source = path.read_text()
+    if framework == "meshfit" and script == "snippets":
+        source = as_meshfit(source)
+    module = types.ModuleType(f"trainer_{script}")
+    module.__file__ = str(path)
+    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - our own scripts
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--framework", choices=["transformers", "meshfit"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--script", default="snippets")
+    parser.add_argument("--cases", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    out = Path(args.out)
+    results, times = {}, {}
+    for script in args.script.split(","):
+        module = load(script, args.framework)
+        for case in args.cases.split(",") if args.cases else list(module.CASES):
+            began = time.perf_counter()
+            folder = out / f"{args.framework}-{world}" / case
+            try:
+                results[case] = module.run(case, str(folder))
+            except Exception as err:  # noqa: BLE001 - reported per case, the others still run
+                results[case] = {"error": f"{type(err).__name__}: {err}",
+                                 "traceback": traceback.format_exc()}
+            times[case] = round(time.perf_counter() - began, 2)
+    results["_times"] = times
+    torch.save(results, out / f"{args.framework}-{world}-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
