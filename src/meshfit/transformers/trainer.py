@@ -1,41 +1,133 @@
-"""`Trainer`: transformers' own, on meshfit's `Accelerator`."""
+"""`Trainer`: transformers' own, its accelerator meshfit's `Accelerator`.
+
+transformers' Trainer builds Accelerate's ``Accelerator`` in ``create_accelerator_and_
+postprocess`` and, on resume, skips the batches already trained with Accelerate's
+``skip_first_batches``; both are names of the ``transformers.trainer`` module. While this
+Trainer is built and while it trains, those two names are meshfit's (`_on_meshfit`), so
+transformers' own code runs unchanged on meshfit's Accelerator: every argument transformers
+passes it (mixed precision, the data loader configuration, DDP's keywords, the accumulation
+plugin, ``torch_compile``'s dynamo plugin) means what it means under Accelerate, and the
+layout is ``TrainingArguments.parallel`` (`meshfit.transformers.arguments`).
+
+The batches Accelerate's ``skip_first_batches`` would skip in a meshfit loader are those of
+the whole dataset, not this process's share: meshfit's skips in its own loader (it is its
+own on other loaders), so a resumed epoch goes on where it stopped.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
+import os
+import threading
+from typing import Any
 
 import transformers
 import transformers.trainer as hf_trainer
 
 from meshfit.accelerator import Accelerator
 from meshfit.accelerator.standalone import skip_first_batches
+from meshfit.accelerator.compat.parallelism import ParallelismConfig
+from meshfit.parallel.request import LayoutRequest
+from meshfit.transformers.planned import planned_layout
 
 __all__ = ["Trainer"]
 
+log = logging.getLogger("meshfit")
+_SIGNATURE = inspect.signature(transformers.Trainer.__init__)
+_SWAP = threading.RLock()  # the module's names are the process's: one Trainer at a time
 
-def _accelerator(**args):
-    plugin = args.pop("dynamo_plugin", None)
+
+def _compile_backend(plugin: Any) -> str | None:
+    """``torch_compile``'s backend from transformers' TorchDynamoPlugin (None: no compile)."""
     backend = getattr(plugin, "backend", None)
-    if backend is not None and str(getattr(backend, "value", backend)).upper() != "NO":
-        args["dynamo_backend"] = str(getattr(backend, "value", backend)).lower()
-    return Accelerator(**args)
+    backend = getattr(backend, "value", backend)
+    return None if backend is None or str(backend).upper() == "NO" else str(backend).lower()
+
+
+def _uses_ddp(request: LayoutRequest) -> bool:
+    """Whether the layout runs on DDP (every data-parallel process a replica, ZeRO 0 or 1),
+    the one that takes DDP's keywords."""
+    sharded = request.dp_shard != 1 and request.zero_stage != 0
+    return not sharded and (request.zero_stage or 0) <= 1 and \
+        request.tp == request.cp == request.ep == request.pp == 1
 
 
 @contextlib.contextmanager
-def _on_meshfit():
-    saved = hf_trainer.Accelerator, hf_trainer.skip_first_batches
-    hf_trainer.Accelerator, hf_trainer.skip_first_batches = _accelerator, skip_first_batches
-    try:
-        yield
-    finally:
-        hf_trainer.Accelerator, hf_trainer.skip_first_batches = saved
+def _on_meshfit(factory):
+    """transformers.trainer's Accelerator and skip_first_batches are meshfit's inside."""
+    with _SWAP:
+        saved = hf_trainer.Accelerator, hf_trainer.skip_first_batches
+        hf_trainer.Accelerator, hf_trainer.skip_first_batches = factory, skip_first_batches
+        try:
+            yield
+        finally:
+            hf_trainer.Accelerator, hf_trainer.skip_first_batches = saved
 
 
 class Trainer(transformers.Trainer):
+    """transformers' `Trainer` on meshfit's `Accelerator`; with meshfit's
+    `TrainingArguments`, ``args.parallel`` lays the model out."""
+
+    def __init__(self, *args, **kwargs):
+        # The training rows, for parallel="auto" (the planner reads their length): the
+        # accelerator is built before transformers keeps them.
+        bound = _SIGNATURE.bind_partial(self, *args, **kwargs).arguments
+        self._rows_for_plan = bound.get("train_dataset")
+        super().__init__(*args, **kwargs)
+
+    def _meshfit_accelerator(self, **args) -> Accelerator:
+        """What transformers builds its Accelerator with, as meshfit's keywords."""
+        backend = _compile_backend(args.pop("dynamo_plugin", None))
+        if backend is not None:
+            args["dynamo_backend"] = backend
+        request = getattr(self.args, "parallel", None)
+        if request == "auto":
+            request = planned_layout(self.model, self.args, self._rows_for_plan)
+        if isinstance(request, LayoutRequest):
+            args["parallel"] = request
+            if not _uses_ddp(request):  # transformers always passes DDP's keywords
+                args["kwargs_handlers"] = [h for h in args.get("kwargs_handlers") or ()
+                                           if type(h).__name__ != "DistributedDataParallelKwargs"]
+            if request.offload == "disk":
+                args["offload_dir"] = os.path.join(self.args.output_dir, "offload")
+        accelerator = Accelerator(**args)
+        dims = accelerator.layout.dims
+        if accelerator.parallelism_config is None and (dims.tp > 1 or dims.cp > 1):
+            # What transformers reads of the layout: the processes of a tp or cp group share
+            # one batch (it counts a step's tokens and the global batch with it), and under
+            # cp it cuts each batch's sequences itself, through Accelerate's
+            # maybe_context_parallel (meshfit's cuts as its ring attention expects), with
+            # labels shifted before the cut.
+            accelerator.parallelism_config = ParallelismConfig(
+                dp_replicate_size=dims.dp_replicate, dp_shard_size=dims.dp_shard,
+                tp_size=dims.tp, cp_size=dims.cp)
+        return accelerator
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """transformers' loss, divided by tp x cp under tensor or context parallel. With
+        ``average_tokens_across_devices`` transformers divides the loss by the tokens of the
+        whole step, counted with ``accelerator.gather`` and divided by tp x cp (Accelerate's
+        gather is over every process, and the ranks of a tp or cp group count one batch),
+        then multiplies it by processes // tp. meshfit's gather is over the data-parallel
+        processes only (a tp or cp group's share counted once already), so the count comes
+        out tp x cp times too small: dividing the loss by tp x cp gives Accelerate's."""
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        dims = self.accelerator.layout.dims
+        sharing = dims.tp * dims.cp
+        if sharing > 1 and self.args.average_tokens_across_devices and \
+                num_items_in_batch is not None and \
+                (self.model_accepts_loss_kwargs or self.compute_loss_func):
+            if return_outputs:
+                return out[0] / sharing, out[1]
+            return out / sharing
+        return out
+
     def create_accelerator_and_postprocess(self) -> None:
-        with _on_meshfit():
+        with _on_meshfit(self._meshfit_accelerator):
             super().create_accelerator_and_postprocess()
 
     def train(self, *args, **kwargs):
-        with _on_meshfit():
+        with _on_meshfit(self._meshfit_accelerator):
             return super().train(*args, **kwargs)
