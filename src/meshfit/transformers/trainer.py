@@ -54,6 +54,23 @@ def _uses_ddp(request: LayoutRequest) -> bool:
         request.tp == request.cp == request.ep == request.pp == 1
 
 
+def _check_checkpoints(args, layout) -> None:
+    """transformers writes its checkpoints from process 0 alone, from whole tensors (the
+    model's ``save_pretrained``, ``optimizer.state_dict()``): on a layout that shards the
+    parameters or the optimizer state, the other processes' shares would be missing (and
+    gathering them takes every process). Refused there, before any file is written."""
+    dims = layout.dims
+    whole = layout.zero_stage == 0 and dims.tp == dims.cp == dims.ep == dims.pp == 1 and \
+        layout.request.offload == "none"
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if not whole and strategy != "no":
+        raise ValueError(
+            f"TrainingArguments(save_strategy={strategy!r}) on {layout.request.describe()}: Trainer's checkpoints are written by process 0 "
+            "from whole tensors, and this layout shards the model or its optimizer state; set "
+            "save_strategy='no' and save the model at the end with "
+            "trainer.accelerator.save_model(trainer.model, folder), or use a DDP layout")
+
+
 @contextlib.contextmanager
 def _on_meshfit(factory):
     """transformers.trainer's Accelerator and skip_first_batches are meshfit's inside."""
@@ -93,6 +110,7 @@ class Trainer(transformers.Trainer):
             if request.offload == "disk":
                 args["offload_dir"] = os.path.join(self.args.output_dir, "offload")
         accelerator = Accelerator(**args)
+        _check_checkpoints(self.args, accelerator.layout)
         dims = accelerator.layout.dims
         if accelerator.parallelism_config is None and (dims.tp > 1 or dims.cp > 1):
             # What transformers reads of the layout: the processes of a tp or cp group share

@@ -54,13 +54,15 @@ def main() -> None:
     parser.add_argument("--cases", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    sys.path.insert(0, str(HERE))
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     out = Path(args.out)
     results, times = {}, {}
     for script in args.script.split(","):
         module = load(script, args.framework)
-        for case in args.cases.split(",") if args.cases else list(module.CASES):
+        asked = args.cases.split(",") if args.cases else list(module.CASES)
+        for case in [c for c in asked if c in module.CASES]:  # each script's own
             began = time.perf_counter()
             folder = out / f"{args.framework}-{world}" / case
             try:

@@ -15,6 +15,7 @@ COMMON = dict(per_device_train_batch_size=4, max_steps=4, logging_steps=1, repor
               use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
               optim="adamw_torch")
 CASES = {
+    "fp32": dict(),
     "batch_size": dict(per_device_train_batch_size=2),
     "accumulation": dict(gradient_accumulation_steps=2),
     "checkpointing": dict(gradient_checkpointing=True),
@@ -47,8 +48,9 @@ def rows(n: int, seed: int) -> list:
 
 def result(trainer) -> dict:
     log = [{k: v for k, v in row.items() if k in KEYS} for row in trainer.state.log_history]
-    unwrapped = trainer.model
-    params = {k: v.detach().float().clone() for k, v in unwrapped.state_dict().items()}
+    # (sharded layouts hold DTensors: each whole, a collective every process takes part in)
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone()
+              for k, v in trainer.model.state_dict().items()}
     return {"log": log, "params": params}
 
 

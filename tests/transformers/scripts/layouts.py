@@ -1,0 +1,33 @@
+"""What plain Trainer cannot do: meshfit's layouts by one argument,
+``TrainingArguments(parallel=...)``, and transformers' own ``fsdp=`` / ``deepspeed=`` read as
+meshfit's ZeRO stages. Meshfit-only (run on 2 processes by the test's meshfit launch); the
+test compares each with transformers' own Trainer on the same batches: the data-parallel
+layouts with its DDP run on 2 processes, tp and cp (one data-parallel rank) with its run on 1.
+"""
+
+import torch
+from meshfit.transformers import Trainer, TrainingArguments
+
+from snippets import COMMON, model, result, rows
+
+CASES = {
+    "zero1": dict(parallel="dp_shard=2,zero_stage=1"),
+    "zero2": dict(parallel="dp_shard=2,zero_stage=2"),
+    "zero3": dict(parallel="dp_shard=2,zero_stage=3"),
+    "cpu_offload": dict(parallel="dp_shard=2,zero_stage=3,offload=cpu"),
+    "disk_offload": dict(parallel="dp_shard=2,zero_stage=3,offload=disk"),
+    "tp_sp": dict(parallel="tp=2,sequence_parallel=true"),
+    "cp": dict(parallel="cp=2"),
+    "auto": dict(parallel="auto"),
+    "fsdp": dict(fsdp="full_shard", fsdp_config={"reshard_after_forward": False}),
+    "deepspeed": dict(deepspeed={"zero_optimization": {"stage": 3}}),
+}
+
+
+def run(case: str, out: str) -> dict:
+    args = TrainingArguments(output_dir=out, **{**COMMON, **CASES[case]})
+    job = Trainer(model=model(), args=args, train_dataset=rows(32, 1))
+    job.train()
+    got = result(job)
+    got["layout"] = job.accelerator.layout.request.describe()
+    return got
