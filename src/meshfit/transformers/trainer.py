@@ -32,10 +32,9 @@ from meshfit.accelerator.compat.parallelism import ParallelismConfig
 from meshfit.parallel.request import LayoutRequest
 from meshfit.transformers.planned import planned_layout
 
-__all__ = ["Trainer"]
+__all__ = ["OnMeshfit", "Trainer", "on_meshfit"]
 
 log = logging.getLogger("meshfit")
-_SIGNATURE = inspect.signature(transformers.Trainer.__init__)
 _SWAP = threading.RLock()  # the module's names are the process's: one Trainer at a time
 
 
@@ -65,8 +64,9 @@ def _check_checkpoints(args, layout) -> None:
     strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
     if not whole and strategy != "no":
         raise ValueError(
-            f"TrainingArguments(save_strategy={strategy!r}) on {layout.request.describe()}: Trainer's checkpoints are written by process 0 "
-            "from whole tensors, and this layout shards the model or its optimizer state; set "
+            f"TrainingArguments(save_strategy={strategy!r}) on {layout.request.describe()}: "
+            "Trainer's checkpoints are written by process 0 from whole tensors, and this "
+            "layout shards the model or its optimizer state; set "
             "save_strategy='no' and save the model at the end with "
             "trainer.accelerator.save_model(trainer.model, folder), or use a DDP layout")
 
@@ -83,14 +83,15 @@ def _on_meshfit(factory):
             hf_trainer.Accelerator, hf_trainer.skip_first_batches = saved
 
 
-class Trainer(transformers.Trainer):
-    """transformers' `Trainer` on meshfit's `Accelerator`; with meshfit's
+class OnMeshfit:
+    """Put first among the bases of transformers' `Trainer` or a subclass of it (TRL's
+    trainers): that trainer on meshfit's `Accelerator` (`on_meshfit`); with meshfit's
     `TrainingArguments`, ``args.parallel`` lays the model out."""
 
     def __init__(self, *args, **kwargs):
         # The training rows, for parallel="auto" (the planner reads their length): the
         # accelerator is built before transformers keeps them.
-        bound = _SIGNATURE.bind_partial(self, *args, **kwargs).arguments
+        bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
         self._rows_for_plan = bound.get("train_dataset")
         super().__init__(*args, **kwargs)
 
@@ -149,3 +150,19 @@ class Trainer(transformers.Trainer):
     def train(self, *args, **kwargs):
         with _on_meshfit(self._meshfit_accelerator):
             return super().train(*args, **kwargs)
+
+
+def on_meshfit(trainer_class: type) -> type:
+    """`trainer_class` (transformers' `Trainer` or a subclass: TRL's ``SFTTrainer``, your
+    own) running on meshfit's `Accelerator`: a subclass with `OnMeshfit` first."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise ValueError(f"on_meshfit({trainer_class!r}): give transformers.Trainer or a "
+                         "subclass of it")
+    return type(trainer_class.__name__, (OnMeshfit, trainer_class),
+                {"__module__": trainer_class.__module__,
+                 "__doc__": f"{trainer_class.__name__} on meshfit's Accelerator."})
+
+
+class Trainer(OnMeshfit, transformers.Trainer):
+    """transformers' `Trainer` on meshfit's `Accelerator`; with meshfit's
+    `TrainingArguments`, ``args.parallel`` lays the model out."""
