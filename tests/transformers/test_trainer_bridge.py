@@ -7,6 +7,10 @@ under meshfit with only ``from transformers import Trainer, TrainingArguments`` 
 gradient norm, learning rate and evaluation loss, and the final parameters (fp32, CPU, gloo:
 rel <= 1e-6; they come out bitwise equal).
 
+TRL's ``SFTTrainer`` the same way (``scripts/sft.py``, written for TRL: completion-only and
+assistant-only loss, packing, padding-free), its import changed to ``from meshfit.transformers
+import SFTConfig, SFTTrainer``.
+
 The same meshfit launch runs ``scripts/layouts.py``: meshfit's layouts by
 ``TrainingArguments(parallel=...)`` and transformers' ``fsdp=``/``deepspeed=`` read as ZeRO
 stages. Each trains on the batches transformers' DDP run on 2 processes trains on (tp and cp:
@@ -35,24 +39,30 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 DRIVER = SCRIPTS / "driver.py"
 RTOL, ATOL = 1e-6, 1e-7
 # Snippets on 1 process (all of them) and on 2 (those whose behaviour is distributed).
+SFT = ["sft_completion_only", "sft_assistant_only", "sft_packing", "sft_padding_free"]
 ONE = ["fp32", "batch_size", "accumulation", "checkpointing", "bf16", "fp16",
        "adamw_torch_fused", "adafactor", "adamw_bnb_8bit", "custom_optimizer", "compile",
-       "evaluation", "resume"]
-TWO = ["fp32", "accumulation", "checkpointing", "evaluation", "resume"]
-LAYOUTS = ["zero1", "zero2", "zero3", "cpu_offload", "disk_offload", "tp_sp", "cp", "auto",
-           "fsdp", "deepspeed"]
-ONE_DATA_PARALLEL_RANK = ("tp_sp", "cp")  # compared with the run on 1 process
+       "evaluation", "resume", *SFT]
+TWO = ["fp32", "accumulation", "checkpointing", "evaluation", "resume", "sft_completion_only"]
 COMPARED = [c for c in ONE if c not in ("fp16", "adamw_bnb_8bit")]
+# Each layout (2 processes) and the run of transformers' (TRL's) trainer on the same batches:
+# (processes, case). tp and cp: their 2 processes are one data-parallel rank.
+LAYOUTS = {"zero1": (2, "fp32"), "zero2": (2, "fp32"), "zero3": (2, "fp32"),
+           "cpu_offload": (2, "fp32"), "disk_offload": (2, "fp32"), "tp_sp": (1, "fp32"),
+           "cp": (1, "fp32"), "auto": (2, "fp32"), "fsdp": (2, "fp32"),
+           "deepspeed": (2, "fp32"), "sft_zero3": (2, "sft_completion_only"),
+           "sft_tp": (1, "sft_completion_only")}
 
 
 def _launch(framework: str, world: int, out: Path, env: dict) -> None:
     cases = ",".join(ONE if world == 1 else TWO)
-    args = [str(DRIVER), "--framework", framework, "--out", str(out), "--cases", cases]
+    args = [str(DRIVER), "--framework", framework, "--out", str(out), "--script",
+            "snippets,sft", "--cases", cases]
     if world == 1:
         cmd = [sys.executable, *args]
     elif framework == "meshfit":
-        cmd = [sys.executable, "-m", "meshfit", "launch", "--nproc", "2", *args[:-2],
-               "--script", "snippets,layouts", "--cases", f"{cases},{','.join(LAYOUTS)}"]
+        cmd = [sys.executable, "-m", "meshfit", "launch", "--nproc", "2", *args[:-4],
+               "--script", "snippets,sft,layouts", "--cases", f"{cases},{','.join(LAYOUTS)}"]
     else:
         from meshfit.distributed.spawn import free_port
 
@@ -117,9 +127,10 @@ def _losses(result: dict) -> list[float]:
 
 def _trained(result: dict) -> None:
     """What every run must show whatever the framework (equal results cannot be equally
-    empty): a loss logged for each of the 4 steps, and a finite one."""
+    empty): a loss logged for each step (4, 3 for TRL's; every 2nd under evaluation), and a
+    finite one."""
     losses = _losses(result)
-    assert len(losses) in (2, 4) and all(math.isfinite(x) and x > 0 for x in losses), losses
+    assert len(losses) in (2, 3, 4) and all(math.isfinite(x) and x > 0 for x in losses), losses
 
 
 @pytest.mark.parametrize("case,world", [(c, 1) for c in COMPARED] + [(c, 2) for c in TWO])
@@ -172,10 +183,9 @@ def test_bitsandbytes_optimizer_without_bitsandbytes(results):
 
 @pytest.mark.parametrize("case", LAYOUTS)
 def test_layout_by_one_argument(results, case):
-    """Each layout trains on 2 processes to transformers' results on the same batches: its
-    DDP run on 2 processes, or (tp, cp: one data-parallel rank) its run on 1."""
-    reference_world = 1 if case in ONE_DATA_PARALLEL_RANK else 2
-    reference = _get(results, "transformers", reference_world, "fp32")[0]
+    """Each layout trains on 2 processes to transformers' (TRL's) results on the same
+    batches: its DDP run on 2 processes, or (tp, cp: one data-parallel rank) its run on 1."""
+    reference = _get(results, "transformers", *LAYOUTS[case])[0]
     for rank, res in enumerate(_get(results, "meshfit", 2, case)):
         _trained(res)
         assert res["layout"] == EXPECTED_LAYOUT[case], res["layout"]
@@ -188,4 +198,5 @@ EXPECTED_LAYOUT = {"zero1": "dp_shard 2, ZeRO-1", "zero2": "dp_shard 2, ZeRO-2",
                    "cpu_offload": "dp_shard 2, ZeRO-3 + CPU offload",
                    "disk_offload": "dp_shard 2, ZeRO-3, optimizer state on disk",
                    "tp_sp": "tp 2, SP", "cp": "cp 2", "auto": "dp_replicate 2",
-                   "fsdp": "dp_shard 2, ZeRO-2", "deepspeed": "dp_shard 2, ZeRO-3"}
+                   "fsdp": "dp_shard 2, ZeRO-2", "deepspeed": "dp_shard 2, ZeRO-3",
+                   "sft_zero3": "dp_shard 2, ZeRO-3", "sft_tp": "tp 2"}

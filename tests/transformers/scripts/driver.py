@@ -6,6 +6,9 @@ save each process's results.
     python driver.py --framework meshfit --out DIR [--script snippets] [--cases a,b]
     meshfit launch --nproc 2 driver.py --framework meshfit --out DIR
 
+``--script`` names the scripts run in turn (``snippets``, ``sft``: written for transformers
+and TRL; ``layouts``: meshfit's own).
+
 Writes ``DIR/<framework>-<processes>-rank<r>.pt``: ``{case: result}`` (a case that raised:
 ``{"error": its type and message, "traceback": ...}``; later cases still run).
 """
@@ -27,18 +30,20 @@ HERE = Path(__file__).resolve().parent
 
 
 def as_meshfit(source: str) -> str:
-    """The script with its Trainer and TrainingArguments imported from meshfit."""
-    changed = re.sub(r"^from transformers import Trainer, TrainingArguments$",
-                     "from meshfit.transformers import Trainer, TrainingArguments", source,
-                     flags=re.MULTILINE)
-    assert changed != source, "the script imports Trainer from transformers in one line"
+    """The script with its trainer and arguments imported from meshfit: ``from transformers
+    import Trainer, TrainingArguments`` or ``from trl import SFTConfig, SFTTrainer``, one line
+    (whatever else it imports from them stays theirs)."""
+    changed = re.sub(r"^from (transformers|trl) import (Trainer, TrainingArguments|"
+                     r"SFTConfig, SFTTrainer)$",
+                     r"from meshfit.transformers import \2", source, flags=re.MULTILINE)
+    assert changed != source, "the script imports its trainer in one line"
     return changed
 
 
 def load(script: str, framework: str) -> types.ModuleType:
     path = HERE / f"{script}.py"
     source = path.read_text()
-    if framework == "meshfit" and script == "snippets":
+    if framework == "meshfit" and script in ("snippets", "sft"):
         source = as_meshfit(source)
     module = types.ModuleType(f"trainer_{script}")
     module.__file__ = str(path)

@@ -1,13 +1,14 @@
 """What plain Trainer cannot do: meshfit's layouts by one argument,
 ``TrainingArguments(parallel=...)``, and transformers' own ``fsdp=`` / ``deepspeed=`` read as
-meshfit's ZeRO stages. Meshfit-only (run on 2 processes by the test's meshfit launch); the
-test compares each with transformers' own Trainer on the same batches: the data-parallel
-layouts with its DDP run on 2 processes, tp and cp (one data-parallel rank) with its run on 1.
+meshfit's ZeRO stages; TRL's SFTTrainer under ZeRO-3 and tp. Meshfit-only (run on 2 processes
+by the test's meshfit launch); the test compares each with transformers' (TRL's) own trainer
+on the same batches: the data-parallel layouts with its DDP run on 2 processes, tp and cp (one
+data-parallel rank) with its run on 1.
 """
 
-import torch
-from meshfit.transformers import Trainer, TrainingArguments
+from meshfit.transformers import SFTConfig, SFTTrainer, Trainer, TrainingArguments
 
+import sft
 from snippets import COMMON, model, result, rows
 
 CASES = {
@@ -21,10 +22,18 @@ CASES = {
     "auto": dict(parallel="auto"),
     "fsdp": dict(fsdp="full_shard", fsdp_config={"reshard_after_forward": False}),
     "deepspeed": dict(deepspeed={"zero_optimization": {"stage": 3}}),
+    # TRL's SFTTrainer (completion-only loss) on meshfit's layouts
+    "sft_zero3": dict(parallel="dp_shard=2,zero_stage=3"),
+    "sft_tp": dict(parallel="tp=2"),
 }
 
 
 def run(case: str, out: str) -> dict:
+    if case.startswith("sft_"):
+        job = sft.trainer("sft_completion_only", out, config=SFTConfig,
+                          trainer_class=SFTTrainer, **CASES[case])
+        job.train()
+        return {**result(job), "layout": job.accelerator.layout.request.describe()}
     args = TrainingArguments(output_dir=out, **{**COMMON, **CASES[case]})
     job = Trainer(model=model(), args=args, train_dataset=rows(32, 1))
     job.train()
