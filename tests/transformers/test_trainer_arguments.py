@@ -108,8 +108,8 @@ def test_bad_layout_arguments_are_one_line(tmp_path, kwargs, words):
 
 
 def test_checkpoints_refused_where_the_layout_shards_them(tmp_path):
-    """Trainer's checkpoints come from process 0's whole tensors: refused (before any file)
-    on a layout that shards the model or its optimizer state; DDP keeps them."""
+    """Trainer's checkpoints hold the optimizer state as process 0 has it: refused (before
+    any file) on a layout that shards it, unless they hold the model alone; DDP keeps them."""
     from meshfit.transformers.trainer import _check_checkpoints
 
     saving = _args(tmp_path, save_strategy="steps")
@@ -117,7 +117,9 @@ def test_checkpoints_refused_where_the_layout_shards_them(tmp_path):
                     LayoutRequest(dp_shard=2, zero_stage=1)):
         with pytest.raises(ValueError) as err:
             _check_checkpoints(saving, Layout.resolve(request, 2, distributed=True))
-        _one_line(err, "save_strategy='steps'", "save_strategy='no'", "save_model")
+        _one_line(err, "save_strategy='steps'", "save_strategy='no'", "save_only_model=True")
+        _check_checkpoints(_args(tmp_path, save_strategy="steps", save_only_model=True),
+                           Layout.resolve(request, 2, distributed=True))
     _check_checkpoints(saving, Layout.resolve(LayoutRequest(), 2, distributed=True))
     _check_checkpoints(_args(tmp_path, save_strategy="no"),
                        Layout.resolve(LayoutRequest(dp_shard=2, zero_stage=3), 2,

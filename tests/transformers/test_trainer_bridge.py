@@ -52,6 +52,7 @@ LAYOUTS = {"zero1": (2, "fp32"), "zero2": (2, "fp32"), "zero3": (2, "fp32"),
            "cp": (1, "fp32"), "auto": (2, "fp32"), "fsdp": (2, "fp32"),
            "deepspeed": (2, "fp32"), "sft_zero3": (2, "sft_completion_only"),
            "sft_tp": (1, "sft_completion_only")}
+SAVED = ("zero3", "tp_sp")  # checkpoints with save_only_model, and save_model at the end
 
 
 def _launch(framework: str, world: int, out: Path, env: dict) -> None:
@@ -189,8 +190,11 @@ def test_layout_by_one_argument(results, case):
     for rank, res in enumerate(_get(results, "meshfit", 2, case)):
         _trained(res)
         assert res["layout"] == EXPECTED_LAYOUT[case], res["layout"]
+        assert (res.get("saved") is not None) == (case in SAVED and rank == 0)
         problems = _differences({k: res[k] for k in ("log", "params")}, reference)
         assert not problems, f"{case}, rank {rank}: {problems[:5]}"
+        if res.get("saved") is not None:  # save_model on a sharded layout: the whole weights
+            assert not _differences(res["saved"], res["params"])
 
 
 EXPECTED_LAYOUT = {"zero1": "dp_shard 2, ZeRO-1", "zero2": "dp_shard 2, ZeRO-2",

@@ -53,22 +53,30 @@ def _uses_ddp(request: LayoutRequest) -> bool:
         request.tp == request.cp == request.ep == request.pp == 1
 
 
+def shards_the_model(layout) -> bool:
+    """Whether `layout` leaves a process without the whole model (ZeRO-3's shards, tp's and
+    ep's slices, disk-offloaded parameters): its weights are then gathered to be saved."""
+    dims = layout.dims
+    return layout.zero_stage == 3 or dims.tp > 1 or dims.ep > 1 or dims.pp > 1 or \
+        layout.request.offload_params
+
+
 def _check_checkpoints(args, layout) -> None:
-    """transformers writes its checkpoints from process 0 alone, from whole tensors (the
-    model's ``save_pretrained``, ``optimizer.state_dict()``): on a layout that shards the
-    parameters or the optimizer state, the other processes' shares would be missing (and
-    gathering them takes every process). Refused there, before any file is written."""
+    """transformers writes a checkpoint's optimizer state from process 0 alone, whole
+    (``optimizer.state_dict()``): on a layout that shards the optimizer state (ZeRO 1-3, tp,
+    ep, offload) the other processes' shares would be missing (cp: not tested). Refused there, before any
+    file is written, unless the checkpoints hold the model alone (``save_only_model``: its
+    weights are gathered, `OnMeshfit._save`)."""
     dims = layout.dims
     whole = layout.zero_stage == 0 and dims.tp == dims.cp == dims.ep == dims.pp == 1 and \
         layout.request.offload == "none"
     strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-    if not whole and strategy != "no":
+    if not whole and strategy != "no" and not args.save_only_model:
         raise ValueError(
             f"TrainingArguments(save_strategy={strategy!r}) on {layout.request.describe()}: "
-            "Trainer's checkpoints are written by process 0 from whole tensors, and this "
-            "layout shards the model or its optimizer state; set "
-            "save_strategy='no' and save the model at the end with "
-            "trainer.accelerator.save_model(trainer.model, folder), or use a DDP layout")
+            "Trainer's checkpoints hold the optimizer state as process 0 has it, and this "
+            "layout shards it (or, cp, is not tested with it); set save_only_model=True (the model's weights, gathered) or "
+            "save_strategy='no', or use a DDP layout")
 
 
 @contextlib.contextmanager
@@ -142,6 +150,14 @@ class OnMeshfit:
                 return out[0] / sharing, out[1]
             return out / sharing
         return out
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """transformers' ``_save`` (``save_pretrained`` on the main process; every process
+        calls it); on a layout that shards the model, with its whole weights gathered first
+        (every process takes part)."""
+        if state_dict is None and shards_the_model(self.accelerator.layout):
+            state_dict = self.accelerator.get_state_dict(self.model)
+        super()._save(output_dir, state_dict=state_dict)
 
     def create_accelerator_and_postprocess(self) -> None:
         with _on_meshfit(self._meshfit_accelerator):

@@ -14,10 +14,12 @@ from snippets import COMMON, model, result, rows
 CASES = {
     "zero1": dict(parallel="dp_shard=2,zero_stage=1"),
     "zero2": dict(parallel="dp_shard=2,zero_stage=2"),
-    "zero3": dict(parallel="dp_shard=2,zero_stage=3"),
+    "zero3": dict(parallel="dp_shard=2,zero_stage=3", save_strategy="steps", save_steps=2,
+                  save_only_model=True),
     "cpu_offload": dict(parallel="dp_shard=2,zero_stage=3,offload=cpu"),
     "disk_offload": dict(parallel="dp_shard=2,zero_stage=3,offload=disk"),
-    "tp_sp": dict(parallel="tp=2,sequence_parallel=true"),
+    "tp_sp": dict(parallel="tp=2,sequence_parallel=true", save_strategy="steps",
+                  save_steps=2, save_only_model=True),
     "cp": dict(parallel="cp=2"),
     "auto": dict(parallel="auto"),
     "fsdp": dict(fsdp="full_shard", fsdp_config={"reshard_after_forward": False}),
@@ -39,4 +41,13 @@ def run(case: str, out: str) -> dict:
     job.train()
     got = result(job)
     got["layout"] = job.accelerator.layout.request.describe()
+    if args.save_only_model:  # the model saved whole from its shards (on every process)
+        job.save_model(out + "/final")
+        got["saved"] = _saved(out + "/final") if job.accelerator.is_main_process else None
     return got
+
+
+def _saved(folder: str) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v.float() for k, v in load_file(folder + "/model.safetensors").items()}
