@@ -270,6 +270,7 @@ SLOW_IMPORTS = {
     "meshfit.parallel.pp": "imports torch.distributed.pipelining (1.0 s): pipeline parallel",
     "meshfit.parallel.tp": "imports DTensor's tensor parallel (0.5 s): tensor parallel",
     "meshfit.peft": "imports peft, an optional dependency: LoRA",
+    "meshfit.transformers.trl": "imports trl, an optional dependency: TRL's trainers",
     "torch.utils.tensorboard": "imports tensorboard, an optional dependency",
 }
 

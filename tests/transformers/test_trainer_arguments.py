@@ -124,3 +124,16 @@ def test_checkpoints_refused_where_the_layout_shards_them(tmp_path):
     _check_checkpoints(_args(tmp_path, save_strategy="no"),
                        Layout.resolve(LayoutRequest(dp_shard=2, zero_stage=3), 2,
                                       distributed=True))
+
+
+def test_parallel_from_the_command_line_and_in_the_logged_dict(tmp_path):
+    """``--parallel`` through transformers' HfArgumentParser; ``to_dict`` (what trackers
+    log) holds the layout in words."""
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none",
+         "--parallel", "dp_shard=2,zero_stage=3"])
+    assert args.parallel == LayoutRequest(dp_shard=2, zero_stage=3)
+    assert args.to_dict()["parallel"] == "dp_shard 2, ZeRO-3"
+    json.loads(args.to_json_string())
