@@ -137,3 +137,40 @@ def test_parallel_from_the_command_line_and_in_the_logged_dict(tmp_path):
     assert args.parallel == LayoutRequest(dp_shard=2, zero_stage=3)
     assert args.to_dict()["parallel"] == "dp_shard 2, ZeRO-3"
     json.loads(args.to_json_string())
+
+
+def test_auto_is_the_planners_first_choice(tmp_path, monkeypatch):
+    """parallel='auto': `meshfit.plan.search`'s first layout for the job (2 processes on this
+    CPU); a model the planner cannot read is one line."""
+    import torch
+    import transformers
+
+    from meshfit.memory import ModelShape
+    from meshfit.plan.devices import DEVICES
+    from meshfit.plan.search import Cluster, search
+    from meshfit.transformers.planned import planned_layout
+
+    args = _args(tmp_path, per_device_train_batch_size=4, optim="adamw_torch")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    # (after the arguments: with WORLD_SIZE set, transformers would join a process group)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    rows = [{"input_ids": torch.zeros(16, dtype=torch.long)}]
+    chosen = planned_layout(model, args, rows)
+    first = search(ModelShape.from_module(model), Cluster(gpus_per_node=2, device=DEVICES["cpu"]),
+                   seq_len=16, global_batch_size=8, dtype="fp32", optimizer="adamw",
+                   checkpointing=("none",)).plans[0].layout
+    assert chosen == LayoutRequest(**{k: getattr(first, k) for k in LayoutRequest.field_names()})
+    with pytest.raises(ValueError) as err:
+        planned_layout(torch.nn.Linear(4, 4), args, rows)
+    _one_line(err, "parallel='auto'", "cannot read", "dp_shard=2,zero_stage=3")
+
+
+def test_on_meshfit_takes_trainer_classes_only():
+    from meshfit.transformers import on_meshfit
+
+    with pytest.raises(ValueError) as err:
+        on_meshfit(dict)
+    _one_line(err, "on_meshfit", "transformers.Trainer")
