@@ -4,10 +4,11 @@
 among those that fit in memory by the estimate (`meshfit.memory`); the job is read from the
 Trainer: the model (its shape), the global batch (per-device batch x processes x
 accumulation), the sequence length (the first training row's, else the model's context),
-the precision, optimizer and activation checkpointing named in the arguments, and this machine's device: the free
-memory of a CUDA device (its data sheet's speed, the nearest of `meshfit.plan.DEVICES`), or
-the host's memory shared by the local processes on a CPU. Every process decides from the same
-facts, so they decide the same.
+the precision, optimizer and activation checkpointing named in the arguments, and this
+machine's device: a CUDA device's total memory (with an H100's data sheet for its speed: the
+ranking's times are relative), or the host's memory shared by the local processes on a CPU.
+Every process decides from the same facts (total memory, not free memory, which differs
+between processes), so they decide the same.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def _seq_len(model, dataset) -> int:
 
 def _cluster(local: int, world: int) -> Cluster:
     if torch.cuda.is_available():
-        free = torch.cuda.mem_get_info()[0]
-        device = dataclasses.replace(DEVICES["h100"], memory=free)
+        total = torch.cuda.get_device_properties(0).total_memory
+        device = dataclasses.replace(DEVICES["h100"], memory=total)
     else:
         device = DEVICES["cpu"]
     return Cluster(gpus_per_node=local, nodes=max(1, world // local), device=device)

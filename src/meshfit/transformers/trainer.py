@@ -9,9 +9,12 @@ passes it (mixed precision, the data loader configuration, DDP's keywords, the a
 plugin, ``torch_compile``'s dynamo plugin) means what it means under Accelerate, and the
 layout is ``TrainingArguments.parallel`` (`meshfit.transformers.arguments`).
 
-The batches Accelerate's ``skip_first_batches`` would skip in a meshfit loader are those of
-the whole dataset, not this process's share: meshfit's skips in its own loader (it is its
-own on other loaders), so a resumed epoch goes on where it stopped.
+Accelerate's ``skip_first_batches`` does not know meshfit's prepared loader (it would rebuild
+a loader over the whole dataset, not this process's share); meshfit's skips within its own
+loader's order, so a resumed epoch goes on where it stopped (tested bit-exact).
+
+Under tp and cp two more things are told to transformers: the sizes (the
+``parallelism_config`` it reads), and the loss's scale (`OnMeshfit.compute_loss`).
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ def _compile_backend(plugin: Any) -> str | None:
     return None if backend is None or str(backend).upper() == "NO" else str(backend).lower()
 
 
-def _uses_ddp(request: LayoutRequest) -> bool:
-    """Whether the layout runs on DDP (every data-parallel process a replica, ZeRO 0 or 1),
-    the one that takes DDP's keywords."""
-    sharded = request.dp_shard != 1 and request.zero_stage != 0
-    return not sharded and (request.zero_stage or 0) <= 1 and \
+def _plain_ddp(request: LayoutRequest) -> bool:
+    """Whether the layout is plain DDP (every process a replica), the one meshfit hands the
+    DistributedDataParallelKwargs transformers always passes (``find_unused_parameters``
+    from the model, the ``ddp_*`` arguments); every other layout refuses DDP's keywords, so
+    they are dropped there."""
+    return request.dp_shard == 1 and (request.zero_stage or 0) == 0 and \
         request.tp == request.cp == request.ep == request.pp == 1
 
 
@@ -64,9 +68,9 @@ def shards_the_model(layout) -> bool:
 def _check_checkpoints(args, layout) -> None:
     """transformers writes a checkpoint's optimizer state from process 0 alone, whole
     (``optimizer.state_dict()``): on a layout that shards the optimizer state (ZeRO 1-3, tp,
-    ep, offload) the other processes' shares would be missing (cp: not tested). Refused there, before any
-    file is written, unless the checkpoints hold the model alone (``save_only_model``: its
-    weights are gathered, `OnMeshfit._save`)."""
+    ep, offload) the other processes' shares would be missing (cp: not tested). Refused
+    there, before any file is written, unless the checkpoints hold the model alone
+    (``save_only_model``: its weights are gathered, `OnMeshfit._save`)."""
     dims = layout.dims
     whole = layout.zero_stage == 0 and dims.tp == dims.cp == dims.ep == dims.pp == 1 and \
         layout.request.offload == "none"
@@ -75,8 +79,8 @@ def _check_checkpoints(args, layout) -> None:
         raise ValueError(
             f"TrainingArguments(save_strategy={strategy!r}) on {layout.request.describe()}: "
             "Trainer's checkpoints hold the optimizer state as process 0 has it, and this "
-            "layout shards it (or, cp, is not tested with it); set save_only_model=True (the model's weights, gathered) or "
-            "save_strategy='no', or use a DDP layout")
+            "layout shards it (cp: not tested with it); set save_only_model=True (the "
+            "model's weights, gathered) or save_strategy='no', or use a DDP layout")
 
 
 @contextlib.contextmanager
@@ -113,7 +117,7 @@ class OnMeshfit:
             request = planned_layout(self.model, self.args, self._rows_for_plan)
         if isinstance(request, LayoutRequest):
             args["parallel"] = request
-            if not _uses_ddp(request):  # transformers always passes DDP's keywords
+            if not _plain_ddp(request):
                 args["kwargs_handlers"] = [h for h in args.get("kwargs_handlers") or ()
                                            if type(h).__name__ != "DistributedDataParallelKwargs"]
             if request.offload == "disk":
