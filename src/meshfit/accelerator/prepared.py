@@ -72,6 +72,12 @@ class GradientState:
         """Accelerate's test helper (its GradientState is one per process); meshfit's belongs
         to its Accelerator, so there is nothing process-wide to forget."""
 
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Accelerate's setter, called by transformers' Trainer, which decides the
+        accumulation boundaries itself (it prefetches each window's batches, so a loader's
+        end cannot tell it): whether the coming micro-batch ends a window."""
+        self.sync_gradients = bool(sync_gradients)
+
     def advance(self) -> None:
         """A micro-batch begins (`accumulate`). As Accelerate's: the innermost loader's last
         batch ends the window and restarts the count; otherwise every num_steps-th does."""
