@@ -107,23 +107,30 @@ def test_bad_layout_arguments_are_one_line(tmp_path, kwargs, words):
     _one_line(err, *words)
 
 
-def test_checkpoints_refused_where_the_layout_shards_them(tmp_path):
-    """Trainer's checkpoints hold the optimizer state as process 0 has it: refused (before
-    any file) on a layout that shards it, unless they hold the model alone; DDP keeps them."""
-    from meshfit.transformers.trainer import _check_checkpoints
+def test_a_ddp_checkpoint_is_refused_where_the_layout_shards_the_optimizer(tmp_path):
+    """A checkpoint whose optimizer state is transformers' ``optimizer.pt`` (written whole by a
+    DDP run) resumed on a layout that shards that state: one line, before anything is read;
+    on DDP, and for a checkpoint without optimizer state, transformers' own loading runs."""
+    from types import SimpleNamespace
 
-    saving = _args(tmp_path, save_strategy="steps")
+    from meshfit.transformers import checkpoints
+
+    (tmp_path / "optimizer.pt").write_bytes(b"")
+    (tmp_path / "scheduler.pt").write_bytes(b"")
     for request in (LayoutRequest(dp_shard=2, zero_stage=3), LayoutRequest(tp=2),
-                    LayoutRequest(dp_shard=2, zero_stage=1)):
+                    LayoutRequest(dp_shard=2, zero_stage=1), LayoutRequest(cp=2),
+                    LayoutRequest(dp_shard=2, zero_stage=3, offload="disk")):
+        layout = Layout.resolve(request, 2, distributed=True)
+        assert checkpoints.shards_the_optimizer(layout)
+        trainer = SimpleNamespace(accelerator=SimpleNamespace(layout=layout))
         with pytest.raises(ValueError) as err:
-            _check_checkpoints(saving, Layout.resolve(request, 2, distributed=True))
-        _one_line(err, "save_strategy='steps'", "save_strategy='no'", "save_only_model=True")
-        _check_checkpoints(_args(tmp_path, save_strategy="steps", save_only_model=True),
-                           Layout.resolve(request, 2, distributed=True))
-    _check_checkpoints(saving, Layout.resolve(LayoutRequest(), 2, distributed=True))
-    _check_checkpoints(_args(tmp_path, save_strategy="no"),
-                       Layout.resolve(LayoutRequest(dp_shard=2, zero_stage=3), 2,
-                                      distributed=True))
+            checkpoints.load(trainer, str(tmp_path))
+        _one_line(err, str(tmp_path), "optimizer.pt", layout.request.describe(), "DDP")
+        assert not checkpoints.load(trainer, str(tmp_path / "model-only"))
+    ddp = Layout.resolve(LayoutRequest(), 2, distributed=True)
+    assert not checkpoints.shards_the_optimizer(ddp)
+    assert not checkpoints.load(SimpleNamespace(accelerator=SimpleNamespace(layout=ddp)),
+                                str(tmp_path))
 
 
 def test_parallel_from_the_command_line_and_in_the_logged_dict(tmp_path):

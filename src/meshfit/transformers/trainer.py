@@ -33,6 +33,7 @@ from meshfit.accelerator import Accelerator
 from meshfit.accelerator.standalone import skip_first_batches
 from meshfit.accelerator.compat.parallelism import ParallelismConfig
 from meshfit.parallel.request import LayoutRequest
+from meshfit.transformers import checkpoints
 from meshfit.transformers.planned import planned_layout
 
 __all__ = ["OnMeshfit", "Trainer", "on_meshfit"]
@@ -63,24 +64,6 @@ def shards_the_model(layout) -> bool:
     dims = layout.dims
     return layout.zero_stage == 3 or dims.tp > 1 or dims.ep > 1 or dims.pp > 1 or \
         layout.request.offload_params
-
-
-def _check_checkpoints(args, layout) -> None:
-    """transformers writes a checkpoint's optimizer state from process 0 alone, whole
-    (``optimizer.state_dict()``): on a layout that shards the optimizer state (ZeRO 1-3, tp,
-    ep, offload) the other processes' shares would be missing (cp: not tested). Refused
-    there, before any file is written, unless the checkpoints hold the model alone
-    (``save_only_model``: its weights are gathered, `OnMeshfit._save`)."""
-    dims = layout.dims
-    whole = layout.zero_stage == 0 and dims.tp == dims.cp == dims.ep == dims.pp == 1 and \
-        layout.request.offload == "none"
-    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-    if not whole and strategy != "no" and not args.save_only_model:
-        raise ValueError(
-            f"TrainingArguments(save_strategy={strategy!r}) on {layout.request.describe()}: "
-            "Trainer's checkpoints hold the optimizer state as process 0 has it, and this "
-            "layout shards it (cp: not tested with it); set save_only_model=True (the "
-            "model's weights, gathered) or save_strategy='no', or use a DDP layout")
 
 
 @contextlib.contextmanager
@@ -123,7 +106,6 @@ class OnMeshfit:
             if request.offload == "disk":
                 args["offload_dir"] = os.path.join(self.args.output_dir, "offload")
         accelerator = Accelerator(**args)
-        _check_checkpoints(self.args, accelerator.layout)
         dims = accelerator.layout.dims
         if accelerator.parallelism_config is None and (dims.tp > 1 or dims.cp > 1):
             # What transformers reads of the layout: the processes of a tp or cp group share
@@ -162,6 +144,20 @@ class OnMeshfit:
         if state_dict is None and shards_the_model(self.accelerator.layout):
             state_dict = self.accelerator.get_state_dict(self.model)
         super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """transformers' own (``optimizer.pt``: process 0's state, whole under DDP); on a
+        layout that shards the optimizer state, meshfit's sharded checkpoint of it
+        (`meshfit.transformers.checkpoints`; every process takes part)."""
+        if checkpoints.shards_the_optimizer(self.accelerator.layout):
+            checkpoints.save(self, output_dir)
+        else:
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The state `_save_optimizer_and_scheduler` wrote, meshfit's or transformers'."""
+        if checkpoint is None or not checkpoints.load(self, checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
 
     def create_accelerator_and_postprocess(self) -> None:
         with _on_meshfit(self._meshfit_accelerator):

@@ -3,8 +3,14 @@
 meshfit's ZeRO stages; TRL's SFTTrainer under ZeRO-3 and tp. Meshfit-only (run on 2 processes
 by the test's meshfit launch); the test compares each with transformers' (TRL's) own trainer
 on the same batches: the data-parallel layouts with its DDP run on 2 processes, tp and cp (one
-data-parallel rank) with its run on 1.
+data-parallel rank) with its run on 1. The ``resume_<layout>`` cases stop a run at step 2
+and resume it in a new Trainer (`resumed`); the test compares them with ``<layout>``'s
+uninterrupted run.
 """
+
+import os
+
+from transformers import TrainerCallback
 
 from meshfit.transformers import SFTConfig, SFTTrainer, Trainer, TrainingArguments
 
@@ -28,9 +34,15 @@ CASES = {
     "sft_zero3": dict(parallel="dp_shard=2,zero_stage=3"),
     "sft_tp": dict(parallel="tp=2"),
 }
+# Checkpoints with the optimizer state (transformers' default, save_only_model=False) on
+# sharded layouts, resumed: each the layout of the case of the same name without "resume_".
+RESUMED = ("zero3", "tp_sp", "disk_offload")
+CASES.update({f"resume_{case}": dict(parallel=CASES[case]["parallel"]) for case in RESUMED})
 
 
 def run(case: str, out: str) -> dict:
+    if case.startswith("resume_"):
+        return resumed(case, out)
     if case.startswith("sft_"):
         job = sft.trainer("sft_completion_only", out, config=SFTConfig,
                           trainer_class=SFTTrainer, **CASES[case])
@@ -51,3 +63,36 @@ def _saved(folder: str) -> dict:
     from safetensors.torch import load_file
 
     return {k: v.float() for k, v in load_file(folder + "/model.safetensors").items()}
+
+
+class StopAt(TrainerCallback):
+    """Ends training after step `step` (as a job that was stopped there)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def resumed(case: str, out: str) -> dict:
+    """Trained to step 2 (of 4) with a checkpoint every step, the newest kept
+    (``save_total_limit=1``), then resumed by a new Trainer with ``resume_from_checkpoint=True``
+    (the newest ``checkpoint-<step>`` in ``output_dir``), as a restarted script would."""
+    args = {**COMMON, **CASES[case], "output_dir": out, "save_strategy": "steps",
+            "save_steps": 1, "save_total_limit": 1}
+    first = Trainer(model=model(), args=TrainingArguments(**args), train_dataset=rows(32, 1),
+                    callbacks=[StopAt(2)])
+    first.train()
+    # The stopped job's end, in this process: what it holds goes (offload="disk": its state
+    # files and the lock on <output_dir>/offload, which a second live Trainer is refused).
+    first.accelerator.free_memory()
+    first.accelerator.wait_for_everyone()
+    main = first.accelerator.is_main_process
+    kept = sorted(f for f in os.listdir(out) if f.startswith("checkpoint-")) if main else None
+    files = sorted(os.listdir(f"{out}/checkpoint-2")) if main else None
+    again = Trainer(model=model(), args=TrainingArguments(**args), train_dataset=rows(32, 1))
+    again.train(resume_from_checkpoint=True)
+    return {**result(again), "layout": again.accelerator.layout.request.describe(),
+            "kept": kept, "files": files}
