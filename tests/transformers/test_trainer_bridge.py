@@ -16,6 +16,10 @@ The same meshfit launch runs ``scripts/layouts.py``: meshfit's layouts by
 stages. Each trains on the batches transformers' DDP run on 2 processes trains on (tp and cp:
 one data-parallel rank, the batches of its run on 1 process), and must reach its results.
 
+The ``resume_<layout>`` cases there stop a run at step 2 and resume it from its checkpoint
+(the optimizer state too) under ZeRO-3, tp + SP and disk offload: bit for bit the
+uninterrupted run of the same layout.
+
 Four launches in all, at once (most of their time is importing torch and transformers).
 """
 
@@ -52,7 +56,12 @@ LAYOUTS = {"zero1": (2, "fp32"), "zero2": (2, "fp32"), "zero3": (2, "fp32"),
            "cp": (1, "fp32"), "auto": (2, "fp32"), "fsdp": (2, "fp32"),
            "deepspeed": (2, "fp32"), "sft_zero3": (2, "sft_completion_only"),
            "sft_tp": (1, "sft_completion_only")}
-SAVED = ("zero3", "tp_sp")  # checkpoints with save_only_model, and save_model at the end
+# checkpoints with save_only_model, and save_model at the end (ZeRO-2: FSDP2 keeps the
+# parameters sharded between steps too)
+SAVED = ("zero2", "zero3", "tp_sp")
+# Stopped at step 2 and resumed (checkpoints with the optimizer state), each against the
+# uninterrupted run of the same layout (layouts.py).
+RESUMED = {f"resume_{case}": case for case in ("zero3", "tp_sp", "disk_offload")}
 
 
 def _launch(framework: str, world: int, out: Path, env: dict) -> None:
@@ -63,7 +72,8 @@ def _launch(framework: str, world: int, out: Path, env: dict) -> None:
         cmd = [sys.executable, *args]
     elif framework == "meshfit":
         cmd = [sys.executable, "-m", "meshfit", "launch", "--nproc", "2", *args[:-4],
-               "--script", "snippets,sft,layouts", "--cases", f"{cases},{','.join(LAYOUTS)}"]
+               "--script", "snippets,sft,layouts",
+               "--cases", f"{cases},{','.join([*LAYOUTS, *RESUMED])}"]
     else:
         from meshfit.distributed.spawn import free_port
 
@@ -195,6 +205,29 @@ def test_layout_by_one_argument(results, case):
         assert not problems, f"{case}, rank {rank}: {problems[:5]}"
         if res.get("saved") is not None:  # save_model on a sharded layout: the whole weights
             assert not _differences(res["saved"], res["params"])
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_resume_on_a_sharded_layout_is_bit_exact(results, case):
+    """transformers' default checkpoints (the optimizer state too) on a layout that shards
+    that state: a run stopped after step 2 (a checkpoint every step, ``save_total_limit=1``)
+    and resumed by a new Trainer with ``resume_from_checkpoint=True`` ends bit for bit where
+    the uninterrupted run of the same layout ends (every logged row, every parameter); the
+    older checkpoint was rotated away, the kept one holds transformers' files and meshfit's
+    sharded optimizer state."""
+    from meshfit.transformers.checkpoints import FOLDER
+
+    whole = _get(results, "meshfit", 2, RESUMED[case])
+    for rank, (res, ref) in enumerate(zip(_get(results, "meshfit", 2, case), whole)):
+        assert res["layout"] == ref["layout"] == EXPECTED_LAYOUT[RESUMED[case]]
+        assert len(_losses(res)) == 4 and res["log"] == ref["log"], (rank, res["log"])
+        for name, tensor in ref["params"].items():
+            assert torch.equal(res["params"][name], tensor), (rank, name)
+        if rank == 0:
+            assert res["kept"] == ["checkpoint-2"], res["kept"]
+            assert {FOLDER, "model.safetensors", "scheduler.pt", "trainer_state.json",
+                    "rng_state_0.pth", "rng_state_1.pth"} <= set(res["files"]), res["files"]
+            assert "optimizer.pt" not in res["files"]
 
 
 EXPECTED_LAYOUT = {"zero1": "dp_shard 2, ZeRO-1", "zero2": "dp_shard 2, ZeRO-2",

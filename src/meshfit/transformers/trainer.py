@@ -58,14 +58,6 @@ def _plain_ddp(request: LayoutRequest) -> bool:
         request.tp == request.cp == request.ep == request.pp == 1
 
 
-def shards_the_model(layout) -> bool:
-    """Whether `layout` leaves a process without the whole model (ZeRO-3's shards, tp's and
-    ep's slices, disk-offloaded parameters): its weights are then gathered to be saved."""
-    dims = layout.dims
-    return layout.zero_stage == 3 or dims.tp > 1 or dims.ep > 1 or dims.pp > 1 or \
-        layout.request.offload_params
-
-
 @contextlib.contextmanager
 def _on_meshfit(factory):
     """transformers.trainer's Accelerator and skip_first_batches are meshfit's inside."""
@@ -139,9 +131,12 @@ class OnMeshfit:
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """transformers' ``_save`` (``save_pretrained`` on the main process; every process
-        calls it); on a layout that shards the model, with its whole weights gathered first
-        (every process takes part)."""
-        if state_dict is None and shards_the_model(self.accelerator.layout):
+        calls it); on every layout but plain DDP with the whole weights gathered first by
+        `Accelerator.get_state_dict` (every process takes part): a collective where the
+        parameters are sharded (ZeRO-2 and 3: FSDP2 keeps them sharded between steps; tp, ep,
+        offloaded parameters), a copy elsewhere. One rule rather than a list of the layouts
+        that shard them: a list missed ZeRO-2, whose save then hung on process 0 alone."""
+        if state_dict is None and checkpoints.shards_the_optimizer(self.accelerator.layout):
             state_dict = self.accelerator.get_state_dict(self.model)
         super()._save(output_dir, state_dict=state_dict)
 

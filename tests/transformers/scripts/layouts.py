@@ -19,7 +19,8 @@ from snippets import COMMON, model, result, rows
 
 CASES = {
     "zero1": dict(parallel="dp_shard=2,zero_stage=1"),
-    "zero2": dict(parallel="dp_shard=2,zero_stage=2"),
+    "zero2": dict(parallel="dp_shard=2,zero_stage=2", save_strategy="steps", save_steps=2,
+                  save_only_model=True),
     "zero3": dict(parallel="dp_shard=2,zero_stage=3", save_strategy="steps", save_steps=2,
                   save_only_model=True),
     "cpu_offload": dict(parallel="dp_shard=2,zero_stage=3,offload=cpu"),
