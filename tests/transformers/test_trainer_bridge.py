@@ -215,8 +215,6 @@ def test_resume_on_a_sharded_layout_is_bit_exact(results, case):
     the uninterrupted run of the same layout ends (every logged row, every parameter); the
     older checkpoint was rotated away, the kept one holds transformers' files and meshfit's
     sharded optimizer state."""
-    from meshfit.transformers.checkpoints import FOLDER
-
     whole = _get(results, "meshfit", 2, RESUMED[case])
     for rank, (res, ref) in enumerate(zip(_get(results, "meshfit", 2, case), whole)):
         assert res["layout"] == ref["layout"] == EXPECTED_LAYOUT[RESUMED[case]]
@@ -225,7 +223,7 @@ def test_resume_on_a_sharded_layout_is_bit_exact(results, case):
             assert torch.equal(res["params"][name], tensor), (rank, name)
         if rank == 0:
             assert res["kept"] == ["checkpoint-2"], res["kept"]
-            assert {FOLDER, "model.safetensors", "scheduler.pt", "trainer_state.json",
+            assert {"optimizer_meshfit", "model.safetensors", "scheduler.pt", "trainer_state.json",
                     "rng_state_0.pth", "rng_state_1.pth"} <= set(res["files"]), res["files"]
             assert "optimizer.pt" not in res["files"]
 

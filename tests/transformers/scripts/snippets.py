@@ -25,7 +25,7 @@ CASES = {
     "adafactor": dict(optim="adafactor"),
     "adamw_bnb_8bit": dict(optim="adamw_bnb_8bit"),
     "custom_optimizer": dict(),
-    "compile": dict(torch_compile=True, torch_compile_backend="aot_eager"),
+    "compile": dict(torch_compile=True, torch_compile_backend="eager"),
     "evaluation": dict(eval_strategy="steps", eval_steps=2, logging_steps=2,
                        per_device_eval_batch_size=4),
     "resume": dict(save_strategy="steps", save_steps=2),
