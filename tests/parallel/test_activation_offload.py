@@ -325,3 +325,83 @@ def test_estimate_moves_the_offloaded_bytes_to_the_host():
         assert on_host == pytest.approx(offloader.stats["bytes"], rel=0.15)
         per_block = on_host / 4
         assert est.activations == pytest.approx(plain.activations - on_host + 2 * per_block)
+
+
+def test_accelerator_applies_budget_and_offload():
+    """`Accelerator(activation_checkpointing="budget", activation_offload=True, compile=...)`
+    gives the prepared model its budget and its offloader; a step runs and moves tensors."""
+    from meshfit import Accelerator
+    from meshfit.parallel.activation_budget import memory_budget_of
+
+    torch.compiler.reset()
+    acc = Accelerator(activation_checkpointing="budget", activation_checkpointing_budget=0.25,
+                      compile=True, compile_backend="aot_eager_decomp_partition",
+                      activation_offload=True)
+    model = acc.prepare(_gpt(n_layer=2))
+    assert memory_budget_of(model) == 0.25
+    x, y = token_batches(2, T)
+    acc.backward(model(x, y))
+    assert offloader_of(model).stats["tensors"] > 0
+
+
+def test_offload_without_enough_host_memory_is_refused_before_launch():
+    """On GPUs the offloaded activations of the local ranks share the host's memory: a run
+    whose activations fit only offloaded, on a host too small for them, is refused in one
+    line naming activation offload, the host memory it needs and what there is, per rank
+    the saved activations (the estimate's); with a large enough host it passes."""
+    from meshfit.memory import ModelShape
+    from meshfit.memory.estimate import estimate
+    from meshfit.train.configfile import load_config
+    from meshfit.train.fits import check_fits
+    from meshfit.train.models import check_model_source
+    from meshfit.train.preflight import _checked_model
+    from meshfit.train import tokens
+    from meshfit.memory import LayoutSpec
+
+    GiB = 2**30
+    cfg = load_config(None, ["--model.preset=llama-1b", "--train.seq_len=4096",
+                             "--train.micro_batch_size=8", "--train.global_batch_size=16",
+                             "--train.activation_offload=true"])
+    model = _checked_model(cfg, tokens.vocab_size(cfg), check_model_source)
+    est = estimate(ModelShape.from_module(model),
+                   LayoutSpec(dp_replicate=2, micro_batch_size=8, activation_offload=True),
+                   seq_len=4096, dtype="fp32", optimizer="adamw_fused")
+    acts = est.detail["activations_on_host"]
+    assert acts > 0 and est.host == acts
+    with pytest.raises(ValueError) as err:
+        check_fits(cfg, model, cfg.layout(2, 2), world_size=2, local_world_size=2,
+                   device=torch.device("cuda"), available=est.total + GiB, host=acts)
+    line = str(err.value)
+    assert "\n" not in line and "activations offloaded" in line
+    assert (f"activation offload needs {2 * acts / GiB:.1f} GiB of host memory for the 2 local "
+            f"rank(s) and {acts / GiB:.1f} GiB is available (per rank: saved activations "
+            f"{acts / GiB:.1f} GiB)") in line
+    assert check_fits(cfg, model, cfg.layout(2, 2), world_size=2, local_world_size=2,
+                      device=torch.device("cuda"), available=est.total + GiB,
+                      host=3 * acts) is None
+
+
+def test_planner_proposes_offload_when_activations_do_not_fit():
+    """A GPU whose memory holds the model states but not one micro-batch's activations even
+    with full checkpointing: the planner's plans are the layouts with activation offload,
+    each saying so; with room for the activations none of them offloads."""
+    import dataclasses as dc
+
+    from meshfit.memory import LayoutSpec
+    from meshfit.memory.estimate import estimate
+    from meshfit.plan import DEVICES, Cluster, search
+
+    seq = 2048
+    full = estimate("llama-1b", LayoutSpec(activation_checkpointing="full"), seq_len=seq,
+                    dtype="bf16")
+    offloaded = estimate("llama-1b", LayoutSpec(activation_checkpointing="full",
+                                            activation_offload=True), seq_len=seq, dtype="bf16")
+    memory = (full.total + offloaded.total) / 2 / 0.9  # between the two, with the margin
+    cluster = Cluster(gpus_per_node=1, device=dc.replace(DEVICES["h100"], memory=memory))
+    plans = search("llama-1b", cluster, seq_len=seq, global_batch_size=1, dtype="bf16").plans
+    assert plans and all(p.layout.activation_offload for p in plans)
+    assert "activations are what does not fit the device" in plans[0].why
+    roomy = dc.replace(DEVICES["h100"], memory=full.total / 0.9 * 1.5)
+    plans = search("llama-1b", Cluster(gpus_per_node=1, device=roomy), seq_len=seq,
+                   global_batch_size=1, dtype="bf16").plans
+    assert plans and not any(p.layout.activation_offload for p in plans)
