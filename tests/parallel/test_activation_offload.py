@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -68,6 +69,13 @@ def test_offload_equals_the_run_without_it_bitwise(checkpointing):
     if checkpointing == "full":  # one saved input per block (the checkpoint's)
         assert moved["tensors"] == 4
         assert moved["bytes"] == 4 * x.numel() * 64 * 4
+    # a copy (deepcopy, pickle) keeps its own offloader and the same results
+    moved = dict(moved)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert offloader_of(twin) is not offloader
+        before = offloader_of(twin).stats["tensors"]
+        _assert_equal(_grads(twin, x, y), _grads(plain, x, y))
+        assert offloader_of(twin).stats["tensors"] - before == moved["tensors"]
     # inference saves nothing; removing the offload gives the plain classes back
     with torch.no_grad():
         model(x, y)

@@ -16,6 +16,7 @@ order: the contexts always hold around the checkpoint.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -42,9 +43,19 @@ class _AroundCallMixin:
             return super().__call__(*args, **kwargs)
 
     def __reduce_ex__(self, protocol):
-        raise TypeError(f"cannot pickle {type(self).__name__} while activation offload or a "
-                        "memory budget is on (it holds their state); pickle the model before "
-                        "parallelize, or save its state_dict")
+        # The subclass is made at run time: rebuild the class below it (the plain one, or
+        # checkpointing's, which rebuilds itself the same way) and put the swap back on top.
+        fn, args, *rest = super().__reduce_ex__(max(protocol, 2))
+        if fn is copyreg.__newobj__ and args[0] is type(self):
+            args = (type(self).__bases__[1], *args[1:])
+        return (_rebuild, (fn, args), *rest)
+
+
+def _rebuild(fn, args):
+    module = fn(*args)
+    if not isinstance(module, _AroundCallMixin):
+        module.__class__ = _around_class(type(module))
+    return module
 
 
 @functools.cache

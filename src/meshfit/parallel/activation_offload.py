@@ -77,7 +77,11 @@ class StreamTransfers(SyncTransfers):
     (DTensor) take the synchronous path of `SyncTransfers`."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.side = torch.cuda.Stream(device)
+
+    def __deepcopy__(self, memo):  # (a copied model gets its own side stream)
+        return StreamTransfers(self.device)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if type(tensor) is not torch.Tensor:
@@ -148,6 +152,15 @@ class ActivationOffloader:
         """Tensors and bytes moved to the host, tensors kept on the device, tensors brought
         back (cumulative; tests and benchmarks/activation_memory.py read them)."""
         self._last: weakref.ref | None = None
+
+    def __getstate__(self) -> dict:  # (a pickled model: no groups; CUDA's stream made anew)
+        cuda = isinstance(self.transfers, StreamTransfers)
+        return {**self.__dict__, "_last": None, "transfers": None if cuda else self.transfers}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.transfers is None:
+            self.transfers = StreamTransfers(self.device)
 
     @contextlib.contextmanager
     def group(self) -> Iterator[None]:
