@@ -20,7 +20,7 @@ tensor, copies it out, and the device memory is not reused before the copy has r
 block back and starts bringing the previous block (the next one the backward needs) on the
 side stream, and the compute stream waits only for the tensor it uses. That path runs only
 where a GPU is present. Everywhere else (`SyncTransfers`: the CPU, and tensor subclasses
-such as DTensor, moved with ``Tensor.to``), the copies are made on the calling thread; on a
+other than DTensor, moved with ``Tensor.to``), the copies are made on the calling thread; on a
 CPU-only run the device memory is the host memory, so offloading saves nothing there and
 costs the copies, but the same hooks, groups and prefetch order run (what the CPU tests
 check, equal to the run without offloading bit for bit).
@@ -35,7 +35,9 @@ With activation checkpointing, offloading applies to what checkpointing keeps: t
 non-reentrant checkpoint saves a block's inputs through the same hooks (outside its own),
 so the inputs go to the host, and the recomputation in the backward runs on the device as
 before. Every layout keeps its hooks: DDP and FSDP2's run inside the block's call, tensor
-parallel's DTensors are moved as DTensors, pipeline stages offload their own blocks.
+parallel's DTensors move their local shard (``to_local``) and are rebuilt around it with
+their mesh, placements, shape and stride (``DTensor.from_local``), pipeline stages offload
+their own blocks.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshfit.models.gpt import GPT
 from meshfit.parallel.activation import find_blocks
@@ -59,7 +62,7 @@ _NAME = "activation_offload"
 
 # --------------------------------------------------------------------------- the copies
 class SyncTransfers:
-    """Copies on the calling thread (the CPU; tensor subclasses anywhere)."""
+    """Copies on the calling thread (the CPU; tensor subclasses other than DTensor)."""
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to("cpu", copy=True)
@@ -73,8 +76,9 @@ class SyncTransfers:
 
 
 class StreamTransfers(SyncTransfers):
-    """CUDA: pinned host memory and a side stream (the module docstring). Tensor subclasses
-    (DTensor) take the synchronous path of `SyncTransfers`."""
+    """CUDA: pinned host memory and a side stream (the module docstring). A DTensor's local
+    shard travels this way (`ActivationOffloader` unwraps it); other tensor subclasses take
+    the synchronous path of `SyncTransfers`."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -126,12 +130,13 @@ class _Group:
 
 
 class _Handle:
-    """One moved tensor: its host copy until fetched, then its device copy."""
+    """One moved tensor: its host copy until fetched, then its device copy; `dtensor`: a
+    DTensor's (mesh, placements, shape, stride), its local shard being what moved."""
 
-    __slots__ = ("__weakref__", "device", "group", "host", "ready", "tensor")
+    __slots__ = ("__weakref__", "device", "dtensor", "group", "host", "ready", "tensor")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, group: _Group):
-        self.host, self.device, self.group = host, device, group
+    def __init__(self, host: torch.Tensor, device: torch.device, group: _Group, dtensor=None):
+        self.host, self.device, self.group, self.dtensor = host, device, group, dtensor
         self.tensor, self.ready = None, None
 
 
@@ -148,9 +153,10 @@ class ActivationOffloader:
         self.transfers = transfers if transfers is not None else (
             StreamTransfers(self.device) if cuda else SyncTransfers())
         self.min_bytes = min_bytes if min_bytes is not None else (1024 if cuda else 0)
-        self.stats = {"tensors": 0, "bytes": 0, "kept": 0, "fetched": 0}
+        self.stats = {"tensors": 0, "bytes": 0, "kept": 0, "fetched": 0, "dtensors": 0}
         """Tensors and bytes moved to the host, tensors kept on the device, tensors brought
-        back (cumulative; tests and benchmarks/activation_memory.py read them)."""
+        back, DTensors among those moved (cumulative; tests and
+        benchmarks/activation_memory.py read them)."""
         self._last: weakref.ref | None = None
 
     def __getstate__(self) -> dict:  # (a pickled model: no groups; CUDA's stream made anew)
@@ -189,7 +195,15 @@ class ActivationOffloader:
         known = seen.get(id(tensor))
         if known is not None:  # (the dict holds the tensor: its id is not reused meanwhile)
             return known[1]
-        handle = _Handle(self.transfers.to_host(tensor), tensor.device, group)
+        dtensor = None
+        if isinstance(tensor, DTensor):  # the local shard moves; the metadata stays here
+            dtensor = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+            with torch.no_grad():
+                local = tensor.to_local()
+            handle = _Handle(self.transfers.to_host(local), local.device, group, dtensor)
+            self.stats["dtensors"] += 1
+        else:
+            handle = _Handle(self.transfers.to_host(tensor), tensor.device, group)
         group.handles.append(weakref.ref(handle))
         seen[id(tensor)] = (tensor, handle)
         self.stats["tensors"] += 1
@@ -210,7 +224,12 @@ class ActivationOffloader:
         if packed.tensor is None:  # (moved after its group was fetched: a late save)
             self._fetch_one(packed)
         self.transfers.wait(packed.tensor, packed.ready)
-        return packed.tensor
+        if packed.dtensor is None:
+            return packed.tensor
+        mesh, placements, shape, stride = packed.dtensor
+        with torch.no_grad():
+            return DTensor.from_local(packed.tensor, mesh, placements, run_check=False,
+                                      shape=shape, stride=stride)
 
     def _fetch(self, group: _Group) -> None:
         group.fetched = True
