@@ -416,3 +416,23 @@ def test_planner_proposes_offload_when_activations_do_not_fit():
     plans = search("llama-1b", Cluster(gpus_per_node=1, device=roomy), seq_len=seq,
                    global_batch_size=1, dtype="bf16").plans
     assert plans and not any(p.layout.activation_offload for p in plans)
+
+
+def test_estimate_of_a_budget_lies_between_full_and_none():
+    """The estimate of memory-budget checkpointing: budget 0 keeps what full checkpointing
+    keeps (each block's input, one block recomputed at a time), budget 1 what no
+    checkpointing keeps, and a budget b the share b of the difference in the blocks."""
+    from meshfit.memory import LayoutSpec
+    from meshfit.memory.estimate import estimate
+
+    def acts(**spec):
+        return estimate("gpt2", LayoutSpec(micro_batch_size=2, **spec), seq_len=512)
+
+    none, full = acts(), acts(activation_checkpointing="full")
+    budget = {b: acts(activation_checkpointing="budget", activation_checkpointing_budget=b)
+              for b in (0.0, 0.5, 1.0)}
+    assert budget[0.0].activations == pytest.approx(full.activations)
+    assert budget[1.0].activations == pytest.approx(none.activations)
+    assert budget[0.0].activations < budget[0.5].activations < budget[1.0].activations
+    assert "budget 0.5 checkpointing" in budget[0.5].layout.describe()
+    assert budget[0.5].to_json()["layout"]["activation_checkpointing_budget"] == 0.5

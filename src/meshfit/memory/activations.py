@@ -137,7 +137,8 @@ def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
         blocks, recompute = n * block_input, per_block
     elif mode == "budget":  # the partitioner keeps `budget` of what it may drop
         kept = layout.activation_checkpointing_budget * (per_block - block_input)
-        blocks, recompute = n * (block_input + kept), per_block - block_input - kept
+        budget = layout.activation_checkpointing_budget  # (0: full's recompute, 1: none)
+        blocks, recompute = n * (block_input + kept), (1 - budget) * per_block
     elif mode == "selective":
         kept = n - n // 2  # every 2nd block checkpointed
         blocks, recompute = kept * per_block + (n // 2) * block_input, per_block if n > 1 else 0

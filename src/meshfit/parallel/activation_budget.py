@@ -27,8 +27,9 @@ from torch import nn
 
 from meshfit._compat import dynamo
 from meshfit.parallel.activation_call import add_around_call, arounds, remove_around_call
+from meshfit.parallel.options import check_budget
 
-__all__ = ["apply_memory_budget", "memory_budget_of"]
+__all__ = ["apply_memory_budget", "check_budget", "memory_budget_of"]
 
 _NAME = "memory_budget"
 

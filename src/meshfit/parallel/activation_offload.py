@@ -184,7 +184,10 @@ class ActivationOffloader:
 
     def moves(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor`, saved inside a group, goes to the host."""
-        return (tensor.device == self.device and not isinstance(tensor, nn.Parameter)
+        device = tensor.device  # ("cuda" means the current one: any index matches)
+        return (device.type == self.device.type
+                and self.device.index in (None, device.index)
+                and not isinstance(tensor, nn.Parameter)
                 and tensor.is_contiguous()
                 and tensor.numel() * tensor.element_size() >= self.min_bytes)
 
