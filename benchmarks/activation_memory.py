@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -146,6 +147,11 @@ def _markdown(rows: list[dict], info: dict, args) -> str:
     lines += ["", "Peak: above what was allocated before the step (CUDA allocator peak, or the "
               "CPU profiler's memory events in time order). On a CPU the offloaded copies stay "
               "in the same memory: 'kept on the device' is what a GPU would keep."]
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1):
+        lines += ["", f"The machine was busy (load average {load:.1f} on {os.cpu_count()} "
+                  "cores at the end): the step times are not comparable with each other; "
+                  "the memory figures do not depend on it."]
     return "\n".join(lines)
 
 
