@@ -292,8 +292,10 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
     # backward has freed the loss's tensors: the step's peak is the larger of the two
     buffers = _buffers(shape, layout, rank, resolved, dtype, adapted) + max(
         0.0, ring_bytes(shape, layout, seq_len, dtype) - acts.outside)
-    if optimizer == "muon":
-        buffers += _muon_buffers(shape, layout, rank, resolved)
+    if optimizer == "muon":  # the step's buffers: the backward has freed the activations
+        # and the forward's buffers by then, so the peak is the larger of the two
+        buffers += max(0.0, _muon_buffers(shape, layout, rank, resolved)
+                       - activations - buffers)
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
                     activations=activations, buffers=buffers, host=host, disk=disk,
                     detail={"blocks_on_rank": rank.blocks,
