@@ -9,14 +9,20 @@ directly); three things it does not offer:
   a model that silently ran eager is seen;
 - inductor's modes (``torch._inductor.list_mode_options``), against which
   `meshfit.parallel.options` checks ``compile_mode``;
-- the module a ``torch.compile(model)`` wrapper (``OptimizedModule``) holds, ``_orig_mod``.
+- the module a ``torch.compile(model)`` wrapper (``OptimizedModule``) holds, ``_orig_mod``;
+- the activation memory budget of AOTAutograd's min-cut partitioner
+  (``torch._functorch.config.activation_memory_budget``, torch >= 2.4): the share of a
+  compiled graph's activations the forward keeps for the backward, the rest recomputed
+  (`meshfit.parallel.activation_budget`; torchtitan's ``MemoryBudgetAC``).
 
-Public replacement: a ``torch.compiler`` function for each (counters, modes, unwrapping).
+Public replacement: a ``torch.compiler`` function for each (counters, modes, unwrapping,
+and a per-compile memory budget, e.g. an option of ``torch.compile``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 
 from meshfit._compat import _probe
 
@@ -43,7 +49,31 @@ def uncompiled(module):
     return module._orig_mod if hasattr(module, "_orig_mod") else module
 
 
+# The backends whose joint graph goes through the min-cut partitioner, which alone reads the
+# budget ("aot_eager" and "eager" save what the eager forward would).
+MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager_decomp_partition")
+
+
+def memory_budget_supported() -> bool:
+    """Whether this torch's partitioner takes an activation memory budget."""
+    import torch._functorch.config
+
+    return hasattr(torch._functorch.config, "activation_memory_budget")
+
+
+def memory_budget(fraction: float) -> AbstractContextManager:
+    """A context in which torch.compile's partitioner keeps `fraction` of the activations
+    (0: recompute all it can; 1: keep what the eager forward keeps). The partition is chosen
+    when a graph is compiled, on its first call, so the context must hold around the calls
+    of the compiled module (a patch of the global config, undone on exit)."""
+    import torch._functorch.config
+
+    return torch._functorch.config.patch(activation_memory_budget=float(fraction))
+
+
 def missing() -> list[str]:
     return _probe.absent("torch", ("torch._dynamo.utils.counters",
-                                   "torch._inductor.list_mode_options"),
+                                   "torch._inductor.list_mode_options",
+                                   "torch._functorch.config.activation_memory_budget",
+                                   "torch._functorch.config.patch"),
                          (("torch._dynamo.eval_frame.OptimizedModule", "_orig_mod"),))
