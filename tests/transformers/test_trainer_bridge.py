@@ -210,11 +210,11 @@ def test_layout_by_one_argument(results, case):
 @pytest.mark.parametrize("case", RESUMED)
 def test_resume_on_a_sharded_layout_is_bit_exact(results, case):
     """transformers' default checkpoints (the optimizer state too) on a layout that shards
-    that state: a run stopped after step 2 (a checkpoint every step, ``save_total_limit=1``)
-    and resumed by a new Trainer with ``resume_from_checkpoint=True`` ends bit for bit where
-    the uninterrupted run of the same layout ends (every logged row, every parameter); the
-    older checkpoint was rotated away, the kept one holds transformers' files and meshfit's
-    sharded optimizer state."""
+    that state: a run stopped after step 2 (its checkpoint there) and resumed by a new
+    Trainer with ``resume_from_checkpoint=True`` ends bit for bit where the uninterrupted run
+    of the same layout ends (every logged row, every parameter); with ``save_total_limit=1``
+    its checkpoint of step 4 replaced that of step 2, and holds transformers' files and
+    meshfit's sharded optimizer state."""
     whole = _get(results, "meshfit", 2, RESUMED[case])
     for rank, (res, ref) in enumerate(zip(_get(results, "meshfit", 2, case), whole)):
         assert res["layout"] == ref["layout"] == EXPECTED_LAYOUT[RESUMED[case]]
@@ -222,7 +222,7 @@ def test_resume_on_a_sharded_layout_is_bit_exact(results, case):
         for name, tensor in ref["params"].items():
             assert torch.equal(res["params"][name], tensor), (rank, name)
         if rank == 0:
-            assert res["kept"] == ["checkpoint-2"], res["kept"]
+            assert res["kept"] == ["checkpoint-4"], res["kept"]
             assert {"optimizer_meshfit", "model.safetensors", "scheduler.pt", "trainer_state.json",
                     "rng_state_0.pth", "rng_state_1.pth"} <= set(res["files"]), res["files"]
             assert "optimizer.pt" not in res["files"]

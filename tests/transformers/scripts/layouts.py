@@ -78,22 +78,23 @@ class StopAt(TrainerCallback):
 
 
 def resumed(case: str, out: str) -> dict:
-    """Trained to step 2 (of 4) with a checkpoint every step, the newest kept
+    """Trained to step 2 (of 4) with a checkpoint every 2 steps, the newest kept
     (``save_total_limit=1``), then resumed by a new Trainer with ``resume_from_checkpoint=True``
-    (the newest ``checkpoint-<step>`` in ``output_dir``), as a restarted script would."""
+    (the newest ``checkpoint-<step>`` in ``output_dir``), as a restarted script would; its
+    checkpoint at step 4 replaces the one it resumed from."""
     args = {**COMMON, **CASES[case], "output_dir": out, "save_strategy": "steps",
-            "save_steps": 1, "save_total_limit": 1}
+            "save_steps": 2, "save_total_limit": 1}
     first = Trainer(model=model(), args=TrainingArguments(**args), train_dataset=rows(32, 1),
                     callbacks=[StopAt(2)])
     first.train()
     # The stopped job's end, in this process: what it holds goes (offload="disk": its state
     # files and the lock on <output_dir>/offload, which a second live Trainer is refused).
     first.accelerator.free_memory()
-    first.accelerator.wait_for_everyone()
-    main = first.accelerator.is_main_process
-    kept = sorted(f for f in os.listdir(out) if f.startswith("checkpoint-")) if main else None
-    files = sorted(os.listdir(f"{out}/checkpoint-2")) if main else None
     again = Trainer(model=model(), args=TrainingArguments(**args), train_dataset=rows(32, 1))
     again.train(resume_from_checkpoint=True)
+    again.accelerator.wait_for_everyone()  # (process 0 rotates after the others wrote)
+    main = again.accelerator.is_main_process
+    kept = sorted(f for f in os.listdir(out) if f.startswith("checkpoint-")) if main else None
+    files = sorted(os.listdir(f"{out}/checkpoint-4")) if main else None
     return {**result(again), "layout": again.accelerator.layout.request.describe(),
             "kept": kept, "files": files}
