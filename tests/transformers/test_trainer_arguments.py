@@ -133,6 +133,25 @@ def test_a_ddp_checkpoint_is_refused_where_the_layout_shards_the_optimizer(tmp_p
                                 str(tmp_path))
 
 
+def test_best_model_from_model_only_checkpoints_is_refused_where_sharded(tmp_path):
+    """``load_best_model_at_end`` reads the best weights back from the checkpoint's sharded
+    state on a sharded layout: with ``save_only_model`` (no such state) one line, before
+    anything is written; DDP, or either setting alone, passes."""
+    from meshfit.transformers import checkpoints
+
+    def args(**kwargs):
+        return _args(tmp_path, save_strategy="steps", eval_strategy="steps", **kwargs)
+
+    both = args(load_best_model_at_end=True, save_only_model=True)
+    zero3 = Layout.resolve(LayoutRequest(dp_shard=2, zero_stage=3), 2, distributed=True)
+    with pytest.raises(ValueError) as err:
+        checkpoints.check(both, zero3)
+    _one_line(err, "load_best_model_at_end=True", "save_only_model=True", "dp_shard 2, ZeRO-3")
+    checkpoints.check(both, Layout.resolve(LayoutRequest(), 2, distributed=True))
+    checkpoints.check(args(load_best_model_at_end=True), zero3)
+    checkpoints.check(args(save_only_model=True), zero3)
+
+
 def test_parallel_from_the_command_line_and_in_the_logged_dict(tmp_path):
     """``--parallel`` through transformers' HfArgumentParser; ``to_dict`` (what trackers
     log) holds the layout in words."""

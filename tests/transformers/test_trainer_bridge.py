@@ -62,6 +62,7 @@ SAVED = ("zero2", "zero3", "tp_sp")
 # Stopped at step 2 and resumed (checkpoints with the optimizer state), each against the
 # uninterrupted run of the same layout (layouts.py).
 RESUMED = {f"resume_{case}": case for case in ("zero3", "tp_sp", "disk_offload")}
+BEST = "best_zero3"  # load_best_model_at_end under ZeRO-3 (layouts.py)
 
 
 def _launch(framework: str, world: int, out: Path, env: dict) -> None:
@@ -73,7 +74,7 @@ def _launch(framework: str, world: int, out: Path, env: dict) -> None:
     elif framework == "meshfit":
         cmd = [sys.executable, "-m", "meshfit", "launch", "--nproc", "2", *args[:-4],
                "--script", "snippets,sft,layouts",
-               "--cases", f"{cases},{','.join([*LAYOUTS, *RESUMED])}"]
+               "--cases", f"{cases},{','.join([*LAYOUTS, *RESUMED, BEST])}"]
     else:
         from meshfit.distributed.spawn import free_port
 
@@ -226,6 +227,22 @@ def test_resume_on_a_sharded_layout_is_bit_exact(results, case):
             assert {"optimizer_meshfit", "model.safetensors", "scheduler.pt", "trainer_state.json",
                     "rng_state_0.pth", "rng_state_1.pth"} <= set(res["files"]), res["files"]
             assert "optimizer.pt" not in res["files"]
+
+
+def test_load_best_model_at_end_on_a_sharded_layout(results):
+    """``load_best_model_at_end`` under ZeRO-3: training ends with the best checkpoint's
+    weights (step 2's, by the evaluation loss; not the last step's, which the same run
+    without evaluation ends with) in the shards of every process."""
+    last = _get(results, "meshfit", 2, "zero3")
+    runs = _get(results, "meshfit", 2, BEST)
+    name, best = runs[0]["best"]
+    assert name == "checkpoint-2"
+    for rank, res in enumerate(runs):
+        _trained(res)
+        assert set(res["params"]) == set(best)
+        for key, tensor in best.items():
+            assert torch.equal(res["params"][key], tensor), (rank, key)
+        assert any(not torch.equal(res["params"][k], v) for k, v in last[rank]["params"].items())
 
 
 EXPECTED_LAYOUT = {"zero1": "dp_shard 2, ZeRO-1", "zero2": "dp_shard 2, ZeRO-2",

@@ -28,7 +28,7 @@ import warnings
 import torch
 import transformers.trainer as hf_trainer
 
-__all__ = ["FOLDER", "load", "save", "shards_the_optimizer"]
+__all__ = ["FOLDER", "check", "load", "load_best", "save", "shards_the_optimizer"]
 
 FOLDER = "optimizer_meshfit"
 """The DCP checkpoint's folder in ``checkpoint-<step>``. "optimizer" in the name: transformers'
@@ -42,6 +42,31 @@ def shards_the_optimizer(layout) -> bool:
     dims = layout.dims
     return not (layout.zero_stage == 0 and dims.tp == dims.cp == dims.ep == dims.pp == 1
                 and layout.request.offload == "none")
+
+
+def check(args, layout) -> None:
+    """Refuse, before anything is written, ``load_best_model_at_end`` with ``save_only_model``
+    on a layout that shards the model: the best weights are read back from the checkpoint's
+    sharded state (`load_best`), which such checkpoints lack."""
+    if shards_the_optimizer(layout) and args.load_best_model_at_end and args.save_only_model:
+        raise ValueError(
+            f"TrainingArguments(load_best_model_at_end=True, save_only_model=True) on "
+            f"{layout.request.describe()}: the best weights are loaded back from the "
+            "checkpoint's sharded state, which save_only_model leaves out; set "
+            "save_only_model=False, or load_best_model_at_end=False and load the best "
+            "checkpoint's model.safetensors yourself")
+
+
+def load_best(trainer) -> bool:
+    """``load_best_model_at_end`` on a layout that shards the model: the best checkpoint's
+    `FOLDER` read back with `Accelerator.load_state` (its weights into the shards, and the
+    optimizer state, step counters and random generators of that step with them); transformers
+    would load the whole ``model.safetensors`` into the sharded model, which fails. False on
+    plain DDP (transformers' own loading runs)."""
+    if not shards_the_optimizer(trainer.accelerator.layout):
+        return False
+    trainer.accelerator.load_state(os.path.join(trainer.state.best_model_checkpoint, FOLDER))
+    return True
 
 
 def save(trainer, output_dir: str) -> None:

@@ -98,6 +98,7 @@ class OnMeshfit:
             if request.offload == "disk":
                 args["offload_dir"] = os.path.join(self.args.output_dir, "offload")
         accelerator = Accelerator(**args)
+        checkpoints.check(self.args, accelerator.layout)
         dims = accelerator.layout.dims
         if accelerator.parallelism_config is None and (dims.tp > 1 or dims.cp > 1):
             # What transformers reads of the layout: the processes of a tp or cp group share
@@ -153,6 +154,12 @@ class OnMeshfit:
         """The state `_save_optimizer_and_scheduler` wrote, meshfit's or transformers'."""
         if checkpoint is None or not checkpoints.load(self, checkpoint):
             super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: transformers' own under DDP, meshfit's sharded state of
+        the best checkpoint elsewhere (`meshfit.transformers.checkpoints.load_best`)."""
+        if not checkpoints.load_best(self):
+            super()._load_best_model()
 
     def create_accelerator_and_postprocess(self) -> None:
         with _on_meshfit(self._meshfit_accelerator):

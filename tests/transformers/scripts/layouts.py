@@ -35,6 +35,12 @@ CASES = {
     "sft_zero3": dict(parallel="dp_shard=2,zero_stage=3"),
     "sft_tp": dict(parallel="tp=2"),
 }
+# load_best_model_at_end under ZeRO-3: the best checkpoint (step 2: the evaluation loss is
+# lower there than at step 4) loaded back into the shards at the end.
+CASES["best_zero3"] = dict(parallel="dp_shard=2,zero_stage=3", save_strategy="steps",
+                           save_steps=2, eval_strategy="steps", eval_steps=2,
+                           load_best_model_at_end=True, metric_for_best_model="loss",
+                           per_device_eval_batch_size=4)
 # Checkpoints with the optimizer state (transformers' default, save_only_model=False) on
 # sharded layouts, resumed: each the layout of the case of the same name without "resume_".
 RESUMED = ("zero3", "tp_sp", "disk_offload")
@@ -50,10 +56,15 @@ def run(case: str, out: str) -> dict:
         job.train()
         return {**result(job), "layout": job.accelerator.layout.request.describe()}
     args = TrainingArguments(output_dir=out, **{**COMMON, **CASES[case]})
-    job = Trainer(model=model(), args=args, train_dataset=rows(32, 1))
+    job = Trainer(model=model(), args=args, train_dataset=rows(32, 1),
+                  eval_dataset=rows(12, 2) if args.load_best_model_at_end else None)
     job.train()
     got = result(job)
     got["layout"] = job.accelerator.layout.request.describe()
+    if args.load_best_model_at_end:  # the weights the best checkpoint holds (process 0 reads)
+        best = job.state.best_model_checkpoint
+        got["best"] = (os.path.basename(best), _saved(best)) \
+            if job.accelerator.is_main_process else None
     if args.save_only_model:  # the model saved whole from its shards (on every process)
         job.save_model(out + "/final")
         got["saved"] = _saved(out + "/final") if job.accelerator.is_main_process else None
