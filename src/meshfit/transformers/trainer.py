@@ -13,6 +13,10 @@ Accelerate's ``skip_first_batches`` does not know meshfit's prepared loader (it 
 a loader over the whole dataset, not this process's share); meshfit's skips within its own
 loader's order, so a resumed epoch goes on where it stopped (tested bit-exact).
 
+Checkpoints with the optimizer state, their resume and ``load_best_model_at_end`` on
+layouts that shard that state go through meshfit's own sharded checkpoints
+(`meshfit.transformers.checkpoints`).
+
 Under tp and cp two more things are told to transformers: the sizes (the
 ``parallelism_config`` it reads), and the loss's scale (`OnMeshfit.compute_loss`).
 """
@@ -136,7 +140,7 @@ class OnMeshfit:
         `Accelerator.get_state_dict` (every process takes part): a collective where the
         parameters are sharded (ZeRO-2 and 3: FSDP2 keeps them sharded between steps; tp, ep,
         offloaded parameters), a copy elsewhere. One rule rather than a list of the layouts
-        that shard them: a list missed ZeRO-2, whose save then hung on process 0 alone."""
+        that shard them: a list missed ZeRO-2, whose save then failed on process 0 alone."""
         if state_dict is None and checkpoints.shards_the_optimizer(self.accelerator.layout):
             state_dict = self.accelerator.get_state_dict(self.model)
         super()._save(output_dir, state_dict=state_dict)
