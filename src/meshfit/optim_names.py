@@ -7,5 +7,6 @@ from typing import Literal, get_args
 
 __all__ = ["OPTIMIZERS", "OptimizerName"]
 
-OptimizerName = Literal["adamw", "adamw_fused", "adafactor", "adamw_8bit", "sgd"]
+OptimizerName = Literal["adamw", "adamw_fused", "adafactor", "adamw_8bit", "sgd",
+                        "adamw_bf16_states", "adamw_4bit"]
 OPTIMIZERS = get_args(OptimizerName)

@@ -9,9 +9,13 @@ directly); three things it does not offer:
   a model that silently ran eager is seen;
 - inductor's modes (``torch._inductor.list_mode_options``), against which
   `meshfit.parallel.options` checks ``compile_mode``;
-- the module a ``torch.compile(model)`` wrapper (``OptimizedModule``) holds, ``_orig_mod``.
+- the module a ``torch.compile(model)`` wrapper (``OptimizedModule``) holds, ``_orig_mod``;
+- no limit on recompiles (``torch._dynamo.utils.disable_cache_limit``): torchao's 8/4-bit
+  AdamW step (`meshfit.optim.states`) is one function compiled per parameter shape, more
+  shapes than dynamo's default limit of 8 recompiles per function (torchao does the same).
 
-Public replacement: a ``torch.compiler`` function for each (counters, modes, unwrapping).
+Public replacement: a ``torch.compiler`` function for each (counters, modes, unwrapping,
+a per-call recompile limit).
 """
 
 from __future__ import annotations
@@ -43,7 +47,16 @@ def uncompiled(module):
     return module._orig_mod if hasattr(module, "_orig_mod") else module
 
 
+def unlimited_recompiles():
+    """A context in which a compiled function recompiles for every new input shape
+    (``torch._dynamo.utils.disable_cache_limit()``) instead of falling back to eager."""
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.disable_cache_limit()
+
+
 def missing() -> list[str]:
     return _probe.absent("torch", ("torch._dynamo.utils.counters",
+                                   "torch._dynamo.utils.disable_cache_limit",
                                    "torch._inductor.list_mode_options"),
                          (("torch._dynamo.eval_frame.OptimizedModule", "_orig_mod"),))
