@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import math
 import shutil
 
 import pytest
@@ -136,3 +135,92 @@ def test_stop_and_resume_is_bitwise(runs, name, where):
     assert resumed["bytes"] == full["bytes"]  # the states loaded in their own format
     for key, value in full["state"].items():
         assert torch.equal(value, resumed["state"][key]), key
+
+
+# ------------------------------------------------------------------ one process, in-process
+def test_bf16_states_equal_adamw_with_moments_rounded_after_each_step():
+    x, y = token_batches(4 * 5, 16)
+    model, reference = tiny_gpt(n_layer=1, dtype=torch.float32), tiny_gpt(n_layer=1,
+                                                                          dtype=torch.float32)
+    opt = optim.build("adamw_bf16_states", model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+    ref = torch.optim.AdamW(optim.param_groups(reference, 0.1), lr=1e-2, betas=(0.9, 0.95),
+                            foreach=False)
+    for i in range(5):
+        for m, o in ((model, opt), (reference, ref)):
+            m(x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]).backward()
+            o.step()
+            o.zero_grad()
+        for state in ref.state.values():  # what AdamWBf16States carries to the next step
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key].copy_(state[key].bfloat16())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    for p in model.parameters():
+        assert {opt.state[p][k].dtype for k in ("exp_avg", "exp_avg_sq")} == {torch.bfloat16}
+    # ... and not what plain AdamW (fp32 moments) gives: the rounding is seen
+    plain = tiny_gpt(n_layer=1, dtype=torch.float32)
+    adamw = torch.optim.AdamW(optim.param_groups(plain, 0.1), lr=1e-2, betas=(0.9, 0.95))
+    for i in range(5):
+        plain(x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]).backward()
+        adamw.step()
+        adamw.zero_grad()
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def _wide_gpt():
+    """Matrices of 512 x 512 to 2048 x 512 elements (GPT-2 small's are 768 x 768 and up):
+    the per-tensor lookup tables (1 KiB per 8-bit moment) and the fp32 moments of the norms
+    weigh < 1% there, as in any model worth shrinking the states of (on the tiny GPT's
+    32k-element matrices the tables alone add 3%)."""
+    from meshfit.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=2048, n_layer=1, n_head=8, d_model=512, d_ff=2048,
+                         max_seq_len=16))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_measured_bytes_per_param_within_2_percent_of_the_estimate(name):
+    model = _wide_gpt()
+    opt = optim.build(name, model, lr=1e-3,
+                      **({} if name == "adamw_bf16_states" else {"compile": False}))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    report = optim.state_bytes(opt)
+    print(f"{name}: measured {report.bytes_per_param:.4f} B/param, "
+          f"estimated {OPTIMIZER_BYTES[name]:.4f}")
+    assert report.bytes_per_param == pytest.approx(OPTIMIZER_BYTES[name], rel=0.02)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bf16_weights_round_stochastically_to_a_neighbour(bits):
+    """One step from the same state: the fp32 weight gets the fp32 result r; a bf16 weight
+    (same values) gets r rounded toward zero to bf16 or one bf16 ulp away from zero: the
+    rounding a shard's own random draws give too, so shards and one process differ by at
+    most one bf16 ulp per element and step."""
+    torch.manual_seed(0)
+    w, g = torch.randn(64, 64).bfloat16(), torch.randn(64, 64).bfloat16()
+    full, low = nn.Parameter(w.float()), nn.Parameter(w.clone())
+    full.grad, low.grad = g.float(), g.clone()
+    for p in (full, low):
+        optim.build(f"adamw_{bits}bit", [p], lr=1e-2, compile=False).step()
+    bits32 = full.detach().view(torch.int32)
+    toward = (bits32 & -65536).view(torch.float32)  # the upper 16 bits: bf16 toward zero
+    away = ((bits32 & -65536) + 65536).view(torch.float32)
+    got = low.detach().float()
+    assert ((got == toward) | (got == away)).all()
+    nearest = full.detach().bfloat16().float()
+    assert 0.05 < (got != nearest).float().mean() < 0.95  # random, not round-to-nearest
+
+
+def test_4bit_without_torchao_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(ValueError) as info:
+        optim.build("adamw_4bit", nn.Linear(2, 2), lr=1e-3)
+    message = str(info.value)
+    assert "\n" not in message and "adamw_4bit" in message
+    assert message.endswith('needs torchao, which is not installed; pip install "meshfit[optim]"')
