@@ -201,13 +201,13 @@ def test_bf16_states_equal_adamw_with_moments_rounded_after_each_step():
 
 
 def _wide_gpt():
-    """Matrices of 512 x 512 to 1024 x 512 elements (GPT-2 small's are 768 x 768 and up):
+    """Matrices of 512 x 512 to 2048 x 512 elements (GPT-2 small's are 768 x 768 and up):
     the per-tensor lookup tables (1 KiB per 8-bit moment) and the fp32 moments of the norms
     weigh < 1% there, as in any model worth shrinking the states of (on the tiny GPT's
     32k-element matrices the tables alone add 3%)."""
     from meshfit.models import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=512, n_layer=1, n_head=8, d_model=512, d_ff=1024,
+    return GPT(GPTConfig(vocab_size=2048, n_layer=1, n_head=8, d_model=512, d_ff=2048,
                          max_seq_len=16))
 
 
