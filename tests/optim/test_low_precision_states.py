@@ -246,7 +246,7 @@ def test_bf16_weights_round_stochastically_to_a_neighbour(bits):
     assert 0.05 < (got != nearest).float().mean() < 0.95  # random, not round-to-nearest
 
 
-def test_4bit_without_torchao_names_the_extra(monkeypatch):
+def test_4bit_without_torchao_names_the_extra_before_launch(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
@@ -257,3 +257,10 @@ def test_4bit_without_torchao_names_the_extra(monkeypatch):
     message = str(info.value)
     assert "\n" not in message and "adamw_4bit" in message
     assert message.endswith('needs torchao, which is not installed; pip install "meshfit[optim]"')
+    # ... and `meshfit train` refuses it before launch, with the same line
+    from meshfit.train.configfile import load_config
+    from meshfit.train.preflight import preflight
+
+    with pytest.raises(ValueError) as info:
+        preflight(load_config(None, ["--optim.optimizer=adamw_4bit"]), memory_check=False)
+    assert str(info.value) == message
