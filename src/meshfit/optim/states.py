@@ -161,6 +161,9 @@ def quantized_adamw(bits: int, groups: list[Any], **kwargs: Any) -> torch.optim.
     except ImportError as err:  # installed, but a release made for another torch
         raise torchao_error(name, err) from None
     base = AdamW8bit if bits == 8 else AdamW4bit
+    if not callable(getattr(base, "_subclass_zeros", None)):  # what `_new_buffer` builds on
+        raise torchao_error(name, AttributeError(f"{base.__name__} has no _subclass_zeros: "
+                                                 "a torchao this meshfit was not made for"))
     cls = _QUANTIZED.get(base)
     if cls is None:
         cls = _QUANTIZED[base] = type(f"Quantized{base.__name__}", (_LayoutExact, base),
