@@ -264,3 +264,14 @@ def test_4bit_without_torchao_names_the_extra_before_launch(monkeypatch):
     with pytest.raises(ValueError) as info:
         preflight(load_config(None, ["--optim.optimizer=adamw_4bit"]), memory_check=False)
     assert str(info.value) == message
+
+
+def test_a_torchao_that_does_not_import_says_which_release(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)  # import raises ImportError
+    with pytest.raises(ValueError) as info:
+        optim.build("adamw_4bit", nn.Linear(2, 2), lr=1e-3)
+    message = str(info.value)
+    assert message.startswith("optimizer='adamw_4bit': torchao ") and "\n" not in message
+    assert "pip install" in message
