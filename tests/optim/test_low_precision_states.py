@@ -200,6 +200,20 @@ def test_bf16_states_equal_adamw_with_moments_rounded_after_each_step():
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
 
 
+@pytest.mark.parametrize("beta2,decays", [(0.999, False), (0.95, True)])
+def test_bf16_second_moment_decays_only_by_more_than_half_an_ulp(beta2, decays):
+    p = nn.Parameter(torch.zeros(16))
+    opt = optim.build("adamw_bf16_states", [p], lr=1e-3, betas=(0.9, beta2))
+    p.grad = torch.linspace(0.5, 2.0, 16)  # mantissas across a binade
+    opt.step()
+    first = opt.state[p]["exp_avg_sq"].clone()
+    for _ in range(10):  # gradients gone: v should shrink by beta2 each step
+        p.grad = torch.zeros(16)
+        opt.step()
+    last = opt.state[p]["exp_avg_sq"]
+    assert (last < first).all() if decays else torch.equal(last, first)
+
+
 def _wide_gpt():
     """Matrices of 512 x 512 to 2048 x 512 elements (GPT-2 small's are 768 x 768 and up):
     the per-tensor lookup tables (1 KiB per 8-bit moment) and the fp32 moments of the norms

@@ -21,16 +21,18 @@ parameters: the same blocks. FSDP2 (ZeRO-2/3) shards dim 0, each rank holding a 
 range of the flattened tensor; its blocks are the single process's blocks exactly when
 every shard's length is a multiple of the block size (then every shard starts on a block
 boundary too), e.g. any row split of a matrix whose rows are a multiple of 256 (128)
-elements. `QuantizedAdamW` decides *whether* a tensor's state is quantized on the whole
-tensor (torchao decides on the local shard: a 4096-element norm weight sharded over two ranks
+elements. The optimizers `quantized_adamw` builds decide *whether* a tensor's state is
+quantized on the whole tensor (torchao decides on the local shard: a 4096-element norm weight sharded over two ranks
 would keep fp32 moments there and 8-bit ones on one process), and quantizes a shard with
 its own blocks only where they are the whole tensor's blocks. A shard whose length is not a
 multiple of the block size keeps fp32 moments for that tensor (never less precise than the
 single process; `unaligned` lists them): for those the sharded run differs from one
 process by the quantization error of the moments, not by summation order alone.
 Stochastic rounding of bf16 weights draws from each rank's generator over its own shard,
-so bf16 weights under sharding equal one process only in distribution (each step's result
-within one bf16 ulp of the other, per element); fp32 weights are not rounded and equal.
+so bf16 weights under sharding equal one process only in distribution (from the same state,
+either's step gives the fp32 result rounded to one of its two bf16 neighbours); fp32 weights
+are not rounded and equal. torchao computes the update in fp32 whatever the parameter's
+dtype: float64 parameters are rounded to fp32 values by each step.
 """
 
 from __future__ import annotations
@@ -71,10 +73,11 @@ class AdamWBf16States(torch.optim.Optimizer):
     step (tests/optim/test_low_precision_states.py). Round to nearest is deterministic and
     element-wise: a sharded run rounds each element as one process does.
 
-    bf16 keeps 8 significant bits: an increment under half an ulp (2^-9 relative) is lost.
-    With beta2 >= 0.996 the second moment's decay per step, (1 - beta2) relative, is below
-    that and v stops decaying where gradients shrink (it can only grow); beta2 = 0.95
-    (meshfit's [optim] default) decays 5% a step and is not affected.
+    bf16 keeps 8 significant bits: a change under half an ulp (2^-9 to 2^-8 relative) is
+    rounded away. With beta2 = 0.999 (torch's default) the second moment's decay per step,
+    0.1% relative, is below that: where the gradients vanish v stays where it was instead of
+    decaying. beta2 = 0.95 (meshfit's [optim] default) decays 5% a step and is not affected
+    (tests/optim/test_low_precision_states.py).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
