@@ -13,6 +13,7 @@ model fails on its own, without meshfit (`one_process`).
 
     python benchmarks/family_coverage.py                  # every model type (tens of minutes)
     python benchmarks/family_coverage.py --types llama qwen3 gemma2
+    python benchmarks/family_coverage.py --partial rows.json --resume rows.json  # go on
 
 Nothing here asserts.
 """
@@ -121,14 +122,14 @@ def one_process(folder: Path) -> str | None:
     return None
 
 
-def _started(cfgs: dict, context) -> dict[str, str | None]:
+def _started(cfgs: dict, context, timeout: float) -> dict[str, str | None]:
     """Per layout: None where the first step ran on 2 processes, else why not."""
     from meshfit.distributed.spawn import spawn
 
     if not cfgs:
         return {}
     try:
-        ranks = spawn(_first_steps, 2, cfgs, timeout=120 * len(cfgs), context=context)
+        ranks = spawn(_first_steps, 2, cfgs, timeout=timeout * len(cfgs), context=context)
     except Exception as err:  # noqa: BLE001 (a rank that died or hung: every layout failed)
         line = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:200]}"
         return dict.fromkeys(cfgs, line)
@@ -177,15 +178,25 @@ def main() -> None:
     p.add_argument("--types", nargs="*", default=None)
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--partial", default=None, help="a JSON file updated after each model type")
+    p.add_argument("--resume", default=None, help="a --partial file (or a saved results "
+                   "JSON) whose model types are kept, not run again")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds per layout for a model type's first steps (a type that runs "
+                        "past them counts as failed after launch, named)")
     args = p.parse_args()
     types = args.types or model_types()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "transformers", "meshfit.train"])
     rows: dict[str, dict] = {}
+    if args.resume:
+        saved = json.loads(Path(args.resume).read_text())
+        rows.update(saved.get("rows", saved) if isinstance(saved.get("rows"), dict) else saved)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for model_type in types:
+            if model_type in rows:  # kept from --resume
+                continue
             folder, facts = _tiny(model_type, root)
             row = rows[model_type] = {**facts}
             if folder is None:
@@ -201,7 +212,7 @@ def main() -> None:
                     row[axis] = {"refused": refused}
                 else:
                     admitted[axis] = cfg
-            for axis, failed in _started(admitted, context).items():
+            for axis, failed in _started(admitted, context, args.timeout).items():
                 row[axis] = {"failed": failed}
             if any(row[a].get("failed") for a in admitted):
                 row["alone"] = one_process(folder)  # (None: the failure is meshfit's)

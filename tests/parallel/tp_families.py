@@ -62,9 +62,12 @@ def weight_gaps(model, ref) -> tuple[str, float, int]:
     return worst, gaps[worst], len(gaps)
 
 
-def families_tp(rank, world_size, families, sp: bool, lp: bool):
+def families_tp(rank, world_size, families, sp: bool, lp: bool, root: str | None = None):
     """Worker: each family under tp=world_size (sequence / loss parallel as given) against
-    one process: {family: dict(ref=losses, tp=losses, worst=(name, gap, n))}."""
+    one process: {family: dict(ref=losses, tp=losses, worst=(name, gap, n))}. With `root`:
+    also the trained tp model's logits on a probe (`logits`), and rank 0 writes its folder
+    (`save_model_folder`, what `meshfit train` writes) to root/<family> for
+    `from_pretrained`."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     x, y = token_batches(B, T, VOCAB, seed=1)
     y[0, 3] = -100  # an ignored target: both losses must skip it alike
@@ -75,7 +78,24 @@ def families_tp(rank, world_size, families, sp: bool, lp: bool):
         apply_tp(model, mesh, sequence_parallel=sp, loss_parallel=lp)
         out[family] = dict(ref=_train(ref, x, y), tp=_train(model, x, y),
                            worst=weight_gaps(model, ref))
+        if root is not None:
+            out[family]["logits"] = _export(rank, model, f"{root}/{family}")
+            out[family]["folder"] = f"{root}/{family}"
     return out
+
+
+def _export(rank: int, model, folder: str) -> torch.Tensor:
+    """The tp model's logits on a probe; rank 0 writes its gathered weights as a folder."""
+    from meshfit.checkpoint.saved import save_model_folder
+
+    probe = token_batches(2, T, VOCAB, seed=5)[0]
+    with torch.no_grad():
+        logits = _full(model(input_ids=probe, use_cache=False).logits).clone()
+        state = {k: _full(v.detach()) for k, v in model.state_dict().items()}
+    if rank == 0:
+        save_model_folder(folder, state, model)
+    torch.distributed.barrier()
+    return logits
 
 
 def lora_tp(rank, world_size, family: str):
@@ -95,8 +115,14 @@ def lora_tp(rank, world_size, family: str):
     model = copy.deepcopy(ref)
     apply_tp(model, mesh, sequence_parallel=True)
     adapters = sum(1 for n, p in model.named_parameters() if p.requires_grad)
+    adapted = sum(1 for n, m in ref.named_modules() if hasattr(m, "lora_A"))
     return dict(ref=_train(ref, x, y), tp=_train(model, x, y), adapters=adapters,
-                worst=weight_gaps(model, ref))
+                adapted=adapted, worst=weight_gaps(model, ref))
+
+
+def lora_families_tp(rank, world_size, families):
+    """Worker: `lora_tp` for each family: {family: its result}."""
+    return {family: lora_tp(rank, world_size, family) for family in families}
 
 
 def zero3_tp_export(rank, world_size, families, root: str, exported: tuple):

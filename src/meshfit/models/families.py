@@ -36,7 +36,7 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen2_moe")
 _SIZES = {
     "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
-    "max_position_embeddings": 256, "moe_intermediate_size": 32,
+    "max_position_embeddings": 256, "moe_intermediate_size": 32, "intermediate_size_mlp": 96,
     "shared_expert_intermediate_size": 48, "num_local_experts": 4, "num_experts": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
     "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
@@ -64,8 +64,14 @@ def shrink_config(config, *, layers: int = 2, **sizes):
     layers, the sizes above (or `sizes`) where the configuration has them, per-layer lists
     cut to `layers` (a list that would then hold one attention type gets both, alternating,
     when the full list had both; lists of layer indices keep the indices below `layers`),
-    dropout off."""
+    dropout off. A composite configuration (a text model beside a vision or audio tower:
+    Llama 4, Gemma 3) has each of its sub-configurations shrunk the same way; left whole, its
+    text model is the full-size one."""
     config = copy.deepcopy(config)
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            setattr(config, key, shrink_config(sub, layers=layers, **sizes))
     values = {**_SIZES, **sizes}
     for key, value in values.items():
         if hasattr(config, key) and getattr(config, key) is not None:

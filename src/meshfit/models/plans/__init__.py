@@ -176,6 +176,10 @@ def plan_for(model: nn.Module, *, sequence_parallel: bool = False,
 
 
 _LORA_PREFIX = "base_model.model."  # where a PeftModel keeps the model it adapts
+# Styles that keep a module's parameters whole on every rank: an adapted module under one of
+# them keeps its adapters whole too, the style given to the LoRA layer itself (a MoE's
+# routed experts, Qwen2-MoE's shared-expert gate), so base(x) + B(A(x)) adds like tensors.
+_WHOLE = ("replicate", "replicate_local")
 
 
 def _adapted(module: nn.Module) -> bool:
@@ -196,7 +200,9 @@ def lora_plan(plan: TPPlan, model: nn.Module) -> TPPlan:
       base's: replicated, or sequence-sharded under sequence parallel).
 
     A and B whole are replicated DTensors, so their gradients are summed over the ranks
-    that computed parts of them. Other styles on an adapted module are refused."""
+    that computed parts of them. A module kept whole (`_WHOLE`) keeps its adapters whole:
+    the style goes to the LoRA layer with everything in it. Other styles on an adapted
+    module are refused."""
     names = {n: m for n, m in model.named_modules()}
     styles: dict[str, object] = {}
     for key, style in plan.styles.items():
@@ -205,11 +211,15 @@ def lora_plan(plan: TPPlan, model: nn.Module) -> TPPlan:
         if not any(_adapted(m) for m in matched):
             styles[full] = style
             continue
+        if isinstance(style, Style) and style.kind in _WHOLE:  # adapters replicated with it
+            styles[full] = style
+            continue
         if not isinstance(style, Style) or style.kind not in ("colwise", "rowwise"):
             kind = getattr(style, "kind", type(style).__name__)
             raise ValueError(f"tensor parallel of a LoRA model: {key!r} is adapted by LoRA and "
                              f"laid out as {kind!r}; only column- and row-parallel linears "
-                             "take adapters (leave it out of peft.target_modules)")
+                             "and replicated modules take adapters (leave it out of "
+                             "peft.target_modules)")
         adapters = sorted({a for m in matched if _adapted(m) for a in m.lora_A.keys()})
         styles[f"{full}.base_layer"] = style
         local = style.local_output if style.local_output is not None else True

@@ -35,7 +35,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, para
 
 from meshfit.distributed.tensors import names_by_parameter
 from meshfit.models import plans
-from meshfit.parallel.tp.styles import NO_PARAMS, ReplicateLocal, planned_placement, to_torch_style
+from meshfit.parallel.tp.styles import (NO_PARAMS, ReplicateLocal, ReplicateParallel,
+                                       planned_placement, to_torch_style)
 
 __all__ = ["apply_tp", "tp_cross_entropy"]
 
@@ -51,14 +52,16 @@ def _matches(pattern: str, name: str) -> bool:
 
 def _style_for(styles: Mapping[str, ParallelStyle], name: str) -> ParallelStyle | None:
     """The style that places the parameters of module `name`: its own, else a
-    `ReplicateLocal` on a module holding it (which replicates every parameter inside)."""
+    `ReplicateLocal` or `ReplicateParallel` on a module holding it (both replicate every
+    parameter inside: a LoRA layer's base and adapters under one style)."""
     found = [s for k, s in styles.items() if _matches(k, name) and not isinstance(s, NO_PARAMS)]
     if found:
         return found[-1]  # parallelize_module applies entries in order
     parts = name.split(".")
     for end in range(len(parts) - 1, -1, -1):
         outer = [s for k, s in styles.items()
-                 if _matches(k, ".".join(parts[:end])) and isinstance(s, ReplicateLocal)]
+                 if _matches(k, ".".join(parts[:end]))
+                 and isinstance(s, (ReplicateLocal, ReplicateParallel))]
         if outer:
             return outer[-1]
     return None
