@@ -22,9 +22,9 @@ range of the flattened tensor; its blocks are the single process's blocks exactl
 every shard's length is a multiple of the block size (then every shard starts on a block
 boundary too), e.g. any row split of a matrix whose rows are a multiple of 256 (128)
 elements. The optimizers `quantized_adamw` builds decide *whether* a tensor's state is
-quantized on the whole tensor (torchao decides on the local shard: a 4096-element norm weight sharded over two ranks
-would keep fp32 moments there and 8-bit ones on one process), and quantizes a shard with
-its own blocks only where they are the whole tensor's blocks. A shard whose length is not a
+quantized on the whole tensor (torchao decides on the local shard: a 4096-element matrix
+sharded over two ranks would keep fp32 moments there and 8-bit ones on one process), and
+quantize a shard with its own blocks only where they are the whole tensor's blocks. A shard whose length is not a
 multiple of the block size keeps fp32 moments for that tensor (never less precise than the
 single process; `unaligned` lists them): for those the sharded run differs from one
 process by the quantization error of the moments, not by summation order alone.
