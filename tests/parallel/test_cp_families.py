@@ -229,6 +229,10 @@ REFUSED = {  # one per class: (model type, fields) -> words of the one line
                           ["attention_dropout=0.1 is not available", "set it to 0"]),
     "an encoder-decoder": (("t5", {}), ["model_type 't5' has no causal decoder"]),
     # (its attention class is not marked for the interface: it was refused only at prepare)
+    # (a composite configuration: the layer types are its text configuration's; Llama 4's
+    # chunked layers were refused only at prepare)
+    "chunked layers of a composite configuration": (("llama4", {}), [
+        "model_type 'llama4' has 'chunked_attention' layers (layer_types)"]),
     "no attention layer to replace": (("doge", {}), [
         "DogeForCausalLM has no attention layer the ring can replace",
         "ZeRO and DDP (cp=1) run it"]),

@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor, Shard
 from conftest import case_result, run_cases, selected
 from reference import MODELS, token_batches
 from tp_families import ATOL as FAMILY_ATOL
-from tp_families import F32_ATOL, F32_LOSS_RTOL, FLOAT32, families_tp, lora_families_tp
+from tp_families import (F32_ATOL, F32_LOSS_RTOL, FLOAT32, families_tp, lora_families_tp,
+                         phimoe_tp)
 from tp_families import RTOL as FAMILY_LOSS_RTOL
 from tp_families import T as FAMILY_T
 from tp_families import VOCAB as FAMILY_VOCAB
@@ -184,6 +185,7 @@ def tp2(request, tmp_path_factory):
                               str(tmp_path_factory.mktemp("tp-families")))
         cases["families-plain"] = (families_tp, list(PLAIN_FAMILIES), False, False)
         cases["lora-families"] = (lora_families_tp, list(FAMILIES))
+        cases["phimoe"] = (phimoe_tp,)
     return run_cases(cases, 2, timeout=420)
 
 
@@ -244,6 +246,14 @@ def test_a_tp_trained_family_exports_a_folder_from_pretrained_loads(tp2, family)
     for rank in range(2):  # every rank computed the loaded model's logits
         gap = (per_rank[rank][family]["logits"] - logits).abs().max().item()
         assert gap < atol, (family, rank, gap)
+
+
+def test_a_router_that_is_a_linear_subclass_stays_whole(tp2):
+    """PhiMoE's router subclasses nn.Linear but routes (its forward returns a tuple): the
+    general plan keeps it whole like any router, and tp=2 + SP + LP trains like one process
+    (it failed after launch: 'tuple' object has no attribute 'redistribute')."""
+    pytest.importorskip("transformers")
+    _family_check(case_result(tp2, "phimoe")[0], "phimoe")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -160,3 +160,24 @@ def zero3_tp_export(rank, world_size, families, root: str, exported: tuple):
             torch.distributed.barrier()
         out[family] = res
     return out
+
+
+def phimoe_tp(rank, world_size):
+    """Worker: PhiMoE (its router an `nn.Linear` subclass whose forward routes and returns a
+    tuple: a style that redistributes a linear's output cannot take it) under tp=2 + SP
+    against one process, as `families_tp` compares the families. In eval mode: PhiMoE's
+    training-mode routing samples (sparsemixer's exponential noise), its eval routing does
+    not, and the gradients are the same functions of the weights either way."""
+    import transformers
+
+    from meshfit.models.families import shrink_config
+
+    config = shrink_config(transformers.PhimoeConfig(), vocab_size=VOCAB)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float64, experts_implementation="eager").eval()
+    ref = copy.deepcopy(model)
+    apply_tp(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)),
+             sequence_parallel=True, loss_parallel=True)
+    x, y = token_batches(B, T, VOCAB, seed=1)
+    return dict(ref=_train(ref, x, y), tp=_train(model, x, y), worst=weight_gaps(model, ref))

@@ -144,6 +144,9 @@ def _hf_problem(config, cls) -> str | None:
                                 and cls.is_backend_compatible()):
         return (f"{kind}: {cls.__name__}'s attention does not go through transformers' "
                 f"attention interface, so the ring cannot replace it; {WORKS}")
+    # A composite configuration (Llama 4: a text model beside a vision tower) keeps the
+    # decoder's layer types and attention settings in its text configuration.
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     others = sorted(set(getattr(config, "layer_types", None) or ()) - set(_LAYER_TYPES))
     if others:
         return (f"{kind} has {', '.join(map(repr, others))} layers (layer_types), which the "

@@ -215,7 +215,7 @@ def _moe_block(model, block: str, module: nn.Module, planned, dense, sp: bool) -
         name = f"{block}.{child}"
         inner = {n: s for n, s in planned.items() if n.startswith(name + ".")}
         linears = {c: m for c, m in sub.named_children()  # (a LoRA layer wraps its linear)
-                   if isinstance(getattr(m, "base_layer", m), nn.Linear)}
+                   if _plain_linear(getattr(m, "base_layer", m))}
         if not _holds_params(sub):
             continue
         if planned.get(name) == "moe_tp_experts":
@@ -225,11 +225,17 @@ def _moe_block(model, block: str, module: nn.Module, planned, dense, sp: bool) -
         elif linears and set(linears) <= set(dense) and not _own_params(sub):
             styles |= {f"{name}.{c}": _split(dense[c], model, c, sp_row=False)
                        for c in linears}
-        elif isinstance(getattr(sub, "base_layer", sub), nn.Linear):
+        elif _plain_linear(getattr(sub, "base_layer", sub)):
             styles[name] = replicate()  # e.g. Qwen2-MoE's shared-expert gate
         else:
-            styles[name] = replicate_local()  # the router
+            styles[name] = replicate_local()  # the router (PhiMoE's: a Linear that routes)
     return styles
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An `nn.Linear` computing only its matmul: a subclass with a forward of its own (PhiMoE's
+    router returns logits, weights and chosen experts) is not one a style may redistribute."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 def _sublayer(model, name: str, module: nn.Module, planned, sp: bool) -> dict:
