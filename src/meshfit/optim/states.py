@@ -34,6 +34,13 @@ so bf16 weights under sharding equal one process only in distribution (from the 
 either's step gives the fp32 result rounded to one of its two bf16 neighbours); fp32 weights
 are not rounded and equal. torchao computes the update in fp32 whatever the parameter's
 dtype: float64 parameters are rounded to fp32 values by each step.
+
+**Checkpoints.** DCP (`meshfit.checkpoint`) writes torchao's states as the tensor subclass
+they are (its metadata names their dequantized shape and dtype) and loads them by copying
+codes and scales: exact. A dequantized copy would not be: quantizing it again moves a block
+whose largest magnitude is negative (the signed map's -0.99 is its most negative code, +1
+its largest) to another scale and other codes. `AdamWBf16States.load_state_dict` casts the
+moments back to bf16 (torch's loading casts every state to the parameter's dtype).
 """
 
 from __future__ import annotations
