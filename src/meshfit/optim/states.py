@@ -38,7 +38,7 @@ dtype: float64 parameters are rounded to fp32 values by each step.
 **Checkpoints.** DCP (`meshfit.checkpoint`) writes torchao's states as the tensor subclass
 they are (its metadata names their dequantized shape and dtype) and loads them by copying
 codes and scales: exact. A dequantized copy would not be: quantizing it again moves a block
-whose largest magnitude is negative (the signed map's -0.99 is its most negative code, +1
+whose largest magnitude is negative (the signed maps' most negative codes are -0.993 and -0.887, +1
 its largest) to another scale and other codes. `AdamWBf16States.load_state_dict` casts the
 moments back to bf16 (torch's loading casts every state to the parameter's dtype).
 """
