@@ -39,8 +39,9 @@ dtype: float64 parameters are rounded to fp32 values by each step.
 they are (its metadata names their dequantized shape and dtype) and loads them by copying
 codes and scales: exact. A dequantized copy would not be: quantizing it again moves a block
 whose largest magnitude is negative (the signed maps' most negative codes are -0.993 for
-8 bits and -0.887 for 4, their largest +1) to another scale and other codes. `AdamWBf16States.load_state_dict` casts the
-moments back to bf16 (torch's loading casts every state to the parameter's dtype).
+8 bits and -0.887 for 4, their largest +1) to another scale and other codes.
+`AdamWBf16States.load_state_dict` casts the moments back to bf16 (torch's loading casts
+every state to the parameter's dtype).
 """
 
 from __future__ import annotations
