@@ -108,12 +108,21 @@ def _unaligned_shard(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
     layer = nn.Linear(64, 68, bias=False)
-    fully_shard(layer, mesh=init_device_mesh("cpu", (world,)))
+    fully_shard(layer, mesh=mesh)
     opt = optim.build("adamw_8bit", layer, lr=1e-3, compile=False)
     layer(torch.randn(2, 64)).sum().backward()
     opt.step()
-    return unaligned(opt), _quantized(layer, opt), optim.state_bytes(opt).total_bytes
+    # a column shard (tensor parallel's rowwise weights): strided ranges, not whole blocks
+    column = nn.Parameter(distribute_tensor(torch.zeros(64, 512), mesh, [Shard(1)]))
+    column.grad = distribute_tensor(torch.ones(64, 512), mesh, [Shard(1)])
+    by_column = optim.build("adamw_8bit", [column], lr=1e-3, compile=False)
+    by_column.step()
+    return (unaligned(opt), _quantized(layer, opt), optim.state_bytes(opt).total_bytes,
+            unaligned(by_column))
 
 
 def _two_ranks(rank, world, root):
@@ -156,9 +165,12 @@ def test_sharded_equals_one_process(runs, name, layout):
 
 
 def test_a_shard_without_whole_blocks_keeps_fp32_moments_and_is_listed(runs):
-    shapes, quantized, nbytes = runs["unaligned"]
+    """The case where a layout differs from one process by the quantization error (stated
+    in `meshfit.optim.states`): detected, fp32 there, and listed."""
+    shapes, quantized, nbytes, by_column = runs["unaligned"]
     assert shapes == [(68, 64)] and quantized == []
     assert nbytes == 8 * 34 * 64 + 4  # fp32 moments of this rank's 34 rows, and the step
+    assert by_column == [(64, 512)]
 
 
 @pytest.mark.parametrize("where", ["resume-one", "resume"])

@@ -21,10 +21,11 @@ parameters: the same blocks. FSDP2 (ZeRO-2/3) shards dim 0, each rank holding a 
 range of the flattened tensor; its blocks are the single process's blocks exactly when
 every shard's length is a multiple of the block size (then every shard starts on a block
 boundary too), e.g. any row split of a matrix whose rows are a multiple of 256 (128)
-elements. The optimizers `quantized_adamw` builds decide *whether* a tensor's state is
-quantized on the whole tensor (torchao decides on the local shard: a 4096-element matrix
-sharded over two ranks would keep fp32 moments there and 8-bit ones on one process), and
-quantize a shard with its own blocks only where they are the whole tensor's blocks. A shard
+elements. (Other placements, tensor parallel's column shards or dim 0 sharded over two mesh
+dimensions, are not checked and keep fp32 moments, listed by `unaligned`.) The optimizers
+`quantized_adamw` builds decide *whether* a tensor's state is quantized on the whole tensor
+(torchao decides on the local shard: a 4096-element matrix sharded over two ranks would keep
+fp32 moments there and 8-bit ones on one process), and quantize a shard with its own blocks only where they are the whole tensor's blocks. A shard
 whose length is not a multiple of the block size keeps fp32 moments for that tensor (never
 less precise than the single process; `unaligned` lists them): for those the sharded run
 differs from one process by the quantization error of the moments (~1e-3 in the weights
@@ -245,10 +246,10 @@ class _LayoutExact:
 
         local = local_tensor(p)
         whole = p.numel() >= QUANTIZE_MIN_NUMEL and p.numel() % self.block_size == 0
-        if whole and local.numel() % self.block_size == 0 and local.numel():
+        if whole and _whole_blocks(p, local, self.block_size):
             out = self._subclass_zeros(local, signed, self.block_size)
         else:
-            if whole and signed:  # (once per tensor: exp_avg is made first)
+            if whole and signed and local.numel():  # (once per tensor: exp_avg is first)
                 self.unaligned.append(tuple(p.shape))
             out = torch.zeros_like(local)
         if isinstance(p, DTensor):  # as torchao's: shards of uneven length need the shape
@@ -257,9 +258,26 @@ class _LayoutExact:
         return out.to(p.device)
 
 
+def _whole_blocks(p: torch.Tensor, local: torch.Tensor, block: int) -> bool:
+    """Whether this rank's part of `p` (a whole tensor's block count a multiple of `block`)
+    is made of the whole tensor's blocks. A plain tensor is the whole tensor. A DTensor
+    sharded on dim 0 over one mesh dimension (FSDP2's ZeRO-2/3; the other dimensions
+    replicated) holds a contiguous range of the flattened tensor; the ranks before it hold
+    equal lengths and the ranks after it hold the rest, so when its own length is a multiple
+    of `block` so is its offset (the whole minus the ranks after, or a multiple of its own
+    length). Any other placement (a column shard of tensor parallel, dim 0 sharded twice)
+    holds strided or nested ranges that this rank alone cannot place: not counted as whole."""
+    placements = getattr(p, "placements", None)
+    if placements is not None:
+        shards = [pl for pl in placements if not pl.is_replicate()]
+        if len(shards) > 1 or any(not pl.is_shard(0) for pl in shards):
+            return False
+    return local.numel() > 0 and local.numel() % block == 0
+
+
 def unaligned(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
     """Shapes of the tensors whose shard on this rank keeps fp32 moments though one process
-    would quantize them (the shard's length is not a multiple of the block size); empty for
-    other optimizers and after a step where all shards align."""
+    would quantize them (the shard is not made of the whole tensor's blocks: `_whole_blocks`);
+    empty for other optimizers and where every shard is."""
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
     return list(getattr(inner, "unaligned", []))
