@@ -18,18 +18,19 @@ masters are updated in fp32 and stored as they are).
 scales of the quantized states (the largest magnitude of a block of 256 or 128 consecutive
 elements of the flattened tensor). ZeRO-1 (`meshfit.parallel.zero1`) gives each rank whole
 parameters: the same blocks. FSDP2 (ZeRO-2/3) shards dim 0, each rank holding a contiguous
-range of the flattened tensor; its blocks are the single process's blocks exactly when
-every shard's length is a multiple of the block size (then every shard starts on a block
-boundary too), e.g. any row split of a matrix whose rows are a multiple of 256 (128)
-elements. (Other placements, tensor parallel's column shards or dim 0 sharded over two mesh
-dimensions, are not checked and keep fp32 moments, listed by `unaligned`.) The optimizers
-`quantized_adamw` builds decide *whether* a tensor's state is quantized on the whole tensor
-(torchao decides on the local shard: a 4096-element matrix sharded over two ranks would keep
-fp32 moments there and 8-bit ones on one process), and quantize a shard with its own blocks only where they are the whole tensor's blocks. A shard
-whose length is not a multiple of the block size keeps fp32 moments for that tensor (never
-less precise than the single process; `unaligned` lists them): for those the sharded run
-differs from one process by the quantization error of the moments (~1e-3 in the weights
-after 4 steps at lr 1e-2 on the tiny GPT), not by summation order alone.
+range of the flattened tensor; its blocks are the single process's blocks exactly when every
+shard's length is a multiple of the block size (then every shard starts on a block boundary
+too), e.g. any row split of a matrix whose rows are a multiple of 256 (128) elements. (Other
+placements, tensor parallel's column shards or dim 0 sharded over two mesh dimensions, are
+not checked and keep fp32 moments, listed by `unaligned`.) The optimizers `quantized_adamw`
+builds decide *whether* a tensor's state is quantized on the whole tensor (torchao decides
+on the local shard: a 4096-element matrix sharded over two ranks would keep fp32 moments
+there and 8-bit ones on one process), and quantize a shard with its own blocks only where
+they are the whole tensor's blocks. A shard whose length is not a multiple of the block size
+keeps fp32 moments for that tensor (never less precise than the single process; `unaligned`
+lists them): for those the sharded run differs from one process by the quantization error of
+the moments (~1e-3 in the weights after 4 steps at lr 1e-2 on the tiny GPT), not by
+summation order alone.
 Stochastic rounding of bf16 weights draws from each rank's generator over its own shard,
 so bf16 weights under sharding equal one process only in distribution (from the same state,
 either's step gives the fp32 result rounded to one of its two bf16 neighbours); fp32 weights
