@@ -136,12 +136,13 @@ def _started(cfgs: dict, context, timeout: float) -> dict[str, str | None]:
     return {axis: ranks[0][axis] or ranks[1][axis] for axis in cfgs}
 
 
-def report(rows: dict[str, dict], n_types: int, seconds: float) -> str:
+def report(rows: dict[str, dict], n_types: int, seconds: float, kept: int = 0) -> str:
     """The markdown summary of `rows` (model type -> what each layout did)."""
     lines = ["# meshfit train on 2 processes: which of transformers' causal LMs start", "",
              f"{n_types} model types (transformers' causal-LM registry), "
              f"{sum('build' in r for r in rows.values())} without a tiny model; "
-             f"{seconds:.0f} s.", "",
+             f"{seconds:.0f} s" + (f" for the {n_types - kept} run here ({kept} kept from "
+                                   "earlier runs: --resume)" if kept else "") + ".", "",
              "| layout | of | start | refused before launch | fail after launch | "
              "fail on one process too |", "|---|---|---|---|---|---|"]
     wanted = {"tp": "tp_plan", "pp": "pp_plan", "cp": "plans", "ep": "moe"}
@@ -191,6 +192,7 @@ def main() -> None:
     if args.resume:
         saved = json.loads(Path(args.resume).read_text())
         rows.update(saved.get("rows", saved) if isinstance(saved.get("rows"), dict) else saved)
+    kept = sum(t in rows for t in types)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -221,7 +223,7 @@ def main() -> None:
             print(f"{model_type}: " + ", ".join(
                 f"{a} " + ("refused" if r.get("refused") else "ok" if not r["failed"]
                            else "FAILED") for a, r in row.items() if a in LAYOUTS), flush=True)
-    md = report(rows, len(types), time.perf_counter() - began)
+    md = report(rows, len(types), time.perf_counter() - began, kept)
     print(md)
     if not args.no_write:
         paths = _common.write_results("family_coverage", md + "\n\n" + _common.machine_markdown(

@@ -18,7 +18,8 @@ deferred import is still a dependency). Layers, bottom to top:
     4  meshfit.train, meshfit.launch,          the commands: meshfit train (config, preflight,
        meshfit.cli, meshfit.__main__,          loop), the launcher, every subcommand's CLI;
        meshfit.verify, generate, charts,       the rooms above the trainer (verify, sampling,
-       meshfit.plan_validate                   charts, plan --validate)
+       meshfit.plan_validate,                  charts, plan --validate); transformers'
+       meshfit.transformers                    Trainer on the Accelerator
 
 Packages of one layer may import each other, but never both ways round, and no module
 imports a private name (``_x``) from another package.
@@ -43,7 +44,7 @@ LAYERS = [("meshfit._quiet", 0), ("meshfit._files", 0), ("meshfit._lazy", 0),
           ("meshfit.parallelism_config", 3),
           ("meshfit.train", 4), ("meshfit.verify", 4), ("meshfit.generate", 4),
           ("meshfit.charts", 4), ("meshfit.plan_validate", 4), ("meshfit.launch", 4),
-          ("meshfit.cli", 4), ("meshfit.__main__", 4)]
+          ("meshfit.cli", 4), ("meshfit.__main__", 4), ("meshfit.transformers", 4)]
 
 
 def _modules() -> dict[str, Path]:
@@ -269,6 +270,7 @@ SLOW_IMPORTS = {
     "meshfit.parallel.pp": "imports torch.distributed.pipelining (1.0 s): pipeline parallel",
     "meshfit.parallel.tp": "imports DTensor's tensor parallel (0.5 s): tensor parallel",
     "meshfit.peft": "imports peft, an optional dependency: LoRA",
+    "meshfit.transformers.trl": "imports trl, an optional dependency: TRL's trainers",
     "torch.utils.tensorboard": "imports tensorboard, an optional dependency",
 }
 

@@ -27,3 +27,25 @@ def test_the_page_shows_the_saved_matrix():
     assert len(saved["results"]) >= 14
     rows = [r for layouts in saved["results"].values() for r in layouts.values()]
     assert all(r.get("passed") or r.get("refused") for r in rows)
+
+
+def test_the_pages_coverage_figures_are_the_saved_walks():
+    """The counts the page gives for the walk over every model type (`benchmarks/
+    family_coverage.py`) are those of its saved results: per axis, started of the pool,
+    refused before launch, failed after launch."""
+    import re
+
+    saved = (ROOT / "benchmarks" / "results" / "family_coverage.md").read_text()
+    page = " ".join((ROOT / "docs" / "families.md").read_text().split())
+    found = re.findall(r"^\| (\w\w)=2 \| (\d+) that [^|]*\| \*\*(\d+)\*\* \| (\d+) \| (\d+)",
+                       saved, flags=re.MULTILINE)
+    rows = {axis: figures for axis, *figures in found}
+    assert set(rows) == {"tp", "pp", "cp", "ep"}
+    for axis, (pool, ok, refused, failed) in rows.items():
+        assert f"{axis}=2 starts **{ok} of {pool}**" in page or \
+            f"{axis}=2 **{ok} of {pool}**" in page, axis
+        assert failed == "0"  # the page says none fails after launch
+        if axis != "ep":
+            assert f"{refused} refused" in page, axis
+    n_types = re.search(r"^(\d+) model types", saved, flags=re.MULTILINE).group(1)
+    assert f"covered all {n_types} model types" in page

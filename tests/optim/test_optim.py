@@ -26,6 +26,7 @@ STEPS, BATCH, SEQ = 25, 8, 32
 # Learning rates that train the tiny GPT in 25 steps. Adafactor's lr caps its relative step
 # size (torch's default 1e-2); SGD diverges on this model from about lr=0.2 with momentum 0.9.
 LR = {"adamw": 3e-3, "adamw_fused": 3e-3, "adamw_8bit": 3e-3, "adafactor": 1e-2, "sgd": 0.1,
+      "muon": 3e-3,  # muon: AdamW's lr on embeddings and 1-D parameters, muon_lr 0.02 on matrices
       "adamw_bf16_states": 3e-3, "adamw_4bit": 3e-3}
 
 
@@ -37,12 +38,15 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [tuple(torch.stack(t) for t in zip(*(data[int(i)] for i in row))) for row in idx]
 
 
-def expected_state_bytes(name: str, shapes: list[torch.Size]) -> int:
-    """Closed form of each optimizer's state, fp32 parameters, one 4-byte `step` per tensor."""
+def expected_state_bytes(name: str, shapes: list[torch.Size], muon: set | None = None) -> int:
+    """Closed form of each optimizer's state, fp32 parameters, one 4-byte `step` per tensor
+    (muon: `muon` holds the indices of the shapes Muon steps, 4 B, one momentum each)."""
     total = 0
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
         n = math.prod(shape)
-        if name in ("adamw", "adamw_fused"):
+        if name == "muon":
+            total += 4 * n if i in muon else 8 * n + 4
+        elif name in ("adamw", "adamw_fused"):
             total += 8 * n + 4
         elif name == "sgd":
             total += 4 * n  # momentum buffer only; SGD keeps no step
@@ -64,9 +68,11 @@ def expected_state_bytes(name: str, shapes: list[torch.Size]) -> int:
 
 # ---------------------------------------------------------------- training and state size
 @pytest.mark.parametrize("name", optim.OPTIMIZERS)
-def test_optimizer_trains_tiny_gpt_and_state_matches_closed_form(name, batches):
+def test_optimizer_trains_tiny_gpt_and_state_matches_closed_form(name, batches, request):
     if name in ("adamw_8bit", "adamw_4bit"):
         pytest.importorskip("torchao")
+    if name == "muon":  # bf16 matmuls on 2 OpenMP threads of a busy 2-core machine: 20x slower
+        request.getfixturevalue("one_thread")
     model = tiny_preset()
     opt = optim.build(name, model, lr=LR[name], weight_decay=0.1)
     losses = []
@@ -89,13 +95,19 @@ def test_optimizer_trains_tiny_gpt_and_state_matches_closed_form(name, batches):
     report = optim.state_bytes(opt)
     print("\n" + optim.format_report({name: report}))
     params = list(model.parameters())
+    stepped = {id(p) for g in opt.param_groups if g.get("use_muon") for p in g["params"]}
+    muon = {i for i, p in enumerate(params) if id(p) in stepped}
     assert report.num_params == sum(p.numel() for p in params)
-    assert report.total_bytes == expected_state_bytes(name, [p.shape for p in params])
-    assert report.matrix_bytes == expected_state_bytes(name, [p.shape for p in params if p.ndim >= 2])
+    assert report.total_bytes == expected_state_bytes(name, [p.shape for p in params], muon)
+    matrices = [i for i, p in enumerate(params) if p.ndim >= 2]
+    assert report.matrix_bytes == expected_state_bytes(
+        name, [params[i].shape for i in matrices], {j for j, i in enumerate(matrices) if i in muon})
     if name in ("adamw", "adamw_fused"):
         assert report.bytes_per_param == pytest.approx(8, rel=0.01)  # step scalars included
     elif name == "sgd":
         assert report.bytes_per_param == 4
+    elif name == "muon":  # 4 B on the blocks' matrices; the embeddings keep AdamW's 8 B
+        assert len(muon) == 4 * 6 and report.bytes_per_param < 4.5
     elif name == "adamw_8bit":
         # 1 B per moment plus small per-block scales (4 B per 256) and a 1 KiB lookup table per
         # moment: 2.094 B/param on the tiny GPT's matrices (32k elements on average). Its

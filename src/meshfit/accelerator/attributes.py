@@ -96,6 +96,13 @@ class AcceleratorAttributes:
         """Whether the last optimizer step was skipped (fp16 overflow; schedulers then wait)."""
         return self._registry.step_was_skipped
 
+    # Accelerate's lists of the prepared objects, which transformers' Trainer reads
+    # (``len(accelerator._models) == 0``: whether its model still needs preparing).
+    _models = property(lambda self: self._registry.models)
+    _optimizers = property(lambda self: self._registry.optimizers)
+    _schedulers = property(lambda self: self._registry.schedulers)
+    _dataloaders = property(lambda self: self._registry.loaders)
+
     @property
     def even_batches(self) -> bool:
         return self.dataloader_config.even_batches

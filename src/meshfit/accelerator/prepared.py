@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from meshfit._compat import optim as lr_internals
 from meshfit.accelerator.loader import PreparedDataLoader
+from meshfit.optim import sharded_class
 from meshfit.parallel.zero1 import constructor_kwargs
 
 __all__ = ["GradientState", "ParameterMap", "PreparedOptimizer", "PreparedScheduler",
@@ -70,6 +71,12 @@ class GradientState:
     def _reset_state(cls) -> None:
         """Accelerate's test helper (its GradientState is one per process); meshfit's belongs
         to its Accelerator, so there is nothing process-wide to forget."""
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Accelerate's setter, called by transformers' Trainer, which decides the
+        accumulation boundaries itself (it prefetches each window's batches, so a loader's
+        end cannot tell it): whether the coming micro-batch ends a window."""
+        self.sync_gradients = bool(sync_gradients)
 
     def advance(self) -> None:
         """A micro-batch begins (`accumulate`). As Accelerate's: the innermost loader's last
@@ -266,7 +273,7 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, params: ParameterMap
                          f"state for {len(optimizer.state)} parameter(s) of the unsharded "
                          "model; prepare it before its first step, or build it after "
                          "prepare(model)")
-    cls = type(optimizer)
+    cls = sharded_class(type(optimizer))  # torch.optim.Muon -> meshfit's, which takes DTensors
     return cls(groups, **constructor_kwargs(cls, optimizer.defaults))
 
 

@@ -78,6 +78,7 @@ from dataclasses import dataclass, field
 from meshfit.memory.activations import (DTYPE_BYTES, ActivationBytes, activation_bytes, in_flight,
                                         peak_activations, ring_bytes)
 from meshfit.memory.shape import ModelShape
+from meshfit.optim.muon import BUCKET_ELEMENTS
 from meshfit.parallel.layout import Layout
 from meshfit.parallel.spec import LayoutSpec
 
@@ -86,6 +87,7 @@ __all__ = ["ActivationBytes", "Adapters", "BYTE_UNITS", "Estimate", "LayoutSpec"
 
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_fused": 8.0, "adamw_8bit": 2.03125, "sgd": 4.0,
                    "adafactor": 0.0,
+                   "muon": 4.0,  # on Muon's matrices; AdamW's 8 on the rest (`_muon_rate`)
                    "adamw_bf16_states": 4.0,  # two bf16 moments
                    "adamw_4bit": 1.0625}  # two 4-bit codes, an fp32 scale per 128
 """Optimizer state per parameter element. The quantized rows count the codes and one fp32
@@ -295,6 +297,8 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
     # backward has freed the loss's tensors: the step's peak is the larger of the two
     buffers = _buffers(shape, layout, rank, resolved, dtype, adapted) + max(
         0.0, ring_bytes(shape, layout, seq_len, dtype) - acts.outside)
+    if optimizer == "muon":
+        buffers += _muon_buffers(shape, layout, rank, resolved)
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
                     activations=activations, buffers=buffers, host=host, disk=disk,
                     detail={"blocks_on_rank": rank.blocks,
@@ -374,6 +378,10 @@ def _model_states(shape: ModelShape, rank: _RankParams, costs, optimizer: str,
               shares(lambda n: n * OPTIMIZER_BYTES[optimizer], costs.optimizer_shards)]
     if optimizer == "adafactor":  # factored statistics: (rows + cols) x 4 B per matrix
         states[2] = shares(lambda n: n * 4 * 2 / shape.d_model, costs.optimizer_shards)
+    if optimizer == "muon":  # experts are all Muon matrices; the dense part is mixed
+        dense_part, expert_part = states[2]
+        states[2] = [dense_part / OPTIMIZER_BYTES["muon"] * _muon_rate(shape, experts > 0),
+                     expert_part]
     host = (0.0, 0.0, 0.0)
     if costs.host_offload:
         # FSDP2 offloads what it shards; experts it leaves out (group 1: no other rank
@@ -436,6 +444,57 @@ def _adapted_buffers(layout: LayoutSpec, rank: _RankParams, resolved, dtype: str
     if DTYPE_BYTES[dtype] < 4 and resolved.param_dtype is None:
         buffers += rank.local * (1 - q + t) * DTYPE_BYTES[dtype]
     return buffers
+
+
+def _muon_matrices(shape: ModelShape) -> tuple[float, float]:
+    """(elements of the dense Muon matrices: every block's linears, largest matrix) of
+    `shape`; without `ModelShape.block_linears`, the blocks' parameters less 4 d_model per
+    block (norms and biases)."""
+    linears = shape.block_linears  # (in, out) of the linears of all the blocks
+    if linears:
+        return (float(sum(a * b for a, b in linears)),
+                float(max(a * b for a, b in linears)))
+    dense_block = shape.block_params - shape.block_expert_params
+    return (float(shape.n_layer * max(0, dense_block - 4 * shape.d_model)),
+            float(shape.d_model * max(shape.d_ff, shape.d_model)))
+
+
+def _muon_share(shape: ModelShape, experts_apart: bool) -> float:
+    """The share of Muon's matrices among the parameters the estimate calls dense: without
+    the routed experts where they are counted apart (under ep), else with them (3-D expert
+    weights are Muon's, one matrix per expert)."""
+    matrices = _muon_matrices(shape)[0]
+    if experts_apart:
+        dense = shape.params - shape.expert_params
+    else:
+        dense, matrices = shape.params, matrices + shape.expert_params
+    return min(1.0, matrices / dense) if dense else 1.0
+
+
+def _muon_rate(shape: ModelShape, experts_apart: bool) -> float:
+    """Optimizer bytes per dense parameter under Muon: 4 B (one fp32 momentum) on the
+    blocks' matrices, 8 B (AdamW's two moments) on embeddings, head, norms, biases
+    (`meshfit.optim.muon.split_groups`)."""
+    share = _muon_share(shape, experts_apart)
+    return OPTIMIZER_BYTES["muon"] * share + OPTIMIZER_BYTES["adamw"] * (1 - share)
+
+
+def _muon_buffers(shape: ModelShape, layout: LayoutSpec, rank: _RankParams,
+                  resolved) -> float:
+    """Muon's step (`meshfit.optim.muon`) works through its matrices one bucket at a time
+    (`BUCKET_ELEMENTS` local elements, or one larger matrix): for a bucket it holds the
+    Nesterov updates (fp32) and their orthogonalised results (bf16), 6 B per element, and
+    under sharding (FSDP2, tp) the owner strategy's padded send and receive buffers and the
+    owned matrices gathered whole (they add up to the bucket's share), +8 B per element;
+    and the Newton-Schulz temporaries of the largest matrix (bf16 copy, Gram matrix and
+    polynomial, next iterate: <= 8 B per element)."""
+    largest = _muon_matrices(shape)[1]
+    shards = resolved.costs.param_shards
+    sharded = shards > 1 or layout.tp > 1
+    local = rank.dense * _muon_share(shape, rank.experts > 0) / shards + \
+        rank.experts / (rank.ep * (rank.group if shards > 1 else 1))
+    bucket = min(local, max(BUCKET_ELEMENTS, largest / max(shards, layout.tp)))
+    return bucket * (6.0 + (8.0 if sharded else 0.0)) + largest * 8.0
 
 
 def resolve_layout(layout: LayoutSpec, dtype: str = "fp32"):

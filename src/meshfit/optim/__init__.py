@@ -35,6 +35,9 @@ measures it on a live optimizer:
                                  column vector, and no first moment (Shazeer & Stern 2018);
                                  4 B for vectors. torch.optim.Adafactor.
     sgd                 4 B      the momentum buffer (none with momentum=0).
+    muon                4 B      on the blocks' matrices: one momentum buffer (Jordan et al.
+                                 2024); 8 B (AdamW) on embeddings, head, norms and biases
+                                 (`meshfit.optim.muon`).
 
 AdamW, Adafactor and torchao also keep a scalar `step` tensor per parameter tensor (4 B, not
 per element); bitsandbytes keeps a Python int, SGD none.
@@ -42,8 +45,9 @@ per element); bitsandbytes keeps a Python int, SGD none.
 
 from meshfit.optim.build import build
 from meshfit.optim.groups import param_groups
+from meshfit.optim.muon import Muon, sharded_class
 from meshfit.optim.state import StateReport, format_report, state_bytes
 from meshfit.optim_names import OPTIMIZERS, OptimizerName
 
-__all__ = ["OPTIMIZERS", "OptimizerName", "StateReport", "build", "format_report", "param_groups",
-           "state_bytes"]
+__all__ = ["Muon", "OPTIMIZERS", "OptimizerName", "StateReport", "build", "format_report",
+           "param_groups", "sharded_class", "state_bytes"]

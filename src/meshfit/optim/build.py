@@ -14,6 +14,7 @@ from meshfit._compat import optim as optim_internals
 from meshfit.optim.groups import flat_params as _flat_params
 from meshfit.optim.groups import param_groups
 from meshfit.optim.groups import trainable as _trainable
+from meshfit.optim.muon import build_muon, split_groups
 from meshfit.optim.states import AdamWBf16States, quantized_adamw
 from meshfit.optim_names import OPTIMIZERS
 
@@ -40,6 +41,11 @@ def build(name: str, model_or_params: nn.Module | Iterable[Any], *, lr: float,
                                          1 - t^beta2_decay (pass beta2_decay= to change it)
         sgd                              lr, weight_decay (L2, added to the gradient),
                                          momentum
+        muon                             Muon (`meshfit.optim.muon`) on the matrices:
+                                         muon_lr (0.02), muon_momentum (0.95),
+                                         weight_decay; AdamW on the rest (embeddings,
+                                         head, norms, biases, names in muon_exclude): lr,
+                                         weight_decay, betas, eps
 
     `kwargs` go to the optimizer's constructor and override the values chosen here (e.g.
     block_size= for torchao, nesterov= for SGD).
@@ -57,6 +63,8 @@ def build(name: str, model_or_params: nn.Module | Iterable[Any], *, lr: float,
         model_or_params = [model_or_params]
     if isinstance(model_or_params, nn.Module):
         groups: list[Any] = param_groups(model_or_params, weight_decay, no_decay)
+        if name == "muon":  # the Muon/AdamW split needs the names: embeddings, head, exclude
+            groups = split_groups(groups, model_or_params, exclude=kwargs.get("muon_exclude", ()))
     else:
         if no_decay:
             raise ValueError(f"no_decay={no_decay!r} needs parameter names: pass the nn.Module, "
@@ -120,5 +128,6 @@ def _adamw_bf16_states(groups, *, lr, weight_decay, betas, eps, momentum, **kwar
 # One builder per name of OptimizerName, in its order.
 _BUILDERS = {"adamw": _adamw, "adamw_fused": _adamw_fused, "adafactor": _adafactor,
              "adamw_8bit": _adamw_8bit, "sgd": _sgd,
+             "muon": build_muon,
              "adamw_bf16_states": _adamw_bf16_states, "adamw_4bit": _adamw_4bit}
 

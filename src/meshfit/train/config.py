@@ -222,16 +222,24 @@ class TrainConfig(ModelOptions):
 class OptimConfig:
     """[optim]: the optimizer (`meshfit.optim.build`)."""
 
-    optimizer: str = "adamw_fused"  # adamw (foreach), adamw_fused, adafactor, adamw_8bit or sgd
+    optimizer: str = "adamw_fused"  # adamw (foreach), adamw_fused, adafactor, adamw_8bit, sgd or muon
     # (also adamw_bf16_states: moments in bf16, 4 B/param; adamw_4bit: torchao, ~1.06 B/param)
     lr: float = 3e-3  # Peak learning rate (warm-up, then cosine decay; see [train])
     weight_decay: float = 0.1  # Decoupled weight decay on matrices; none on biases and norm weights
     betas: tuple[float, float] = (0.9, 0.95)  # Adam's moment decay rates (AdamW variants)
     eps: float = 1e-8  # Adam's denominator epsilon
     momentum: float = 0.9  # SGD momentum
+    muon_lr: float = 0.02  # Muon's learning rate on the blocks' matrices (the rest: lr, AdamW)
+    muon_momentum: float = 0.95  # Muon's momentum (Nesterov's with muon_nesterov)
+    muon_nesterov: bool = True  # Nesterov momentum in Muon (torch.optim.Muon's default)
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per step
+    muon_adjust_lr: str = "original"  # Per-matrix lr scale: "original" or "match_rms_adamw"
+    muon_exclude: tuple[str, ...] = ()  # Block matrices (name substrings) to step with AdamW
+    muon_whole: str = "owner"  # Sharded matrices made whole by an owner rank, or "gather"
 
     def __post_init__(self) -> None:
         check_choice("optim", "optimizer", self.optimizer, OPTIMIZERS)
+        self._check_muon()
         check_number("optim", "lr", self.lr, 1e-12, 10.0)
         check_number("optim", "weight_decay", self.weight_decay, 0.0, 10.0)
         check_number("optim", "eps", self.eps, 0.0, 1.0)
@@ -243,6 +251,30 @@ class OptimConfig:
             raise ValueError(f"optim.betas={betas!r} must be two numbers in [0, 1), "
                              "e.g. [0.9, 0.95]")
         object.__setattr__(self, "betas", tuple(float(b) for b in betas))
+
+    def _check_muon(self) -> None:
+        check_number("optim", "muon_lr", self.muon_lr, 1e-12, 10.0)
+        check_number("optim", "muon_momentum", self.muon_momentum, 0.0, 1.0)
+        check_bool("optim", "muon_nesterov", self.muon_nesterov)
+        check_positive("optim", "muon_ns_steps", self.muon_ns_steps, most=99)
+        check_choice("optim", "muon_adjust_lr", self.muon_adjust_lr,
+                     ("original", "match_rms_adamw"))
+        check_choice("optim", "muon_whole", self.muon_whole, ("owner", "gather"))
+        if isinstance(self.muon_exclude, str) or not all(
+                isinstance(m, str) and m for m in self.muon_exclude):
+            raise ValueError(f"optim.muon_exclude={self.muon_exclude!r} must be a list of "
+                             'parameter-name substrings, e.g. ["router"]')
+        object.__setattr__(self, "muon_exclude", tuple(self.muon_exclude))
+
+    def muon_kwargs(self) -> dict[str, Any]:
+        """`meshfit.optim.build`'s Muon arguments from this section (empty unless
+        optimizer = "muon")."""
+        if self.optimizer != "muon":
+            return {}
+        return {"muon_lr": self.muon_lr, "muon_momentum": self.muon_momentum,
+                "nesterov": self.muon_nesterov, "ns_steps": self.muon_ns_steps,
+                "adjust_lr_fn": self.muon_adjust_lr, "muon_exclude": self.muon_exclude,
+                "whole": self.muon_whole}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -368,7 +368,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
     on biases and normalisation weights), only trainable parameters (LoRA: the adapters)."""
     o = cfg.optim
     return optim.build(o.optimizer, model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
-                       eps=o.eps, momentum=o.momentum)
+                       eps=o.eps, momentum=o.momentum, **o.muon_kwargs())
 
 
 def _follow_schedule(schedule, factor) -> None:
