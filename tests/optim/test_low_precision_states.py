@@ -36,6 +36,7 @@ from meshfit.memory.estimate import OPTIMIZER_BYTES
 from meshfit.optim.states import unaligned
 
 pytest.importorskip("torchao")
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py: tiny models)
 
 NAMES = ("adamw_bf16_states", "adamw_8bit", "adamw_4bit")
 STEPS, SAVE_AT, GLOBAL = 4, 2, 8
