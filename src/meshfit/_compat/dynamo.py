@@ -2,7 +2,7 @@
 inductor modes, and the module a whole-model compile wraps.
 
 ``torch.compiler`` is the public face of both (``torch.compiler.list_backends`` is used
-directly); three things it does not offer:
+directly); what it does not offer:
 
 - dynamo's counters (``torch._dynamo.utils.counters``): frames converted, graphs handed to
   the backend, graph breaks, which `meshfit.parallel.compile.compile_stats` reports so that
@@ -12,15 +12,21 @@ directly); three things it does not offer:
 - the module a ``torch.compile(model)`` wrapper (``OptimizedModule``) holds, ``_orig_mod``;
 - no limit on recompiles (``torch._dynamo.utils.disable_cache_limit``): torchao's 8/4-bit
   AdamW step (`meshfit.optim.states`) is one function compiled per parameter shape, more
-  shapes than dynamo's default limit of 8 recompiles per function (torchao does the same).
+  shapes than dynamo's default limit of 8 recompiles per function (torchao does the same);
+- the activation memory budget of AOTAutograd's min-cut partitioner
+  (``torch._functorch.config.activation_memory_budget``, torch >= 2.4): the share of a
+  compiled graph's activations the forward keeps for the backward, the rest recomputed
+  (`meshfit.parallel.activation_budget`; torchtitan's ``MemoryBudgetAC``).
 
 Public replacement: a ``torch.compiler`` function for each (counters, modes, unwrapping,
-a per-call recompile limit).
+a per-compile memory budget, e.g. an option of ``torch.compile``, and a per-call recompile
+limit).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 
 from meshfit._compat import _probe
 
@@ -55,8 +61,32 @@ def unlimited_recompiles():
     return torch._dynamo.utils.disable_cache_limit()
 
 
+# The backends whose joint graph goes through the min-cut partitioner, which alone reads the
+# budget ("aot_eager" and "eager" save what the eager forward would).
+MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager_decomp_partition")
+
+
+def memory_budget_supported() -> bool:
+    """Whether this torch's partitioner takes an activation memory budget."""
+    import torch._functorch.config
+
+    return hasattr(torch._functorch.config, "activation_memory_budget")
+
+
+def memory_budget(fraction: float) -> AbstractContextManager:
+    """A context in which torch.compile's partitioner keeps `fraction` of the activations
+    (0: recompute all it can; 1: keep what the eager forward keeps). The partition is chosen
+    when a graph is compiled, on its first call, so the context must hold around the calls
+    of the compiled module (a patch of the global config, undone on exit)."""
+    import torch._functorch.config
+
+    return torch._functorch.config.patch(activation_memory_budget=float(fraction))
+
+
 def missing() -> list[str]:
     return _probe.absent("torch", ("torch._dynamo.utils.counters",
                                    "torch._dynamo.utils.disable_cache_limit",
-                                   "torch._inductor.list_mode_options"),
+                                   "torch._inductor.list_mode_options",
+                                   "torch._functorch.config.activation_memory_budget",
+                                   "torch._functorch.config.patch"),
                          (("torch._dynamo.eval_frame.OptimizedModule", "_orig_mod"),))

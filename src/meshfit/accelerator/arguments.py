@@ -205,6 +205,7 @@ def read_arguments(given: Mapping[str, Any],
         activation_checkpointing=checkpointing,
         activation_checkpointing_every=given["activation_checkpointing_every"],
         activation_checkpointing_policy=given["activation_checkpointing_policy"],
+        **{k: given[k] for k in ("activation_checkpointing_budget", "activation_offload")},
         **compiling, float8=float8, float8_recipe=given["float8_recipe"],
         tp_plan=given["tp_plan"], ddp_kwargs=dict(ddp_kwargs or {}),
         cp_load_balance=given["cp_load_balance"])

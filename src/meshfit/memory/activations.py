@@ -37,6 +37,15 @@ of keys and values, the accumulators of their gradients and the queries' gradien
 (`_ring_bytes`), after the head's backward has freed the loss's tensors (so only what the
 ring needs beyond those counts). Under ZeRO the states are sharded over dp_shard x cp (`LayoutCosts`).
 
+**Memory-budget checkpointing** ("budget", a share b): torch.compile's min-cut partitioner
+keeps each block's input and b of the rest of its activations, and recomputes the other
+1 - b in the backward (an estimate: the partitioner chooses per graph what to keep).
+
+**Activation offload** (`activation_offload`, `meshfit.parallel.activation_offload`): what
+the blocks keep from forward to backward (after checkpointing) is in host memory instead, of
+every micro-batch in flight; the device holds two blocks' worth of it (the block in use and
+the one being copied in or out), besides what stays (outside the blocks, the recompute).
+
 Pipelines hold several micro-batches at once on their first stage (Narayanan et al. 2021):
 GPipe all m of them, 1F1B min(m, p), interleaved 1F1B p·(1 + (p-1)/(p·v)) stage-chunks,
 zero-bubble (ZB-V) min(m, p).
@@ -44,6 +53,7 @@ zero-bubble (ZB-V) min(m, p).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -64,6 +74,8 @@ class ActivationBytes:
     blocks: float
     outside: float
     recompute_peak: float
+    host: float = 0.0
+    """Saved activations in host memory (activation offload: `peak_activations`)."""
 
     @property
     def total(self) -> float:
@@ -123,6 +135,10 @@ def activation_bytes(shape: ModelShape, layout: LayoutSpec, *, seq_len: int,
     mode = layout.activation_checkpointing
     if mode == "full":
         blocks, recompute = n * block_input, per_block
+    elif mode == "budget":  # the partitioner keeps `budget` of what it may drop
+        kept = layout.activation_checkpointing_budget * (per_block - block_input)
+        budget = layout.activation_checkpointing_budget  # (0: full's recompute, 1: none)
+        blocks, recompute = n * (block_input + kept), (1 - budget) * per_block
     elif mode == "selective":
         kept = n - n // 2  # every 2nd block checkpointed
         blocks, recompute = kept * per_block + (n // 2) * block_input, per_block if n > 1 else 0
@@ -173,12 +189,18 @@ def peak_activations(shape: ModelShape, layout: LayoutSpec, blocks: int, seq_len
     acts = activation_bytes(shape, layout, seq_len=seq_len, dtype=dtype, attention=attention,
                             blocks_on_rank=blocks, gathered_linear_inputs=True,
                             autocast=autocast)
-    activations = acts.blocks * in_flight(layout) + acts.outside + acts.recompute_peak
+    kept = acts.blocks  # what the blocks keep on the device from forward to backward
+    if layout.activation_offload:  # all in host memory; two blocks' worth on the device
+        n = blocks if blocks else 1
+        kept = min(n, 2) * acts.blocks / n
+        acts = dataclasses.replace(acts, host=acts.blocks * in_flight(layout))
+    activations = kept * (1.0 if layout.activation_offload else in_flight(layout)) \
+        + acts.outside + acts.recompute_peak
     if layout.pp > 1:  # the last stage's head and loss, when it is the worst rank
         residual = 4 if autocast else DTYPE_BYTES[dtype]
         head = _head_bytes(shape, layout, layout.micro_batch_size * seq_len // layout.cp,
                            DTYPE_BYTES[dtype], residual)
-        activations = max(activations, acts.blocks + acts.recompute_peak + head)
+        activations = max(activations, kept + acts.recompute_peak + head)
     return activations, acts
 
 

@@ -43,7 +43,9 @@ from forward to backward). The adapters' own activations (the rank-r intermediat
 adapted linear) are not counted: r/d of a block's linear inputs.
 
 **Activations** (`meshfit.memory.activations`): Korthikanti et al.'s closed form per saved
-tensor, context parallel's share and ring, and the micro-batches each pipeline schedule holds.
+tensor, context parallel's share and ring, the micro-batches each pipeline schedule holds,
+memory-budget checkpointing's share, and activation offload's move of the blocks' saved
+activations from the device to the host (`host`).
 
 **Buffers**: FSDP2's gathered parameters (stage 3: two blocks in the parameter dtype — the
 current one and the prefetched next; stage 2 and replicate-only FSDP2: every block, held
@@ -197,7 +199,8 @@ class Estimate:
     activations: float
     buffers: float
     host: float = 0.0
-    """Bytes moved to host memory per rank (CPU offload)."""
+    """Bytes moved to host memory per rank (CPU offload of the states; activation offload's
+    saved activations, ``detail["activations_on_host"]`` of them)."""
     disk: float = 0.0
     """Bytes of optimizer state in files per rank (offload="disk"), streamed through the
     step: about three chunks of it are in memory at a time (`meshfit.parallel.disk`)."""
@@ -293,16 +296,20 @@ def estimate(shape: ModelShape | str, layout: LayoutSpec, *, seq_len: int,
         disk = optimizer_bytes
         optimizer_bytes = min(optimizer_bytes, 3 * DISK_CHUNK_BYTES)
     activations, acts = peak_activations(shape, layout, rank.blocks, seq_len, dtype, attention)
+    host += acts.host  # activation offload: the blocks' saved activations
     # Context parallel's ring holds its buffers in a block's backward, after the head's
     # backward has freed the loss's tensors: the step's peak is the larger of the two
     buffers = _buffers(shape, layout, rank, resolved, dtype, adapted) + max(
         0.0, ring_bytes(shape, layout, seq_len, dtype) - acts.outside)
-    if optimizer == "muon":
-        buffers += _muon_buffers(shape, layout, rank, resolved)
+    if optimizer == "muon":  # the step's buffers: the backward has freed the activations
+        # and the forward's buffers by then, so the peak is the larger of the two
+        buffers += max(0.0, _muon_buffers(shape, layout, rank, resolved)
+                       - activations - buffers)
     return Estimate(layout=layout, params=params, grads=grads, optimizer=optimizer_bytes,
                     activations=activations, buffers=buffers, host=host, disk=disk,
                     detail={"blocks_on_rank": rank.blocks,
                             "per_block_activation": acts.per_block,
+                            "activations_on_host": acts.host,
                             "in_flight": in_flight(layout), "engine": resolved.engine.value,
                             "params_on_disk": params_on_disk,
                             "expert_params_on_rank": rank.experts / rank.ep if rank.ep > 1

@@ -47,6 +47,8 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from meshfit._compat import ops as aten_ops
 from meshfit.models.gpt import GPT
+from meshfit.parallel.activation_budget import apply_memory_budget
+from meshfit.parallel.activation_call import _around_class, _AroundCallMixin
 from meshfit.parallel.options import CheckpointMode, CheckpointPolicy, check_checkpointing
 
 __all__ = ["CheckpointMode", "CheckpointPolicy", "SAVED_OPS", "apply_activation_checkpointing",
@@ -63,15 +65,19 @@ SAVED_OPS: list[aten_ops.OpOverload] = [
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: CheckpointMode = "full", *,
-                                   every: int = 2, policy: CheckpointPolicy = "block"
-                                   ) -> nn.Module:
+                                   every: int = 2, policy: CheckpointPolicy = "block",
+                                   budget: float = 0.5) -> nn.Module:
     """Checkpoint the transformer blocks of `model` in place; returns `model`.
 
-    `every` and `policy` apply to mode="selective" only (see the module docstring). Call
+    `every` and `policy` apply to mode="selective" only (see the module docstring); mode
+    "budget" lets torch.compile's partitioner keep `budget` of the activations
+    (`meshfit.parallel.activation_budget.apply_memory_budget`: compile the model too). Call
     before `apply_compile` (which traces through the checkpoint as a higher-order op) and
     before wrapping in DDP/FSDP. Calling again replaces the previous choice."""
     check_checkpointing(mode, every, policy, names=("mode", "every", "policy"),
                         where="apply_activation_checkpointing: ")
+    if mode == "budget":
+        return apply_memory_budget(model, budget)
     if mode == "none":
         return model
     try:
@@ -84,7 +90,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: CheckpointMode = "ful
     blocks = list(model.layers.values()) if isinstance(model, GPT) else find_blocks(model)
     for block in blocks:
         if (isinstance(block, _CheckpointedMixin)
-                and type(block).__bases__[0] is not _CheckpointedMixin):
+                and _inner_class(block).__bases__[0] is not _CheckpointedMixin):
             raise ValueError(f"apply_activation_checkpointing: {type(block).__name__} was wrapped "
                              "again after checkpointing (e.g. by fully_shard); set checkpointing "
                              "before sharding")
@@ -163,18 +169,32 @@ def _new_checkpointed(plain: type, *args):
 
 def _plain_class(module: nn.Module) -> type:
     mro = type(module).__mro__
-    return mro[mro.index(_CheckpointedMixin) + 1] if _CheckpointedMixin in mro else mro[0]
+    if _CheckpointedMixin in mro:
+        return mro[mro.index(_CheckpointedMixin) + 1]
+    return _inner_class(module)
+
+
+def _inner_class(module: nn.Module) -> type:
+    """The module's class below the `activation_call` swap (its own class without one)."""
+    cls = type(module)
+    return cls.__bases__[1] if cls.__bases__[0] is _AroundCallMixin else cls
+
+
+def _set_inner_class(block: nn.Module, inner: type) -> None:
+    """Swap the class below the `activation_call` swap, which stays on top."""
+    around = type(block).__bases__[0] is _AroundCallMixin
+    block.__class__ = _around_class(inner) if around else inner
 
 
 def _wrap(block: nn.Module, context_fn) -> None:
-    block.__class__ = _checkpointed_class(type(block))
+    _set_inner_class(block, _checkpointed_class(_inner_class(block)))
     block._meshfit_context_fn = context_fn
 
 
 def _unwrap(block: nn.Module) -> None:
     if not isinstance(block, _CheckpointedMixin):
         return
-    block.__class__ = _plain_class(block)
+    _set_inner_class(block, _plain_class(block))
     block.__dict__.pop("_meshfit_context_fn", None)
 
 

@@ -4,6 +4,7 @@ a fraction of a second). The modules of the techniques re-export these names.
 
     ModelOptions                                             parallelize.py
     CheckpointMode, CheckpointPolicy, check_checkpointing   activation.py
+    check_budget                                             activation_budget.py
     CompileScope, check_compile_args                         compile.py
     FLOAT8_RECIPES                                           float8.py
     SCHEDULES                                                pp/schedule.py
@@ -19,9 +20,9 @@ from meshfit._compat import dynamo
 
 __all__ = ["CheckpointMode", "CheckpointPolicy", "CompileScope", "FLOAT8_RECIPES", "ModelOptions",
            "SCHEDULES",
-           "check_checkpointing", "check_compile_args", "compile_mode"]
+           "check_budget", "check_checkpointing", "check_compile_args", "compile_mode"]
 
-CheckpointMode = Literal["none", "full", "selective"]
+CheckpointMode = Literal["none", "full", "selective", "budget"]
 CheckpointPolicy = Literal["block", "op"]
 CompileScope = Literal["block", "model"]
 FLOAT8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
@@ -55,6 +56,34 @@ def check_checkpointing(mode: object, every: object, policy: object, *,
     if policy not in get_args(CheckpointPolicy):
         raise ValueError(f"{where}{names[2]}={policy!r} is not one of "
                          f"{', '.join(get_args(CheckpointPolicy))}")
+
+
+def check_budget(mode: object, budget: object, *, compile: object, backend: object,
+                 offload: object = False, prefix: str = "") -> None:
+    """One-line ValueError for a memory budget outside [0, 1], for mode "budget" without
+    torch.compile, with a backend whose partitioner ignores the budget, or with a torch
+    that has none (torch is imported only for mode "budget"), and for an `offload` that is
+    not a bool; the fields are spelled ``{prefix}activation_checkpointing_budget`` etc."""
+    if not isinstance(offload, bool):
+        raise ValueError(f"{prefix}activation_offload={offload!r} must be True or False")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+        raise ValueError(f"{prefix}activation_checkpointing_budget={budget!r} must be a number "
+                         "in [0, 1] (the share of the activations kept; 0.5 keeps half)")
+    if mode != "budget":
+        return
+    if compile is not True:
+        raise ValueError(f"{prefix}activation_checkpointing='budget' needs {prefix}compile="
+                         "true: the memory budget is applied by torch.compile's min-cut "
+                         "partitioner; set compile = true, or use 'full' or 'selective'")
+    if backend not in dynamo.MEMORY_BUDGET_BACKENDS:
+        raise ValueError(f"{prefix}activation_checkpointing='budget' with {prefix}"
+                         f"compile_backend={backend!r}: only "
+                         f"{' and '.join(dynamo.MEMORY_BUDGET_BACKENDS)} partition by a "
+                         "memory budget; use compile_backend = 'inductor'")
+    if not dynamo.memory_budget_supported():
+        raise ValueError(f"{prefix}activation_checkpointing='budget' needs a torch whose "
+                         "partitioner takes a memory budget (2.4 or later); upgrade torch, or "
+                         "use 'full' or 'selective'")
 
 
 def check_compile_args(backend: object, mode: str | None, *, scope: object = "block",
@@ -106,17 +135,25 @@ class ModelOptions:
     """What `meshfit.parallel.parallelize` does to a model besides the layout: activation
     checkpointing, compile, a tensor-parallel plan and DDP's own keywords. Declared once:
     `Accelerator` takes these fields as keywords and `meshfit train`'s ``[train]`` section
-    carries the first nine (`meshfit.train.config.TrainConfig` is a `ModelOptions`; the
+    carries the first eleven (`meshfit.train.config.TrainConfig` is a `ModelOptions`; the
     fields whose metadata has ``"toml": None`` are not config keys). Validated when built,
     before any process group, model or file exists."""
 
     activation_checkpointing: CheckpointMode = "none"
-    """"none", "full" (every block) or "selective" (see the two options below)."""
+    """"none", "full" (every block), "selective" (see the two options below) or "budget"
+    (torch.compile's partitioner keeps activation_checkpointing_budget of them; needs
+    compile)."""
     activation_checkpointing_every: int = 2
     """selective with policy "block": checkpoint every this many blocks."""
     activation_checkpointing_policy: CheckpointPolicy = "block"
     """selective: "block" (every n-th block) or "op" (keep matrix-product outputs, recompute
     the rest)."""
+    activation_checkpointing_budget: float = 0.5
+    """budget: the share of the activations torch.compile keeps (0: recompute all it can, 1:
+    keep all)."""
+    activation_offload: bool = False
+    """Copy each block's saved activations to host memory (pinned, on a side stream on CUDA)
+    and bring them back for the backward; with checkpointing, what it keeps."""
     compile: bool = False
     """torch.compile the model."""
     compile_backend: str = "inductor"
@@ -146,6 +183,9 @@ class ModelOptions:
         fields as the caller's user writes them (e.g. "train.")."""
         check_checkpointing(self.activation_checkpointing, self.activation_checkpointing_every,
                             self.activation_checkpointing_policy, where=prefix)
+        check_budget(self.activation_checkpointing, self.activation_checkpointing_budget,
+                     compile=self.compile, backend=self.compile_backend,
+                     offload=self.activation_offload, prefix=prefix)
         if not isinstance(self.compile, bool):
             raise ValueError(f"{prefix}compile={self.compile!r} must be True or False")
         check_compile_args(self.compile_backend, compile_mode(self.compile_mode),

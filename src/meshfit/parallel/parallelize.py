@@ -13,7 +13,10 @@ The order is torchtitan's, and each step needs the one before it:
    sequence, its attention a ring over the cp ranks);
    With ``float8``, the linear layers then become torchao's float8 ones (`apply_float8`);
 3. **activation checkpointing** of each transformer block (`apply_activation_checkpointing`),
-   so that the recomputation lives inside what is compiled next;
+   so that the recomputation lives inside what is compiled next (mode "budget": the
+   partitioner of that compile chooses, `apply_memory_budget`), and **activation offload**
+   around each block's whole call (`apply_activation_offload`: what checkpointing keeps
+   goes to host memory; the layout's own hooks run inside it);
 4. **compile** each (checkpointed) block, or the whole model (`apply_compile`);
 5. the **data-parallel wrapper** outside everything else: DDP over the data-parallel ranks
    (ZeRO stage 0 and 1; ZeRO-1's optimizer is built later, on the wrapped parameters), or
@@ -35,6 +38,7 @@ from meshfit._compat.ops import is_view
 from meshfit.distributed.collectives import apply_to_tensors
 from meshfit.models.moe import MoE
 from meshfit.parallel.activation import apply_activation_checkpointing
+from meshfit.parallel.activation_offload import apply_activation_offload
 from meshfit.parallel.compile import apply_compile
 from meshfit.parallel.cp import apply_cp
 from meshfit.parallel.ddp import apply_ddp
@@ -68,7 +72,7 @@ def parallelize(model: nn.Module, layout: Layout, options: ModelOptions = ModelO
     experts = _expert_parallel(model, layout, mesh, device)    # 2b. this rank's experts
     _context_parallel(model, layout, mesh, options)            # 2c. attention: a ring
     _float8(model, options, tp_mesh, device)                   # 2d. torchao's linear layers
-    _checkpointing(model, options)                             # 3. inside what is compiled
+    _checkpointing(model, options, device)                     # 3. inside what is compiled
     _compile(model, options)                                   # 4. before any DP hook exists
     return _data_parallel(model, layout, options, mesh, device,  # 5. outermost
                           tp=tp_mesh is not None, experts=experts)
@@ -130,13 +134,15 @@ def _float8(model: nn.Module, options: ModelOptions, tp_mesh, device: torch.devi
     apply_float8(model, options.float8_recipe, device=device)
 
 
-def _checkpointing(model: nn.Module, options: ModelOptions) -> None:
-    """Activation checkpointing of each transformer block."""
-    if options.activation_checkpointing == "none":
-        return
-    apply_activation_checkpointing(model, options.activation_checkpointing,
-                                   every=options.activation_checkpointing_every,
-                                   policy=options.activation_checkpointing_policy)
+def _checkpointing(model: nn.Module, options: ModelOptions, device: torch.device) -> None:
+    """Activation checkpointing of each transformer block, then activation offload."""
+    if options.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, options.activation_checkpointing,
+                                       every=options.activation_checkpointing_every,
+                                       policy=options.activation_checkpointing_policy,
+                                       budget=options.activation_checkpointing_budget)
+    if options.activation_offload:
+        apply_activation_offload(model, device=device)
 
 
 def _compile(model: nn.Module, options: ModelOptions) -> None:

@@ -14,7 +14,7 @@ from meshfit.parallel.rules import default_zero_stage
 
 __all__ = ["Checkpointing", "LayoutSpec"]
 
-Checkpointing = Literal["none", "selective", "full"]
+Checkpointing = Literal["none", "selective", "full", "budget"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +29,10 @@ class LayoutSpec(LayoutRequest):
     virtual stages are 1."""
 
     activation_checkpointing: Checkpointing = "none"
+    activation_checkpointing_budget: float = 0.5
+    """"budget": the share of each block's activations torch.compile's partitioner keeps."""
+    activation_offload: bool = False
+    """The blocks' saved activations (what checkpointing keeps) in host memory."""
     micro_batch_size: int = 1
 
     def __post_init__(self) -> None:
@@ -36,6 +40,14 @@ class LayoutSpec(LayoutRequest):
         if self.activation_checkpointing not in get_args(Checkpointing):
             raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} is "
                              f"not one of {', '.join(get_args(Checkpointing))}")
+        budget = self.activation_checkpointing_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) \
+                or not 0 <= budget <= 1:
+            raise ValueError(f"activation_checkpointing_budget={budget!r} must be a number in "
+                             "[0, 1]")
+        if not isinstance(self.activation_offload, bool):
+            raise ValueError(f"activation_offload={self.activation_offload!r} must be true or "
+                             "false")
         mbs = self.micro_batch_size
         if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
             raise ValueError(f"micro_batch_size={mbs!r} must be an integer >= 1")
@@ -49,11 +61,19 @@ class LayoutSpec(LayoutRequest):
             object.__setattr__(self, name, value)  # frozen: set once, while being built
 
     def to_json(self) -> dict[str, Any]:
-        return {**super().to_json(), "activation_checkpointing": self.activation_checkpointing,
-                "micro_batch_size": self.micro_batch_size}
+        out = {**super().to_json(), "activation_checkpointing": self.activation_checkpointing}
+        if self.activation_checkpointing == "budget":
+            out["activation_checkpointing_budget"] = self.activation_checkpointing_budget
+        if self.activation_offload:
+            out["activation_offload"] = True
+        return {**out, "micro_batch_size": self.micro_batch_size}
 
     def describe(self) -> str:
         text = super().describe()
-        if self.activation_checkpointing != "none":
+        if self.activation_checkpointing == "budget":
+            text += f", budget {self.activation_checkpointing_budget:g} checkpointing"
+        elif self.activation_checkpointing != "none":
             text += f", {self.activation_checkpointing} checkpointing"
+        if self.activation_offload:
+            text += ", activations offloaded"
         return text + f", micro-batch {self.micro_batch_size}"

@@ -5,7 +5,8 @@ seconds of one optimizer step of a layout on them (`predict`), term by term.
 Cost model of one optimizer step (seconds), per rank:
 
     compute   = 6N+12LdT FLOPs per token x tokens / (ranks x peak x efficiency)
-                x 4/3 with full checkpointing (the forward again), 7/6 with selective
+                x 4/3 with full checkpointing (the forward again), 7/6 with selective,
+                1 + (1 - b)/3 with memory budget b
     bubble    = compute x (p-1)/m (GPipe, 1F1B), (p-1)/(v m) (interleaved), (p-1)/(3 v m)
                 (zero-bubble: a third of interleaved's, ZB-H1's ratio; ZB-V reaches ~0 only
                 when the weight-gradient work fills every gap); (p-1)/m for any schedule
@@ -25,7 +26,9 @@ Cost model of one optimizer step (seconds), per rank:
                 10% -- or, with a profile that measured the engine in training steps, that
                 measured exposed share of it
     offload   = the sharded states over the host link, twice, + the optimizer step on the CPU;
-                on disk: the state read and written on the node's disk, which its ranks share
+                on disk: the state read and written on the node's disk, which its ranks share;
+                activation offload: each micro-batch's saved activations over the host link
+                twice, overlapped with compute (the rest exposed, the overlap charged 10%)
 
 Each collective: latency + factor x bytes / bus bandwidth (all-reduce 2(n-1)/n, all-gather
 and reduce-scatter (n-1)/n, send 1), on the link the group crosses: the node's
@@ -41,6 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshfit.memory.activations import in_flight
 from meshfit.memory.estimate import DTYPE_BYTES, Estimate, LayoutSpec, estimate, resolve_layout
 from meshfit.memory.shape import ModelShape
 from meshfit.plan.devices import DEVICES, INTERCONNECTS, NETWORKS, Device, GiB, Link
@@ -233,7 +237,8 @@ def predict(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, *, seq_len:
     tp, pp = _activation_seconds(shape, layout, cluster, share, seq_len=seq_len, dtype=dtype)
     ep = _expert_seconds(shape, layout, cluster, share, seq_len=seq_len, dtype=dtype)
     family, dp = _data_parallel_seconds(layout, cluster, share, dtype)
-    offload = _offload_seconds(shape, layout, cluster, est, seq_len=seq_len, dtype=dtype)
+    offload = _offload_seconds(shape, layout, cluster, est, seq_len=seq_len, dtype=dtype) \
+        + _activation_offload_seconds(layout, cluster, est, share, compute)
     optimizer = _optimizer_seconds(layout, cluster, share, dtype)
     exposed_dp, charged_dp = _exposed(dp, compute, cluster.dp_exposed(family))
     step = compute * (1 + bubble) + tp + pp + ep + charged_dp + offload + optimizer
@@ -267,10 +272,17 @@ class _Share:
                         if P > 1 else shape.params)
         per_dp = global_batch_size // layout.dp
         return cls(micro=per_dp // layout.micro_batch_size, blocks=blocks,
-                   recompute={"none": 1.0, "selective": 7 / 6,
-                              "full": 4 / 3}[layout.activation_checkpointing],
+                   recompute=_recompute(layout),
                    flops=shape.flops_per_token(seq_len) * (global_batch_size * seq_len),
                    params=stage_params * (shape.tp_split / T + 1 - shape.tp_split))
+
+
+def _recompute(layout: LayoutSpec) -> float:
+    """The compute's multiple for recomputation; memory budget b: the share 1 - b of the
+    forward again (b = 0 about full's)."""
+    if layout.activation_checkpointing == "budget":
+        return 1 + (1 - layout.activation_checkpointing_budget) / 3
+    return {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}[layout.activation_checkpointing]
 
 
 def _compute_seconds(shape: ModelShape, layout: LayoutSpec, cluster: Cluster, share: _Share,
@@ -361,13 +373,27 @@ def _offload_seconds(shape: ModelShape, layout: LayoutSpec, cluster: Cluster,
     if layout.offload not in ("cpu", "disk"):
         return 0.0
     est = est or estimate(shape, layout, seq_len=seq_len, dtype=dtype)
+    states = est.host - est.detail.get("activations_on_host", 0.0)
     if layout.offload == "cpu":
-        return 2 * est.host / cluster.device.host_link + est.host / 20e9
+        return 2 * states / cluster.device.host_link + states / 20e9
     offload = 2 * est.disk * cluster.gpus_per_node / cluster.disk_bandwidth
     if layout.offload_params:  # + the shards and gradients over the host link (as "cpu")
         moved = est.detail["params_on_disk"] + est.host
         offload += 2 * moved / cluster.device.host_link
     return offload
+
+
+def _activation_offload_seconds(layout: LayoutSpec, cluster: Cluster, est: Estimate | None,
+                                share: _Share, compute: float) -> float:
+    """Activation offload: each micro-batch's saved activations out to the host and back over
+    the host link, on a side stream that overlaps the compute; what the compute does not
+    cover is exposed, and the overlapped part is still charged 10% (as the data-parallel
+    traffic's)."""
+    if not layout.activation_offload or est is None:
+        return 0.0
+    per_micro = est.detail.get("activations_on_host", 0.0) / in_flight(layout)
+    moved = 2 * per_micro * share.micro / cluster.device.host_link
+    return max(moved - compute, 0.0) + 0.1 * min(moved, compute)
 
 
 def _optimizer_seconds(layout: LayoutSpec, cluster: Cluster, share: _Share, dtype: str) -> float:

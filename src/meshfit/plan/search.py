@@ -133,7 +133,9 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
            host_memory: float | None = None, adapters: Adapters | None = None) -> SearchResult:
     """Rank every legal layout of `cluster` for `model` that fits in memory with `margin`
     (a share of the device's memory kept free: allocator caching, workspaces) and, with
-    `host_memory` (bytes per node), whose CPU-offloaded states fit the host. `adapters`:
+    `host_memory` (bytes per node), whose CPU-offloaded states fit the host. A layout that
+    does not fit is tried again with activation offload (its saved activations in host
+    memory), which is proposed when that is what makes it fit. `adapters`:
     LoRA/QLoRA on the frozen `model` (`meshfit.memory.Adapters`): the memory counts them (the
     predicted step times are still those of full training)."""
     shape = ModelShape.of(model) if isinstance(model, str) else model
@@ -157,8 +159,14 @@ def search(model: ModelShape | str, cluster: Cluster, *, seq_len: int, global_ba
             considered += 1
             est = estimate(shape, spec, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                            attention=attention, adapters=adapters)
-            if est.total > budget or (host_memory is not None
-                                      and est.host * cluster.gpus_per_node > host_memory):
+            fits = _fits(est, budget, host_memory, cluster)
+            # activations may be what does not fit (not where the device memory is the host's)
+            if not fits and est.activations and not cluster.device.shared:
+                spec = dataclasses.replace(spec, activation_offload=True)
+                est = estimate(shape, spec, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                               attention=attention, adapters=adapters)
+                fits = _fits(est, budget, host_memory, cluster)
+            if not fits:
                 too_big += 1
                 continue
             plans.append(_plan(shape, spec, cluster, est, scene, seq_len=seq_len,
@@ -205,6 +213,11 @@ def _on_disk(shape, cluster, model_facts, budget, scene, *, seq_len, global_batc
                     break  # (the parameters stay in memory when that fits)
     plans.sort(key=lambda p: (p.step_time_s, p.estimate.total))
     return plans
+
+
+def _fits(est: Estimate, budget: float, host_memory: float | None, cluster: Cluster) -> bool:
+    return est.total <= budget and (host_memory is None
+                                    or est.host * cluster.gpus_per_node <= host_memory)
 
 
 def _check_request(shape: ModelShape, seq_len: int, global_batch_size: int,
@@ -256,6 +269,11 @@ def _plan(shape: ModelShape, spec: LayoutSpec, cluster: Cluster, est: Estimate, 
                 f"per rank): reading and writing it adds {terms['offload']:.2f} s to each step "
                 f"({step / max(step - terms['offload'], 1e-12):.1f}x the step without it, at "
                 f"{cluster.disk_bandwidth / 1e9:.1f} GB/s per node)")
+    if spec.activation_offload:
+        why += (f"; its activations are what does not fit the device: "
+                f"{est.detail['activations_on_host'] / GiB:.1f} GiB per rank of them go to "
+                f"host memory (activation_offload), overlapped with compute "
+                f"({terms['offload']:.2f} s of the step)")
     return Plan(estimate=est, step_time_s=step, tokens_per_s=tokens, mfu=mfu,
                 why=why, breakdown=terms,
                 host_bytes_per_node=est.host * cluster.gpus_per_node)

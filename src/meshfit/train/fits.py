@@ -5,7 +5,8 @@ activations of one micro-batch, buffers; the host memory CPU offload takes) is c
 what this machine has:
 
 - on CUDA, the free memory of each local GPU (every rank has its own), and the host memory
-  the offloaded states of the local ranks take together;
+  the offloaded states and the offloaded activations (``activation_offload``) of the local
+  ranks take together;
 - on a CPU, the host's available memory (``MemAvailable``) shared by the local ranks, which
   hold both their device and their offloaded bytes there.
 
@@ -54,9 +55,11 @@ def _spec(cfg, layout):
     and activation checkpointing."""
     pipeline = {"microbatches": cfg.microbatches(layout.dims.world_size)} \
         if layout.dims.pp > 1 else {}  # (unset: the whole accumulation, as the run takes it)
-    return LayoutSpec.from_request(layout.request, **pipeline,
-                                   activation_checkpointing=cfg.train.activation_checkpointing,
-                                   micro_batch_size=cfg.train.micro_batch_size)
+    train = cfg.train
+    return LayoutSpec.from_request(
+        layout.request, **pipeline, activation_checkpointing=train.activation_checkpointing,
+        activation_checkpointing_budget=train.activation_checkpointing_budget,
+        activation_offload=train.activation_offload, micro_batch_size=train.micro_batch_size)
 
 
 def check_fits(cfg, model, layout, *, world_size: int, local_world_size: int,
@@ -103,8 +106,7 @@ def check_fits(cfg, model, layout, *, world_size: int, local_world_size: int,
         problems.append(f"the estimate is {need / GiB:.1f} GiB per rank ({_parts(est)}) and "
                         f"{available / GiB:.1f} GiB is {where}")
     if host_need and host is not None and host_need > host:
-        problems.append(f"CPU offload needs {host_need / GiB:.1f} GiB of host memory for the "
-                        f"{local_world_size} local rank(s) and {host / GiB:.1f} GiB is available")
+        problems.append(_host_problem(est, host_need, host, local_world_size))
     if not problems:
         return None
     source = cfg.model.source
@@ -132,6 +134,18 @@ def _vocab_size(model: torch.nn.Module) -> int:
     """The vocabulary the model was built for (its input embedding's rows)."""
     embedding = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
     return embedding.num_embeddings
+
+
+def _host_problem(est, need: float, host: int, local_world_size: int) -> str:
+    """What the host memory is short of: the offloaded states and/or activations."""
+    acts = est.detail.get("activations_on_host", 0.0)
+    states = est.host - acts
+    what = " and ".join(w for w, b in (("CPU offload", states), ("activation offload", acts))
+                        if b)
+    parts = ", ".join(f"{name} {b / GiB:.1f}" for name, b in
+                      (("optimizer/parameter states", states), ("saved activations", acts)) if b)
+    return (f"{what} needs {need / GiB:.1f} GiB of host memory for the {local_world_size} "
+            f"local rank(s) and {host / GiB:.1f} GiB is available (per rank: {parts} GiB)")
 
 
 def _parts(est) -> str:
