@@ -8,5 +8,5 @@ from typing import Literal, get_args
 __all__ = ["OPTIMIZERS", "OptimizerName"]
 
 OptimizerName = Literal["adamw", "adamw_fused", "adafactor", "adamw_8bit", "sgd",
-                        "muon"]
+                        "muon", "adamw_bf16_states", "adamw_4bit"]
 OPTIMIZERS = get_args(OptimizerName)

@@ -26,7 +26,8 @@ STEPS, BATCH, SEQ = 25, 8, 32
 # Learning rates that train the tiny GPT in 25 steps. Adafactor's lr caps its relative step
 # size (torch's default 1e-2); SGD diverges on this model from about lr=0.2 with momentum 0.9.
 LR = {"adamw": 3e-3, "adamw_fused": 3e-3, "adamw_8bit": 3e-3, "adafactor": 1e-2, "sgd": 0.1,
-      "muon": 3e-3}  # muon: AdamW's lr on embeddings and 1-D parameters, muon_lr 0.02 on matrices
+      "muon": 3e-3,  # muon: AdamW's lr on embeddings and 1-D parameters, muon_lr 0.02 on matrices
+      "adamw_bf16_states": 3e-3, "adamw_4bit": 3e-3}
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +53,15 @@ def expected_state_bytes(name: str, shapes: list[torch.Size], muon: set | None =
         elif name == "adafactor":
             # factored second moment: one row and one column vector (Shazeer & Stern 2018)
             total += (4 * (shape[-2] + shape[-1]) if len(shape) >= 2 else 4 * n) + 4
-        elif n >= 4096 and n % 256 == 0:  # adamw_8bit, torchao quantizes this tensor
+        elif name == "adamw_bf16_states":
+            total += 4 * n + 4  # two bf16 moments
+        elif name == "adamw_4bit" and n >= 4096 and n % 128 == 0:
+            # per moment: two 4-bit codes a byte, an fp32 scale per 128, a 16-entry fp32 qmap
+            total += 2 * (n // 2 + 4 * n // 128 + 4 * 16) + 4
+        elif name == "adamw_8bit" and n >= 4096 and n % 256 == 0:  # torchao quantizes it
             # per moment: uint8 codes, an fp32 scale per block of 256, a 256-entry fp32 qmap
             total += 2 * (n + 4 * n // 256 + 4 * 256) + 4
-        else:  # adamw_8bit, small tensors keep fp32 moments
+        else:  # adamw_8bit / adamw_4bit, small tensors keep fp32 moments
             total += 8 * n + 4
     return total
 
@@ -63,9 +69,11 @@ def expected_state_bytes(name: str, shapes: list[torch.Size], muon: set | None =
 # ---------------------------------------------------------------- training and state size
 @pytest.mark.parametrize("name", optim.OPTIMIZERS)
 def test_optimizer_trains_tiny_gpt_and_state_matches_closed_form(name, batches, request):
-    if name == "adamw_8bit":
+    if name in ("adamw_8bit", "adamw_4bit"):
         pytest.importorskip("torchao")
-    if name == "muon":  # bf16 matmuls on 2 OpenMP threads of a busy 2-core machine: 20x slower
+    # 2 OpenMP threads on a busy 2-core machine: 20x slower (muon's bf16 matmuls), ~10x
+    # (adamw_bf16_states' per-tensor loop: 2.7 s with one thread, 30 s with two)
+    if name in ("muon", "adamw_bf16_states"):
         request.getfixturevalue("one_thread")
     model = tiny_preset()
     opt = optim.build(name, model, lr=LR[name], weight_decay=0.1)
@@ -73,7 +81,7 @@ def test_optimizer_trains_tiny_gpt_and_state_matches_closed_form(name, batches, 
     # torchao's step is torch.compile'd: with a cold inductor cache (a fresh CI machine) the
     # default compile worker pool leaves a thread behind, which the hygiene check rejects.
     compile_threads = torch._inductor.config.patch(compile_threads=1) \
-        if name == "adamw_8bit" else contextlib.nullcontext()
+        if name in ("adamw_8bit", "adamw_4bit") else contextlib.nullcontext()
     with compile_threads:
         for x, y in batches:
             loss = model(x, y)
@@ -108,6 +116,12 @@ def test_optimizer_trains_tiny_gpt_and_state_matches_closed_form(name, batches, 
         # biases and norms (<4096 elements) keep fp32 moments, 8 B/param.
         assert report.matrix_bytes_per_param <= 2.1
         assert report.other_bytes_per_param == pytest.approx(8, rel=0.01)
+    elif name == "adamw_4bit":
+        # half a byte per moment, an fp32 scale per 128 and a 64 B table per moment: 1.066
+        assert report.matrix_bytes_per_param <= 1.07
+        assert report.other_bytes_per_param == pytest.approx(8, rel=0.01)
+    elif name == "adamw_bf16_states":
+        assert report.bytes_per_param == pytest.approx(4, rel=0.01)
     else:
         assert report.matrix_bytes_per_param < 0.1  # ~(rows + cols) * 4 B per matrix
 
@@ -258,7 +272,7 @@ def test_bad_input_is_a_one_line_value_error(kwargs, field):
     message = str(info.value)
     assert field in message and "\n" not in message
     if name == "adam":
-        assert message.endswith("is not one of adamw, adamw_fused, adafactor, adamw_8bit, sgd, muon")
+        assert message.endswith("is not one of " + ", ".join(optim.OPTIMIZERS))
 
 
 def test_fused_on_an_unsupported_device_suggests_adamw():

@@ -194,6 +194,7 @@ def test_command_refuses_bad_input_before_any_process(cli_refusal, sources):
         (["--dtype", "float16"], "--dtype='float16'"),
         (["--steps", "0"], "--steps=0"),
         (["--optim.optimizer=adamw_8bit"], "adamw_8bit"),
+        (["--optim.optimizer=adamw_4bit"], "adamw_4bit"),
         (["--nproc", "1"], "--nproc=1"),
         (["--layouts", "dp_shard=2", "--bogus"], "--bogus"),
     ]

@@ -2,7 +2,7 @@
 inductor modes, and the module a whole-model compile wraps.
 
 ``torch.compiler`` is the public face of both (``torch.compiler.list_backends`` is used
-directly); three things it does not offer:
+directly); what it does not offer:
 
 - dynamo's counters (``torch._dynamo.utils.counters``): frames converted, graphs handed to
   the backend, graph breaks, which `meshfit.parallel.compile.compile_stats` reports so that
@@ -10,13 +10,17 @@ directly); three things it does not offer:
 - inductor's modes (``torch._inductor.list_mode_options``), against which
   `meshfit.parallel.options` checks ``compile_mode``;
 - the module a ``torch.compile(model)`` wrapper (``OptimizedModule``) holds, ``_orig_mod``;
+- no limit on recompiles (``torch._dynamo.utils.disable_cache_limit``): torchao's 8/4-bit
+  AdamW step (`meshfit.optim.states`) is one function compiled per parameter shape, more
+  shapes than dynamo's default limit of 8 recompiles per function (torchao does the same);
 - the activation memory budget of AOTAutograd's min-cut partitioner
   (``torch._functorch.config.activation_memory_budget``, torch >= 2.4): the share of a
   compiled graph's activations the forward keeps for the backward, the rest recomputed
   (`meshfit.parallel.activation_budget`; torchtitan's ``MemoryBudgetAC``).
 
 Public replacement: a ``torch.compiler`` function for each (counters, modes, unwrapping,
-and a per-compile memory budget, e.g. an option of ``torch.compile``).
+a per-compile memory budget, e.g. an option of ``torch.compile``, and a per-call recompile
+limit).
 """
 
 from __future__ import annotations
@@ -49,6 +53,14 @@ def uncompiled(module):
     return module._orig_mod if hasattr(module, "_orig_mod") else module
 
 
+def unlimited_recompiles():
+    """A context in which a compiled function recompiles for every new input shape
+    (``torch._dynamo.utils.disable_cache_limit()``) instead of falling back to eager."""
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.disable_cache_limit()
+
+
 # The backends whose joint graph goes through the min-cut partitioner, which alone reads the
 # budget ("aot_eager" and "eager" save what the eager forward would).
 MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager_decomp_partition")
@@ -73,6 +85,7 @@ def memory_budget(fraction: float) -> AbstractContextManager:
 
 def missing() -> list[str]:
     return _probe.absent("torch", ("torch._dynamo.utils.counters",
+                                   "torch._dynamo.utils.disable_cache_limit",
                                    "torch._inductor.list_mode_options",
                                    "torch._functorch.config.activation_memory_budget",
                                    "torch._functorch.config.patch"),

@@ -31,7 +31,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"),
                    help="activation / compute dtype (parameters stay fp32 masters)")
     p.add_argument("--optimizer", default="adamw",
-                   choices=("adamw", "adamw_8bit", "adafactor", "sgd", "muon"))
+                   choices=("adamw", "adamw_8bit", "adafactor", "sgd", "muon",
+                            "adamw_bf16_states", "adamw_4bit"))
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sequence (default: the model's context, at most 4096)")
     p.add_argument("--vocab-size", type=int, default=None,

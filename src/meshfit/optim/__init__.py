@@ -24,6 +24,13 @@ measures it on a live optimizer:
                                  the tiny GPT's). torchao compiles its step per parameter shape
                                  on first use and keeps lr as a tensor, which torch's
                                  LRScheduler fills in place.
+    adamw_bf16_states   4 B      exp_avg + exp_avg_sq in bf16, the step computed in fp32
+                                 (`meshfit.optim.states.AdamWBf16States`).
+    adamw_4bit          ~1.06 B  torchao's AdamW4bit: 4-bit codes, one fp32 scale per block of
+                                 128 and 16-entry tables (Li et al. 2023); as adamw_8bit, only
+                                 tensors of >= 4096 elements. Both torchao ones run with
+                                 bf16_stochastic_round=True and decide which tensors to
+                                 quantize on the whole tensor (`meshfit.optim.states`).
     adafactor           ~(r+c)*4 per r x c matrix: a factored second moment, one row and one
                                  column vector, and no first moment (Shazeer & Stern 2018);
                                  4 B for vectors. torch.optim.Adafactor.

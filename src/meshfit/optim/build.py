@@ -11,12 +11,11 @@ import torch
 from torch import nn
 
 from meshfit._compat import optim as optim_internals
-from meshfit._quiet import quiet_logs
-from meshfit._torchao import torchao_error
 from meshfit.optim.groups import flat_params as _flat_params
 from meshfit.optim.groups import param_groups
 from meshfit.optim.groups import trainable as _trainable
 from meshfit.optim.muon import build_muon, split_groups
+from meshfit.optim.states import AdamWBf16States, quantized_adamw
 from meshfit.optim_names import OPTIMIZERS
 
 __all__ = ["build"]
@@ -33,6 +32,7 @@ def build(name: str, model_or_params: nn.Module | Iterable[Any], *, lr: float,
     for every group that does not set its own. Which hyperparameters apply:
 
         adamw, adamw_fused, adamw_8bit   lr, weight_decay (decoupled), betas, eps
+        adamw_bf16_states, adamw_4bit    lr, weight_decay (decoupled), betas, eps
         adafactor                        lr (the cap on the relative step size rho_t),
                                          weight_decay (decoupled), eps -> eps1, the floor of
                                          the RMS denominator (a 2-tuple is passed whole);
@@ -112,19 +112,22 @@ def _adamw_8bit(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
     if on_cuda and importlib.util.find_spec("bitsandbytes") is not None:
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(groups, **args)
-    if importlib.util.find_spec("torchao") is None:
-        raise ValueError("optimizer='adamw_8bit' needs torchao (or bitsandbytes on CUDA); "
-                         'pip install "meshfit[optim]"')
-    try:
-        with quiet_logs():
-            from torchao.optim import AdamW8bit  # first step compiles (~50 s cold on a CPU)
-    except ImportError as err:  # installed, but a release made for another torch
-        raise torchao_error("optimizer='adamw_8bit'", err) from None
-    return AdamW8bit(groups, **args)
+    return quantized_adamw(8, groups, **args)  # torchao's: compiles its step on first use
+
+
+def _adamw_4bit(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
+    return quantized_adamw(4, groups, **{"lr": lr, "betas": betas, "eps": eps,
+                                         "weight_decay": weight_decay, **kwargs})
+
+
+def _adamw_bf16_states(groups, *, lr, weight_decay, betas, eps, momentum, **kwargs):
+    return AdamWBf16States(groups, **{"lr": lr, "betas": betas, "eps": eps,
+                                      "weight_decay": weight_decay, **kwargs})
 
 
 # One builder per name of OptimizerName, in its order.
 _BUILDERS = {"adamw": _adamw, "adamw_fused": _adamw_fused, "adafactor": _adafactor,
              "adamw_8bit": _adamw_8bit, "sgd": _sgd,
-             "muon": build_muon}
+             "muon": build_muon,
+             "adamw_bf16_states": _adamw_bf16_states, "adamw_4bit": _adamw_4bit}
 

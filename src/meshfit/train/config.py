@@ -223,6 +223,7 @@ class OptimConfig:
     """[optim]: the optimizer (`meshfit.optim.build`)."""
 
     optimizer: str = "adamw_fused"  # adamw (foreach), adamw_fused, adafactor, adamw_8bit, sgd or muon
+    # (also adamw_bf16_states: moments in bf16, 4 B/param; adamw_4bit: torchao, ~1.06 B/param)
     lr: float = 3e-3  # Peak learning rate (warm-up, then cosine decay; see [train])
     weight_decay: float = 0.1  # Decoupled weight decay on matrices; none on biases and norm weights
     betas: tuple[float, float] = (0.9, 0.95)  # Adam's moment decay rates (AdamW variants)

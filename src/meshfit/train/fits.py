@@ -34,7 +34,8 @@ __all__ = ["adapters_of", "check_fits", "host_available_bytes"]
 
 GiB = 2**30
 _OPTIMIZERS = {"adamw": "adamw", "adamw_fused": "adamw_fused", "adamw_8bit": "adamw_8bit",
-               "sgd": "sgd", "adafactor": "adafactor"}
+               "sgd": "sgd", "adafactor": "adafactor",
+               "adamw_bf16_states": "adamw_bf16_states", "adamw_4bit": "adamw_4bit"}
 
 
 def host_available_bytes() -> int | None:

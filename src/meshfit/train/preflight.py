@@ -281,10 +281,11 @@ def preflight(cfg, world_size: int | None = None, local_world_size: int | None =
 
         check_float8_device(device, "train.float8")
     model, shape = _matmul_shape(cfg, device, precision.dtype or torch.float32)
-    if cfg.optim.optimizer == "adamw_8bit":
+    if cfg.optim.optimizer in ("adamw_8bit", "adamw_4bit"):  # torchao (or bitsandbytes) there
         from meshfit import optim
 
-        optim.build("adamw_8bit", [torch.nn.Parameter(torch.zeros(1, device=device))], lr=1e-3)
+        optim.build(cfg.optim.optimizer, [torch.nn.Parameter(torch.zeros(1, device=device))],
+                    lr=1e-3)
     warnings = list(cfg.layout(world_size, local_world_size).warnings) if world_size else []
     if cfg.train.warmup_steps >= cfg.train.steps:  # (unset, it is at most a tenth of them)
         warnings.append(f"train.warmup_steps={cfg.train.warmup_steps} covers the whole run of "
