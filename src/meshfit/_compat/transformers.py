@@ -1,4 +1,5 @@
-"""transformers' internals: the attention implementation a model runs.
+"""transformers' internals: the attention implementation a model runs, and the Trainer
+methods the Trainer bridge overrides.
 
 Context parallel (`meshfit.parallel.cp`) registers its ring attention in transformers'
 attention interface (public) and makes the model use it. ``PreTrainedModel.
@@ -12,9 +13,20 @@ positions alone for flash), so they read which implementation that is: the confi
 ``_attn_implementation``, what transformers itself reads (``is_flash_attention_requested``
 too). transformers has no public getter for it.
 
-Public replacement: ``set_attn_implementation`` itself, once meshfit's oldest supported
-transformers has it (then the fallback goes); a public getter of the implementation, once
-transformers has one (``is_flash_attention_requested`` answers only "flash or not").
+The Trainer bridge (`meshfit.transformers`) subclasses transformers' ``Trainer`` and
+overrides four of its private methods -- ``_save`` (the weights gathered from a sharded
+layout), ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler`` (the optimizer
+state as meshfit's sharded checkpoint) and ``_load_best_model`` -- and runs transformers' loop
+with the module's ``Accelerator`` and ``skip_first_batches`` names pointing at meshfit's:
+there are no public hooks for either. `missing` probes each, so a transformers release that
+renames one fails this package's check instead of silently skipping an override. Public
+replacement: a Trainer argument taking an accelerator (or a checkpoint-IO hook), once
+transformers has one.
+
+For the attention implementation, the public replacement: ``set_attn_implementation``
+itself, once meshfit's oldest supported transformers has it (then the fallback goes); a
+public getter of the implementation, once transformers has one
+(``is_flash_attention_requested`` answers only "flash or not").
 """
 
 from __future__ import annotations
@@ -44,4 +56,10 @@ def missing() -> list[str]:
     except ImportError:
         return []  # (an optional dependency: nothing here is reached without it)
     return _probe.absent("transformers",
-                         ("transformers.PretrainedConfig._attn_implementation",))
+                         ("transformers.PretrainedConfig._attn_implementation",
+                          "transformers.Trainer._save",
+                          "transformers.Trainer._save_optimizer_and_scheduler",
+                          "transformers.Trainer._load_optimizer_and_scheduler",
+                          "transformers.Trainer._load_best_model",
+                          "transformers.trainer.Accelerator",
+                          "transformers.trainer.skip_first_batches"))
