@@ -1,4 +1,5 @@
-"""docs/families.md shows the family matrix as `benchmarks/family_matrix.py` saved it: the
+"""Figures in the manual that a benchmark saved: docs/families.md shows the family matrix as
+`benchmarks/family_matrix.py` saved it: the
 table between the page's markers is the rendering of benchmarks/results/family_matrix.json
 (a figure in the manual that no run made would drift)."""
 
@@ -49,3 +50,14 @@ def test_the_pages_coverage_figures_are_the_saved_walks():
             assert f"{refused} refused" in page, axis
     n_types = re.search(r"^(\d+) model types", saved, flags=re.MULTILINE).group(1)
     assert f"covered all {n_types} model types" in page
+
+
+def test_the_memory_table_is_the_saved_benchmark():
+    """docs/single-device.md's memory table (optimizer x checkpointing) is the one
+    `benchmarks/memory_table.py` saved, row for row."""
+    saved = (ROOT / "benchmarks" / "results" / "memory_table_cpu.md").read_text()
+    page = (ROOT / "docs" / "single-device.md").read_text()
+    shown = page.split("<!-- memory-table:start -->", 1)[1].split("<!-- memory-table:end -->")[0]
+    rows = [line for line in shown.strip().splitlines() if line.startswith("|")]
+    assert rows and all(row in saved.splitlines() for row in rows)
+    assert len(rows) == 2 + 6  # header, rule, one row per optimizer
