@@ -8,7 +8,7 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" \
     | tee "$out/env.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_cuda.py 2>&1 \
+timeout 150 python3 -m pytest -o addopts=-ra -q -p no:cacheprovider tests/distributed/test_cuda.py 2>&1 \
     | tee "$out/test_cuda.log"
 timeout 90 python3 -m meshfit train --nproc 1 --out "$out/tiny" 2>&1 | tail -3
 timeout 120 python3 -m meshfit train --nproc 1 --out "$out/gpt2" --model.preset=gpt2 \
@@ -19,5 +19,5 @@ for r in tiny gpt2; do
     cp "$out/$r/metrics.jsonl" "$out/metrics_$r.jsonl" 2>/dev/null && rm -rf "${out:?}/$r"
 done
 # The CPU suite against the device's own torch release (a compatibility check of the range).
-CUDA_VISIBLE_DEVICES= timeout 150 python3 -m pytest -q -x -p no:cacheprovider \
+CUDA_VISIBLE_DEVICES= timeout 150 python3 -m pytest -o addopts=-ra -q -x -p no:cacheprovider \
     2>&1 | tail -5 | tee "$out/cpu_suite.log"

@@ -5,7 +5,7 @@ set -uo pipefail
 out=${OUT:-runs/device}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src:$PWD/tests:$PWD/benchmarks PYTHONUNBUFFERED=1
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_cuda.py 2>&1 \
+timeout 120 python3 -m pytest -o addopts=-ra -q -p no:cacheprovider tests/distributed/test_cuda.py 2>&1 \
     | tail -15 | tee "$out/test_cuda.log"
 timeout 240 python3 benchmarks/cuda_paths.py --runs /tmp/cuda_paths 2>&1 \
     | grep -v -i "warn" | tee "$out/cuda_paths.log"
