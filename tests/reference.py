@@ -32,6 +32,7 @@ differences, as large as some real mistakes):
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -203,3 +204,31 @@ def forward_bytes(model: torch.nn.Module, *inputs) -> int:
         loss = model(*inputs)
     loss.backward()
     return sum(e.self_cpu_memory_usage for e in prof.key_averages())
+
+
+def differences(a, b, *, rtol: float, atol: float, path: str = "") -> list[str]:
+    """Where two nested results (dicts, lists, tensors, floats, anything comparable with ==)
+    differ: floating tensors and floats beyond `rtol`/`atol`, anything else unequal; one
+    line per difference naming its path. The differential tests' comparison of a peer's
+    run with meshfit's."""
+    def inner(x, y, where: str) -> list[str]:
+        return differences(x, y, rtol=rtol, atol=atol, path=where)
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) \
+                or a.shape != b.shape or a.dtype != b.dtype:
+            return [f"{path}: {a!r} vs {b!r}"]
+        close = torch.allclose(a, b, rtol=rtol, atol=atol) if a.is_floating_point() \
+            else torch.equal(a, b)
+        return [] if close else [f"{path}: max |diff| {(a.double() - b.double()).abs().max()}"]
+    if isinstance(a, float) and isinstance(b, float):
+        return [] if math.isclose(a, b, rel_tol=rtol, abs_tol=atol) else [f"{path}: {a} vs {b}"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path}: keys {sorted(a)} vs {sorted(b)}"]
+        return [d for k in a for d in inner(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in inner(x, y, f"{path}[{i}]")]
+    return [] if type(a) is type(b) and a == b else [f"{path}: {a!r} vs {b!r}"]

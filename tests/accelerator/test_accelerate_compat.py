@@ -14,7 +14,6 @@ bitwise equal; the bound asserted is rtol 1e-6 with atol 1e-7 for floating-point
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 from conftest import kill_tree, make_subprocess_env
+from reference import differences
 
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
@@ -75,26 +75,7 @@ def results(tmp_path_factory) -> dict:
 
 
 def _differences(a, b, path: str = "") -> list[str]:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) \
-                or a.shape != b.shape or a.dtype != b.dtype:
-            return [f"{path}: {a!r} vs {b!r}"]
-        if a.is_floating_point():
-            close = torch.allclose(a, b, rtol=RTOL, atol=ATOL)
-        else:
-            close = torch.equal(a, b)
-        return [] if close else [f"{path}: max |diff| {(a.double() - b.double()).abs().max()}"]
-    if isinstance(a, float) and isinstance(b, float):
-        return [] if math.isclose(a, b, rel_tol=RTOL, abs_tol=ATOL) else [f"{path}: {a} vs {b}"]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{path}: keys {sorted(a)} vs {sorted(b)}"]
-        return [d for k in a for d in _differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}: {len(a)} items vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
-    return [] if type(a) is type(b) and a == b else [f"{path}: {a!r} vs {b!r}"]
+    return differences(a, b, rtol=RTOL, atol=ATOL, path=path)
 
 
 def _result(results, framework: str, world: int, case: str) -> list:

@@ -35,6 +35,7 @@ import pytest
 import torch
 
 from conftest import kill_tree, make_subprocess_env
+from reference import differences
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' Trainer itself needs it
@@ -105,23 +106,7 @@ def results(tmp_path_factory) -> dict:
 
 
 def _differences(a, b, path: str = "") -> list[str]:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) \
-                or a.shape != b.shape or a.dtype != b.dtype:
-            return [f"{path}: {a!r} vs {b!r}"]
-        close = torch.allclose(a, b, rtol=RTOL, atol=ATOL)
-        return [] if close else [f"{path}: max |diff| {(a.double() - b.double()).abs().max()}"]
-    if isinstance(a, float) and isinstance(b, float):
-        return [] if math.isclose(a, b, rel_tol=RTOL, abs_tol=ATOL) else [f"{path}: {a} vs {b}"]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{path}: keys {sorted(a)} vs {sorted(b)}"]
-        return [d for k in a for d in _differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}: {len(a)} items vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
-    return [] if type(a) is type(b) and a == b else [f"{path}: {a!r} vs {b!r}"]
+    return differences(a, b, rtol=RTOL, atol=ATOL, path=path)
 
 
 def _get(results, framework: str, world: int, case: str) -> list:
