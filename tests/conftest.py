@@ -49,29 +49,6 @@ def _mp_context():
     return _context
 
 
-# The files whose tests take longest (each a minute or so of shared spawns on 2 cores) are
-# collected first: the two xdist workers take whole files in collection order, so these
-# start at once and the suite does not end waiting on one of them started last.
-_LONGEST_FIRST = ("train/test_val_loss_layouts.py", "train/test_train_resume.py",
-                  "transformers/test_trainer_bridge.py", "checkpoint/test_save_load_state.py",
-                  "plan/test_calibrate.py", "parallel/test_tp.py", "train/test_train_models.py",
-                  "train/test_train.py", "memory/test_estimate_measured.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-
-    def key(item) -> int:
-        path = Path(str(item.path)).resolve()
-        try:
-            name = path.relative_to(REPO / "tests").as_posix()
-        except ValueError:
-            return len(rank)
-        return rank.get(name, len(rank))
-
-    items.sort(key=key)  # stable: every other file keeps its place and its tests' order
-
-
 def descendants(pid: int) -> list[int]:
     """Every living process below `pid` (children, their children, ...), read from /proc.
     torchrun starts each worker in a session of its own, so killing the launcher's process
