@@ -51,25 +51,34 @@ RTOL = 1e-9
 ATOL = 1e-9
 
 
-def _run(layout: str, name: str, dtype, *, save: str | None = None,
-         load: str | None = None) -> dict:
-    """Train the tiny GPT for STEPS steps of `name` under `layout` (saving at SAVE_AT into
-    `save`, or starting from `load`): the losses of the steps taken and the whole model."""
-    from torch.utils.data import DataLoader, TensorDataset
-
+def _accelerator(layout: str):
     from meshfit import Accelerator, DataLoaderConfiguration, ParallelDims
 
     dims, options = LAYOUTS[layout]
-    acc = Accelerator(parallel=ParallelDims(**dims) if dims else None,
-                      step_scheduler_per_process=False,
-                      dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
-                      **options)
+    return Accelerator(parallel=ParallelDims(**dims) if dims else None,
+                       step_scheduler_per_process=False,
+                       dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+                       **options)
+
+
+def _build(name: str, model, **kwargs):
+    return optim.build(name, model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
+                       **({} if name == "adamw_bf16_states" else {"compile": False}), **kwargs)
+
+
+def _run(layout: str, name: str, dtype, *, save: str | None = None,
+         load: str | None = None, seed: int = 0) -> dict:
+    """Train the tiny GPT for STEPS steps of `name` under `layout` (saving at SAVE_AT into
+    `save`, or starting from `load`; `seed`: the stochastic rounding's): the losses of the
+    steps taken and the whole model."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    acc = _accelerator(layout)
     x, y = token_batches(STEPS * GLOBAL + 4, 16)
     loader = DataLoader(TensorDataset(x, y), batch_size=GLOBAL // acc.runtime.dp_size,
                         shuffle=True, generator=torch.Generator().manual_seed(7))
     model = acc.prepare(tiny_gpt(n_layer=1, dtype=dtype))
-    opt = optim.build(name, model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
-                      **({} if name == "adamw_bf16_states" else {"compile": False}))
+    opt = _build(name, model, rounding_seed=seed)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     opt, loader, sched = acc.prepare(opt, loader, sched)
     if load:
@@ -91,6 +100,26 @@ def _run(layout: str, name: str, dtype, *, save: str | None = None,
     acc.wait_for_checkpoint(close=True)
     return {"losses": losses, "state": acc.get_state_dict(model), "unaligned": unaligned(opt),
             "bytes": optim.state_bytes(opt).total_bytes, "quantized": _quantized(model, opt)}
+
+
+def _same_gradients(layout: str, name: str) -> dict:
+    """STEPS steps of `name` on the bf16 tiny GPT under `layout` from gradients that are the
+    same under every layout (drawn per parameter and step, each rank given its part): the
+    whole model. (Gradients a backward computes differ by layout in their bf16 rounding.)"""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    acc = _accelerator(layout)
+    model = acc.prepare(tiny_gpt(n_layer=1, dtype=torch.bfloat16))
+    opt = acc.prepare(_build(name, model))
+    for step in range(STEPS):
+        for i, p in enumerate(model.parameters()):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+            g = g.bfloat16()
+            p.grad = (distribute_tensor(g, p.device_mesh, p.placements)
+                      if isinstance(p, DTensor) else g)
+        opt.step()
+        opt.zero_grad()
+    return acc.get_state_dict(model)
 
 
 def _quantized(model, opt) -> list[str]:
@@ -131,11 +160,20 @@ def _two_ranks(rank, world, root):
     for name in NAMES:
         for layout in ("zero1", "zero2", "zero3"):
             out[name, layout] = _run(layout, name, torch.float64)
-        folder = f"{root}/{name}-zero3"
-        out[name, "resume"] = (_run("zero3", name, torch.float32, save=folder),
-                               _run("zero3", name, torch.float32, load=folder))
+            out[name, "bf16", layout] = _same_gradients(layout, name)
+        out[name, "resume"] = _stop_and_resume("zero3", name, torch.float32, root)
+        out[name, "resume-bf16"] = _stop_and_resume("zero3", name, torch.bfloat16, root)
     out["unaligned"] = _unaligned_shard(rank, world)
     return out
+
+
+def _stop_and_resume(layout: str, name: str, dtype, root: str) -> tuple[dict, dict]:
+    """The run without a stop, and the run resumed from its checkpoint at SAVE_AT. The first
+    rounds bf16 weights with rounding_seed=5; the resumed one is built with the default
+    seed (0): the checkpoint's must replace it."""
+    folder = f"{root}/{name}-{layout}-{str(dtype)[6:]}"
+    return (_run(layout, name, dtype, save=folder, seed=5),
+            _run(layout, name, dtype, load=folder))
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +181,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("states")
     out = {(name, "one"): _run("one", name, torch.float64) for name in NAMES}
     for name in NAMES:
-        folder = f"{root}/{name}-one"
-        out[name, "resume-one"] = (_run("one", name, torch.float32, save=folder),
-                                   _run("one", name, torch.float32, load=folder))
+        out[name, "bf16", "one"] = _same_gradients("one", name)
+        out[name, "resume-one"] = _stop_and_resume("one", name, torch.float32, root)
+        out[name, "resume-one-bf16"] = _stop_and_resume("one", name, torch.bfloat16, root)
     out.update(run_distributed(_two_ranks, 2, str(root), timeout=600)[0])
     yield out
     shutil.rmtree(root, ignore_errors=True)
@@ -174,7 +212,18 @@ def test_a_shard_without_whole_blocks_keeps_fp32_moments_and_is_listed(runs):
     assert by_column == [(64, 512)]
 
 
-@pytest.mark.parametrize("where", ["resume-one", "resume"])
+@pytest.mark.parametrize("layout", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_weights_from_the_same_gradients_equal_one_process_bitwise(runs, name, layout):
+    """Stochastic rounding draws its bits from (seed, step, tensor, index in the whole
+    tensor), not from each rank's generator over its own shard."""
+    one, sharded = runs[name, "bf16", "one"], runs[name, "bf16", layout]
+    assert {v.dtype for v in one.values()} == {torch.bfloat16}
+    for key, value in one.items():
+        assert torch.equal(sharded[key], value), key
+
+
+@pytest.mark.parametrize("where", ["resume-one", "resume", "resume-one-bf16", "resume-bf16"])
 @pytest.mark.parametrize("name", NAMES)
 def test_stop_and_resume_is_bitwise(runs, name, where):
     full, resumed = runs[name, where]

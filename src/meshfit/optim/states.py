@@ -56,9 +56,12 @@ from typing import Any
 import torch
 
 from meshfit._compat import dynamo as dynamo_internals
+from meshfit._compat.dcp import local_shape_and_offset
 from meshfit._quiet import quiet_logs
 from meshfit._torchao import torchao_error
 from meshfit.distributed.tensors import local_tensor
+from meshfit.optim.rounding import (element_index, register_tensor_ids, rounding_key,
+                                    stochastic_bf16, tensor_id)
 
 __all__ = ["AdamWBf16States", "quantized_adamw", "unaligned"]
 
@@ -93,11 +96,18 @@ class AdamWBf16States(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
+                 weight_decay: float = 1e-2, bf16_stochastic_round: bool = True,
+                 rounding_seed: int = 0) -> None:
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"betas={betas!r} must each be in [0, 1), e.g. (0.9, 0.95)")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
-                                  "weight_decay": weight_decay})
+                                  "weight_decay": weight_decay,
+                                  "bf16_stochastic_round": bool(bf16_stochastic_round),
+                                  "rounding_seed": int(rounding_seed)})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _name_tensors(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loading casts every state tensor but `step` to its parameter's dtype; the
@@ -127,11 +137,39 @@ class AdamWBf16States(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
                 state["step"] += 1
+                rounding = None
+                if group.get("bf16_stochastic_round", True) and p.dtype is torch.bfloat16:
+                    rounding = (_index(p), *rounding_key(group.get("rounding_seed", 0),
+                                                         tensor_id(p), int(state["step"])))
                 _bf16_states_update(local_tensor(p), local_tensor(p.grad),
                                     local_tensor(state["exp_avg"]),
                                     local_tensor(state["exp_avg_sq"]),
-                                    step=float(state["step"]), **_hyper(group))
+                                    step=float(state["step"]), rounding=rounding,
+                                    **_hyper(group))
         return loss
+
+
+def _name_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """Stable ids for the rounding's random bits (`meshfit.optim.rounding`): the position of
+    each parameter of the group just added in the optimizer's order."""
+    start = sum(len(group["params"]) for group in optimizer.param_groups[:-1])
+    register_tensor_ids(optimizer.param_groups[-1]["params"], start)
+
+
+def _block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset of this rank's part of `p` in the whole tensor, the whole tensor's shape)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return local_shape_and_offset(p)[1], tuple(p.shape)
+    return (0,) * p.dim(), tuple(p.shape)
+
+
+def _index(p: torch.Tensor) -> torch.Tensor:
+    """Each local element's index in the whole flattened `p` (`element_index`)."""
+    offset, shape = _block(p)
+    local = local_tensor(p)
+    return element_index(local.shape, offset, shape, local.device)
 
 
 def _hyper(group: dict) -> dict[str, float]:
@@ -142,9 +180,12 @@ def _hyper(group: dict) -> dict[str, float]:
 
 def _bf16_states_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                         exp_avg_sq: torch.Tensor, *, step: float, lr: float, beta1: float,
-                        beta2: float, eps: float, weight_decay: float) -> None:
+                        beta2: float, eps: float, weight_decay: float,
+                        rounding: tuple | None = None) -> None:
     """One AdamW step of one (local) tensor; the ops and their order are torch's
-    single-tensor AdamW's, so that fp32 moments would give its result bit for bit."""
+    single-tensor AdamW's, so that fp32 moments would give its result bit for bit. A bf16
+    `p` gets the fp32 result rounded stochastically with `rounding` = (element indices, key
+    halves), or to nearest without it."""
     work = torch.promote_types(p.dtype, torch.float32)
     g = grad.to(work)
     m = exp_avg.to(work).lerp_(g, 1 - beta1)
@@ -156,7 +197,7 @@ def _bf16_states_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
     w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
     if w is not p:
-        p.copy_(w)
+        p.copy_(w if rounding is None else stochastic_bf16(w, *rounding))
 
 
 # ------------------------------------------------------------------------ torchao 8/4-bit
@@ -199,12 +240,20 @@ class _LayoutExact:
     the compiled ones in the last bit; no compile per shape, which takes seconds each on a
     CPU)."""
 
-    def __init__(self, params, *args, compile: bool = True, **kwargs) -> None:
+    def __init__(self, params, *args, compile: bool = True, rounding_seed: int = 0,
+                 **kwargs) -> None:
         super().__init__(params, *args, **kwargs)
         self.compile = compile
         self.defaults.update(block_size=self.block_size, compile=compile,
-                             bf16_stochastic_round=self.bf16_stochastic_round)
+                             bf16_stochastic_round=self.bf16_stochastic_round,
+                             rounding_seed=int(rounding_seed))
+        for group in self.param_groups:  # (a checkpoint saves and restores the groups)
+            group.setdefault("rounding_seed", int(rounding_seed))
         self.unaligned: list[tuple[int, ...]] = []
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        _name_tensors(self)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -214,16 +263,18 @@ class _LayoutExact:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        update = (torch.compile(single_param_adam, fullgraph=True, dynamic=False)
-                  if self.compile else single_param_adam)
+        update, rounded = single_param_adam, _adam_rounded
+        if self.compile:
+            update, rounded = (torch.compile(f, fullgraph=True, dynamic=False)
+                               for f in (update, rounded))
         with dynamo_internals.unlimited_recompiles():
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        self._step_one(update, group, p)
+                        self._step_one(update, rounded, group, p)
         return loss
 
-    def _step_one(self, update, group: dict, p: torch.Tensor) -> None:
+    def _step_one(self, update, rounded, group: dict, p: torch.Tensor) -> None:
         state = self.state[p]
         if not state:  # torchao's state: a float step, the moments as its subclass or fp32
             state["step"] = torch.tensor(0.0)
@@ -236,11 +287,19 @@ class _LayoutExact:
             raise TypeError(f"lr={group['lr']!r}: torchao's AdamW keeps lr as a tensor; set "
                              "it in place, optimizer.param_groups[i]['lr'].fill_(value)")
         most = state.get("max_exp_avg_sq")
-        update(local_tensor(p.detach()), local_tensor(p.grad), state["step"],
-               local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]),
-               None if most is None else local_tensor(most), group["lr"],
-               group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],
-               True, self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+        args = (local_tensor(p.grad), state["step"], local_tensor(state["exp_avg"]),
+                local_tensor(state["exp_avg_sq"]), None if most is None else local_tensor(most),
+                group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
+                group["eps"])
+        if not (self.bf16_stochastic_round and p.dtype is torch.bfloat16):
+            update(local_tensor(p.detach()), *args, True, False)
+            return
+        # torchao's update without its rounding (which draws from this rank's generator),
+        # then meshfit's, whose bits depend on the element's place in the whole tensor
+        key = rounding_key(group.get("rounding_seed", 0), tensor_id(p), int(state["step"]))
+        offset, shape = _block(p)
+        rounded(local_tensor(p.detach()), *args, *(torch.tensor(k) for k in key),
+                offset=offset, shape=shape)
 
     def _new_buffer(self, p: torch.Tensor, signed: bool):
         from torch.distributed.tensor import DTensor
@@ -257,6 +316,23 @@ class _LayoutExact:
             out = DTensor.from_local(out, device_mesh=p.device_mesh, placements=p.placements,
                                      run_check=False, shape=p.shape, stride=p.stride())
         return out.to(p.device)
+
+
+def _adam_rounded(p: torch.Tensor, grad, step, exp_avg, exp_avg_sq, most, lr, beta1: float,
+                  beta2: float, weight_decay: float, eps: float, key_lo: torch.Tensor,
+                  key_hi: torch.Tensor, *, offset: tuple[int, ...], shape: tuple[int, ...]):
+    """torchao's AdamW step of bf16 `p` (this rank's block at `offset` of a tensor of
+    `shape`) computed on an fp32 copy, rounded back stochastically with counter-based bits
+    (`meshfit.optim.rounding`). One function, so that a compiled step fuses the update, the
+    bits and the rounding in one pass as torchao's does (the element indices and random
+    words are never stored)."""
+    from torchao.optim.adam import single_param_adam
+
+    work = p.float()
+    single_param_adam(work, grad, step, exp_avg, exp_avg_sq, most, lr, beta1, beta2,
+                      weight_decay, eps, True, False)
+    index = element_index(p.shape, offset, shape, p.device)
+    p.copy_(stochastic_bf16(work, index, key_lo, key_hi))
 
 
 def _whole_blocks(p: torch.Tensor, local: torch.Tensor, block: int) -> bool:
