@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -183,7 +184,6 @@ def runs(tmp_path_factory):
     for name in NAMES:
         out[name, "bf16", "one"] = _same_gradients("one", name)
         out[name, "resume-one"] = _stop_and_resume("one", name, torch.float32, root)
-        out[name, "resume-one-bf16"] = _stop_and_resume("one", name, torch.bfloat16, root)
     out.update(run_distributed(_two_ranks, 2, str(root), timeout=600)[0])
     yield out
     shutil.rmtree(root, ignore_errors=True)
@@ -223,7 +223,7 @@ def test_bf16_weights_from_the_same_gradients_equal_one_process_bitwise(runs, na
         assert torch.equal(sharded[key], value), key
 
 
-@pytest.mark.parametrize("where", ["resume-one", "resume", "resume-one-bf16", "resume-bf16"])
+@pytest.mark.parametrize("where", ["resume-one", "resume", "resume-bf16"])
 @pytest.mark.parametrize("name", NAMES)
 def test_stop_and_resume_is_bitwise(runs, name, where):
     full, resumed = runs[name, where]
@@ -303,18 +303,20 @@ def test_measured_bytes_per_param_within_2_percent_of_the_estimate(name):
     assert report.bytes_per_param == pytest.approx(OPTIMIZER_BYTES[name], rel=0.02)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_bf16_weights_round_stochastically_to_a_neighbour(bits):
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_weights_round_stochastically_to_a_neighbour(name):
     """One step from the same state: the fp32 weight gets the fp32 result r; a bf16 weight
-    (same values) gets r rounded toward zero to bf16 or one bf16 ulp away from zero: the
-    rounding a shard's own random draws give too, so shards and one process differ by at
-    most one bf16 ulp per element and step."""
+    (same values) gets r rounded toward zero to bf16 or one bf16 ulp away from zero, at
+    random, and unbiased: the mean rounding error, in ulps, over the elements whose dropped
+    fraction is below 1/2 and over the others, is 0 within 5 standard errors (each element's
+    error has sd <= 1/2 ulp)."""
     torch.manual_seed(0)
     w, g = torch.randn(64, 64).bfloat16(), torch.randn(64, 64).bfloat16()
     full, low = nn.Parameter(w.float()), nn.Parameter(w.clone())
     full.grad, low.grad = g.float(), g.clone()
     for p in (full, low):
-        optim.build(f"adamw_{bits}bit", [p], lr=1e-2, compile=False).step()
+        optim.build(name, [p], lr=1e-2,
+                    **({} if name == "adamw_bf16_states" else {"compile": False})).step()
     bits32 = full.detach().view(torch.int32)
     toward = (bits32 & -65536).view(torch.float32)  # the upper 16 bits: bf16 toward zero
     away = ((bits32 & -65536) + 65536).view(torch.float32)
@@ -322,6 +324,10 @@ def test_bf16_weights_round_stochastically_to_a_neighbour(bits):
     assert ((got == toward) | (got == away)).all()
     nearest = full.detach().bfloat16().float()
     assert 0.05 < (got != nearest).float().mean() < 0.95  # random, not round-to-nearest
+    error = ((got - full.detach()) / (away - toward)).double()
+    fraction = (bits32 & 65535).double() / 65536  # what is dropped, in ulps
+    for part in (fraction < 0.5, fraction >= 0.5):  # (a rounding biased either way shows)
+        assert abs(error[part].mean().item()) < 5 * 0.5 / math.sqrt(part.sum().item())
 
 
 def test_4bit_without_torchao_names_the_extra_before_launch(monkeypatch):
