@@ -8,11 +8,15 @@
     adamw_4bit         torchao's AdamW4bit (Li et al. 2023, "Memory Efficient Optimizers with
                        4-bit States": 4-bit codes, one fp32 scale per 128): ~1 B.
 
-Both torchao optimizers are built with ``bf16_stochastic_round=True``: a bf16 weight is
-updated in fp32 and rounded stochastically back to bf16 (round away from zero with the
-probability given by the 16 dropped bits), so that updates smaller than half a bf16 ulp are
-kept in expectation instead of lost. It applies only to bf16 parameters (meshfit's fp32
-masters are updated in fp32 and stored as they are).
+All three round bf16 weights stochastically (``bf16_stochastic_round=True``, the default):
+a bf16 weight is updated in fp32 and rounded back to bf16 away from zero with the
+probability given by the 16 dropped bits, so that updates smaller than half a bf16 ulp are
+kept in expectation instead of lost. The random bits are meshfit's, not torchao's
+(`meshfit.optim.rounding`): a pure function of the run's ``rounding_seed`` (0 unless given;
+kept in the param groups, so a checkpoint saves and restores it), the tensor's step count,
+its position in the optimizer's parameter order and the element's index in the whole
+tensor. It applies only to bf16 parameters (meshfit's fp32 masters are updated in fp32 and
+stored as they are); ``bf16_stochastic_round=False`` rounds to nearest.
 
 **Sharded (ZeRO-1/2/3) equals one process.** The step is element-wise except for the block
 scales of the quantized states (the largest magnitude of a block of 256 or 128 consecutive
@@ -31,11 +35,18 @@ keeps fp32 moments for that tensor (never less precise than the single process; 
 lists them): for those the sharded run differs from one process by the quantization error of
 the moments (~1e-3 in the weights after 4 steps at lr 1e-2 on the tiny GPT), not by
 summation order alone.
-Stochastic rounding of bf16 weights draws from each rank's generator over its own shard,
-so bf16 weights under sharding equal one process only in distribution (from the same state,
-either's step gives the fp32 result rounded to one of its two bf16 neighbours); fp32 weights
-are not rounded and equal. torchao computes the update in fp32 whatever the parameter's
-dtype: float64 parameters are rounded to fp32 values by each step.
+Stochastic rounding gives an element the same random bits on whichever rank holds it (any
+placement: FSDP2's dim-0 shards, ZeRO-1's whole tensors, tensor parallel's columns), so from
+the same gradients bf16 weights under ZeRO-1/2/3 equal one process bit for bit. (torchao's
+own rounding draws from each rank's generator over its shard: equal only in distribution.)
+A bf16 model's gradients themselves differ by layout -- each rank's backward rounds its
+partial sums to bf16 before they are reduced -- and the update is computed in fp32 from
+them, so an element whose fp32 result differs by layout is rounded to the other neighbour
+where its random threshold lies between the two results (a share of the elements about
+their difference in ulps; measured on the tiny GPT under ZeRO-2 after one step: 0.2% of the
+weights, as with round to nearest, against 33% with torchao's rounding); that difference is
+the gradients', not the rounding's. torchao computes the update in fp32 whatever the
+parameter's dtype: float64 parameters are rounded to fp32 values by each step.
 
 **Checkpoints.** DCP (`meshfit.checkpoint`) writes torchao's states as the tensor subclass
 they are (its metadata names their dequantized shape and dtype) and loads them by copying
@@ -50,7 +61,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -61,7 +72,7 @@ from meshfit._quiet import quiet_logs
 from meshfit._torchao import torchao_error
 from meshfit.distributed.tensors import local_tensor
 from meshfit.optim.rounding import (element_index, register_tensor_ids, rounding_key,
-                                    stochastic_bf16, tensor_id)
+                                    stochastic_bf16, stochastic_bf16_compiled, tensor_id)
 
 __all__ = ["AdamWBf16States", "quantized_adamw", "unaligned"]
 
@@ -84,26 +95,36 @@ class AdamWBf16States(torch.optim.Optimizer):
     carried to the next step is rounded (as torchao keeps a high-precision copy for the
     update). So one step equals `torch.optim.AdamW`'s from the same (rounded) moments bit
     for bit, and the whole run equals AdamW whose moments are rounded to bf16 after every
-    step (tests/optim/test_low_precision_states.py). Round to nearest is deterministic and
-    element-wise: a sharded run rounds each element as one process does.
+    step (tests/optim/test_low_precision_states.py). Rounding the moments to nearest is
+    deterministic and element-wise: a sharded run rounds each element as one process does.
 
     bf16 keeps 8 significant bits: a change under half an ulp (2^-9 to 2^-8 relative) is
     rounded away. With beta2 = 0.999 (torch's default) the second moment's decay per step,
     0.1% relative, is below that: where the gradients vanish v stays where it was instead of
     decaying. beta2 = 0.95 (meshfit's [optim] default) decays 5% a step and is not affected
     (tests/optim/test_low_precision_states.py).
+
+    A bf16 weight is updated in fp32 and rounded back stochastically (as torchao's 8-bit and
+    4-bit AdamW do, with the same layout-independent bits: module docstring), or to nearest
+    with ``bf16_stochastic_round=False``. ``compile=True`` compiles that rounding (once, for
+    every shape; the same bits): on a CPU the step with it takes 2.9x the step rounding to
+    nearest, eager 4.7x (~25 int64 passes per element; benchmarks/stochastic_rounding.py).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, bf16_stochastic_round: bool = True,
-                 rounding_seed: int = 0) -> None:
+                 rounding_seed: int = 0, compile: bool = True) -> None:
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"betas={betas!r} must each be in [0, 1), e.g. (0.9, 0.95)")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
                                   "weight_decay": weight_decay,
-                                  "bf16_stochastic_round": bool(bf16_stochastic_round),
                                   "rounding_seed": int(rounding_seed)})
+        # (as torchao's: attributes, and in `defaults` for ZeRO-1's rebuild, not in the
+        # param groups that a checkpoint restores over what the resumed run asked for)
+        self.bf16_stochastic_round, self.compile = bool(bf16_stochastic_round), bool(compile)
+        self.defaults.update(bf16_stochastic_round=self.bf16_stochastic_round,
+                             compile=self.compile)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -137,16 +158,24 @@ class AdamWBf16States(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
                 state["step"] += 1
-                rounding = None
-                if group.get("bf16_stochastic_round", True) and p.dtype is torch.bfloat16:
-                    rounding = (_index(p), *rounding_key(group.get("rounding_seed", 0),
-                                                         tensor_id(p), int(state["step"])))
                 _bf16_states_update(local_tensor(p), local_tensor(p.grad),
                                     local_tensor(state["exp_avg"]),
                                     local_tensor(state["exp_avg_sq"]),
-                                    step=float(state["step"]), rounding=rounding,
+                                    step=float(state["step"]),
+                                    rounding=self._rounding(group, p, int(state["step"])),
                                     **_hyper(group))
         return loss
+
+    def _rounding(self, group: dict, p: torch.Tensor, step: int):
+        """How bf16 `p`'s fp32 result at `step` is rounded: stochastically with counter-based
+        bits (compiled with ``compile``), or None: to nearest."""
+        if not (self.bf16_stochastic_round and p.dtype is torch.bfloat16):
+            return None
+        index = _index(p)
+        key = rounding_key(group.get("rounding_seed", 0), tensor_id(p), step)
+        if self.compile:
+            return lambda w: stochastic_bf16_compiled(w, index, *key)
+        return lambda w: stochastic_bf16(w, index, *key)
 
 
 def _name_tensors(optimizer: torch.optim.Optimizer) -> None:
@@ -181,11 +210,10 @@ def _hyper(group: dict) -> dict[str, float]:
 def _bf16_states_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                         exp_avg_sq: torch.Tensor, *, step: float, lr: float, beta1: float,
                         beta2: float, eps: float, weight_decay: float,
-                        rounding: tuple | None = None) -> None:
+                        rounding: Callable | None = None) -> None:
     """One AdamW step of one (local) tensor; the ops and their order are torch's
     single-tensor AdamW's, so that fp32 moments would give its result bit for bit. A bf16
-    `p` gets the fp32 result rounded stochastically with `rounding` = (element indices, key
-    halves), or to nearest without it."""
+    `p` gets ``rounding(fp32 result)`` (`_rounding`), or the result rounded to nearest."""
     work = torch.promote_types(p.dtype, torch.float32)
     g = grad.to(work)
     m = exp_avg.to(work).lerp_(g, 1 - beta1)
@@ -197,7 +225,7 @@ def _bf16_states_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
     w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
     if w is not p:
-        p.copy_(w if rounding is None else stochastic_bf16(w, *rounding))
+        p.copy_(w if rounding is None else rounding(w))
 
 
 # ------------------------------------------------------------------------ torchao 8/4-bit
