@@ -157,5 +157,5 @@ def stochastic_bf16_compiled(x: torch.Tensor, index: torch.Tensor, key_lo: int,
     arithmetic being exact, in one pass instead of ~25."""
     if not _COMPILED:
         _COMPILED.append(torch.compile(stochastic_bf16, dynamic=True, fullgraph=True))
-    keys = (torch.tensor(key_lo), torch.tensor(key_hi))
+    keys = (torch.tensor(key_lo, device=x.device), torch.tensor(key_hi, device=x.device))
     return _COMPILED[0](x.reshape(-1), index.reshape(-1), *keys).view(x.shape)

@@ -326,7 +326,8 @@ class _LayoutExact:
         # then meshfit's, whose bits depend on the element's place in the whole tensor
         key = rounding_key(group.get("rounding_seed", 0), tensor_id(p), int(state["step"]))
         offset, shape = _block(p)
-        rounded(local_tensor(p.detach()), *args, *(torch.tensor(k) for k in key),
+        rounded(local_tensor(p.detach()), *args,
+                *(torch.tensor(k, device=p.device) for k in key),
                 offset=offset, shape=shape)
 
     def _new_buffer(self, p: torch.Tensor, signed: bool):
