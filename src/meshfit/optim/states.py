@@ -26,15 +26,17 @@ range of the flattened tensor; its blocks are the single process's blocks exactl
 shard's length is a multiple of the block size (then every shard starts on a block boundary
 too), e.g. any row split of a matrix whose rows are a multiple of 256 (128) elements. (Other
 placements, tensor parallel's column shards or dim 0 sharded over two mesh dimensions, are
-not checked and keep fp32 moments, listed by `unaligned`.) The optimizers `quantized_adamw`
-builds decide *whether* a tensor's state is quantized on the whole tensor (torchao decides
-on the local shard: a 4096-element matrix sharded over two ranks would keep fp32 moments
-there and 8-bit ones on one process), and quantize a shard with its own blocks only where
-they are the whole tensor's blocks. A shard whose length is not a multiple of the block size
-keeps fp32 moments for that tensor (never less precise than the single process; `unaligned`
-lists them): for those the sharded run differs from one process by the quantization error of
-the moments (~1e-3 in the weights after 4 steps at lr 1e-2 on the tiny GPT), not by
-summation order alone.
+not checked and keep plain fp32 moments, listed by `unaligned`: there the run differs from
+one process by the quantization error of the moments, ~1e-3 in the weights after 4 steps at
+lr 1e-2, not by summation order alone.) The optimizers `quantized_adamw` builds decide
+*whether* a tensor's state is quantized on the whole tensor (torchao decides on the local
+shard: a 4096-element matrix sharded over two ranks would keep fp32 moments there and 8-bit
+ones on one process), and quantize a shard with its own blocks where they are the whole
+tensor's blocks. Where some dim-0 shard's length is not a multiple of the block size, every
+rank of that tensor keeps its moments in fp32 holding exactly the values one process's
+quantized state dequantizes to, the blocks that straddle two ranks scaled by their maximum
+over both (`meshfit.optim.edge_blocks`: one small all-gather per such tensor and step): equal
+to one process, at fp32's 8 B/param for those tensors (`unaligned` lists them).
 Stochastic rounding gives an element the same random bits on whichever rank holds it (any
 placement: FSDP2's dim-0 shards, ZeRO-1's whole tensors, tensor parallel's columns), so from
 the same gradients bf16 weights under ZeRO-1/2/3 equal one process bit for bit. (torchao's
@@ -71,6 +73,7 @@ from meshfit._compat.dcp import local_shape_and_offset
 from meshfit._quiet import quiet_logs
 from meshfit._torchao import torchao_error
 from meshfit.distributed.tensors import local_tensor
+from meshfit.optim.edge_blocks import cuts_blocks, requantize_
 from meshfit.optim.rounding import (element_index, register_tensor_ids, rounding_key,
                                     stochastic_bf16, stochastic_bf16_compiled, tensor_id)
 
@@ -250,7 +253,7 @@ def quantized_adamw(bits: int, groups: list[Any], **kwargs: Any) -> torch.optim.
     cls = _QUANTIZED.get(base)
     if cls is None:
         cls = _QUANTIZED[base] = type(f"Quantized{base.__name__}", (_LayoutExact, base),
-                                      {"__module__": __name__})
+                                      {"__module__": __name__, "bits": bits})
     return cls(groups, **{"bf16_stochastic_round": True, **kwargs})
 
 
@@ -321,6 +324,7 @@ class _LayoutExact:
                 group["eps"])
         if not (self.bf16_stochastic_round and p.dtype is torch.bfloat16):
             update(local_tensor(p.detach()), *args, True, False)
+            self._requantize(p, state)
             return
         # torchao's update without its rounding (which draws from this rank's generator),
         # then meshfit's, whose bits depend on the element's place in the whole tensor
@@ -329,18 +333,31 @@ class _LayoutExact:
         rounded(local_tensor(p.detach()), *args,
                 *(torch.tensor(k, device=p.device) for k in key),
                 offset=offset, shape=shape)
+        self._requantize(p, state)
+
+    def _requantize(self, p: torch.Tensor, state: dict) -> None:
+        """A dim-0 shard that cuts the whole tensor's blocks: its fp32 moments replaced by
+        one process's dequantized ones (`meshfit.optim.edge_blocks`)."""
+        if not (_quantized_whole(p, self.block_size) and cuts_blocks(p, self.block_size)):
+            return
+        moments = [(local_tensor(state[key]), key == "exp_avg")
+                   for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if key in state]
+        if all(type(m) is torch.Tensor for m, _ in moments):
+            requantize_(p, moments, self.block_size, self.bits)
 
     def _new_buffer(self, p: torch.Tensor, signed: bool):
         from torch.distributed.tensor import DTensor
 
         local = local_tensor(p)
-        whole = p.numel() >= QUANTIZE_MIN_NUMEL and p.numel() % self.block_size == 0
-        if whole and _whole_blocks(p, local, self.block_size):
+        whole = _quantized_whole(p, self.block_size)
+        cut = whole and cuts_blocks(p, self.block_size)
+        if whole and not cut and _whole_blocks(p, local, self.block_size):
             out = self._subclass_zeros(local, signed, self.block_size)
         else:
             if whole and signed and local.numel():  # (once per tensor: exp_avg is first)
                 self.unaligned.append(tuple(p.shape))
-            out = torch.zeros_like(local)
+            # (one process's dequantized values are fp32 whatever the weight's dtype)
+            out = torch.zeros_like(local, dtype=torch.float32 if cut else local.dtype)
         if isinstance(p, DTensor):  # as torchao's: shards of uneven length need the shape
             out = DTensor.from_local(out, device_mesh=p.device_mesh, placements=p.placements,
                                      run_check=False, shape=p.shape, stride=p.stride())
@@ -362,6 +379,11 @@ def _adam_rounded(p: torch.Tensor, grad, step, exp_avg, exp_avg_sq, most, lr, be
                       weight_decay, eps, True, False)
     index = element_index(p.shape, offset, shape, p.device)
     p.copy_(stochastic_bf16(work, index, key_lo, key_hi))
+
+
+def _quantized_whole(p: torch.Tensor, block: int) -> bool:
+    """Whether one process quantizes `p`'s moments (torchao's rule, on the whole tensor)."""
+    return p.numel() >= QUANTIZE_MIN_NUMEL and p.numel() % block == 0
 
 
 def _whole_blocks(p: torch.Tensor, local: torch.Tensor, block: int) -> bool:
