@@ -20,7 +20,10 @@ to:
 A maximum is exact and the rest is element-wise, so the values equal one process's bit for
 bit (with the same inputs), and the next step reads them as one process reads its
 dequantized state. The moments cost fp32's 8 B/param for those tensors (as before: they are
-listed by `meshfit.optim.states.unaligned`) and the step one small collective each. With a
+listed by `meshfit.optim.states.unaligned`) and the step one small collective each, and the
+requantization runs eagerly (compile=True or not): measured on 2 CPU ranks, 73 ms for a
+105,600-element shard (1056 x 200 over 2), against 31-56 ms for torchao's eager step on a
+shard of the same size that holds whole blocks and 0.6 ms with plain fp32 moments. With a
 row length that is a multiple of the block size (GPT-2's 768, Llama's 4096) no dim-0 shard
 cuts a block; the cases are 1-D tensors of >= 4096 elements sharded over many ranks (e.g.
 Llama-3-8B's 4096-element norm weights over 64 ranks: 64 elements each) and small matrices
