@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
 
 from meshfit._compat import transformers as hf_internals
 from meshfit.models.gpt import document_causal_mask
@@ -148,8 +149,6 @@ def block_mask(positions: torch.Tensor, window: int | None = None,
     given, as `_masks`' tensors. Its ``mask_mod`` reads a [B, T] document index (as
     transformers' own packed-sequence mask does), not the [B, 1, T, T] mask: torch 2.13's
     CPU kernel fails to compile a mask_mod indexing a 4-D tensor for some head sizes."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     rows, length = positions.shape
     document = torch.cumsum(positions == 0, dim=1)
     part = positions // chunk if chunk else None
