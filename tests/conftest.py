@@ -20,6 +20,12 @@ import torch.distributed as dist
 from meshfit.distributed.spawn import SpawnError, spawn
 
 REPO = Path(__file__).resolve().parents[1]
+
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("MESHFIT_TEST_THREADS") != "all":
+    # Each xdist worker keeps one intra-op thread: the workers are as many as the cores, and
+    # two workers each running two spin-waiting OpenMP threads on 2 cores slow a tiny
+    # model's step several-fold (`one_thread` below does the same for one test).
+    torch.set_num_threads(1)
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 

@@ -7,10 +7,15 @@ A transformers model takes that in one of three forms, and which one depends on 
 attention implementation it runs, not on the model:
 
 - a 4-D mask ``[B, 1, T, T]`` is handed to every layer as it is (``masking_utils`` returns a
-  4-D mask unchanged); SDPA reads a boolean mask (True: attend), but eager attention (and
-  flex attention's tensor path) *adds* the mask to the scores, so it takes 0 where a token
-  may attend and a large negative number where it may not. A boolean mask given to eager
-  attention adds 1 and 0 and masks nothing, not even the future (issue #39).
+  4-D mask unchanged); SDPA reads a boolean mask (True: attend), but eager attention *adds*
+  the mask to the scores, so it takes 0 where a token may attend and a large negative number
+  where it may not. A boolean mask given to eager attention adds 1 and 0 and masks nothing,
+  not even the future (issue #39).
+- flex attention takes a ``BlockMask`` (its own form, which ``masking_utils`` also passes
+  through unchanged), built here from the same boolean mask. Its other form, a 4-D tensor
+  added to the scores by a ``score_mod`` that indexes it, crashes the process on the CPU in
+  torch 2.13 (heap corruption in the compiled kernel, whatever the length), and a block mask
+  skips the blocks no token of a query block may see.
 - flash attention takes no mask at all: it finds the documents from ``position_ids`` when
   the batch is one row (``_is_packed_sequence``), so the rows are laid end to end.
 - a model whose layers see windows (``sliding_window``, ``attention_chunk_size``) shorter
@@ -31,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
 
 from meshfit._compat import transformers as hf_internals
 from meshfit.models.gpt import document_causal_mask
@@ -41,10 +47,12 @@ ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_at
 """``config.layer_types`` entries whose layers only attend (a mask keeps documents apart)."""
 WINDOWS = ("sliding_window", "attention_chunk_size")
 """Config fields of layers that attend within a window of the row."""
-ADDITIVE = frozenset({"eager", "flex_attention"})
+ADDITIVE = frozenset({"eager"})
 """Implementations that add a 4-D tensor mask to the attention scores."""
 BOOLEAN = frozenset({"sdpa"})
 """Implementations that read a boolean 4-D mask (True: attend)."""
+BLOCK = frozenset({"flex_attention"})
+"""Implementations that take a flex attention ``BlockMask``."""
 
 
 def _flash(name: str | None) -> bool:
@@ -74,16 +82,21 @@ def _window(config, name: str, length: int) -> int | None:
     return w if isinstance(w, int) and not isinstance(w, bool) and 0 < w < length else None
 
 
-def _masks(model: nn.Module, positions: torch.Tensor, boolean: bool):
-    """The 4-D mask of each layer kind the model runs, for rows of documents (`positions`):
-    one tensor, or {layer kind: tensor} for a model with windowed and full layers."""
+def _masks(model: nn.Module, positions: torch.Tensor, form_of: str):
+    """The mask of each layer kind the model runs, for rows of documents (`positions`), in
+    the form its implementation takes (`form_of`: "boolean", "additive" or "block"): one
+    mask, or {layer kind: mask} for a model with windowed and full layers."""
     config = _text_config(model)
     length = positions.shape[-1]
     window = _window(config, "sliding_window", length)
     chunk = _window(config, "attention_chunk_size", length)
-    allowed = document_causal_mask(positions)  # [B, 1, T, T]: same document, not ahead
+    # [B, 1, T, T]: same document, not ahead (the block form reads the positions instead)
+    allowed = None if form_of == "block" else document_causal_mask(positions)
 
-    def form(kind: str) -> torch.Tensor:
+    def form(kind: str):
+        if form_of == "block":
+            return block_mask(positions, window if kind == "sliding_attention" else None,
+                              chunk if kind == "chunked_attention" else None)
         mask = allowed
         if kind == "sliding_attention" and window:  # transformers': kv > q - window
             index = torch.arange(length, device=positions.device)
@@ -91,7 +104,7 @@ def _masks(model: nn.Module, positions: torch.Tensor, boolean: bool):
         if kind == "chunked_attention" and chunk:  # chunks count from the document's start
             part = positions // chunk
             mask = mask & (part[:, None, :, None] == part[:, None, None, :])
-        return mask if boolean else additive_mask(mask)
+        return additive_mask(mask) if form_of == "additive" else mask
 
     if not (window or chunk):
         return form("full_attention")
@@ -113,7 +126,7 @@ def check_packable(model: nn.Module, field: str) -> None:
                          "the row, across the documents data.packing / data.document_mask put "
                          "in it; set both to false for this model")
     name = hf_internals.attention_implementation(_inner(model))
-    if name is not None and not (_flash(name) or name in ADDITIVE | BOOLEAN):
+    if name is not None and not (_flash(name) or name in ADDITIVE | BOOLEAN | BLOCK):
         raise ValueError(f"{field}: it runs the attention implementation {name!r}, whose mask "
                          "form meshfit does not know, so packed documents could attend to each "
                          "other; use attn_implementation 'sdpa', 'eager', 'flex_attention' or "
@@ -127,6 +140,29 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> 
     transformers' own eager masks: finite, so no row can turn into NaN)."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed, torch.finfo(dtype).min)
+
+
+def block_mask(positions: torch.Tensor, window: int | None = None,
+               chunk: int | None = None):
+    """Flex attention's ``BlockMask`` for rows of documents (`positions`): causal within a
+    document, and within `window` tokens back or the same `chunk` of the document where
+    given, as `_masks`' tensors. Its ``mask_mod`` reads a [B, T] document index (as
+    transformers' own packed-sequence mask does), not the [B, 1, T, T] mask: torch 2.13's
+    CPU kernel fails to compile a mask_mod indexing a 4-D tensor for some head sizes."""
+    rows, length = positions.shape
+    document = torch.cumsum(positions == 0, dim=1)
+    part = positions // chunk if chunk else None
+
+    def allowed(b, h, q, kv):
+        keep = (kv <= q) & (document[b, q] == document[b, kv])
+        if window:
+            keep = keep & (q - kv < window)
+        if part is not None:
+            keep = keep & (part[b, q] == part[b, kv])
+        return keep
+
+    return create_block_mask(allowed, rows, None, length, length,
+                             device=positions.device.type)
 
 
 def packed_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor | None,
@@ -147,5 +183,6 @@ def packed_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.T
                     **kwargs)
         out.logits = out.logits.reshape(rows, length, -1)
         return out
-    mask = _masks(model, positions, boolean=name in BOOLEAN)
+    mask = _masks(model, positions, "boolean" if name in BOOLEAN else
+                  "block" if name in BLOCK else "additive")
     return model(input_ids=input_ids, position_ids=positions, attention_mask=mask, **kwargs)
