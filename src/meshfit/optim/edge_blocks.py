@@ -73,14 +73,15 @@ def cuts_blocks(p: torch.Tensor, block: int) -> bool:
     return dim is not None and any(n % block for _, n in _ranges(p, dim))
 
 
-def requantize_(p: torch.Tensor, moments: list[tuple[torch.Tensor, bool]], block: int,
+def requantize_(p: torch.Tensor, moments: list[tuple[torch.Tensor, torch.Tensor]], block: int,
                 bits: int) -> None:
-    """Replace each (fp32 local moment, signed) of `p`'s shard by the values one process's
-    `bits`-bit state of the whole tensor dequantizes to (module docstring). A collective:
-    every rank of `p`'s shard group calls it for the same tensors in the same order."""
-    from torchao.optim import quant_utils, subclass_4bit, subclass_8bit
+    """Replace each (fp32 local moment, its quantization map) of `p`'s shard by the values one
+    process's `bits`-bit state of the whole tensor dequantizes to (module docstring). The
+    maps are the ones torchao's states hold (taken from a state it builds: the same in every
+    torchao release). A collective: every rank of `p`'s shard group calls it for the same
+    tensors in the same order."""
+    from torchao.optim import quant_utils
 
-    kind = subclass_8bit if bits == 8 else subclass_4bit
     quantize = (quant_utils.quantize_8bit_with_qmap if bits == 8
                 else quant_utils.quantize_4bit_with_qmap)
     dim = _shard_dim(p)
@@ -92,9 +93,8 @@ def requantize_(p: torch.Tensor, moments: list[tuple[torch.Tensor, bool]], block
               .scatter_reduce_(0, index, m.reshape(-1).abs(), "amax") for m, _ in moments]
     _complete_edges(amaxes, (first, last) if n else (-1, -1),
                     p.device_mesh.get_group(dim), device)
-    for (m, signed), amax in zip(moments, amaxes):
-        qmap = torch.tensor(kind.get_qmap_signed() if signed else kind.get_qmap_unsigned(),
-                            dtype=torch.float32, device=device)
+    for (m, qmap), amax in zip(moments, amaxes):
+        qmap = qmap.to(device)
         scale = amax.clip(1e-12)[index]
         codes = quantize(m.reshape(-1) / scale, qmap)
         m.copy_((qmap[codes.int()] * scale).view(m.shape))

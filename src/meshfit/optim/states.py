@@ -340,10 +340,14 @@ class _LayoutExact:
         one process's dequantized ones (`meshfit.optim.edge_blocks`)."""
         if not (_quantized_whole(p, self.block_size) and cuts_blocks(p, self.block_size)):
             return
-        moments = [(local_tensor(state[key]), key == "exp_avg")
+        moments = [(local_tensor(state[key]), self._qmap(key == "exp_avg"))
                    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if key in state]
         if all(type(m) is torch.Tensor for m, _ in moments):
             requantize_(p, moments, self.block_size, self.bits)
+
+    def _qmap(self, signed: bool) -> torch.Tensor:
+        """The quantization map torchao's state of this kind holds (signed: first moment)."""
+        return self._subclass_zeros(torch.zeros(self.block_size), signed, self.block_size).qmap
 
     def _new_buffer(self, p: torch.Tensor, signed: bool):
         from torch.distributed.tensor import DTensor
