@@ -24,7 +24,8 @@
 - A shard that cuts the whole tensor's blocks (68 x 64 over 2 ranks: 2176 elements, 8.5
   blocks of 256; 66 x 64 for 4-bit's 128) equals one process bit for bit (fp32 weights, and
   bf16 with stochastic rounding) from the same gradients; plain fp32 moments there (main
-  before `meshfit.optim.edge_blocks`) are 1e-3 apart.
+  before `meshfit.optim.edge_blocks`) are 1e-3 apart. Its stop and resume (DCP) is bitwise
+  with bf16 weights: the fp32 moments are not rounded to bf16 on loading.
 - A stop at step 2 and a resume (checkpoint: model, optimizer states, schedule, loader,
   generators) give the same losses and weights bit for bit as the run without the stop, on
   one process (fp32 weights) and under ZeRO-3 (bf16 weights: the stopped run rounds with
@@ -199,6 +200,43 @@ CUT_CASES = [("adamw_8bit", torch.float32), ("adamw_4bit", torch.float32),
              ("adamw_8bit", torch.bfloat16)]
 
 
+def _cut_blocks_resume(mesh, folder: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """adamw_8bit on the bf16 weight CUTS["adamw_8bit"] sharded over `mesh`: STEPS steps, and
+    the same with a DCP save at SAVE_AT and a fresh optimizer (default seed) loading it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    shape = CUTS["adamw_8bit"]
+
+    def build(seed):
+        layer = nn.Module()
+        layer.w = nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(1))
+                               .bfloat16())
+        fully_shard(layer, mesh=mesh)
+        return layer, optim.build("adamw_8bit", layer, lr=1e-2, compile=False,
+                                  rounding_seed=seed)
+
+    def train(layer, opt, steps):
+        for step in steps:
+            g = torch.randn(shape, generator=torch.Generator().manual_seed(step)).bfloat16()
+            layer.w.grad = distribute_tensor(g, mesh, layer.w.placements)
+            opt.step()
+
+    layer, opt = build(5)
+    train(layer, opt, range(SAVE_AT))
+    dcp.save({"w": layer.w, "optim": get_optimizer_state_dict(layer, opt)}, checkpoint_id=folder)
+    train(layer, opt, range(SAVE_AT, STEPS))
+    resumed, opt2 = build(0)
+    loaded = {"w": resumed.w, "optim": get_optimizer_state_dict(resumed, opt2)}
+    dcp.load(loaded, checkpoint_id=folder)
+    set_optimizer_state_dict(resumed, opt2, loaded["optim"])
+    train(resumed, opt2, range(SAVE_AT, STEPS))
+    return layer.w.full_tensor(), resumed.w.full_tensor()
+
+
 def _two_ranks(rank, world, root):
     out = {}
     for name in NAMES:
@@ -213,6 +251,7 @@ def _two_ranks(rank, world, root):
     mesh = init_device_mesh("cpu", (world,))
     for name, dtype in CUT_CASES:
         out["cut", name, dtype] = _cut_blocks(name, dtype, mesh)
+    out["cut resume"] = _cut_blocks_resume(mesh, f"{root}/cut")
     return out
 
 
@@ -262,6 +301,13 @@ def test_a_shard_that_cuts_blocks_equals_one_process(runs, name, dtype):
     apart after 4 steps)."""
     one, sharded = runs["cut one", name, dtype], runs["cut", name, dtype]
     assert one.dtype == dtype and torch.equal(sharded, one)
+
+
+def test_a_shard_that_cuts_blocks_stops_and_resumes_bitwise(runs):
+    """Its fp32 moments come back as saved, not through torch's cast to the bf16 weight's
+    dtype (which would round them), and the rounding's seed with the param groups."""
+    full, resumed = runs["cut resume"]
+    assert full.dtype == torch.bfloat16 and torch.equal(full, resumed)
 
 
 def test_a_shard_without_whole_blocks_keeps_fp32_moments_and_is_listed(runs):

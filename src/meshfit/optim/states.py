@@ -56,7 +56,9 @@ codes and scales: exact. A dequantized copy would not be: quantizing it again mo
 whose largest magnitude is negative (the signed maps' most negative codes are -0.993 for
 8 bits and -0.887 for 4, their largest +1) to another scale and other codes.
 `AdamWBf16States.load_state_dict` casts the moments back to bf16 (torch's loading casts
-every state to the parameter's dtype).
+every state to the parameter's dtype); the quantized optimizers' `load_state_dict` takes the
+fp32 moments of a shard that cuts blocks back as saved (a bf16 parameter's cast would round
+them).
 """
 
 from __future__ import annotations
@@ -285,6 +287,22 @@ class _LayoutExact:
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         _name_tensors(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loading casts every state tensor to its parameter's dtype (torchao's states
+        change only their appearance); the fp32 moments of a shard that cuts the blocks
+        (`meshfit.optim.edge_blocks`) of a bf16 parameter would be rounded to bf16, so they
+        are taken back from the checkpoint as they were saved."""
+        saved = state_dict.get("state", {})
+        ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(ids, params):
+            if not (_quantized_whole(p, self.block_size) and cuts_blocks(p, self.block_size)):
+                continue
+            for key, value in saved.get(i, {}).items():
+                if key != "step" and getattr(value, "dtype", None) is torch.float32:
+                    self.state[p][key] = value.to(device=p.device)
 
     @torch.no_grad()
     def step(self, closure=None):
