@@ -91,8 +91,7 @@ def requantize_(p: torch.Tensor, moments: list[tuple[torch.Tensor, torch.Tensor]
     index = (torch.arange(start, start + n, device=device) // block) - first
     amaxes = [torch.zeros(last - first + 1 if n else 0, device=device)
               .scatter_reduce_(0, index, m.reshape(-1).abs(), "amax") for m, _ in moments]
-    _complete_edges(amaxes, (first, last) if n else (-1, -1),
-                    p.device_mesh.get_group(dim), device)
+    _complete_edges(amaxes, (first, last) if n else (-1, -1), p.device_mesh, dim)
     for (m, qmap), amax in zip(moments, amaxes):
         qmap = qmap.to(device)
         scale = amax.clip(1e-12)[index]
@@ -100,18 +99,20 @@ def requantize_(p: torch.Tensor, moments: list[tuple[torch.Tensor, torch.Tensor]
         m.copy_((qmap[codes.int()] * scale).view(m.shape))
 
 
-def _complete_edges(amaxes: list[torch.Tensor], edges: tuple[int, int], group,
-                    device: torch.device) -> None:
+def _complete_edges(amaxes: list[torch.Tensor], edges: tuple[int, int], mesh,
+                    dim: int) -> None:
     """Each rank's first and last block maxima (per moment) made the whole block's: one
     all-gather of (first, last, then each moment's two edge maxima) from every rank, in
-    float64 (exact for fp32 maxima and block indices below 2^53)."""
-    mine = torch.tensor([float(edges[0]), float(edges[1])], dtype=torch.float64, device=device)
+    float64 (exact for fp32 maxima and block indices below 2^53), on the mesh's device (the
+    moments may be on the CPU: FSDP2's offload)."""
+    comm = torch.device(mesh.device_type)
+    mine = [torch.tensor([float(edges[0]), float(edges[1])], dtype=torch.float64)]
     for amax in amaxes:
-        ends = amax[[0, -1]] if amax.numel() else torch.zeros(2, device=device)
-        mine = torch.cat([mine, ends.double()])
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    rows = torch.stack(gathered)
+        mine.append(amax[[0, -1]].double().cpu() if amax.numel() else torch.zeros(2).double())
+    mine = torch.cat(mine).to(comm)
+    gathered = [torch.zeros_like(mine) for _ in range(mesh.size(dim))]
+    dist.all_gather(gathered, mine, group=mesh.get_group(dim))
+    rows = torch.stack(gathered).cpu()
     if not amaxes or not amaxes[0].numel():
         return
     for k, amax in enumerate(amaxes):

@@ -112,8 +112,9 @@ class AdamWBf16States(torch.optim.Optimizer):
     A bf16 weight is updated in fp32 and rounded back stochastically (as torchao's 8-bit and
     4-bit AdamW do, with the same layout-independent bits: module docstring), or to nearest
     with ``bf16_stochastic_round=False``. ``compile=True`` compiles that rounding (once, for
-    every shape; the same bits): on a CPU the step with it takes 2.9x the step rounding to
-    nearest, eager 4.7x (~25 int64 passes per element; benchmarks/stochastic_rounding.py).
+    every shape; the same bits): on a CPU the step with it takes 3.2x the step rounding to
+    nearest, eager 5.0x (~25 int64 passes per element, without 64-bit vector multiplies;
+    benchmarks/stochastic_rounding.py).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
