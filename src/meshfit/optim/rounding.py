@@ -27,13 +27,15 @@ of neighbouring steps or tensors are unrelated). Per element, two rounds of Murm
 fmix32 is a bijection of 32-bit words in which every input bit flips every output bit with
 probability close to 1/2 (its design criterion, measured by its author). For a fixed key the
 map from index (< 2^32) to h is a bijection, so the elements of a tensor get distinct words
-(their top 16 bits exactly uniform over any 2^32 consecutive indices), and neighbouring
+(their top 16 bits exactly uniform over the 2^32 indices that share their upper 32 bits),
+and neighbouring
 indices, which differ in a few low bits, get words that differ in about half their bits.
 This is not a generator for Monte Carlo work (it is not claimed to pass BigCrush); rounding
 needs bits that are uniform and independent of the neighbours' and of the previous steps' to
-first order, which tests/optim/test_low_precision_states.py measures (uniformity, lag-1
-correlation along the tensor and across steps, and the mean rounding error over 2^20
-elements: unbiased).
+first order, which tests/optim/test_rounding.py measures (uniformity of the high and the
+low bits, correlation with the neighbour's bits, the next step's, another tensor's, another
+seed's and those 2^32 indices on, over 2^18 elements; the share rounded away per dropped
+fraction over 2^16: unbiased).
 
 Integer arithmetic is in int64 torch ops on values below 2^32 (torch has no uint32
 arithmetic on every device); a multiplier c >= 2^31 is used as c - 2^32 (the same residue
