@@ -8,11 +8,15 @@
     adamw_4bit         torchao's AdamW4bit (Li et al. 2023, "Memory Efficient Optimizers with
                        4-bit States": 4-bit codes, one fp32 scale per 128): ~1 B.
 
-Both torchao optimizers are built with ``bf16_stochastic_round=True``: a bf16 weight is
-updated in fp32 and rounded stochastically back to bf16 (round away from zero with the
-probability given by the 16 dropped bits), so that updates smaller than half a bf16 ulp are
-kept in expectation instead of lost. It applies only to bf16 parameters (meshfit's fp32
-masters are updated in fp32 and stored as they are).
+All three round bf16 weights stochastically (``bf16_stochastic_round=True``, the default):
+a bf16 weight is updated in fp32 and rounded back to bf16 away from zero with the
+probability given by the 16 dropped bits, so that updates smaller than half a bf16 ulp are
+kept in expectation instead of lost. The random bits are meshfit's, not torchao's
+(`meshfit.optim.rounding`): a pure function of the run's ``rounding_seed`` (0 unless given;
+kept in the param groups, so a checkpoint saves and restores it), the tensor's step count,
+its position in the optimizer's parameter order and the element's index in the whole
+tensor. It applies only to bf16 parameters (meshfit's fp32 masters are updated in fp32 and
+stored as they are); ``bf16_stochastic_round=False`` rounds to nearest.
 
 **Sharded (ZeRO-1/2/3) equals one process.** The step is element-wise except for the block
 scales of the quantized states (the largest magnitude of a block of 256 or 128 consecutive
@@ -22,20 +26,29 @@ range of the flattened tensor; its blocks are the single process's blocks exactl
 shard's length is a multiple of the block size (then every shard starts on a block boundary
 too), e.g. any row split of a matrix whose rows are a multiple of 256 (128) elements. (Other
 placements, tensor parallel's column shards or dim 0 sharded over two mesh dimensions, are
-not checked and keep fp32 moments, listed by `unaligned`.) The optimizers `quantized_adamw`
-builds decide *whether* a tensor's state is quantized on the whole tensor (torchao decides
-on the local shard: a 4096-element matrix sharded over two ranks would keep fp32 moments
-there and 8-bit ones on one process), and quantize a shard with its own blocks only where
-they are the whole tensor's blocks. A shard whose length is not a multiple of the block size
-keeps fp32 moments for that tensor (never less precise than the single process; `unaligned`
-lists them): for those the sharded run differs from one process by the quantization error of
-the moments (~1e-3 in the weights after 4 steps at lr 1e-2 on the tiny GPT), not by
-summation order alone.
-Stochastic rounding of bf16 weights draws from each rank's generator over its own shard,
-so bf16 weights under sharding equal one process only in distribution (from the same state,
-either's step gives the fp32 result rounded to one of its two bf16 neighbours); fp32 weights
-are not rounded and equal. torchao computes the update in fp32 whatever the parameter's
-dtype: float64 parameters are rounded to fp32 values by each step.
+not checked and keep plain fp32 moments, listed by `unaligned`: there the run differs from
+one process by the quantization error of the moments, ~1e-3 in the weights after 4 steps at
+lr 1e-2, not by summation order alone.) The optimizers `quantized_adamw` builds decide
+*whether* a tensor's state is quantized on the whole tensor (torchao decides on the local
+shard: a 4096-element matrix sharded over two ranks would keep fp32 moments there and 8-bit
+ones on one process), and quantize a shard with its own blocks where they are the whole
+tensor's blocks. Where some dim-0 shard's length is not a multiple of the block size, every
+rank of that tensor keeps its moments in fp32 holding exactly the values one process's
+quantized state dequantizes to, the blocks that straddle two ranks scaled by their maximum
+over both (`meshfit.optim.edge_blocks`: one small all-gather per such tensor and step): equal
+to one process, at fp32's 8 B/param for those tensors (`unaligned` lists them).
+Stochastic rounding gives an element the same random bits on whichever rank holds it (any
+placement: FSDP2's dim-0 shards, ZeRO-1's whole tensors, tensor parallel's columns), so from
+the same gradients bf16 weights under ZeRO-1/2/3 equal one process bit for bit. (torchao's
+own rounding draws from each rank's generator over its shard: equal only in distribution.)
+A bf16 model's gradients themselves differ by layout -- each rank's backward rounds its
+partial sums to bf16 before they are reduced -- and the update is computed in fp32 from
+them, so an element whose fp32 result differs by layout is rounded to the other neighbour
+where its random threshold lies between the two results (a share of the elements about
+their difference in ulps; measured on the tiny GPT under ZeRO-2 after one step: 0.2% of the
+weights, as with round to nearest, against 33% with torchao's rounding); that difference is
+the gradients', not the rounding's. torchao computes the update in fp32 whatever the
+parameter's dtype: float64 parameters are rounded to fp32 values by each step.
 
 **Checkpoints.** DCP (`meshfit.checkpoint`) writes torchao's states as the tensor subclass
 they are (its metadata names their dequantized shape and dtype) and loads them by copying
@@ -43,22 +56,28 @@ codes and scales: exact. A dequantized copy would not be: quantizing it again mo
 whose largest magnitude is negative (the signed maps' most negative codes are -0.993 for
 8 bits and -0.887 for 4, their largest +1) to another scale and other codes.
 `AdamWBf16States.load_state_dict` casts the moments back to bf16 (torch's loading casts
-every state to the parameter's dtype).
+every state to the parameter's dtype); the quantized optimizers' `load_state_dict` takes the
+fp32 moments of a shard that cuts blocks back as saved (a bf16 parameter's cast would round
+them).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from meshfit._compat import dynamo as dynamo_internals
+from meshfit._compat.dcp import local_shape_and_offset
 from meshfit._quiet import quiet_logs
 from meshfit._torchao import torchao_error
 from meshfit.distributed.tensors import local_tensor
+from meshfit.optim.edge_blocks import cuts_blocks, requantize_
+from meshfit.optim.rounding import (element_index, register_tensor_ids, rounding_key,
+                                    stochastic_bf16, stochastic_bf16_compiled, tensor_id)
 
 __all__ = ["AdamWBf16States", "quantized_adamw", "unaligned"]
 
@@ -81,23 +100,41 @@ class AdamWBf16States(torch.optim.Optimizer):
     carried to the next step is rounded (as torchao keeps a high-precision copy for the
     update). So one step equals `torch.optim.AdamW`'s from the same (rounded) moments bit
     for bit, and the whole run equals AdamW whose moments are rounded to bf16 after every
-    step (tests/optim/test_low_precision_states.py). Round to nearest is deterministic and
-    element-wise: a sharded run rounds each element as one process does.
+    step (tests/optim/test_low_precision_states.py). Rounding the moments to nearest is
+    deterministic and element-wise: a sharded run rounds each element as one process does.
 
     bf16 keeps 8 significant bits: a change under half an ulp (2^-9 to 2^-8 relative) is
     rounded away. With beta2 = 0.999 (torch's default) the second moment's decay per step,
     0.1% relative, is below that: where the gradients vanish v stays where it was instead of
     decaying. beta2 = 0.95 (meshfit's [optim] default) decays 5% a step and is not affected
     (tests/optim/test_low_precision_states.py).
+
+    A bf16 weight is updated in fp32 and rounded back stochastically (as torchao's 8-bit and
+    4-bit AdamW do, with the same layout-independent bits: module docstring), or to nearest
+    with ``bf16_stochastic_round=False``. ``compile=True`` compiles that rounding (once, for
+    every shape; the same bits): on a CPU the step with it takes 3.2x the step rounding to
+    nearest, eager 5.0x (~25 int64 passes per element, without 64-bit vector multiplies;
+    benchmarks/stochastic_rounding.py).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
+                 weight_decay: float = 1e-2, bf16_stochastic_round: bool = True,
+                 rounding_seed: int = 0, compile: bool = True) -> None:
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"betas={betas!r} must each be in [0, 1), e.g. (0.9, 0.95)")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
-                                  "weight_decay": weight_decay})
+                                  "weight_decay": weight_decay,
+                                  "rounding_seed": int(rounding_seed)})
+        # (as torchao's: attributes, and in `defaults` for ZeRO-1's rebuild, not in the
+        # param groups that a checkpoint restores over what the resumed run asked for)
+        self.bf16_stochastic_round, self.compile = bool(bf16_stochastic_round), bool(compile)
+        self.defaults.update(bf16_stochastic_round=self.bf16_stochastic_round,
+                             compile=self.compile)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _name_tensors(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loading casts every state tensor but `step` to its parameter's dtype; the
@@ -130,8 +167,44 @@ class AdamWBf16States(torch.optim.Optimizer):
                 _bf16_states_update(local_tensor(p), local_tensor(p.grad),
                                     local_tensor(state["exp_avg"]),
                                     local_tensor(state["exp_avg_sq"]),
-                                    step=float(state["step"]), **_hyper(group))
+                                    step=float(state["step"]),
+                                    rounding=self._rounding(group, p, int(state["step"])),
+                                    **_hyper(group))
         return loss
+
+    def _rounding(self, group: dict, p: torch.Tensor, step: int):
+        """How bf16 `p`'s fp32 result at `step` is rounded: stochastically with counter-based
+        bits (compiled with ``compile``), or None: to nearest."""
+        if not (self.bf16_stochastic_round and p.dtype is torch.bfloat16):
+            return None
+        index = _index(p)
+        key = rounding_key(group.get("rounding_seed", 0), tensor_id(p), step)
+        if self.compile:
+            return lambda w: stochastic_bf16_compiled(w, index, *key)
+        return lambda w: stochastic_bf16(w, index, *key)
+
+
+def _name_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """Stable ids for the rounding's random bits (`meshfit.optim.rounding`): the position of
+    each parameter of the group just added in the optimizer's order."""
+    start = sum(len(group["params"]) for group in optimizer.param_groups[:-1])
+    register_tensor_ids(optimizer.param_groups[-1]["params"], start)
+
+
+def _block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset of this rank's part of `p` in the whole tensor, the whole tensor's shape)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return local_shape_and_offset(p)[1], tuple(p.shape)
+    return (0,) * p.dim(), tuple(p.shape)
+
+
+def _index(p: torch.Tensor) -> torch.Tensor:
+    """Each local element's index in the whole flattened `p` (`element_index`)."""
+    offset, shape = _block(p)
+    local = local_tensor(p)
+    return element_index(local.shape, offset, shape, local.device)
 
 
 def _hyper(group: dict) -> dict[str, float]:
@@ -142,9 +215,11 @@ def _hyper(group: dict) -> dict[str, float]:
 
 def _bf16_states_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                         exp_avg_sq: torch.Tensor, *, step: float, lr: float, beta1: float,
-                        beta2: float, eps: float, weight_decay: float) -> None:
+                        beta2: float, eps: float, weight_decay: float,
+                        rounding: Callable | None = None) -> None:
     """One AdamW step of one (local) tensor; the ops and their order are torch's
-    single-tensor AdamW's, so that fp32 moments would give its result bit for bit."""
+    single-tensor AdamW's, so that fp32 moments would give its result bit for bit. A bf16
+    `p` gets ``rounding(fp32 result)`` (`_rounding`), or the result rounded to nearest."""
     work = torch.promote_types(p.dtype, torch.float32)
     g = grad.to(work)
     m = exp_avg.to(work).lerp_(g, 1 - beta1)
@@ -156,7 +231,7 @@ def _bf16_states_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
     w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
     if w is not p:
-        p.copy_(w)
+        p.copy_(w if rounding is None else rounding(w))
 
 
 # ------------------------------------------------------------------------ torchao 8/4-bit
@@ -181,7 +256,7 @@ def quantized_adamw(bits: int, groups: list[Any], **kwargs: Any) -> torch.optim.
     cls = _QUANTIZED.get(base)
     if cls is None:
         cls = _QUANTIZED[base] = type(f"Quantized{base.__name__}", (_LayoutExact, base),
-                                      {"__module__": __name__})
+                                      {"__module__": __name__, "bits": bits})
     return cls(groups, **{"bf16_stochastic_round": True, **kwargs})
 
 
@@ -199,12 +274,36 @@ class _LayoutExact:
     the compiled ones in the last bit; no compile per shape, which takes seconds each on a
     CPU)."""
 
-    def __init__(self, params, *args, compile: bool = True, **kwargs) -> None:
+    def __init__(self, params, *args, compile: bool = True, rounding_seed: int = 0,
+                 **kwargs) -> None:
         super().__init__(params, *args, **kwargs)
         self.compile = compile
         self.defaults.update(block_size=self.block_size, compile=compile,
-                             bf16_stochastic_round=self.bf16_stochastic_round)
+                             bf16_stochastic_round=self.bf16_stochastic_round,
+                             rounding_seed=int(rounding_seed))
+        for group in self.param_groups:  # (a checkpoint saves and restores the groups)
+            group.setdefault("rounding_seed", int(rounding_seed))
         self.unaligned: list[tuple[int, ...]] = []
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        _name_tensors(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loading casts every state tensor to its parameter's dtype (torchao's states
+        change only their appearance); the fp32 moments of a shard that cuts the blocks
+        (`meshfit.optim.edge_blocks`) of a bf16 parameter would be rounded to bf16, so they
+        are taken back from the checkpoint as they were saved."""
+        saved = state_dict.get("state", {})
+        ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(ids, params):
+            if not (_quantized_whole(p, self.block_size) and cuts_blocks(p, self.block_size)):
+                continue
+            for key, value in saved.get(i, {}).items():
+                if key != "step" and getattr(value, "dtype", None) is torch.float32:
+                    self.state[p][key] = value.to(device=p.device)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -214,16 +313,18 @@ class _LayoutExact:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        update = (torch.compile(single_param_adam, fullgraph=True, dynamic=False)
-                  if self.compile else single_param_adam)
+        update, rounded = single_param_adam, _adam_rounded
+        if self.compile:
+            update, rounded = (torch.compile(f, fullgraph=True, dynamic=False)
+                               for f in (update, rounded))
         with dynamo_internals.unlimited_recompiles():
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        self._step_one(update, group, p)
+                        self._step_one(update, rounded, group, p)
         return loss
 
-    def _step_one(self, update, group: dict, p: torch.Tensor) -> None:
+    def _step_one(self, update, rounded, group: dict, p: torch.Tensor) -> None:
         state = self.state[p]
         if not state:  # torchao's state: a float step, the moments as its subclass or fp32
             state["step"] = torch.tensor(0.0)
@@ -236,27 +337,76 @@ class _LayoutExact:
             raise TypeError(f"lr={group['lr']!r}: torchao's AdamW keeps lr as a tensor; set "
                              "it in place, optimizer.param_groups[i]['lr'].fill_(value)")
         most = state.get("max_exp_avg_sq")
-        update(local_tensor(p.detach()), local_tensor(p.grad), state["step"],
-               local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]),
-               None if most is None else local_tensor(most), group["lr"],
-               group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],
-               True, self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+        args = (local_tensor(p.grad), state["step"], local_tensor(state["exp_avg"]),
+                local_tensor(state["exp_avg_sq"]), None if most is None else local_tensor(most),
+                group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
+                group["eps"])
+        if not (self.bf16_stochastic_round and p.dtype is torch.bfloat16):
+            update(local_tensor(p.detach()), *args, True, False)
+            self._requantize(p, state)
+            return
+        # torchao's update without its rounding (which draws from this rank's generator),
+        # then meshfit's, whose bits depend on the element's place in the whole tensor
+        key = rounding_key(group.get("rounding_seed", 0), tensor_id(p), int(state["step"]))
+        offset, shape = _block(p)
+        rounded(local_tensor(p.detach()), *args,
+                *(torch.tensor(k, device=p.device) for k in key),
+                offset=offset, shape=shape)
+        self._requantize(p, state)
+
+    def _requantize(self, p: torch.Tensor, state: dict) -> None:
+        """A dim-0 shard that cuts the whole tensor's blocks: its fp32 moments replaced by
+        one process's dequantized ones (`meshfit.optim.edge_blocks`)."""
+        if not (_quantized_whole(p, self.block_size) and cuts_blocks(p, self.block_size)):
+            return
+        moments = [(local_tensor(state[key]), self._qmap(key == "exp_avg"))
+                   for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if key in state]
+        if all(type(m) is torch.Tensor for m, _ in moments):
+            requantize_(p, moments, self.block_size, self.bits)
+
+    def _qmap(self, signed: bool) -> torch.Tensor:
+        """The quantization map torchao's state of this kind holds (signed: first moment)."""
+        return self._subclass_zeros(torch.zeros(self.block_size), signed, self.block_size).qmap
 
     def _new_buffer(self, p: torch.Tensor, signed: bool):
         from torch.distributed.tensor import DTensor
 
         local = local_tensor(p)
-        whole = p.numel() >= QUANTIZE_MIN_NUMEL and p.numel() % self.block_size == 0
-        if whole and _whole_blocks(p, local, self.block_size):
+        whole = _quantized_whole(p, self.block_size)
+        cut = whole and cuts_blocks(p, self.block_size)
+        if whole and not cut and _whole_blocks(p, local, self.block_size):
             out = self._subclass_zeros(local, signed, self.block_size)
         else:
             if whole and signed and local.numel():  # (once per tensor: exp_avg is first)
                 self.unaligned.append(tuple(p.shape))
-            out = torch.zeros_like(local)
+            # (one process's dequantized values are fp32 whatever the weight's dtype)
+            out = torch.zeros_like(local, dtype=torch.float32 if cut else local.dtype)
         if isinstance(p, DTensor):  # as torchao's: shards of uneven length need the shape
             out = DTensor.from_local(out, device_mesh=p.device_mesh, placements=p.placements,
                                      run_check=False, shape=p.shape, stride=p.stride())
         return out.to(p.device)
+
+
+def _adam_rounded(p: torch.Tensor, grad, step, exp_avg, exp_avg_sq, most, lr, beta1: float,
+                  beta2: float, weight_decay: float, eps: float, key_lo: torch.Tensor,
+                  key_hi: torch.Tensor, *, offset: tuple[int, ...], shape: tuple[int, ...]):
+    """torchao's AdamW step of bf16 `p` (this rank's block at `offset` of a tensor of
+    `shape`) computed on an fp32 copy, rounded back stochastically with counter-based bits
+    (`meshfit.optim.rounding`). One function, so that a compiled step fuses the update, the
+    bits and the rounding in one pass as torchao's does (the element indices and random
+    words are never stored)."""
+    from torchao.optim.adam import single_param_adam
+
+    work = p.float()
+    single_param_adam(work, grad, step, exp_avg, exp_avg_sq, most, lr, beta1, beta2,
+                      weight_decay, eps, True, False)
+    index = element_index(p.shape, offset, shape, p.device)
+    p.copy_(stochastic_bf16(work, index, key_lo, key_hi))
+
+
+def _quantized_whole(p: torch.Tensor, block: int) -> bool:
+    """Whether one process quantizes `p`'s moments (torchao's rule, on the whole tensor)."""
+    return p.numel() >= QUANTIZE_MIN_NUMEL and p.numel() % block == 0
 
 
 def _whole_blocks(p: torch.Tensor, local: torch.Tensor, block: int) -> bool:
