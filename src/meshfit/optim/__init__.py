@@ -28,9 +28,12 @@ measures it on a live optimizer:
                                  (`meshfit.optim.states.AdamWBf16States`).
     adamw_4bit          ~1.06 B  torchao's AdamW4bit: 4-bit codes, one fp32 scale per block of
                                  128 and 16-entry tables (Li et al. 2023); as adamw_8bit, only
-                                 tensors of >= 4096 elements. Both torchao ones run with
-                                 bf16_stochastic_round=True and decide which tensors to
-                                 quantize on the whole tensor (`meshfit.optim.states`).
+                                 tensors of >= 4096 elements. These two and adamw_bf16_states
+                                 round bf16 weights stochastically, with bits that depend on
+                                 the element's place in the whole tensor and not on the
+                                 layout (`meshfit.optim.rounding`); the torchao ones decide
+                                 which tensors to quantize on the whole tensor
+                                 (`meshfit.optim.states`).
     adafactor           ~(r+c)*4 per r x c matrix: a factored second moment, one row and one
                                  column vector, and no first moment (Shazeer & Stern 2018);
                                  4 B for vectors. torch.optim.Adafactor.
