@@ -374,11 +374,13 @@ def _comparable(cfg: RunConfig, steps: int, dtype: str) -> tuple[dict, list[str]
                          "train.compile=true set to false: verify runs the model eagerly")
             t[key] = off
     if cfg.optim.optimizer in ("adamw_8bit", "adamw_4bit"):
-        # (meshfit.optim.states: equal to one process only where every shard holds whole
-        # blocks, and computed in fp32 whatever --dtype asks)
-        raise ValueError(f"optim.optimizer={cfg.optim.optimizer!r} quantises its state in "
-                         "blocks that a shard may cut, and steps in fp32, so layouts may "
-                         "differ by design; verify the layout with --optim.optimizer=adamw")
+        # (meshfit.optim.states: torchao computes the step in fp32 whatever --dtype asks, so
+        # verify's float64 comparison cannot hold; tensor parallel's column shards keep fp32
+        # moments where one process quantizes them)
+        raise ValueError(f"optim.optimizer={cfg.optim.optimizer!r} steps in fp32 whatever "
+                         "the dtype, and tensor-parallel shards keep its state in fp32, so "
+                         "layouts may differ by design; verify the layout with "
+                         "--optim.optimizer=adamw")
     if cfg.model.source == "preset":
         dropout = cfg.model.dropout if cfg.model.dropout is not None else \
             GPTConfig.preset(cfg.model.preset).dropout
