@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import threading
 import traceback
 from pathlib import Path
@@ -21,11 +22,19 @@ from meshfit.distributed.spawn import SpawnError, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    # The processes the tests start (`meshfit train`'s launcher and workers, scripts) would
+    # compile meshfit's sources again each (0.25 s a process): they keep the bytecode in one
+    # folder outside the repository instead, as the environment asked.
+    os.environ.setdefault("PYTHONPYCACHEPREFIX",
+                          os.path.join(tempfile.gettempdir(), f"meshfit-tests-pyc-{os.getuid()}"))
+
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("MESHFIT_TEST_THREADS") != "all":
     # Each xdist worker keeps one intra-op thread: the workers are as many as the cores, and
     # two workers each running two spin-waiting OpenMP threads on 2 cores slow a tiny
     # model's step several-fold (`one_thread` below does the same for one test).
     torch.set_num_threads(1)
+
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 

@@ -475,10 +475,9 @@ class Accelerator(AcceleratorAttributes, ProcessControl):
         trainings); returns ``[None] * len(objects)`` to assign back."""
         self.wait_for_checkpoint()
         self.runtime.release()  # offload="disk": the files it made go too
-        out = release_memory(*objects)
-        self._registry.forget()
+        self._registry.forget()  # first: the collection below can then free them
         self.grad_state.step = 0
-        return out
+        return release_memory(*objects)
 
     def clear(self, *objects):
         """`free_memory`."""

@@ -43,12 +43,12 @@ their own blocks.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshfit.models.gpt import GPT
 from meshfit.parallel.activation import find_blocks
@@ -58,6 +58,13 @@ __all__ = ["ActivationOffloader", "StreamTransfers", "SyncTransfers", "apply_act
            "offloader_of", "remove_activation_offload"]
 
 _NAME = "activation_offload"
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor, without importing DTensor (0.5 s at the start of every
+    process) where no layout did: none can exist before its module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 # --------------------------------------------------------------------------- the copies
@@ -199,7 +206,7 @@ class ActivationOffloader:
         if known is not None:  # (the dict holds the tensor: its id is not reused meanwhile)
             return known[1]
         dtensor = None
-        if isinstance(tensor, DTensor):  # the local shard moves; the metadata stays here
+        if _is_dtensor(tensor):  # the local shard moves; the metadata stays here
             dtensor = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
             with torch.no_grad():
                 local = tensor.to_local()
@@ -229,6 +236,8 @@ class ActivationOffloader:
         self.transfers.wait(packed.tensor, packed.ready)
         if packed.dtensor is None:
             return packed.tensor
+        from torch.distributed.tensor import DTensor
+
         mesh, placements, shape, stride = packed.dtensor
         with torch.no_grad():
             return DTensor.from_local(packed.tensor, mesh, placements, run_check=False,
