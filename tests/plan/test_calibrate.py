@@ -485,7 +485,8 @@ def test_a_measured_exposed_share_replaces_the_assumed_overlap():
 def test_each_timing_is_repeated_and_its_spread_kept(monkeypatch):
     """`_Ranks.time` on a clock the timed call advances: `repeats` repeats of as many calls
     as fill the target, their median per call, (max - min) / median as the spread, half
-    that range as the noise; every timing's spread kept for the file's ``raw.noise``."""
+    that range as the noise; every timing's spread kept for the file's ``raw.noise``. A
+    call that alone fills the target is not made once more than the repeats need."""
     import types
 
     import torch
@@ -507,6 +508,12 @@ def test_each_timing_is_repeated_and_its_spread_kept(monkeypatch):
     assert timed.spread == (0.375 - 0.125) / 0.25
     assert timed.noise == 0.125 and r.spreads == [timed.spread]
     assert next(per_call, None) is None  # every call made, none more
+    # A call longer than the target: after the warm-up, the sizing call is the first of the
+    # 4 repeats (one call each), so 5 calls in all, not 6.
+    per_call = iter([2.0, 1.5] + [1.0, 2.0, 3.0])
+    timed = r.time(op, target=1.0)
+    assert timed.iters == 1 and timed.seconds == 1.75  # the median of 1.5, 1, 2, 3
+    assert next(per_call, None) is None
 
 
 def _judged(change=lambda d: None) -> dict:

@@ -168,7 +168,7 @@ def test_a_finished_run_trains_further_with_a_larger_train_steps(tmp_path, subpr
         "give train.steps > 8 to train further"]
 
 
-PREEMPT = ["--train.steps=80", "--train.log_every=1", "--train.eval_every=0",
+PREEMPT = ["--train.steps=40", "--train.log_every=1", "--train.eval_every=0",
            "--train.eval_batches=1", "--train.global_batch_size=8", "--train.micro_batch_size=4",
            "--train.seq_len=32", "--model.n_layer=1"]
 
@@ -188,7 +188,7 @@ def _wait_for_step(metrics, step: int, proc, timeout: float = 120.0) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """An 80-step 2-process run that nothing stops: what the interrupted runs must equal."""
+    """A 40-step 2-process run that nothing stops: what the interrupted runs must equal."""
     from conftest import make_subprocess_env
 
     tmp = tmp_path_factory.mktemp("uninterrupted")
@@ -208,7 +208,7 @@ def _losses(folder):
 
 def test_ctrl_c_checkpoints_and_the_printed_command_resumes_the_uninterrupted_run(
         uninterrupted, tmp_path, subprocess_env):
-    """Ctrl-C (SIGINT) to the launcher after step 3 of 80: the workers get the signal that
+    """Ctrl-C (SIGINT) to the launcher after step 3 of 40: the workers get the signal that
     came, finish their step, write a checkpoint and exit 130 with one line naming SIGINT and
     the command that continues the run; that command, run as printed, gives every step's loss
     exactly as the run that was never stopped (the same 2 processes: bitwise). Before, the
@@ -233,7 +233,7 @@ def test_ctrl_c_checkpoints_and_the_printed_command_resumes_the_uninterrupted_ru
     ours = [line for line in err.splitlines() if line.startswith("meshfit train:")]
     assert len(ours) == 1 and "stopped by SIGINT after step" in ours[0], err
     step = int(ours[0].split("after step ")[1].split(";")[0])
-    assert 3 <= step < 80 and (cut / "checkpoints" / f"step-{step}").is_dir()
+    assert 3 <= step < 40 and (cut / "checkpoints" / f"step-{step}").is_dir()
     command = shlex.split(ours[0].split("continue with: ")[1])
     assert command[:2] == ["meshfit", "train"], ours[0]
     resumed = subprocess.run([*MESHFIT, *command[1:]], env=subprocess_env,

@@ -85,10 +85,14 @@ class _Ranks:
         t0 = time.perf_counter()
         op()
         self.sync()
-        once = self.max([time.perf_counter() - t0])[0]
+        first = time.perf_counter() - t0
+        once = self.max([first])[0]
         iters = max(1, min(200, int(target / max(once, 1e-7))))
-        samples = []
-        for _ in range(self.repeats):
+        # A call that alone lasts the target is timed one at a time: after a warm-up, the
+        # call just timed is then the first repeat (the same barrier, call and sync), not one
+        # more to wait for.
+        samples = [first] if iters == 1 and warmup > 0 else []
+        while len(samples) < self.repeats:
             self.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
