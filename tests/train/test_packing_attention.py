@@ -157,3 +157,30 @@ def test_layers_with_a_state_or_an_unknown_mask_form_are_refused_before_launch(t
     assert "\n" not in str(err.value)
     check_model_source(build_config({"model": {"hf_config": str(folder)},
                                      "train": {"seq_len": 16}}), 260)  # unpacked: runs
+
+
+def test_flex_attention_on_the_cpu_is_refused_before_launch(tmp_path, monkeypatch):
+    """torch has no CPU backward for flex attention: a run whose model config asks for it
+    failed after launch, on every rank, with torch's traceback. Now one line before launch,
+    packed or not (MESHFIT_CPU=1: the CPU even beside a GPU)."""
+    from meshfit.train.configfile import build_config
+    from meshfit.train.models import check_model_source
+
+    monkeypatch.setenv("MESHFIT_CPU", "1")
+    folder = tmp_path / "flex"
+    folder.mkdir()
+    config = FAMILIES["llama"]().to_dict()
+    (folder / "config.json").write_text(json.dumps({**config, "attn_implementation":
+                                                    "flex_attention"}))
+    for data in ({}, {"document_mask": True}):
+        cfg = build_config({"model": {"hf_config": str(folder)}, "data": data,
+                            "train": {"seq_len": 16}})
+        with pytest.raises(ValueError) as err:
+            check_model_source(cfg, 60)
+        assert str(err.value) == (
+            f"model.hf_config={str(folder)!r} runs attn_implementation 'flex_attention', which "
+            "torch cannot train on the CPU (it has no CPU backward); use 'sdpa' in its "
+            "config.json, or a GPU")
+    (folder / "config.json").write_text(json.dumps(config))
+    check_model_source(build_config({"model": {"hf_config": str(folder)},
+                                     "train": {"seq_len": 16}}), 60)  # sdpa: runs

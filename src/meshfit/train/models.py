@@ -15,9 +15,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from meshfit._compat import transformers as hf_internals
 from meshfit._quiet import quiet_logs
 from meshfit.checkpoint.pretrained import check_weights, meta_model
 from meshfit.checkpoint.saved import save_model_folder
+from meshfit.distributed.env import cpu_requested
 from meshfit.models import GPT, GPTConfig
 from meshfit.models.factory import import_object
 from meshfit.models.packing import check_packable, packed_forward
@@ -180,6 +182,11 @@ def check_model_source(cfg, vocab_size: int) -> nn.Module:
                          f"{longest} positions of {field}; lower train.seq_len")
     if (cfg.data.packing or cfg.data.document_mask) and is_hf(model):
         check_packable(_base(model), f"{field}={getattr(m, m.source)!r}")
+    if is_hf(model) and _on_cpu() and \
+            hf_internals.attention_implementation(_base(model)) == "flex_attention":
+        raise ValueError(f"{field}={getattr(m, m.source)!r} runs attn_implementation "
+                         "'flex_attention', which torch cannot train on the CPU (it has no CPU "
+                         "backward); use 'sdpa' in its config.json, or a GPU")
     if cfg.parallel.pp > 1 and _router_aux_loss(model):
         raise ValueError(f"{field}: output_router_logits=true (the router load-balancing loss) "
                          f"with parallel.pp={cfg.parallel.pp} is not yet available: a pipeline's "
@@ -187,6 +194,11 @@ def check_model_source(cfg, vocab_size: int) -> nn.Module:
                          "routers of every stage; set output_router_logits=false in its "
                          "config.json (cross-entropy only) or use pp = 1")
     return model
+
+
+def _on_cpu() -> bool:
+    """Whether the run's processes train on the CPU (no CUDA, or MESHFIT_CPU=1)."""
+    return not torch.cuda.is_available() or cpu_requested(None)
 
 
 def _input_embedding(model: nn.Module) -> nn.Embedding | None:
