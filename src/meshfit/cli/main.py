@@ -192,7 +192,21 @@ def _quiet_libraries() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
-def main(argv: list[str] | None = None) -> int:
+SUPERVISED = ("train", "verify", "eval", "generate", "export", "estimate", "plan")
+"""The commands that may run code a model folder or a config names: run from the command line,
+each runs in a child process the ``meshfit`` process waits on, so that one that exits with
+code 0 without having finished (a C library's ``exit(0)`` in that code) fails in one line
+(`meshfit.launch.finished.supervise`). A launcher's workers (``--worker``) are not: the
+launcher watches them."""
+
+
+def main(argv: list[str] | None = None, *, supervised: bool | None = None) -> int:
+    """The ``meshfit`` command on `argv` (default: this process's arguments); its exit code.
+    `supervised` (default: whether `argv` is this process's, as for the console script and
+    ``python -m meshfit``) runs a `SUPERVISED` command in a child process that this one waits
+    on; called with arguments from Python, the command runs in the calling process."""
+    if supervised is None:
+        supervised = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
         print(f"meshfit {meshfit.__version__}")
@@ -207,6 +221,19 @@ def main(argv: list[str] | None = None) -> int:
     _one_line_warnings(f"meshfit {argv[0]}")
     _quiet_libraries()
     # (torch-free, but not on TORCH_FREE's list in tests/test_architecture.py)
+    from meshfit.launch.finished import report_end, supervise
+
+    if supervised and argv[0] in SUPERVISED and "--worker" not in argv:
+        code = supervise(f"meshfit {argv[0]}")
+        if code is not None:  # this process waited; the command ran in its child
+            return code
+    try:
+        return _run(argv)
+    finally:
+        report_end()  # (in a supervised child: it ended through Python, whatever its code)
+
+
+def _run(argv: list[str]) -> int:
     from meshfit.launch.finished import ProcessEndRefused
 
     try:
