@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 WORKER = """
 import ctypes, os
 from meshfit.launch.finished import mark_finished
@@ -49,23 +51,31 @@ import ctypes, os, pathlib, time
 def c_exit(vocab_size=256):
     ctypes.CDLL(None).exit(0)  # C's exit: Python's own os._exit guard never sees it
 
+def killed(vocab_size=256):
+    os.kill(os.getpid(), 9)  # as the kernel's out-of-memory killer would
+
 def sleeps(vocab_size=256):
     pathlib.Path(os.environ["PID_FILE"]).write_text(str(os.getpid()))
     time.sleep(120)
 """
 
 
-def test_a_command_that_a_c_library_ends_with_code_0_fails(tmp_path, subprocess_env):
+@pytest.mark.parametrize("factory", ["c_exit", "killed"])
+def test_a_command_that_a_c_library_ends_with_code_0_fails(factory, tmp_path, subprocess_env):
     """`meshfit train` whose model factory calls C's exit(0) while the model is built (no
     Python code in that process can stop or see it): before, the command exited 0 with no
     output, having trained nothing; now it runs in a child the meshfit process waits on, and
     a child that leaves with code 0 without having ended through Python fails the command in
-    one line, exit code 1."""
+    one line, exit code 1. A command killed by a signal (SIGKILL, as the out-of-memory killer
+    sends) ends the meshfit process by the same signal, as it ended the process before."""
     (tmp_path / "enders.py").write_text(ENDERS)
     env = dict(subprocess_env, PYTHONPATH=f"{tmp_path}{os.pathsep}{subprocess_env['PYTHONPATH']}")
     proc = subprocess.run([sys.executable, "-m", "meshfit", "train", "--out",
-                           str(tmp_path / "run"), "--model.factory=enders:c_exit"],
+                           str(tmp_path / "run"), f"--model.factory=enders:{factory}"],
                           env=env, capture_output=True, text=True, timeout=120)
+    if factory == "killed":
+        assert proc.returncode == -signal.SIGKILL and proc.stderr == "", proc.stderr
+        return
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "meshfit train: error: its process exited with code 0 before the command finished: "

@@ -262,7 +262,8 @@ def _end_as(status: int, ended: bool, command: str) -> int:
 
             resource.setrlimit(resource.RLIMIT_CORE,
                                (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
-        signal.signal(sig, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # (SIGKILL's cannot be set)
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         return 128 + sig  # (not reached: the signal ends this process)
     code = os.waitstatus_to_exitcode(status)
