@@ -126,10 +126,20 @@ def reset(framework: str, index: int) -> None:
         return
     if dist.is_initialized():  # the script did not release it
         dist.destroy_process_group()
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"accelerate_suite/{index}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.PrefixStore(f"accelerate_suite/{index}", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    # gloo's init returns on a rank once its own end of each connection is made, not its
+    # peer's: the connecting side of a pair is done when its sequence number is written, while
+    # the accepting side may not have read it yet. A script that makes no collective call
+    # (Accelerate's test_ops builds `PartialState()` without `cpu=True`: non-distributed on
+    # CPU processes) then releases the group at once, and a peer still inside the init (a
+    # loaded machine) fails with "Gloo connectFullMesh failed ... Connection closed by peer".
+    # Torch's own barrier after init (TORCH_DIST_INIT_BARRIER) is off by default: a barrier on
+    # the store (no gloo traffic), every rank leaving only once every rank's init returned.
+    store.set(f"joined/{rank}", "1")
+    store.wait([f"joined/{r}" for r in range(world)])
 
 
 def main() -> None:
