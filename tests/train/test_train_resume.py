@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -54,13 +55,15 @@ def runs(tmp_path_factory):
     (cut / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     as_pp = tmp / "as_pp"
     shutil.copytree(cut, as_pp)  # the same cut run, resumed a second time below, as pp=2
-    resumed = subprocess.run([*MESHFIT, "train", "--nproc", "2", "--out", str(cut), "--resume",
-                              "--parallel.dp_shard=2", "--parallel.dp_replicate=1",
-                              "--parallel.zero_stage=2"], env=env, capture_output=True,
-                             text=True, timeout=240)
-    piped = subprocess.run([*MESHFIT, "train", "--nproc", "2", "--out", str(as_pp), "--resume",
-                            "--parallel.pp=2", "--parallel.dp_replicate=1"], env=env,
-                           capture_output=True, text=True, timeout=240)
+    # the two resumes at once (independent folders): the suite's cores are not both busy
+    # all the time, and this fixture waited on one after the other
+    with ThreadPoolExecutor(2) as pool:
+        resumed, piped = pool.map(lambda args: subprocess.run(
+            [*MESHFIT, "train", "--nproc", "2", "--resume", *args], env=env,
+            capture_output=True, text=True, timeout=240), [
+            ["--out", str(cut), "--parallel.dp_shard=2", "--parallel.dp_replicate=1",
+             "--parallel.zero_stage=2"],
+            ["--out", str(as_pp), "--parallel.pp=2", "--parallel.dp_replicate=1"]])
     yield {"full": full, "cut": cut, "listed": listed, "resumed": resumed, "env": env,
            "as_pp": as_pp, "piped": piped, "full_output": proc.stdout + proc.stderr}
     shutil.rmtree(tmp, ignore_errors=True)
