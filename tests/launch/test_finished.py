@@ -85,7 +85,8 @@ def test_a_command_that_a_c_library_ends_with_code_0_fails(factory, tmp_path, su
 
 def test_the_command_dies_with_the_meshfit_process(tmp_path, subprocess_env):
     """kill -9 of the meshfit process that waits on its command: Linux's parent-death signal
-    ends the command too (no training left running that nobody waits on)."""
+    ends the command too (no training left running that nobody waits on). The command keeps
+    the waiter's process group and session."""
     import psutil
 
     (tmp_path / "enders.py").write_text(ENDERS)
@@ -103,6 +104,10 @@ def test_the_command_dies_with_the_meshfit_process(tmp_path, subprocess_env):
             time.sleep(0.05)
         command = psutil.Process(int(pid_file.read_text()))
         assert command.ppid() == proc.pid  # the factory runs in the waiter's child
+        # in the waiter's process group and session: a terminal's Ctrl-C and Ctrl-Z reach
+        # the command as they reached it without a waiter
+        assert (os.getpgid(command.pid), os.getsid(command.pid)) == \
+            (os.getpgid(proc.pid), os.getsid(proc.pid))
         proc.kill()
         proc.wait(timeout=30)
         # bound: the kernel signals at once; 30 s covers a machine under heavy load
