@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 WORKER = """
 import ctypes, os
@@ -46,41 +45,53 @@ def test_a_worker_that_exits_0_without_finishing_fails_the_job(tmp_path, subproc
 
 # ------------------------------------------------------------ the command's own process
 ENDERS = """
-import ctypes, os, pathlib, time
+import ctypes
 
 def c_exit(vocab_size=256):
     ctypes.CDLL(None).exit(0)  # C's exit: Python's own os._exit guard never sees it
 
-def killed(vocab_size=256):
-    os.kill(os.getpid(), 9)  # as the kernel's out-of-memory killer would
+"""
 
-def sleeps(vocab_size=256):
-    pathlib.Path(os.environ["PID_FILE"]).write_text(str(os.getpid()))
-    time.sleep(120)
+SUPERVISED = """
+import os, pathlib, sys, time
+from meshfit.launch.finished import report_end, supervise
+
+code = supervise("meshfit test")  # (what `meshfit train` calls first; no torch here)
+if code is not None:
+    sys.exit(code)
+if sys.argv[1] == "killed":
+    os.kill(os.getpid(), 9)  # as the kernel's out-of-memory killer would
+pathlib.Path(sys.argv[2]).write_text(str(os.getpid()))
+time.sleep(120)
+report_end()
 """
 
 
-@pytest.mark.parametrize("factory", ["c_exit", "killed"])
-def test_a_command_that_a_c_library_ends_with_code_0_fails(factory, tmp_path, subprocess_env):
+def test_a_command_that_a_c_library_ends_with_code_0_fails(tmp_path, subprocess_env):
     """`meshfit train` whose model factory calls C's exit(0) while the model is built (no
     Python code in that process can stop or see it): before, the command exited 0 with no
     output, having trained nothing; now it runs in a child the meshfit process waits on, and
     a child that leaves with code 0 without having ended through Python fails the command in
-    one line, exit code 1. A command killed by a signal (SIGKILL, as the out-of-memory killer
-    sends) ends the meshfit process by the same signal, as it ended the process before."""
+    one line, exit code 1."""
     (tmp_path / "enders.py").write_text(ENDERS)
     env = dict(subprocess_env, PYTHONPATH=f"{tmp_path}{os.pathsep}{subprocess_env['PYTHONPATH']}")
     proc = subprocess.run([sys.executable, "-m", "meshfit", "train", "--out",
-                           str(tmp_path / "run"), f"--model.factory=enders:{factory}"],
+                           str(tmp_path / "run"), "--model.factory=enders:c_exit"],
                           env=env, capture_output=True, text=True, timeout=120)
-    if factory == "killed":
-        assert proc.returncode == -signal.SIGKILL and proc.stderr == "", proc.stderr
-        return
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "meshfit train: error: its process exited with code 0 before the command finished: "
         "something it ran ended the process early (os._exit, an exec, a C library's exit); "
         "the command is not complete"]
+
+
+def test_a_command_killed_by_a_signal_ends_its_waiter_by_the_same(tmp_path, subprocess_env):
+    """A command killed by SIGKILL (as the out-of-memory killer ends one) ends the meshfit
+    process that waits on it by the same signal, silently, as it ended the process before
+    there was a waiter."""
+    proc = subprocess.run([sys.executable, "-c", SUPERVISED, "killed", str(tmp_path / "pid")],
+                          env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL and proc.stderr == "", proc.stderr
 
 
 def test_the_command_dies_with_the_meshfit_process(tmp_path, subprocess_env):
@@ -89,21 +100,18 @@ def test_the_command_dies_with_the_meshfit_process(tmp_path, subprocess_env):
     the waiter's process group and session."""
     import psutil
 
-    (tmp_path / "enders.py").write_text(ENDERS)
     pid_file = tmp_path / "pid"
-    env = dict(subprocess_env, PID_FILE=str(pid_file),
-               PYTHONPATH=f"{tmp_path}{os.pathsep}{subprocess_env['PYTHONPATH']}")
-    proc = subprocess.Popen([sys.executable, "-m", "meshfit", "train", "--out",
-                             str(tmp_path / "run"), "--model.factory=enders:sleeps"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISED, "sleeps", str(pid_file)],
+                            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     command = None
     try:
-        deadline = time.monotonic() + 60  # the command imports torch (seconds when loaded)
+        deadline = time.monotonic() + 60
         while not (pid_file.exists() and pid_file.read_text()) and proc.poll() is None \
                 and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.02)
         command = psutil.Process(int(pid_file.read_text()))
-        assert command.ppid() == proc.pid  # the factory runs in the waiter's child
+        assert command.ppid() == proc.pid  # the command runs in the waiter's child
         # in the waiter's process group and session: a terminal's Ctrl-C and Ctrl-Z reach
         # the command as they reached it without a waiter
         assert (os.getpgid(command.pid), os.getsid(command.pid)) == \
