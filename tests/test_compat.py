@@ -338,3 +338,33 @@ def test_the_distributed_doors_on_two_ranks():
     from conftest import run_distributed
 
     assert run_distributed(_groups_and_flat_mesh, 2) == [(True, True, 2, True)] * 2
+
+
+def test_the_staging_copier_copies_a_class_as_itself():
+    """torch 2.11's process-mode staging (DCP's `DefaultStager`) had no copier for `type`:
+    a state holding a class failed every save with ``KeyError: <class 'type'>`` (seen on an
+    H200). Emulated here by taking the entry out of this torch's table: the state then fails
+    to stage, and stages with `stager_copies_classes`, the class kept as itself."""
+    import enum
+
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from meshfit._compat.dcp import stager_copies_classes
+
+    class Kind(enum.Enum):  # an Enum class: its type is EnumMeta, a subclass of `type`
+        A = 1
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    try:
+        stager._state_dict_stager._deepcopy_dispatch.pop(type, None)  # as in torch 2.11
+        state = {"w": torch.arange(4.0), "kinds": {"kind": Kind, "plain": dict}}
+        with pytest.raises(KeyError):
+            stager.stage(state)
+        stager_copies_classes(stager)
+        staged = stager.stage(state)
+        assert staged["kinds"]["kind"] is Kind and staged["kinds"]["plain"] is dict
+        assert torch.equal(staged["w"], state["w"])
+    finally:
+        stager.close()

@@ -18,7 +18,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["INDEX_PRIVATE_GLOBALS", "crc32_skipped", "local_shape_and_offset", "missing"]
+__all__ = ["INDEX_PRIVATE_GLOBALS", "crc32_skipped", "local_shape_and_offset", "missing",
+           "stager_copies_classes"]
 
 INDEX_PRIVATE_GLOBALS = frozenset({("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                                    ("torch.serialization", "_get_layout")})
@@ -41,6 +42,25 @@ def local_shape_and_offset(tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
                                                           tensor.placements)
     return tuple(shape), tuple(offset)
+
+
+def stager_copies_classes(stager) -> None:
+    """Make DCP's `DefaultStager` copy a class in a state dict as the class itself, as
+    `copy.deepcopy` does. torch 2.11's staging copier (``StateDictStager``, whose copy table
+    is ``_deepcopy_dispatch``) has no entry for `type`, so a state holding a class object
+    fails every process-mode save with ``KeyError: <class 'type'>``. This was seen on an H200
+    with torch 2.11 (`benchmarks/cuda_paths.py`'s async_checkpoint_process), and torch 2.13
+    has the entry. The entry is added where it is missing; where the staging copier is laid
+    out otherwise (another torch), nothing is changed. Replaced once the supported torch
+    range starts at a version with the entry."""
+    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    if not isinstance(table, dict) or type in table:
+        return
+
+    def _deepcopy_atomic(x, _memo):  # (the name DCP's copier checks for atomic copiers)
+        return x
+
+    table[type] = _deepcopy_atomic
 
 
 _SKIPPING = threading.local()  # .on: this thread writes a file whose every block is hashed

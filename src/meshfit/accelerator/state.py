@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from meshfit import __version__
 from meshfit import distributed as mdist
+from meshfit._compat.dcp import stager_copies_classes
 from meshfit.accelerator.registry import PendingSave, Registry
 from meshfit.checkpoint import state as ckstate
 from meshfit.checkpoint.saved import hf_config
@@ -277,6 +278,7 @@ def _start_writing(registry: Registry, state: dict[str, Any], folder: Path,
         registry.save_stager = DefaultStager(StagingOptions(
             use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
             use_async_staging=False, use_non_blocking_copy=False))
+        stager_copies_classes(registry.save_stager)  # (torch 2.11 fails on a class)
     tmp, future = save_dcp_async(state, folder, process_group=registry.save_group, mode=mode,
                                  stager=registry.save_stager if mode == "process" else None)
     registry.pending_save = PendingSave(tmp, folder, manifest, future)
